@@ -1,0 +1,27 @@
+"""Bars in, feature arrays out: the torch-free half of foxhunt-tft.
+
+The trainer and the server both turn bars into model inputs with this package, so
+training and serving cannot drift apart; importing it never imports torch.
+"""
+
+from features.bars import BarDataError, Bars, ColumnMap, Problem, read_bars
+from features.compute import FeatureConfig, FeatureFrame, build_frame, known_features
+from features.normalize import NormStats
+from features.schema import FeatureSchema, FeatureSpec, Kind, Role
+
+__all__ = [
+    "BarDataError",
+    "Bars",
+    "ColumnMap",
+    "FeatureConfig",
+    "FeatureFrame",
+    "FeatureSchema",
+    "FeatureSpec",
+    "Kind",
+    "NormStats",
+    "Problem",
+    "Role",
+    "build_frame",
+    "known_features",
+    "read_bars",
+]

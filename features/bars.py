@@ -1,0 +1,337 @@
+"""Reading and validating bars: one parquet file or a directory of them (hive partitions welcome).
+
+Every rule broken by the data becomes one ``Problem`` line that names the file, the column,
+the first offending row (0-based, within that file), the rule and how to fix it. Readers
+raise ``BarDataError`` carrying all problems found; command-line tools print them and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+PRICE_COLUMNS: tuple[str, ...] = ("open", "high", "low", "close")
+REQUIRED_COLUMNS: tuple[str, ...] = ("timestamp", *PRICE_COLUMNS, "volume")
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """Which parquet column holds each field of the bar contract."""
+
+    timestamp: str = "timestamp"  # UTC; int64 nanoseconds or any arrow timestamp type
+    symbol: str = "symbol"  # optional: if absent, the file is one series named `default_symbol`
+    open: str = "open"
+    high: str = "high"
+    low: str = "low"
+    close: str = "close"
+    volume: str = "volume"
+    default_symbol: str = "SERIES"  # symbol used when the symbol column is absent
+
+    def source(self, field_name: str) -> str:
+        return str(getattr(self, field_name))
+
+    def to_dict(self) -> dict[str, str]:
+        return {k: str(getattr(self, k)) for k in self.__dataclass_fields__}
+
+    @staticmethod
+    def from_dict(d: dict[str, str]) -> ColumnMap:
+        return ColumnMap(**d)
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """The column-mapping flags shared by every command that reads bars."""
+        g = parser.add_argument_group("column mapping (for parquet layouts other than the default)")
+        g.add_argument("--time-col", default="timestamp", help="timestamp column (e.g. ts_event)")
+        g.add_argument("--symbol-col", default="symbol", help="symbol column; absent means one series")
+        for name in ("open", "high", "low", "close", "volume"):
+            g.add_argument(f"--{name}-col", default=name, help=f"{name} column")
+        g.add_argument("--default-symbol", default="SERIES", help="symbol name when there is no symbol column")
+
+    @staticmethod
+    def from_args(args: argparse.Namespace) -> ColumnMap:
+        return ColumnMap(
+            timestamp=args.time_col,
+            symbol=args.symbol_col,
+            open=args.open_col,
+            high=args.high_col,
+            low=args.low_col,
+            close=args.close_col,
+            volume=args.volume_col,
+            default_symbol=args.default_symbol,
+        )
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken rule, located well enough for a user to fix it."""
+
+    file: str
+    column: str
+    row: int  # first offending row within `file`, 0-based; -1 when the problem is the whole column
+    rule: str
+    fix: str
+    count: int = 1  # rows affected
+
+    def __str__(self) -> str:
+        where = f"row {self.row}" if self.row >= 0 else "all rows"
+        more = f" ({self.count} rows affected)" if self.count > 1 else ""
+        return f"{self.file}: column '{self.column}', {where}: {self.rule}{more}. Fix: {self.fix}"
+
+
+class BarDataError(Exception):
+    """Bars that break the data contract; `problems` lists every broken rule."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+@dataclass
+class Bars:
+    """Validated bars as contiguous numpy columns, rows grouped by symbol in time order."""
+
+    timestamp_ns: np.ndarray  # int64 [N]   UTC nanoseconds
+    symbol: np.ndarray  # object [N]  symbol per row
+    open: np.ndarray  # float64 [N]
+    high: np.ndarray  # float64 [N]
+    low: np.ndarray  # float64 [N]
+    close: np.ndarray  # float64 [N]
+    volume: np.ndarray  # float64 [N]
+    user: dict[str, np.ndarray] = field(default_factory=dict)  # float64 [N] each
+    files: list[str] = field(default_factory=list)  # source files, in reading order
+
+    def __len__(self) -> int:
+        return int(self.timestamp_ns.shape[0])
+
+    @property
+    def symbols(self) -> list[str]:
+        return sorted({str(s) for s in np.unique(self.symbol)})
+
+    def series_slices(self) -> dict[str, slice]:
+        """Row range of each symbol (rows are grouped by symbol)."""
+        out: dict[str, slice] = {}
+        if len(self) == 0:
+            return out
+        change = np.flatnonzero(self.symbol[1:] != self.symbol[:-1]) + 1
+        starts = np.concatenate([[0], change])
+        ends = np.concatenate([change, [len(self)]])
+        for s, e in zip(starts, ends, strict=True):
+            out[str(self.symbol[s])] = slice(int(s), int(e))
+        return out
+
+
+def _list_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*.parquet") if p.is_file())
+    return []
+
+
+def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str) -> tuple[np.ndarray | None, Problem | None]:
+    t = col.type
+    if pa.types.is_timestamp(t):
+        arr = pc.cast(col, pa.timestamp("ns", tz=t.tz)) if t.unit != "ns" else col
+        return np.asarray(arr.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64), None
+    if pa.types.is_integer(t):
+        return np.asarray(col.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64), None
+    return None, Problem(
+        file,
+        name,
+        -1,
+        f"timestamp has type {t}, expected int64 nanoseconds or a timestamp type",
+        "write timestamps as int64 UTC nanoseconds or an arrow timestamp, or map another column with --time-col",
+    )
+
+
+def _first_bad(mask: np.ndarray) -> tuple[int, int]:
+    idx = np.flatnonzero(mask)
+    return (int(idx[0]), int(idx.size)) if idx.size else (-1, 0)
+
+
+def read_bars(
+    path: str | Path,
+    columns: ColumnMap | None = None,
+    user_columns: tuple[str, ...] = (),
+) -> Bars:
+    """Read and validate bars; raise BarDataError listing every problem found."""
+    cmap = columns or ColumnMap()
+    root = Path(path)
+    files = _list_files(root)
+    if not files:
+        rule = "no such file or directory" if not root.exists() else "no .parquet files found"
+        raise BarDataError([Problem(str(root), "-", -1, rule, "pass a parquet file or a directory of them")])
+
+    problems: list[Problem] = []
+    parts: list[dict[str, np.ndarray]] = []
+    file_of_part: list[str] = []
+    try:
+        dataset = ds.dataset(str(root), format="parquet", partitioning="hive") if root.is_dir() else None
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise BarDataError([Problem(str(root), "-", -1, f"cannot be read as parquet ({exc})", "check the files")]) from None
+    fragments = list(dataset.get_fragments()) if dataset is not None else [None]
+    for frag in fragments:
+        fname = frag.path if frag is not None else str(root)
+        try:
+            if frag is not None and dataset is not None:
+                table = frag.to_table(schema=dataset.schema)
+            else:
+                table = ds.dataset(fname, format="parquet").to_table()
+        except (pa.ArrowInvalid, OSError) as exc:
+            problems.append(Problem(fname, "-", -1, f"cannot be read as parquet ({exc})", "re-write the file"))
+            continue
+        part, file_problems = _columns_of(table, fname, cmap, user_columns)
+        problems.extend(file_problems)
+        if part is not None:
+            parts.append(part)
+            file_of_part.append(fname)
+    if problems:
+        raise BarDataError(problems)
+    bars = _assemble(parts, file_of_part, user_columns)
+    problems = validate(bars, parts, file_of_part, cmap, user_columns)
+    if problems:
+        raise BarDataError(problems)
+    return bars
+
+
+def _columns_of(
+    table: pa.Table, fname: str, cmap: ColumnMap, user_columns: tuple[str, ...]
+) -> tuple[dict[str, np.ndarray] | None, list[Problem]]:
+    problems: list[Problem] = []
+    names = set(table.column_names)
+    for fld in REQUIRED_COLUMNS:
+        src = cmap.source(fld)
+        if src not in names:
+            hint = f"--{'time' if fld == 'timestamp' else fld}-col NAME"
+            problems.append(
+                Problem(fname, src, -1, f"required column '{src}' is missing (have: {', '.join(sorted(names))})",
+                        f"add it, or map the column that holds {fld} with {hint}")
+            )
+    for uc in user_columns:
+        if uc not in names:
+            problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' is missing",
+                                    "add the column or drop it from the feature list"))
+        elif not (pa.types.is_integer(table.schema.field(uc).type) or pa.types.is_floating(table.schema.field(uc).type)):
+            problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' has type "
+                                    f"{table.schema.field(uc).type}, not numeric", "choose a numeric column"))
+    if problems:
+        return None, problems
+    part: dict[str, np.ndarray] = {}
+    ts, p = _timestamps_ns(table.column(cmap.timestamp), fname, cmap.timestamp)
+    if p is not None or ts is None:
+        return None, [p] if p else []
+    part["timestamp"] = ts
+    part["timestamp_null"] = np.asarray(table.column(cmap.timestamp).is_null().to_numpy(zero_copy_only=False))
+    n = table.num_rows
+    if cmap.symbol in names:
+        part["symbol"] = np.asarray(table.column(cmap.symbol).cast(pa.string()).to_numpy(zero_copy_only=False),
+                                    dtype=object)
+    else:
+        part["symbol"] = np.full(n, cmap.default_symbol, dtype=object)
+    for fld in (*PRICE_COLUMNS, "volume"):
+        col = table.column(cmap.source(fld))
+        if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_decimal(col.type)):
+            problems.append(Problem(fname, cmap.source(fld), -1, f"has type {col.type}, not numeric",
+                                    "store prices and volume as numbers"))
+            continue
+        part[fld] = np.asarray(col.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+    for uc in user_columns:
+        part[f"user:{uc}"] = np.asarray(table.column(uc).cast(pa.float64()).to_numpy(zero_copy_only=False),
+                                        dtype=np.float64)
+    return (None if problems else part), problems
+
+
+def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns: tuple[str, ...]) -> Bars:
+    cat = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    # group rows by symbol, keeping reading order within a symbol (validation checks that order)
+    order = np.argsort(cat["symbol"].astype(str), kind="stable")
+    return Bars(
+        timestamp_ns=cat["timestamp"][order],
+        symbol=cat["symbol"][order],
+        open=cat["open"][order],
+        high=cat["high"][order],
+        low=cat["low"][order],
+        close=cat["close"][order],
+        volume=cat["volume"][order],
+        user={uc: cat[f"user:{uc}"][order] for uc in user_columns},
+        files=list(files),
+    )
+
+
+def validate(
+    bars: Bars,
+    parts: list[dict[str, np.ndarray]],
+    files: list[str],
+    cmap: ColumnMap,
+    user_columns: tuple[str, ...] = (),
+) -> list[Problem]:
+    """Check every row rule per file (value rules) and per symbol across files (order rules)."""
+    problems: list[Problem] = []
+    for part, fname in zip(parts, files, strict=True):
+        problems.extend(_value_problems(part, fname, cmap, user_columns))
+    problems.extend(_order_problems(parts, files, cmap))
+    return problems
+
+
+def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
+                    user_columns: tuple[str, ...]) -> list[Problem]:
+    out: list[Problem] = []
+
+    def check(mask: np.ndarray, column: str, rule: str, fix: str) -> None:
+        row, count = _first_bad(mask)
+        if count:
+            out.append(Problem(fname, column, row, rule, fix, count))
+
+    check(part["timestamp_null"], cmap.timestamp, "timestamp is null", "drop rows without a timestamp")
+    for fld in (*PRICE_COLUMNS, "volume"):
+        check(np.isnan(part[fld]), cmap.source(fld), f"{fld} is NaN or null", f"drop or repair rows with missing {fld}")
+    for fld in PRICE_COLUMNS:
+        v = part[fld]
+        check(~np.isnan(v) & ~np.isfinite(v), cmap.source(fld), f"{fld} is infinite", "repair the price")
+        check(np.isfinite(v) & (v <= 0), cmap.source(fld), f"{fld} is not positive (prices must be > 0)",
+              "drop or repair the row; back-adjusted continuous contracts must be shifted to positive prices")
+    o, h, lo, c = part["open"], part["high"], part["low"], part["close"]
+    with np.errstate(invalid="ignore"):
+        check(h < lo, cmap.high, "high < low (rule: low <= high)", "swap or repair high and low")
+        check((o > h) | (c > h), cmap.high, "open or close above high (rule: open, close <= high)",
+              "high must be the bar's maximum: set high = max(open, high, close)")
+        check((o < lo) | (c < lo), cmap.low, "open or close below low (rule: low <= open, close)",
+              "low must be the bar's minimum: set low = min(open, low, close)")
+        v = part["volume"]
+        check(~np.isnan(v) & ~np.isfinite(v), cmap.volume, "volume is infinite", "repair the volume")
+        check(v < 0, cmap.volume, "volume is negative (rule: volume >= 0)", "repair the volume")
+    for uc in user_columns:
+        check(~np.isfinite(part[f"user:{uc}"]), uc, f"user feature '{uc}' is NaN or infinite",
+              "fill or drop those rows, or drop the column from the feature list")
+    return out
+
+
+def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap) -> list[Problem]:
+    """Timestamps must strictly increase within each symbol, across files in reading order."""
+    out: list[Problem] = []
+    ts = np.concatenate([p["timestamp"] for p in parts])
+    sym = np.concatenate([p["symbol"] for p in parts]).astype(str)
+    file_idx = np.concatenate([np.full(len(p["timestamp"]), i) for i, p in enumerate(parts)])
+    row_in_file = np.concatenate([np.arange(len(p["timestamp"])) for p in parts])
+    order = np.argsort(sym, kind="stable")
+    ts_o, sym_o = ts[order], sym[order]
+    same = sym_o[1:] == sym_o[:-1]
+    diff = ts_o[1:] - ts_o[:-1]
+    for mask, rule, fix in (
+        (same & (diff < 0), "timestamps decrease within a symbol (rule: sorted by time per symbol)",
+         "sort the rows by symbol and timestamp"),
+        (same & (diff == 0), "duplicate timestamp within a symbol (rule: one bar per timestamp)",
+         "drop or merge duplicate bars"),
+    ):
+        idx = np.flatnonzero(mask)
+        if idx.size:
+            bad = order[idx[0] + 1]
+            out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]),
+                               f"{rule}; symbol {sym_o[idx[0] + 1]}", fix, int(idx.size)))
+    return out

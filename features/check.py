@@ -1,0 +1,75 @@
+"""`python -m features.check PATH`: validate bars and print a summary to trust before training.
+
+Exit status 0 when the data is usable, 2 with one line per problem when it is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import UTC, datetime
+
+import numpy as np
+
+from features.bars import BarDataError, Bars, ColumnMap, read_bars
+from features.compute import infer_bar_interval_ns
+
+
+def _fmt_ts(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _fmt_duration(ns: int) -> str:
+    s = ns / 1e9
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= size:
+            return f"{s / size:g}{unit}"
+    return f"{s:g}s"
+
+
+def summarize(bars: Bars) -> str:
+    """Human-readable summary: symbols, rows, date range, bar interval, session gaps."""
+    slices = bars.series_slices()
+    bounds = np.array([[sl.start, sl.stop] for sl in slices.values()], dtype=np.int64).reshape(-1, 2)
+    interval = infer_bar_interval_ns(bars.timestamp_ns, bounds)
+    lines = [
+        f"files: {len(bars.files)}",
+        f"rows: {len(bars)}",
+        f"symbols: {len(slices)}",
+        f"bar interval (most common spacing): {_fmt_duration(interval) if interval else 'n/a'}",
+    ]
+    for sym, sl in slices.items():
+        ts = bars.timestamp_ns[sl]
+        gaps = np.diff(ts)
+        n_gaps = int(np.sum(gaps > interval)) if interval else 0
+        largest = _fmt_duration(int(gaps.max())) if gaps.size else "n/a"
+        lines.append(
+            f"  {sym}: {sl.stop - sl.start} rows, {_fmt_ts(int(ts[0]))} .. {_fmt_ts(int(ts[-1]))}, "
+            f"{n_gaps} session gaps (largest {largest})"
+        )
+    if bars.user:
+        lines.append(f"user feature columns: {', '.join(bars.user)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m features.check", description=__doc__)
+    p.add_argument("path", help="a parquet file or a directory of them")
+    p.add_argument("--features", default="", help="comma-separated extra numeric columns to check as features")
+    ColumnMap.add_arguments(p)
+    args = p.parse_args(argv)
+    user = tuple(c.strip() for c in args.features.split(",") if c.strip())
+    try:
+        bars = read_bars(args.path, ColumnMap.from_args(args), user)
+    except BarDataError as exc:
+        print(f"{args.path}: {len(exc.problems)} problem(s) found", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
+    print(summarize(bars))
+    print("no problems found")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

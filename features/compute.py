@@ -1,0 +1,183 @@
+"""Bars -> feature arrays, vectorised in numpy, with no look-ahead.
+
+A feature at bar t uses bars <= t only; the only arrays that look forward are the targets
+(cumulative forward log returns) and the known-future calendar features, which depend on
+timestamps alone. Rows before a series' warm-up (the rolling-volatility window) have NaN
+observed features and never start a window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from features.bars import Bars
+from features.schema import FeatureSchema, FeatureSpec, Kind, Role
+
+NS_PER_SECOND = 1_000_000_000
+NS_PER_DAY = 86_400 * NS_PER_SECOND
+
+BUILTIN_OBSERVED: tuple[str, ...] = ("log_return", "log_range", "log_body", "log_volume", "volatility")
+BUILTIN_KNOWN: tuple[str, ...] = ("tod_sin", "tod_cos", "dow_sin", "dow_cos")
+STATIC_SYMBOL = "symbol"
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """How bars become features; saved with every checkpoint and model."""
+
+    horizon: int = 5  # forecast steps H: targets are log(close[t+h]/close[t]) for h = 1..H
+    volatility_window: int = 20  # bars in the rolling standard deviation of log returns
+    user_columns: tuple[str, ...] = ()  # extra numeric parquet columns used as observed features
+
+    @property
+    def warmup_bars(self) -> int:
+        """Leading bars of a series whose observed features are undefined."""
+        return self.volatility_window
+
+    def schema(self) -> FeatureSchema:
+        specs = [FeatureSpec(STATIC_SYMBOL, Role.STATIC, Kind.CATEGORICAL)]
+        specs += [FeatureSpec(n, Role.OBSERVED, Kind.REAL) for n in BUILTIN_OBSERVED]
+        specs += [FeatureSpec(n, Role.OBSERVED, Kind.REAL, source="user") for n in self.user_columns]
+        specs += [FeatureSpec(n, Role.KNOWN, Kind.REAL) for n in BUILTIN_KNOWN]
+        return FeatureSchema(tuple(specs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"horizon": self.horizon, "volatility_window": self.volatility_window,
+                "user_columns": list(self.user_columns)}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> FeatureConfig:
+        return FeatureConfig(int(d["horizon"]), int(d["volatility_window"]), tuple(d.get("user_columns", ())))
+
+
+@dataclass
+class FeatureFrame:
+    """Feature arrays of all series, concatenated; rows of one series are contiguous."""
+
+    config: FeatureConfig
+    symbols: list[str]  # vocabulary: symbol id i is symbols[i]
+    timestamp_ns: np.ndarray  # int64   [N]
+    series_id: np.ndarray  # int64   [N]     index into `symbols`
+    series_bounds: np.ndarray  # int64   [S, 2]  [start, end) rows of each series present
+    observed: np.ndarray  # float32 [N, n_observed]   NaN during warm-up
+    known: np.ndarray  # float32 [N, n_known]
+    close: np.ndarray  # float64 [N]
+    targets: np.ndarray  # float32 [N, H]   NaN where t + h is past the series end
+    bar_interval_ns: int  # most common spacing of consecutive bars
+    schema: FeatureSchema = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.schema = self.config.schema()
+
+    def __len__(self) -> int:
+        return int(self.timestamp_ns.shape[0])
+
+
+def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -> int:
+    """Most common positive spacing between consecutive bars of the same series."""
+    diffs = [np.diff(timestamp_ns[s:e]) for s, e in series_bounds if e - s > 1]
+    if not diffs:
+        return 0
+    d = np.concatenate(diffs)
+    d = d[d > 0]
+    if d.size == 0:
+        return 0
+    values, counts = np.unique(d, return_counts=True)
+    return int(values[np.argmax(counts)])
+
+
+def known_features(timestamp_ns: np.ndarray) -> np.ndarray:
+    """Calendar features of any timestamps (past or future), shape [..., 4], float32.
+
+    Time of day and day of week (Monday = 0) in UTC, each as a sin/cos pair so that
+    midnight and the week's wrap-around are continuous.
+    """
+    ts = np.asarray(timestamp_ns, dtype=np.int64)
+    tod = (ts % NS_PER_DAY).astype(np.float64) / NS_PER_DAY  # [...]  fraction of the day
+    dow = ((ts // NS_PER_DAY + 3) % 7).astype(np.float64) / 7.0  # 1970-01-01 was a Thursday
+    out = np.stack(
+        [np.sin(2 * np.pi * tod), np.cos(2 * np.pi * tod), np.sin(2 * np.pi * dow), np.cos(2 * np.pi * dow)],
+        axis=-1,
+    )
+    return out.astype(np.float32)
+
+
+def future_timestamps(last_ns: np.ndarray, bar_interval_ns: int, horizon: int) -> np.ndarray:
+    """Nominal timestamps of the next `horizon` bars after each `last_ns`: [..., H].
+
+    Training and serving both use these nominal times for the decoder's calendar features,
+    so the model never sees a future it could not know at serving time.
+    """
+    steps = np.arange(1, horizon + 1, dtype=np.int64) * np.int64(bar_interval_ns)
+    return np.asarray(last_ns, dtype=np.int64)[..., None] + steps
+
+
+def _rolling_std(x: np.ndarray, window: int, starts: np.ndarray) -> np.ndarray:
+    """Population std of the last `window` values at each row; NaN until `window` values exist
+    within the row's series (`starts[i]` is the first row of row i's series whose x is defined)."""
+    n = x.shape[0]
+    xv = np.where(np.isnan(x), 0.0, x)
+    c1 = np.concatenate([[0.0], np.cumsum(xv)])
+    c2 = np.concatenate([[0.0], np.cumsum(xv * xv)])
+    idx = np.arange(n)
+    lo = idx - window + 1
+    ok = lo >= starts
+    lo_c = np.clip(lo, 0, None)
+    s1 = c1[idx + 1] - c1[lo_c]
+    s2 = c2[idx + 1] - c2[lo_c]
+    mean = s1 / window
+    var = np.maximum(s2 / window - mean * mean, 0.0)
+    return np.where(ok, np.sqrt(var), np.nan)
+
+
+def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = None) -> FeatureFrame:
+    """Compute every feature array of `bars` (already validated, grouped by symbol in time order).
+
+    `symbols` fixes the vocabulary (the trained model's); symbols outside it raise ValueError.
+    """
+    slices = bars.series_slices()
+    vocab = list(symbols) if symbols is not None else sorted(slices)
+    unknown = [s for s in slices if s not in vocab]
+    if unknown:
+        raise ValueError(f"unknown symbol(s) {', '.join(unknown)}; the model knows {', '.join(vocab)}")
+    index = {s: i for i, s in enumerate(vocab)}
+    n = len(bars)
+    bounds = np.array([[sl.start, sl.stop] for sl in slices.values()], dtype=np.int64).reshape(-1, 2)
+    series_id = np.empty(n, dtype=np.int64)
+    first_row = np.empty(n, dtype=np.int64)  # first row of each row's series
+    for (s, e), name in zip(bounds, slices, strict=True):
+        series_id[s:e] = index[name]
+        first_row[s:e] = s
+    o, h, lo, c, v = bars.open, bars.high, bars.low, bars.close, bars.volume
+    log_c = np.log(c)
+    log_return = np.full(n, np.nan)
+    log_return[1:] = log_c[1:] - log_c[:-1]
+    log_return[bounds[:, 0]] = np.nan  # no return across a series boundary
+    vol = _rolling_std(log_return, config.volatility_window, first_row + 1)
+    cols = [log_return, np.log(h / lo), np.log(c / o), np.log1p(v), vol]
+    cols += [bars.user[u] for u in config.user_columns]
+    observed = np.stack(cols, axis=1).astype(np.float32)  # [N, n_observed]
+    warm = np.arange(n) - first_row < config.warmup_bars
+    observed[warm] = np.nan
+    known = known_features(bars.timestamp_ns)  # [N, n_known]
+    targets = np.full((n, config.horizon), np.nan, dtype=np.float32)  # [N, H]
+    last_row = np.repeat(bounds[:, 1], bounds[:, 1] - bounds[:, 0]) - 1
+    rows = np.arange(n)
+    for k in range(1, config.horizon + 1):
+        ok = rows + k <= last_row
+        targets[ok, k - 1] = (log_c[rows[ok] + k] - log_c[rows[ok]]).astype(np.float32)
+    return FeatureFrame(
+        config=config,
+        symbols=vocab,
+        timestamp_ns=bars.timestamp_ns.astype(np.int64),
+        series_id=series_id,
+        series_bounds=bounds,
+        observed=observed,
+        known=known,
+        close=c.astype(np.float64),
+        targets=targets,
+        bar_interval_ns=infer_bar_interval_ns(bars.timestamp_ns, bounds),
+    )

@@ -1,0 +1,167 @@
+"""Sample 1-minute futures bars, deterministic per seed.
+
+What is planted (and measured by tests/test_synth.py from the generator's output):
+
+* Sessions: regular trading hours only, 14:30-21:00 UTC (390 one-minute bars) on
+  weekdays; no bars overnight or at weekends, so every series has session breaks.
+* Volatility clustering: GARCH(1,1) variance (alpha 0.08, beta 0.90) driven by a shock
+  common to all symbols, so absolute returns are autocorrelated.
+* U-shaped intraday volatility and volume: both scale with 0.6 + 1.6 * x^2, where x runs
+  from -1 at the open to +1 at the close.
+* A weak, learnable predictable component: one-minute log returns follow AR(1) with
+  coefficient 0.15 within a session (momentum), plus the predictable volatility above.
+* Correlated symbols: each symbol's shock is 0.8 common factor, 0.6 own noise.
+* Overnight gaps: the first bar of a session opens away from the last close.
+* OHLC consistency: open and close on the tick grid, high >= max(open, close),
+  low <= min(open, close); volume is a positive integer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from features.compute import NS_PER_DAY, NS_PER_SECOND
+
+SESSION_OPEN_NS = (14 * 3600 + 30 * 60) * NS_PER_SECOND  # 14:30 UTC
+SESSION_BARS = 390  # one-minute bars to 21:00 UTC
+AR_COEF = 0.15
+GARCH_ALPHA, GARCH_BETA = 0.08, 0.90
+COMMON_WEIGHT = 0.8
+KNOWN_SYMBOLS: dict[str, tuple[float, float, float]] = {
+    # symbol: (start price, tick size, per-minute volatility at the session's quietest)
+    "ES": (4500.0, 0.25, 0.0004),
+    "NQ": (15500.0, 0.25, 0.0005),
+    "CL": (75.0, 0.01, 0.0007),
+    "GC": (2000.0, 0.1, 0.0003),
+}
+
+
+def session_timestamps(n_bars: int, start: datetime) -> np.ndarray:
+    """The first `n_bars` RTH minute timestamps (ns, UTC) from `start`'s date, weekdays only."""
+    day0 = int(datetime(start.year, start.month, start.day, tzinfo=UTC).timestamp()) * NS_PER_SECOND
+    n_days_needed = n_bars // SESSION_BARS + 1
+    days = day0 + np.arange(n_days_needed * 7 // 5 + 7, dtype=np.int64) * NS_PER_DAY
+    weekday = (days // NS_PER_DAY + 3) % 7  # Monday = 0
+    days = days[weekday < 5][:n_days_needed]
+    minutes = np.arange(SESSION_BARS, dtype=np.int64) * 60 * NS_PER_SECOND
+    return (days[:, None] + SESSION_OPEN_NS + minutes[None, :]).reshape(-1)[:n_bars]
+
+
+def intraday_shape(minute_of_session: np.ndarray) -> np.ndarray:
+    """U-shaped multiplier of volatility and volume over the session."""
+    x = (minute_of_session - (SESSION_BARS - 1) / 2) / ((SESSION_BARS - 1) / 2)  # -1 .. 1
+    return np.asarray(0.6 + 1.6 * x * x)
+
+
+def generate(symbols: list[str], n_bars: int, seed: int, start: datetime | None = None) -> pa.Table:
+    """Bars of every symbol on a shared session calendar, as an arrow table."""
+    rng = np.random.default_rng(seed)
+    ts = session_timestamps(n_bars, start or datetime(2024, 1, 2, tzinfo=UTC))
+    minute = ((ts - SESSION_OPEN_NS) % NS_PER_DAY) // (60 * NS_PER_SECOND)
+    shape = intraday_shape(minute)
+    session_start = minute == 0
+
+    # common GARCH(1,1) variance, in units of each symbol's base volatility
+    z_common = rng.standard_normal(n_bars)
+    h = np.empty(n_bars)
+    h_prev, eps_prev = 1.0, 0.0
+    omega = 1.0 - GARCH_ALPHA - GARCH_BETA
+    for t in range(n_bars):
+        h_prev = omega + GARCH_ALPHA * eps_prev * eps_prev + GARCH_BETA * h_prev
+        h[t] = h_prev
+        eps_prev = np.sqrt(h_prev) * z_common[t]
+
+    columns: dict[str, list[np.ndarray]] = {k: [] for k in ("timestamp", "symbol", "open", "high", "low",
+                                                           "close", "volume")}
+    for sym in symbols:
+        price0, tick, base_vol = KNOWN_SYMBOLS.get(sym, (100.0, 0.01, 0.0005))
+        z = COMMON_WEIGHT * z_common + np.sqrt(1 - COMMON_WEIGHT**2) * rng.standard_normal(n_bars)
+        sigma = base_vol * shape * np.sqrt(h)  # [N]
+        shocks = sigma * z
+        gaps = np.where(session_start, rng.standard_normal(n_bars) * base_vol * 8.0, 0.0)
+        r = _ar1(shocks, session_start)
+        log_p = np.log(price0) + np.cumsum(r + gaps)
+        log_open = log_p - r  # open = close before this bar's return (after any gap)
+        close = np.round(np.exp(log_p) / tick) * tick
+        open_ = np.round(np.exp(log_open) / tick) * tick
+        open_[~session_start] = close[np.flatnonzero(~session_start) - 1]
+        ext_hi = np.abs(rng.standard_normal(n_bars)) * 0.5 * sigma
+        ext_lo = np.abs(rng.standard_normal(n_bars)) * 0.5 * sigma
+        high = np.ceil(np.maximum(open_, close) * np.exp(ext_hi) / tick) * tick
+        low = np.floor(np.minimum(open_, close) * np.exp(-ext_lo) / tick) * tick
+        low = np.minimum(low, np.minimum(open_, close))
+        high = np.maximum(high, np.maximum(open_, close))
+        volume = np.maximum(1, np.round(2000 * shape * np.exp(0.3 * np.abs(z) + 0.3 * rng.standard_normal(n_bars))
+                                        * np.sqrt(h))).astype(np.int64)
+        columns["timestamp"].append(ts)
+        columns["symbol"].append(np.full(n_bars, sym, dtype=object))
+        columns["open"].append(open_)
+        columns["high"].append(high)
+        columns["low"].append(low)
+        columns["close"].append(close)
+        columns["volume"].append(volume)
+    return pa.table({
+        "timestamp": pa.array(np.concatenate(columns["timestamp"]), type=pa.timestamp("ns", tz="UTC")),
+        "symbol": pa.array(np.concatenate(columns["symbol"]).astype(str), type=pa.string()),
+        **{k: pa.array(np.concatenate(columns[k])) for k in ("open", "high", "low", "close", "volume")},
+    })
+
+
+def _ar1(shocks: np.ndarray, reset: np.ndarray) -> np.ndarray:
+    """r[t] = AR_COEF * r[t-1] + shocks[t], restarting at every session open."""
+    r = np.empty_like(shocks)
+    prev = 0.0
+    for t in range(shocks.shape[0]):
+        prev = shocks[t] + (0.0 if reset[t] else AR_COEF * prev)
+        r[t] = prev
+    return r
+
+
+def write_parquet_atomic(table: pa.Table, out: Path) -> None:
+    """Write to a temporary file beside `out`, then rename: no half-written file on failure."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m features.synth", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="parquet file to write")
+    p.add_argument("--symbols", default="ES,NQ", help="comma-separated symbols (default ES,NQ)")
+    p.add_argument("--bars", type=int, default=20000, help="bars per symbol (default 20000)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--start", default="2024-01-02", help="first session date, YYYY-MM-DD (UTC)")
+    args = p.parse_args(argv)
+    symbols = [s.strip() for s in args.symbols.split(",") if s.strip()]
+    if not symbols:
+        p.error("--symbols: give at least one symbol, e.g. --symbols ES,NQ")
+    if args.bars < 1:
+        p.error("--bars must be at least 1")
+    try:
+        start = datetime.strptime(args.start, "%Y-%m-%d").replace(tzinfo=UTC)
+    except ValueError:
+        p.error(f"--start {args.start!r}: expected a date as YYYY-MM-DD")
+    table = generate(symbols, args.bars, args.seed, start)
+    write_parquet_atomic(table, args.out)
+    print(f"wrote {table.num_rows} bars ({len(symbols)} symbols x {args.bars}) to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,357 @@
+"""Temporal Fusion Transformer (Lim et al. 2021) for quantile forecasts of futures returns.
+
+Shapes: B batch, L encoder length, H horizon, T = L + H, V variables, D hidden_size,
+E per-variable embedding size (cfg.var_hidden), Q quantiles, nh heads, hs head size.
+
+The model takes raw features and returns quantiles in return units: the feature
+normalisation and the target scale are buffers inside it, so they travel into ONNX.
+Everything is export-friendly: sequence lengths come from the config, no control flow
+depends on data, and the batch dimension may be dynamic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar, cast
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from trainer.model_config import ModelConfig
+
+T = TypeVar("T")
+
+
+class TFTOutput(NamedTuple):
+    """Field names equal features.schema.MODEL_OUTPUTS, in that order."""
+
+    quantiles: Tensor  # [B, H, Q] cumulative log-return quantiles, non-crossing
+    attention: Tensor  # [B, H, L+H] decoder rows, mean over heads
+    static_weights: Tensor  # [B, n_static]
+    encoder_weights: Tensor  # [B, L, n_observed + n_known]
+    decoder_weights: Tensor  # [B, H, n_known]
+
+
+# ---- gating blocks -----------------------------------------------------------------------
+
+
+class GLU(nn.Module):
+    """Gated linear unit: a * sigmoid(b) with [a, b] = Linear(x)."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(input_size, 2 * output_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.glu(self.proj(x), dim=-1)  # [..., out]
+
+
+class GatedResidualNetwork(nn.Module):
+    """LayerNorm(skip(a) + GLU(dropout(W2 ELU(W1 a + Wc c))))."""
+
+    def __init__(
+        self, input_size: int, hidden_size: int, output_size: int, dropout: float, context_size: int = 0
+    ) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(input_size, hidden_size)
+        self.context = nn.Linear(context_size, hidden_size, bias=False) if context_size else None
+        self.fc2 = nn.Linear(hidden_size, hidden_size)
+        self.dropout = nn.Dropout(dropout)
+        self.gate = GLU(hidden_size, output_size)
+        self.skip = nn.Linear(input_size, output_size) if input_size != output_size else None
+        self.norm = nn.LayerNorm(output_size)
+
+    def forward(self, a: Tensor, c: Tensor | None = None) -> Tensor:
+        # a: [..., in]; c: [..., ctx] broadcastable against a's leading dims (e.g. [B, 1, ctx])
+        x = self.fc1(a)  # [..., hidden]
+        if self.context is not None and c is not None:
+            x = x + self.context(c)  # [..., hidden]
+        x = self.dropout(self.fc2(F.elu(x)))  # [..., hidden]
+        residual = self.skip(a) if self.skip is not None else a  # [..., out]
+        return self.norm(residual + self.gate(x))  # [..., out]
+
+
+class GateAddNorm(nn.Module):
+    """LayerNorm(skip + GLU(dropout(x))): the gated skip connection around a block."""
+
+    def __init__(self, size: int, dropout: float) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.gate = GLU(size, size)
+        self.norm = nn.LayerNorm(size)
+
+    def forward(self, x: Tensor, skip: Tensor) -> Tensor:
+        return self.norm(skip + self.gate(self.dropout(x)))  # [..., D]
+
+
+# ---- per-variable (batched) blocks -------------------------------------------------------
+
+
+class BatchedLinear(nn.Module):
+    """One independent Linear per variable: weights [V, in, out], applied as one matmul."""
+
+    def __init__(self, n_vars: int, input_size: int, output_size: int) -> None:
+        super().__init__()
+        bound = 1.0 / math.sqrt(input_size)  # same init as nn.Linear
+        self.weight = nn.Parameter(torch.empty(n_vars, input_size, output_size).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(n_vars, 1, output_size).uniform_(-bound, bound))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # einsum("vni,vio->vno", x, weight) + bias
+        return torch.matmul(x, self.weight) + self.bias  # [V, N, in] @ [V, in, out] -> [V, N, out]
+
+
+class VariableGRNs(nn.Module):
+    """V separate GRNs (E -> D, no context) evaluated together, variable dimension leading."""
+
+    def __init__(self, n_vars: int, input_size: int, hidden_size: int, dropout: float) -> None:
+        super().__init__()
+        self.fc1 = BatchedLinear(n_vars, input_size, hidden_size)
+        self.fc2 = BatchedLinear(n_vars, hidden_size, hidden_size)
+        self.dropout = nn.Dropout(dropout)
+        self.gate = BatchedLinear(n_vars, hidden_size, 2 * hidden_size)  # GLU projection
+        self.skip = BatchedLinear(n_vars, input_size, hidden_size) if input_size != hidden_size else None
+        self.norm_weight = nn.Parameter(torch.ones(n_vars, 1, hidden_size))  # per-variable LayerNorm
+        self.norm_bias = nn.Parameter(torch.zeros(n_vars, 1, hidden_size))
+        self.hidden_size = hidden_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.transpose(0, 1)  # [N, V, E] -> [V, N, E]
+        residual = self.skip(x) if self.skip is not None else x  # [V, N, D]
+        h = self.dropout(self.fc2(F.elu(self.fc1(x))))  # [V, N, D]
+        h = F.glu(self.gate(h), dim=-1)  # [V, N, D]
+        y = F.layer_norm(residual + h, (self.hidden_size,)) * self.norm_weight + self.norm_bias  # [V, N, D]
+        return y.transpose(0, 1)  # [N, V, D]
+
+
+class RealEmbedding(nn.Module):
+    """Each real variable v becomes x_v * W[v] + b[v], a vector of size E."""
+
+    def __init__(self, n_vars: int, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_vars, size).uniform_(-1.0, 1.0))  # like nn.Linear(1, E)
+        self.bias = nn.Parameter(torch.empty(n_vars, size).uniform_(-1.0, 1.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.unsqueeze(-1) * self.weight + self.bias  # [..., V] -> [..., V, E]
+
+
+class StaticEmbedding(nn.Module):
+    """One nn.Embedding per static categorical, stacked along a variable dimension."""
+
+    def __init__(self, cardinalities: tuple[int, ...], size: int) -> None:
+        super().__init__()
+        self.embeddings = nn.ModuleList(nn.Embedding(n, size) for n in cardinalities)
+
+    def forward(self, s: Tensor) -> Tensor:
+        # s: [B, n_static] int64
+        return torch.stack([emb(s[:, i]) for i, emb in enumerate(self.embeddings)], dim=1)  # [B, n_static, E]
+
+
+class VariableSelectionNetwork(nn.Module):
+    """Softmax weights over variables from all embeddings (+ context), times each variable's GRN."""
+
+    def __init__(self, n_vars: int, input_size: int, hidden_size: int, dropout: float, context_size: int = 0):
+        super().__init__()
+        self.n_vars, self.input_size, self.hidden_size = n_vars, input_size, hidden_size
+        self.flat_grn = GatedResidualNetwork(n_vars * input_size, hidden_size, n_vars, dropout, context_size)
+        self.var_grns = VariableGRNs(n_vars, input_size, hidden_size, dropout)
+
+    def forward(self, emb: Tensor, c: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        # emb: [..., V, E] (leading dims [B] or [B, T]); c: broadcastable to [..., ctx]
+        weights = torch.softmax(self.flat_grn(emb.flatten(-2), c), dim=-1)  # [..., V]
+        per_var = self.var_grns(emb.reshape(-1, self.n_vars, self.input_size))  # [N, V, D]
+        per_var = per_var.reshape(emb.shape[:-1] + (self.hidden_size,))  # [..., V, D]
+        out = torch.matmul(weights.unsqueeze(-2), per_var).squeeze(-2)  # [..., 1, V] @ [..., V, D] -> [..., D]
+        return out, weights
+
+
+# ---- TFT stages ----------------------------------------------------------------------------
+
+
+class StaticCovariateEncoder(nn.Module):
+    """Static VSN, then four GRNs: contexts for selection, enrichment, LSTM h0 and c0."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.embedding = StaticEmbedding(cfg.static_cardinalities, cfg.var_hidden)
+        self.vsn = VariableSelectionNetwork(cfg.n_static, cfg.var_hidden, d, cfg.dropout)
+        self.contexts = nn.ModuleList(GatedResidualNetwork(d, d, d, cfg.dropout) for _ in range(4))
+
+    def forward(self, s: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        x, weights = self.vsn(self.embedding(s))  # [B, D], [B, n_static]
+        c_selection, c_enrichment, c_h, c_c = (grn(x) for grn in self.contexts)  # 4 x [B, D]
+        return c_selection, c_enrichment, c_h, c_c, weights
+
+
+class InterpretableMultiHeadAttention(nn.Module):
+    """Per-head Q and K, one V shared by all heads, heads averaged (so weights are interpretable)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, self.nh, self.hs = cfg.hidden_size, cfg.attention_heads, cfg.head_size
+        self.L, self.H, self.T = cfg.encoder_length, cfg.horizon, cfg.encoder_length + cfg.horizon
+        self.q = nn.Linear(d, self.nh * self.hs)
+        self.k = nn.Linear(d, self.nh * self.hs)
+        self.v = nn.Linear(d, self.hs)  # shared by all heads
+        self.out = nn.Linear(self.hs, d)
+        self.dropout = nn.Dropout(cfg.dropout)
+        # decoder query i sits at absolute position L + i and may see keys j <= L + i
+        t = cfg.encoder_length + cfg.horizon
+        key_pos = torch.arange(t)[None, :]  # [1, T]
+        query_pos = torch.arange(cfg.encoder_length, t)[:, None]  # [H, 1]
+        self.register_buffer("future_mask", key_pos > query_pos, persistent=False)  # [H, T] True = masked
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        # x: [B, T, D]; queries are the decoder positions only
+        q = self.q(x[:, self.L :]).view(-1, self.H, self.nh, self.hs).transpose(1, 2)  # [B, nh, H, hs]
+        k = self.k(x).view(-1, self.T, self.nh, self.hs).transpose(1, 2)  # [B, nh, T, hs]
+        v = self.v(x).unsqueeze(1)  # [B, 1, T, hs]
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.hs)  # [B, nh, H, T]
+        scores = scores.masked_fill(self.future_mask, float("-inf"))  # [B, nh, H, T]
+        attn = torch.softmax(scores, dim=-1)  # [B, nh, H, T]
+        heads = torch.matmul(self.dropout(attn), v)  # [B, nh, H, hs]
+        return self.out(heads.mean(dim=1)), attn.mean(dim=1)  # [B, H, D], [B, H, T]
+
+
+class AttentionBlock(nn.Module):
+    """Self-attention over the enriched sequence, then the gated skip to the decoder positions."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.L = cfg.encoder_length
+        self.attention = InterpretableMultiHeadAttention(cfg)
+        self.gate = GateAddNorm(cfg.hidden_size, cfg.dropout)
+
+    def forward(self, enriched: Tensor) -> tuple[Tensor, Tensor]:
+        x, attn = self.attention(enriched)  # [B, H, D], [B, H, T]
+        return self.gate(x, enriched[:, self.L :]), attn  # [B, H, D], [B, H, T]
+
+
+class QuantileHead(nn.Module):
+    """Linear to Q raw values, made non-crossing: q_0 = r_0, q_i = q_{i-1} + softplus(r_i)."""
+
+    def __init__(self, hidden_size: int, n_quantiles: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, n_quantiles)
+
+    def forward(self, x: Tensor) -> Tensor:
+        raw = self.proj(x)  # [B, H, Q]
+        steps = torch.cat([raw[..., :1], F.softplus(raw[..., 1:])], dim=-1)  # [B, H, Q]
+        return torch.cumsum(steps, dim=-1)  # [B, H, Q]
+
+
+# ---- the model -----------------------------------------------------------------------------
+
+
+class TemporalFusionTransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        d, e, p = cfg.hidden_size, cfg.var_hidden, cfg.dropout
+        self.gradient_checkpointing: bool = False  # recompute big blocks in backward (training only)
+        # normalisation folded into the model: raw features in, return units out
+        self.register_buffer("observed_mean", torch.zeros(cfg.n_observed))
+        self.register_buffer("observed_std", torch.ones(cfg.n_observed))
+        self.register_buffer("known_mean", torch.zeros(cfg.n_known))
+        self.register_buffer("known_std", torch.ones(cfg.n_known))
+        self.register_buffer("target_scale", torch.ones(cfg.horizon))
+        # variable selection
+        self.static_encoder = StaticCovariateEncoder(cfg)
+        self.observed_embedding = RealEmbedding(cfg.n_observed, e)
+        self.known_embedding = RealEmbedding(cfg.n_known, e)  # shared by encoder and decoder
+        self.encoder_vsn = VariableSelectionNetwork(cfg.n_encoder_vars, e, d, p, context_size=d)
+        self.decoder_vsn = VariableSelectionNetwork(cfg.n_known, e, d, p, context_size=d)
+        # sequence to sequence
+        lstm_dropout = p if cfg.lstm_layers > 1 else 0.0
+        self.encoder_lstm = nn.LSTM(d, d, cfg.lstm_layers, batch_first=True, dropout=lstm_dropout)
+        self.decoder_lstm = nn.LSTM(d, d, cfg.lstm_layers, batch_first=True, dropout=lstm_dropout)
+        self.lstm_gate = GateAddNorm(d, p)
+        # temporal fusion decoder
+        self.enrichment = GatedResidualNetwork(d, d, d, p, context_size=d)
+        self.attention_block = AttentionBlock(cfg)
+        self.positionwise_grn = GatedResidualNetwork(d, d, d, p)
+        self.output_gate = GateAddNorm(d, p)
+        self.head = QuantileHead(d, cfg.n_quantiles)
+
+    # ---- normalisation ---------------------------------------------------------------------
+    def set_normalization(
+        self,
+        observed_mean: Tensor | np.ndarray,
+        observed_std: Tensor | np.ndarray,
+        known_mean: Tensor | np.ndarray,
+        known_std: Tensor | np.ndarray,
+        target_scale: Tensor | np.ndarray,
+    ) -> None:
+        """Copy fitted statistics into the buffers; stds and scales must be finite and > 0."""
+        values = {
+            "observed_mean": observed_mean,
+            "observed_std": observed_std,
+            "known_mean": known_mean,
+            "known_std": known_std,
+            "target_scale": target_scale,
+        }
+        for name, value in values.items():
+            buf: Tensor = getattr(self, name)
+            t = torch.as_tensor(value).detach().to(dtype=buf.dtype, device=buf.device)
+            if t.shape != buf.shape:
+                raise ValueError(f"{name}: expected shape {tuple(buf.shape)}, got {tuple(t.shape)}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name}: contains NaN or inf")
+            if name != "observed_mean" and name != "known_mean" and not bool((t > 0).all()):
+                raise ValueError(f"{name}: every entry must be > 0, got {t.tolist()}")
+            with torch.no_grad():
+                buf.copy_(t)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args), recomputed in backward instead of stored when checkpointing a training step."""
+        if self.gradient_checkpointing and self.training:
+            return cast(T, checkpoint(fn, *args, use_reentrant=False))
+        return fn(*args)
+
+    def _select_encoder(self, observed: Tensor, known: Tensor, c_selection: Tensor) -> tuple[Tensor, Tensor]:
+        emb = torch.cat([self.observed_embedding(observed), self.known_embedding(known)], dim=2)  # [B, L, V, E]
+        return self.encoder_vsn(emb, c_selection.unsqueeze(1))  # [B, L, D], [B, L, V]
+
+    def _select_decoder(self, known: Tensor, c_selection: Tensor) -> tuple[Tensor, Tensor]:
+        emb = self.known_embedding(known)  # [B, H, n_known, E]
+        return self.decoder_vsn(emb, c_selection.unsqueeze(1))  # [B, H, D], [B, H, n_known]
+
+    def _lstm_stage(self, enc_x: Tensor, dec_x: Tensor, c_h: Tensor, c_c: Tensor) -> Tensor:
+        n = self.cfg.lstm_layers
+        h0 = c_h.unsqueeze(0).repeat(n, 1, 1)  # [layers, B, D]
+        c0 = c_c.unsqueeze(0).repeat(n, 1, 1)  # [layers, B, D]
+        enc_out, state = self.encoder_lstm(enc_x, (h0, c0))  # [B, L, D]
+        dec_out, _ = self.decoder_lstm(dec_x, state)  # [B, H, D]
+        lstm_out = torch.cat([enc_out, dec_out], dim=1)  # [B, T, D]
+        selected = torch.cat([enc_x, dec_x], dim=1)  # [B, T, D]
+        return self.lstm_gate(lstm_out, selected)  # [B, T, D]
+
+    def forward(
+        self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor, decoder_known: Tensor
+    ) -> TFTOutput:
+        # static_categorical [B, n_static] int64; encoder_observed [B, L, n_obs];
+        # encoder_known [B, L, n_known]; decoder_known [B, H, n_known]; all raw (unnormalised)
+        L = self.cfg.encoder_length
+        observed = (encoder_observed - self.observed_mean) / self.observed_std  # [B, L, n_obs]
+        enc_known = (encoder_known - self.known_mean) / self.known_std  # [B, L, n_known]
+        dec_known = (decoder_known - self.known_mean) / self.known_std  # [B, H, n_known]
+
+        c_sel, c_enr, c_h, c_c, static_w = self._run(self.static_encoder, static_categorical)  # [B, D] x4
+        enc_x, enc_w = self._run(self._select_encoder, observed, enc_known, c_sel)  # [B, L, D], [B, L, V]
+        dec_x, dec_w = self._run(self._select_decoder, dec_known, c_sel)  # [B, H, D], [B, H, n_known]
+        temporal = self._run(self._lstm_stage, enc_x, dec_x, c_h, c_c)  # [B, T, D]
+
+        enriched = self._run(self.enrichment, temporal, c_enr.unsqueeze(1))  # [B, T, D]
+        x, attn = self._run(self.attention_block, enriched)  # [B, H, D], [B, H, T]
+        x = self._run(self.positionwise_grn, x)  # [B, H, D]
+        x = self.output_gate(x, temporal[:, L:])  # [B, H, D]
+        quantiles = self.head(x) * self.target_scale[None, :, None]  # [B, H, Q] in return units
+        return TFTOutput(quantiles, attn, static_w, enc_w, dec_w)
