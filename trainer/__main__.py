@@ -1,0 +1,75 @@
+"""`python -m trainer --parquet bars.parquet`: train a TFT and write a resumable checkpoint.
+
+Exit status: 0 done, 2 bad arguments, config or data (one clear message, no traceback),
+130 interrupted (the last good checkpoint is intact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from features.bars import BarDataError, ColumnMap
+from trainer.checkpoint import CheckpointError
+from trainer.config import ConfigError, add_config_flags, config_from_args
+from trainer.data import DataError
+from trainer.device import DeviceError
+from trainer.run import run_training
+
+log = logging.getLogger("trainer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parquet", required=True, help="bars: a parquet file or a directory of them")
+    p.add_argument("--out", type=Path, default=Path("ckpt.pt"),
+                   help="best checkpoint (default ckpt.pt); beside it: .last.pt, .metrics.jsonl, .report.png")
+    p.add_argument("--config", help="TOML file of config fields (flags override it)")
+    p.add_argument("--resume", type=Path, help="continue the run saved in this checkpoint (e.g. ckpt.last.pt)")
+    p.add_argument("--plan-only", action="store_true", help="print the memory plan and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-report", action="store_true", help="skip the report picture")
+    ColumnMap.add_arguments(p)
+    add_config_flags(p)
+    return p
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        print("resolved config:\n" + json.dumps(cfg.to_dict(), indent=2), file=sys.stderr)
+        return run_training(args, cfg)
+    except BarDataError as exc:
+        print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
+    except (ConfigError, DataError, DeviceError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: the last good checkpoint (if any epoch finished) is intact; continue with "
+              f"--resume {Path(str(args.out)).with_suffix('')}.last.pt", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

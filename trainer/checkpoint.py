@@ -1,0 +1,90 @@
+"""Checkpoints: one file, written atomically, loadable with `torch.load(..., weights_only=True)`.
+
+A checkpoint holds plain tensors, numbers, strings, lists and dicts only — never a pickle
+of code — so export and serving can trust it without running anything from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.model_config import ModelConfig
+from trainer.modeling import TemporalFusionTransformer
+
+FORMAT = "foxhunt-tft-checkpoint/1"
+REQUIRED_KEYS = ("format", "model_config", "train_config", "feature_config", "feature_schema", "normalization",
+                 "symbols", "bar_interval_ns", "model_state")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted or used; the message says why and what to do."""
+
+
+def save_atomic(obj: dict[str, Any], path: Path) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename over `path`.
+
+    A crash, a kill or a full disk leaves either the old file or the new one, never half of one.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load with weights_only=True and check the format; CheckpointError otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"{p}: no such checkpoint file")
+    try:
+        ckpt = torch.load(p, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{p}: refused — it needs unpickling of code, which a foxhunt checkpoint never does "
+            f"({str(exc).splitlines()[0]}). Only load checkpoints written by `python -m trainer`") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise CheckpointError(f"{p}: not a readable checkpoint (corrupt or truncated?): "
+                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{p}: not a foxhunt-tft checkpoint (format {FORMAT!r} expected)")
+    missing = [k for k in REQUIRED_KEYS if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{p}: checkpoint lacks {', '.join(missing)}")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt: dict[str, Any]) -> TemporalFusionTransformer:
+    """Rebuild the model from its stored config and load its weights (eval mode, CPU)."""
+    cfg = ModelConfig.from_dict(ckpt["model_config"])
+    model = TemporalFusionTransformer(cfg)
+    try:
+        model.load_state_dict(ckpt["model_state"])
+    except RuntimeError as exc:
+        raise CheckpointError(f"weights do not match the stored model config: {str(exc).splitlines()[0]}") from None
+    return model.eval()
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

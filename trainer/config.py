@@ -1,0 +1,176 @@
+"""The trainer's configuration: one frozen dataclass, a TOML file, and a flag per field.
+
+Precedence: defaults < config file (`--config cfg.toml`) < flags. The resolved config is
+printed at start and stored in every checkpoint as a plain dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from features.compute import FeatureConfig
+from trainer.model_config import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A config file or flag that cannot be used; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # ---- data ----
+    encoder_length: int = 60  # past bars the encoder sees (L)
+    horizon: int = 5  # future bars forecast (H)
+    volatility_window: int = 20  # bars in the rolling-volatility feature
+    features: tuple[str, ...] = ()  # extra numeric parquet columns used as observed features
+    val_fraction: float = 0.15  # last share of the time range used for validation
+    test_fraction: float = 0.0  # share after validation held out as a test split (0 = none)
+    # ---- model ----
+    hidden_size: int = 64  # width of every TFT layer (d_model)
+    attention_heads: int = 4  # heads of the interpretable attention
+    dropout: float = 0.1  # dropout inside gated residual networks and attention
+    lstm_layers: int = 1  # layers of the LSTM encoder and decoder
+    variable_hidden_size: int = 0  # per-variable embedding width in variable selection (0 = hidden_size)
+    quantiles: tuple[float, ...] = (0.1, 0.5, 0.9)  # forecast quantile levels, increasing
+    # ---- optimisation ----
+    epochs: int = 10  # maximum epochs
+    batch_size: int = 256  # effective batch (windows per optimizer step)
+    learning_rate: float = 1e-3  # AdamW peak learning rate
+    weight_decay: float = 1e-4  # AdamW weight decay
+    warmup_steps: int = 50  # linear warm-up steps before cosine decay
+    grad_clip: float = 1.0  # max gradient norm (0 = no clipping)
+    patience: int = 3  # epochs without validation improvement before stopping (0 = never stop early)
+    max_steps_per_epoch: int = 0  # cap on optimizer steps per epoch, windows sampled at random (0 = all)
+    max_val_windows: int = 0  # cap on validation windows, evenly spaced (0 = all)
+    seed: int = 7  # seeds weights, shuffling and dropout
+    # ---- device ----
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: str = "auto"  # auto (bf16/fp16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
+    vram_budget: str = ""  # e.g. "4GiB": cap on peak device memory (CUDA only)
+    grad_checkpointing: str = "auto"  # auto | on | off
+    threads: int = 0  # CPU threads for torch (0 = torch's default)
+
+    def validate(self) -> None:
+        checks = [
+            (self.encoder_length >= 1, "encoder_length must be >= 1"),
+            (self.horizon >= 1, "horizon must be >= 1"),
+            (self.volatility_window >= 2, "volatility_window must be >= 2"),
+            (0.0 < self.val_fraction < 1.0, "val_fraction must be between 0 and 1"),
+            (0.0 <= self.test_fraction < 1.0 - self.val_fraction, "test_fraction must be >= 0 and leave room for "
+             "training (val_fraction + test_fraction < 1)"),
+            (self.epochs >= 1, "epochs must be >= 1"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.learning_rate > 0, "learning_rate must be > 0"),
+            (self.patience >= 0, "patience must be >= 0"),
+            (self.precision in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16"),
+            (self.grad_checkpointing in ("auto", "on", "off"), "grad_checkpointing must be auto, on or off"),
+            (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+             "device must be auto, cpu, cuda or cuda:N"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        try:
+            self.model_config(n_observed=1, n_known=1, n_symbols=1).validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def feature_config(self) -> FeatureConfig:
+        return FeatureConfig(self.horizon, self.volatility_window, tuple(self.features))
+
+    def model_config(self, n_observed: int, n_known: int, n_symbols: int) -> ModelConfig:
+        return ModelConfig(
+            n_observed=n_observed,
+            n_known=n_known,
+            static_cardinalities=(n_symbols,),
+            hidden_size=self.hidden_size,
+            attention_heads=self.attention_heads,
+            dropout=self.dropout,
+            lstm_layers=self.lstm_layers,
+            encoder_length=self.encoder_length,
+            horizon=self.horizon,
+            quantiles=tuple(self.quantiles),
+            variable_hidden_size=self.variable_hidden_size,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> TrainConfig:
+        return merge(TrainConfig(), d, "checkpoint")
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    """Convert a TOML or flag value to the field's type, with a clear error."""
+    try:
+        if isinstance(default, bool):
+            return bool(value)
+        if isinstance(default, int):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, tuple):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            items = [i.strip() if isinstance(i, str) else i for i in items]
+            items = [i for i in items if i != ""]
+            return tuple(float(i) for i in items) if name == "quantiles" else tuple(str(i) for i in items)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: cannot use {value!r} (expected {type(default).__name__})") from None
+
+
+def merge(base: TrainConfig, values: dict[str, Any], origin: str) -> TrainConfig:
+    """`base` with `values` applied; unknown keys are an error naming the known ones."""
+    known = {f.name: f for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"{origin}: unknown config key(s) {', '.join(unknown)}; known keys: {', '.join(known)}")
+    updates = {k: _coerce(k, v, getattr(base, k)) for k, v in values.items()}
+    return replace(base, **updates)
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    """A flat TOML table; sections such as [model] or [train] are flattened."""
+    try:
+        with path.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+    flat: dict[str, Any] = {}
+    for k, v in raw.items():
+        if isinstance(v, dict):
+            flat.update(v)
+        else:
+            flat[k] = v
+    return flat
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field (`--hidden-size 16`), default None = not given."""
+    g = parser.add_argument_group("config fields (override --config)")
+    for f in fields(TrainConfig):
+        default = f.default if f.default is not MISSING else None
+        kind = "comma-separated list" if isinstance(default, tuple) else type(default).__name__
+        g.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg_{f.name}", default=None, metavar=kind.upper()
+                       if kind != "comma-separated list" else "A,B", help=f"default {default!r}")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    cfg = TrainConfig()
+    if getattr(args, "config", None):
+        cfg = merge(cfg, load_toml(Path(args.config)), f"--config {args.config}")
+    flags = {f.name: getattr(args, f"cfg_{f.name}") for f in fields(TrainConfig)
+             if getattr(args, f"cfg_{f.name}", None) is not None}
+    cfg = merge(cfg, flags, "flags")
+    cfg.validate()
+    return cfg

@@ -1,0 +1,129 @@
+"""Training data: features computed once into contiguous tensors, windows taken by index.
+
+The split is chronological on one time axis shared by all symbols (so correlated symbols
+cannot leak the future into training), with a purge of H bars after each boundary so no
+target of one split overlaps the next. Normalisation is fitted on the training rows only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from features.bars import ColumnMap, read_bars
+from features.compute import FeatureFrame, build_frame, future_timestamps, known_features
+from features.normalize import NormStats
+from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
+from trainer.config import TrainConfig
+
+
+class DataError(ValueError):
+    """Data that cannot be trained on (too few bars, an empty split); the message says why."""
+
+
+@dataclass
+class Normalization:
+    observed: NormStats
+    known: NormStats
+    target_scale: np.ndarray  # float32 [H]  std of each horizon's target on the training windows
+
+    def to_dict(self) -> dict[str, object]:
+        return {"observed": self.observed.to_dict(), "known": self.known.to_dict(),
+                "target_scale": self.target_scale.astype(float).tolist()}
+
+    @staticmethod
+    def from_dict(d: dict[str, object]) -> Normalization:
+        obs, kn = d["observed"], d["known"]
+        assert isinstance(obs, dict) and isinstance(kn, dict)
+        return Normalization(NormStats.from_dict(obs), NormStats.from_dict(kn),
+                             np.asarray(d["target_scale"], dtype=np.float32))
+
+
+class WindowTensors:
+    """Contiguous tensors of every row, and batch assembly by index (no per-sample Python)."""
+
+    def __init__(self, frame: FeatureFrame, encoder_length: int) -> None:
+        h = frame.config.horizon
+        self.encoder_length = encoder_length
+        self.observed = torch.from_numpy(np.nan_to_num(frame.observed, nan=0.0))  # [N, n_obs]
+        self.known = torch.from_numpy(frame.known)  # [N, n_known]
+        fut = known_features(future_timestamps(frame.timestamp_ns, frame.bar_interval_ns, h))  # [N, H, n_known]
+        self.future_known = torch.from_numpy(fut)
+        self.series_id = torch.from_numpy(frame.series_id)  # [N]
+        self.targets = torch.from_numpy(np.nan_to_num(frame.targets, nan=0.0))  # [N, H]
+        self.offsets = torch.arange(-encoder_length + 1, 1)  # [L]
+
+    def batch(self, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
+        idx = anchors[:, None] + self.offsets  # [B, L]
+        return {
+            STATIC_CATEGORICAL: self.series_id[anchors][:, None],  # [B, 1]
+            ENCODER_OBSERVED: self.observed[idx],  # [B, L, n_obs]
+            ENCODER_KNOWN: self.known[idx],  # [B, L, n_known]
+            DECODER_KNOWN: self.future_known[anchors],  # [B, H, n_known]
+            TARGET: self.targets[anchors],  # [B, H]
+        }
+
+
+@dataclass
+class PreparedData:
+    frame: FeatureFrame
+    tensors: WindowTensors
+    train_anchors: np.ndarray  # int64 [W_train]
+    val_anchors: np.ndarray  # int64 [W_val]
+    test_anchors: np.ndarray  # int64 [W_test]
+    normalization: Normalization
+    climatology: np.ndarray  # float32 [H, Q]  train-split target quantiles (the baseline forecast)
+    split_times_ns: tuple[int, int]  # first timestamp of validation and of test
+
+
+def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -> tuple[np.ndarray, ...]:
+    """Per-series row boundaries: train [s, b_val), val [b_val + H, b_test), test [b_test + H, e)."""
+    ts_sorted = np.unique(frame.timestamp_ns)
+    n = ts_sorted.size
+    cut_val = ts_sorted[min(n - 1, int(n * (1.0 - val_fraction - test_fraction)))]
+    cut_test = ts_sorted[min(n - 1, int(n * (1.0 - test_fraction)))] if test_fraction > 0 else ts_sorted[-1] + 1
+    starts, ends = frame.series_bounds[:, 0], frame.series_bounds[:, 1]
+    b_val = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_val) for s, e in frame.series_bounds])
+    b_test = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_test) for s, e in frame.series_bounds])
+    return starts, ends, b_val, b_test, np.array([cut_val, cut_test])
+
+
+def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = None,
+            symbols: list[str] | None = None, normalization: Normalization | None = None) -> PreparedData:
+    """Read bars, compute features, split, fit normalisation (unless given, as on resume)."""
+    from features.windows import anchor_rows
+
+    bars = read_bars(parquet, columns, tuple(cfg.features))
+    frame = build_frame(bars, cfg.feature_config(), symbols)
+    h, L = cfg.horizon, cfg.encoder_length
+    starts, ends, b_val, b_test, cuts = split_rows(frame, cfg.val_fraction, cfg.test_fraction)
+    train = anchor_rows(frame, L, True, (starts, b_val))
+    val = anchor_rows(frame, L, True, (b_val + h, b_test))
+    test = anchor_rows(frame, L, True, (b_test + h, ends)) if cfg.test_fraction > 0 else np.empty(0, np.int64)
+    need = cfg.volatility_window + L + h
+    if train.size == 0:
+        raise DataError(f"no training windows: each window needs {need} bars of one symbol "
+                        f"(volatility warm-up {cfg.volatility_window} + encoder {L} + horizon {h}) inside the "
+                        f"training split; the longest series has {int((ends - starts).max(initial=0))} bars. "
+                        "Give more bars, or lower --encoder-length / --volatility-window / --val-fraction")
+    if val.size == 0:
+        raise DataError(f"no validation windows: the validation split ({cfg.val_fraction:.0%} of the time range) "
+                        f"must hold {L + h} bars of one symbol after a purge of {h} bars. Raise --val-fraction "
+                        "or give more bars")
+    if cfg.test_fraction > 0 and test.size == 0:
+        raise DataError("no test windows: raise --test-fraction or set it to 0")
+    if cfg.max_val_windows and val.size > cfg.max_val_windows:
+        val = val[np.linspace(0, val.size - 1, cfg.max_val_windows).astype(np.int64)]
+    if normalization is None:
+        train_rows = np.concatenate([np.arange(s, b) for s, b in zip(starts, b_val, strict=True)])
+        normalization = Normalization(
+            observed=NormStats.fit(frame.observed, train_rows),
+            known=NormStats.fit(frame.known, train_rows),
+            target_scale=NormStats.fit(frame.targets, train).std,
+        )
+    clim = np.quantile(frame.targets[train], cfg.quantiles, axis=0).T.astype(np.float32)  # [H, Q]
+    return PreparedData(frame, WindowTensors(frame, L), train, val, test, normalization, clim,
+                        (int(cuts[0]), int(cuts[1])))

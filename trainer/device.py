@@ -1,0 +1,102 @@
+"""Device, precision and memory accounting, decided once at start (no silent fallback)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("trainer")
+
+
+class DeviceError(RuntimeError):
+    """The requested device cannot be had; the run must not start."""
+
+
+def resolve_device(spec: str) -> torch.device:
+    """`cuda` without CUDA is an error, never a CPU run; `auto` logs what it chose."""
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec.startswith("cuda"):
+        if not torch.cuda.is_available():
+            why = ("this PyTorch build has no CUDA support (torch.version.cuda is None)" if torch.version.cuda is None
+                   else "no CUDA device is visible (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES)")
+            raise DeviceError(f"--device {spec} requested but CUDA is not available: {why}. "
+                              "Use --device cpu to train on the CPU, or --device auto to take CUDA when present")
+        dev = torch.device(spec)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DeviceError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return dev
+    if spec == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if dev.type == "cpu":
+            log.warning("--device auto: CUDA is not available, training on the CPU")
+        else:
+            log.info("--device auto: training on %s (%s)", dev, torch.cuda.get_device_name(dev))
+        return dev
+    raise DeviceError(f"--device {spec}: expected auto, cpu, cuda or cuda:N")
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str  # fp32 | bf16 | fp16
+    dtype: torch.dtype | None  # autocast dtype, None for fp32
+
+    @property
+    def needs_scaler(self) -> bool:
+        return self.name == "fp16"
+
+
+def resolve_precision(spec: str, device: torch.device) -> Precision:
+    if device.type != "cuda":
+        if spec not in ("auto", "fp32"):
+            raise DeviceError(f"--precision {spec} needs CUDA; on the CPU training runs in fp32")
+        return Precision("fp32", None)
+    if spec == "auto":
+        spec = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return Precision(spec, {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec])
+
+
+def autocast_factory(device: torch.device, precision: Precision) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context-manager factory: autocast on CUDA with mixed precision, a no-op otherwise."""
+    if precision.dtype is None:
+        return contextlib.nullcontext
+    dtype = precision.dtype
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process (the CPU's counterpart of peak device memory)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class PeakMemory:
+    """Peak memory of one phase: allocated device memory on CUDA, process peak RSS on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def read(self) -> dict[str, int | str]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated(self.device))}
+        return {"kind": "cpu_peak_rss", "bytes": peak_rss_bytes()}
+
+
+def check_placement(module: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Parameters and a batch must live on the chosen device; anything else is a bug worth stopping for."""
+    wrong = [n for n, p in module.named_parameters() if p.device.type != device.type]
+    wrong += [f"batch[{k}]" for k, t in batch.items() if t.device.type != device.type]
+    if wrong:
+        raise DeviceError(f"tensors not on {device}: {', '.join(wrong[:5])}")

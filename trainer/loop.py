@@ -1,0 +1,353 @@
+"""The training loop: AdamW, warm-up + cosine schedule, clipping, early stopping, exact resume.
+
+Device, precision and the memory plan are decided once before the first step; the loop
+itself has no device branches (an autocast factory and a GradScaler that may be disabled).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from features.bars import ColumnMap
+from features.schema import MODEL_INPUTS, TARGET
+from trainer.checkpoint import FORMAT, load_checkpoint, save_atomic
+from trainer.config import TrainConfig
+from trainer.data import Normalization, PreparedData, prepare
+from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
+from trainer.loss import pinball_loss
+from trainer.metrics import climatology_forecast, forecast_metrics, pinball
+from trainer.modeling import TemporalFusionTransformer, TFTOutput
+from trainer.plan import TrainPlan, literal_plan
+
+log = logging.getLogger("trainer")
+
+VALIDATION_SAMPLE_WINDOWS = 256
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("foxhunt-tft")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Every file a run writes sits beside the checkpoint named by --out."""
+
+    best: Path  # best validation loss: what export takes
+    last: Path  # end of the latest epoch: what --resume takes
+    metrics: Path  # one JSON object per epoch
+    report: Path  # loss curves, fan chart, importances, attention
+
+    @staticmethod
+    def for_out(out: Path) -> RunPaths:
+        stem = out.with_suffix("")
+        return RunPaths(out, Path(f"{stem}.last.pt"), Path(f"{stem}.metrics.jsonl"), Path(f"{stem}.report.png"))
+
+
+@dataclass
+class TrainResult:
+    paths: RunPaths
+    history: list[dict[str, Any]]
+    best_val_loss: float
+    epochs_run: int
+    stopped_early: bool
+    plan: TrainPlan
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def lr_lambda_factory(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def normalized_loss(out: TFTOutput, target: torch.Tensor, quantiles: torch.Tensor,
+                    target_scale: torch.Tensor) -> torch.Tensor:
+    """Pinball loss in units of each horizon's target std (a scale-free objective)."""
+    pred = out.quantiles.float() / target_scale[None, :, None]  # [B, H, Q]
+    return pinball_loss(pred, target / target_scale[None, :], quantiles).mean()
+
+
+class Trainer:
+    """One training run; `run()` trains until the epochs end or validation stops improving."""
+
+    def __init__(self, parquet: str | Path, cfg: TrainConfig, out: Path, columns: ColumnMap | None = None,
+                 resume: Path | None = None, progress: bool = True,
+                 plan_fn: Callable[[TemporalFusionTransformer, PreparedData, torch.device, str], TrainPlan]
+                 | None = None) -> None:
+        self.paths = RunPaths.for_out(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.progress = progress
+        self.columns = columns or ColumnMap()
+        self.resume_state: dict[str, Any] | None = None
+        if resume is not None:
+            self.resume_state = load_checkpoint(resume)
+            stored = TrainConfig.from_dict(self.resume_state["train_config"])
+            if cfg.epochs != stored.epochs:
+                log.info("resume: epochs %d -> %d", stored.epochs, cfg.epochs)
+            cfg = TrainConfig.from_dict({**stored.to_dict(), "epochs": cfg.epochs})
+            self.columns = ColumnMap.from_dict(self.resume_state.get("column_map", self.columns.to_dict()))
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        self.device = resolve_device(cfg.device)
+        self.precision = resolve_precision(cfg.precision, self.device)
+        norm = (Normalization.from_dict(self.resume_state["normalization"]) if self.resume_state else None)
+        symbols = list(self.resume_state["symbols"]) if self.resume_state else None
+        self.data = prepare(parquet, cfg, self.columns, symbols, norm)
+        self.parquet = str(parquet)
+        frame = self.data.frame
+        self.model_config = cfg.model_config(len(frame.schema.observed), len(frame.schema.known),
+                                             len(frame.symbols))
+        self.model = TemporalFusionTransformer(self.model_config)
+        n = self.data.normalization
+        self.model.set_normalization(n.observed.mean, n.observed.std, n.known.mean, n.known.std, n.target_scale)
+        self.model.to(self.device)
+        self.plan = (plan_fn(self.model, self.data, self.device, self.precision.name) if plan_fn
+                     else literal_plan(cfg.batch_size, cfg.grad_checkpointing, self.precision.name))
+        self.model.gradient_checkpointing = self.plan.grad_checkpointing
+        self.quantiles = torch.tensor(cfg.quantiles, dtype=torch.float32, device=self.device)
+        self.target_scale = torch.from_numpy(n.target_scale).to(self.device)
+        self.autocast = autocast_factory(self.device, self.precision)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
+                                           weight_decay=cfg.weight_decay)
+        self.steps_per_epoch = self._steps_per_epoch()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda_factory(cfg.warmup_steps, cfg.epochs * self.steps_per_epoch))
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.needs_scaler)
+        self.memory = PeakMemory(self.device)
+        self.epoch = 0
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.best_val = math.inf
+        self.best_epoch = 0
+        self.stale_epochs = 0
+        if self.resume_state is not None:
+            self._restore(self.resume_state)
+
+    # ---- set-up ----------------------------------------------------------------------
+    def _steps_per_epoch(self) -> int:
+        full = math.ceil(self.data.train_anchors.size / self.cfg.batch_size)
+        return min(full, self.cfg.max_steps_per_epoch) if self.cfg.max_steps_per_epoch else full
+
+    def _restore(self, ckpt: dict[str, Any]) -> None:
+        self.model.load_state_dict(ckpt["model_state"])
+        self.optimizer.load_state_dict(ckpt["optimizer_state"])
+        self.scheduler.load_state_dict(ckpt["scheduler_state"])
+        self.scaler.load_state_dict(ckpt["scaler_state"])
+        self.epoch, self.step = int(ckpt["epoch"]), int(ckpt["step"])
+        self.history = list(ckpt["metrics_history"])
+        self.best_val, self.best_epoch = float(ckpt["best_val_loss"]), int(ckpt["best_epoch"])
+        self.stale_epochs = int(ckpt["epochs_without_improvement"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if self.device.type == "cuda" and ckpt["rng"].get("cuda"):
+            torch.cuda.set_rng_state_all(list(ckpt["rng"]["cuda"]))
+        log.info("resumed from epoch %d, step %d (best validation loss %.5f at epoch %d)", self.epoch, self.step,
+                 self.best_val, self.best_epoch)
+
+    # ---- one epoch ---------------------------------------------------------------------
+    def _epoch_anchors(self) -> torch.Tensor:
+        """Shuffled training anchors; the order depends on (seed, epoch) only, so resume is exact."""
+        g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.epoch)
+        anchors = torch.from_numpy(self.data.train_anchors)
+        order = torch.randperm(anchors.numel(), generator=g)
+        return anchors[order][: self.steps_per_epoch * self.cfg.batch_size]
+
+    def _forward(self, batch: dict[str, torch.Tensor]) -> TFTOutput:
+        with self.autocast():
+            out: TFTOutput = self.model(*(batch[name] for name in MODEL_INPUTS))
+        return out
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        nb = self.device.type == "cuda"
+        return {k: v.to(self.device, non_blocking=nb) for k, v in batch.items()}
+
+    def micro_step(self, anchors: torch.Tensor, weight: float) -> float:
+        """Forward and backward of one micro-batch; returns its (unweighted) loss."""
+        batch = self._to_device(self.data.tensors.batch(anchors))
+        out = self._forward(batch)
+        loss = normalized_loss(out, batch[TARGET], self.quantiles, self.target_scale)
+        self.scaler.scale(loss * weight).backward()
+        return float(loss.detach())
+
+    def _optimizer_step(self, anchors: torch.Tensor) -> float:
+        """One optimizer step over `anchors`, in micro-batches; halves the micro-batch on OOM."""
+        while True:
+            try:
+                total = 0.0
+                for chunk in anchors.split(self.plan.micro_batch):
+                    w = chunk.numel() / anchors.numel()
+                    total += self.micro_step(chunk, w) * w
+                break
+            except torch.OutOfMemoryError:
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if self.plan.micro_batch <= 1:
+                    raise
+                self.plan = self.plan.halved()
+                log.warning("out of memory: micro-batch halved to %d, accumulation %d steps (effective batch %d "
+                            "kept)", self.plan.micro_batch, self.plan.accumulation, self.plan.batch_size)
+        if self.cfg.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        return total
+
+    def train_epoch(self) -> dict[str, float]:
+        self.model.train()
+        anchors = self._epoch_anchors()
+        losses: list[float] = []
+        t0 = time.perf_counter()
+        bar = tqdm(total=anchors.numel(), unit="win", unit_scale=True, disable=not self.progress, leave=False,
+                   desc=f"epoch {self.epoch + 1}/{self.cfg.epochs}", dynamic_ncols=True)
+        with bar:
+            for step_anchors in anchors.split(self.cfg.batch_size):
+                losses.append(self._optimizer_step(step_anchors))
+                bar.update(step_anchors.numel())
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
+        seconds = time.perf_counter() - t0
+        return {"train_loss": float(np.mean(losses)), "train_seconds": seconds,
+                "windows_per_second": anchors.numel() / max(seconds, 1e-9)}
+
+    @torch.inference_mode()
+    def predict(self, anchors: np.ndarray, batch: int | None = None) -> dict[str, np.ndarray]:
+        """Model outputs on `anchors` (eval mode, no stored activations)."""
+        self.model.eval()
+        parts: dict[str, list[np.ndarray]] = {}
+        for chunk in torch.from_numpy(anchors).split(batch or self.plan.val_batch):
+            b = self._to_device(self.data.tensors.batch(chunk))
+            out = self._forward(b)
+            for name, value in out._asdict().items():
+                parts.setdefault(name, []).append(value.float().cpu().numpy())
+        return {k: np.concatenate(v) for k, v in parts.items()}
+
+    def validate(self) -> dict[str, Any]:
+        anchors = self.data.val_anchors
+        pred = self.predict(anchors)["quantiles"]  # [W, H, Q]
+        target = self.data.frame.targets[anchors]  # [W, H]
+        scale = self.data.normalization.target_scale
+        q = tuple(self.cfg.quantiles)
+        val_loss = float((pinball(pred / scale[None, :, None], target / scale[None, :], np.asarray(q))).mean())
+        base = climatology_forecast(self.data.climatology, anchors.size)
+        return {"val_loss": val_loss, "val": forecast_metrics(pred, target, q),
+                "baseline": forecast_metrics(base, target, q), "val_windows": int(anchors.size)}
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        frame = self.data.frame
+        sample = self.data.tensors.batch(torch.from_numpy(self.data.val_anchors[:VALIDATION_SAMPLE_WINDOWS]))
+        return {
+            "format": FORMAT,
+            "version": package_version(),
+            "torch_version": str(torch.__version__),
+            "model_config": self.model_config.to_dict(),
+            "train_config": self.cfg.to_dict(),
+            "feature_config": frame.config.to_dict(),
+            "feature_schema": frame.schema.to_list(),
+            "normalization": self.data.normalization.to_dict(),
+            "symbols": list(frame.symbols),
+            "bar_interval_ns": int(frame.bar_interval_ns),
+            "column_map": self.columns.to_dict(),
+            "data_source": self.parquet,
+            "split_times_ns": list(self.data.split_times_ns),
+            "climatology": torch.from_numpy(self.data.climatology.copy()),
+            "model_state": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "optimizer_state": self.optimizer.state_dict(),
+            "scheduler_state": self.scheduler.state_dict(),
+            "scaler_state": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []},
+            "metrics_history": self.history,
+            "peak_memory": [h["peak_memory"] for h in self.history],
+            "best_val_loss": self.best_val,
+            "best_epoch": self.best_epoch,
+            "epochs_without_improvement": self.stale_epochs,
+            "plan": self.plan.to_dict(),
+            "validation_sample": {k: v.clone() for k, v in sample.items()},
+        }
+
+    # ---- the run ------------------------------------------------------------------------------
+    def run(self, stop_after_epochs: int | None = None) -> TrainResult:
+        """Train; `stop_after_epochs` ends this process's part early (as an interruption would)."""
+        stopped_early = False
+        ran = 0
+        log.info("plan: micro-batch %d x %d accumulation = batch %d, gradient checkpointing %s, %s",
+                 self.plan.micro_batch, self.plan.accumulation, self.plan.batch_size,
+                 "on" if self.plan.grad_checkpointing else "off", self.plan.precision)
+        check_placement(self.model, self._to_device(self.data.tensors.batch(
+            torch.from_numpy(self.data.train_anchors[:2]))), self.device)
+        if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
+            stopped_early = True
+        while self.epoch < self.cfg.epochs and not stopped_early:
+            self.memory.start()
+            train_stats = self.train_epoch()
+            train_peak = self.memory.read()
+            self.memory.start()
+            val_stats = self.validate()
+            val_peak = self.memory.read()
+            self.epoch += 1
+            ran += 1
+            improved = val_stats["val_loss"] < self.best_val
+            if improved:
+                self.best_val, self.best_epoch, self.stale_epochs = val_stats["val_loss"], self.epoch, 0
+            else:
+                self.stale_epochs += 1
+            record = {"epoch": self.epoch, "step": self.step, "lr": self.scheduler.get_last_lr()[0], **train_stats,
+                      **val_stats, "micro_batch": self.plan.micro_batch,
+                      "peak_memory": {"train": train_peak, "val": val_peak}, "best": improved}
+            self.history.append(record)
+            self._log_epoch(record)
+            with self.paths.metrics.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            state = self.state()
+            save_atomic(state, self.paths.last)
+            if improved:
+                save_atomic(state, self.paths.best)
+            if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
+                stopped_early = True
+                log.info("early stopping: no validation improvement for %d epochs (best %.5f at epoch %d)",
+                         self.stale_epochs, self.best_val, self.best_epoch)
+            if stop_after_epochs is not None and ran >= stop_after_epochs:
+                break
+        return TrainResult(self.paths, self.history, self.best_val, ran, stopped_early, self.plan)
+
+    def _log_epoch(self, r: dict[str, Any]) -> None:
+        v, b = r["val"], r["baseline"]
+        qs = " ".join(f"q{q}={v['pinball'][q]:.2e}/{b['pinball'][q]:.2e}" for q in v["pinball"])
+        rs = " ".join(f"q{q}={v['q_risk'][q]:.4f}/{b['q_risk'][q]:.4f}" for q in v["q_risk"])
+        log.info(
+            "epoch %d/%d  train loss %.4f  val loss %.4f%s  %.0f win/s\n"
+            "    pinball model/baseline: %s\n    q-risk  model/baseline: %s\n"
+            "    coverage model %.1f%% baseline %.1f%% (nominal %.0f%%)  peak memory train %.0f MiB val %.0f MiB (%s)",
+            r["epoch"], self.cfg.epochs, r["train_loss"], r["val_loss"], "  *best*" if r["best"] else "",
+            r["windows_per_second"], qs, rs, 100 * v["coverage"], 100 * b["coverage"], 100 * v["nominal_coverage"],
+            r["peak_memory"]["train"]["bytes"] / 2**20, r["peak_memory"]["val"]["bytes"] / 2**20,
+            r["peak_memory"]["train"]["kind"])

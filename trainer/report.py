@@ -1,0 +1,76 @@
+"""The report picture beside the checkpoint: what a user looks at after a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+FAN_WINDOWS = 300
+
+
+def write_report(path: Path, history: list[dict[str, Any]], outputs: dict[str, np.ndarray], target: np.ndarray,
+                 quantiles: tuple[float, ...], observed_names: list[str], known_names: list[str],
+                 static_names: list[str]) -> None:
+    """Loss curves, a P-low..P-high fan chart against realised returns on validation (horizon 1),
+    variable importances, and mean attention over encoder positions. `outputs` are the model's
+    named outputs on consecutive validation windows, `target` their realised returns [W, H]."""
+    fig, ax = plt.subplots(2, 2, figsize=(14, 9))
+    _loss_curves(ax[0, 0], history)
+    _fan_chart(ax[0, 1], outputs["quantiles"], target, quantiles)
+    _importances(ax[1, 0], outputs, observed_names, known_names, static_names)
+    _attention(ax[1, 1], outputs["attention"], target.shape[1])
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def _loss_curves(ax: Any, history: list[dict[str, Any]]) -> None:
+    ep = [h["epoch"] for h in history]
+    ax.plot(ep, [h["train_loss"] for h in history], "o-", label="train")
+    ax.plot(ep, [h["val_loss"] for h in history], "o-", label="validation")
+    base = [h["baseline"]["pinball_mean"] / h["val"]["pinball_mean"] * h["val_loss"] for h in history]
+    ax.plot(ep, base, "--", color="grey", label="climatology baseline (validation)")
+    ax.set(title="pinball loss (units of target std)", xlabel="epoch")
+    ax.legend()
+
+
+def _fan_chart(ax: Any, q: np.ndarray, target: np.ndarray, quantiles: tuple[float, ...]) -> None:
+    n = min(FAN_WINDOWS, q.shape[0])
+    x = np.arange(n)
+    ax.fill_between(x, q[:n, 0, 0], q[:n, 0, -1], alpha=0.3,
+                    label=f"P{quantiles[0] * 100:g}-P{quantiles[-1] * 100:g}")
+    mid = len(quantiles) // 2
+    ax.plot(x, q[:n, 0, mid], lw=1, label=f"P{quantiles[mid] * 100:g}")
+    ax.plot(x, target[:n, 0], ".", ms=3, color="black", label="realised")
+    ax.set(title="validation: 1-step log return, forecast fan vs realised", xlabel="window")
+    ax.legend(loc="upper right")
+
+
+def _importances(ax: Any, outputs: dict[str, np.ndarray], observed: list[str], known: list[str],
+                 static: list[str]) -> None:
+    enc = outputs["encoder_weights"].mean(axis=(0, 1))  # [n_observed + n_known]
+    dec = outputs["decoder_weights"].mean(axis=(0, 1))  # [n_known]
+    names = [f"enc:{n}" for n in (*observed, *known)] + [f"dec:{n}" for n in known]
+    values = np.concatenate([enc, dec])
+    order = np.argsort(values)[-20:]
+    ax.barh([names[i] for i in order], values[order])
+    st = outputs["static_weights"].mean(axis=0)
+    ax.set(title="variable importance (mean selection weight); static: "
+           + ", ".join(f"{n}={w:.2f}" for n, w in zip(static, st, strict=False)))
+
+
+def _attention(ax: Any, attention: np.ndarray, horizon: int) -> None:
+    att = attention.mean(axis=(0, 1))  # [L + H]
+    enc = att[: att.shape[0] - horizon]
+    ax.plot(np.arange(-enc.shape[0] + 1, 1), enc)
+    ax.set(title="mean attention over encoder positions", xlabel="bars before the forecast origin",
+           ylabel="attention weight")
