@@ -1,0 +1,129 @@
+"""The ONNX model's `metadata_props`: everything the server needs, written by export.
+
+Torch-free, so the server can read and validate a model file without importing torch.
+Every value is a string; structured values are JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from features.compute import FeatureConfig
+from features.schema import FeatureSchema
+
+FORMAT = "foxhunt-tft-onnx/1"
+PREFIX = "foxhunt."
+
+
+class ModelMetaError(ValueError):
+    """An ONNX model whose metadata is missing or inconsistent; the server refuses it."""
+
+
+@dataclass(frozen=True)
+class ModelMeta:
+    model_config: dict[str, Any]  # trainer ModelConfig as a dict
+    feature_config: FeatureConfig
+    feature_schema: FeatureSchema
+    quantiles: tuple[float, ...]
+    horizon: int
+    encoder_length: int
+    bar_interval_ns: int
+    symbols: tuple[str, ...]
+    checkpoint_sha256: str
+    model_version: str  # a short, human-readable id (default: the checkpoint hash's first 12 hex digits)
+    explain: bool  # the model also returns attention and variable-selection weights
+    precision: str  # fp32 | fp16 (inputs and outputs are float32 either way)
+    column_map: dict[str, str] = field(default_factory=dict)
+    exporter: dict[str, Any] = field(default_factory=dict)  # library versions, opset
+    parity: dict[str, Any] = field(default_factory=dict)  # the parity report export proved
+    placement: dict[str, Any] = field(default_factory=dict)  # the placement gate's report
+
+    @property
+    def bars_required(self) -> int:
+        """Bars per series a request must carry: warm-up of the rolling features plus the encoder."""
+        return self.feature_config.warmup_bars + self.encoder_length
+
+    def to_props(self) -> dict[str, str]:
+        values: dict[str, Any] = {
+            "format": FORMAT,
+            "model_config": self.model_config,
+            "feature_config": self.feature_config.to_dict(),
+            "feature_schema": self.feature_schema.to_list(),
+            "quantiles": list(self.quantiles),
+            "horizon": self.horizon,
+            "encoder_length": self.encoder_length,
+            "bars_required": self.bars_required,
+            "bar_interval_ns": self.bar_interval_ns,
+            "symbols": list(self.symbols),
+            "checkpoint_sha256": self.checkpoint_sha256,
+            "model_version": self.model_version,
+            "explain": self.explain,
+            "precision": self.precision,
+            "column_map": self.column_map,
+            "exporter": self.exporter,
+            "parity": self.parity,
+            "placement": self.placement,
+        }
+        return {PREFIX + k: v if isinstance(v, str) else json.dumps(v) for k, v in values.items()}
+
+    @staticmethod
+    def from_props(props: dict[str, str]) -> ModelMeta:
+        """Parse and check; ModelMetaError names the first missing or bad key."""
+        if props.get(PREFIX + "format") != FORMAT:
+            raise ModelMetaError(f"not a foxhunt-tft model: metadata '{PREFIX}format' is "
+                                 f"{props.get(PREFIX + 'format')!r}, expected {FORMAT!r}. Export it with "
+                                 "`python -m export ckpt.pt model.onnx`")
+
+        def get(key: str, json_value: bool = True) -> Any:
+            if PREFIX + key not in props:
+                raise ModelMetaError(f"model metadata lacks '{PREFIX}{key}'; re-export the model")
+            raw = props[PREFIX + key]
+            try:
+                return json.loads(raw) if json_value else raw
+            except json.JSONDecodeError:
+                raise ModelMetaError(f"model metadata '{PREFIX}{key}' is not valid JSON") from None
+
+        try:
+            meta = ModelMeta(
+                model_config=dict(get("model_config")),
+                feature_config=FeatureConfig.from_dict(get("feature_config")),
+                feature_schema=FeatureSchema.from_list(get("feature_schema")),
+                quantiles=tuple(float(q) for q in get("quantiles")),
+                horizon=int(get("horizon")),
+                encoder_length=int(get("encoder_length")),
+                bar_interval_ns=int(get("bar_interval_ns")),
+                symbols=tuple(str(s) for s in get("symbols")),
+                checkpoint_sha256=str(get("checkpoint_sha256", json_value=False)),
+                model_version=str(get("model_version", json_value=False)),
+                explain=bool(get("explain")),
+                precision=str(get("precision", json_value=False)),
+                column_map=dict(get("column_map")),
+                exporter=dict(get("exporter")),
+                parity=dict(get("parity")),
+                placement=dict(get("placement")),
+            )
+        except ModelMetaError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelMetaError(f"model metadata is inconsistent: {exc}") from None
+        meta.check()
+        return meta
+
+    def check(self) -> None:
+        problems = []
+        if self.horizon != self.feature_config.horizon:
+            problems.append(f"horizon {self.horizon} != feature_config.horizon {self.feature_config.horizon}")
+        if self.horizon < 1 or self.encoder_length < 1:
+            problems.append("horizon and encoder_length must be >= 1")
+        if not self.quantiles or list(self.quantiles) != sorted(self.quantiles):
+            problems.append("quantiles must be a non-empty increasing list")
+        if not self.symbols:
+            problems.append("symbol vocabulary is empty")
+        if self.bar_interval_ns <= 0:
+            problems.append("bar_interval_ns must be > 0")
+        if self.precision not in ("fp32", "fp16"):
+            problems.append(f"precision {self.precision!r} is not fp32 or fp16")
+        if problems:
+            raise ModelMetaError("model metadata is inconsistent: " + "; ".join(problems))
