@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 PRICE_COLUMNS: tuple[str, ...] = ("open", "high", "low", "close")
 REQUIRED_COLUMNS: tuple[str, ...] = ("timestamp", *PRICE_COLUMNS, "volume")
@@ -129,18 +130,26 @@ class Bars:
 def _list_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
-    if path.is_dir():
-        return sorted(p for p in path.rglob("*.parquet") if p.is_file())
+    if path.is_dir():  # hidden and temporary files (".x", "_x") are skipped, as pyarrow's datasets do
+        return sorted(p for p in path.rglob("*.parquet")
+                      if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts))
     return []
+
+
+def _hive_partitions(file: Path, root: Path) -> dict[str, str]:
+    """`key=value` directory names between `root` and `file` (hive partitioning), e.g. symbol=ES."""
+    if file == root:
+        return {}
+    dirs = file.relative_to(root).parts[:-1]
+    return dict((unquote(k), unquote(v)) for k, v in (d.split("=", 1) for d in dirs if "=" in d))
 
 
 def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str) -> tuple[np.ndarray | None, Problem | None]:
     t = col.type
-    if pa.types.is_timestamp(t):
-        arr = pc.cast(col, pa.timestamp("ns", tz=t.tz)) if t.unit != "ns" else col
-        return np.asarray(arr.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64), None
-    if pa.types.is_integer(t):
-        return np.asarray(col.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64), None
+    if pa.types.is_timestamp(t) or pa.types.is_integer(t):
+        arr = pc.cast(col, pa.timestamp("ns", tz=t.tz)) if pa.types.is_timestamp(t) and t.unit != "ns" else col
+        arr = pc.fill_null(arr.cast(pa.int64()), 0)  # nulls are reported from the null mask
+        return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64), None
     return None, Problem(
         file,
         name,
@@ -171,21 +180,17 @@ def read_bars(
     problems: list[Problem] = []
     parts: list[dict[str, np.ndarray]] = []
     file_of_part: list[str] = []
-    try:
-        dataset = ds.dataset(str(root), format="parquet", partitioning="hive") if root.is_dir() else None
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise BarDataError([Problem(str(root), "-", -1, f"cannot be read as parquet ({exc})", "check the files")]) from None
-    fragments = list(dataset.get_fragments()) if dataset is not None else [None]
-    for frag in fragments:
-        fname = frag.path if frag is not None else str(root)
+    for file in files:  # one file at a time, so that a problem always names its file
+        fname = str(file)
         try:
-            if frag is not None and dataset is not None:
-                table = frag.to_table(schema=dataset.schema)
-            else:
-                table = ds.dataset(fname, format="parquet").to_table()
-        except (pa.ArrowInvalid, OSError) as exc:
-            problems.append(Problem(fname, "-", -1, f"cannot be read as parquet ({exc})", "re-write the file"))
+            table = pq.ParquetFile(file).read()
+        except (pa.ArrowException, OSError) as exc:
+            problems.append(Problem(fname, "-", -1, f"cannot be read as parquet ({exc})",
+                                    "re-write the file, or move it out of the data directory"))
             continue
+        for key, value in _hive_partitions(file, root).items():
+            if key not in table.column_names:  # a column in the file wins over its directory name
+                table = table.append_column(key, pa.repeat(pa.scalar(value, pa.string()), table.num_rows))
         part, file_problems = _columns_of(table, fname, cmap, user_columns)
         problems.extend(file_problems)
         if part is not None:
@@ -217,9 +222,9 @@ def _columns_of(
         if uc not in names:
             problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' is missing",
                                     "add the column or drop it from the feature list"))
-        elif not (pa.types.is_integer(table.schema.field(uc).type) or pa.types.is_floating(table.schema.field(uc).type)):
-            problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' has type "
-                                    f"{table.schema.field(uc).type}, not numeric", "choose a numeric column"))
+        elif not (pa.types.is_integer(utype := table.schema.field(uc).type) or pa.types.is_floating(utype)):
+            problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' has type {utype}, not numeric",
+                                    "choose a numeric column"))
     if problems:
         return None, problems
     part: dict[str, np.ndarray] = {}
@@ -298,10 +303,14 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
               "drop or repair the row; back-adjusted continuous contracts must be shifted to positive prices")
     o, h, lo, c = part["open"], part["high"], part["low"], part["close"]
     with np.errstate(invalid="ignore"):
-        check(h < lo, cmap.high, "high < low (rule: low <= high)", "swap or repair high and low")
-        check((o > h) | (c > h), cmap.high, "open or close above high (rule: open, close <= high)",
+        # the range rules apply to rows whose prices are valid numbers, one problem per broken rule:
+        # a row with a bad price, or with high < low, is reported once, not again as a range breach
+        priced = np.all([np.isfinite(x) & (x > 0) for x in (o, h, lo, c)], axis=0)
+        check(priced & (h < lo), cmap.high, "high < low (rule: low <= high)", "swap or repair high and low")
+        ranged = priced & (h >= lo)
+        check(ranged & ((o > h) | (c > h)), cmap.high, "open or close above high (rule: open, close <= high)",
               "high must be the bar's maximum: set high = max(open, high, close)")
-        check((o < lo) | (c < lo), cmap.low, "open or close below low (rule: low <= open, close)",
+        check(ranged & ((o < lo) | (c < lo)), cmap.low, "open or close below low (rule: low <= open, close)",
               "low must be the bar's minimum: set low = min(open, low, close)")
         v = part["volume"]
         check(~np.isnan(v) & ~np.isfinite(v), cmap.volume, "volume is infinite", "repair the volume")

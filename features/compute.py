@@ -32,6 +32,11 @@ class FeatureConfig:
     volatility_window: int = 20  # bars in the rolling standard deviation of log returns
     user_columns: tuple[str, ...] = ()  # extra numeric parquet columns used as observed features
 
+    def __post_init__(self) -> None:
+        if self.horizon < 1 or self.volatility_window < 1:
+            raise ValueError(f"horizon ({self.horizon}) and volatility_window ({self.volatility_window}) "
+                             "must be at least 1")
+
     @property
     def warmup_bars(self) -> int:
         """Leading bars of a series whose observed features are undefined."""
@@ -117,26 +122,34 @@ def future_timestamps(last_ns: np.ndarray, bar_interval_ns: int, horizon: int) -
 
 def _rolling_std(x: np.ndarray, window: int, starts: np.ndarray) -> np.ndarray:
     """Population std of the last `window` values at each row; NaN until `window` values exist
-    within the row's series (`starts[i]` is the first row of row i's series whose x is defined)."""
+    within the row's series (`starts[i]` is the first row of row i's series whose x is defined).
+
+    Two passes over the window (mean, then squared deviations), summed in a fixed order: each
+    value depends on the window's values alone, bit for bit, so the server computing from a
+    series' last bars gets exactly what training computed from the whole history. (Running
+    sums would make it depend on every earlier row through rounding.) O(N * window).
+    """
     n = x.shape[0]
-    xv = np.where(np.isnan(x), 0.0, x)
-    c1 = np.concatenate([[0.0], np.cumsum(xv)])
-    c2 = np.concatenate([[0.0], np.cumsum(xv * xv)])
-    idx = np.arange(n)
-    lo = idx - window + 1
-    ok = lo >= starts
-    lo_c = np.clip(lo, 0, None)
-    s1 = c1[idx + 1] - c1[lo_c]
-    s2 = c2[idx + 1] - c2[lo_c]
-    mean = s1 / window
-    var = np.maximum(s2 / window - mean * mean, 0.0)
+    ok = np.arange(n) - window + 1 >= starts
+    padded = np.concatenate([np.zeros(window - 1), np.where(np.isnan(x), 0.0, x)])  # padded[i + window - 1] = x[i]
+    mean = np.zeros(n)
+    for k in range(window):
+        mean += padded[k : k + n]
+    mean /= window
+    var = np.zeros(n)
+    for k in range(window):
+        var += (padded[k : k + n] - mean) ** 2
+    var /= window
     return np.where(ok, np.sqrt(var), np.nan)
 
 
-def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = None) -> FeatureFrame:
+def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = None,
+                bar_interval_ns: int | None = None) -> FeatureFrame:
     """Compute every feature array of `bars` (already validated, grouped by symbol in time order).
 
     `symbols` fixes the vocabulary (the trained model's); symbols outside it raise ValueError.
+    `bar_interval_ns` fixes the bar spacing (the trained model's) instead of inferring it from
+    `bars`, so a server that sees a few bars spaces future steps exactly as training did.
     """
     slices = bars.series_slices()
     vocab = list(symbols) if symbols is not None else sorted(slices)
@@ -179,5 +192,5 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
         known=known,
         close=c.astype(np.float64),
         targets=targets,
-        bar_interval_ns=infer_bar_interval_ns(bars.timestamp_ns, bounds),
+        bar_interval_ns=bar_interval_ns or infer_bar_interval_ns(bars.timestamp_ns, bounds),
     )

@@ -7,7 +7,7 @@ and output names, the server's request validation and the proto. Change them her
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 # ---- canonical tensor names (model inputs) -------------------------------------------
@@ -30,7 +30,7 @@ MODEL_OUTPUTS: tuple[str, ...] = (QUANTILES, *EXPLAIN_OUTPUTS)
 TARGET = "target"  # float32 [B, H]  log(close[t+h] / close[t]), h = 1..H
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     """Where a feature enters the TFT."""
 
     STATIC = "static"  # constant per series
@@ -38,7 +38,7 @@ class Role(str, Enum):
     KNOWN = "known"  # computable for any future timestamp (encoder and decoder)
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     REAL = "real"
     CATEGORICAL = "categorical"
 

@@ -57,9 +57,14 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     try:
         ckpt = torch.load(p, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if "Unsupported global" not in text:
+            raise CheckpointError(f"{p}: not a readable checkpoint (corrupt, truncated, or not written by "
+                                  "torch.save)") from None
+        what = text[text.index("Unsupported global"):].split(" was not")[0]
         raise CheckpointError(
-            f"{p}: refused — it needs unpickling of code, which a foxhunt checkpoint never does "
-            f"({str(exc).splitlines()[0]}). Only load checkpoints written by `python -m trainer`") from None
+            f"{p}: refused — loading it would unpickle code ({what}), which a foxhunt checkpoint never "
+            "needs. Only load checkpoints written by `python -m trainer`") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
         raise CheckpointError(f"{p}: not a readable checkpoint (corrupt or truncated?): "
                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None

@@ -306,6 +306,8 @@ class Trainer:
             torch.from_numpy(self.data.train_anchors[:2]))), self.device)
         if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
             stopped_early = True
+        if self.resume_state is not None:  # the metrics file restarts from the checkpoint's history
+            self.paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         while self.epoch < self.cfg.epochs and not stopped_early:
             self.memory.start()
             train_stats = self.train_epoch()
@@ -325,12 +327,12 @@ class Trainer:
                       "peak_memory": {"train": train_peak, "val": val_peak}, "best": improved}
             self.history.append(record)
             self._log_epoch(record)
-            with self.paths.metrics.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
             state = self.state()
             save_atomic(state, self.paths.last)
             if improved:
                 save_atomic(state, self.paths.best)
+            with self.paths.metrics.open("a") as fh:  # after the checkpoint: a logged epoch is a saved epoch
+                fh.write(json.dumps(record) + "\n")
             if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
                 stopped_early = True
                 log.info("early stopping: no validation improvement for %d epochs (best %.5f at epoch %d)",

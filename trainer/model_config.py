@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,7 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
         qs = self.quantiles
-        if not qs or any(not 0.0 < q < 1.0 for q in qs) or any(b <= a for a, b in zip(qs, qs[1:])):
+        if not qs or any(not 0.0 < q < 1.0 for q in qs) or any(b <= a for a, b in itertools.pairwise(qs)):
             raise ValueError(f"ModelConfig.quantiles must be non-empty, strictly increasing, in (0, 1); got {qs}")
 
     def to_dict(self) -> dict[str, Any]:

@@ -165,7 +165,7 @@ class VariableSelectionNetwork(nn.Module):
         # emb: [..., V, E] (leading dims [B] or [B, T]); c: broadcastable to [..., ctx]
         weights = torch.softmax(self.flat_grn(emb.flatten(-2), c), dim=-1)  # [..., V]
         per_var = self.var_grns(emb.reshape(-1, self.n_vars, self.input_size))  # [N, V, D]
-        per_var = per_var.reshape(emb.shape[:-1] + (self.hidden_size,))  # [..., V, D]
+        per_var = per_var.reshape((*emb.shape[:-1], self.hidden_size))  # [..., V, D]
         out = torch.matmul(weights.unsqueeze(-2), per_var).squeeze(-2)  # [..., 1, V] @ [..., V, D] -> [..., D]
         return out, weights
 
@@ -191,6 +191,8 @@ class StaticCovariateEncoder(nn.Module):
 
 class InterpretableMultiHeadAttention(nn.Module):
     """Per-head Q and K, one V shared by all heads, heads averaged (so weights are interpretable)."""
+
+    future_mask: Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -250,6 +252,12 @@ class QuantileHead(nn.Module):
 
 
 class TemporalFusionTransformer(nn.Module):
+    observed_mean: Tensor  # buffers, declared for type checkers
+    observed_std: Tensor
+    known_mean: Tensor
+    known_std: Tensor
+    target_scale: Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         cfg.validate()

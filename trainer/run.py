@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 
-
 from features.bars import ColumnMap
 from trainer.config import TrainConfig
 from trainer.loop import Trainer

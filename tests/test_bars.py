@@ -1,0 +1,453 @@
+"""Reading and validating bars: every rule with a real malformed parquet file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from conftest import SAMPLE_BARS, write_parquet
+
+from features.bars import BarDataError, ColumnMap, Problem, read_bars
+
+T0 = 1_704_119_400 * 10**9  # 2024-01-01 14:30:00 UTC, in ns
+MINUTE = 60 * 10**9
+N_PER_SYMBOL = 10
+
+
+def good_columns(n: int = N_PER_SYMBOL, symbols: tuple[str, ...] = ("ES", "NQ")) -> dict[str, Any]:
+    """Valid bars with the symbols interleaved row by row (file row 2*i is ES bar i, 2*i+1 is NQ bar i),
+    so that a row within the file differs from a row within its symbol."""
+    k = len(symbols)
+    bar = np.repeat(np.arange(n), k)  # bar index of each file row
+    open_ = 100.0 + bar + np.tile(np.arange(k) * 1000.0, n)
+    return {
+        "timestamp": (T0 + bar * MINUTE).astype(np.int64),
+        "symbol": np.tile(np.array(symbols, dtype=object), n),
+        "open": open_,
+        "high": open_ + 2.0,
+        "low": open_ - 2.0,
+        "close": open_ + 1.0,
+        "volume": np.full(n * k, 10.0),
+        "imbalance": np.linspace(-1.0, 1.0, n * k),
+        "note": np.array(["x"] * (n * k), dtype=object),
+    }
+
+
+def problems_of(path: Path, columns: ColumnMap | None = None, user: tuple[str, ...] = ()) -> list[Problem]:
+    with pytest.raises(BarDataError) as info:
+        read_bars(path, columns, user)
+    assert info.value.problems, "BarDataError without problems"
+    return info.value.problems
+
+
+def only_problem(path: Path, columns: ColumnMap | None = None, user: tuple[str, ...] = ()) -> Problem:
+    problems = problems_of(path, columns, user)
+    assert len(problems) == 1, "\n".join(map(str, problems))
+    return problems[0]
+
+
+def test_good_file_reads_grouped_by_symbol_in_time_order(tmp_path: Path) -> None:
+    path = write_parquet(tmp_path / "good.parquet", good_columns())
+    bars = read_bars(path, user_columns=("imbalance",))
+    assert len(bars) == 2 * N_PER_SYMBOL
+    assert bars.symbols == ["ES", "NQ"]
+    slices = bars.series_slices()
+    assert slices == {"ES": slice(0, N_PER_SYMBOL), "NQ": slice(N_PER_SYMBOL, 2 * N_PER_SYMBOL)}
+    np.testing.assert_array_equal(bars.timestamp_ns[slices["NQ"]], T0 + np.arange(N_PER_SYMBOL) * MINUTE)
+    np.testing.assert_array_equal(bars.open[slices["NQ"]], 1100.0 + np.arange(N_PER_SYMBOL))
+    np.testing.assert_allclose(bars.user["imbalance"][slices["ES"]], np.linspace(-1, 1, 20)[0::2])
+    assert bars.files == [str(path)]
+
+
+# (column to spoil, file rows, value, column named by the problem, words of the rule)
+VALUE_RULES = [
+    pytest.param("open", [5, 9], np.nan, "open", "NaN", id="nan-open"),
+    pytest.param("close", [12], np.nan, "close", "NaN", id="nan-close"),
+    pytest.param("volume", [3], np.nan, "volume", "NaN", id="nan-volume"),
+    pytest.param("low", [4, 6, 8], 0.0, "low", "not positive", id="zero-price"),
+    pytest.param("close", [7], -5.0, "close", "not positive", id="negative-price"),
+    pytest.param("high", [11, 13], np.inf, "high", "infinite", id="inf-high"),
+    pytest.param("open", [2], -np.inf, "open", "infinite", id="minus-inf-open"),
+    pytest.param("volume", [15, 16], -1.0, "volume", "negative", id="negative-volume"),
+    pytest.param("volume", [1], np.inf, "volume", "infinite", id="inf-volume"),
+]
+
+
+@pytest.mark.parametrize(("column", "rows", "value", "named", "words"), VALUE_RULES)
+def test_value_rule(tmp_path: Path, column: str, rows: list[int], value: float, named: str, words: str) -> None:
+    cols = good_columns()
+    cols[column][rows] = value
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    p = only_problem(path)
+    assert (p.file, p.column, p.row, p.count) == (str(path), named, rows[0], len(rows))
+    assert words in p.rule
+
+
+def test_high_below_low(tmp_path: Path) -> None:
+    cols = good_columns()
+    cols["high"][[6, 17]] = cols["low"][[6, 17]] - 1.0  # also below open and close: reported once, as high < low
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    p = only_problem(path)
+    assert (p.file, p.column, p.row, p.count) == (str(path), "high", 6, 2)
+    assert "high < low" in p.rule
+
+
+@pytest.mark.parametrize("which", ["open", "close"])
+def test_open_or_close_above_high(tmp_path: Path, which: str) -> None:
+    cols = good_columns()
+    cols[which][[9, 10, 14]] = cols["high"][[9, 10, 14]] + 0.5
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    p = only_problem(path)
+    assert (p.file, p.column, p.row, p.count) == (str(path), "high", 9, 3)
+    assert "above high" in p.rule
+
+
+@pytest.mark.parametrize("which", ["open", "close"])
+def test_open_or_close_below_low(tmp_path: Path, which: str) -> None:
+    cols = good_columns()
+    cols[which][[19]] = cols["low"][[19]] - 0.25
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    p = only_problem(path)
+    assert (p.file, p.column, p.row, p.count) == (str(path), "low", 19, 1)
+    assert "below low" in p.rule
+
+
+def test_unsorted_timestamps_per_symbol(tmp_path: Path) -> None:
+    cols = good_columns()
+    ts = cols["timestamp"]
+    ts[[6, 8]] = ts[[8, 6]]  # ES bars 3 and 4 swapped: the decrease is seen at file row 8
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    p = only_problem(path)
+    assert (p.file, p.column, p.row, p.count) == (str(path), "timestamp", 8, 1)
+    assert "decrease" in p.rule and "ES" in p.rule
+
+
+def test_duplicate_timestamp(tmp_path: Path) -> None:
+    cols = good_columns()
+    cols["timestamp"][[11, 13]] = cols["timestamp"][9]  # NQ bars 5 and 6 repeat NQ bar 4's time
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    problems = problems_of(path)
+    dup = [p for p in problems if "duplicate" in p.rule]
+    assert len(dup) == 1, problems
+    assert (dup[0].file, dup[0].column, dup[0].row, dup[0].count) == (str(path), "timestamp", 11, 2)
+    assert "NQ" in dup[0].rule
+    # and going back from bar 6 to bar 7's own time is fine, but bar 6 -> 7 is an increase: no other problem
+    assert len(problems) == 1, problems
+
+
+def test_same_timestamp_in_different_symbols_is_fine(tmp_path: Path) -> None:
+    cols = good_columns()
+    assert cols["timestamp"][0] == cols["timestamp"][1]  # ES and NQ bar 0 share a time
+    read_bars(write_parquet(tmp_path / "good.parquet", cols))
+
+
+def test_non_numeric_user_column(tmp_path: Path) -> None:
+    path = write_parquet(tmp_path / "bars.parquet", good_columns())
+    p = only_problem(path, user=("note",))
+    assert (p.file, p.column, p.row) == (str(path), "note", -1)
+    assert "not numeric" in p.rule
+
+
+def test_missing_user_column(tmp_path: Path) -> None:
+    path = write_parquet(tmp_path / "bars.parquet", good_columns())
+    p = only_problem(path, user=("spread",))
+    assert (p.file, p.column, p.row) == (str(path), "spread", -1)
+    assert "missing" in p.rule
+
+
+def test_nan_in_user_feature_column(tmp_path: Path) -> None:
+    cols = good_columns()
+    cols["imbalance"][[4, 5, 18]] = np.nan
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    read_bars(path)  # not chosen as a feature: not checked
+    p = only_problem(path, user=("imbalance",))
+    assert (p.file, p.column, p.row, p.count) == (str(path), "imbalance", 4, 3)
+    assert "NaN" in p.rule
+
+
+def test_non_numeric_price_column(tmp_path: Path) -> None:
+    cols = good_columns()
+    cols["close"] = [str(x) for x in cols["close"]]
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    p = only_problem(path)
+    assert (p.file, p.column, p.row) == (str(path), "close", -1)
+    assert "not numeric" in p.rule
+
+
+def test_timestamp_of_wrong_type(tmp_path: Path) -> None:
+    cols = good_columns()
+    cols["timestamp"] = [str(x) for x in cols["timestamp"]]
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    p = only_problem(path)
+    assert (p.file, p.column, p.row) == (str(path), "timestamp", -1)
+    assert "--time-col" in p.fix
+
+
+def test_null_timestamp(tmp_path: Path) -> None:
+    cols = good_columns()
+    ts: list[int | None] = [int(x) for x in cols["timestamp"]]
+    ts[7] = None
+    cols["timestamp"] = pa.array(ts, pa.int64())
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    problems = problems_of(path)
+    null = [p for p in problems if "null" in p.rule]
+    assert len(null) == 1, problems
+    assert (null[0].file, null[0].column, null[0].row, null[0].count) == (str(path), "timestamp", 7, 1)
+
+
+@pytest.mark.parametrize(
+    ("drop", "flag"),
+    [("timestamp", "--time-col"), ("open", "--open-col"), ("high", "--high-col"), ("low", "--low-col"),
+     ("close", "--close-col"), ("volume", "--volume-col")],
+)
+def test_missing_required_column(tmp_path: Path, drop: str, flag: str) -> None:
+    cols = good_columns()
+    del cols[drop]
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    p = only_problem(path)
+    assert (p.file, p.column, p.row) == (str(path), drop, -1)
+    assert f"'{drop}'" in p.rule and "missing" in p.rule
+    assert flag in p.fix
+    assert drop in str(p) and flag in str(p)
+
+
+def test_missing_mapped_column_names_the_mapped_name(tmp_path: Path) -> None:
+    path = write_parquet(tmp_path / "bars.parquet", good_columns())
+    p = only_problem(path, ColumnMap(timestamp="ts_event"))
+    assert (p.column, p.row) == ("ts_event", -1)
+    assert "ts_event" in p.rule and "--time-col" in p.fix
+
+
+def test_every_problem_of_a_file_is_reported(tmp_path: Path) -> None:
+    cols = good_columns()
+    cols["open"][3] = np.nan
+    cols["volume"][5] = -2.0
+    cols["timestamp"][[10, 12]] = cols["timestamp"][[12, 10]]
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    got = {(p.column, p.row) for p in problems_of(path)}
+    assert got == {("open", 3), ("volume", 5), ("timestamp", 12)}
+
+
+def test_corrupt_file(tmp_path: Path) -> None:
+    path = tmp_path / "corrupt.parquet"
+    good = write_parquet(tmp_path / "good.parquet", good_columns()).read_bytes()
+    path.write_bytes(good[: len(good) // 2])  # truncated: no footer
+    p = only_problem(path)
+    assert (p.file, p.column, p.row) == (str(path), "-", -1)
+    assert "cannot be read as parquet" in p.rule
+
+
+def test_corrupt_file_in_directory_is_named(tmp_path: Path) -> None:
+    write_parquet(tmp_path / "data" / "a.parquet", good_columns())
+    bad = tmp_path / "data" / "b.parquet"
+    bad.write_bytes(b"this is not parquet")
+    p = only_problem(tmp_path / "data")
+    assert (p.file, p.row) == (str(bad), -1)
+    assert "cannot be read as parquet" in p.rule
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere.parquet"
+    p = only_problem(path)
+    assert (p.file, p.row) == (str(path), -1)
+    assert "no such file" in p.rule
+
+
+def test_empty_directory(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("not bars")
+    p = only_problem(tmp_path / "empty")
+    assert (p.file, p.row) == (str(tmp_path / "empty"), -1)
+    assert "no .parquet files" in p.rule
+
+
+# ---- directories and hive partitions ----------------------------------------------------
+
+
+def series_columns(bar_from: int, bar_to: int, with_symbol: str | None = None) -> dict[str, Any]:
+    bar = np.arange(bar_from, bar_to)
+    open_ = 100.0 + bar
+    cols: dict[str, Any] = {
+        "timestamp": T0 + bar * MINUTE,
+        "open": open_, "high": open_ + 1, "low": open_ - 1, "close": open_.copy(), "volume": np.ones(bar.size),
+    }
+    if with_symbol is not None:
+        cols["symbol"] = [with_symbol] * bar.size
+    return cols
+
+
+def test_hive_partitioned_directory(tmp_path: Path) -> None:
+    root = tmp_path / "bars"
+    write_parquet(root / "symbol=ES" / "2024-01.parquet", series_columns(0, 5))
+    write_parquet(root / "symbol=ES" / "2024-02.parquet", series_columns(5, 12))
+    write_parquet(root / "symbol=NQ" / "2024-01.parquet", series_columns(0, 7))
+    (root / "_SUCCESS").write_text("")  # markers, hidden files and other files are ignored
+    (root / "README.txt").write_text("bars by symbol")
+    write_parquet(root / "symbol=ES" / ".2024-03.parquet.tmp.parquet", series_columns(0, 1))
+    bars = read_bars(root)
+    assert bars.symbols == ["ES", "NQ"]
+    assert len(bars) == 19
+    sl = bars.series_slices()
+    np.testing.assert_array_equal(bars.timestamp_ns[sl["ES"]], T0 + np.arange(12) * MINUTE)
+    np.testing.assert_array_equal(bars.timestamp_ns[sl["NQ"]], T0 + np.arange(7) * MINUTE)
+    assert len(bars.files) == 3
+
+
+def test_order_is_checked_across_files(tmp_path: Path) -> None:
+    root = tmp_path / "bars"
+    write_parquet(root / "symbol=ES" / "2024-01.parquet", series_columns(0, 5))
+    second = write_parquet(root / "symbol=ES" / "2024-02.parquet", series_columns(3, 9))  # starts 2 bars back
+    write_parquet(root / "symbol=NQ" / "2024-01.parquet", series_columns(0, 5))
+    problems = problems_of(root)
+    assert len(problems) == 1, problems
+    p = problems[0]
+    assert (p.file, p.column, p.row, p.count) == (str(second), "timestamp", 0, 1)
+    assert "decrease" in p.rule and "ES" in p.rule
+
+
+def test_duplicate_across_files(tmp_path: Path) -> None:
+    root = tmp_path / "bars"
+    write_parquet(root / "a.parquet", series_columns(0, 5, "ES"))
+    second = write_parquet(root / "b.parquet", series_columns(4, 9, "ES"))  # repeats bar 4
+    p = only_problem(root)
+    assert (p.file, p.column, p.row, p.count) == (str(second), "timestamp", 0, 1)
+    assert "duplicate" in p.rule
+
+
+def test_row_numbers_are_within_each_file(tmp_path: Path) -> None:
+    root = tmp_path / "bars"
+    write_parquet(root / "a.parquet", series_columns(0, 8, "ES"))
+    cols = series_columns(8, 16, "ES")
+    cols["close"][3] = np.nan
+    second = write_parquet(root / "b.parquet", cols)
+    p = only_problem(root)
+    assert (p.file, p.column, p.row) == (str(second), "close", 3)
+
+
+def test_file_missing_a_column_in_a_directory(tmp_path: Path) -> None:
+    root = tmp_path / "bars"
+    write_parquet(root / "a.parquet", series_columns(0, 4, "ES"))
+    cols = series_columns(4, 8, "ES")
+    del cols["volume"]
+    second = write_parquet(root / "b.parquet", cols)
+    p = only_problem(root)
+    assert (p.file, p.column, p.row) == (str(second), "volume", -1)
+    assert "missing" in p.rule
+
+
+# ---- column mapping and timestamp types ---------------------------------------------------
+
+
+def test_column_mapping_without_symbol_column(tmp_path: Path) -> None:
+    cols = series_columns(0, 6)
+    renamed = {"ts_event": cols["timestamp"], "o": cols["open"], "h": cols["high"], "l": cols["low"],
+               "c": cols["close"], "size": cols["volume"]}
+    path = write_parquet(tmp_path / "dbn.parquet", renamed)
+    problems = problems_of(path)  # the default names are not there
+    assert {p.column for p in problems} == {"timestamp", "open", "high", "low", "close", "volume"}
+    cmap = ColumnMap(timestamp="ts_event", open="o", high="h", low="l", close="c", volume="size",
+                     default_symbol="CLF4")
+    bars = read_bars(path, cmap)
+    assert bars.symbols == ["CLF4"]
+    assert bars.series_slices() == {"CLF4": slice(0, 6)}
+    np.testing.assert_array_equal(bars.timestamp_ns, cols["timestamp"])
+    np.testing.assert_array_equal(bars.high, cols["high"])
+
+
+def test_mapped_column_problem_names_the_source_column(tmp_path: Path) -> None:
+    cols = series_columns(0, 6)
+    cols["px_close"] = cols.pop("close")
+    cols["px_close"][2] = -1.0
+    path = write_parquet(tmp_path / "bars.parquet", cols)
+    p = only_problem(path, ColumnMap(close="px_close"))
+    assert (p.column, p.row) == ("px_close", 2)
+
+
+def test_column_map_flags_round_trip() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ColumnMap.add_arguments(parser)
+    cmap = ColumnMap.from_args(parser.parse_args(["--time-col", "ts_event", "--volume-col", "size"]))
+    assert cmap == ColumnMap(timestamp="ts_event", volume="size")
+    assert ColumnMap.from_dict(cmap.to_dict()) == cmap
+
+
+@pytest.mark.parametrize(
+    "arrow_type",
+    [pa.int64(), pa.timestamp("ns"), pa.timestamp("us", tz="UTC"), pa.timestamp("ms", tz="UTC"),
+     pa.timestamp("ms", tz="America/Chicago"), pa.timestamp("s", tz="UTC")],
+    ids=str,
+)
+def test_timestamp_types_read_to_the_same_ns(tmp_path: Path, arrow_type: pa.DataType) -> None:
+    cols = series_columns(0, 5)
+    ns = cols["timestamp"]
+    if pa.types.is_timestamp(arrow_type):
+        per_unit = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}[arrow_type.unit]
+        cols["timestamp"] = pa.array(ns // per_unit, pa.int64()).cast(arrow_type)
+    else:
+        cols["timestamp"] = pa.array(ns, arrow_type)
+    bars = read_bars(write_parquet(tmp_path / "bars.parquet", cols))
+    assert bars.timestamp_ns.dtype == np.int64
+    np.testing.assert_array_equal(bars.timestamp_ns, ns)
+
+
+# ---- the command line -----------------------------------------------------------------------
+
+
+def run_check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "features.check", *args], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_check_cli_on_good_file(sample_bars: Path) -> None:
+    res = run_check(str(sample_bars))
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "symbols: 2" in out
+    assert f"rows: {2 * SAMPLE_BARS}" in out
+    assert "bar interval (most common spacing): 1min" in out
+    # 3000 bars = 7 full sessions of 390 and 270 bars of an eighth (2024-01-02 .. 2024-01-11, no weekend)
+    for sym in ("ES", "NQ"):
+        assert (f"  {sym}: {SAMPLE_BARS} rows, 2024-01-02 14:30:00 UTC .. 2024-01-11 18:59:00 UTC, "
+                "7 session gaps") in out, out
+    assert "no problems found" in out
+    assert "Traceback" not in res.stderr
+
+
+def test_check_cli_on_bad_file(tmp_path: Path) -> None:
+    cols = good_columns()
+    cols["open"][3] = np.nan
+    cols["low"][[6, 7]] = 0.0
+    cols["volume"][9] = -3.0
+    path = write_parquet(tmp_path / "bad.parquet", cols)
+    res = run_check(str(path))
+    assert res.returncode == 2
+    assert res.stdout == ""
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert lines[0] == f"{path}: 3 problem(s) found"
+    assert len(lines) == 4, res.stderr
+    for col, row in (("'open'", "row 3:"), ("'low'", "row 6:"), ("'volume'", "row 9:")):
+        matching = [line for line in lines[1:] if col in line]
+        assert len(matching) == 1, res.stderr
+        assert str(path) in matching[0] and row in matching[0] and "Fix:" in matching[0], matching[0]
+    assert "(2 rows affected)" in next(line for line in lines if "'low'" in line)
+
+
+def test_check_cli_on_missing_path_and_mapping(tmp_path: Path) -> None:
+    res = run_check(str(tmp_path / "nope.parquet"))
+    assert res.returncode == 2 and "no such file" in res.stderr and "Traceback" not in res.stderr
+    cols = series_columns(0, 4)
+    cols["ts_event"] = cols.pop("timestamp")
+    path = write_parquet(tmp_path / "dbn.parquet", cols)
+    res = run_check(str(path))
+    assert res.returncode == 2 and "--time-col" in res.stderr and "Traceback" not in res.stderr
+    res = run_check(str(path), "--time-col", "ts_event", "--default-symbol", "ESH4")
+    assert res.returncode == 0, res.stderr
+    assert "ESH4: 4 rows" in res.stdout

@@ -1,0 +1,384 @@
+"""Feature values against hand-computed ones, no look-ahead, windows, normalisation, schema."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import write_parquet
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from features import FeatureConfig, FeatureSchema, NormStats, build_frame, known_features, read_bars
+from features.bars import Bars
+from features.compute import BUILTIN_KNOWN, BUILTIN_OBSERVED, FeatureFrame, future_timestamps
+from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
+from features.windows import anchor_rows, gather_windows, last_anchor_per_series
+
+MINUTE = 60 * 10**9
+CONFIG = FeatureConfig(horizon=3, volatility_window=3, user_columns=("imbalance",))
+
+
+def ns(year: int, month: int, day: int, hour: int, minute: int) -> int:
+    return int(datetime(year, month, day, hour, minute, tzinfo=UTC).timestamp()) * 10**9
+
+
+# ---- the tiny frame: two series written by hand ----------------------------------------------
+# A: 16 one-minute bars from Monday 2024-01-01 06:00 UTC; B: 14 bars from Friday 2024-01-05 23:55 UTC
+# (crossing midnight into Saturday). The file holds B before A, to be regrouped by symbol.
+A_CLOSE = [100, 101, 100.5, 102, 101, 103, 104, 103.5, 105, 104, 106, 107, 106.5, 108, 107, 109]
+A_VOLUME = [10, 5, 5, 7, 0, 9, 12, 4, 6, 8, 2, 11, 5, 7, 9, 1]
+B_CLOSE = [50, 49.5, 50.25, 51, 50.5, 50.75, 52, 51.5, 51, 52.5, 53, 52, 52.75, 53.5]
+B_VOLUME = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+A_T0 = ns(2024, 1, 1, 6, 0)
+B_T0 = ns(2024, 1, 5, 23, 55)
+
+
+def series(close: Sequence[float], volume: Sequence[float], t0: int, first_open: float) -> dict[str, np.ndarray]:
+    c = np.array(close, dtype=np.float64)
+    o = np.concatenate([[first_open], c[:-1]])
+    return {
+        "timestamp": t0 + np.arange(c.size, dtype=np.int64) * MINUTE,
+        "open": o,
+        "high": np.maximum(o, c) + 0.5,
+        "low": np.minimum(o, c) - 0.25,
+        "close": c,
+        "volume": np.array(volume, dtype=np.float64),
+        "imbalance": np.sin(np.arange(c.size)),
+    }
+
+
+A = series(A_CLOSE, A_VOLUME, A_T0, 99.5)
+B = series(B_CLOSE, B_VOLUME, B_T0, 50.5)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cols = {k: np.concatenate([B[k], A[k]]) for k in A}
+    cols["symbol"] = np.array(["B"] * len(B_CLOSE) + ["A"] * len(A_CLOSE), dtype=object)
+    return write_parquet(tmp_path_factory.mktemp("tiny") / "tiny.parquet", cols)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path: Path) -> FeatureFrame:
+    return build_frame(read_bars(tiny_path, user_columns=("imbalance",)), CONFIG)
+
+
+def reference_observed(s: dict[str, np.ndarray], window: int) -> np.ndarray:
+    """Row by row, in plain Python: the features as the contract defines them."""
+    n = s["close"].size
+    out = np.full((n, 6), np.nan)
+    ret = [math.nan] + [math.log(s["close"][i] / s["close"][i - 1]) for i in range(1, n)]
+    for i in range(window, n):
+        out[i] = [
+            ret[i],
+            math.log(s["high"][i] / s["low"][i]),
+            math.log(s["close"][i] / s["open"][i]),
+            math.log(1 + s["volume"][i]),
+            statistics.pstdev(ret[i - window + 1 : i + 1]),
+            s["imbalance"][i],
+        ]
+    return out
+
+
+def reference_targets(close: Sequence[float], horizon: int) -> np.ndarray:
+    n = len(close)
+    return np.array([[math.log(close[i + h] / close[i]) if i + h < n else math.nan for h in range(1, horizon + 1)]
+                     for i in range(n)])
+
+
+def test_layout_of_the_tiny_frame(tiny: FeatureFrame) -> None:
+    assert tiny.symbols == ["A", "B"]
+    np.testing.assert_array_equal(tiny.series_bounds, [[0, 16], [16, 30]])
+    np.testing.assert_array_equal(tiny.series_id, [0] * 16 + [1] * 14)
+    assert tiny.bar_interval_ns == MINUTE
+    assert tiny.schema.observed == [*BUILTIN_OBSERVED, "imbalance"]
+    assert tiny.observed.shape == (30, 6) and tiny.observed.dtype == np.float32
+    assert tiny.known.shape == (30, 4) and tiny.targets.shape == (30, 3)
+
+
+@pytest.mark.parametrize(("name", "rows", "s"), [("A", slice(0, 16), A), ("B", slice(16, 30), B)])
+def test_observed_features_match_hand_computed(tiny: FeatureFrame, name: str, rows: slice,
+                                               s: dict[str, np.ndarray]) -> None:
+    np.testing.assert_allclose(tiny.observed[rows], reference_observed(s, 3), rtol=2e-6, atol=1e-7)
+
+
+def test_literal_values(tiny: FeatureFrame) -> None:
+    # A row 3: close 100.5 -> 102, open 100.5, high 102.5, low 100.25, volume 7
+    log_return, log_range, log_body, log_volume, volatility, _ = tiny.observed[3]
+    assert log_return == pytest.approx(0.014815085, rel=1e-6)  # ln(102 / 100.5)
+    assert log_range == pytest.approx(0.022195745, rel=1e-6)  # ln(102.5 / 100.25)
+    assert log_body == pytest.approx(0.014815085, rel=1e-6)  # ln(102 / 100.5)
+    assert log_volume == pytest.approx(2.0794415, rel=1e-6)  # ln(1 + 7)
+    # returns of rows 1..3: ln(101/100), ln(100.5/101), ln(102/100.5) = 0.0099503, -0.0049628, 0.0148151
+    assert volatility == pytest.approx(0.0084145, rel=1e-4)  # their population std
+    assert tiny.observed[4, 3] == 0.0  # zero volume: ln(1 + 0)
+    np.testing.assert_allclose(tiny.targets[0], [0.0099503309, 0.0049875415, 0.0198026273], rtol=1e-6)
+
+
+def test_warm_up_rows_are_nan_and_only_those(tiny: FeatureFrame) -> None:
+    for s, e in tiny.series_bounds:
+        assert np.isnan(tiny.observed[s : s + 3]).all()
+        assert np.isfinite(tiny.observed[s + 3 : e]).all()
+    assert CONFIG.warmup_bars == 3
+
+
+def test_no_return_or_volatility_across_a_symbol_boundary(tiny: FeatureFrame, tiny_path: Path) -> None:
+    # B alone gives B's features exactly: nothing of A's last bars leaks into B's first ones
+    bars = read_bars(tiny_path, user_columns=("imbalance",))
+    b_rows = bars.series_slices()["B"]
+    alone = Bars(bars.timestamp_ns[b_rows], bars.symbol[b_rows], bars.open[b_rows], bars.high[b_rows],
+                 bars.low[b_rows], bars.close[b_rows], bars.volume[b_rows],
+                 {"imbalance": bars.user["imbalance"][b_rows]})
+    for window in (1, 3):
+        cfg = FeatureConfig(horizon=3, volatility_window=window, user_columns=("imbalance",))
+        both, one = build_frame(bars, cfg), build_frame(alone, cfg)
+        np.testing.assert_array_equal(both.observed[16:], one.observed)
+        np.testing.assert_array_equal(both.targets[16:], one.targets)
+    # with window 1 only the first bar of each series is warm-up; row 16 has no return from A's last close
+    w1 = build_frame(bars, FeatureConfig(horizon=3, volatility_window=1))
+    assert np.isnan(w1.observed[16]).all() and np.isfinite(w1.observed[17]).all()
+    assert w1.observed[17, 0] == pytest.approx(math.log(49.5 / 50), rel=1e-6)
+    assert w1.observed[17, 4] == 0.0  # std of one return
+
+
+def test_targets_and_nan_past_the_series_end(tiny: FeatureFrame) -> None:
+    np.testing.assert_allclose(tiny.targets[:16], reference_targets(A_CLOSE, 3), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(tiny.targets[16:], reference_targets(B_CLOSE, 3), rtol=1e-6, atol=1e-8)
+    assert np.isnan(tiny.targets[15]).all()  # A's last bar: B's first bars are not its future
+    assert np.isnan(tiny.targets[14, 1:]).all() and np.isfinite(tiny.targets[14, 0])
+    assert np.isfinite(tiny.targets[:13]).all()
+
+
+def test_calendar_features_of_known_timestamps() -> None:
+    s = math.sin
+    c = math.cos
+    tau = 2 * math.pi
+    cases = {
+        ns(2024, 1, 1, 6, 0): [1.0, 0.0, 0.0, 1.0],  # Monday 06:00: a quarter of the day, weekday 0
+        ns(2024, 1, 1, 18, 0): [-1.0, 0.0, 0.0, 1.0],  # Monday 18:00
+        ns(2024, 1, 3, 12, 0): [0.0, -1.0, s(tau * 2 / 7), c(tau * 2 / 7)],  # Wednesday noon
+        ns(2024, 1, 7, 0, 0): [0.0, 1.0, s(tau * 6 / 7), c(tau * 6 / 7)],  # Sunday midnight
+        ns(2024, 1, 5, 14, 30): [s(tau * 14.5 / 24), c(tau * 14.5 / 24), s(tau * 4 / 7), c(tau * 4 / 7)],  # Friday
+        ns(1969, 12, 31, 0, 0): [0.0, 1.0, s(tau * 2 / 7), c(tau * 2 / 7)],  # before the epoch: a Wednesday
+    }
+    got = known_features(np.array(list(cases)))
+    assert got.shape == (len(cases), len(BUILTIN_KNOWN)) and got.dtype == np.float32
+    np.testing.assert_allclose(got, np.array(list(cases.values())), atol=1e-6)
+    # any leading shape
+    assert known_features(np.zeros((2, 3), dtype=np.int64)).shape == (2, 3, 4)
+
+
+def test_known_features_of_the_frame_are_the_calendar_of_each_bar(tiny: FeatureFrame) -> None:
+    np.testing.assert_array_equal(tiny.known, known_features(tiny.timestamp_ns))
+    np.testing.assert_allclose(tiny.known[0], [1.0, 0.0, 0.0, 1.0], atol=1e-6)  # A: Monday 06:00
+    # B's 6th bar is Saturday 00:00: weekday 5
+    assert tiny.timestamp_ns[16 + 5] == ns(2024, 1, 6, 0, 0)
+    np.testing.assert_allclose(tiny.known[16 + 5], [0.0, 1.0, math.sin(2 * math.pi * 5 / 7),
+                                                     math.cos(2 * math.pi * 5 / 7)], atol=1e-6)
+
+
+def test_vocabulary_is_fixed_by_the_caller(tiny_path: Path) -> None:
+    bars = read_bars(tiny_path, user_columns=("imbalance",))
+    frame = build_frame(bars, CONFIG, symbols=["Z", "B", "A"])
+    assert frame.symbols == ["Z", "B", "A"]
+    np.testing.assert_array_equal(frame.series_id, [2] * 16 + [1] * 14)
+    with pytest.raises(ValueError, match="unknown symbol"):
+        build_frame(bars, CONFIG, symbols=["A"])
+
+
+def test_volatility_matches_a_direct_rolling_std_on_sample_data(sample_bars: Path) -> None:
+    window = 20
+    frame = build_frame(read_bars(sample_bars), FeatureConfig(volatility_window=window))
+    for s, e in frame.series_bounds:
+        c = frame.close[s:e]
+        ret = np.diff(np.log(c))  # returns of rows s+1 .. e-1
+        direct = np.lib.stride_tricks.sliding_window_view(ret, window).std(axis=1)  # rows s+window .. e-1
+        np.testing.assert_allclose(frame.observed[s + window : e, 4], direct, rtol=1e-4, atol=1e-9)
+        np.testing.assert_allclose(frame.observed[s + window : e, 0], ret[window - 1 :], rtol=1e-5, atol=1e-9)
+
+
+# ---- no look-ahead -----------------------------------------------------------------------------
+
+
+def bars_copy(bars: Bars, keep: np.ndarray | None = None) -> Bars:
+    k = slice(None) if keep is None else keep
+    return Bars(bars.timestamp_ns[k].copy(), bars.symbol[k].copy(), bars.open[k].copy(), bars.high[k].copy(),
+                bars.low[k].copy(), bars.close[k].copy(), bars.volume[k].copy(),
+                {u: v[k].copy() for u, v in bars.user.items()})
+
+
+@pytest.fixture(scope="module")
+def sample(sample_bars: Path) -> Bars:
+    return read_bars(sample_bars)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(min_value=50, max_value=2999), seed=st.integers(0, 2**32 - 1), truncate=st.booleans())
+def test_no_look_ahead(sample: Bars, cut: int, seed: int, truncate: bool) -> None:
+    """Changing (or dropping) every bar after time t changes no feature and no encoder input at <= t;
+    only targets may change."""
+    cfg = FeatureConfig(horizon=4, volatility_window=5)
+    t = sample.timestamp_ns[cut]  # the sample's series share one calendar
+    after = sample.timestamp_ns > t
+    if truncate:
+        changed = bars_copy(sample, ~after)
+    else:
+        changed = bars_copy(sample)
+        rng = np.random.default_rng(seed)
+        k = int(after.sum())
+        scale = np.exp(rng.normal(0, 0.05, k))
+        for name in ("open", "high", "low", "close"):
+            getattr(changed, name)[after] *= scale
+        changed.volume[after] = rng.integers(0, 10_000, k)
+    base, other = build_frame(sample, cfg), build_frame(changed, cfg)
+    keep_base = base.timestamp_ns <= t
+    keep_other = other.timestamp_ns <= t
+    np.testing.assert_array_equal(base.timestamp_ns[keep_base], other.timestamp_ns[keep_other])
+    np.testing.assert_array_equal(base.observed[keep_base], other.observed[keep_other])
+    np.testing.assert_array_equal(base.known[keep_base], other.known[keep_other])
+    assert base.bar_interval_ns == other.bar_interval_ns
+    # windows ending at <= t: every model input equal
+    L = 8
+    a_base = anchor_rows(base, L, require_targets=False)
+    a_other = anchor_rows(other, L, require_targets=False)
+    a_base, a_other = a_base[keep_base[a_base]], a_other[keep_other[a_other]]
+    assert a_base.size == a_other.size
+    wb, wo = gather_windows(base, a_base, L), gather_windows(other, a_other, L)
+    for name in (STATIC_CATEGORICAL, ENCODER_OBSERVED, ENCODER_KNOWN, DECODER_KNOWN):
+        np.testing.assert_array_equal(wb[name], wo[name])
+    # the perturbation did reach the future: targets of the bar at t change
+    if cut < 2999:
+        assert not np.array_equal(base.targets[base.timestamp_ns == t], other.targets[other.timestamp_ns == t],
+                                  equal_nan=True)
+
+
+# ---- windows -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("require_targets", [True, False])
+def test_anchors_never_cross_a_boundary_or_start_in_warm_up(tiny: FeatureFrame, require_targets: bool) -> None:
+    L, H = 4, CONFIG.horizon
+    anchors = anchor_rows(tiny, L, require_targets)
+    ends = 0 if not require_targets else H
+    # A: rows 0..15, warm-up 3: first anchor 3 + 4 - 1 = 6; B: rows 16..29 -> 22
+    expected = [*range(6, 16 - ends), *range(22, 30 - ends)]
+    np.testing.assert_array_equal(anchors, expected)
+    for a in anchors:
+        start, end = next((s, e) for s, e in tiny.series_bounds if s <= a < e)
+        assert a - L + 1 >= start + CONFIG.warmup_bars
+        assert a < end - (H if require_targets else 0)
+    w = gather_windows(tiny, anchors, L)
+    assert np.isfinite(w[ENCODER_OBSERVED]).all()
+    if require_targets:
+        assert np.isfinite(w[TARGET]).all()
+
+
+def test_anchor_row_range(tiny: FeatureFrame) -> None:
+    # per-series [lo, hi): A rows 8..12, B rows 16..28; targets must lie inside too
+    anchors = anchor_rows(tiny, 4, True, (np.array([8, 16]), np.array([13, 29])))
+    np.testing.assert_array_equal(anchors, [8, 9, *range(22, 26)])
+    assert anchor_rows(tiny, 20).size == 0  # longer than any series
+    np.testing.assert_array_equal(last_anchor_per_series(tiny), [15, 29])
+
+
+def test_gather_windows_shapes_and_values(tiny: FeatureFrame) -> None:
+    L, H = 4, CONFIG.horizon
+    anchors = np.array([6, 12, 22, 26])
+    w = gather_windows(tiny, anchors, L)
+    assert w[STATIC_CATEGORICAL].shape == (4, 1) and w[STATIC_CATEGORICAL].dtype == np.int64
+    assert w[ENCODER_OBSERVED].shape == (4, L, 6) and w[ENCODER_OBSERVED].dtype == np.float32
+    assert w[ENCODER_KNOWN].shape == (4, L, 4)
+    assert w[DECODER_KNOWN].shape == (4, H, 4) and w[DECODER_KNOWN].dtype == np.float32
+    assert w[TARGET].shape == (4, H)
+    np.testing.assert_array_equal(w[STATIC_CATEGORICAL][:, 0], [0, 0, 1, 1])
+    for b, a in enumerate(anchors):
+        np.testing.assert_array_equal(w[ENCODER_OBSERVED][b], tiny.observed[a - L + 1 : a + 1])
+        np.testing.assert_array_equal(w[ENCODER_KNOWN][b], tiny.known[a - L + 1 : a + 1])
+        np.testing.assert_array_equal(w[TARGET][b], tiny.targets[a])
+        future = tiny.timestamp_ns[a] + np.arange(1, H + 1) * tiny.bar_interval_ns
+        np.testing.assert_array_equal(w[DECODER_KNOWN][b], known_features(future))
+    # inside a series the decoder's nominal times are the next bars' real times
+    np.testing.assert_array_equal(w[DECODER_KNOWN][0], tiny.known[7:10])
+    np.testing.assert_array_equal(future_timestamps(np.array([0, 10]), 5, 2), [[5, 10], [15, 20]])
+
+
+# ---- normalisation -------------------------------------------------------------------------------
+
+
+def test_norm_stats_fit_on_a_slice_and_apply_to_another() -> None:
+    x = np.array([[1.0, 5.0, 2.0], [3.0, 5.0, np.nan], [5.0, 5.0, 4.0], [100.0, -7.0, 1000.0]], dtype=np.float32)
+    stats = NormStats.fit(x, slice(0, 3))  # the last row is outside the fitting slice
+    np.testing.assert_allclose(stats.mean, [3.0, 5.0, 3.0])
+    np.testing.assert_allclose(stats.std, [math.sqrt(8 / 3), 1.0, 1.0])  # NaN ignored; zero spread -> 1
+    z = stats.apply(x[3:])
+    assert z.dtype == np.float32
+    np.testing.assert_allclose(z, [[97 / math.sqrt(8 / 3), -12.0, 997.0]], rtol=1e-6)
+    np.testing.assert_allclose(stats.invert(stats.apply(x[3:])), x[3:], rtol=1e-6)
+    assert np.isnan(stats.apply(x[1:2])[0, 2])  # NaN stays NaN
+    rows = NormStats.fit(x, np.array([0, 2]))  # index arrays work too
+    np.testing.assert_allclose(rows.mean, [3.0, 5.0, 3.0])
+    np.testing.assert_allclose(rows.std, [2.0, 1.0, 1.0])
+
+
+def test_norm_stats_on_windows_and_round_trip(tiny: FeatureFrame) -> None:
+    stats = NormStats.fit(tiny.observed, slice(0, 16))  # fitted on A, warm-up NaN ignored
+    np.testing.assert_allclose(stats.mean, np.nanmean(tiny.observed[:16].astype(np.float64), axis=0), rtol=1e-5)
+    np.testing.assert_allclose(stats.std, np.nanstd(tiny.observed[:16].astype(np.float64), axis=0), rtol=1e-5)
+    w = gather_windows(tiny, np.array([22, 23]), 4)[ENCODER_OBSERVED]  # [B, L, C] from B
+    np.testing.assert_allclose(stats.apply(w), (w - stats.mean) / stats.std, rtol=1e-6)
+    back = NormStats.from_dict(json.loads(json.dumps(stats.to_dict())))
+    np.testing.assert_array_equal(back.mean, stats.mean)
+    np.testing.assert_array_equal(back.std, stats.std)
+    assert back.mean.dtype == np.float32
+    with pytest.raises(ValueError, match="no finite value"):
+        NormStats.fit(tiny.observed, slice(0, 3))  # warm-up only
+
+
+# ---- schema --------------------------------------------------------------------------------------
+
+
+def test_schema_round_trip() -> None:
+    schema = CONFIG.schema()
+    assert schema.static == ["symbol"]
+    assert schema.observed == [*BUILTIN_OBSERVED, "imbalance"]
+    assert schema.known == list(BUILTIN_KNOWN)
+    assert schema.user_columns == ["imbalance"]
+    back = FeatureSchema.from_list(json.loads(json.dumps(schema.to_list())))
+    assert back == schema
+    assert FeatureConfig.from_dict(json.loads(json.dumps(CONFIG.to_dict()))) == CONFIG
+    assert FeatureConfig().schema() != schema
+    with pytest.raises(ValueError, match="at least 1"):
+        FeatureConfig(horizon=0)
+    with pytest.raises(ValueError, match="at least 1"):
+        FeatureConfig(volatility_window=0)
+
+
+def test_features_import_without_torch() -> None:
+    code = "import features, features.windows, features.check, features.synth, sys; assert 'torch' not in sys.modules"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr
+
+
+def test_features_of_recent_bars_equal_those_of_the_whole_history(sample: Bars) -> None:
+    """The server computes features from a series' last bars only: past the warm-up they must be the
+    training features bit for bit (no dependence on earlier history through running sums)."""
+    cfg = FeatureConfig(horizon=2, volatility_window=20)
+    full = build_frame(sample, cfg)
+    es = sample.series_slices()["ES"]
+    for first in (1, 777, 2900):
+        keep = np.zeros(len(sample), dtype=bool)
+        keep[es.start + first : es.stop] = True
+        recent = build_frame(bars_copy(sample, keep), cfg, symbols=full.symbols)
+        w = cfg.warmup_bars
+        np.testing.assert_array_equal(recent.observed[w:], full.observed[es.start + first + w : es.stop])
+        np.testing.assert_array_equal(recent.known, full.known[es.start + first : es.stop])

@@ -1,0 +1,247 @@
+"""The trainer as a user runs it: `python -m trainer`, its files, resume, and every refusal."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from features.normalize import NormStats
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, run
+from trainer.checkpoint import FORMAT, load_checkpoint
+from trainer.config import TrainConfig
+from trainer.data import prepare
+from trainer.loop import Trainer
+from trainer.metrics import forecast_metrics
+
+# Enough training for the model to learn the planted volatility clustering (about 20 s on one thread).
+LEARN_FLAGS = ("--hidden-size", "16", "--encoder-length", "30", "--horizon", "3", "--batch-size", "64",
+               "--epochs", "5", "--max-steps-per-epoch", "40", "--learning-rate", "3e-3", "--dropout", "0",
+               "--threads", "1", "--device", "cpu", "--no-progress")
+
+
+@pytest.fixture(scope="module")
+def bars(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_bars(tmp_path_factory.mktemp("trainer") / "bars.parquet", bars=4000)
+
+
+@pytest.fixture(scope="module")
+def learned_run(tmp_path_factory: pytest.TempPathFactory, bars: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = tmp_path_factory.mktemp("learn") / "ckpt.pt"
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *LEARN_FLAGS])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, r
+
+
+def tiny_cfg(**kw: object) -> TrainConfig:
+    base = dict(hidden_size=8, attention_heads=2, encoder_length=20, horizon=3, batch_size=32, epochs=3,
+                max_steps_per_epoch=4, max_val_windows=100, threads=1, device="cpu", dropout=0.1)
+    base.update(kw)
+    return TrainConfig.from_dict(base)
+
+
+def test_loss_falls_and_model_beats_climatology(learned_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, r = learned_run
+    records = [json.loads(line) for line in out.with_suffix(".metrics.jsonl").read_text().splitlines()]
+    assert [rec["epoch"] for rec in records] == [1, 2, 3, 4, 5]
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    best = min(records, key=lambda rec: rec["val_loss"])
+    assert best["val"]["pinball_mean"] < best["baseline"]["pinball_mean"], (best["val"], best["baseline"])
+    for rec in records:  # per-quantile pinball and q-risk for model and baseline, and coverage
+        for side in ("val", "baseline"):
+            assert set(rec[side]["pinball"]) == set(rec[side]["q_risk"]) == {"0.1", "0.5", "0.9"}
+            assert 0.0 <= rec[side]["coverage"] <= 1.0
+        assert rec["peak_memory"]["train"]["bytes"] > 0 and rec["peak_memory"]["val"]["bytes"] > 0
+    assert "resolved config" in r.stderr and '"hidden_size": 16' in r.stderr
+    assert "pinball model/baseline" in r.stderr and "coverage model" in r.stderr
+
+
+def test_run_writes_checkpoints_report_and_nothing_half_written(
+        learned_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = learned_run
+    files = sorted(p.name for p in out.parent.iterdir())
+    assert files == ["ckpt.last.pt", "ckpt.metrics.jsonl", "ckpt.pt", "ckpt.report.png"]
+    assert out.with_suffix(".report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_checkpoint_loads_weights_only_with_everything_export_needs(
+        learned_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = learned_run
+    ckpt = torch.load(out, map_location="cpu", weights_only=True)
+    assert ckpt["format"] == FORMAT
+    for key in ("model_state", "optimizer_state", "scheduler_state", "scaler_state", "epoch", "step", "rng",
+                "train_config", "model_config", "feature_schema", "normalization", "symbols", "metrics_history",
+                "peak_memory", "validation_sample", "bar_interval_ns"):
+        assert key in ckpt, key
+    assert ckpt["symbols"] == ["ES", "NQ"]
+    assert ckpt["train_config"]["hidden_size"] == 16
+    assert len(ckpt["peak_memory"]) == len(ckpt["metrics_history"]) == ckpt["epoch"]
+    assert ckpt["bar_interval_ns"] == 60_000_000_000
+    last = torch.load(out.with_suffix(".last.pt"), map_location="cpu", weights_only=True)
+    assert last["epoch"] == 5
+    best_epoch = min(ckpt["metrics_history"], key=lambda r: r["val_loss"])["epoch"]
+    assert ckpt["epoch"] == best_epoch == ckpt["best_epoch"]
+
+
+def test_split_is_chronological_purged_and_normalised_on_train_only(bars: Path) -> None:
+    cfg = tiny_cfg(val_fraction=0.2, test_fraction=0.1)
+    data = prepare(bars, cfg)
+    f, h, L = data.frame, cfg.horizon, cfg.encoder_length
+    for s, e in f.series_bounds:
+        tr = data.train_anchors[(data.train_anchors >= s) & (data.train_anchors < e)]
+        va = data.val_anchors[(data.val_anchors >= s) & (data.val_anchors < e)]
+        te = data.test_anchors[(data.test_anchors >= s) & (data.test_anchors < e)]
+        assert tr.size and va.size and te.size
+        # windows stay inside their series and out of the warm-up
+        for a in (tr, va, te):
+            assert a.min() - L + 1 >= s + cfg.volatility_window and a.max() + h <= e - 1
+        # no target of one split reaches the next split's first target, with at least H bars between
+        assert va.min() - (tr.max() + h) >= h
+        assert te.min() - (va.max() + h) >= h
+        assert f.timestamp_ns[tr.max() + h] < data.split_times_ns[0] <= f.timestamp_ns[va.min()]
+    train_rows = np.concatenate([np.arange(s, s + np.searchsorted(f.timestamp_ns[s:e], data.split_times_ns[0]))
+                                 for s, e in f.series_bounds])
+    expected = NormStats.fit(f.observed, train_rows)
+    np.testing.assert_allclose(data.normalization.observed.mean, expected.mean, rtol=1e-6)
+    all_rows = NormStats.fit(f.observed)
+    assert not np.allclose(data.normalization.observed.mean, all_rows.mean, rtol=1e-6)
+
+
+def test_batches_are_windows_taken_by_index(bars: Path) -> None:
+    cfg = tiny_cfg()
+    data = prepare(bars, cfg)
+    a = data.train_anchors[[0, 17, -1]]
+    b = data.tensors.batch(torch.from_numpy(a))
+    from features.windows import gather_windows
+
+    ref = gather_windows(data.frame, a, cfg.encoder_length)
+    for name, value in ref.items():
+        np.testing.assert_allclose(b[name].numpy(), value, rtol=0, atol=0, err_msg=name)
+
+
+def test_resume_after_interruption_gives_the_same_weights(tmp_path: Path, bars: Path) -> None:
+    torch.set_num_threads(1)
+    cfg = tiny_cfg(epochs=3)
+    full = Trainer(bars, cfg, tmp_path / "a" / "ckpt.pt", progress=False)
+    full.run()
+    part = Trainer(bars, cfg, tmp_path / "b" / "ckpt.pt", progress=False)
+    assert part.run(stop_after_epochs=1).epochs_run == 1
+    del part
+    resumed = Trainer(bars, cfg, tmp_path / "b" / "ckpt.pt", resume=tmp_path / "b" / "ckpt.last.pt", progress=False)
+    assert resumed.epoch == 1
+    assert resumed.run().epochs_run == 2
+    for (name, p1), p2 in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(p1, p2), name
+    assert [r["val_loss"] for r in full.history] == [r["val_loss"] for r in resumed.history]
+
+
+def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path, bars: Path) -> None:
+    out = tmp_path / "ckpt.pt"
+    flags = [f for f in TINY_TRAIN_FLAGS]
+    flags[flags.index("--epochs") + 1] = "50"
+    flags[flags.index("--max-steps-per-epoch") + 1] = "20"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--parquet", str(bars), "--out", str(out), *flags],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = out.with_suffix(".metrics.jsonl")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "--resume" in err
+    last = load_checkpoint(out.with_suffix(".last.pt"))
+    assert 1 <= last["epoch"] < 50
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--resume", str(out.with_suffix(".last.pt")),
+             "--epochs", str(last["epoch"] + 1), "--no-progress", "--no-report"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert load_checkpoint(out.with_suffix(".last.pt"))["epoch"] == last["epoch"] + 1
+
+
+def test_flags_override_config_file(tmp_path: Path, bars: Path) -> None:
+    cfg_file = tmp_path / "cfg.toml"
+    cfg_file.write_text("[model]\nhidden_size = 12\nattention_heads = 2\n[data]\nhorizon = 4\n")
+    flags = [f for f in TINY_TRAIN_FLAGS]
+    flags[flags.index("--horizon") : flags.index("--horizon") + 2] = []
+    flags[flags.index("--hidden-size") : flags.index("--hidden-size") + 2] = []
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "c.pt"), "--config", str(cfg_file),
+             "--hidden-size", "6", *flags])
+    assert r.returncode == 0, r.stderr[-2000:]
+    ckpt = load_checkpoint(tmp_path / "c.pt")
+    assert ckpt["model_config"]["hidden_size"] == 6  # flag wins over the file
+    assert ckpt["model_config"]["horizon"] == 4  # the file wins over the default
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "cuda"], "CUDA is not available"),
+        (["--epochs", "abc"], "epochs: cannot use 'abc'"),
+        (["--hidden-size", "10", "--attention-heads", "3"], "divisible"),
+        (["--quantiles", "0.9,0.1"], "quantiles"),
+        (["--encoder-length", "5000"], "no training windows"),
+        (["--val-fraction", "0.001"], "no validation windows"),
+        (["--features", "nope"], "user feature column 'nope' is missing"),
+        (["--resume", "missing.pt"], "no such checkpoint file"),
+        (["--precision", "fp16", "--device", "cpu"], "needs CUDA"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args: list[str], message: str) -> None:
+    out = tmp_path / "ckpt.pt"
+    base = [f for f in TINY_TRAIN_FLAGS if f not in ("--device", "cpu")]
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *base, *args])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert message in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_unknown_config_key_and_bad_bars_exit_2(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "cfg.toml"
+    cfg_file.write_text("hiden_size = 12\n")
+    bars = make_bars(tmp_path / "bars.parquet", bars=500)
+    r = run(["-m", "trainer", "--parquet", str(bars), "--config", str(cfg_file)])
+    assert r.returncode == 2 and "unknown config key(s) hiden_size" in r.stderr
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(bars)
+    close = t.column("close").to_numpy().copy()
+    close[10] = -1.0
+    t = t.set_column(t.schema.get_field_index("close"), "close", [close])
+    pq.write_table(t, tmp_path / "bad.parquet")
+    r = run(["-m", "trainer", "--parquet", str(tmp_path / "bad.parquet"), "--out", str(tmp_path / "x.pt")])
+    assert r.returncode == 2
+    assert "column 'close', row 10" in r.stderr and "Traceback" not in r.stderr
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"not a checkpoint")
+    r = run(["-m", "trainer", "--parquet", str(bars), "--resume", str(corrupt)])
+    assert r.returncode == 2 and "not a readable checkpoint" in r.stderr
+
+
+def test_device_auto_says_which_device_it_chose(tmp_path: Path, bars: Path) -> None:
+    flags = [f for f in TINY_TRAIN_FLAGS if f not in ("--device", "cpu")]
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "a.pt"), "--device", "auto", *flags])
+    assert r.returncode == 0, r.stderr[-2000:]
+    expected = "training on the CPU" if not torch.cuda.is_available() else "training on cuda"
+    assert expected in r.stderr
+
+
+def test_forecast_metrics_match_hand_computation() -> None:
+    target = np.array([[1.0], [-2.0]])  # [W=2, H=1]
+    pred = np.array([[[0.0, 0.5, 2.0]], [[-1.0, 0.0, 1.0]]])  # [W, H, Q]
+    m = forecast_metrics(pred, target, (0.1, 0.5, 0.9))
+    # q=0.1: errors 1 -> 0.1, -1 -> 0.9 ; q=0.5: 0.5 -> 0.25, -2 -> 1.0 ; q=0.9: -1 -> 0.1, -3 -> 0.3
+    assert m["pinball"] == pytest.approx({"0.1": 0.5, "0.5": 0.625, "0.9": 0.2})
+    assert m["q_risk"] == pytest.approx({"0.1": 2 * 1.0 / 3, "0.5": 2 * 1.25 / 3, "0.9": 2 * 0.4 / 3})
+    assert m["coverage"] == 0.5
