@@ -62,9 +62,15 @@ def intraday_shape(minute_of_session: np.ndarray) -> np.ndarray:
     return np.asarray(0.6 + 1.6 * x * x)
 
 
-def generate(symbols: list[str], n_bars: int, seed: int, start: datetime | None = None) -> pa.Table:
-    """Bars of every symbol on a shared session calendar, as an arrow table."""
+def generate(symbols: list[str], n_bars: int, seed: int, start: datetime | None = None,
+             extra_features: int = 0) -> pa.Table:
+    """Bars of every symbol on a shared session calendar, as an arrow table.
+
+    `extra_features` adds numeric columns f000, f001, ... that stand in for a desk's own
+    indicators: trailing means of log returns over 2..31 bars (no look-ahead) plus noise.
+    """
     rng = np.random.default_rng(seed)
+    extra_rng = np.random.default_rng(seed + 1_000_003)  # separate stream: bars do not depend on extras
     ts = session_timestamps(n_bars, start or datetime(2024, 1, 2, tzinfo=UTC))
     minute = ((ts - SESSION_OPEN_NS) % NS_PER_DAY) // (60 * NS_PER_SECOND)
     shape = intraday_shape(minute)
@@ -80,8 +86,9 @@ def generate(symbols: list[str], n_bars: int, seed: int, start: datetime | None 
         h[t] = h_prev
         eps_prev = np.sqrt(h_prev) * z_common[t]
 
+    extra_names = [f"f{k:03d}" for k in range(extra_features)]
     columns: dict[str, list[np.ndarray]] = {k: [] for k in ("timestamp", "symbol", "open", "high", "low",
-                                                           "close", "volume")}
+                                                           "close", "volume", *extra_names)}
     for sym in symbols:
         price0, tick, base_vol = KNOWN_SYMBOLS.get(sym, (100.0, 0.01, 0.0005))
         z = COMMON_WEIGHT * z_common + np.sqrt(1 - COMMON_WEIGHT**2) * rng.standard_normal(n_bars)
@@ -109,11 +116,23 @@ def generate(symbols: list[str], n_bars: int, seed: int, start: datetime | None 
         columns["low"].append(low)
         columns["close"].append(close)
         columns["volume"].append(volume)
+        for k, name in enumerate(extra_names):
+            columns[name].append(_trailing_mean(np.diff(np.log(close), prepend=np.log(close[0])), 2 + k % 30) * 1e4
+                                 + extra_rng.standard_normal(n_bars))
     return pa.table({
         "timestamp": pa.array(np.concatenate(columns["timestamp"]), type=pa.timestamp("ns", tz="UTC")),
         "symbol": pa.array(np.concatenate(columns["symbol"]).astype(str), type=pa.string()),
-        **{k: pa.array(np.concatenate(columns[k])) for k in ("open", "high", "low", "close", "volume")},
+        **{k: pa.array(np.concatenate(columns[k])) for k in ("open", "high", "low", "close", "volume",
+                                                               *extra_names)},
     })
+
+
+def _trailing_mean(x: np.ndarray, window: int) -> np.ndarray:
+    """Mean of x over the last `window` values (fewer at the start); uses values <= t only."""
+    c = np.concatenate([[0.0], np.cumsum(x)])
+    idx = np.arange(1, x.shape[0] + 1)
+    lo = np.maximum(0, idx - window)
+    return np.asarray((c[idx] - c[lo]) / (idx - lo))
 
 
 def _ar1(shocks: np.ndarray, reset: np.ndarray) -> np.ndarray:
@@ -147,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bars", type=int, default=20000, help="bars per symbol (default 20000)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--start", default="2024-01-02", help="first session date, YYYY-MM-DD (UTC)")
+    p.add_argument("--extra-features", type=int, default=0, metavar="N",
+                   help="also write N numeric indicator columns f000..f{N-1} (e.g. 220 for the production preset)")
     args = p.parse_args(argv)
     symbols = [s.strip() for s in args.symbols.split(",") if s.strip()]
     if not symbols:
@@ -157,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         start = datetime.strptime(args.start, "%Y-%m-%d").replace(tzinfo=UTC)
     except ValueError:
         p.error(f"--start {args.start!r}: expected a date as YYYY-MM-DD")
-    table = generate(symbols, args.bars, args.seed, start)
+    if args.extra_features < 0:
+        p.error("--extra-features must be >= 0")
+    table = generate(symbols, args.bars, args.seed, start, args.extra_features)
     write_parquet_atomic(table, args.out)
     print(f"wrote {table.num_rows} bars ({len(symbols)} symbols x {args.bars}) to {args.out}", file=sys.stderr)
     return 0

@@ -179,3 +179,13 @@ def test_cli_bad_arguments(tmp_path: Path, args: list[str], words: str) -> None:
     assert res.returncode == 2
     assert words in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "x.parquet").exists()
+
+
+def test_extra_feature_columns_leave_the_bars_unchanged() -> None:
+    plain = generate(["ES"], 800, seed=3)
+    wide = generate(["ES"], 800, seed=3, extra_features=4)
+    assert wide.column_names == [*plain.column_names, "f000", "f001", "f002", "f003"]
+    for name in plain.column_names:
+        assert wide.column(name).equals(plain.column(name)), name
+    f1 = wide.column("f001").to_numpy()  # trailing mean over 3 bars, scaled, plus unit noise
+    assert np.isfinite(f1).all() and 0.5 < f1.std() < 50
