@@ -245,3 +245,22 @@ def test_forecast_metrics_match_hand_computation() -> None:
     assert m["pinball"] == pytest.approx({"0.1": 0.5, "0.5": 0.625, "0.9": 0.2})
     assert m["q_risk"] == pytest.approx({"0.1": 2 * 1.0 / 3, "0.5": 2 * 1.25 / 3, "0.9": 2 * 0.4 / 3})
     assert m["coverage"] == 0.5
+
+
+def test_torchrun_two_gloo_processes_match_one_process(tmp_path: Path, bars: Path) -> None:
+    """DDP on 2 CPU ranks (gloo): shared vocabulary/normalisation, sharded batches, averaged
+    gradients, rank 0 alone writing files — the same weights as one process, within float error."""
+    flags = [*TINY_TRAIN_FLAGS, "--dropout", "0", "--epochs", "2"]
+    one = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "one" / "ckpt.pt"), *flags])
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainer",
+               "--parquet", str(bars), "--out", str(tmp_path / "two" / "ckpt.pt"), *flags])
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = load_checkpoint(tmp_path / "one" / "ckpt.last.pt")
+    b = load_checkpoint(tmp_path / "two" / "ckpt.last.pt")
+    assert a["epoch"] == b["epoch"] == 2
+    assert a["symbols"] == b["symbols"] and a["normalization"] == b["normalization"]
+    for name, value in a["model_state"].items():
+        torch.testing.assert_close(b["model_state"][name], value, atol=1e-5, rtol=1e-4, msg=name)
+    lines = (tmp_path / "two" / "ckpt.metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2  # written once, by rank 0

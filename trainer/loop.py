@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from features.bars import ColumnMap
@@ -26,6 +27,7 @@ from trainer.checkpoint import FORMAT, load_checkpoint, save_atomic
 from trainer.config import TrainConfig
 from trainer.data import Normalization, PreparedData, prepare
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
+from trainer.distributed import init_from_env
 from trainer.loss import pinball_loss
 from trainer.metrics import climatology_forecast, forecast_metrics, pinball
 from trainer.modeling import TemporalFusionTransformer, TFTOutput
@@ -111,10 +113,19 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
-        self.device = resolve_device(cfg.device)
+        self.dist = init_from_env(cfg.device)
+        self.progress = progress and self.dist.is_main
+        self.device = resolve_device(self.dist.device_spec(cfg.device))
         self.precision = resolve_precision(cfg.precision, self.device)
         norm = (Normalization.from_dict(self.resume_state["normalization"]) if self.resume_state else None)
         symbols = list(self.resume_state["symbols"]) if self.resume_state else None
+        if self.dist.enabled and norm is None:  # rank 0 fits vocabulary and normalisation; all ranks share them
+            shared = None
+            if self.dist.is_main:
+                first = prepare(parquet, cfg, self.columns)
+                shared = (first.frame.symbols, first.normalization.to_dict())
+            symbols, norm_dict = self.dist.broadcast(shared)  # type: ignore[misc]
+            norm = Normalization.from_dict(norm_dict)
         self.data = prepare(parquet, cfg, self.columns, symbols, norm)
         self.parquet = str(parquet)
         frame = self.data.frame
@@ -124,6 +135,10 @@ class Trainer:
         n = self.data.normalization
         self.model.set_normalization(n.observed.mean, n.observed.std, n.known.mean, n.known.std, n.target_scale)
         self.model.to(self.device)
+        self.net: torch.nn.Module = self.model
+        if self.dist.enabled:
+            self.net = DistributedDataParallel(self.model, device_ids=[self.device.index]
+                                               if self.device.type == "cuda" else None)
         self.plan = (plan_fn(self.model, self.data, self.device, self.precision.name) if plan_fn
                      else literal_plan(cfg.batch_size, cfg.grad_checkpointing, self.precision.name))
         self.model.gradient_checkpointing = self.plan.grad_checkpointing
@@ -174,9 +189,9 @@ class Trainer:
         order = torch.randperm(anchors.numel(), generator=g)
         return anchors[order][: self.steps_per_epoch * self.cfg.batch_size]
 
-    def _forward(self, batch: dict[str, torch.Tensor]) -> TFTOutput:
+    def _forward(self, batch: dict[str, torch.Tensor], net: torch.nn.Module | None = None) -> TFTOutput:
         with self.autocast():
-            out: TFTOutput = self.model(*(batch[name] for name in MODEL_INPUTS))
+            out: TFTOutput = (net or self.model)(*(batch[name] for name in MODEL_INPUTS))
         return out
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -186,7 +201,7 @@ class Trainer:
     def micro_step(self, anchors: torch.Tensor, weight: float) -> float:
         """Forward and backward of one micro-batch; returns its (unweighted) loss."""
         batch = self._to_device(self.data.tensors.batch(anchors))
-        out = self._forward(batch)
+        out = self._forward(batch, self.net)
         loss = normalized_loss(out, batch[TARGET], self.quantiles, self.target_scale)
         self.scaler.scale(loss * weight).backward()
         return float(loss.detach())
@@ -228,11 +243,11 @@ class Trainer:
                    desc=f"epoch {self.epoch + 1}/{self.cfg.epochs}", dynamic_ncols=True)
         with bar:
             for step_anchors in anchors.split(self.cfg.batch_size):
-                losses.append(self._optimizer_step(step_anchors))
+                losses.append(self._optimizer_step(self.dist.shard(step_anchors)))
                 bar.update(step_anchors.numel())
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
         seconds = time.perf_counter() - t0
-        return {"train_loss": float(np.mean(losses)), "train_seconds": seconds,
+        return {"train_loss": self.dist.mean(float(np.mean(losses))), "train_seconds": seconds,
                 "windows_per_second": anchors.numel() / max(seconds, 1e-9)}
 
     @torch.inference_mode()
@@ -306,7 +321,7 @@ class Trainer:
             torch.from_numpy(self.data.train_anchors[:2]))), self.device)
         if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
             stopped_early = True
-        if self.resume_state is not None:  # the metrics file restarts from the checkpoint's history
+        if self.resume_state is not None and self.dist.is_main:  # metrics restart from the checkpoint's history
             self.paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         while self.epoch < self.cfg.epochs and not stopped_early:
             self.memory.start()
@@ -326,13 +341,14 @@ class Trainer:
                       **val_stats, "micro_batch": self.plan.micro_batch,
                       "peak_memory": {"train": train_peak, "val": val_peak}, "best": improved}
             self.history.append(record)
-            self._log_epoch(record)
-            state = self.state()
-            save_atomic(state, self.paths.last)
-            if improved:
-                save_atomic(state, self.paths.best)
-            with self.paths.metrics.open("a") as fh:  # after the checkpoint: a logged epoch is a saved epoch
-                fh.write(json.dumps(record) + "\n")
+            if self.dist.is_main:
+                self._log_epoch(record)
+                state = self.state()
+                save_atomic(state, self.paths.last)
+                if improved:
+                    save_atomic(state, self.paths.best)
+                with self.paths.metrics.open("a") as fh:  # after the checkpoint: a logged epoch is a saved epoch
+                    fh.write(json.dumps(record) + "\n")
             if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
                 stopped_early = True
                 log.info("early stopping: no validation improvement for %d epochs (best %.5f at epoch %d)",

@@ -1,23 +1,50 @@
-"""From parsed arguments to a finished run: plan, train, report."""
+"""From parsed arguments to a finished run: the VRAM budget, the plan, training, the report."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TextIO
+
+import torch
 
 from features.bars import ColumnMap
+from trainer.checkpoint import load_checkpoint
 from trainer.config import TrainConfig
+from trainer.data import PreparedData, prepare
+from trainer.device import resolve_device, resolve_precision
 from trainer.loop import Trainer
+from trainer.modeling import TemporalFusionTransformer
+from trainer.plan import TrainPlan, literal_plan
+from trainer.planner import (
+    PlanError,
+    PlanReport,
+    Target,
+    batch_fn_for,
+    format_bytes,
+    format_report,
+    parse_budget,
+    plan_for_model,
+)
 from trainer.report import write_report
 
 log = logging.getLogger("trainer")
 
 REPORT_WINDOWS = 512
 
+PlanFn = Callable[[TemporalFusionTransformer, PreparedData, torch.device, str], TrainPlan]
+
 
 def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
+    cfg = effective_config(args, cfg)
+    budget = parse_budget(cfg.vram_budget) if cfg.vram_budget else 0
+    if args.plan_only:
+        return plan_only(args, cfg, budget)
     trainer = Trainer(args.parquet, cfg, args.out, ColumnMap.from_args(args), resume=args.resume,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, plan_fn=budget_plan_fn(cfg, budget) if budget else None)
     result = trainer.run()
     if not args.no_report and result.history:
         _report(trainer)
@@ -27,10 +54,123 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     return 0
 
 
+def effective_config(args: argparse.Namespace, cfg: TrainConfig) -> TrainConfig:
+    """The config the run will use: on --resume the stored one (epochs from the flags), as the Trainer does."""
+    if not getattr(args, "resume", None):
+        return cfg
+    stored = TrainConfig.from_dict(load_checkpoint(args.resume)["train_config"])
+    return replace(stored, epochs=cfg.epochs)
+
+
+def _no_cuda_reason() -> str:
+    return ("this PyTorch build has no CUDA support" if torch.version.cuda is None
+            else "no CUDA device is visible (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES)")
+
+
+def budget_plan_fn(cfg: TrainConfig, budget: int) -> PlanFn:
+    """The Trainer's plan_fn for a run with --vram-budget (PlanError if the budget cannot apply)."""
+    if cfg.device == "cpu":
+        log.warning("--vram-budget %s is not applicable on the CPU (it caps CUDA device memory): training runs "
+                    "without it", cfg.vram_budget)
+
+        def not_applicable(model: TemporalFusionTransformer, data: PreparedData, device: torch.device,
+                           precision: str) -> TrainPlan:
+            plan = literal_plan(cfg.batch_size, cfg.grad_checkpointing, precision)
+            return replace(plan, notes=(f"--vram-budget {cfg.vram_budget} not applicable on the CPU",))
+
+        return not_applicable
+    if not torch.cuda.is_available():
+        raise PlanError(f"--vram-budget {cfg.vram_budget} caps CUDA device memory, but CUDA is not available here "
+                        f"({_no_cuda_reason()}), so the budget cannot be kept. Use --plan-only to see the plan for a "
+                        "CUDA card, or --device cpu to train on the CPU without a budget")
+
+    def plan_on_cuda(model: TemporalFusionTransformer, data: PreparedData, device: torch.device,
+                     precision: str) -> TrainPlan:
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = min(1.0, budget / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        log.info("VRAM cap: torch.cuda.set_per_process_memory_fraction(%.4f) = %s of %s on %s", fraction,
+                 format_bytes(fraction * total), format_bytes(total), torch.cuda.get_device_name(device))
+        target = Target("cuda", device, precision, f"{torch.cuda.get_device_name(device)}, {format_bytes(total)}")
+        effective, notes = _card_budget(budget, device)
+        report = _plan(model, batch_fn_for(data.tensors, data.train_anchors), target, effective, cfg, sys.stderr)
+        return replace(report.plan, budget_bytes=budget, notes=(*notes, *report.plan.notes))
+
+    return plan_on_cuda
+
+
+def _card_budget(budget: int, device: torch.device) -> tuple[int, tuple[str, ...]]:
+    """The budget, or what the card has available if that is less (other processes, a smaller card)."""
+    free, total = torch.cuda.mem_get_info(device)
+    available = int(free) + int(torch.cuda.memory_reserved(device))
+    if available >= budget:
+        return budget, ()
+    note = (f"the card has {format_bytes(available)} available of {format_bytes(total)}, less than the "
+            f"{format_bytes(budget)} budget: planning for {format_bytes(available)}")
+    log.warning("%s", note)
+    return available, (note,)
+
+
+def _plan(model: TemporalFusionTransformer, batch_fn: Callable[[int], dict[str, torch.Tensor]], target: Target,
+          budget: int, cfg: TrainConfig, stream: TextIO) -> PlanReport:
+    """plan_for_model, printing the table (also the one that explains a refusal) to `stream`."""
+    try:
+        report = plan_for_model(model, batch_fn, target, budget, cfg.batch_size, cfg.grad_checkpointing)
+    except PlanError as exc:
+        if exc.table:
+            print(exc.table, file=stream, flush=True)
+        raise
+    print(format_report(report), file=stream, flush=True)
+    return report
+
+
+def plan_only(args: argparse.Namespace, cfg: TrainConfig, budget: int) -> int:
+    """--plan-only: measure, print the plan and exit 0, on any machine.
+
+    The plan is for the device the run would use: --device cuda (or auto with a budget) plans
+    for a CUDA card even where there is none, from a CPU measurement, and says what it assumes.
+    """
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    cuda_here = torch.cuda.is_available()
+    wants_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and (cuda_here or budget > 0))
+    symbols = list(load_checkpoint(args.resume)["symbols"]) if getattr(args, "resume", None) else None
+    data = prepare(args.parquet, cfg, ColumnMap.from_args(args), symbols)
+    frame = data.frame
+    model = TemporalFusionTransformer(cfg.model_config(len(frame.schema.observed), len(frame.schema.known),
+                                                       len(frame.symbols)))
+    cpu = torch.device("cpu")
+    notes: tuple[str, ...] = ()
+    if wants_cuda and cuda_here:
+        device = resolve_device("cuda" if cfg.device == "auto" else cfg.device)
+        precision = resolve_precision(cfg.precision, device).name
+        model.to(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        target = Target("cuda", device, precision,
+                        f"{torch.cuda.get_device_name(device)}, {format_bytes(total)}: measured on it")
+        if budget:
+            budget, notes = _card_budget(budget, device)
+    elif wants_cuda:
+        precision = "bf16" if cfg.precision == "auto" else cfg.precision
+        why = "--device auto with a VRAM budget" if cfg.device == "auto" else f"--device {cfg.device}"
+        target = Target("cuda", cpu, precision, f"{why}; no CUDA here ({_no_cuda_reason()}): planned for a CUDA "
+                                                "card from a CPU measurement")
+    else:
+        precision = resolve_precision(cfg.precision, cpu).name
+        target = Target("cpu", cpu, precision, "--device auto: no CUDA here" if cfg.device == "auto" else
+                        "--device cpu")
+    report = _plan(model, batch_fn_for(data.tensors, data.train_anchors), target, budget, cfg, sys.stdout)
+    for note in notes:
+        print(note)
+    log.info("plan only: micro-batch %d x %d accumulation, gradient checkpointing %s, estimated peak %s (%.1f s)",
+             report.plan.micro_batch, report.plan.accumulation, "on" if report.plan.grad_checkpointing else "off",
+             format_bytes(report.plan.estimate_bytes), report.seconds)
+    return 0
+
+
 def _report(trainer: Trainer) -> None:
     """The report shows the best model, as exported, on consecutive validation windows."""
-    from trainer.checkpoint import load_checkpoint
-
     best = load_checkpoint(trainer.paths.best)
     trainer.model.load_state_dict(best["model_state"])
     anchors = trainer.data.val_anchors[:REPORT_WINDOWS]

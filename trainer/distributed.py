@@ -1,0 +1,81 @@
+"""Training beyond one process on an existing engine: `torchrun` + DistributedDataParallel.
+
+`torchrun --nproc_per_node=N -m trainer ...` sets RANK / WORLD_SIZE / LOCAL_RANK; a plain
+`python -m trainer` has none of them and runs as a world of one with no process group.
+NCCL on GPUs, gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone writes checkpoints, metrics, the report and the progress bar."""
+        return self.rank == 0
+
+    def device_spec(self, spec: str) -> str:
+        """Each rank takes its own GPU: `cuda` becomes `cuda:LOCAL_RANK` under torchrun."""
+        if self.enabled and spec in ("cuda", "auto") and torch.cuda.is_available():
+            return f"cuda:{self.local_rank}"
+        return spec
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's `obj` on every rank (e.g. the symbol vocabulary and normalisation)."""
+        if not self.enabled:
+            return obj
+        box: list[Any] = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[no-any-return]
+
+    def mean(self, value: float) -> float:
+        """The mean of `value` over ranks."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world_size
+
+    def shard(self, items: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous share of one step's windows (the distributed sampler)."""
+        if not self.enabled:
+            return items
+        return items.tensor_split(self.world_size)[self.rank]
+
+
+def init_from_env(device_spec: str) -> DistContext:
+    """Join the process group torchrun describes, or return a world of one."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistContext()
+    ctx = DistContext(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        use_nccl = device_spec != "cpu" and torch.cuda.is_available()
+        if use_nccl:
+            torch.cuda.set_device(ctx.local_rank)
+        dist.init_process_group("nccl" if use_nccl else "gloo", timeout=datetime.timedelta(minutes=10))
+    return ctx
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()
