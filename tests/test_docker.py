@@ -1,0 +1,67 @@
+"""The container files: linted with hadolint, and consistent with the repository they build.
+
+The suite does not build or run the images (no Docker engine on CI); these checks catch what
+would break a build: a linted Dockerfile, COPY sources that exist, pins that match pyproject.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILES = sorted((REPO / "docker").glob("*.Dockerfile"))
+
+
+def _pins() -> dict[str, str]:
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return {re.split(r"[=<>]", d)[0].lower(): d for d in deps}
+
+
+def test_there_is_a_trainer_and_a_server_image() -> None:
+    assert {p.name for p in DOCKERFILES} == {"trainer.Dockerfile", "server.Dockerfile"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_passes(dockerfile: Path) -> None:
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    r = subprocess.run([hadolint, "--config", str(REPO / ".hadolint.yaml"), str(dockerfile)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_copy_sources_exist_and_base_is_cuda(dockerfile: Path) -> None:
+    text = dockerfile.read_text()
+    assert re.search(r"^FROM nvidia/cuda:\S+cudnn-runtime", text, re.M)
+    for line in re.findall(r"^COPY (.+)$", text, re.M):
+        *sources, _dest = line.split()
+        for src in sources:
+            assert (REPO / src).exists(), f"{dockerfile.name}: COPY {src} does not exist"
+
+
+def test_server_image_pins_match_pyproject_and_leave_out_torch() -> None:
+    pins = _pins()
+    reqs = [line.strip() for line in (REPO / "docker" / "requirements-server.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert reqs, "empty requirements"
+    for req in reqs:
+        name = re.split(r"[=<>]", req)[0].lower()
+        assert pins.get(name) == req, f"{req} differs from pyproject's {pins.get(name)}"
+    assert not any(r.lower().startswith(("torch", "onnx==", "matplotlib")) for r in reqs)
+    server = (REPO / "docker" / "server.Dockerfile").read_text()
+    assert "--no-deps ." in server and "COPY trainer" not in server
+
+
+def test_compose_builds_both_images_and_checks_health_over_grpc() -> None:
+    text = (REPO / "docker" / "compose.yaml").read_text()
+    for name in re.findall(r"dockerfile: (\S+?)\}", text):
+        assert (REPO / name).exists(), name
+    assert "serving.health_probe" in text and "service_completed_successfully" in text
+    assert "--require-device cuda" in text and "--vram-budget" in text
