@@ -6,6 +6,7 @@ of code — so export and serving can trust it without running anything from it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import pickle
@@ -36,10 +37,16 @@ def save_atomic(obj: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                torch.save(obj, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
+            cause = exc if isinstance(exc, OSError) else exc.__context__
+            code = cause.errno if isinstance(cause, OSError) and cause.errno else errno.EIO
+            raise OSError(code, f"cannot write {path} ({os.strerror(code)}); the previous file, if any, is "
+                                "intact. Free disk space or choose another --out") from None
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
@@ -47,6 +54,14 @@ def save_atomic(obj: dict[str, Any], path: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def remove_stale_temp_files(path: Path) -> list[Path]:
+    """Temp files a killed writer (SIGKILL, power loss) left beside `path`; the real file is untouched."""
+    stale = list(path.parent.glob(f".{path.name}.*.tmp")) if path.parent.is_dir() else []
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

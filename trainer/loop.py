@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from features.bars import ColumnMap
 from features.schema import MODEL_INPUTS, TARGET
-from trainer.checkpoint import FORMAT, load_checkpoint, save_atomic
+from trainer.checkpoint import FORMAT, load_checkpoint, remove_stale_temp_files, save_atomic
 from trainer.config import TrainConfig
 from trainer.data import Normalization, PreparedData, prepare
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
@@ -99,6 +99,8 @@ class Trainer:
                  | None = None) -> None:
         self.paths = RunPaths.for_out(out)
         out.parent.mkdir(parents=True, exist_ok=True)
+        for stale in (*remove_stale_temp_files(self.paths.best), *remove_stale_temp_files(self.paths.last)):
+            log.warning("removed %s, a partial write left by a killed run", stale)
         self.progress = progress
         self.columns = columns or ColumnMap()
         self.resume_state: dict[str, Any] | None = None

@@ -1,0 +1,95 @@
+"""Faults the trainer survives: SIGKILL mid-epoch, a disk that fills while a checkpoint is written."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, run
+from trainer.checkpoint import load_checkpoint, save_atomic
+
+
+@pytest.fixture(scope="module")
+def bars(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_bars(tmp_path_factory.mktemp("faults") / "bars.parquet", bars=1500)
+
+
+def test_sigkill_mid_epoch_then_resume_finishes(tmp_path: Path, bars: Path) -> None:
+    out = tmp_path / "ckpt.pt"
+    flags = list(TINY_TRAIN_FLAGS)
+    flags[flags.index("--epochs") + 1] = "40"
+    flags[flags.index("--max-steps-per-epoch") + 1] = "25"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--parquet", str(bars), "--out", str(out), *flags],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        metrics = out.with_suffix(".metrics.jsonl")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            time.sleep(0.05)
+        time.sleep(0.3)  # somewhere inside the next epoch, possibly inside a checkpoint write
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    last = load_checkpoint(out.with_suffix(".last.pt"))  # never half-written
+    assert 2 <= last["epoch"] < 40
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--resume", str(out.with_suffix(".last.pt")),
+             "--epochs", str(last["epoch"] + 1), "--no-progress", "--no-report"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert load_checkpoint(out.with_suffix(".last.pt"))["epoch"] == last["epoch"] + 1
+    assert not list(tmp_path.glob(".*.tmp")), "partial writes of the killed run were not cleaned up"
+
+
+WRITE_UNDER_FILE_SIZE_LIMIT = """
+import resource, signal, sys, torch
+from pathlib import Path
+from trainer.checkpoint import save_atomic
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+try:
+    save_atomic({"w": torch.zeros(1_000_000)}, Path(sys.argv[1]))
+except OSError as exc:
+    print("errno", exc.errno)
+    sys.exit(3)
+"""
+
+
+def test_full_disk_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt.pt"
+    save_atomic({"w": torch.arange(10.0)}, ckpt)
+    before = ckpt.read_bytes()
+    r = subprocess.run([sys.executable, "-c", WRITE_UNDER_FILE_SIZE_LIMIT, str(ckpt)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert f"errno {errno.EFBIG}" in r.stdout
+    assert ckpt.read_bytes() == before
+    assert torch.equal(torch.load(ckpt, weights_only=True)["w"], torch.arange(10.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_really_full_filesystem_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"this sandbox does not allow mounting tmpfs: {r.stderr.strip()}")
+    try:
+        ckpt = mnt / "ckpt.pt"
+        save_atomic({"w": torch.arange(100.0)}, ckpt)
+        before = ckpt.read_bytes()
+        with pytest.raises(OSError) as info:
+            save_atomic({"w": torch.zeros(1_000_000)}, ckpt)  # 4 MB into a 1 MiB filesystem
+        assert info.value.errno == errno.ENOSPC
+        assert ckpt.read_bytes() == before
+        assert sorted(p.name for p in mnt.iterdir()) == ["ckpt.pt"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
