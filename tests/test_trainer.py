@@ -264,3 +264,17 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path: Path, bars: Pat
         torch.testing.assert_close(b["model_state"][name], value, atol=1e-5, rtol=1e-4, msg=name)
     lines = (tmp_path / "two" / "ckpt.metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2  # written once, by rank 0
+
+
+def test_every_config_field_has_a_flag_with_its_description() -> None:
+    from dataclasses import fields
+
+    from trainer.config import field_comments
+
+    comments = field_comments()
+    assert set(comments) == {f.name for f in fields(TrainConfig)}
+    r = run(["-m", "trainer", "--help"])
+    assert r.returncode == 0
+    for f in fields(TrainConfig):
+        assert f"--{f.name.replace('_', '-')}" in r.stdout
+    assert "past bars the encoder sees" in r.stdout

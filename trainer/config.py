@@ -7,6 +7,8 @@ printed at start and stored in every checkpoint as a plain dict.
 from __future__ import annotations
 
 import argparse
+import inspect
+import re
 import tomllib
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
@@ -155,14 +157,23 @@ def load_toml(path: Path) -> dict[str, Any]:
     return flat
 
 
+def field_comments() -> dict[str, str]:
+    """Each TrainConfig field's trailing comment: the one description, shown by --help too."""
+    src = inspect.getsource(TrainConfig)
+    return dict(re.findall(r"^    (\w+): [^=]+= .+?  # (.+)$", src, re.M))
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field (`--hidden-size 16`), default None = not given."""
-    g = parser.add_argument_group("config fields (override --config)")
+    g = parser.add_argument_group("config fields (each overrides --config; the same names are the TOML keys)")
+    comments = field_comments()
     for f in fields(TrainConfig):
         default = f.default if f.default is not MISSING else None
-        kind = "comma-separated list" if isinstance(default, tuple) else type(default).__name__
-        g.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg_{f.name}", default=None, metavar=kind.upper()
-                       if kind != "comma-separated list" else "A,B", help=f"default {default!r}")
+        listed = isinstance(default, tuple)
+        shown = ",".join(str(x) for x in default) if isinstance(default, tuple) else repr(default)
+        g.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg_{f.name}", default=None,
+                       metavar="A,B" if listed else type(default).__name__.upper(),
+                       help=f"{comments.get(f.name, '')} (default {shown})")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
