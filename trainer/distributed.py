@@ -45,7 +45,7 @@ class DistContext:
             return obj
         box: list[Any] = [obj if self.is_main else None]
         dist.broadcast_object_list(box, src=0)
-        return box[0]  # type: ignore[no-any-return]
+        return box[0]
 
     def mean(self, value: float) -> float:
         """The mean of `value` over ranks."""

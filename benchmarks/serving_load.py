@@ -1,0 +1,336 @@
+"""Load test of `python -m serving` against bare ONNX Runtime on the same model, in one run.
+
+    python -m benchmarks.serving_load --model model.onnx --parquet bars.parquet \
+        [--concurrency 1,8,64] [--duration 10] [--device cpu] [--threads 1] [--json out.json]
+
+1. Starts the real server (`python -m serving --port 0 --device cpu|cuda`) on 127.0.0.1 and
+   waits for health SERVING (or drives `--target HOST:PORT`, a server already running).
+2. Builds a pool of Predict requests, one series each, from windows ending at different
+   bars of the parquet file (each the latest `bars_required` bars up to that point).
+3. Bare ONNX Runtime: the same model in this process on the provider the server reports
+   (GetModelInfo), same thread count, `session.run` on one window at a time (features
+   precomputed, not timed), for `--duration` seconds; also features + run, to show what
+   feature computation costs.
+4. For each concurrency level: that many closed-loop clients (each sends its next request as
+   soon as the previous answer arrives), spread over `--client-procs` processes with one
+   grpc.aio channel each, for `--duration` seconds (loopback only). Reports throughput,
+   p50/p90/p99 latency, errors by status code, and the server's mean ONNX Runtime batch
+   size (from its Prometheus metrics).
+
+Targets (issue 6): p50 at concurrency 1 within 1 ms of bare ONNX Runtime; throughput at 64
+at least 4x that at 1; zero errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from features.bars import Bars, read_bars
+from features.model_meta import ModelMeta
+from features.schema import MODEL_INPUTS
+from serving.client import series_from_bars
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
+from serving.preprocess import prepare
+from serving.validation import columns_from_proto
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Level:
+    name: str
+    concurrency: int
+    requests: int
+    seconds: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    errors: dict[str, int] = field(default_factory=dict)
+    mean_batch: float = 0.0
+
+    @property
+    def throughput(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+
+def percentiles(latencies_s: list[float]) -> tuple[float, float, float]:
+    if not latencies_s:
+        return float("nan"), float("nan"), float("nan")
+    ms = np.asarray(latencies_s) * 1e3
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+    return float(p50), float(p90), float(p99)
+
+
+# ---- requests ------------------------------------------------------------------------------------
+def request_pool(bars: Bars, meta: ModelMeta, size: int, seed: int = 0) -> list[pb.PredictRequest]:
+    """`size` one-series requests ending at random bars of random symbols."""
+    rng = np.random.default_rng(seed)
+    slices = {s: sl for s, sl in bars.series_slices().items() if s in meta.symbols}
+    need = meta.bars_required
+    symbols = [s for s, sl in slices.items() if sl.stop - sl.start >= need]
+    if not symbols:
+        raise SystemExit(f"no symbol of the model ({', '.join(meta.symbols)}) has {need} bars in the parquet file")
+    pool = []
+    for _ in range(size):
+        sym = symbols[int(rng.integers(len(symbols)))]
+        sl = slices[sym]
+        end = int(rng.integers(sl.start + need, sl.stop + 1))
+        sub = Bars(bars.timestamp_ns[:end], bars.symbol[:end], bars.open[:end], bars.high[:end], bars.low[:end],
+                   bars.close[:end], bars.volume[:end], {u: v[:end] for u, v in bars.user.items()})
+        series = series_from_bars(sub, sym, need, list(meta.feature_config.user_columns))
+        pool.append(pb.PredictRequest(series=[series]))
+    return pool
+
+
+# ---- bare ONNX Runtime ---------------------------------------------------------------------------
+def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequest], meta: ModelMeta,
+             duration: float, with_features: bool) -> Level:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    providers: list[Any] = ["CPUExecutionProvider"]
+    if provider == "CUDAExecutionProvider":  # as the server runs it (fp32, no TF32), CPU for shape nodes only
+        providers = [(provider, {"use_tf32": "0"}), "CPUExecutionProvider"]
+    session = ort.InferenceSession(str(model), so, providers=providers)
+    if session.get_providers()[0] != provider:
+        raise SystemExit(f"bare ONNX Runtime baseline wanted {provider} but got {session.get_providers()}")
+    columns = [[columns_from_proto(s) for s in r.series] for r in pool]
+    feeds = [{k: v for k, v in prepare(c, meta).inputs.items() if k in MODEL_INPUTS} for c in columns]
+    for f in feeds[:20]:
+        session.run(None, f)
+    latencies: list[float] = []
+    start = time.perf_counter()
+    i = 0
+    while time.perf_counter() - start < duration:
+        t0 = time.perf_counter()
+        feed = prepare(columns[i % len(columns)], meta).inputs if with_features else feeds[i % len(feeds)]
+        session.run(None, feed)
+        latencies.append(time.perf_counter() - t0)
+        i += 1
+    seconds = time.perf_counter() - start
+    p50, p90, p99 = percentiles(latencies)
+    name = "bare ORT: features + run" if with_features else "bare ORT: session.run"
+    if provider != "CPUExecutionProvider":
+        name += " (CUDA)"
+    return Level(name, 1, len(latencies), seconds, p50, p90, p99)
+
+
+# ---- the server ------------------------------------------------------------------------------------
+def start_server(model: Path, device: str, threads: int, extra: list[str], log: Path
+                 ) -> tuple[subprocess.Popen[str], str, str]:
+    cmd = [sys.executable, "-m", "serving", "--model", str(model), "--port", "0", "--metrics-port", "0",
+           "--device", device, "--threads", str(threads), *extra]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+    target = metrics = ""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (target and metrics):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if m := re.match(r"listening on (\S+)", line):
+            target = m.group(1)
+        if m := re.match(r"metrics on (\S+)", line):
+            metrics = m.group(1)
+    if not target:
+        proc.kill()
+        raise SystemExit(f"server did not start; see {log}:\n{log.read_text()[-3000:]}")
+    return proc, target, metrics
+
+
+def wait_serving(target: str, timeout: float = 60) -> None:
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise SystemExit(f"server at {target} not SERVING after {timeout} s")
+
+
+def server_provider(target: str) -> str:
+    with grpc.insecure_channel(target) as ch:
+        info = pb_grpc.ForecasterStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    return str(info.provider)
+
+
+def batch_counters(metrics: str) -> tuple[float, float]:
+    """(sum, count) of foxhunt_batch_windows from the server's /metrics."""
+    if not metrics:
+        return 0.0, 0.0
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
+    values = dict(re.findall(r"^(foxhunt_batch_windows_(?:sum|count)) (\S+)$", text, re.M))
+    return float(values.get("foxhunt_batch_windows_sum", 0)), float(values.get("foxhunt_batch_windows_count", 0))
+
+
+async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, start_at: float, duration: float,
+                 timeout: float) -> tuple[list[float], dict[str, int]]:
+    """`concurrency` closed-loop clients on one channel from start_at (time.time()) for `duration` seconds.
+
+    Requests are pre-serialised and responses left as bytes: the client's own CPU cost is kept
+    to gRPC itself, since it shares the machine with the server.
+    """
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+    async with aio.insecure_channel(target) as channel:
+        predict = channel.unary_unary("/foxhunt.tft.v1.Forecaster/Predict", request_serializer=None,
+                                      response_deserializer=None)  # bytes in, bytes out
+        for r in pool[:10]:  # connect and warm
+            await predict(r, timeout=timeout)
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        stop_at = time.perf_counter() + duration
+
+        async def worker(k: int) -> None:
+            i = offset + k
+            while time.perf_counter() < stop_at:
+                t0 = time.perf_counter()
+                try:
+                    await predict(pool[i % len(pool)], timeout=timeout)
+                    latencies.append(time.perf_counter() - t0)
+                except grpc.RpcError as exc:
+                    errors[exc.code().name] += 1
+                i += 7919  # a prime stride: clients walk the pool in different orders
+
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
+    return latencies, dict(errors)
+
+
+def _client_process(args: tuple[str, list[bytes], int, int, float, float, float]) -> tuple[list[float], dict[str, int]]:
+    return asyncio.run(_drive(*args))
+
+
+def run_level(target: str, metrics: str, pool: list[pb.PredictRequest], concurrency: int, duration: float,
+              timeout: float, procs: int) -> Level:
+    """One level: `concurrency` clients spread over up to `procs` client processes."""
+    s0, c0 = batch_counters(metrics)
+    raw = [r.SerializeToString() for r in pool]
+    procs = max(1, min(procs, concurrency))
+    shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
+    start_at = time.time() + 3.0  # every process connected and warm before the clock starts
+    jobs = [(target, raw, n, 101 * i, start_at, duration, timeout) for i, n in enumerate(shares)]
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+    with multiprocessing.get_context("spawn").Pool(procs) as workers:
+        for lat, err in workers.map(_client_process, jobs):
+            latencies.extend(lat)
+            errors.update(err)
+    s1, c1 = batch_counters(metrics)
+    p50, p90, p99 = percentiles(latencies)
+    mean_batch = (s1 - s0) / (c1 - c0) if c1 > c0 else 0.0
+    return Level(f"server, concurrency {concurrency}", concurrency, len(latencies), duration, p50, p90, p99,
+                 dict(errors), mean_batch)
+
+
+def table(levels: list[Level]) -> str:
+    head = (f"| {'run':<28} | {'req/s':>8} | {'p50 ms':>7} | {'p90 ms':>7} | {'p99 ms':>7} | {'mean batch':>10} "
+            "| errors |")
+    lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
+    for lv in levels:
+        err = sum(lv.errors.values())
+        batch = f"{lv.mean_batch:.1f}" if lv.mean_batch else "-"
+        lines.append(f"| {lv.name:<28} | {lv.throughput:>8.0f} | {lv.p50_ms:>7.2f} | {lv.p90_ms:>7.2f} | "
+                     f"{lv.p99_ms:>7.2f} | {batch:>10} | {err if err else 0:>6} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, required=True, help="ONNX model from `python -m export`")
+    p.add_argument("--parquet", type=Path, required=True, help="bars with the model's symbols")
+    p.add_argument("--concurrency", default="1,8,64", help="comma-separated client concurrency levels")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per level (default 10)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="device of the server this script starts (default cpu); the bare baseline always runs "
+                        "on the provider the server reports")
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads, server and bare")
+    p.add_argument("--pool", type=int, default=512, help="distinct requests to cycle through (default 512)")
+    p.add_argument("--timeout", type=float, default=10.0, help="deadline per call in seconds")
+    p.add_argument("--client-procs", type=int, default=2,
+                   help="client processes sharing each level's concurrency (default 2; one Python client "
+                        "process saturates long before the server)")
+    p.add_argument("--target", help="drive a running server at HOST:PORT instead of starting one")
+    p.add_argument("--server-arg", action="append", default=[], help="extra flag for the server (repeatable)")
+    p.add_argument("--json", type=Path, help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    levels_c = [int(c) for c in args.concurrency.split(",") if c]
+
+    session = ort.InferenceSession(str(args.model), providers=["CPUExecutionProvider"])
+    meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
+    del session
+    bars = read_bars(args.parquet, user_columns=tuple(meta.feature_config.user_columns))
+    pool = request_pool(bars, meta, args.pool)
+    print(f"model {meta.model_version}: encoder {meta.encoder_length}, horizon {meta.horizon}, "
+          f"hidden {meta.model_config.get('hidden_size')}, bars_required {meta.bars_required}; "
+          f"{len(pool)} requests; {args.duration:g} s per level; ORT threads {args.threads}", flush=True)
+
+    proc = None
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"serving_load.{os.getpid()}.log"
+    results: list[Level] = []
+    try:
+        if args.target:
+            target, metrics = args.target, ""
+        else:
+            proc, target, metrics = start_server(args.model, args.device, args.threads, args.server_arg, log)
+        wait_serving(target)
+        provider = server_provider(target)  # the baseline runs where the server runs
+        print(f"server at {target} on {provider}", flush=True)
+        results += [bare_ort(args.model, args.threads, provider, pool, meta, args.duration, False),
+                    bare_ort(args.model, args.threads, provider, pool, meta, args.duration, True)]
+        for c in levels_c:
+            results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs))
+            print(f"  concurrency {c}: {results[-1].throughput:.0f} req/s", flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    print(table(results))
+    by_c = {lv.concurrency: lv for lv in results[2:]}
+    bare = results[0]
+    summary: dict[str, Any] = {"errors": sum(sum(lv.errors.values()) for lv in results)}
+    if 1 in by_c:
+        summary["p50_overhead_ms_at_1"] = round(by_c[1].p50_ms - bare.p50_ms, 3)
+    if 1 in by_c and 64 in by_c and by_c[1].throughput:
+        summary["throughput_64_over_1"] = round(by_c[64].throughput / by_c[1].throughput, 2)
+    print("summary: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, python "
+          f"{platform.python_version()}, onnxruntime {ort.__version__}, grpcio {grpc.__version__}")
+    if args.json:
+        args.json.write_text(json.dumps({"levels": [asdict(lv) | {"throughput": lv.throughput} for lv in results],
+                                         "summary": summary, "model_version": meta.model_version}, indent=2))
+    return 0 if summary["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""`python -m serving --model model.onnx`: serve quantile forecasts over gRPC on ONNX Runtime.
+
+Binds 127.0.0.1:50051 unless told otherwise (--port 0 picks a free port); prints
+`listening on HOST:PORT` (and `metrics on HOST:PORT` with --metrics-port) on stdout once
+bound, logs to stderr. Health (grpc.health.v1) is NOT_SERVING until the model has run at
+every batch size it will see, then SERVING.
+
+Signals: SIGHUP reloads the model file (checked and warmed before the swap; a bad file is
+refused and the old model keeps serving). SIGTERM or SIGINT drains: new calls are refused,
+in-flight ones get --grace seconds, then the process exits 0.
+
+Message size: --max-message-bytes bounds requests and responses (default 4 MiB). A bar
+costs 48 bytes on the wire (timestamp + 5 doubles) plus 8 per user feature column, so
+4 MiB is about 87,000 bars per request, far above any model's bars_required; larger
+requests are refused by gRPC with RESOURCE_EXHAUSTED before they reach the server's code.
+
+Exit status: 0 after a clean drain, 2 for bad arguments, a model that fails its checks,
+or --device cuda without a usable CUDA provider (one message on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from serving.batcher import WAIT_POLICIES
+from serving.errors import ModelLoadError
+from serving.model import DEVICES
+from serving.server import MiB, ServerConfig, serve
+
+log = logging.getLogger("serving")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ServerConfig(model_path=Path("model.onnx"))
+    p = argparse.ArgumentParser(prog="python -m serving", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, required=True, help="ONNX model written by `python -m export`")
+    p.add_argument("--host", default=d.host, help=f"interface to bind (default {d.host})")
+    p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port}; 0 picks a free one)")
+    p.add_argument("--device", choices=DEVICES, default=d.device,
+                   help="cuda: CUDA provider or refuse to start; cpu; auto: CUDA if it works, else CPU with a "
+                        f"warning (default {d.device})")
+    p.add_argument("--device-id", type=int, default=d.device_id, help="CUDA device ordinal (default 0)")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help=f"ONNX Runtime intra-op threads (default {d.threads})")
+    p.add_argument("--max-batch", type=int, default=d.max_batch,
+                   help=f"windows per ONNX Runtime run (default {d.max_batch})")
+    p.add_argument("--max-delay-ms", type=float, default=d.max_delay_ms,
+                   help=f"longest a call waits for others to join its batch (default {d.max_delay_ms:g})")
+    p.add_argument("--batch-wait", choices=WAIT_POLICIES, default=d.batch_wait,
+                   help="adaptive: a batch also closes when no other call is ready to join (a lone call never "
+                        "waits); fixed: always wait --max-delay-ms unless the batch fills (default adaptive)")
+    p.add_argument("--max-concurrent", type=int, default=d.max_concurrent,
+                   help=f"Predict calls in flight before RESOURCE_EXHAUSTED (default {d.max_concurrent})")
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
+                   help=f"request and response size limit in bytes (default {d.max_message_bytes // MiB} MiB)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default off)")
+    p.add_argument("--grace", type=float, default=d.grace_s,
+                   help=f"seconds in-flight calls get to finish on SIGTERM (default {d.grace_s:g})")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> ServerConfig:
+    checks = (
+        (0 <= args.port <= 65535, "--port must be in 0..65535"),
+        (args.metrics_port is None or 0 <= args.metrics_port <= 65535, "--metrics-port must be in 0..65535"),
+        (args.threads >= 1, "--threads must be >= 1"),
+        (args.max_batch >= 1, "--max-batch must be >= 1"),
+        (args.max_delay_ms >= 0, "--max-delay-ms must be >= 0"),
+        (args.max_concurrent >= 1, "--max-concurrent must be >= 1"),
+        (args.max_message_bytes >= 1024, "--max-message-bytes must be >= 1024"),
+        (args.grace >= 0, "--grace must be >= 0"),
+        (args.device_id >= 0, "--device-id must be >= 0"),
+    )
+    for ok, message in checks:
+        if not ok:
+            p.error(message)
+    return ServerConfig(
+        model_path=args.model, host=args.host, port=args.port, device=args.device, device_id=args.device_id,
+        threads=args.threads, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms, batch_wait=args.batch_wait,
+        max_concurrent=args.max_concurrent, max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
+        grace_s=args.grace,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s",
+                        stream=sys.stderr)
+    config = config_from_args(p, args)
+    try:
+        return asyncio.run(serve(config))
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

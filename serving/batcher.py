@@ -1,0 +1,201 @@
+"""Micro-batching: windows of concurrent calls gathered into one ONNX Runtime run.
+
+Calls `submit` their payload (checked series) and await their result. One loop forms
+batches and runs them, one at a time, on a single worker thread (ONNX
+Runtime releases the GIL, so the event loop keeps accepting and preparing calls while a
+batch runs; calls that arrive meanwhile form the next batch).
+
+What runs is a `process(key, payloads)` function (serving.inference.run_batch: features
+of all the batch's series, one model run); the batcher only forms the batches.
+
+A batch closes when it holds `max_batch` windows, or when its first call has waited
+`max_delay_s`, whichever comes first. With `wait="adaptive"` (the default) it also closes
+as soon as no other call is ready to join — so a lone call never waits for company,
+and under load batches grow by themselves. With `wait="fixed"` it always waits the full
+delay unless it fills up (the classic dynamic batcher, for throughput-first deployments).
+
+Only windows of the same model snapshot share a batch (a reload never mixes models).
+A call whose deadline passed while queued, or that was cancelled, is never run.
+Rows are independent, so each call's outputs equal those of running it alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from serving.errors import QueueDeadlineExceeded, ServingError
+
+log = logging.getLogger("serving")
+
+WAIT_POLICIES = ("adaptive", "fixed")
+K = TypeVar("K")  # what a batch runs on (the model snapshot); only calls with the same key share a batch
+P = TypeVar("P")  # one call's payload (its series)
+R = TypeVar("R")  # one call's result
+# process(key, payloads) -> one result or exception per payload, in order; runs on the worker thread
+Process = Callable[[K, list[P]], Sequence["R | Exception"]]
+
+
+class BatchObserver(Protocol):
+    """Receives timings (seconds) and sizes; serving.metrics implements it."""
+
+    def on_batch(self, windows: int, calls: int, inference_s: float) -> None: ...
+
+    def on_queue_time(self, seconds: float) -> None: ...
+
+    def on_expired(self) -> None: ...
+
+
+class _NoObserver:
+    def on_batch(self, windows: int, calls: int, inference_s: float) -> None:
+        pass
+
+    def on_queue_time(self, seconds: float) -> None:
+        pass
+
+    def on_expired(self) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _Item(Generic[K, P, R]):
+    key: K
+    payload: P
+    n: int  # windows
+    future: asyncio.Future[R]
+    deadline: float | None  # time.monotonic() after which the call is not run
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class MicroBatcher(Generic[K, P, R]):
+    def __init__(self, process: Process[K, P, R], max_batch: int, max_delay_s: float, wait: str = "adaptive",
+                 observer: BatchObserver | None = None) -> None:
+        if max_batch < 1 or max_delay_s < 0 or wait not in WAIT_POLICIES:
+            raise ValueError(f"need max_batch >= 1, max_delay_s >= 0, wait in {WAIT_POLICIES}")
+        self._process = process
+        self.max_batch = max_batch
+        self.max_delay_s = max_delay_s
+        self.wait = wait
+        self._observer: BatchObserver = observer or _NoObserver()
+        self._queue: deque[_Item[K, P, R]] = deque()
+        self._arrived = asyncio.Event()
+        self._closing = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="micro-batcher")
+
+    async def close(self) -> None:
+        """Finish what is queued, then stop."""
+        self._closing = True
+        self._arrived.set()
+        if self._task is not None:
+            await self._task
+        self._executor.shutdown(wait=True)
+
+    # ---- calls ----------------------------------------------------------------------------
+    async def submit(self, key: K, payload: P, n: int, deadline: float | None = None) -> R:
+        """The result for `payload` (n windows), computed in a batch with other calls on the same key.
+
+        A call of more than max_batch windows runs as a batch of its own.
+        """
+        if self._closing:
+            raise ServingError("the server is shutting down")
+        item: _Item[K, P, R] = _Item(key, payload, n, asyncio.get_running_loop().create_future(), deadline)
+        self._queue.append(item)
+        self._arrived.set()
+        try:
+            return await item.future
+        finally:
+            item.future.cancel()  # no-op when done; when the caller was cancelled, it is never run
+
+    # ---- the loop -------------------------------------------------------------------------
+    def _windows_ready(self, key: K) -> int:
+        return sum(it.n for it in self._queue if it.key is key and not it.future.done())
+
+    async def _gather(self, first: _Item[K, P, R]) -> None:
+        """Wait until the batch that `first` opens should close."""
+        close_at = first.enqueued + self.max_delay_s
+        if self.wait == "adaptive":
+            # let calls that are already runnable on the loop prepare and join; stop when none do
+            seen = -1
+            while seen != len(self._queue) and self._windows_ready(first.key) < self.max_batch \
+                    and time.monotonic() < close_at and not self._closing:
+                seen = len(self._queue)
+                await asyncio.sleep(0)
+            return
+        while self._windows_ready(first.key) < self.max_batch and not self._closing:
+            remaining = close_at - time.monotonic()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def _take(self, key: K) -> list[_Item[K, P, R]]:
+        """Pop up to max_batch windows of `key`'s calls, in arrival order; fail the expired ones."""
+        now = time.monotonic()
+        batch: list[_Item[K, P, R]] = []
+        windows = 0
+        kept: deque[_Item[K, P, R]] = deque()
+        while self._queue:
+            it = self._queue.popleft()
+            if it.future.done():  # cancelled by its caller (deadline at the client, disconnect)
+                continue
+            if it.deadline is not None and now >= it.deadline:
+                it.future.set_exception(QueueDeadlineExceeded(
+                    f"deadline exceeded after {now - it.enqueued:.3f} s in the queue; not run"))
+                self._observer.on_expired()
+                continue
+            if it.key is key and (not batch or windows + it.n <= self.max_batch):
+                batch.append(it)
+                windows += it.n
+            else:
+                kept.append(it)
+        self._queue = kept
+        return batch
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                self._arrived.clear()
+                await self._arrived.wait()
+                continue
+            first = self._queue[0]
+            if first.future.done():
+                self._queue.popleft()
+                continue
+            await self._gather(first)
+            batch = self._take(first.key)
+            if not batch:
+                continue
+            started = time.monotonic()
+            for it in batch:
+                self._observer.on_queue_time(started - it.enqueued)
+            payloads = [it.payload for it in batch]
+            try:
+                results = await loop.run_in_executor(self._executor, self._process, first.key, payloads)
+            except Exception as exc:  # a failed run fails its calls, never the loop
+                log.exception("inference failed for a batch of %d calls", len(batch))
+                results = [exc] * len(batch)
+            self._observer.on_batch(sum(it.n for it in batch), len(batch), time.monotonic() - started)
+            for it, result in zip(batch, results, strict=True):
+                if it.future.done():
+                    continue
+                if isinstance(result, Exception):
+                    it.future.set_exception(result)
+                else:
+                    it.future.set_result(result)

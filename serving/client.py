@@ -1,0 +1,112 @@
+"""`python -m serving.client --target HOST:PORT --parquet bars.parquet --symbol ES`: print a forecast.
+
+Asks the server what the model needs (GetModelInfo), reads and validates the bars with
+`features.read_bars`, sends the latest `bars_required` bars of the symbol and prints the
+forecast as a table: per horizon step, the future bar time and the quantiles of cumulative
+log return and of price. `--json` prints the response as JSON instead.
+
+Exit status: 0 done, 2 bad arguments or bars, 1 the server answered an error (its status
+code and message are printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import UTC, datetime
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from features.bars import BarDataError, Bars, ColumnMap, read_bars
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
+
+
+def series_from_bars(bars: Bars, symbol: str, n: int, user_columns: tuple[str, ...] | list[str] = ()) -> pb.Series:
+    """The last `n` bars of `symbol` as a request Series (KeyError if the symbol is absent)."""
+    rows = bars.series_slices()[symbol]
+    sl = slice(max(rows.start, rows.stop - n), rows.stop)
+    return pb.Series(
+        symbol=symbol,
+        timestamp_ns=bars.timestamp_ns[sl].tolist(),
+        open=bars.open[sl].tolist(),
+        high=bars.high[sl].tolist(),
+        low=bars.low[sl].tolist(),
+        close=bars.close[sl].tolist(),
+        volume=bars.volume[sl].tolist(),
+        user_features=[pb.Column(name=u, values=bars.user[u][sl].tolist()) for u in user_columns],
+    )
+
+
+def _time(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def format_forecast(f: pb.Forecast) -> str:
+    """A fixed-width table: one row per horizon step."""
+    levels = list(f.quantile_levels)
+    q = len(levels)
+    ret = np.asarray(f.log_return).reshape(f.horizon, q)
+    price = np.asarray(f.price).reshape(f.horizon, q)
+    head = ["h", "time (UTC)"] + [f"ret q{lv:g}" for lv in levels] + [f"price q{lv:g}" for lv in levels]
+    rows = [[str(h + 1), _time(int(f.timestamp_ns[h]))] + [f"{x:+.6f}" for x in ret[h]] + [f"{x:.4f}" for x in price[h]]
+            for h in range(f.horizon)]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    title = f"{f.symbol}  model {f.model_version}  last bar {_time(f.last_timestamp_ns)} UTC  close {f.last_close:.4f}"
+    lines = [title,
+             "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m serving.client", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT (default 127.0.0.1:50051)")
+    p.add_argument("--parquet", required=True, help="bars: a parquet file or a directory of them")
+    p.add_argument("--symbol", required=True, help="symbol to forecast (one of the model's symbols)")
+    p.add_argument("--explain", action="store_true", help="also ask for attention and variable weights (with --json)")
+    p.add_argument("--json", action="store_true", help="print the response as JSON")
+    p.add_argument("--timeout", type=float, default=10.0, help="deadline per call in seconds (default 10)")
+    ColumnMap.add_arguments(p)
+    args = p.parse_args(argv)
+
+    with grpc.insecure_channel(args.target) as channel:
+        stub = pb_grpc.ForecasterStub(channel)
+        try:
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"error: GetModelInfo: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        try:
+            bars = read_bars(args.parquet, ColumnMap.from_args(args), tuple(info.user_feature_columns))
+        except BarDataError as exc:
+            print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars:", file=sys.stderr)
+            for problem in exc.problems:
+                print(f"  {problem}", file=sys.stderr)
+            return 2
+        if args.symbol not in bars.series_slices():
+            print(f"error: symbol {args.symbol!r} not in {args.parquet} (it has {', '.join(bars.symbols)})",
+                  file=sys.stderr)
+            return 2
+        request = pb.PredictRequest(
+            series=[series_from_bars(bars, args.symbol, info.bars_required, list(info.user_feature_columns))],
+            explain=args.explain,
+        )
+        try:
+            response = stub.Predict(request, timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"error: Predict: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json_format.MessageToJson(response, preserving_proto_field_name=True))
+    else:
+        for forecast in response.forecasts:
+            print(format_forecast(forecast))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""Prometheus metrics of the server, in their own registry, served on --metrics-port.
+
+    foxhunt_requests_total{method,code}          RPCs answered, by gRPC status code
+    foxhunt_request_latency_seconds{method}      time in the handler, histogram
+    foxhunt_queue_seconds                        time a call's windows waited for their batch
+    foxhunt_inference_seconds                    ONNX Runtime time per batch
+    foxhunt_batch_windows                        windows per ONNX Runtime run (before padding)
+    foxhunt_batch_calls                          calls sharing one run
+    foxhunt_queue_expired_total                  calls whose deadline passed while queued (not run)
+    foxhunt_inflight_requests                    Predict calls being served now
+    foxhunt_ready                                1 when warmed up and serving
+    foxhunt_model_info{version,...,provider}     1, labelled with the model and where it runs
+    foxhunt_reloads_total{result}                SIGHUP reloads: ok | refused
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+from serving.model import LoadedModel
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
+
+
+class Metrics:
+    """All metrics of one server; also the batcher's observer."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter("foxhunt_requests", "RPCs answered, by method and gRPC status code",
+                                ["method", "code"], registry=r)
+        self.latency = Histogram("foxhunt_request_latency_seconds", "Time in the RPC handler", ["method"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("foxhunt_queue_seconds", "Time a call's windows waited for their batch",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.inference = Histogram("foxhunt_inference_seconds", "ONNX Runtime time per batch",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_windows = Histogram("foxhunt_batch_windows", "Windows per ONNX Runtime run (before padding)",
+                                       buckets=BATCH_BUCKETS, registry=r)
+        self.batch_calls = Histogram("foxhunt_batch_calls", "Calls sharing one ONNX Runtime run",
+                                     buckets=BATCH_BUCKETS, registry=r)
+        self.expired = Counter("foxhunt_queue_expired", "Calls whose deadline passed while queued (not run)",
+                               registry=r)
+        self.inflight = Gauge("foxhunt_inflight_requests", "Predict calls being served", registry=r)
+        self.ready = Gauge("foxhunt_ready", "1 when the model is warmed up and serving", registry=r)
+        self.model = Info("foxhunt_model", "The model being served and where it runs", registry=r)
+        self.reloads = Counter("foxhunt_reloads", "SIGHUP model reloads by result", ["result"], registry=r)
+
+    # ---- batcher observer -------------------------------------------------------------------
+    def on_batch(self, windows: int, calls: int, inference_s: float) -> None:
+        self.batch_windows.observe(windows)
+        self.batch_calls.observe(calls)
+        self.inference.observe(inference_s)
+
+    def on_queue_time(self, seconds: float) -> None:
+        self.queue.observe(seconds)
+
+    def on_expired(self) -> None:
+        self.expired.inc()
+
+    # ---- model ------------------------------------------------------------------------------
+    def set_model(self, model: LoadedModel) -> None:
+        self.model.info({
+            "version": model.version,
+            "checkpoint_sha256": model.meta.checkpoint_sha256,
+            "model_sha256": model.sha256,
+            "provider": model.provider,
+            "device_requested": model.device_requested,
+            "fallback": "yes" if model.fallback_warning else "no",
+        })
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Start the /metrics endpoint (daemon thread); returns the bound port (port 0 picks one)."""
+        httpd, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(httpd.server_port)

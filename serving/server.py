@@ -1,0 +1,211 @@
+"""The gRPC server: build it, warm it up, reload on SIGHUP, drain on SIGTERM.
+
+    build_server(config, model) -> ForecastServer   everything wired, nothing started
+    serve(config) -> exit status                     load, start, run until SIGTERM/SIGINT
+
+Order at start: load and check the model (a bad model or an unavailable --device cuda
+stops here, exit 2), bind and start (health NOT_SERVING; Predict answers UNAVAILABLE),
+print `listening on HOST:PORT`, warm up at every padded batch size, then health SERVING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from serving.batcher import MicroBatcher
+from serving.errors import ModelLoadError
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
+from serving.inference import run_batch
+from serving.metrics import Metrics
+from serving.model import LoadedModel, ModelHolder, load_and_warm, load_model
+from serving.servicer import Batcher, ForecasterServicer, Limits
+
+log = logging.getLogger("serving")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Forecaster"].full_name  # foxhunt.tft.v1.Forecaster
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `python -m serving` takes; one comment per field."""
+
+    model_path: Path  # the ONNX model (re-read on SIGHUP)
+    host: str = "127.0.0.1"  # interface to bind; loopback unless told otherwise
+    port: int = 50051  # 0 picks a free port (printed as `listening on HOST:PORT`)
+    device: str = "auto"  # auto | cpu | cuda
+    device_id: int = 0  # CUDA device ordinal
+    threads: int = 1  # ONNX Runtime intra-op threads
+    max_batch: int = 64  # windows per ONNX Runtime run
+    max_delay_ms: float = 2.0  # longest a call waits for others to join its batch
+    batch_wait: str = "adaptive"  # adaptive: close a batch when no other call is ready; fixed: wait the delay
+    max_concurrent: int = 256  # Predict calls in flight; beyond: RESOURCE_EXHAUSTED
+    max_message_bytes: int = 4 * MiB  # request and response size limit (gRPC's own default is 4 MiB too)
+    metrics_port: int | None = None  # Prometheus /metrics port; None: off, 0: pick a free one
+    grace_s: float = 10.0  # SIGTERM: time in-flight calls get to finish
+
+    @property
+    def max_delay_s(self) -> float:
+        return self.max_delay_ms / 1000.0
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class ForecastServer:
+    """The gRPC server with its model holder, batcher, health, reflection and metrics."""
+
+    def __init__(self, config: ServerConfig, model: LoadedModel, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.holder = ModelHolder(model)
+        self.batcher: Batcher = MicroBatcher(run_batch, config.max_batch, config.max_delay_s, config.batch_wait,
+                                             self.metrics)
+        limits = Limits(config.max_batch, config.max_message_bytes, config.max_concurrent)
+        self.servicer = ForecasterServicer(self.holder, self.batcher, self.metrics, limits)
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs lacks health.aio
+        self.grpc = aio.server(options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent share
+        ])
+        pb_grpc.add_ForecasterServicer_to_server(self.servicer, self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        self.port = 0
+        self._reloading = False
+        self._reload_again = False
+        self.metrics.set_model(model)
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self) -> int:
+        """Bind and start answering (health NOT_SERVING until warm_up); returns the bound port."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = host_port(self.config.host, self.config.port)
+        try:
+            self.port = self.grpc.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot bind {address}: {exc}") from None
+        if self.port == 0:
+            raise OSError(f"cannot bind {address}")
+        self.batcher.start()
+        await self.grpc.start()
+        return self.port
+
+    async def warm_up(self) -> None:
+        """Run the model at every padded batch size, then report SERVING."""
+        model = self.holder.current
+        seconds = await asyncio.get_running_loop().run_in_executor(None, model.warm_up)
+        self.servicer.ready = True
+        self.metrics.ready.set(1)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("warmed up at batch sizes %s in %.3f s; health SERVING", list(model.buckets), seconds)
+
+    async def reload(self) -> None:
+        """SIGHUP: load, check and warm the model file, then swap it in; a bad file is refused."""
+        if self._reloading:
+            self._reload_again = True  # one more pass after the current one, to read the latest file
+            return
+        self._reloading = True
+        try:
+            while True:
+                self._reload_again = False
+                await self._reload_once()
+                if not self._reload_again:
+                    return
+        finally:
+            self._reloading = False
+
+    async def _reload_once(self) -> None:
+        c, old = self.config, self.holder.current
+        log.info("SIGHUP: reloading %s", c.model_path)
+        try:
+            new = await asyncio.to_thread(load_and_warm, c.model_path, c.device, c.threads, c.max_batch, c.device_id)
+        except ModelLoadError as exc:
+            self.metrics.reloads.labels("refused").inc()
+            log.error("reload refused, still serving model %s: %s", old.version, exc)
+            return
+        except Exception:  # an unexpected failure must not take the server down either
+            self.metrics.reloads.labels("refused").inc()
+            log.exception("reload refused, still serving model %s", old.version)
+            return
+        self.holder.swap(new)
+        self.metrics.set_model(new)
+        self.metrics.reloads.labels("ok").inc()
+        log.info("reloaded: serving model %s (sha256 %s, provider %s); was %s", new.version, new.sha256[:12],
+                 new.provider, old.version)
+
+    async def stop(self, grace_s: float) -> None:
+        """Health NOT_SERVING, refuse new calls, let in-flight ones finish within grace_s, stop the batcher."""
+        self.servicer.ready = False
+        self.metrics.ready.set(0)
+        await self.health.enter_graceful_shutdown()
+        started = time.monotonic()
+        await self.grpc.stop(grace_s)
+        await self.batcher.close()
+        log.info("drained in %.3f s", time.monotonic() - started)
+
+
+def build_server(config: ServerConfig, model: LoadedModel) -> ForecastServer:
+    return ForecastServer(config, model)
+
+
+async def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM or SIGINT; 0 after a clean drain. ModelLoadError and OSError propagate."""
+    model = await asyncio.to_thread(load_model, config.model_path, config.device, config.threads,
+                                    config.max_batch, config.device_id)
+    log.info("model %s from %s: provider %s, bars_required %d, horizon %d, quantiles %s, symbols %s",
+             model.version, model.path, model.provider, model.meta.bars_required, model.meta.horizon,
+             list(model.meta.quantiles), ",".join(model.meta.symbols))
+    server = build_server(config, model)
+    port = await server.start()
+    print(f"listening on {host_port(config.host, port)}", flush=True)
+    log.info("listening on %s (max message %d bytes, max batch %d, max delay %g ms, %s wait, max concurrent %d)",
+             host_port(config.host, port), config.max_message_bytes, config.max_batch, config.max_delay_ms,
+             config.batch_wait, config.max_concurrent)
+    if config.metrics_port is not None:
+        mport = server.metrics.serve_http(config.host, config.metrics_port)
+        print(f"metrics on {host_port(config.host, mport)}", flush=True)
+        log.info("metrics on http://%s/metrics", host_port(config.host, mport))
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    reloads: set[asyncio.Task[None]] = set()
+
+    def on_hup() -> None:
+        task = loop.create_task(server.reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+
+    warm = loop.create_task(server.warm_up())
+    stopping = loop.create_task(stop.wait())
+    done, _ = await asyncio.wait({warm, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    failure = warm.exception() if warm in done else None
+    if failure is not None:  # the model loaded but cannot run: stop, exit 2
+        stopping.cancel()
+        await server.stop(0)
+        raise failure
+    await stopping
+    log.info("SIGTERM: draining (grace %g s)", config.grace_s)
+    for task in (warm, *reloads):
+        task.cancel()
+    await server.stop(config.grace_s)
+    return 0

@@ -1,0 +1,171 @@
+"""The Forecaster servicer: thin glue from RPCs to the pure functions and the batcher.
+
+Errors become status codes in one place, the `rpc` decorator (via serving.errors.status_of),
+which also counts every answer by code and times it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.metadata
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from grpc import aio
+
+from features.schema import Role
+from serving.batcher import MicroBatcher
+from serving.errors import ExplainUnavailable, NotReady, Overloaded, status_of
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
+from serving.inference import Result
+from serving.metrics import Metrics
+from serving.model import LoadedModel, ModelHolder
+from serving.postprocess import build_response
+from serving.validation import SeriesColumns, parse_request
+
+log = logging.getLogger("serving")
+
+ROLES = {Role.STATIC: pb.FEATURE_ROLE_STATIC, Role.OBSERVED: pb.FEATURE_ROLE_OBSERVED,
+         Role.KNOWN: pb.FEATURE_ROLE_KNOWN}
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[[Any, Req, aio.ServicerContext[Req, Resp]], Awaitable[Resp]]
+
+
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("foxhunt-tft")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Server limits reported by GetModelInfo."""
+
+    max_batch: int
+    max_message_bytes: int
+    max_concurrent: int
+
+
+class Admission:
+    """At most `limit` Predict calls in flight; the next one is refused, not queued."""
+
+    def __init__(self, limit: int, metrics: Metrics) -> None:
+        self.limit = limit
+        self.active = 0
+        self._metrics = metrics
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        if self.active >= self.limit:
+            raise Overloaded(f"server busy: {self.limit} Predict calls already in flight (--max-concurrent "
+                             f"{self.limit}); retry with backoff")
+        self.active += 1
+        self._metrics.inflight.inc()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            self._metrics.inflight.dec()
+
+
+def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
+    """Map errors to status codes, count answers by code, time the handler."""
+
+    def decorate(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
+        @functools.wraps(fn)
+        async def wrapper(self: ForecasterServicer, request: Req, context: aio.ServicerContext[Req, Resp]) -> Resp:
+            start = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                return await fn(self, request, context)
+            except asyncio.CancelledError:  # the client went away or its deadline passed
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:
+                code, message = status_of(exc)
+                if code == grpc.StatusCode.INTERNAL:
+                    log.exception("%s failed", method)
+            finally:
+                self.metrics.requests.labels(method, code.name).inc()
+                self.metrics.latency.labels(method).observe(time.perf_counter() - start)
+            await context.abort(code, message)  # raises; the server stays up
+            raise AssertionError("unreachable")  # pragma: no cover
+
+        return wrapper
+
+    return decorate
+
+
+Batcher = MicroBatcher[LoadedModel, list[SeriesColumns], Result]
+
+
+class ForecasterServicer(pb_grpc.ForecasterServicer):
+    def __init__(self, holder: ModelHolder, batcher: Batcher, metrics: Metrics, limits: Limits) -> None:
+        self.holder = holder
+        self.batcher = batcher
+        self.metrics = metrics
+        self.limits = limits
+        self.admission = Admission(limits.max_concurrent, metrics)
+        self.ready = False  # set once the model is warmed up
+
+    @rpc("Predict")
+    async def Predict(self, request: pb.PredictRequest,
+                      context: aio.ServicerContext[pb.PredictRequest, pb.PredictResponse]) -> pb.PredictResponse:
+        with self.admission.admit():
+            if not self.ready:
+                raise NotReady("the model is warming up; wait for health SERVING")
+            model = self.holder.current  # one snapshot for the whole call
+            if request.explain and not model.explain_available:
+                raise ExplainUnavailable(f"model {model.version} was exported without explain outputs; "
+                                         "send explain=false (GetModelInfo.explain_available)")
+            series = parse_request(request, model.meta)
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else time.monotonic() + remaining
+            result = await self.batcher.submit(model, series, len(series), deadline)
+            return build_response(result.prepared, result.outputs, model.meta, model.version, request.explain)
+
+    @rpc("GetModelInfo")
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: aio.ServicerContext[pb.GetModelInfoRequest, pb.ModelInfo]) -> pb.ModelInfo:
+        return model_info(self.holder.current, self.limits)
+
+
+def model_info(model: LoadedModel, limits: Limits) -> pb.ModelInfo:
+    meta = model.meta
+    return pb.ModelInfo(
+        bars_required=meta.bars_required,
+        bar_interval_ns=meta.bar_interval_ns,
+        encoder_length=meta.encoder_length,
+        horizon=meta.horizon,
+        quantiles=list(meta.quantiles),
+        features=[pb.Feature(name=f.name, role=ROLES[f.role], kind=f.kind.value, source=f.source)
+                  for f in meta.feature_schema.features],
+        symbols=list(meta.symbols),
+        user_feature_columns=list(meta.feature_config.user_columns),
+        explain_available=model.explain_available,
+        model_version=model.version,
+        checkpoint_sha256=meta.checkpoint_sha256,
+        model_sha256=model.sha256,
+        model_path=model.path,
+        loaded_at_unix_ns=model.loaded_at_ns,
+        precision=meta.precision,
+        device_requested=model.device_requested,
+        provider=model.provider,
+        providers=model.providers,
+        fallback_warning=model.fallback_warning,
+        max_batch=limits.max_batch,
+        max_message_bytes=limits.max_message_bytes,
+        max_concurrent=limits.max_concurrent,
+        torch_imported="torch" in sys.modules,
+        server_version=server_version(),
+    )

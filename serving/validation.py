@@ -1,0 +1,153 @@
+"""Request columns -> checked numpy columns, or a RequestError that says what to fix.
+
+Plain functions on numpy arrays. The value and order rules of a bar (positive finite
+prices, low <= open, close <= high, volume >= 0, strictly increasing timestamps, finite
+user features) are the data contract's own: when a fast vectorised check finds anything
+wrong, `features.bars.validate` names each broken rule, its column and first row, exactly
+as it does for a parquet file (the "file" being `series[i] (SYMBOL)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from features.bars import PRICE_COLUMNS, Bars, ColumnMap, Problem, validate
+from features.model_meta import ModelMeta
+from serving.errors import RequestError
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+
+BAR_COLUMNS: tuple[str, ...] = ("timestamp_ns", *PRICE_COLUMNS, "volume")  # the proto's field names
+WIRE_COLUMNS = ColumnMap(timestamp="timestamp_ns")  # names problems after the proto's fields
+MAX_PROBLEMS = 5  # problems listed in one error message
+
+
+@dataclass
+class SeriesColumns:
+    """One series of a request as numpy columns, in the order sent (oldest bar first)."""
+
+    symbol: str
+    timestamp_ns: np.ndarray  # int64 [n]
+    open: np.ndarray  # float64 [n]
+    high: np.ndarray  # float64 [n]
+    low: np.ndarray  # float64 [n]
+    close: np.ndarray  # float64 [n]
+    volume: np.ndarray  # float64 [n]
+    user: dict[str, np.ndarray] = field(default_factory=dict)  # float64 [n] each, as sent (any names)
+
+    def __len__(self) -> int:
+        return int(self.timestamp_ns.shape[0])
+
+    def tail(self, n: int, user_columns: Sequence[str]) -> SeriesColumns:
+        """The last `n` bars, with only the model's user columns."""
+        return SeriesColumns(
+            self.symbol, self.timestamp_ns[-n:], self.open[-n:], self.high[-n:], self.low[-n:], self.close[-n:],
+            self.volume[-n:], {u: self.user[u][-n:] for u in user_columns},
+        )
+
+
+def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
+    """Copy request.series[index] into numpy columns (no value checks)."""
+    user: dict[str, np.ndarray] = {}
+    for col in series.user_features:
+        if col.name in user:
+            raise RequestError(f"{_label(index, series.symbol)}: user feature column {col.name!r} is sent twice; "
+                               "send each column once")
+        user[col.name] = np.asarray(col.values, dtype=np.float64)
+    return SeriesColumns(
+        symbol=series.symbol,
+        timestamp_ns=np.asarray(series.timestamp_ns, dtype=np.int64),
+        open=np.asarray(series.open, dtype=np.float64),
+        high=np.asarray(series.high, dtype=np.float64),
+        low=np.asarray(series.low, dtype=np.float64),
+        close=np.asarray(series.close, dtype=np.float64),
+        volume=np.asarray(series.volume, dtype=np.float64),
+        user=user,
+    )
+
+
+def _label(i: int, symbol: str) -> str:
+    return f"series[{i}] ({symbol})"
+
+
+def _check_identity(i: int, s: SeriesColumns, meta: ModelMeta, seen: dict[str, int]) -> None:
+    known = ", ".join(meta.symbols)
+    if not s.symbol:
+        raise RequestError(f"series[{i}]: symbol is empty; set it to one of the model's symbols: {known}")
+    if s.symbol not in meta.symbols:
+        raise RequestError(f"series[{i}]: unknown symbol {s.symbol!r}; the model knows {known}")
+    if s.symbol in seen:
+        raise RequestError(f"series[{i}]: symbol {s.symbol!r} already appears in series[{seen[s.symbol]}]; "
+                           "send each symbol at most once per request")
+    seen[s.symbol] = i
+
+
+def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
+    label = _label(i, s.symbol)
+    need = list(meta.feature_config.user_columns)
+    missing = [u for u in need if u not in s.user]
+    if missing:
+        raise RequestError(f"{label}: user feature column(s) {', '.join(repr(m) for m in missing)} missing; this "
+                           f"model needs user_features {', '.join(need)} (see GetModelInfo.user_feature_columns)")
+    lengths = {c: int(getattr(s, c).shape[0]) for c in BAR_COLUMNS} | {u: int(s.user[u].shape[0]) for u in need}
+    if len(set(lengths.values())) > 1:
+        listed = ", ".join(f"{c} {n}" for c, n in lengths.items())
+        raise RequestError(f"{label}: columns have unequal lengths ({listed}); send one value per bar in every column")
+    n, required = len(s), meta.bars_required
+    if n < required:
+        raise RequestError(
+            f"{label}: {n} bars sent, the model needs at least {required} ({meta.feature_config.warmup_bars} warm-up "
+            f"bars for the rolling features + {meta.encoder_length} encoder bars); send the most recent {required} "
+            "bars, oldest first (GetModelInfo.bars_required)")
+
+
+def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
+    """Every value and order rule holds (a fast conjunction of the rules `features.bars.validate` checks)."""
+    o, h, lo, c, v = s.open, s.high, s.low, s.close, s.volume
+    with np.errstate(invalid="ignore"):
+        prices = np.stack([o, h, lo, c])  # [4, n]
+        ok = bool(np.isfinite(prices).all() and (prices > 0).all())
+        ok = ok and bool((h >= lo).all() and (o <= h).all() and (c <= h).all() and (o >= lo).all() and (c >= lo).all())
+        ok = ok and bool(np.isfinite(v).all() and (v >= 0).all())
+        ok = ok and bool(np.all(np.diff(s.timestamp_ns) > 0))
+        return ok and all(bool(np.isfinite(s.user[u]).all()) for u in user_columns)
+
+
+def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> list[Problem]:
+    n = len(s)
+    part = {"timestamp": s.timestamp_ns, "timestamp_null": np.zeros(n, dtype=bool),
+            "symbol": np.full(n, s.symbol, dtype=object), "open": s.open, "high": s.high, "low": s.low,
+            "close": s.close, "volume": s.volume} | {f"user:{u}": s.user[u] for u in user_columns}
+    bars = Bars(s.timestamp_ns, part["symbol"], s.open, s.high, s.low, s.close, s.volume,
+                {u: s.user[u] for u in user_columns})
+    return validate(bars, [part], [_label(i, s.symbol)], WIRE_COLUMNS, user_columns)
+
+
+def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> None:
+    """Raise RequestError naming the first series that breaks the contract and what to fix."""
+    if not series:
+        raise RequestError(f"empty request: PredictRequest.series is empty; send at least one series with its most "
+                           f"recent {meta.bars_required} bars")
+    seen: dict[str, int] = {}
+    user_columns = tuple(meta.feature_config.user_columns)
+    for i, s in enumerate(series):
+        _check_identity(i, s, meta, seen)
+        _check_shape(i, s, meta)
+        if _looks_valid(s, user_columns):
+            continue
+        problems = _value_problems(i, s, user_columns)
+        if not problems:  # the fast check and the contract disagree: still refuse, never guess
+            raise RequestError(f"{_label(i, s.symbol)}: bars break the bar contract (prices finite and > 0, "
+                               "low <= open, close <= high, volume >= 0, timestamps strictly increasing)")
+        more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
+        raise RequestError("; ".join(str(p) for p in problems[:MAX_PROBLEMS]) + more)
+
+
+def parse_request(request: pb.PredictRequest, meta: ModelMeta) -> list[SeriesColumns]:
+    """The request's series as checked numpy columns, trimmed to the bars the model reads."""
+    series = [columns_from_proto(s, i) for i, s in enumerate(request.series)]
+    validate_series(series, meta)
+    user_columns = tuple(meta.feature_config.user_columns)
+    return [s.tail(meta.bars_required, user_columns) for s in series]

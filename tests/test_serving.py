@@ -1,0 +1,539 @@
+"""End to end: the real `python -m serving` as a subprocess on 127.0.0.1, on a model made by the
+real `python -m trainer` and `python -m export`, driven over gRPC.
+
+Every server binds port 0, prints `listening on HOST:PORT`, and is killed in `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from features.bars import Bars, read_bars
+from features.compute import build_frame, future_timestamps
+from features.model_meta import ModelMeta
+from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES
+from features.windows import gather_windows
+from serving.client import series_from_bars
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
+from tests.artifacts import REPO, make_checkpoint, make_onnx
+
+pytestmark = pytest.mark.slow
+
+SERVICE = "foxhunt.tft.v1.Forecaster"
+RTOL, ATOL = 1e-5, 1e-7  # ORT's float32 kernels may differ in the last bits between batch sizes
+
+
+# ---- artifacts and servers --------------------------------------------------------------------------
+@dataclass
+class Artifacts:
+    bars_path: Path
+    model: Path
+    meta: ModelMeta
+    bars: Bars
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory: pytest.TempPathFactory) -> Artifacts:
+    work = tmp_path_factory.mktemp("serving")
+    ckpt = make_checkpoint(work)
+    model = make_onnx(ckpt, work / "model.onnx", ("--threads", "1"))
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
+    return Artifacts(work / "bars.parquet", model, meta, read_bars(work / "bars.parquet"))
+
+
+class ServerProcess:
+    """`python -m serving` on 127.0.0.1:0; stdout read for the bound ports, stderr to a log file."""
+
+    def __init__(self, model: Path, log: Path, *flags: str) -> None:
+        self.log = log
+        cmd = [sys.executable, "-m", "serving", "--model", str(model), "--port", "0", "--metrics-port", "0",
+               "--threads", "1", *flags]
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, args=(lines,), daemon=True).start()
+        self.target = self.metrics = ""
+        deadline = time.monotonic() + 60
+        while not (self.target and self.metrics):
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if m := re.fullmatch(r"listening on (127\.0\.0\.1:\d+)\n", line):
+                self.target = m.group(1)
+            if m := re.fullmatch(r"metrics on (127\.0\.0\.1:\d+)\n", line):
+                self.metrics = m.group(1)
+        if not self.target:
+            self.kill()
+            raise AssertionError(f"server did not report its port:\n{self.log_text()}")
+        self.channel = grpc.insecure_channel(self.target)
+        self.stub = pb_grpc.ForecasterStub(self.channel)
+
+    def _read(self, lines: queue.Queue[str]) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            lines.put(line)
+
+    def log_text(self) -> str:
+        return self.log.read_text()
+
+    def wait_serving(self, timeout: float = 60) -> None:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.log_text()}"
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"not SERVING after {timeout} s:\n{self.log_text()}")
+
+    def scrape(self) -> str:
+        return urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=5).read().decode()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        if hasattr(self, "channel"):
+            self.channel.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Value of one sample in Prometheus text format (0 if absent)."""
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        m = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            return float(m.group(2))
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def server(art: Artifacts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    s = ServerProcess(art.model, tmp_path_factory.mktemp("log") / "server.log", "--device", "cpu")
+    try:
+        s.wait_serving()
+        yield s
+    finally:
+        s.kill()
+
+
+def request_for(art: Artifacts, symbol: str, end: int | None = None, n: int | None = None,
+                explain: bool = False) -> pb.PredictRequest:
+    """The `n` (default bars_required) bars of `symbol` ending at its row `end` (default: its last)."""
+    bars = art.bars
+    if end is not None:
+        sl = bars.series_slices()[symbol]
+        stop = sl.start + end + 1
+        bars = Bars(bars.timestamp_ns[:stop], bars.symbol[:stop], bars.open[:stop], bars.high[:stop],
+                    bars.low[:stop], bars.close[:stop], bars.volume[:stop])
+    series = series_from_bars(bars, symbol, n or art.meta.bars_required)
+    return pb.PredictRequest(series=[series], explain=explain)
+
+
+def quantiles_of(f: pb.Forecast) -> np.ndarray:
+    return np.asarray(f.log_return).reshape(f.horizon, len(f.quantile_levels))
+
+
+# ---- the contract ---------------------------------------------------------------------------------------
+def test_predict_equals_direct_onnx_runtime_on_training_features(art: Artifacts, server: ServerProcess) -> None:
+    """Features of the whole file (as training computed them) + a bare ORT run == the server's answer
+    for a request carrying only the last bars_required bars up to that point."""
+    meta = art.meta
+    frame = build_frame(art.bars, meta.feature_config, symbols=list(meta.symbols))
+    assert frame.bar_interval_ns == meta.bar_interval_ns
+    session = ort.InferenceSession(str(art.model), providers=["CPUExecutionProvider"])
+    slices = art.bars.series_slices()
+    cases = [(sym, row) for sym in meta.symbols for row in (slices[sym].stop - slices[sym].start - 1, 500)]
+    for symbol, row in cases:
+        anchor = np.array([slices[symbol].start + row])
+        windows = gather_windows(frame, anchor, meta.encoder_length)
+        expected = dict(zip(MODEL_OUTPUTS, session.run(list(MODEL_OUTPUTS), {k: windows[k] for k in MODEL_INPUTS}),
+                            strict=True))
+        response = server.stub.Predict(request_for(art, symbol, end=row, explain=True), timeout=10)
+        (f,) = response.forecasts
+        assert f.symbol == symbol and f.model_version == meta.model_version == response.model_version
+        np.testing.assert_allclose(quantiles_of(f), expected[QUANTILES][0], rtol=RTOL, atol=ATOL)
+        close = art.bars.close[anchor[0]]
+        assert f.last_close == close and f.last_timestamp_ns == art.bars.timestamp_ns[anchor[0]]
+        np.testing.assert_allclose(np.asarray(f.price).reshape(quantiles_of(f).shape),
+                                   close * np.exp(quantiles_of(f)), rtol=1e-12)
+        assert list(f.timestamp_ns) == future_timestamps(np.array([f.last_timestamp_ns]), meta.bar_interval_ns,
+                                                         meta.horizon)[0].tolist()
+        assert list(f.quantile_levels) == list(meta.quantiles) and f.horizon == meta.horizon
+        e = f.explanation
+        np.testing.assert_allclose(np.asarray(e.attention).reshape(e.attention_rows, e.attention_cols),
+                                   expected["attention"][0], rtol=RTOL, atol=ATOL)
+        assert e.attention_rows == meta.horizon and e.attention_cols == meta.encoder_length + meta.horizon
+        assert len(e.attention_timestamp_ns) == e.attention_cols
+        assert e.attention_timestamp_ns[meta.encoder_length - 1] == f.last_timestamp_ns
+        schema = meta.feature_schema
+        for weights, name, variables in ((e.static_weights, "static_weights", schema.static),
+                                         (e.encoder_weights, "encoder_weights", schema.observed + schema.known),
+                                         (e.decoder_weights, "decoder_weights", schema.known)):
+            assert list(weights.variables) == variables
+            np.testing.assert_allclose(np.asarray(weights.weights).reshape(expected[name][0].shape),
+                                       expected[name][0], rtol=RTOL, atol=ATOL)
+
+
+def test_batched_and_concurrent_requests_equal_single_ones(art: Artifacts, server: ServerProcess) -> None:
+    symbols = list(art.meta.symbols)
+    singles = {s: server.stub.Predict(request_for(art, s), timeout=10).forecasts[0] for s in symbols}
+    both = pb.PredictRequest(series=[request_for(art, s).series[0] for s in reversed(symbols)])
+    forecasts = server.stub.Predict(both, timeout=10).forecasts
+    assert [f.symbol for f in forecasts] == list(reversed(symbols))
+    for f in forecasts:
+        np.testing.assert_allclose(quantiles_of(f), quantiles_of(singles[f.symbol]), rtol=RTOL, atol=ATOL)
+        assert f.timestamp_ns == singles[f.symbol].timestamp_ns
+
+    # concurrent calls get micro-batched together (same symbols in one batch included): same answers
+    requests = [request_for(art, symbols[i % 2], end=300 + 37 * i) for i in range(24)]
+    alone = [quantiles_of(server.stub.Predict(r, timeout=10).forecasts[0]) for r in requests]
+    before = metric(server.scrape(), "foxhunt_batch_calls_count")
+    with ThreadPoolExecutor(24) as pool:
+        together = list(pool.map(lambda r: quantiles_of(server.stub.Predict(r, timeout=10).forecasts[0]), requests))
+    after = server.scrape()
+    for a, t in zip(alone, together, strict=True):
+        np.testing.assert_allclose(t, a, rtol=RTOL, atol=ATOL)
+    runs = metric(after, "foxhunt_batch_calls_count") - before
+    assert runs < len(requests), "concurrent calls were never batched together"
+
+
+BAD_INPUTS = [
+    ("empty request", lambda r: r.ClearField("series"), "empty request"),
+    ("too few bars", lambda r: _trim(r.series[0], 5), "the model needs at least"),
+    ("unequal columns", lambda r: r.series[0].high.pop(), "columns have unequal lengths"),
+    ("NaN close", lambda r: _set(r.series[0].close, 7, float("nan")), "column 'close', row 7: close is NaN"),
+    ("zero open", lambda r: _set(r.series[0].open, 3, 0.0), "column 'open', row 3: open is not positive"),
+    ("negative low", lambda r: _set(r.series[0].low, 2, -1.0), "column 'low', row 2: low is not positive"),
+    ("high < low", lambda r: _set(r.series[0].high, 4, r.series[0].low[4] * 0.5), "row 4: high < low"),
+    ("close above high", lambda r: _set(r.series[0].close, 6, r.series[0].high[6] * 1.01), "above high"),
+    ("negative volume", lambda r: _set(r.series[0].volume, 1, -5.0), "volume is negative"),
+    ("repeated timestamp", lambda r: _set(r.series[0].timestamp_ns, 9, r.series[0].timestamp_ns[8]),
+     "column 'timestamp_ns', row 9: duplicate timestamp"),
+    ("decreasing timestamps", lambda r: _set(r.series[0].timestamp_ns, 9, r.series[0].timestamp_ns[8] - 1),
+     "timestamps decrease"),
+    ("unknown symbol", lambda r: setattr(r.series[0], "symbol", "ZZ"), "unknown symbol 'ZZ'; the model knows"),
+    ("empty symbol", lambda r: setattr(r.series[0], "symbol", ""), "symbol is empty"),
+    ("duplicate symbol", lambda r: r.series.append(r.series[0]), "already appears in series[0]"),
+    ("repeated user column", lambda r: r.series[0].user_features.extend([pb.Column(name="x"), pb.Column(name="x")]),
+     "user feature column 'x' is sent twice"),
+]
+
+
+def _trim(series: pb.Series, n: int) -> None:
+    for name in ("timestamp_ns", "open", "high", "low", "close", "volume"):
+        col = getattr(series, name)
+        del col[:-n]
+
+
+def _set(col: object, i: int, value: float) -> None:
+    col[i] = value  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("case", "mutate", "message"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_invalid_argument_and_the_next_call_succeeds(
+        art: Artifacts, server: ServerProcess, case: str, mutate: object, message: str) -> None:
+    request = request_for(art, art.meta.symbols[0])
+    mutate(request)  # type: ignore[operator]
+    with pytest.raises(grpc.RpcError) as info:
+        server.stub.Predict(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert message in (info.value.details() or ""), info.value.details()
+    assert server.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10).forecasts
+
+
+def test_oversized_message_is_refused_and_the_server_stays_up(art: Artifacts, server: ServerProcess) -> None:
+    request = request_for(art, art.meta.symbols[0])
+    s = request.series[0]
+    n = 5 * (1 << 20) // 48  # > 4 MiB of bars
+    t0 = s.timestamp_ns[0]
+    s.timestamp_ns[:] = (t0 - 60_000_000_000 * np.arange(n, 0, -1)).tolist()
+    for name in ("open", "high", "low", "close", "volume"):
+        getattr(s, name)[:] = [1.0] * n
+    with pytest.raises(grpc.RpcError) as info:
+        server.stub.Predict(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert server.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10).forecasts
+
+
+def test_health_reflection_and_model_info(art: Artifacts, server: ServerProcess) -> None:
+    health = health_pb2_grpc.HealthStub(server.channel)
+    for name in ("", SERVICE):
+        assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    reflect = reflection_pb2_grpc.ServerReflectionStub(server.channel)
+    (answer,) = list(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                  timeout=5))
+    names = {s.name for s in answer.list_services_response.service}
+    assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    (answer,) = list(reflect.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE)]), timeout=5))
+    assert answer.file_descriptor_response.file_descriptor_proto
+
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+    meta = art.meta
+    assert info.bars_required == meta.bars_required == meta.feature_config.warmup_bars + meta.encoder_length
+    assert (info.bar_interval_ns, info.encoder_length, info.horizon) == \
+        (meta.bar_interval_ns, meta.encoder_length, meta.horizon)
+    assert list(info.quantiles) == list(meta.quantiles) and list(info.symbols) == list(meta.symbols)
+    roles = {pb.FEATURE_ROLE_STATIC: "static", pb.FEATURE_ROLE_OBSERVED: "observed", pb.FEATURE_ROLE_KNOWN: "known"}
+    assert [(f.name, roles[f.role]) for f in info.features] == \
+        [(f.name, f.role.value) for f in meta.feature_schema.features]
+    assert info.model_version == meta.model_version and info.checkpoint_sha256 == meta.checkpoint_sha256
+    assert info.model_sha256 == hashlib.sha256(art.model.read_bytes()).hexdigest()
+    assert info.provider == "CPUExecutionProvider" and info.device_requested == "cpu" and not info.fallback_warning
+    assert info.explain_available == meta.explain and info.max_batch == 64 and info.max_message_bytes == 4 << 20
+
+
+def test_server_process_never_imports_torch(server: ServerProcess) -> None:
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+    assert info.torch_imported is False  # `"torch" in sys.modules`, asked of the server process itself
+    maps = Path(f"/proc/{server.proc.pid}/maps")
+    if maps.exists():  # and, from the outside, no torch library is mapped into it
+        assert "libtorch" not in maps.read_text()
+
+
+def test_metrics(art: Artifacts, server: ServerProcess) -> None:
+    server.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10)
+    with pytest.raises(grpc.RpcError):
+        server.stub.Predict(pb.PredictRequest(), timeout=10)
+    text = server.scrape()
+    assert metric(text, "foxhunt_requests_total", method="Predict", code="OK") >= 1
+    assert metric(text, "foxhunt_requests_total", method="Predict", code="INVALID_ARGUMENT") >= 1
+    assert metric(text, "foxhunt_request_latency_seconds_count", method="Predict") >= 2
+    assert metric(text, "foxhunt_batch_windows_count") >= 1 and metric(text, "foxhunt_queue_seconds_count") >= 1
+    assert metric(text, "foxhunt_inference_seconds_count") >= 1 and metric(text, "foxhunt_ready") == 1
+    assert metric(text, "foxhunt_model_info", version=art.meta.model_version, provider="CPUExecutionProvider") == 1
+
+
+def test_client_prints_a_forecast_table(art: Artifacts, server: ServerProcess) -> None:
+    symbol = art.meta.symbols[0]
+    r = subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
+                        str(art.bars_path), "--symbol", symbol], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"{symbol}  model {art.meta.model_version}")
+    assert "ret q0.5" in lines[1] and "price q0.5" in lines[1] and len(lines) == 2 + art.meta.horizon
+    r = subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
+                        str(art.bars_path), "--symbol", "ZZ"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "ZZ" in r.stderr
+
+
+# ---- overload, deadlines, signals, devices -----------------------------------------------------------
+def test_overload_is_resource_exhausted_and_queued_deadlines_are_not_run(art: Artifacts, tmp_path: Path) -> None:
+    # fixed 1.5 s batching delay: admitted calls stay in flight long enough to fill --max-concurrent
+    s = ServerProcess(art.model, tmp_path / "server.log", "--device", "cpu", "--max-concurrent", "2",
+                      "--batch-wait", "fixed", "--max-delay-ms", "1500")
+    try:
+        s.wait_serving()
+        request = request_for(art, art.meta.symbols[0])
+
+        def call(_: int) -> str:
+            try:
+                s.stub.Predict(request, timeout=20)
+                return "OK"
+            except grpc.RpcError as exc:
+                assert exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or "--max-concurrent 2" in (exc.details() or "")
+                return exc.code().name
+
+        with ThreadPoolExecutor(6) as pool:
+            codes = sorted(pool.map(call, range(6)))
+        assert codes == ["OK", "OK"] + ["RESOURCE_EXHAUSTED"] * 4
+
+        runs = metric(s.scrape(), "foxhunt_batch_windows_count")
+        with pytest.raises(grpc.RpcError) as info:
+            s.stub.Predict(request, timeout=0.3)  # waits 1.5 s for its batch: its deadline passes first
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(1.6)
+        text = s.scrape()
+        assert metric(text, "foxhunt_batch_windows_count") == runs, "a call whose deadline passed was run"
+        assert metric(text, "foxhunt_requests_total", method="Predict", code="CANCELLED") + \
+            metric(text, "foxhunt_queue_expired_total") >= 1
+        assert call(0) == "OK" and s.proc.poll() is None
+    finally:
+        s.kill()
+
+
+def test_sighup_reloads_a_good_model_and_refuses_broken_ones(art: Artifacts, tmp_path: Path) -> None:
+    served = tmp_path / "model.onnx"
+    shutil.copy(art.model, served)
+    s = ServerProcess(served, tmp_path / "server.log", "--device", "cpu")
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def hammer() -> None:  # calls during every reload: none may fail
+        request = request_for(art, art.meta.symbols[0])
+        while not stop.is_set():
+            try:
+                s.stub.Predict(request, timeout=10)
+            except grpc.RpcError as exc:
+                errors.append(f"{exc.code().name}: {exc.details()}")
+
+    def replace(data: bytes) -> None:  # how an operator should update the file: write beside, then rename
+        tmp = tmp_path / ".model.onnx.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, served)
+
+    def reload_and_wait(result: str) -> str:
+        before = metric(s.scrape(), "foxhunt_reloads_total", result=result)
+        s.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while metric(s.scrape(), "foxhunt_reloads_total", result=result) == before:
+            assert time.monotonic() < deadline, s.log_text()
+            time.sleep(0.05)
+        return s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).model_version
+
+    try:
+        s.wait_serving()
+        thread = threading.Thread(target=hammer, daemon=True)
+        thread.start()
+        original = art.model.read_bytes()
+        replace(b"this is not an onnx model")
+        assert reload_and_wait("refused") == art.meta.model_version
+        proto = onnx.load_from_string(original)
+        for p in proto.metadata_props:
+            if p.key == "foxhunt.format":
+                p.value = "something else"
+        replace(proto.SerializeToString())
+        assert reload_and_wait("refused") == art.meta.model_version
+        assert "reload refused" in s.log_text() and "not a foxhunt-tft model" in s.log_text()
+
+        proto = onnx.load_from_string(original)
+        for p in proto.metadata_props:
+            if p.key == "foxhunt.model_version":
+                p.value = "v2-reloaded"
+        replace(proto.SerializeToString())
+        assert reload_and_wait("ok") == "v2-reloaded"
+        response = s.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10)
+        assert response.model_version == "v2-reloaded" == response.forecasts[0].model_version
+        stop.set()
+        thread.join(timeout=10)
+        assert not errors, errors[:5]
+        assert s.proc.poll() is None
+    finally:
+        stop.set()
+        s.kill()
+
+
+def test_sigterm_drains_in_flight_calls_and_exits_0(art: Artifacts, tmp_path: Path) -> None:
+    s = ServerProcess(art.model, tmp_path / "server.log", "--device", "cpu", "--batch-wait", "fixed",
+                      "--max-delay-ms", "1000", "--grace", "10")
+    try:
+        s.wait_serving()
+        request = request_for(art, art.meta.symbols[0])
+        with ThreadPoolExecutor(4) as pool:
+            calls = [pool.submit(s.stub.Predict, request, timeout=20) for _ in range(4)]
+            time.sleep(0.4)  # the calls are queued, waiting for their batch
+            started = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            answers = [c.result() for c in calls]
+        assert all(a.forecasts for a in answers)
+        assert s.proc.wait(timeout=15) == 0, s.log_text()
+        assert time.monotonic() - started < 10
+        assert "drained" in s.log_text()
+    finally:
+        s.kill()
+
+
+def test_device_auto_falls_back_loudly_and_cuda_refuses(art: Artifacts, tmp_path: Path) -> None:
+    if "CUDAExecutionProvider" in ort.get_available_providers() and any(Path("/dev").glob("nvidia[0-9]*")):
+        pytest.skip("a GPU is visible: the fallback cannot be provoked here (scripts/gpu_check covers CUDA)")
+    r = subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), "--port", "0", "--device",
+                        "cuda"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "listening" not in r.stdout
+    assert re.search(r"error: CUDA requested but .*(failed to load|no CUDA|GPU)", r.stderr), r.stderr[-2000:]
+
+    s = ServerProcess(art.model, tmp_path / "server.log", "--device", "auto")
+    try:
+        s.wait_serving()
+        info = s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+        assert info.provider == "CPUExecutionProvider" and info.device_requested == "auto"
+        assert info.fallback_warning.startswith("--device auto fell back to the CPU")
+        assert "WARNING" in s.log_text() and "fell back to the CPU" in s.log_text()
+        assert metric(s.scrape(), "foxhunt_model_info", fallback="yes") == 1
+    finally:
+        s.kill()
+
+
+
+# ---- in process: readiness and a model without explain outputs ----------------------------------------
+def _quantiles_only(model: Path, out: Path) -> Path:
+    """The same model with its explain outputs dropped and its metadata saying so."""
+    proto = onnx.load(str(model))
+    keep = [o for o in proto.graph.output if o.name == QUANTILES]
+    del proto.graph.output[:]
+    proto.graph.output.extend(keep)
+    for p in proto.metadata_props:
+        if p.key == "foxhunt.explain":
+            p.value = "false"
+    onnx.save(proto, str(out))
+    return out
+
+
+def test_not_serving_until_warm_and_explain_needs_explain_outputs(art: Artifacts, tmp_path: Path) -> None:
+    from grpc import aio
+
+    from serving.model import load_model
+    from serving.server import ServerConfig, build_server
+
+    path = _quantiles_only(art.model, tmp_path / "quantiles_only.onnx")
+
+    async def main() -> None:
+        config = ServerConfig(model_path=path, port=0, device="cpu")
+        server = build_server(config, load_model(path, "cpu", threads=1))
+        port = await server.start()
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                stub = pb_grpc.ForecasterStub(channel)
+                check = health_pb2.HealthCheckRequest(service=SERVICE)
+                assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+                with pytest.raises(aio.AioRpcError) as info:
+                    await stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in (info.value.details() or "")
+                await server.warm_up()
+                assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
+                info_ = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+                assert info_.explain_available is False
+                with pytest.raises(aio.AioRpcError) as info:
+                    await stub.Predict(request_for(art, art.meta.symbols[0], explain=True), timeout=10)
+                assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "without explain outputs" in (info.value.details() or "")
+                (f,) = (await stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10)).forecasts
+                assert len(f.log_return) == art.meta.horizon * len(art.meta.quantiles)
+                assert not f.HasField("explanation")
+        finally:
+            await server.stop(1)
+
+    asyncio.run(main())

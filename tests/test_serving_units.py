@@ -1,0 +1,245 @@
+"""Serving's pure parts without a server: stubs, request validation, features of a batch, batching."""
+
+from __future__ import annotations
+
+import asyncio
+import filecmp
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from features.compute import FeatureConfig
+from features.model_meta import ModelMeta
+from features.schema import STATIC_CATEGORICAL
+from serving.batcher import MicroBatcher
+from serving.errors import QueueDeadlineExceeded, RequestError
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.model import batch_buckets, bucket_for
+from serving.postprocess import price_quantiles
+from serving.preprocess import prepare
+from serving.validation import columns_from_proto, parse_request, validate_series
+from tests.artifacts import REPO
+
+FC = FeatureConfig(horizon=3, volatility_window=5, user_columns=("spread",))
+META = ModelMeta(
+    model_config={}, feature_config=FC, feature_schema=FC.schema(), quantiles=(0.1, 0.5, 0.9), horizon=3,
+    encoder_length=4, bar_interval_ns=60_000_000_000, symbols=("ES", "NQ"), checkpoint_sha256="0" * 64,
+    model_version="unit", explain=True, precision="fp32",
+)
+NEED = META.bars_required  # 5 warm-up + 4 encoder bars
+
+
+def series(symbol: str = "ES", n: int = NEED, seed: int = 0, start_ns: int = 1_704_103_200_000_000_000) -> pb.Series:
+    rng = np.random.default_rng(seed)
+    close = 100 * np.exp(np.cumsum(rng.normal(0, 1e-3, n)))
+    open_ = np.concatenate([[close[0]], close[:-1]])
+    high = np.maximum(open_, close) * (1 + rng.uniform(0, 1e-3, n))
+    low = np.minimum(open_, close) * (1 - rng.uniform(0, 1e-3, n))
+    return pb.Series(symbol=symbol, timestamp_ns=(start_ns + 60_000_000_000 * np.arange(n)).tolist(),
+                     open=open_.tolist(), high=high.tolist(), low=low.tolist(), close=close.tolist(),
+                     volume=rng.uniform(10, 1000, n).tolist(),
+                     user_features=[pb.Column(name="spread", values=rng.uniform(0.1, 0.5, n).tolist())])
+
+
+def test_generated_stubs_match_the_proto(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "scripts/gen_protos.py", "--out", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    fresh, committed = tmp_path / "serving" / "gen", REPO / "serving" / "gen"
+    names = sorted(str(p.relative_to(fresh)) for p in fresh.rglob("*") if p.suffix in (".py", ".pyi"))
+    assert names == sorted(str(p.relative_to(committed)) for p in committed.rglob("*") if p.suffix in (".py", ".pyi"))
+    assert any(n.endswith("forecaster_pb2.pyi") for n in names)
+    _, mismatch, errors = filecmp.cmpfiles(fresh, committed, names, shallow=False)
+    assert not mismatch and not errors, f"stale stubs {mismatch}: run `python scripts/gen_protos.py`"
+
+
+# ---- validation ---------------------------------------------------------------------------------------
+def _req(*s: pb.Series) -> pb.PredictRequest:
+    return pb.PredictRequest(series=list(s))
+
+
+def _with(field: str, i: int, value: float) -> pb.Series:
+    s = series()
+    getattr(s, field)[i] = value
+    return s
+
+
+def _without_user() -> pb.Series:
+    s = series()
+    del s.user_features[:]
+    return s
+
+
+def _short_user() -> pb.Series:
+    s = series()
+    s.user_features[0].values.pop()
+    return s
+
+
+CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
+    ("empty", lambda: _req(), "empty request: PredictRequest.series is empty; send at least one series with its "
+                              f"most recent {NEED} bars"),
+    ("too few", lambda: _req(series(n=NEED - 1)), f"series[0] (ES): {NEED - 1} bars sent, the model needs at least "
+                                                  f"{NEED} (5 warm-up bars for the rolling features + 4 encoder bars)"),
+    ("unknown", lambda: _req(series("CL")), "series[0]: unknown symbol 'CL'; the model knows ES, NQ"),
+    ("no symbol", lambda: _req(series("")), "series[0]: symbol is empty"),
+    ("twice", lambda: _req(series("NQ"), series("ES"), series("NQ")), "series[2]: symbol 'NQ' already appears in "
+                                                                      "series[0]"),
+    ("missing user column", lambda: _req(_without_user()), "series[0] (ES): user feature column(s) 'spread' missing"),
+    ("short user column", lambda: _req(_short_user()), "columns have unequal lengths (timestamp_ns 9, open 9, high 9, "
+                                                       "low 9, close 9, volume 9, spread 8)"),
+    ("inf price", lambda: _req(_with("close", 2, float("inf"))), "series[0] (ES): column 'close', row 2: close is "
+                                                                 "infinite"),
+    ("NaN volume", lambda: _req(_with("volume", 0, float("nan"))), "column 'volume', row 0: volume is NaN"),
+    ("low above open", lambda: _req(_with("low", 5, 1e9)), "row 5: high < low"),
+    ("NaN user", lambda: _req(series(), _user_nan()), "series[1] (NQ): column 'spread', row 3: user feature "
+                                                      "'spread' is NaN or infinite"),
+]
+
+
+def _user_nan() -> pb.Series:
+    s = series("NQ")
+    s.user_features[0].values[3] = float("nan")
+    return s
+
+
+@pytest.mark.parametrize(("name", "make", "message"), CASES, ids=[c[0] for c in CASES])
+def test_each_broken_rule_has_a_precise_message(name: str, make: Callable[[], pb.PredictRequest],
+                                                message: str) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_request(make(), META)
+    assert message in str(info.value)
+
+
+def test_a_valid_request_is_trimmed_to_the_bars_the_model_reads() -> None:
+    got = parse_request(_req(series("NQ", n=NEED + 30, seed=1), series("ES")), META)
+    assert [s.symbol for s in got] == ["NQ", "ES"] and all(len(s) == NEED for s in got)
+    full = columns_from_proto(series("NQ", n=NEED + 30, seed=1))
+    assert np.array_equal(got[0].close, full.close[-NEED:]) and list(got[0].user) == ["spread"]
+
+
+def test_every_problem_of_a_series_is_listed() -> None:
+    s = series()
+    s.close[1] = -1.0
+    s.volume[4] = -2.0
+    with pytest.raises(RequestError) as info:
+        validate_series([columns_from_proto(s)], META)
+    assert "close is not positive" in str(info.value) and "volume is negative" in str(info.value)
+
+
+# ---- features of a batch -------------------------------------------------------------------------------
+def test_a_batch_with_repeated_symbols_has_the_features_of_each_call_alone() -> None:
+    calls = [columns_from_proto(series(sym, seed=seed, start_ns=1_704_103_200_000_000_000 + seed * 7_000_000_000))
+             for sym, seed in (("ES", 1), ("NQ", 2), ("ES", 3), ("ES", 4))]
+    together = prepare(calls, META)
+    for i, c in enumerate(calls):
+        alone = prepare([c], META)
+        for name, value in alone.inputs.items():
+            assert np.array_equal(together.inputs[name][i], value[0]), name  # bit for bit
+        assert np.array_equal(together.future_timestamp_ns[i], alone.future_timestamp_ns[0])
+    assert together.inputs[STATIC_CATEGORICAL][:, 0].tolist() == [0, 1, 0, 0]
+    assert together.future_timestamp_ns[0, 0] == calls[0].timestamp_ns[-1] + META.bar_interval_ns
+
+
+def test_price_quantiles() -> None:
+    q = np.array([[[-0.01, 0.0, 0.02]]], dtype=np.float32)
+    np.testing.assert_allclose(price_quantiles(np.array([100.0]), q), 100 * np.exp(q.astype(np.float64)))
+
+
+def test_batch_buckets() -> None:
+    assert batch_buckets(64) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    assert batch_buckets(10) == (1, 2, 3, 4, 6, 8, 10) and batch_buckets(1) == (1,)
+    assert bucket_for(5, batch_buckets(64)) == 6 and bucket_for(64, batch_buckets(64)) == 64
+
+
+# ---- the micro-batcher -----------------------------------------------------------------------------------
+class Recorder:
+    """A process function that doubles payloads and records each batch it ran."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.batches: list[list[int]] = []
+        self.delay = delay
+
+    def __call__(self, key: str, payloads: list[int]) -> list[int | Exception]:
+        self.batches.append(list(payloads))
+        time.sleep(self.delay)
+        return [p * 2 if p >= 0 else ValueError(f"bad {p}") for p in payloads]
+
+
+def test_concurrent_calls_share_batches_and_get_their_own_results() -> None:
+    rec = Recorder()
+
+    async def main() -> list[int]:
+        b: MicroBatcher[str, int, int] = MicroBatcher(rec, max_batch=4, max_delay_s=0.05, wait="fixed")
+        b.start()
+        try:
+            return list(await asyncio.gather(*(b.submit("m", i, 1) for i in range(10))))
+        finally:
+            await b.close()
+
+    assert asyncio.run(main()) == [2 * i for i in range(10)]
+    assert sorted(p for batch in rec.batches for p in batch) == list(range(10))
+    assert max(len(batch) for batch in rec.batches) == 4 and len(rec.batches) == 3
+
+
+def test_a_lone_call_does_not_wait_for_company_and_errors_stay_with_their_call() -> None:
+    rec = Recorder()
+
+    async def main() -> float:
+        b: MicroBatcher[str, int, int] = MicroBatcher(rec, max_batch=64, max_delay_s=5.0, wait="adaptive")
+        b.start()
+        try:
+            start = time.monotonic()
+            assert await b.submit("m", 3, 1) == 6
+            elapsed = time.monotonic() - start
+            results = await asyncio.gather(b.submit("m", -1, 1), b.submit("m", 4, 1), return_exceptions=True)
+            assert isinstance(results[0], ValueError) and results[1] == 8
+            return elapsed
+        finally:
+            await b.close()
+
+    assert asyncio.run(main()) < 1.0
+
+
+def test_models_never_share_a_batch() -> None:
+    rec = Recorder()
+
+    async def main() -> None:
+        b: MicroBatcher[str, int, int] = MicroBatcher(rec, max_batch=8, max_delay_s=0.05, wait="fixed")
+        b.start()
+        try:
+            await asyncio.gather(*(b.submit("old" if i % 2 else "new", i, 1) for i in range(6)))
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+    assert sorted(map(sorted, rec.batches)) == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_a_call_whose_deadline_passes_in_the_queue_is_answered_and_never_run() -> None:
+    rec = Recorder(delay=0.3)  # the first batch keeps the worker busy
+
+    async def main() -> None:
+        b: MicroBatcher[str, int, int] = MicroBatcher(rec, max_batch=1, max_delay_s=0.0, wait="fixed")
+        b.start()
+        try:
+            first = asyncio.ensure_future(b.submit("m", 1, 1))
+            await asyncio.sleep(0.05)
+            expired = asyncio.ensure_future(b.submit("m", 2, 1, deadline=time.monotonic() + 0.1))
+            cancelled = asyncio.ensure_future(b.submit("m", 3, 1))
+            await asyncio.sleep(0.01)
+            cancelled.cancel()
+            with pytest.raises(QueueDeadlineExceeded):
+                await expired
+            assert await first == 2
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+    assert rec.batches == [[1]]  # neither the expired nor the cancelled call ran
+
