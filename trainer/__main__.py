@@ -1,7 +1,12 @@
 """`python -m trainer --parquet bars.parquet`: train a TFT and write a resumable checkpoint.
 
-Exit status: 0 done, 2 bad arguments, config or data (one clear message, no traceback),
-130 interrupted (the last good checkpoint is intact).
+Exit status: 0 done, 2 bad arguments, config or data, or a VRAM budget that cannot hold the
+run (one clear message, no traceback), 3 out of device memory with nothing left to halve,
+130 interrupted (the last good checkpoint is intact either way).
+
+`--vram-budget 4GiB` plans micro-batch, accumulation and gradient checkpointing to fit the
+budget and caps the process's CUDA memory to it; `--plan-only` prints that plan and exits,
+on any machine (without CUDA it plans for a CUDA card from a CPU measurement).
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+import torch
+
 from features.bars import BarDataError, ColumnMap
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, add_config_flags, config_from_args
 from trainer.data import DataError
 from trainer.device import DeviceError
+from trainer.planner import PlanError
 from trainer.run import run_training
 
 log = logging.getLogger("trainer")
@@ -32,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="best checkpoint (default ckpt.pt); beside it: .last.pt, .metrics.jsonl, .report.png")
     p.add_argument("--config", help="TOML file of config fields (flags override it)")
     p.add_argument("--resume", type=Path, help="continue the run saved in this checkpoint (e.g. ckpt.last.pt)")
-    p.add_argument("--plan-only", action="store_true", help="print the memory plan and exit")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print the memory plan (what fits the --vram-budget and what it costs) and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-report", action="store_true", help="skip the report picture")
     ColumnMap.add_arguments(p)
@@ -61,9 +70,19 @@ def main(argv: list[str] | None = None) -> int:
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return 2
-    except (ConfigError, DataError, DeviceError, CheckpointError) as exc:
+    except (ConfigError, DataError, DeviceError, CheckpointError, PlanError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except torch.OutOfMemoryError as exc:
+        last = Path(str(args.out)).with_suffix("")
+        print(f"error: out of device memory with nothing left to halve (a micro-batch of 1 window, or outside a "
+              f"training step): {str(exc).splitlines()[0]}. The last good checkpoint (if any epoch finished) is "
+              f"intact: {last}.last.pt. Shrink the model or give the run more memory (--vram-budget, or a card with "
+              "more free memory)", file=sys.stderr)
+        return 3
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: the last good checkpoint (if any epoch finished) is intact; continue with "
               f"--resume {Path(str(args.out)).with_suffix('')}.last.pt", file=sys.stderr)

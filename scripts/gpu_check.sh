@@ -1,0 +1,415 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one call of under 8 minutes, with a report under $OUT.
+#
+#   scripts/gpu_check.sh [--out DIR] [--budget 4GiB] [--steps N] [--python PY]
+#                        [--ort-wheel PATH] [--wheels DIR] [--deadline SECONDS]
+#
+# Writes (at most 8 files, so the whole folder can be carried back from a device machine):
+#   report.md, report.json  every part as pass / fail / skipped-with-reason, and the figures
+#   gpu_util.csv            nvidia-smi samples (every 200 ms) during the CUDA training run
+#   plan_cpu.log            --plan-only for the production preset, planned from a CPU measurement
+#   train_cuda.log          the bounded CUDA run under the budget (its plan was measured on the card)
+#   train_cpu.log           the same run on CPU threads (throughput comparison)
+#   export_serving.log      export with the CUDA placement gate, server latency on the CUDA provider
+#
+# Parts:
+#   env          nvidia-smi, torch, onnxruntime and its execution providers
+#   data         sample bars with the preset's 220 user columns (features.synth --extra-features)
+#   plan_cpu     `--plan-only --device cuda` for presets/production.toml under the budget with CUDA
+#                hidden: the plan a machine without a GPU prints, compared below with the card
+#   train_cuda   the preset on CUDA under the budget for --steps optimizer steps: measured peak
+#                (train and validation, torch.cuda.max_memory_allocated per epoch) against the budget
+#                and against both plans' estimates; GPU utilisation sampled in the background
+#   train_cpu    the same run on all CPU threads for a few steps: windows/s against CUDA
+#   export       python -m export --require-device cuda (the placement gate), if ORT has CUDA
+#   serving      python -m serving --device cuda, then benchmarks/serving_load.py against it
+#
+# Without a GPU it says so, runs the plan and a tiny CPU training run, and exits 0. The exit
+# status is 1 only when a part that ran failed.
+#
+# onnxruntime: the export and serving parts need onnxruntime's CUDAExecutionProvider; a
+# CPU-only onnxruntime reports them as not run. --ort-wheel PATH installs an onnxruntime-gpu
+# wheel into a private --target directory first (nothing is fetched: the wheel must be
+# local); --wheels DIR does the same for every wheel in DIR (e.g. grpcio-health-checking and
+# grpcio-reflection for the server).
+
+set -uo pipefail
+
+OUT=${OUT:-./gpu_report}
+BUDGET=4GiB
+STEPS=40
+CPU_STEPS=2
+PY=""
+ORT_WHEEL=""
+WHEELS=""
+DEADLINE_S=450  # stop starting new parts after this many seconds (the whole call must stay under 8 min)
+BARS=4000       # per symbol, 2 symbols: ~6,000 training windows, enough for 40 steps of 128
+
+usage() { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT=$2; shift 2 ;;
+    --budget) BUDGET=$2; shift 2 ;;
+    --steps) STEPS=$2; shift 2 ;;
+    --python) PY=$2; shift 2 ;;
+    --ort-wheel) ORT_WHEEL=$2; shift 2 ;;
+    --wheels) WHEELS=$2; shift 2 ;;
+    --deadline) DEADLINE_S=$2; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+cd "$(dirname "$0")/.." || exit 2
+REPO=$(pwd)
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+RESULTS="$WORK/results.tsv"
+FIGURES="$WORK/figures.jsonl"
+: >"$RESULTS"
+: >"$FIGURES"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+NPROC=$(nproc 2>/dev/null || echo 4)
+
+log() { echo "[gpu_check $(date -u +%H:%M:%S)] $*" >&2; }
+# record PART STATUS SECONDS DETAIL: one line of the report
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(echo "$4" | tr '\t\n' '  ')" >>"$RESULTS"; log "$1: $2 ($4)"; }
+time_left() { [ "$SECONDS" -lt "$DEADLINE_S" ]; }
+tail_of() { tail -c 600 "$1" 2>/dev/null | tr '\n' ' '; }
+
+# ---- python and extra wheels ---------------------------------------------------------------
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/dev/null; then PY=.venv/bin/python; else PY=python3; fi
+fi
+install_wheels() {  # install_wheels DIR WHEEL...: into a private target, first on PYTHONPATH
+  local target=$1; shift
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$@" \
+    && export PYTHONPATH="$target:$PYTHONPATH"
+}
+if [ -n "$WHEELS" ]; then
+  install_wheels "$WORK/site" "$WHEELS"/*.whl || log "installing the wheels in $WHEELS failed"
+fi
+if [ -n "$ORT_WHEEL" ]; then
+  install_wheels "$WORK/ort" "$ORT_WHEEL" || log "installing $ORT_WHEEL failed"
+fi
+
+# ---- helper: figures and the report (python, stdlib only, torch for the checkpoint's plan) ----------
+HELPER="$WORK/helper.py"
+cat >"$HELPER" <<'PYEOF'
+import json, re, sys, time
+from pathlib import Path
+
+def units(s):
+    m = re.match(r"([0-9.]+) (GiB|MiB|KiB|B)", s)
+    return int(float(m.group(1)) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[m.group(2)]) if m else None
+
+def parse_budget(s):
+    m = re.fullmatch(r"([0-9.]+)\s*([A-Za-z]+)", s.strip())
+    u = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}[m.group(2).lower()]
+    return int(float(m.group(1)) * u)
+
+def plan_figures(log):
+    """The plan table's lines: plan and estimated peaks."""
+    text = Path(log).read_text(errors="replace") if Path(log).exists() else ""
+    out = {}
+    m = re.search(r"^plan: (.*)$", text, re.M)
+    if m:
+        out["plan"] = m.group(1)
+    m = re.search(r"^estimated peak: training ([0-9.]+ \w+), validation ([0-9.]+ \w+)", text, re.M)
+    if m:
+        out["estimate_train_bytes"], out["estimate_val_bytes"] = units(m.group(1)), units(m.group(2))
+    m = re.search(r"planned in ([0-9.]+) s", text)
+    if m:
+        out["plan_seconds"] = float(m.group(1))
+    out["oom_fallbacks"] = text.count("out of memory: micro-batch halved")
+    return out
+
+def cmd_train(name, metrics, log, budget):
+    recs = [json.loads(l) for l in Path(metrics).read_text().splitlines() if l.strip()]
+    b = parse_budget(budget)
+    fig = {"part": name, **plan_figures(log)}
+    fig["epochs"] = len(recs)
+    fig["peak_train_bytes"] = max(r["peak_memory"]["train"]["bytes"] for r in recs)
+    fig["peak_val_bytes"] = max(r["peak_memory"]["val"]["bytes"] for r in recs)
+    fig["peak_kind"] = recs[-1]["peak_memory"]["train"]["kind"]
+    fig["windows_per_second"] = recs[-1]["windows_per_second"]
+    fig["train_seconds"] = recs[-1]["train_seconds"]
+    fig["micro_batch"] = recs[-1]["micro_batch"]
+    fig["budget_bytes"] = b
+    fig["within_budget"] = max(fig["peak_train_bytes"], fig["peak_val_bytes"]) <= b
+    print(json.dumps(fig))
+
+def cmd_plan(name, log):
+    print(json.dumps({"part": name, **plan_figures(log)}))
+
+def cmd_util(name, csv):
+    rows = []
+    for line in Path(csv).read_text().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            rows.append((float(parts[1]), float(parts[2])))
+        except (IndexError, ValueError):
+            pass
+    busy = [u for u, _ in rows if u > 5]
+    print(json.dumps({"part": name, "samples": len(rows),
+                      "util_mean": sum(u for u, _ in rows) / len(rows) if rows else None,
+                      "util_mean_busy": sum(busy) / len(busy) if busy else None,
+                      "util_max": max((u for u, _ in rows), default=None),
+                      "memory_used_max_mib": max((m for _, m in rows), default=None),
+                      "note": "memory.used is the whole process on the card (CUDA context included), "
+                              "not the allocated memory the budget caps"}))
+
+def cmd_describe(figures, part):
+    figs = {f["part"]: f for f in map(json.loads, Path(figures).read_text().splitlines())}
+    f = figs[part]
+    text = (f"peak train {f['peak_train_bytes'] / 2**30:.2f} GiB, validation {f['peak_val_bytes'] / 2**30:.2f} GiB "
+            f"({f['peak_kind']}), {f['windows_per_second']:.1f} windows/s, micro-batch {f['micro_batch']}, "
+            f"out-of-memory fallbacks {f['oom_fallbacks']}")
+    if part == "train_cuda":
+        util = figs.get("gpu_util", {})
+        text = (("within" if f["within_budget"] else "OVER") + f" the {f['budget_bytes'] / 2**30:.2f} GiB budget: "
+                + text + f"; GPU utilisation mean {util.get('util_mean')}%, while busy {util.get('util_mean_busy')}%")
+    print(text)
+
+def cmd_report(results, figures, out, header):
+    parts = []
+    for line in Path(results).read_text().splitlines():
+        name, status, seconds, detail = (line.split("\t") + ["", "", ""])[:4]
+        parts.append({"part": name, "status": status, "seconds": float(seconds or 0), "detail": detail})
+    figs = [json.loads(l) for l in Path(figures).read_text().splitlines() if l.strip()]
+    hdr = json.loads(Path(header).read_text())
+    by = {f["part"]: f for f in figs}
+    cuda, cpu, plan_cpu = by.get("train_cuda", {}), by.get("train_cpu", {}), by.get("plan_cpu", {})
+    summary = {}
+    if cuda.get("peak_train_bytes"):
+        peak = max(cuda["peak_train_bytes"], cuda["peak_val_bytes"])
+        summary["measured_peak_bytes"] = peak
+        summary["budget_bytes"] = cuda["budget_bytes"]
+        for src, f in (("cuda_plan", cuda), ("cpu_plan", plan_cpu)):
+            if f.get("estimate_train_bytes"):
+                est = max(f["estimate_train_bytes"], f["estimate_val_bytes"])
+                summary[f"{src}_estimate_bytes"] = est
+                summary[f"{src}_estimate_over_measured"] = round(est / peak, 3)
+        if cpu.get("windows_per_second"):
+            summary["cuda_over_cpu_throughput"] = round(cuda["windows_per_second"] / cpu["windows_per_second"], 1)
+    report = {**hdr, "parts": parts, "figures": figs, "summary": summary}
+    Path(out, "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    gib = lambda n: f"{n / 2**30:.2f} GiB" if isinstance(n, (int, float)) else "-"
+    md = [f"# GPU check, {hdr['date']}", "", f"- machine: {hdr['machine']}", f"- GPU: {hdr['gpu'] or 'none'}",
+          f"- torch {hdr['torch']}, onnxruntime {hdr['onnxruntime']} (providers: {hdr['ort_providers']})",
+          f"- budget {hdr['budget']}, {hdr['steps']} CUDA steps", "", "| part | status | seconds | detail |",
+          "| --- | --- | --- | --- |"]
+    md += [f"| {p['part']} | {p['status']} | {p['seconds']:.0f} | {p['detail'].replace('|', '/')} |" for p in parts]
+    if summary:
+        md += ["", "## Figures", ""]
+        if "measured_peak_bytes" in summary:
+            md.append(f"- measured peak (max of train and validation, allocated): {gib(summary['measured_peak_bytes'])} "
+                      f"of a {gib(summary['budget_bytes'])} budget")
+        for src in ("cuda_plan", "cpu_plan"):
+            if f"{src}_estimate_bytes" in summary:
+                md.append(f"- {src.replace('_', ' ')} estimate {gib(summary[src + '_estimate_bytes'])}: "
+                          f"{summary[src + '_estimate_over_measured']} x the measured peak")
+        if "cuda_over_cpu_throughput" in summary:
+            md.append(f"- training throughput: CUDA {cuda['windows_per_second']:.0f} windows/s, CPU "
+                      f"{cpu['windows_per_second']:.1f} windows/s ({summary['cuda_over_cpu_throughput']} x)")
+    if figs:
+        md += ["", "## Raw figures", "", "```json", *[json.dumps(f) for f in figs], "```"]
+    Path(out, "report.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+if __name__ == "__main__":
+    globals()["cmd_" + sys.argv[1]](*sys.argv[2:])
+PYEOF
+
+# ---- env ------------------------------------------------------------------------------------
+GPU=""
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)
+fi
+TORCH_INFO=$("$PY" -c "import torch; print(torch.__version__, 'cuda' if torch.cuda.is_available() else 'no-cuda')" 2>&1 | tail -1)
+TORCH_CUDA=0
+case "$TORCH_INFO" in *" cuda") TORCH_CUDA=1 ;; esac
+ORT_VERSION=$("$PY" -c "import onnxruntime as o; print(o.__version__)" 2>/dev/null || echo "not installed")
+ORT_PROVIDERS=$("$PY" -c "import onnxruntime as o; print(','.join(o.get_available_providers()))" 2>/dev/null || echo "")
+"$PY" - "$WORK/header.json" "$GPU" "$TORCH_INFO" "$ORT_VERSION" "$ORT_PROVIDERS" "$BUDGET" "$STEPS" <<'PYEOF'
+import json, platform, sys, datetime, os
+path, gpu, torch_info, ort, providers, budget, steps = sys.argv[1:]
+json.dump({"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+           "machine": f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+           "gpu": gpu, "torch": torch_info, "onnxruntime": ort, "ort_providers": providers,
+           "budget": budget, "steps": int(steps)}, open(path, "w"))
+PYEOF
+if [ -n "$GPU" ] && [ "$TORCH_CUDA" = 1 ]; then
+  record env pass 0 "GPU $GPU; torch $TORCH_INFO; onnxruntime $ORT_VERSION ($ORT_PROVIDERS)"
+elif [ -n "$GPU" ]; then
+  record env fail 0 "nvidia-smi sees $GPU but torch has no CUDA ($TORCH_INFO): the CUDA parts cannot run"
+else
+  record env skipped 0 "no GPU on this machine (nvidia-smi absent or sees none): running what the CPU can"
+fi
+HAVE_CUDA=0
+[ -n "$GPU" ] && [ "$TORCH_CUDA" = 1 ] && HAVE_CUDA=1
+
+# ---- data -----------------------------------------------------------------------------------
+DATA="$WORK/wide.parquet"
+t0=$SECONDS
+if "$PY" -m features.synth --help 2>/dev/null | grep -q -- --extra-features; then
+  "$PY" -m features.synth --out "$DATA" --bars "$BARS" --extra-features 220 2>"$WORK/data.log"
+else
+  "$PY" - "$DATA" "$BARS" 2>"$WORK/data.log" <<'PYEOF'
+import sys, numpy as np, pyarrow as pa, pyarrow.parquet as pq
+from features.synth import generate
+t = generate(["ES", "NQ"], int(sys.argv[2]), seed=7)
+rng = np.random.default_rng(0)
+for i in range(220):
+    t = t.append_column(f"f{i:03d}", pa.array(rng.standard_normal(t.num_rows).cumsum()))
+pq.write_table(t, sys.argv[1])
+PYEOF
+fi
+if [ -f "$DATA" ]; then
+  record data pass $((SECONDS - t0)) "2 symbols x $BARS bars with user columns f000..f219"
+else
+  record data fail $((SECONDS - t0)) "could not write sample bars: $(tail_of "$WORK/data.log")"
+fi
+PRESET=(--config presets/production.toml --parquet "$DATA")
+
+# ---- plan_cpu ------------------------------------------------------------------------------------
+if [ -f "$DATA" ] && time_left; then
+  t0=$SECONDS
+  CUDA_VISIBLE_DEVICES="" timeout 240 "$PY" -m trainer "${PRESET[@]}" --device cuda --vram-budget "$BUDGET" \
+    --plan-only >"$OUT/plan_cpu.log" 2>&1
+  rc=$?
+  if [ $rc = 0 ]; then
+    "$PY" "$HELPER" plan plan_cpu "$OUT/plan_cpu.log" >>"$FIGURES"
+    record plan_cpu pass $((SECONDS - t0)) "$(grep -m1 '^plan:' "$OUT/plan_cpu.log") ($(grep -m1 '^estimated peak' "$OUT/plan_cpu.log"))"
+  else
+    record plan_cpu fail $((SECONDS - t0)) "exit $rc: $(tail_of "$OUT/plan_cpu.log")"
+  fi
+else
+  record plan_cpu skipped 0 "no data or out of time"
+fi
+
+# ---- train_cuda ----------------------------------------------------------------------------------
+CKPT_CUDA="$WORK/cuda/ckpt.pt"
+if [ $HAVE_CUDA = 1 ] && [ -f "$DATA" ] && time_left; then
+  t0=$SECONDS
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 \
+    >"$OUT/gpu_util.csv" 2>/dev/null &
+  SMI_PID=$!
+  timeout 300 "$PY" -m trainer "${PRESET[@]}" --out "$CKPT_CUDA" --device cuda --vram-budget "$BUDGET" --epochs 1 \
+    --max-steps-per-epoch "$STEPS" --max-val-windows 512 --no-progress --no-report >"$OUT/train_cuda.log" 2>&1
+  rc=$?
+  kill "$SMI_PID" 2>/dev/null; wait "$SMI_PID" 2>/dev/null
+  if [ $rc = 0 ] && [ -f "${CKPT_CUDA%.pt}.metrics.jsonl" ]; then
+    "$PY" "$HELPER" util gpu_util "$OUT/gpu_util.csv" >>"$FIGURES"
+    "$PY" "$HELPER" train train_cuda "${CKPT_CUDA%.pt}.metrics.jsonl" "$OUT/train_cuda.log" "$BUDGET" >>"$FIGURES"
+    detail=$("$PY" "$HELPER" describe "$FIGURES" train_cuda)
+    case "$detail" in
+      within*) record train_cuda pass $((SECONDS - t0)) "$detail" ;;
+      *) record train_cuda fail $((SECONDS - t0)) "$detail" ;;
+    esac
+  else
+    record train_cuda fail $((SECONDS - t0)) "exit $rc: $(tail_of "$OUT/train_cuda.log")"
+  fi
+elif [ $HAVE_CUDA = 0 ]; then
+  record train_cuda skipped 0 "no GPU"
+else
+  record train_cuda skipped 0 "no data or out of time"
+fi
+
+# ---- train_cpu -----------------------------------------------------------------------------------
+CKPT_CPU="$WORK/cpu/ckpt.pt"
+if [ -f "$DATA" ] && time_left; then
+  t0=$SECONDS
+  if [ $HAVE_CUDA = 1 ]; then  # the same preset on every CPU thread, a few steps
+    CPU_FLAGS=("${PRESET[@]}" --max-steps-per-epoch "$CPU_STEPS" --max-val-windows 64 --threads "$NPROC")
+    what="the preset on $NPROC CPU threads, $CPU_STEPS steps"
+  else  # no GPU: a tiny run that shows the pipeline works (the preset takes minutes per step here)
+    CPU_FLAGS=(--parquet "$DATA" --hidden-size 16 --attention-heads 2 --encoder-length 30 --batch-size 32
+               --max-steps-per-epoch 5 --max-val-windows 128 --threads "$NPROC")
+    what="no GPU: a tiny model on $NPROC CPU threads (not the preset)"
+  fi
+  timeout 240 "$PY" -m trainer "${CPU_FLAGS[@]}" --out "$CKPT_CPU" --device cpu --vram-budget "$BUDGET" --epochs 1 \
+    --no-progress --no-report >"$OUT/train_cpu.log" 2>&1
+  rc=$?
+  if [ $rc = 0 ]; then
+    "$PY" "$HELPER" train train_cpu "${CKPT_CPU%.pt}.metrics.jsonl" "$OUT/train_cpu.log" "$BUDGET" >>"$FIGURES"
+    na=$(grep -c "not applicable on the CPU" "$OUT/train_cpu.log")
+    record train_cpu pass $((SECONDS - t0)) "$what: $("$PY" "$HELPER" describe "$FIGURES" train_cpu); budget reported not applicable: $([ "$na" -gt 0 ] && echo yes || echo NO)"
+  else
+    record train_cpu fail $((SECONDS - t0)) "exit $rc: $(tail_of "$OUT/train_cpu.log")"
+  fi
+else
+  record train_cpu skipped 0 "no data or out of time"
+fi
+
+# ---- export (placement gate) and serving ---------------------------------------------------------------
+MODEL="$WORK/model.onnx"
+: >"$OUT/export_serving.log"
+ORT_CUDA=0
+case ",$ORT_PROVIDERS," in *,CUDAExecutionProvider,*) ORT_CUDA=1 ;; esac
+if [ ! -f export/__main__.py ]; then
+  record export skipped 0 "python -m export does not exist yet"
+elif [ $HAVE_CUDA = 0 ]; then
+  record export skipped 0 "no GPU"
+elif [ $ORT_CUDA = 0 ]; then
+  record export skipped 0 "onnxruntime $ORT_VERSION here has no CUDAExecutionProvider (providers: $ORT_PROVIDERS); pass --ort-wheel PATH to an onnxruntime-gpu wheel"
+elif [ ! -f "$CKPT_CUDA" ]; then
+  record export skipped 0 "no CUDA checkpoint (train_cuda did not finish)"
+elif ! time_left; then
+  record export skipped 0 "out of time"
+else
+  t0=$SECONDS
+  timeout 240 "$PY" -m export "$CKPT_CUDA" "$MODEL" --require-device cuda --threads "$NPROC" \
+    >>"$OUT/export_serving.log" 2>&1
+  rc=$?
+  if [ $rc = 0 ]; then
+    record export pass $((SECONDS - t0)) "placement gate passed on CUDAExecutionProvider: $(grep -i -m2 'placement\|nodes' "$OUT/export_serving.log" | tr '\n' ' ')"
+  else
+    record export fail $((SECONDS - t0)) "exit $rc: $(tail_of "$OUT/export_serving.log")"
+  fi
+fi
+
+if [ ! -f serving/__main__.py ] || [ ! -f benchmarks/serving_load.py ]; then
+  record serving skipped 0 "python -m serving or benchmarks/serving_load.py does not exist yet"
+elif [ ! -f "$MODEL" ]; then
+  record serving skipped 0 "no exported CUDA model (see export)"
+elif ! "$PY" -c "import grpc, grpc_health.v1, grpc_reflection.v1alpha" 2>>"$OUT/export_serving.log"; then
+  record serving skipped 0 "the server's gRPC packages are missing here (grpcio-health-checking, grpcio-reflection): pass --wheels DIR"
+elif ! time_left; then
+  record serving skipped 0 "out of time"
+else
+  t0=$SECONDS
+  "$PY" -m serving --model "$MODEL" --device cuda --port 0 --max-batch 64 >"$WORK/server.out" 2>>"$OUT/export_serving.log" &
+  SERVER_PID=$!
+  addr=""
+  for _ in $(seq 1 120); do
+    addr=$(grep -m1 -o 'listening on [^ ]*' "$WORK/server.out" 2>/dev/null | awk '{print $3}')
+    [ -n "$addr" ] && break
+    kill -0 "$SERVER_PID" 2>/dev/null || break
+    sleep 0.5
+  done
+  if [ -z "$addr" ]; then
+    record serving fail $((SECONDS - t0)) "the server did not start on CUDA: $(tail_of "$OUT/export_serving.log")"
+  else
+    timeout 150 "$PY" benchmarks/serving_load.py --model "$MODEL" --parquet "$DATA" --target "$addr" \
+      --concurrency 1,8,64 --duration 5 --json "$WORK/serving_load.json" >>"$OUT/export_serving.log" 2>&1
+    rc=$?
+    if [ $rc = 0 ]; then
+      "$PY" -c "import json,sys; print(json.dumps({'part': 'serving', **json.load(open(sys.argv[1]))}))" \
+        "$WORK/serving_load.json" >>"$FIGURES" 2>/dev/null
+      record serving pass $((SECONDS - t0)) "serving_load against the CUDA server: see figures"
+    else
+      record serving fail $((SECONDS - t0)) "serving_load exit $rc: $(tail_of "$OUT/export_serving.log")"
+    fi
+  fi
+  kill -TERM "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null
+fi
+
+# ---- the report ---------------------------------------------------------------------------------
+"$PY" "$HELPER" report "$RESULTS" "$FIGURES" "$OUT" "$WORK/header.json" || log "writing the report failed"
+status=0
+grep -q $'\tfail\t' "$RESULTS" && status=1
+rm -rf "$WORK"
+exit $status

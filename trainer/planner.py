@@ -1,0 +1,698 @@
+"""The VRAM planner: fit a training run into a device-memory budget before its first step.
+
+The memory model is a sum of named terms, each of which the plan table prints:
+
+* persistent, from the parameter count P (4-byte fp32 parameters):
+  weights (the fp32 master copy, plus buffers), gradients (one per parameter, kept across
+  the micro-steps of an accumulated batch), AdamW state (exp_avg and exp_avg_sq, 2 x fp32),
+  and on CUDA whatever stays resident after a warm-up step (cuBLAS/cuDNN workspaces);
+* under mixed precision, autocast's 16-bit copies of the weights, which the forward casts
+  once and autograd keeps for the backward (2 bytes per parameter);
+* activations: bytes per window (and a fixed part) of one training forward + backward,
+  measured with a trial step at two batch sizes. On CUDA the measure is
+  `torch.cuda.max_memory_allocated` above what was allocated before the step. On the CPU it
+  is the peak of the bytes of every tensor storage allocated during the step (counted with a
+  dispatch mode that sees each op's outputs, and released when the storage dies), which
+  includes what autograd saves for the backward, the backward's own gradients of
+  activations and, with gradient checkpointing, the recomputation of a block. Beside it the
+  table shows what autograd *stores* for the backward, counted with
+  `torch.autograd.graph.saved_tensors_hooks`, deduplicated by storage, parameters excluded:
+  the figure gradient checkpointing cuts;
+* `optimizer.step()` temporaries (foreach AdamW on CUDA: one fp32 tensor per parameter); the
+  step runs after the activations are freed, so it competes with them rather than adding;
+* validation: the transient peak per window of a forward under `torch.inference_mode()`,
+  which stores no activations; gradients are freed (set to None) before it;
+* writing a checkpoint copies tensors to host memory and takes no device memory.
+
+The plan takes the largest micro-batch whose estimated peak fits the budget less a safety
+margin, prefers no gradient checkpointing, and raises accumulation to keep the effective
+batch. If even one window does not fit, planning refuses with `PlanError` (exit status 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import re
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from features.schema import MODEL_INPUTS, TARGET
+from trainer.loss import pinball_loss
+from trainer.modeling import TemporalFusionTransformer
+from trainer.plan import TrainPlan, literal_plan
+
+SAFETY_FRACTION = 0.10  # of the budget, kept free for allocator fragmentation, workspaces and estimate error
+MIN_EFFICIENT_MICRO = 4  # below this many windows per micro-step, gradient checkpointing is worth its recompute
+# Windows in the two trial steps. Not 1: at one window the peak can sit elsewhere (e.g. at a large
+# weight gradient's temporary) than at larger batches, and a line through 1 and 2 then has too
+# small a slope (measured: 223 MiB/window against 270 from 2 on, for the production preset).
+TRIAL_SIZES = (2, 4)
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+BatchFn = Callable[[int], dict[str, Tensor]]  # n -> a CPU batch of n windows (MODEL_INPUTS and TARGET)
+
+
+class PlanError(ValueError):
+    """The run cannot fit its budget (or the budget cannot be used); the message says what to change."""
+
+    def __init__(self, message: str, table: str = "") -> None:
+        super().__init__(message)
+        self.table = table  # the plan table that shows why, when there is one
+
+
+# ---- sizes ---------------------------------------------------------------------------------
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_budget(text: str) -> int:
+    """'4GiB' -> 4294967296; binary (KiB, MiB, GiB, TiB) and decimal (KB, MB, GB, TB) units, case-insensitive."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]+)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise PlanError(f"--vram-budget {text!r}: expected a size with a unit, e.g. 4GiB, 512MiB or 4GB "
+                        "(KiB/MiB/GiB/TiB are powers of 2, KB/MB/GB/TB powers of 10)")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise PlanError(f"--vram-budget {text!r}: must be more than 0 bytes")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def budget_flag(n: float) -> str:
+    """A --vram-budget value of at least n bytes, e.g. '4.6GiB', '513MiB', '293KiB'."""
+    if n >= 2**30:
+        return f"{math.ceil(n / 2**30 * 10) / 10:.1f}GiB"
+    if n >= 2**20:
+        return f"{math.ceil(n / 2**20)}MiB"
+    return f"{math.ceil(n / 2**10)}KiB"
+
+
+def usable_bytes(budget: int) -> int:
+    """What the estimate may use of `budget`: the rest is the safety margin."""
+    return int(budget * (1.0 - SAFETY_FRACTION))
+
+
+# ---- measuring ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Affine:
+    """bytes = fixed + per_window * windows, through two measured points."""
+
+    per_window: float
+    fixed: float
+
+    def at(self, windows: int) -> int:
+        return math.ceil(self.fixed + self.per_window * windows)
+
+    @staticmethod
+    def through(points: Sequence[tuple[int, int]], min_slope: float = 0.0) -> Affine:
+        """The line through two (windows, bytes) points, its slope at least `min_slope`, through the second
+        point, and its intercept at least 0 (each clamp only raises the line beyond the points)."""
+        (b1, y1), (b2, y2) = points
+        slope = max(min_slope, (y2 - y1) / (b2 - b1))
+        return Affine(slope, max(0.0, y2 - slope * b2))
+
+
+class _LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages allocated while active (the CPU's max_memory_allocated).
+
+    Every op's outputs are seen; a storage that is not one of the op's inputs' (views and
+    in-place results are not new memory) is counted until Python's weak reference to it dies,
+    which is when the storage itself is freed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._tracked: dict[int, weakref.finalize] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor):
+                self._track(t, inputs)
+        return out
+
+    def _track(self, t: Tensor, inputs: set[int]) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._tracked or storage.data_ptr() in inputs:
+            return
+        nbytes = storage.nbytes()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        self._tracked[key] = weakref.finalize(storage, self._release, key, nbytes)
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._tracked.pop(key, None)
+
+    def __exit__(self, *exc: Any) -> None:
+        for fin in list(self._tracked.values()):
+            fin.detach()
+        self._tracked.clear()
+        super().__exit__(*exc)
+
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes autograd saves for the backward, by storage, parameters and buffers excluded."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.storages: dict[int, int] = {}
+
+        def pack(t: Tensor) -> Tensor:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self.exclude:
+                self.storages[ptr] = storage.nbytes()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+class _PeakMeter:
+    """Peak bytes allocated inside a `with` block, above what was allocated before it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            torch.cuda.synchronize(self.device)
+            self.peak = int(torch.cuda.max_memory_allocated(self.device)) - base
+        else:
+            with _LiveTensorBytes() as live:
+                yield
+            self.peak = live.peak
+
+
+@dataclass(frozen=True)
+class StepMeasure:
+    """A training forward + backward, as a function of the windows in it."""
+
+    peak: Affine  # peak bytes above what was resident before the step
+    stored: Affine  # bytes autograd saves for the backward (part of `peak`)
+
+
+def _param_storages(model: torch.nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+
+
+class Trial:
+    """Trial steps on `model` with real windows; leaves weights, RNG and mode as it found them."""
+
+    def __init__(self, model: TemporalFusionTransformer, batch_fn: BatchFn, device: torch.device,
+                 precision: str) -> None:
+        self.model, self.batch_fn, self.device = model, batch_fn, device
+        dtype = AUTOCAST_DTYPES[precision]
+        self.autocast: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            contextlib.nullcontext if dtype is None or device.type != "cuda"
+            else lambda: torch.autocast(device_type="cuda", dtype=dtype))
+        self.quantiles = torch.tensor(model.cfg.quantiles, dtype=torch.float32, device=device)
+
+    def _batch(self, n: int) -> dict[str, Tensor]:
+        return {k: v.to(self.device) for k, v in self.batch_fn(n).items()}
+
+    def train_step(self, n: int, checkpointing: bool) -> tuple[int, int]:
+        """(peak, stored) bytes of one forward + backward of n windows."""
+        self.model.train()
+        self.model.gradient_checkpointing = checkpointing
+        meter, saved = _PeakMeter(self.device), _SavedBytes(_param_storages(self.model))
+        with meter.measure():
+            batch = self._batch(n)
+            with saved, self.autocast():
+                out = self.model(*(batch[name] for name in MODEL_INPUTS))
+            loss = pinball_loss(out.quantiles.float(), batch[TARGET], self.quantiles).mean()
+            loss.backward()
+            del out, loss, batch
+        return meter.peak, saved.bytes
+
+    def val_step(self, n: int) -> int:
+        """Peak bytes of one forward of n windows under inference_mode (as validation runs)."""
+        self.model.eval()
+        meter = _PeakMeter(self.device)
+        with meter.measure(), torch.inference_mode():
+            batch = self._batch(n)
+            with self.autocast():
+                out = self.model(*(batch[name] for name in MODEL_INPUTS))
+            del out, batch
+        return meter.peak
+
+    @contextlib.contextmanager
+    def restoring(self) -> Iterator[None]:
+        """Gradients allocated (as in an accumulation micro-step), then everything put back."""
+        model = self.model
+        training, ckpt = model.training, model.gradient_checkpointing
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        try:
+            yield
+        finally:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            model.train(training)
+            model.gradient_checkpointing = ckpt
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+
+
+# ---- the memory model -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Estimated peak device bytes of training and validation, as named terms (see the module docstring)."""
+
+    parameters: int  # parameter count P
+    weight_bytes: int  # parameters (fp32 master weights) and buffers
+    grad_bytes: int  # one gradient per parameter, same dtype
+    optimizer_bytes: int  # AdamW exp_avg + exp_avg_sq
+    cast_bytes: int  # autocast's 16-bit weight copies, when assumed (0 when measured inside the activations)
+    step_temp_bytes: int  # temporaries of optimizer.step(), after the activations are freed
+    resident_bytes: int  # other memory resident after a warm-up step (CUDA workspaces); 0 on the CPU
+    train: StepMeasure | None  # activations without gradient checkpointing (None = not measured)
+    train_ckpt: StepMeasure | None  # with gradient checkpointing (None = not measured)
+    val: Affine  # validation forward under inference_mode
+    trial_sizes: tuple[int, int]  # windows in the two measured trial steps
+    measured_on: str  # how the activations were measured
+    activation_scale: float = 1.0  # multiplier on measured activations (planning CUDA from a CPU measurement)
+
+    def measure(self, checkpointing: bool) -> StepMeasure:
+        m = self.train_ckpt if checkpointing else self.train
+        if m is None:
+            raise ValueError(f"activations with checkpointing {'on' if checkpointing else 'off'} were not measured")
+        return m
+
+    @property
+    def persistent_bytes(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.resident_bytes
+
+    def activation_bytes(self, windows: int, checkpointing: bool) -> int:
+        return math.ceil(self.measure(checkpointing).peak.at(windows) * self.activation_scale)
+
+    def train_bytes(self, micro_batch: int, checkpointing: bool) -> int:
+        """Peak of a training step: persistent + max(forward/backward, optimizer step)."""
+        fwd_bwd = self.cast_bytes + self.activation_bytes(micro_batch, checkpointing)
+        return self.persistent_bytes + max(fwd_bwd, self.step_temp_bytes)
+
+    def val_bytes(self, val_batch: int) -> int:
+        """Peak of validation: weights, optimizer state and the transient of one forward (no gradients)."""
+        act = math.ceil(self.val.at(val_batch) * self.activation_scale)
+        return self.weight_bytes + self.optimizer_bytes + self.resident_bytes + self.cast_bytes + act
+
+
+def largest_fitting(cost: Callable[[int], int], limit: int, cap: int) -> int:
+    """Largest n in [1, cap] with cost(n) <= limit for a non-decreasing cost; 0 when not even 1 fits."""
+    if cap < 1 or cost(1) > limit:
+        return 0
+    lo, hi = 1, cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True)
+class Option:
+    checkpointing: bool
+    micro_batch: int  # largest that fits, up to the effective batch (0 = not even 1)
+    train_bytes: int  # estimated training peak at that micro-batch (at 1 when none fits)
+
+
+def _train_cost(mem: MemoryModel, checkpointing: bool, micro_batch: int) -> int:
+    return mem.train_bytes(micro_batch, checkpointing)
+
+
+def options_for(mem: MemoryModel, budget: int, batch_size: int) -> list[Option]:
+    """For each measured checkpointing setting, the largest micro-batch that fits."""
+    limit = usable_bytes(budget)
+    out = []
+    for ckpt in (False, True):
+        if (mem.train_ckpt if ckpt else mem.train) is None:
+            continue
+        mb = largest_fitting(functools.partial(_train_cost, mem, ckpt), limit, batch_size)
+        out.append(Option(ckpt, mb, mem.train_bytes(max(mb, 1), ckpt)))
+    return out
+
+
+def needs_checkpointing_measure(mem: MemoryModel, budget: int, batch_size: int, mode: str) -> bool:
+    """auto: measure checkpointing only when, without it, the micro-batch would be small (or none fits)."""
+    if mode == "off" or mem.train_ckpt is not None:
+        return False
+    if mode == "on" or mem.train is None:
+        return True
+    off = largest_fitting(lambda n: mem.train_bytes(n, False), usable_bytes(budget), batch_size)
+    return off < min(batch_size, MIN_EFFICIENT_MICRO)
+
+
+def choose_plan(mem: MemoryModel, budget: int, batch_size: int, mode: str, precision: str) -> TrainPlan:
+    """The plan for `budget` bytes; PlanError when not even one window fits (training or validation).
+
+    mode: "off" and "on" force gradient checkpointing; "auto" prefers it off (it recomputes
+    the forward of each block in the backward, about a third more compute) and turns it on only
+    when, without it, the micro-batch would be under MIN_EFFICIENT_MICRO windows (or zero) and
+    with it at least twice as large.
+    """
+    limit = usable_bytes(budget)
+    opts = {o.checkpointing: o for o in options_for(mem, budget, batch_size)}
+    notes = [f"budget {format_bytes(budget)}, usable {format_bytes(limit)} after a {SAFETY_FRACTION:.0%} margin"]
+    off, on = opts.get(False), opts.get(True)
+    if mode == "on" or off is None:
+        assert on is not None
+        chosen = on
+        notes.append("gradient checkpointing on (--grad-checkpointing on)")
+    elif mode == "off" or on is None:
+        chosen = off
+        notes.append("gradient checkpointing off " + ("(--grad-checkpointing off)" if mode == "off" else
+                                                      f"(micro-batch {off.micro_batch} fits without it)"))
+    elif off.micro_batch >= min(batch_size, MIN_EFFICIENT_MICRO) or (
+            off.micro_batch >= 1 and on.micro_batch < 2 * off.micro_batch):
+        chosen = off
+        notes.append(f"gradient checkpointing off: micro-batch {off.micro_batch} without it, {on.micro_batch} with "
+                     "it, not worth recomputing the forward")
+    else:
+        chosen = on
+        notes.append(f"gradient checkpointing on: micro-batch {off.micro_batch or 'none'} without it, "
+                     f"{on.micro_batch} with it")
+    if chosen.micro_batch < 1:
+        raise PlanError(_refusal(mem, budget, opts, mode))
+    val_batch = largest_fitting(mem.val_bytes, limit, batch_size)
+    if val_batch < 1:
+        raise PlanError(f"the VRAM budget {format_bytes(budget)} fits a training micro-batch but not the "
+                        f"validation forward of one window ({format_bytes(mem.val_bytes(1))} with the margin "
+                        f"{format_bytes(budget - limit)} kept free); raise --vram-budget")
+    mb = chosen.micro_batch
+    estimate = max(mem.train_bytes(mb, chosen.checkpointing), mem.val_bytes(val_batch))
+    notes.append(f"micro-batch {mb} x {math.ceil(batch_size / mb)} accumulation = batch {batch_size}; "
+                 f"estimated peak {format_bytes(estimate)}")
+    return TrainPlan(mb, batch_size, chosen.checkpointing, precision, val_batch, budget, estimate, tuple(notes))
+
+
+def _refusal(mem: MemoryModel, budget: int, opts: dict[bool, Option], mode: str) -> str:
+    best = min(opts.values(), key=lambda o: o.train_bytes)
+    need = math.ceil(max(best.train_bytes, mem.val_bytes(1)) / (1.0 - SAFETY_FRACTION))
+    per_window = ", ".join(f"{format_bytes(mem.activation_bytes(1, c))} with checkpointing {'on' if c else 'off'}"
+                           for c in sorted(opts))
+    hint = " or allow gradient checkpointing (--grad-checkpointing auto)," if mode == "off" else ""
+    return (f"the VRAM budget {format_bytes(budget)} does not fit even a micro-batch of 1 window: weights, "
+            f"gradients and AdamW state take {format_bytes(mem.weight_bytes + mem.grad_bytes + mem.optimizer_bytes)}"
+            f" and one window's activations {per_window}, so a step needs {format_bytes(best.train_bytes)} and "
+            f"the budget at least {format_bytes(need)} (with a {SAFETY_FRACTION:.0%} safety margin). Raise "
+            f"--vram-budget to {budget_flag(need)} or more,{hint} or shrink the model "
+            "(--hidden-size, fewer --features, --encoder-length)")
+
+
+# ---- planning a model ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """The device a plan is for, and how it is measured."""
+
+    kind: str  # "cuda" or "cpu": the device the run will use
+    measure_device: torch.device  # where the trial steps run
+    precision: str  # fp32 | bf16 | fp16 on the target
+    description: str  # for the table, e.g. "NVIDIA H200, 139.8 GiB" or "no CUDA here"
+
+    @property
+    def from_cpu(self) -> bool:
+        return self.kind == "cuda" and self.measure_device.type != "cuda"
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    target: Target
+    budget_bytes: int  # 0 = none (a literal plan, with estimates)
+    batch_size: int
+    mode: str  # --grad-checkpointing
+    memory: MemoryModel
+    options: tuple[Option, ...]
+    plan: TrainPlan
+    assumptions: tuple[str, ...]
+    seconds: float
+    notes: tuple[str, ...] = field(default=())
+
+
+def assumptions_for(target: Target) -> tuple[str, ...]:
+    if target.kind == "cpu":
+        return ("figures are bytes of tensors (host memory); the process's resident memory is higher (the data, "
+                "Python and its libraries)",)
+    out = []
+    if target.from_cpu:
+        out += [
+            "no CUDA here: activations were measured on the CPU in fp32 and are assumed the same size on the card; "
+            "autocast makes matmul outputs 16-bit, but in this model bias adds, layer norms and softmax promote "
+            "back to fp32 and the 16-bit copies of matmul inputs are kept beside them, so no saving is assumed",
+            "16-bit weight copies assumed at 2 bytes per parameter (the CUDA measurement includes them instead)",
+            "CUDA library workspaces (cuBLAS, cuDNN) and the cuDNN LSTM's reserve are not in a CPU measurement: "
+            "they are left to the safety margin",
+        ]
+        if target.precision != "fp32":
+            out.append(f"precision {target.precision}: --precision auto takes bf16 where the card supports it "
+                       "(Ampere or newer), else fp16; both have the same sizes")
+    out += ["optimizer.step() as foreach AdamW (PyTorch's default on CUDA): one fp32 temporary per parameter",
+            "peak is allocated memory (torch.cuda.max_memory_allocated); the cap "
+            "(set_per_process_memory_fraction) bounds reserved memory, which is at least that"]
+    return tuple(out)
+
+
+def persistent_terms(model: torch.nn.Module, target: Target) -> tuple[int, int, int, int, int, int]:
+    """(P, weights, gradients, AdamW state, 16-bit copies if assumed, step temporaries) from the parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    cast = 2 * n_params if (target.from_cpu and target.precision != "fp32") else 0
+    step_temp = (param_bytes if target.kind == "cuda"
+                 else max((p.numel() * p.element_size() for p in params), default=0))
+    return n_params, weight_bytes, param_bytes, 2 * param_bytes, cast, step_temp
+
+
+def measure_memory(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target,
+                   checkpointing: Sequence[bool], base: MemoryModel | None = None,
+                   sizes: tuple[int, int] = TRIAL_SIZES) -> MemoryModel:
+    """Persistent terms from the parameters, activations from trial steps on target.measure_device.
+
+    With `base`, only the given checkpointing settings are measured and added to it.
+    """
+    device = target.measure_device
+    n_params, weight_bytes, grad_bytes, optimizer_bytes, cast, step_temp = persistent_terms(model, target)
+    trial = Trial(model, batch_fn, device, target.precision if device.type == "cuda" else "fp32")
+    sizes = base.trial_sizes if base else sizes
+    resident = base.resident_bytes if base else 0
+    measures: dict[bool, StepMeasure] = {}
+    val = base.val if base else Affine(0.0, 0.0)
+    with trial.restoring():
+        if device.type == "cuda" and base is None:
+            trial.train_step(1, False)  # warm-up: library workspaces and lazy initialisation
+            torch.cuda.synchronize(device)
+            resident = max(0, torch.cuda.memory_allocated(device) - weight_bytes - grad_bytes)
+        for ckpt in checkpointing:
+            points = [(n, *trial.train_step(n, ckpt)) for n in sizes]
+            stored = Affine.through([(n, s) for n, _, s in points])
+            # the peak holds what autograd stores, so it grows at least as fast
+            measures[ckpt] = StepMeasure(Affine.through([(n, p) for n, p, _ in points], stored.per_window), stored)
+        if base is None:
+            for p in model.parameters():
+                p.grad = None  # validation runs with gradients freed
+            val = Affine.through([(n, trial.val_step(n)) for n in sizes])
+    how = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+           else "bytes of tensor storages allocated, CPU, fp32")
+    return MemoryModel(n_params, weight_bytes, grad_bytes, optimizer_bytes, cast, step_temp, resident,
+                       measures.get(False, base.train if base else None),
+                       measures.get(True, base.train_ckpt if base else None), val, sizes, how)
+
+
+def _measure_fitting(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target,
+                     checkpointing: Sequence[bool], budget: int, base: MemoryModel | None = None) -> MemoryModel:
+    """measure_memory; under a CUDA cap too small for the trial sizes, again at 1 and 2 windows."""
+    for sizes in (TRIAL_SIZES, (1, 2)):
+        try:
+            return measure_memory(model, batch_fn, target, checkpointing, base, sizes)
+        except torch.OutOfMemoryError:
+            if target.measure_device.type == "cuda":
+                torch.cuda.empty_cache()
+            if base is not None:
+                break
+    raise PlanError(f"trial steps of {TRIAL_SIZES} and (1, 2) windows ran out of memory under the VRAM cap of "
+                    f"{format_bytes(budget)}: the budget is too small for this model; raise --vram-budget or shrink "
+                    "the model (--hidden-size, fewer --features, --encoder-length)")
+
+
+def plan_for_model(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target, budget: int,
+                   batch_size: int, mode: str) -> PlanReport:
+    """Measure and plan; PlanError (carrying the table) when the budget cannot hold one window.
+
+    Without a budget (or on the CPU, where none applies) the plan is the config taken literally,
+    with its estimated peak.
+    """
+    t0 = time.perf_counter()
+    planning = bool(budget) and target.kind == "cuda"
+    if planning:
+        _, weights, grads, optim, cast, _ = persistent_terms(model, target)
+        fixed = weights + grads + optim + cast
+        if fixed > usable_bytes(budget):
+            need = budget_flag(fixed / (1.0 - SAFETY_FRACTION))
+            raise PlanError(f"the VRAM budget {format_bytes(budget)} does not fit even the model: weights, gradients "
+                            f"and AdamW state alone take {format_bytes(fixed)} of {format_bytes(usable_bytes(budget))} "
+                            f"usable ({SAFETY_FRACTION:.0%} kept free). Raise --vram-budget above {need} or shrink "
+                            "the model (--hidden-size, fewer --features, --encoder-length)")
+    mem = _measure_fitting(model, batch_fn, target, [mode == "on"], budget)
+    if planning and needs_checkpointing_measure(mem, budget, batch_size, mode):
+        mem = _measure_fitting(model, batch_fn, target, [True], budget, base=mem)
+    notes: tuple[str, ...] = ()
+    if planning:
+        opts = tuple(options_for(mem, budget, batch_size))
+        try:
+            plan = choose_plan(mem, budget, batch_size, mode, target.precision)
+        except PlanError as exc:
+            failed = literal_plan(batch_size, mode, target.precision)
+            report = PlanReport(target, budget, batch_size, mode, mem, opts, failed, assumptions_for(target),
+                                time.perf_counter() - t0, ("REFUSED: " + str(exc),))
+            raise PlanError(str(exc), format_report(report, refused=True)) from None
+    else:
+        plan = literal_plan(batch_size, mode, target.precision)
+        ckpt = plan.grad_checkpointing  # measured above: mode "on" measures with checkpointing, else without
+        estimate = max(mem.train_bytes(batch_size, ckpt), mem.val_bytes(batch_size))
+        opts = (Option(ckpt, batch_size, mem.train_bytes(batch_size, ckpt)),)
+        notes = ((f"--vram-budget {format_bytes(budget)} is not applicable on the CPU: it caps CUDA device memory",)
+                 if budget else ("no VRAM budget: the config taken literally",))
+        plan = replace(plan, estimate_bytes=estimate, notes=notes)
+    return PlanReport(target, budget, batch_size, mode, mem, opts, plan, assumptions_for(target),
+                      time.perf_counter() - t0, notes)
+
+
+def batch_fn_for(tensors: Any, anchors: np.ndarray) -> BatchFn:
+    """Real windows for trial steps: the first n training anchors (repeated if there are fewer)."""
+
+    def fn(n: int) -> dict[str, Tensor]:
+        picked = np.resize(anchors, n) if anchors.size else anchors
+        batch: dict[str, Tensor] = tensors.batch(torch.from_numpy(np.ascontiguousarray(picked)))
+        return batch
+
+    return fn
+
+
+# ---- the table ------------------------------------------------------------------------------------
+
+
+def format_report(r: PlanReport, refused: bool = False) -> str:
+    m, p = r.memory, r.plan
+    lines: list[str] = []
+    on_card = r.target.kind == "cuda"
+    head = "VRAM plan" if on_card else "memory plan"
+    lines.append(f"{head} for {r.target.kind.upper()} ({r.target.description}), precision {r.target.precision}, "
+                 f"effective batch {r.batch_size}, gradient checkpointing {r.mode}")
+    if r.budget_bytes and on_card:
+        lines.append(f"budget {format_bytes(r.budget_bytes)}: usable {format_bytes(usable_bytes(r.budget_bytes))}, "
+                     f"{SAFETY_FRACTION:.0%} kept free for allocator fragmentation, library workspaces and "
+                     "estimate error")
+    lines.extend(r.notes if not refused else ())
+    lines.append(f"model: {m.parameters:,} parameters")
+    lines.append("")
+    rows: list[tuple[str, str, str]] = [
+        ("weights", format_bytes(m.weight_bytes), f"{m.parameters:,} fp32 parameters (the master copy) "
+                                                 "and buffers"),
+        ("gradients", format_bytes(m.grad_bytes), "fp32, one per parameter, kept across accumulation micro-steps"),
+        ("AdamW state", format_bytes(m.optimizer_bytes), "exp_avg + exp_avg_sq, 2 x fp32 per parameter"),
+    ]
+    if on_card:
+        cast_how = ("assumed, 2 B per parameter" if m.cast_bytes else
+                    "none in fp32" if r.target.precision == "fp32" else "measured: inside the activations")
+        rows.append((f"{r.target.precision} weight copies", format_bytes(m.cast_bytes),
+                     f"autocast's casts, kept for the backward ({cast_how})"))
+        rows.append(("resident after warm-up", format_bytes(m.resident_bytes),
+                     "cuBLAS/cuDNN workspaces" + (" (measured on CUDA only)" if r.target.from_cpu else "")))
+    rows.append(("optimizer.step() temporaries", format_bytes(m.step_temp_bytes),
+                 ("foreach AdamW: one fp32 copy of the parameters" if on_card else "for-loop AdamW: the largest "
+                  "parameter") + "; after activations are freed, so max(step, activations), not a sum"))
+    sizes = f"trial steps of {m.trial_sizes[0]} and {m.trial_sizes[1]} windows"
+    for ckpt in (False, True):
+        s = m.train_ckpt if ckpt else m.train
+        name = "activations per window" + (", checkpointing" if ckpt else "")
+        if s is None:
+            rows.append((name, "-", "not measured (not needed)"))
+            continue
+        rows.append((name, format_bytes(s.peak.per_window * m.activation_scale),
+                     f"peak of forward+backward, {sizes} ({m.measured_on}); fixed part "
+                     f"{format_bytes(s.peak.fixed * m.activation_scale)}; of it stored for backward "
+                     f"{format_bytes(s.stored.per_window)}/window (saved_tensors_hooks)"))
+    rows.append(("validation per window", format_bytes(m.val.per_window * m.activation_scale),
+                 f"transient of a forward under torch.inference_mode (stores nothing); fixed part "
+                 f"{format_bytes(m.val.fixed * m.activation_scale)}; gradients are freed before it"))
+    if on_card:
+        rows.append(("checkpoint writing", format_bytes(0), "tensors are copied to host memory"))
+    w = max(len(n) for n, _, _ in rows)
+    lines.append(f"  {'term':<{w}}  {'size':>11}  what it is")
+    lines += [f"  {n:<{w}}  {s:>11}  {d}" for n, s, d in rows]
+    lines.append("")
+    lines.append(f"  {'checkpointing':<13}  {'micro-batch':>11}  {'accumulation':>12}  {'est. training peak':>18}  "
+                 "fits")
+    for o in r.options:
+        chosen = (not refused) and o.checkpointing == p.grad_checkpointing and o.micro_batch == p.micro_batch
+        acc = str(math.ceil(r.batch_size / o.micro_batch)) if o.micro_batch else "-"
+        fits = ("yes" if o.micro_batch else "no") if (r.budget_bytes and on_card) else "n/a"
+        lines.append(f"  {'on' if o.checkpointing else 'off':<13}  {o.micro_batch or '-':>11}  {acc:>12}  "
+                     f"{format_bytes(o.train_bytes):>18}  {fits}{'  <- chosen' if chosen else ''}")
+    lines.append("")
+    if refused:
+        lines.extend(r.notes)
+    else:
+        last = r.batch_size - (p.accumulation - 1) * p.micro_batch
+        tail = f" (the last holds {last})" if last != p.micro_batch else ""
+        lines.append(f"plan: micro-batch {p.micro_batch} x {p.accumulation} accumulation step(s) = effective batch "
+                     f"{p.batch_size}{tail}; gradient checkpointing {'on' if p.grad_checkpointing else 'off'}; "
+                     f"{p.precision}; validation batch {p.val_batch}")
+        est_train = r.memory.train_bytes(p.micro_batch, p.grad_checkpointing)
+        est_val = r.memory.val_bytes(p.val_batch)
+        of = f" of the {format_bytes(r.budget_bytes)} budget" if (r.budget_bytes and on_card) else ""
+        lines.append(f"estimated peak: training {format_bytes(est_train)}, validation {format_bytes(est_val)}{of}")
+        if r.budget_bytes and on_card:
+            lines.append("enforced on the card by torch.cuda.set_per_process_memory_fraction(budget / total memory) "
+                         "before the first step; an out-of-memory step halves the micro-batch and keeps the "
+                         "effective batch")
+    lines.append("assumptions:")
+    lines += [f"  - {a}" for a in r.assumptions]
+    lines.append(f"planned in {r.seconds:.1f} s")
+    return "\n".join(lines)
