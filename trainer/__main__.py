@@ -1,8 +1,9 @@
 """`python -m trainer --parquet bars.parquet`: train a TFT and write a resumable checkpoint.
 
-Exit status: 0 done, 2 bad arguments, config or data, or a VRAM budget that cannot hold the
-run (one clear message, no traceback), 3 out of device memory with nothing left to halve,
-130 interrupted (the last good checkpoint is intact either way).
+Exit status: 0 done, 1 an output could not be written (e.g. disk full; the previous checkpoint
+is intact), 2 bad arguments, config or data, or a VRAM budget that cannot hold the run (one
+clear message, no traceback), 3 out of device memory with nothing left to halve, 130
+interrupted (the last good checkpoint is intact either way).
 
 `--vram-budget 4GiB` plans micro-batch, accumulation and gradient checkpointing to fit the
 budget and caps the process's CUDA memory to it; `--plan-only` prints that plan and exits,

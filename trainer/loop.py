@@ -36,6 +36,7 @@ from trainer.plan import TrainPlan, literal_plan
 log = logging.getLogger("trainer")
 
 VALIDATION_SAMPLE_WINDOWS = 256
+RESUME_OVERRIDABLE = ("epochs", "device", "vram_budget", "threads", "grad_checkpointing", "precision")
 
 
 def package_version() -> str:
@@ -109,7 +110,9 @@ class Trainer:
             stored = TrainConfig.from_dict(self.resume_state["train_config"])
             if cfg.epochs != stored.epochs:
                 log.info("resume: epochs %d -> %d", stored.epochs, cfg.epochs)
-            cfg = TrainConfig.from_dict({**stored.to_dict(), "epochs": cfg.epochs})
+            # the run's recipe comes from the checkpoint; the hardware it runs on from this command
+            now = cfg.to_dict()
+            cfg = TrainConfig.from_dict({**stored.to_dict(), **{k: now[k] for k in RESUME_OVERRIDABLE}})
             self.columns = ColumnMap.from_dict(self.resume_state.get("column_map", self.columns.to_dict()))
         self.cfg = cfg
         if cfg.threads:
@@ -256,13 +259,23 @@ class Trainer:
     def predict(self, anchors: np.ndarray, batch: int | None = None) -> dict[str, np.ndarray]:
         """Model outputs on `anchors` (eval mode, no stored activations)."""
         self.model.eval()
-        parts: dict[str, list[np.ndarray]] = {}
-        for chunk in torch.from_numpy(anchors).split(batch or self.plan.val_batch):
-            b = self._to_device(self.data.tensors.batch(chunk))
-            out = self._forward(b)
-            for name, value in out._asdict().items():
-                parts.setdefault(name, []).append(value.float().cpu().numpy())
-        return {k: np.concatenate(v) for k, v in parts.items()}
+        size = batch or self.plan.val_batch
+        while True:
+            try:
+                parts: dict[str, list[np.ndarray]] = {}
+                for chunk in torch.from_numpy(anchors).split(size):
+                    b = self._to_device(self.data.tensors.batch(chunk))
+                    out = self._forward(b)
+                    for name, value in out._asdict().items():
+                        parts.setdefault(name, []).append(value.float().cpu().numpy())
+                return {k: np.concatenate(v) for k, v in parts.items()}
+            except torch.OutOfMemoryError:
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if size <= 1:
+                    raise
+                size = max(1, size // 2)
+                log.warning("out of memory in validation: validation batch halved to %d", size)
 
     def validate(self) -> dict[str, Any]:
         anchors = self.data.val_anchors
