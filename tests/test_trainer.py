@@ -278,3 +278,24 @@ def test_every_config_field_has_a_flag_with_its_description() -> None:
     for f in fields(TrainConfig):
         assert f"--{f.name.replace('_', '-')}" in r.stdout
     assert "past bars the encoder sees" in r.stdout
+
+
+def test_validation_out_of_memory_halves_the_batch(tmp_path: Path, bars: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    torch.set_num_threads(1)
+    t = Trainer(bars, tiny_cfg(epochs=1), tmp_path / "c.pt", progress=False)
+    anchors = t.data.val_anchors[:50]
+    expected = t.predict(anchors, batch=32)["quantiles"]
+    real = t._forward
+    injected: list[int] = []
+
+    def flaky(batch: dict[str, torch.Tensor], net: torch.nn.Module | None = None) -> object:
+        if not injected and batch["target"].shape[0] == 32:
+            injected.append(1)
+            raise torch.OutOfMemoryError("injected")
+        return real(batch, net)
+
+    t._forward = flaky  # type: ignore[method-assign,assignment]
+    got = t.predict(anchors, batch=32)["quantiles"]
+    assert injected and "validation batch halved to 16" in caplog.text
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
