@@ -80,7 +80,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(
             f"{p}: refused — loading it would unpickle code ({what}), which a foxhunt checkpoint never "
             "needs. Only load checkpoints written by `python -m trainer`") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, IndexError, KeyError) as exc:
         raise CheckpointError(f"{p}: not a readable checkpoint (corrupt or truncated?): "
                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:

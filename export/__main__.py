@@ -1,0 +1,115 @@
+"""`python -m export ckpt.pt model.onnx`: a checkpoint to an ONNX model that has been proved.
+
+The model takes raw features and returns quantiles of cumulative log return [batch, horizon,
+n_quantiles] (normalisation folded in), plus attention and variable-selection weights unless
+--no-explain. Its metadata_props carry what the server needs (foxhunt.* keys, see
+features/model_meta.py), including the parity and placement reports.
+
+Checks, in order, before anything is written: onnx.checker (full); input/output names,
+dtypes and the dynamic batch axis; parity against PyTorch on real windows and random
+batches of 1, 7 and 64 (tolerance 1e-4 fp32, 1e-2 fp16, on quantile errors in units of the
+target's std); device placement (every compute node on the required device's provider; only
+shape computation may stay on the CPU). Without --require-device the placement gate is
+reported as not run, never as passed. The output (and the Triton model directory) appear
+only when every check passed: they are written beside their targets and renamed into place.
+
+exit status:
+  0  the model (and the Triton repository entry) was written
+  1  a check failed, or torch could not export the model; nothing was written
+  2  bad arguments or unusable input (missing, corrupt or pickled checkpoint, bad paths,
+     unusable --bars); nothing was written
+  130  interrupted; nothing was written
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import onnx
+
+from export.errors import ExportError, UsageError
+from export.onnx_export import DEFAULT_OPSET, MIN_OPSET
+from export.pipeline import ExportOptions, Tamper, run_export
+from export.triton import check_name
+
+MAX_OPSET = min(onnx.defs.onnx_opset_version(), 23)  # 23: the newest opset onnxruntime 1.31 runs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", type=Path, help="checkpoint written by `python -m trainer` (loaded weights-only)")
+    p.add_argument("output", type=Path, help="the ONNX model to write, e.g. model.onnx (its directory must exist)")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET,
+                   help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
+    p.add_argument("--fp16", action="store_true",
+                   help="half-precision weights and compute, float32 inputs and outputs (parity tolerance 1e-2)")
+    p.add_argument("--no-explain", dest="explain", action="store_false",
+                   help="only the quantiles output: no attention or variable-selection weights")
+    p.add_argument("--require-device", choices=["cuda", "cpu"],
+                   help="placement gate: every compute node must run on this device's ONNX Runtime provider "
+                        "(cuda fails where the CUDA provider does not load, and says why)")
+    p.add_argument("--triton-repo", type=Path, metavar="DIR",
+                   help="also write DIR/<name>/config.pbtxt and DIR/<name>/1/model.onnx for Triton Inference Server")
+    p.add_argument("--triton-name", default="", help="Triton model name (default: the output file's stem)")
+    p.add_argument("--triton-max-batch-size", type=int, default=256,
+                   help="max_batch_size in config.pbtxt (default 256)")
+    p.add_argument("--bars", type=Path,
+                   help="rebuild the parity check's real windows from these bars (parquet file or directory) "
+                        "instead of the checkpoint's saved validation sample")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for PyTorch and ONNX Runtime during the checks (default 1)")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> ExportOptions:
+    """Check what can be checked before loading anything; UsageError names the flag and the fix."""
+    out: Path = args.output
+    if not MIN_OPSET <= args.opset <= MAX_OPSET:
+        raise UsageError(f"--opset {args.opset}: supported opsets are {MIN_OPSET}..{MAX_OPSET} "
+                         f"(the torch.export-based exporter starts at {MIN_OPSET}; onnxruntime runs up to {MAX_OPSET})")
+    if args.threads < 1:
+        raise UsageError(f"--threads {args.threads}: must be >= 1")
+    if out.is_dir():
+        raise UsageError(f"{out} is a directory; give the model's file name, e.g. {out / 'model.onnx'}")
+    if not out.parent.is_dir():
+        raise UsageError(f"{out}: directory {out.parent} does not exist; create it first")
+    if args.checkpoint.exists() and out.resolve() == args.checkpoint.resolve():
+        raise UsageError(f"{out} is the checkpoint itself; choose another output file")
+    if args.triton_repo is None and (args.triton_name or args.triton_max_batch_size != 256):
+        raise UsageError("--triton-name and --triton-max-batch-size only apply with --triton-repo DIR")
+    if args.triton_repo is not None:
+        if args.triton_repo.exists() and not args.triton_repo.is_dir():
+            raise UsageError(f"--triton-repo {args.triton_repo} is a file, not a directory")
+        problem = check_name(args.triton_name or out.stem)
+        if problem:
+            raise UsageError(f"{problem}; pass --triton-name NAME")
+        if args.triton_max_batch_size < 1:
+            raise UsageError(f"--triton-max-batch-size {args.triton_max_batch_size}: must be >= 1")
+    if args.bars is not None and not args.bars.exists():
+        raise UsageError(f"--bars {args.bars}: no such file or directory")
+    return ExportOptions(checkpoint=args.checkpoint, output=out, opset=args.opset, fp16=args.fp16,
+                         explain=args.explain, require_device=args.require_device, triton_repo=args.triton_repo,
+                         triton_name=args.triton_name, triton_max_batch_size=args.triton_max_batch_size,
+                         bars=args.bars, threads=args.threads)
+
+
+def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int:
+    """Run the export; returns the exit status. `_tamper` is a test hook (see pipeline.run_export)."""
+    args = build_parser().parse_args(argv)
+    try:
+        run_export(options_from_args(args), _tamper=_tamper)
+    except ExportError as exc:
+        verdict = "error" if isinstance(exc, UsageError) else "export refused"
+        print(f"{verdict}: {exc}\nnothing was written.", file=sys.stderr, flush=True)
+        return exc.exit_status
+    except KeyboardInterrupt:
+        print("interrupted; nothing was written.", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

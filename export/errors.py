@@ -1,0 +1,25 @@
+"""The two ways an export ends without a model, each mapped to one exit status in __main__."""
+
+from __future__ import annotations
+
+
+class ExportError(Exception):
+    """Base class; the message names the problem and the fix."""
+
+    exit_status = 1
+
+
+class UsageError(ExportError):
+    """Bad arguments or unusable input (missing, corrupt or pickled checkpoint, bad paths): exit 2."""
+
+    exit_status = 2
+
+
+class CheckFailed(ExportError):
+    """The export ran and one of its checks refused the model (or torch could not export it): exit 1."""
+
+    exit_status = 1
+
+    def __init__(self, check: str, message: str) -> None:
+        super().__init__(f"{check} check failed: {message}")
+        self.check = check

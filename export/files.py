@@ -1,0 +1,113 @@
+"""All-or-nothing output: everything is staged beside its target, renamed into place only at the end.
+
+A failed check, a crash or a kill before `commit` leaves no output file and no model
+directory (only staged temporaries, which `discard` removes); `commit` replaces the model
+directory first and the model file last, rolling the directory back if the file fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.chmod(path, mode)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Staging:
+    """Stage files and directories; `commit()` publishes them, `discard()` (or an exception) removes them."""
+
+    def __init__(self) -> None:
+        self._files: list[tuple[Path, Path]] = []  # (staged, target)
+        self._dirs: list[tuple[Path, Path]] = []
+        self._created_parents: list[Path] = []
+        self._mode = 0o666 & ~_umask()
+
+    def __enter__(self) -> Staging:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.discard()
+
+    def file(self, target: Path, data: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
+        self._files.append((Path(tmp), target))
+        _write(Path(tmp), data, self._mode)
+
+    def directory(self, target: Path, files: dict[str, bytes]) -> None:
+        if not target.parent.exists():
+            missing = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
+            target.parent.mkdir(parents=True)
+            self._created_parents.extend(missing)  # deepest first
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        self._dirs.append((tmp, target))
+        os.chmod(tmp, 0o777 & ~_umask())
+        for rel, data in files.items():
+            path = tmp / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write(path, data, self._mode)
+
+    def commit(self) -> None:
+        """Publish: directories (swapping out any old one), then files (os.replace)."""
+        swapped: list[tuple[Path, Path, Path | None]] = []  # (staged, target, backup)
+        try:
+            for staged, target in self._dirs:
+                backup = None
+                if target.exists():
+                    backup = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+                    os.rename(target, backup)
+                swapped.append((staged, target, backup))
+                os.rename(staged, target)
+                _fsync_dir(target.parent)
+            for staged, target in self._files:
+                os.replace(staged, target)
+                _fsync_dir(target.parent)
+        except BaseException:
+            for staged, target, backup in reversed(swapped):
+                if not staged.exists() and target.exists():
+                    os.rename(target, staged)  # the new one goes back to staging, discard removes it
+                if backup is not None:
+                    os.rename(backup, target)
+            raise
+        for _, _, backup in swapped:
+            if backup is not None:
+                shutil.rmtree(backup, ignore_errors=True)
+        self._files, self._dirs, self._created_parents = [], [], []
+
+    def discard(self) -> None:
+        for staged, _ in self._files:
+            staged.unlink(missing_ok=True)
+        for staged, _ in self._dirs:
+            shutil.rmtree(staged, ignore_errors=True)
+        for parent in self._created_parents:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        self._files, self._dirs, self._created_parents = [], [], []

@@ -1,0 +1,204 @@
+"""PyTorch TFT -> ONNX ModelProto with the torch.export-based exporter, and the structural checks.
+
+Why `dynamo=True` (torch.export) rather than the TorchScript tracer: torch.export treats
+the batch dimension as a symbol and raises when the model would specialise it, where the
+tracer silently bakes traced values in as constants (the trap that froze pytorch-forecasting
+exports at batch 1). The parity check at several batch sizes still runs, as the proof.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import onnx
+import torch
+from torch import Tensor, nn
+
+from export.errors import CheckFailed
+from features.schema import (
+    ATTENTION,
+    DECODER_KNOWN,
+    DECODER_WEIGHTS,
+    ENCODER_KNOWN,
+    ENCODER_OBSERVED,
+    ENCODER_WEIGHTS,
+    MODEL_INPUTS,
+    MODEL_OUTPUTS,
+    QUANTILES,
+    STATIC_CATEGORICAL,
+    STATIC_WEIGHTS,
+)
+from trainer.model_config import ModelConfig
+from trainer.modeling import TemporalFusionTransformer
+
+BATCH = "batch"  # the name of the dynamic batch axis of every input and output
+MIN_OPSET = 18  # the torch.export-based exporter emits opset 18 or newer (and cannot down-convert Split)
+DEFAULT_OPSET = 18  # what the torch.export-based exporter emits natively
+
+
+class QuantilesOnly(nn.Module):
+    """The TFT without its interpretability outputs (`--no-explain`): one output, the quantiles."""
+
+    def __init__(self, model: TemporalFusionTransformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor,
+                decoder_known: Tensor) -> Tensor:
+        return self.model(static_categorical, encoder_observed, encoder_known, decoder_known).quantiles  # [B, H, Q]
+
+
+def output_names(explain: bool) -> tuple[str, ...]:
+    return MODEL_OUTPUTS if explain else (QUANTILES,)
+
+
+def expected_shapes(cfg: ModelConfig, explain: bool) -> dict[str, tuple[int, ...]]:
+    """Every input and output's shape without the batch axis, from the model config."""
+    L, H = cfg.encoder_length, cfg.horizon
+    shapes = {
+        STATIC_CATEGORICAL: (cfg.n_static,),
+        ENCODER_OBSERVED: (L, cfg.n_observed),
+        ENCODER_KNOWN: (L, cfg.n_known),
+        DECODER_KNOWN: (H, cfg.n_known),
+        QUANTILES: (H, cfg.n_quantiles),
+        ATTENTION: (H, L + H),
+        STATIC_WEIGHTS: (cfg.n_static,),
+        ENCODER_WEIGHTS: (L, cfg.n_encoder_vars),
+        DECODER_WEIGHTS: (H, cfg.n_known),
+    }
+    return {name: shapes[name] for name in (*MODEL_INPUTS, *output_names(explain))}
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter warns about torch internals (LSTM flat weights, deprecations) and logs
+    optional-package notices; none of it concerns the user, and real failures raise."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "torch._export",
+                                              "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)
+
+
+def export_model(model: TemporalFusionTransformer, example: dict[str, Tensor], opset: int,
+                 explain: bool) -> onnx.ModelProto:
+    """Export with named inputs/outputs and a dynamic batch axis; weights inside the proto.
+
+    `example` holds one batch of each input (canonical names), with a batch of at least 2:
+    torch.export specialises a dimension whose example size is 0 or 1.
+    """
+    module: nn.Module = model if explain else QuantilesOnly(model)
+    module.eval()
+    args = tuple(example[name] for name in MODEL_INPUTS)
+    if args[0].shape[0] < 2:
+        raise ValueError("export_model needs an example batch of at least 2 rows")
+    batch = torch.export.Dim(BATCH, min=1)
+    try:
+        with _quiet_exporter(), torch.no_grad():
+            program = torch.onnx.export(
+                module,
+                args,
+                None,
+                input_names=list(MODEL_INPUTS),
+                output_names=list(output_names(explain)),
+                opset_version=opset,
+                dynamo=True,
+                external_data=False,
+                dynamic_shapes={name: {0: batch} for name in MODEL_INPUTS},
+                optimize=True,
+                verify=False,  # our own parity check follows, with real windows and several batch sizes
+                report=False,
+                verbose=False,
+            )
+    except Exception as exc:  # torch raises many unrelated types here; all mean "cannot export"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckFailed("torch.onnx.export", f"{type(exc).__name__}: {first}. The model could not be exported "
+                          "with a dynamic batch axis; a data-dependent shape or value in forward() is the usual "
+                          "cause") from exc
+    if program is None:  # pragma: no cover - the dynamo path always returns a program
+        raise CheckFailed("torch.onnx.export", "the exporter returned no program")
+    proto = program.model_proto
+    for node in proto.graph.node:  # the exporter's per-node debug records: stack traces with local paths
+        del node.metadata_props[:]
+        node.doc_string = ""
+    if not proto.graph.initializer:
+        raise CheckFailed("torch.onnx.export", "the exported graph carries no weights (initializers)")
+    return proto
+
+
+def run_checker(proto: onnx.ModelProto) -> None:
+    """onnx.checker with full_check (type and shape inference); CheckFailed on any error."""
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise CheckFailed("onnx.checker", f"{str(exc).strip().splitlines()[0]}. The exporter produced an invalid "
+                          "graph; try another --opset") from None
+
+
+_ELEM: dict[int, str] = {
+    onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
+    onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool",
+}
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    """One graph input or output as the checks and the Triton config see it."""
+
+    name: str
+    dtype: str  # float32 | int64 | ...
+    dims: tuple[int | str, ...]  # str for a symbolic dimension
+
+
+def signature(values: list[onnx.ValueInfoProto]) -> list[TensorSig]:
+    out = []
+    for v in values:
+        t = v.type.tensor_type
+        dims = tuple(d.dim_param if d.HasField("dim_param") else (d.dim_value if d.HasField("dim_value") else "?")
+                     for d in t.shape.dim)
+        dtype = _ELEM.get(int(t.elem_type)) or onnx.TensorProto.DataType.Name(t.elem_type).lower()
+        out.append(TensorSig(v.name, dtype, dims))
+    return out
+
+
+def check_interface(proto: onnx.ModelProto, cfg: ModelConfig, explain: bool, opset: int) -> None:
+    """The requested opset; names in canonical order, dtypes, one shared symbolic batch axis, the other axes right."""
+    want_shapes = expected_shapes(cfg, explain)
+    problems = []
+    got_opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    if got_opset != opset:
+        problems.append(f"the graph is opset {got_opset}, --opset asked for {opset}")
+    inputs, outputs = signature(list(proto.graph.input)), signature(list(proto.graph.output))
+    if [i.name for i in inputs] != list(MODEL_INPUTS):
+        problems.append(f"inputs are {[i.name for i in inputs]}, expected {list(MODEL_INPUTS)}")
+    if [o.name for o in outputs] != list(output_names(explain)):
+        problems.append(f"outputs are {[o.name for o in outputs]}, expected {list(output_names(explain))}")
+    batch_names = set()
+    for sig in (*inputs, *outputs):
+        if sig.name not in want_shapes:
+            continue
+        want_dtype = "int64" if sig.name == STATIC_CATEGORICAL else "float32"
+        if sig.dtype != want_dtype:
+            problems.append(f"{sig.name} is {sig.dtype}, expected {want_dtype}")
+        if not sig.dims or not isinstance(sig.dims[0], str) or sig.dims[0] == "?":
+            problems.append(f"{sig.name} has no dynamic batch axis (first dimension is {sig.dims[:1]})")
+        else:
+            batch_names.add(sig.dims[0])
+        if tuple(sig.dims[1:]) != want_shapes[sig.name]:
+            problems.append(f"{sig.name} has shape [batch, {', '.join(map(str, sig.dims[1:]))}], expected "
+                            f"[batch, {', '.join(map(str, want_shapes[sig.name]))}]")
+    if len(batch_names) > 1:
+        problems.append(f"inputs and outputs do not share one batch axis: {sorted(batch_names)}")
+    if problems:
+        raise CheckFailed("input/output names and dynamic axes", "; ".join(problems))

@@ -1,0 +1,171 @@
+"""Parity: ONNX Runtime against PyTorch eager on real windows and on random batches of several sizes.
+
+Errors per output, all over the whole batch:
+
+* max abs err  max |onnx - torch| in the output's own units (return units for quantiles)
+* max rel err  max abs err / max |torch|: relative to the output's magnitude (stable near zero)
+* scaled err   what the gate compares with the tolerance: for quantiles, |onnx - torch| divided
+               by the target scale of its horizon step (units of the target's std, the units
+               the model was trained in, whatever the asset's volatility); weights as they are
+
+Batch sizes 1, 7 and 64 catch exports that froze a dimension; a shape mismatch or a
+non-finite value fails the check whatever the tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from features.schema import (
+    DECODER_KNOWN,
+    ENCODER_KNOWN,
+    ENCODER_OBSERVED,
+    MODEL_INPUTS,
+    QUANTILES,
+    STATIC_CATEGORICAL,
+)
+from trainer.modeling import TemporalFusionTransformer
+
+TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2}  # on the scaled error
+RANDOM_BATCHES = (1, 7, 64)
+NOISE = 0.5  # random batches: real windows resampled, plus this many feature stds of Gaussian noise
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    inputs: dict[str, np.ndarray]  # canonical input name -> array with a leading batch axis
+
+    @property
+    def batch(self) -> int:
+        return int(self.inputs[STATIC_CATEGORICAL].shape[0])
+
+
+@dataclass(frozen=True)
+class Row:
+    case: str
+    batch: int
+    output: str
+    max_abs: float
+    max_rel: float
+    scaled: float
+    tolerance: float
+    passed: bool
+    note: str = ""
+
+
+@dataclass
+class ParityReport:
+    precision: str
+    provider: str
+    tolerance: float
+    rows: list[Row] = field(default_factory=list)
+    provider_options: dict[str, str] = field(default_factory=dict)  # what the checked session was given
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+    def failures(self) -> list[Row]:
+        return [r for r in self.rows if not r.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        worst = max((r.scaled for r in self.rows), default=float("nan"))
+        return {"passed": self.passed, "precision": self.precision, "provider": self.provider,
+                "provider_options": self.provider_options, "tolerance": self.tolerance, "max_scaled_error": worst,
+                "scaled_error": "quantiles: |onnx - torch| / target_scale[h]; weights: |onnx - torch|",
+                "rows": [asdict(r) for r in self.rows]}
+
+    def table(self) -> str:
+        head = (f"parity: ONNX Runtime ({self.provider}) vs PyTorch eager (CPU, fp32); model {self.precision}, "
+                f"tolerance {self.tolerance:g} on the scaled error")
+        cols = f"{'case':<22} {'batch':>5}  {'output':<16} {'max abs err':>11}  {'max rel err':>11}  " \
+               f"{'scaled err':>10}  {'tolerance':>9}  pass"
+        lines = [head, cols, "-" * len(cols)]
+        for r in self.rows:
+            lines.append(f"{r.case:<22} {r.batch:>5}  {r.output:<16} {r.max_abs:>11.2e}  {r.max_rel:>11.2e}  "
+                         f"{r.scaled:>10.2e}  {r.tolerance:>9.0e}  {'yes' if r.passed else 'NO'}"
+                         + (f"  {r.note}" if r.note else ""))
+        lines.append(f"parity {'passed' if self.passed else 'FAILED'}: {len(self.rows) - len(self.failures())}/"
+                     f"{len(self.rows)} rows within tolerance")
+        return "\n".join(lines)
+
+
+def make_cases(windows: Mapping[str, Tensor | np.ndarray], model: TemporalFusionTransformer,
+               batches: Sequence[int] = RANDOM_BATCHES, seed: int = 0) -> list[Case]:
+    """Real windows as they are, then random batches: real windows drawn with replacement plus
+    noise, and random symbol ids, so that every row of a batch differs."""
+    real = {name: np.ascontiguousarray(np.asarray(windows[name])) for name in MODEL_INPUTS}
+    n = real[STATIC_CATEGORICAL].shape[0]
+    if n == 0:
+        raise ValueError("no real windows to check parity on")
+    cases = [Case("real windows", real)]
+    rng = np.random.default_rng(seed)
+    obs_std = model.observed_std.detach().cpu().numpy()
+    known_std = model.known_std.detach().cpu().numpy()
+    cards = np.asarray(model.cfg.static_cardinalities)
+    for b in batches:
+        idx = rng.integers(0, n, size=b)
+
+        def noisy(name: str, std: np.ndarray, idx: np.ndarray = idx) -> np.ndarray:
+            x = real[name][idx]
+            return (x + NOISE * std * rng.standard_normal(x.shape)).astype(np.float32)
+
+        cases.append(Case(f"random batch {b}", {
+            STATIC_CATEGORICAL: (rng.integers(0, 1 << 30, size=(b, cards.size)) % cards).astype(np.int64),
+            ENCODER_OBSERVED: noisy(ENCODER_OBSERVED, obs_std),
+            ENCODER_KNOWN: noisy(ENCODER_KNOWN, known_std),
+            DECODER_KNOWN: noisy(DECODER_KNOWN, known_std),
+        }))
+    return cases
+
+
+def reference_outputs(model: TemporalFusionTransformer, case: Case, explain: bool) -> list[np.ndarray]:
+    """PyTorch eager, fp32, CPU: the truth the ONNX model must reproduce."""
+    with torch.inference_mode():
+        out = model(*(torch.from_numpy(case.inputs[name]) for name in MODEL_INPUTS))
+    tensors = list(out) if explain else [out.quantiles]
+    return [t.detach().cpu().float().numpy() for t in tensors]
+
+
+def compare(case: Case, names: Sequence[str], expected: Sequence[np.ndarray], got: Sequence[np.ndarray],
+            target_scale: np.ndarray, tolerance: float) -> list[Row]:
+    rows = []
+    for name, e, g in zip(names, expected, got, strict=True):
+        g = np.asarray(g)
+        if g.shape != e.shape:
+            rows.append(Row(case.name, case.batch, name, float("inf"), float("inf"), float("inf"), tolerance, False,
+                            f"shape {list(g.shape)} != torch {list(e.shape)}"))
+            continue
+        if not (np.isfinite(g).all() and np.isfinite(e).all()):
+            rows.append(Row(case.name, case.batch, name, float("nan"), float("nan"), float("nan"), tolerance, False,
+                            f"non-finite values (onnx {int((~np.isfinite(g)).sum())}, "
+                            f"torch {int((~np.isfinite(e)).sum())})"))
+            continue
+        diff = np.abs(g.astype(np.float64) - e.astype(np.float64))
+        scaled = diff / target_scale[None, :, None] if name == QUANTILES else diff
+        max_abs = float(diff.max(initial=0.0))
+        max_rel = max_abs / max(float(np.abs(e).max(initial=0.0)), float(np.finfo(np.float32).tiny))
+        worst = float(scaled.max(initial=0.0))
+        rows.append(Row(case.name, case.batch, name, max_abs, max_rel, worst, tolerance, worst <= tolerance))
+    return rows
+
+
+def check_parity(model: TemporalFusionTransformer, run: Any, cases: Sequence[Case], output_names: Sequence[str],
+                 precision: str, provider: str) -> ParityReport:
+    """`run(feeds) -> list of arrays` is the ONNX Runtime session's run (kept abstract for tests)."""
+    tolerance = TOLERANCE[precision]
+    target_scale = model.target_scale.detach().cpu().numpy().astype(np.float64)
+    report = ParityReport(precision, provider, tolerance)
+    explain = len(output_names) > 1
+    for case in cases:
+        expected = reference_outputs(model, case, explain)
+        got = run(case.inputs)
+        report.rows.extend(compare(case, output_names, expected, got, target_scale, tolerance))
+    return report

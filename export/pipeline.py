@@ -1,0 +1,311 @@
+"""checkpoint -> proved ONNX model: load, export, check in order, and only then write.
+
+Checks, in order; the first failure raises CheckFailed and nothing is written:
+  1. onnx.checker (full: types and shapes)
+  2. input/output names, dtypes and the dynamic batch axis
+  3. parity against PyTorch on real windows and on random batches of 1, 7 and 64
+  4. device placement (a gate only with --require-device; otherwise reported as not run)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import sys
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from export import fp16 as fp16_mod
+from export.errors import CheckFailed, UsageError
+from export.files import Staging
+from export.onnx_export import check_interface, export_model, output_names, run_checker, signature
+from export.parity import ParityReport, check_parity, make_cases
+from export.placement import PlacementReport, evaluate, profile_placement
+from export.runtime import CUDA_OPTIONS, Probe, make_session, probe, strict_session_outcome, version_info
+from export.triton import config_pbtxt, repository_files
+from export.windows import saved_windows, windows_from_bars
+from features.compute import FeatureConfig
+from features.model_meta import ModelMeta
+from features.schema import MODEL_INPUTS, FeatureSchema
+from trainer.checkpoint import CheckpointError, file_sha256, load_checkpoint, model_from_checkpoint
+from trainer.model_config import ModelConfig
+from trainer.modeling import TemporalFusionTransformer
+
+# the model's normalisation buffers: kept float32 in --fp16 models (raw features need the digits)
+NORMALIZATION_INITIALIZERS = ("observed_mean", "observed_std", "known_mean", "known_std")
+
+Tamper = Callable[[onnx.ModelProto], None]
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    checkpoint: Path
+    output: Path
+    opset: int = 18
+    fp16: bool = False
+    explain: bool = True
+    require_device: str | None = None  # "cuda" | "cpu" | None (gate not run)
+    triton_repo: Path | None = None
+    triton_name: str = ""  # default: the output file's stem
+    triton_max_batch_size: int = 256
+    bars: Path | None = None  # rebuild parity windows from these bars instead of the saved sample
+    threads: int = 1
+
+    @property
+    def precision(self) -> str:
+        return "fp16" if self.fp16 else "fp32"
+
+    @property
+    def model_name(self) -> str:
+        return self.triton_name or self.output.stem
+
+
+@dataclass
+class ExportResult:
+    output: Path
+    meta: ModelMeta
+    parity: ParityReport
+    placement: PlacementReport
+    triton_dir: Path | None
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("foxhunt-tft")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "unknown"
+
+
+def load(opts: ExportOptions) -> tuple[dict[str, Any], TemporalFusionTransformer, str]:
+    """The checkpoint (weights_only), the rebuilt model in eval mode, and the file's sha256; UsageError otherwise."""
+    try:
+        ckpt = load_checkpoint(opts.checkpoint)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    except Exception as exc:  # torch's weights-only unpickler raises odd types (IndexError...) on junk bytes
+        raise UsageError(f"{opts.checkpoint}: not a readable checkpoint (corrupt, truncated, or not written by "
+                         f"torch.save): {type(exc).__name__}: {exc}") from None
+    try:
+        model = model_from_checkpoint(ckpt)
+    except CheckpointError as exc:
+        raise UsageError(f"{opts.checkpoint}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(f"{opts.checkpoint}: the stored model config is unusable: {exc}") from None
+    return ckpt, model, file_sha256(opts.checkpoint)
+
+
+def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOptions) -> ModelMeta:
+    """Everything the server needs, from the checkpoint; parity and placement are added after the checks."""
+    try:
+        meta = ModelMeta(
+            model_config=cfg.to_dict(),
+            feature_config=FeatureConfig.from_dict(ckpt["feature_config"]),
+            feature_schema=FeatureSchema.from_list(ckpt["feature_schema"]),
+            quantiles=cfg.quantiles,
+            horizon=cfg.horizon,
+            encoder_length=cfg.encoder_length,
+            bar_interval_ns=int(ckpt["bar_interval_ns"]),
+            symbols=tuple(str(s) for s in ckpt["symbols"]),
+            checkpoint_sha256=sha,
+            model_version=sha[:12],
+            explain=opts.explain,
+            precision=opts.precision,
+            column_map=dict(ckpt.get("column_map") or {}),
+            exporter={
+                "tool": "python -m export",
+                "foxhunt_tft": package_version(),
+                "torch": str(torch.__version__),
+                **version_info(),
+                "onnxscript": _version("onnxscript"),
+                "opset": opts.opset,
+                "torch_exporter": "torch.onnx.export(dynamo=True) (torch.export)",
+                "trained_with_torch": str(ckpt.get("torch_version", "")),
+                **({"fp16_kept_fp32_ops": sorted(fp16_mod.KEEP_FP32_OPS),
+                    "fp16_kept_fp32_initializers": list(NORMALIZATION_INITIALIZERS)} if opts.fp16 else {}),
+            },
+        )
+        meta.check()
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(f"{opts.checkpoint}: the checkpoint's feature metadata is unusable: {exc}") from None
+    if len(meta.symbols) != cfg.static_cardinalities[0]:
+        raise UsageError(f"{opts.checkpoint}: {len(meta.symbols)} symbols but the model embeds "
+                         f"{cfg.static_cardinalities[0]}; the checkpoint is inconsistent")
+    return meta
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+_EXPORTS: OrderedDict[tuple[str, int, bool, str], bytes] = OrderedDict()  # in-process memo of traced graphs
+_EXPORTS_KEPT = 4
+
+
+def _export_cached(model: TemporalFusionTransformer, example: dict[str, torch.Tensor], opts: ExportOptions,
+                   sha: str) -> onnx.ModelProto:
+    """export_model, remembered per (checkpoint sha256, opset, explain) within one process.
+
+    Tracing takes seconds to tens of seconds; a process that exports one checkpoint several ways
+    (fp32 and fp16, with and without the explain outputs...) traces each graph once. The graph
+    depends only on the weights (the sha256) and these options; every caller gets its own copy.
+    """
+    key = (sha, opts.opset, opts.explain, str(torch.__version__))
+    if key not in _EXPORTS:
+        _EXPORTS[key] = export_model(model, example, opts.opset, opts.explain).SerializeToString()
+        while len(_EXPORTS) > _EXPORTS_KEPT:
+            _EXPORTS.popitem(last=False)
+    _EXPORTS.move_to_end(key)
+    return onnx.load_model_from_string(_EXPORTS[key])
+
+
+def with_meta(proto: onnx.ModelProto, meta: ModelMeta) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    del out.metadata_props[:]
+    onnx.helper.set_model_props(out, meta.to_props())
+    out.producer_name, out.producer_version = "foxhunt-tft export", package_version()
+    out.doc_string = (f"foxhunt-tft Temporal Fusion Transformer ({meta.precision}), checkpoint sha256 "
+                      f"{meta.checkpoint_sha256}; inputs {', '.join(MODEL_INPUTS)}; see metadata_props foxhunt.*")
+    return out
+
+
+def _placement(model: bytes, opts: ExportOptions, dev: Probe, feeds: dict[str, np.ndarray]) -> PlacementReport:
+    device = dev.device if dev.available else "cpu"
+    provider, nodes = profile_placement(model, device, feeds, opts.threads)
+    report = PlacementReport(opts.require_device, provider, nodes)
+    if opts.require_device is None:
+        report.reason = ("no --require-device given; the table shows where nodes ran on this machine "
+                         "(pass --require-device cuda on a GPU machine to prove placement)")
+        return report
+    if not dev.available:
+        report.reason = (f"--require-device {opts.require_device}: {dev.reason}. The analysis ran on the CPU "
+                         f"instead, where all {len(report.cpu_compute)} compute nodes are placed. Export on a "
+                         "machine where onnxruntime-gpu loads CUDA, or drop --require-device to export without "
+                         "the placement gate")
+    else:
+        report.strict_session = strict_session_outcome(model, opts.require_device, opts.threads)
+    return evaluate(report, opts.require_device)
+
+
+def build_graph(model: TemporalFusionTransformer, windows: dict[str, np.ndarray], opts: ExportOptions, sha: str,
+                meta: ModelMeta, tamper: Tamper | None) -> onnx.ModelProto:
+    """The exported graph (converted to fp16 if asked), with the server's metadata."""
+    example = {name: torch.from_numpy(windows[name][:2]) for name in MODEL_INPUTS}
+    if example[MODEL_INPUTS[0]].shape[0] < 2:  # torch.export specialises a batch of 1
+        example = {name: x.repeat((2,) + (1,) * (x.dim() - 1)) for name, x in example.items()}
+    proto = _export_cached(model, example, opts, sha)
+    if opts.fp16:
+        keep = [t.name for t in proto.graph.initializer if t.name.rsplit(".", 1)[-1] in NORMALIZATION_INITIALIZERS]
+        try:
+            if len(keep) != len(NORMALIZATION_INITIALIZERS):
+                raise fp16_mod.Fp16Error(f"expected the normalisation initializers {list(NORMALIZATION_INITIALIZERS)} "
+                                         f"in the exported graph, found {keep}")
+            proto = fp16_mod.convert_to_fp16(proto, keep)
+        except fp16_mod.Fp16Error as exc:
+            raise CheckFailed("fp16 conversion", f"{exc}. Export without --fp16") from None
+    if tamper is not None:
+        tamper(proto)
+    return with_meta(proto, meta)
+
+
+def check_parity_gate(model_bytes: bytes, model: TemporalFusionTransformer, windows: dict[str, np.ndarray],
+                      opts: ExportOptions, device: str) -> tuple[ParityReport, dict[str, np.ndarray]]:
+    """Check 3; returns the report and the real windows' feeds (reused by the placement run)."""
+    session = make_session(model_bytes, device, opts.threads)
+    names = [o.name for o in session.get_outputs()]
+    cases = make_cases(windows, model)
+    parity = check_parity(model, lambda feeds: session.run(names, feeds), cases, names, opts.precision,
+                          session.get_providers()[0])
+    parity.provider_options = dict(CUDA_OPTIONS) if device == "cuda" else {}
+    print(parity.table(), flush=True)
+    if not parity.passed:
+        worst = max(parity.failures(), key=lambda r: r.scaled)
+        raise CheckFailed("parity", f"{len(parity.failures())} of {len(parity.rows)} comparisons exceed the "
+                          f"tolerance {parity.tolerance:g}; worst: {worst.output} on {worst.case} (scaled error "
+                          f"{worst.scaled:.3g}{', ' + worst.note if worst.note else ''}). The ONNX graph does not "
+                          "compute what the PyTorch model computes; do not serve it")
+    return parity, cases[0].inputs
+
+
+def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx.ModelProto) -> Path | None:
+    """All or nothing: the model file and, with --triton-repo, the Triton model directory."""
+    triton_dir = None
+    try:
+        with Staging() as staging:
+            staging.file(opts.output, data)
+            if opts.triton_repo is not None:
+                triton_dir = opts.triton_repo / opts.model_name
+                config = config_pbtxt(opts.model_name, signature(list(final.graph.input)),
+                                      signature(list(final.graph.output)), opts.triton_max_batch_size,
+                                      comment=f"written by `python -m export` from checkpoint sha256 "
+                                              f"{meta.checkpoint_sha256}\nfoxhunt-tft {meta.precision} model, "
+                                              f"version {meta.model_version}")
+                staging.directory(triton_dir, repository_files(data, config))
+            staging.commit()
+    except OSError as exc:
+        raise UsageError(f"cannot write the output: {exc}. Check the path and its permissions; nothing was "
+                         "written") from None
+    return triton_dir
+
+
+def run_export(opts: ExportOptions, log: Log = _stderr, *, _tamper: Tamper | None = None) -> ExportResult:
+    """Export `opts.checkpoint` to `opts.output` (and the Triton repository), or raise ExportError.
+
+    `_tamper` is a test hook: it may change the exported graph before the checks run.
+    """
+    torch.set_num_threads(opts.threads)
+    ckpt, model, sha = load(opts)
+    cfg = model.cfg
+    meta = base_meta(ckpt, cfg, sha, opts)
+    if opts.bars is not None:
+        windows, source = windows_from_bars(opts.bars, ckpt, cfg), f"rebuilt from {opts.bars}"
+    else:
+        windows, source = saved_windows(ckpt, cfg), "from the checkpoint's validation sample"
+    log(f"checkpoint {opts.checkpoint} (sha256 {sha[:12]}): hidden {cfg.hidden_size}, encoder {cfg.encoder_length}, "
+        f"horizon {cfg.horizon}, quantiles {list(cfg.quantiles)}, {len(meta.symbols)} symbol(s); "
+        f"{windows[MODEL_INPUTS[0]].shape[0]} real windows {source}")
+    dev = probe(opts.require_device or "cuda")  # without a requirement: analyse where it would run here
+    if opts.require_device and not dev.available:
+        log(f"warning: --require-device {opts.require_device}: {dev.reason}; the checks run on the CPU and the "
+            "placement gate will fail")
+
+    log(f"exporting with torch.onnx.export(dynamo=True), opset {opts.opset}, {opts.precision}"
+        f"{'' if opts.explain else ', quantiles only'} ...")
+    proto = build_graph(model, windows, opts, sha, meta, _tamper)
+    run_checker(proto)
+    log("[1/4] onnx.checker (full): ok")
+    check_interface(proto, cfg, opts.explain, opts.opset)
+    log(f"[2/4] opset {opts.opset}; inputs {list(MODEL_INPUTS)} and outputs {list(output_names(opts.explain))}: "
+        "names, dtypes, dynamic batch axis ok")
+    model_bytes = proto.SerializeToString()
+    parity, feeds = check_parity_gate(model_bytes, model, windows, opts, dev.device if dev.available else "cpu")
+    log(f"[3/4] parity: ok (max scaled error {max(r.scaled for r in parity.rows):.2e} <= {parity.tolerance:g})")
+    placement = _placement(model_bytes, opts, dev, feeds)
+    print(placement.table(), flush=True)
+    if placement.gate == "failed":
+        raise CheckFailed("placement", placement.reason)
+    log(f"[4/4] placement gate: {placement.gate}")
+
+    meta = dataclasses.replace(meta, parity=parity.to_dict(), placement=placement.to_dict())
+    final = with_meta(proto, meta)
+    onnx.checker.check_model(final)  # the metadata changed nothing else; cheap insurance
+    data = final.SerializeToString()
+    triton_dir = write_outputs(data, opts, meta, final)
+    log(f"wrote {opts.output} ({len(data) / 2**20:.2f} MiB, {meta.precision}, opset {opts.opset})"
+        + (f" and Triton model {triton_dir}" if triton_dir else ""))
+    return ExportResult(opts.output, meta, parity, placement, triton_dir)

@@ -1,0 +1,167 @@
+"""ONNX Runtime sessions for the checks, and the probe that says whether a device's provider loads.
+
+ONNX Runtime never refuses a provider it cannot load: it logs an error on the native stderr
+and quietly runs the session on the CPU. So every session made here is checked for the
+provider it actually got, and the probe reads the native log to say *why* a provider did
+not load (typically a CUDA or cuDNN library that is missing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from export.errors import CheckFailed
+
+CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
+DEVICES = {"cpu": CPU, "cuda": CUDA}
+DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
+# fp32 parity on CUDA must not run matmuls in TF32 (10-bit mantissa); a server that wants TF32
+# should re-check parity with it. Recorded in the model's parity report.
+CUDA_OPTIONS = {"device_id": "0", "use_tf32": "0"}
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@contextlib.contextmanager
+def native_stderr() -> Iterator[list[str]]:
+    """Capture what native code writes to file descriptor 2 (ONNX Runtime's log) inside the block.
+
+    The yielded list is filled with the captured lines when the block ends.
+    """
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = _ANSI.sub("", tmp.read().decode("utf-8", errors="replace"))
+            lines.extend(line.strip() for line in text.splitlines() if line.strip())
+
+
+def session_options(threads: int, profile_prefix: str | None = None, strict: bool = False) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3  # errors only; the probe reads the provider-loading log itself
+    if profile_prefix is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    if strict:
+        so.add_session_config_entry(DISABLE_CPU_FALLBACK, "1")
+    return so
+
+
+def providers_for(device: str) -> list[Any]:
+    """The provider list of a session for `device`: CUDA with the CPU for shape nodes, or the CPU alone."""
+    return [(CUDA, dict(CUDA_OPTIONS)), CPU] if device == "cuda" else [CPU]
+
+
+def make_session(model: bytes, device: str, threads: int, profile_prefix: str | None = None) -> ort.InferenceSession:
+    """A session whose main provider is `device`'s, or CheckFailed: never a silent CPU session."""
+    with native_stderr() as log:
+        session = ort.InferenceSession(model, session_options(threads, profile_prefix), providers=providers_for(device))
+    got = session.get_providers()
+    if not got or got[0] != DEVICES[device]:
+        raise CheckFailed("device", f"asked ONNX Runtime for {DEVICES[device]} but the session runs on {got}: "
+                          f"{reason_from_log(log) or 'no reason logged'}")
+    return session
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Whether a device's execution provider loads here, and if not, why."""
+
+    device: str
+    provider: str
+    available: bool
+    reason: str = ""
+    log: list[str] = field(default_factory=list)
+
+
+def _probe_model() -> bytes:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "probe", [x], [y])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
+def reason_from_log(lines: list[str]) -> str:
+    """The useful part of ONNX Runtime's provider-loading log: the library and loader error first."""
+    found = []
+    for line in lines:
+        m = re.search(r"Failed to load library (\S+) with error: (.+)$", line)
+        if m:
+            found.append(f"{os.path.basename(m.group(1))} failed to load: {m.group(2).strip()}")
+    for line in lines:
+        m = re.search(r"(Failed to create \w+ExecutionProvider\..*?)(?: Please| $|$)", line)
+        if m:
+            found.append(m.group(1).strip().rstrip("."))
+        elif re.search(r"CUDA failure|cudaError|no CUDA-capable device|CUDNN failure", line):
+            found.append(line.split("] ", 1)[-1])
+    return "; ".join(dict.fromkeys(found))
+
+
+def probe(device: str) -> Probe:
+    """Try a one-node session on `device` alone with CPU fallback disabled, capturing the native log."""
+    provider = DEVICES[device]
+    if device == "cpu":
+        return Probe(device, provider, True)
+    if provider not in ort.get_available_providers():
+        return Probe(device, provider, False,
+                     f"this onnxruntime build ({ort.__version__}) has no {provider}; install onnxruntime-gpu "
+                     f"(available here: {', '.join(ort.get_available_providers())})")
+    error = ""
+    session = None
+    with native_stderr() as log:
+        try:
+            session = ort.InferenceSession(_probe_model(), session_options(1, strict=True),
+                                           providers=[(provider, dict(CUDA_OPTIONS))])
+        except Exception as exc:  # onnxruntime raises its own Fail/RuntimeException types
+            error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if session is not None and session.get_providers()[:1] == [provider]:
+        return Probe(device, provider, True, log=log)
+    why = reason_from_log(log) or error or f"the session fell back to {session.get_providers() if session else '?'}"
+    return Probe(device, provider, False, f"{provider} is listed by onnxruntime {ort.__version__} but does not load: "
+                 f"{why}", log=log)
+
+
+def strict_session_outcome(model: bytes, device: str, threads: int) -> str:
+    """Informational: does a `device`-only session with CPU fallback disabled accept the whole graph?
+
+    ONNX Runtime refuses it as soon as any node sits on the CPU, including the shape-computation
+    nodes the CUDA provider hands to the CPU on purpose, so a refusal alone is not a failure.
+    """
+    if device == "cpu":
+        return "not applicable on the CPU"
+    try:
+        with native_stderr():
+            ort.InferenceSession(model, session_options(threads, strict=True),
+                                 providers=[(DEVICES[device], dict(CUDA_OPTIONS))])
+    except Exception as exc:
+        return f"refused: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+    return "accepted: every node on " + DEVICES[device]
+
+
+def input_feeds(session: ort.InferenceSession, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {i.name: inputs[i.name] for i in session.get_inputs()}
+
+
+def version_info() -> dict[str, str]:
+    return {"onnx": onnx.__version__, "onnxruntime": ort.__version__}

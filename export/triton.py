@@ -1,0 +1,74 @@
+"""A model repository entry that NVIDIA Triton Inference Server loads as it is.
+
+    DIR/<name>/config.pbtxt
+    DIR/<name>/1/model.onnx
+
+The config uses the onnxruntime backend, batches dynamically up to `max_batch_size` (dims
+are written without the batch axis, as Triton wants when max_batch_size > 0), runs on the
+GPU, and warms up at batch 1 and at the largest batch with all-zero inputs (zero is a valid
+symbol id and a finite raw feature value, so warm-up exercises the real graph).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from export.onnx_export import TensorSig
+
+VERSION = "1"
+NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
+                "bool": "TYPE_BOOL"}
+QUEUE_DELAY_US = 100  # how long Triton may hold a request to batch it with others
+
+
+def check_name(name: str) -> str | None:
+    """None if `name` is a usable Triton model name, else what is wrong with it."""
+    if not NAME_RE.match(name):
+        return f"Triton model name {name!r} must be letters, digits, '_', '.' or '-' and not start with '.' or '-'"
+    return None
+
+
+def _dims(sig: TensorSig) -> str:
+    rest = sig.dims[1:]
+    if any(not isinstance(d, int) for d in rest):
+        raise ValueError(f"{sig.name}: only the batch axis may be dynamic for Triton, got {list(sig.dims)}")
+    return "[ " + ", ".join(str(d) for d in rest) + " ]"
+
+
+def _tensor(sig: TensorSig, indent: str) -> str:
+    return (f"{indent}{{\n{indent}  name: \"{sig.name}\"\n{indent}  data_type: {TRITON_TYPES[sig.dtype]}\n"
+            f"{indent}  dims: {_dims(sig)}\n{indent}}}")
+
+
+def _warmup(name: str, batch: int, inputs: Sequence[TensorSig]) -> str:
+    entries = "\n".join(
+        f"    inputs {{\n      key: \"{s.name}\"\n      value: {{\n        data_type: {TRITON_TYPES[s.dtype]}\n"
+        f"        dims: {_dims(s)}\n        zero_data: true\n      }}\n    }}" for s in inputs)
+    return f"  {{\n    name: \"{name}\"\n    batch_size: {batch}\n{entries}\n  }}"
+
+
+def config_pbtxt(name: str, inputs: Sequence[TensorSig], outputs: Sequence[TensorSig], max_batch_size: int,
+                 comment: str = "") -> str:
+    """The config.pbtxt text (protobuf text format of Triton's ModelConfig)."""
+    warm = [_warmup("zeros_batch_1", 1, inputs)]
+    if max_batch_size > 1:
+        warm.append(_warmup(f"zeros_batch_{max_batch_size}", max_batch_size, inputs))
+    parts = [
+        *(f"# {line}" for line in comment.splitlines()),
+        f"name: \"{name}\"",
+        "platform: \"onnxruntime_onnx\"",
+        f"max_batch_size: {max_batch_size}",
+        "input [\n" + ",\n".join(_tensor(s, "  ") for s in inputs) + "\n]",
+        "output [\n" + ",\n".join(_tensor(s, "  ") for s in outputs) + "\n]",
+        f"dynamic_batching {{\n  max_queue_delay_microseconds: {QUEUE_DELAY_US}\n}}",
+        "instance_group [\n  {\n    count: 1\n    kind: KIND_GPU\n  }\n]",
+        "model_warmup [\n" + ",\n".join(warm) + "\n]",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def repository_files(model: bytes, config: str) -> dict[str, bytes]:
+    """Relative path -> content of one model directory."""
+    return {"config.pbtxt": config.encode("utf-8"), f"{VERSION}/model.onnx": model}

@@ -1,0 +1,69 @@
+"""Real windows for the parity check: the validation sample saved in the checkpoint, or rebuilt from bars."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from export.errors import UsageError
+from export.onnx_export import expected_shapes
+from features.bars import BarDataError, ColumnMap, read_bars
+from features.compute import FeatureConfig, build_frame
+from features.schema import MODEL_INPUTS, STATIC_CATEGORICAL
+from features.windows import anchor_rows, gather_windows
+from trainer.model_config import ModelConfig
+
+MAX_WINDOWS = 256
+
+
+def _checked(windows: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> dict[str, np.ndarray]:
+    shapes = expected_shapes(cfg, explain=False)
+    n = {name: windows[name].shape[0] for name in MODEL_INPUTS}
+    problems = [f"{name} has shape {list(windows[name].shape)}, the model needs [B, "
+                f"{', '.join(map(str, shapes[name]))}]" for name in MODEL_INPUTS
+                if tuple(windows[name].shape[1:]) != shapes[name]]
+    if len(set(n.values())) != 1:
+        problems.append(f"inputs hold different numbers of windows: {n}")
+    elif next(iter(n.values())) == 0:
+        problems.append("it holds no windows")
+    if problems:
+        raise UsageError(f"{source} does not fit the model: {'; '.join(problems)}. Pass --bars PATH to rebuild "
+                         "windows from the training data")
+    out = {name: np.ascontiguousarray(windows[name]) for name in MODEL_INPUTS}
+    out[STATIC_CATEGORICAL] = out[STATIC_CATEGORICAL].astype(np.int64)
+    for name in MODEL_INPUTS[1:]:
+        out[name] = np.nan_to_num(out[name].astype(np.float32), nan=0.0)  # as the trainer feeds them
+    return out
+
+
+def saved_windows(ckpt: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The checkpoint's `validation_sample` (real validation windows written by the trainer)."""
+    sample = ckpt.get("validation_sample")
+    if not isinstance(sample, dict) or any(name not in sample for name in MODEL_INPUTS):
+        raise UsageError("the checkpoint has no validation_sample of real windows (written by `python -m trainer` "
+                         "since the first release); pass --bars PATH to rebuild windows from the bars")
+    return _checked({name: np.asarray(sample[name].numpy() if hasattr(sample[name], "numpy") else sample[name])
+                     for name in MODEL_INPUTS}, cfg, "the checkpoint's validation_sample")
+
+
+def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig,
+                      limit: int = MAX_WINDOWS) -> dict[str, np.ndarray]:
+    """Up to `limit` windows, evenly spread over the bars, built exactly as training and serving build them."""
+    try:
+        feature_config = FeatureConfig.from_dict(ckpt["feature_config"])
+        columns = ColumnMap.from_dict(ckpt.get("column_map") or {})
+        bars = read_bars(path, columns, tuple(feature_config.user_columns))
+        frame = build_frame(bars, feature_config, list(ckpt["symbols"]), int(ckpt["bar_interval_ns"]))
+    except BarDataError as exc:
+        shown = "; ".join(str(p) for p in exc.problems[:5])
+        raise UsageError(f"--bars {path}: {len(exc.problems)} problem(s) in the bars: {shown}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(f"--bars {path}: cannot build the model's features: {exc}") from None
+    anchors = anchor_rows(frame, cfg.encoder_length, require_targets=False)
+    if anchors.size == 0:
+        raise UsageError(f"--bars {path}: no complete window; each needs {feature_config.warmup_bars} warm-up bars "
+                         f"plus {cfg.encoder_length} encoder bars of one symbol")
+    pick = anchors[np.unique(np.linspace(0, anchors.size - 1, min(limit, anchors.size)).astype(np.int64))]
+    return _checked(gather_windows(frame, pick, cfg.encoder_length), cfg, f"--bars {path}")

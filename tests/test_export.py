@@ -1,0 +1,454 @@
+"""`python -m export`: a tiny trained checkpoint through the real command and its gates.
+
+One training and one real-command export are shared by the module; the other exports run
+`export.__main__.main` in-process (same code, no second torch import). Every refusal is
+checked to leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import numpy_helper
+
+from export.__main__ import build_parser, main
+from export.files import Staging
+from export.parity import make_cases
+from export.placement import PlacementReport, evaluate, is_shape_computation, profile_placement
+from export.runtime import CPU, probe, reason_from_log
+from export.windows import saved_windows, windows_from_bars
+from features.compute import FeatureConfig
+from features.model_meta import ModelMeta
+from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, FeatureSchema
+from tests.artifacts import make_checkpoint, make_onnx, run
+from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, model_from_checkpoint
+from trainer.modeling import TemporalFusionTransformer
+
+torch.set_num_threads(1)
+
+
+# ---- shared artifacts ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("export_ckpt"))
+
+
+@pytest.fixture(scope="module")
+def exported(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real command, all gates on, with a Triton repository: out/model.onnx and out/repo/tft/..."""
+    out = tmp_path_factory.mktemp("export_out")
+    return make_onnx(ckpt, out / "model.onnx", ("--triton-repo", str(out / "repo"), "--triton-name", "tft"))
+
+
+@pytest.fixture(scope="module")
+def torch_model(ckpt: Path) -> TemporalFusionTransformer:
+    return model_from_checkpoint(load_checkpoint(ckpt))
+
+
+def session(path: Path) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), so, providers=[CPU])
+
+
+def props(path: Path) -> dict[str, str]:
+    return {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+
+
+def scaled_errors(model: TemporalFusionTransformer, sess: ort.InferenceSession, inputs: dict[str, np.ndarray]
+                  ) -> dict[str, float]:
+    """max |onnx - torch| per output; quantiles divided by the target scale (the gate's units)."""
+    names = [o.name for o in sess.get_outputs()]
+    got = dict(zip(names, sess.run(names, inputs), strict=True))
+    with torch.inference_mode():
+        ref = model(*(torch.from_numpy(inputs[n]) for n in MODEL_INPUTS))._asdict()
+    scale = model.target_scale.numpy()[None, :, None]
+    errs = {}
+    for name in names:
+        assert got[name].shape == tuple(ref[name].shape), name
+        diff = np.abs(got[name] - ref[name].numpy())
+        errs[name] = float((diff / scale if name == QUANTILES else diff).max())
+    return errs
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+
+
+# ---- the exported model ------------------------------------------------------------------------
+
+
+def test_metadata_round_trip_equals_the_checkpoint(exported: Path, ckpt: Path) -> None:
+    c = load_checkpoint(ckpt)
+    meta = ModelMeta.from_props(props(exported))
+    expected = ModelMeta(
+        model_config=c["model_config"],
+        feature_config=FeatureConfig.from_dict(c["feature_config"]),
+        feature_schema=FeatureSchema.from_list(c["feature_schema"]),
+        quantiles=tuple(c["model_config"]["quantiles"]),
+        horizon=c["model_config"]["horizon"],
+        encoder_length=c["model_config"]["encoder_length"],
+        bar_interval_ns=c["bar_interval_ns"],
+        symbols=tuple(c["symbols"]),
+        checkpoint_sha256=file_sha256(ckpt),
+        model_version=file_sha256(ckpt)[:12],
+        explain=True,
+        precision="fp32",
+        column_map=c["column_map"],
+    )
+    assert dataclasses.replace(meta, exporter={}, parity={}, placement={}) == expected
+    assert meta.exporter["opset"] == 18 and meta.exporter["torch"] == torch.__version__
+    assert meta.exporter["onnxruntime"] == ort.__version__
+    assert meta.parity["passed"] is True and meta.parity["tolerance"] == 1e-4
+    assert {r["batch"] for r in meta.parity["rows"]} >= {1, 7, 64}
+    assert any(r["case"] == "real windows" for r in meta.parity["rows"])
+    assert meta.placement["gate"] == "not run"  # never "passed" without --require-device
+
+
+def test_interface_names_and_dynamic_batch(exported: Path) -> None:
+    model = onnx.load(str(exported))
+    onnx.checker.check_model(model, full_check=True)
+    assert [i.name for i in model.graph.input] == list(MODEL_INPUTS)
+    assert [o.name for o in model.graph.output] == list(MODEL_OUTPUTS)
+    for v in (*model.graph.input, *model.graph.output):
+        first = v.type.tensor_type.shape.dim[0]
+        assert first.dim_param and not first.HasField("dim_value"), f"{v.name}: batch axis is not dynamic"
+    assert not any(n.metadata_props for n in model.graph.node)  # no stack traces with local paths
+
+
+@pytest.mark.parametrize("batch", [1, 3, 64])
+def test_parity_at_any_batch_size(exported: Path, ckpt: Path, torch_model: TemporalFusionTransformer,
+                                  batch: int) -> None:
+    windows = saved_windows(load_checkpoint(ckpt), torch_model.cfg)
+    case = make_cases(windows, torch_model, batches=(batch,), seed=batch + 100)[1]  # a random batch
+    errs = scaled_errors(torch_model, session(exported), case.inputs)
+    assert max(errs.values()) < 1e-4, errs
+
+
+def test_parity_on_real_windows(exported: Path, ckpt: Path, torch_model: TemporalFusionTransformer) -> None:
+    windows = saved_windows(load_checkpoint(ckpt), torch_model.cfg)
+    assert windows[MODEL_INPUTS[0]].shape[0] > 64
+    errs = scaled_errors(torch_model, session(exported), windows)
+    assert max(errs.values()) < 1e-4, errs
+
+
+# ---- Triton repository -------------------------------------------------------------------------
+
+
+def parse_pbtxt(text: str) -> dict[str, list[Any]]:
+    """Protobuf text format, enough for config.pbtxt: every field maps to a list of values."""
+    tokens = re.findall(r'"(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+', re.sub(r"#[^\n]*", "", text))
+    pos = 0
+
+    def scalar(tok: str) -> Any:
+        if tok.startswith('"'):
+            return tok[1:-1]
+        if re.fullmatch(r"-?\d+", tok):
+            return int(tok)
+        return {"true": True, "false": False}.get(tok, tok)
+
+    def value() -> Any:
+        nonlocal pos
+        tok = tokens[pos]
+        pos += 1
+        if tok == "{":
+            return message("}")
+        if tok == "[":
+            items = []
+            while tokens[pos] != "]":
+                items.append(value())
+                if tokens[pos] == ",":
+                    pos += 1
+            pos += 1
+            return items
+        return scalar(tok)
+
+    def message(end: str | None) -> dict[str, list[Any]]:
+        nonlocal pos
+        fields: dict[str, list[Any]] = {}
+        while pos < len(tokens) and tokens[pos] != end:
+            name = tokens[pos]
+            pos += 1
+            if tokens[pos] == ":":
+                pos += 1
+            v = value()
+            fields.setdefault(name, []).extend(v if isinstance(v, list) else [v])
+        pos += 1
+        return fields
+
+    return message(None)
+
+
+def test_triton_repository_matches_the_model(exported: Path) -> None:
+    repo = exported.parent / "repo"
+    assert listing(repo) == ["tft", "tft/1", "tft/1/model.onnx", "tft/config.pbtxt"]
+    assert (repo / "tft/1/model.onnx").read_bytes() == exported.read_bytes()
+    cfg = parse_pbtxt((repo / "tft/config.pbtxt").read_text())
+    assert cfg["name"] == ["tft"] and cfg["platform"] == ["onnxruntime_onnx"]
+    max_batch = cfg["max_batch_size"][0]
+    assert max_batch == 256
+    assert "dynamic_batching" in cfg
+    assert [g["kind"] for g in cfg["instance_group"]] == [["KIND_GPU"]]
+
+    model = onnx.load(str(exported))
+    dtypes = {onnx.TensorProto.FLOAT: "TYPE_FP32", onnx.TensorProto.INT64: "TYPE_INT64"}
+
+    def sig(values: Any) -> list[tuple[str, str, list[int]]]:  # name, Triton type, dims without the batch
+        return [(v.name, dtypes[v.type.tensor_type.elem_type],
+                 [d.dim_value for d in v.type.tensor_type.shape.dim[1:]]) for v in values]
+
+    def conf(entries: list[dict[str, list[Any]]]) -> list[tuple[str, str, list[int]]]:
+        return [(e["name"][0], e["data_type"][0], e["dims"]) for e in entries]
+
+    assert conf(cfg["input"]) == sig(model.graph.input)
+    assert conf(cfg["output"]) == sig(model.graph.output)
+    warm = cfg["model_warmup"]
+    assert {w["batch_size"][0] for w in warm} == {1, max_batch}
+    for w in warm:
+        feeds = {i["key"][0]: i["value"][0] for i in w["inputs"]}
+        assert [(k, v["data_type"][0], v["dims"]) for k, v in feeds.items()] == sig(model.graph.input)
+        assert all(v["zero_data"] == [True] for v in feeds.values())
+
+
+# ---- fp16 ----------------------------------------------------------------------------------------
+
+
+def test_fp16_no_explain_model(ckpt: Path, torch_model: TemporalFusionTransformer, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "half.onnx"
+    assert main([str(ckpt), str(out), "--fp16", "--no-explain"]) == 0
+    assert "parity passed" in capsys.readouterr().out
+    model = onnx.load(str(out))
+    weights = [t.data_type for t in model.graph.initializer if t.data_type in (onnx.TensorProto.FLOAT,
+                                                                                onnx.TensorProto.FLOAT16)]
+    assert weights.count(onnx.TensorProto.FLOAT16) > 10 * weights.count(onnx.TensorProto.FLOAT)
+    assert [o.name for o in model.graph.output] == [QUANTILES]
+    io = (*model.graph.input, *model.graph.output)
+    assert {v.name: v.type.tensor_type.elem_type for v in io} == {
+        "static_categorical": onnx.TensorProto.INT64, "encoder_observed": onnx.TensorProto.FLOAT,
+        "encoder_known": onnx.TensorProto.FLOAT, "decoder_known": onnx.TensorProto.FLOAT,
+        QUANTILES: onnx.TensorProto.FLOAT}
+    # the normalisation stays float32; LayerNorm accumulates in float32 (stash_type 1)
+    fp32 = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    assert {"model.observed_mean", "model.observed_std", "model.known_mean", "model.known_std"} <= fp32
+    norms = [n for n in model.graph.node if n.op_type == "LayerNormalization"]
+    assert norms and all(any(a.name == "stash_type" and a.i == 1 for a in n.attribute) for n in norms)
+
+    meta = ModelMeta.from_props(props(out))
+    assert (meta.precision, meta.explain) == ("fp16", False)
+    assert meta.parity["passed"] and meta.parity["tolerance"] == 1e-2
+    windows = saved_windows(load_checkpoint(ckpt), torch_model.cfg)
+    errs = scaled_errors(torch_model, session(out), windows)
+    assert 1e-6 < errs[QUANTILES] < 1e-2, errs  # within tolerance, and visibly not fp32
+
+
+# ---- placement -----------------------------------------------------------------------------------
+
+
+def test_placement_analysis_runs_for_real_on_the_cpu(exported: Path, ckpt: Path,
+                                                     torch_model: TemporalFusionTransformer) -> None:
+    feeds = saved_windows(load_checkpoint(ckpt), torch_model.cfg)
+    provider, nodes = profile_placement(exported.read_bytes(), "cpu", feeds)
+    assert provider == CPU and nodes
+    assert {n.provider for n in nodes} == {CPU}
+    ops = {n.op_type for n in nodes}
+    assert "LSTM" in ops and "Shape" in ops
+    assert all(n.shape_only for n in nodes if n.op_type == "Shape")
+    assert not any(n.shape_only for n in nodes if n.op_type in ("LSTM", "MatMul", "Softmax"))
+
+    on_cpu = evaluate(PlacementReport("cpu", provider, nodes), "cpu")
+    assert on_cpu.gate == "passed" and not on_cpu.misplaced
+    for_cuda = evaluate(PlacementReport("cuda", provider, nodes), "cuda")
+    assert for_cuda.gate == "failed"
+    assert {n.name for n in for_cuda.misplaced} == {n.name for n in for_cuda.cpu_compute}
+    assert not any(n.shape_only for n in for_cuda.misplaced)
+    table = for_cuda.table()
+    assert "CPU-placed compute nodes" in table and "LSTM" in table
+
+
+def test_shape_computation_classification() -> None:
+    assert is_shape_computation("Shape", ["float"], ["int64"])
+    assert is_shape_computation("Concat", ["int64", "int64"], ["int64"])
+    assert not is_shape_computation("Reshape", ["float", "int64"], ["float"])  # moves data
+    assert not is_shape_computation("Cast", ["float"], ["int64"])  # reads data
+    assert not is_shape_computation("MatMul", ["int64", "int64"], ["int64"])
+
+
+def test_reason_from_the_provider_log() -> None:
+    log = [
+        "[E:onnxruntime:Default, provider_bridge_ort.cc:2458 operator()] /src/provider_bridge_ort.cc:2043 "
+        "onnxruntime::ProviderLibrary::Get() [ONNXRuntimeError] : 1 : FAIL : Failed to load library "
+        "/venv/onnxruntime/capi/libonnxruntime_providers_cuda.so with error: libcublasLt.so.13: cannot open "
+        "shared object file: No such file or directory",
+        "[W:onnxruntime:Default, onnxruntime_pybind_state.cc:1295 CreateExecutionProviderFactoryInstance] Failed "
+        "to create CUDAExecutionProvider. Require cuDNN 9.* and CUDA 13.*. Please install all dependencies",
+    ]
+    assert reason_from_log(log) == ("libonnxruntime_providers_cuda.so failed to load: libcublasLt.so.13: cannot "
+                                    "open shared object file: No such file or directory; Failed to create "
+                                    "CUDAExecutionProvider. Require cuDNN 9.* and CUDA 13.*")
+
+
+# ---- refusals: nothing is written ------------------------------------------------------------------
+
+
+def _break_parity(model: onnx.ModelProto) -> None:
+    """Shift the quantile head's bias: a valid graph that computes the wrong thing."""
+    bias = next(t for t in model.graph.initializer if t.name.endswith("head.proj.bias"))
+    bias.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(bias) + np.float32(0.5), bias.name))
+
+
+def test_broken_parity_writes_nothing(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "model.onnx"
+    code = main([str(ckpt), str(out), "--no-explain", "--triton-repo", str(tmp_path / "repo")],
+                _tamper=_break_parity)
+    captured = capsys.readouterr()
+    assert code == 1
+    assert listing(tmp_path) == []  # no model, no temporary, no Triton directory
+    assert "parity FAILED" in captured.out and "parity check failed" in captured.err
+    assert re.search(r"^random batch 1 +1 +quantiles .* NO$", captured.out, re.M)
+
+
+def test_require_device_cuda_fails_here_naming_why(ckpt: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Runs after the broken-parity test on the same in-process memo of the traced graph: its tamper
+    must not leak (parity passes here)."""
+    cuda = probe("cuda")
+    if cuda.available:
+        pytest.skip("the CUDA provider loads on this machine; the GPU check covers it")
+    out = tmp_path / "model.onnx"
+    assert main([str(ckpt), str(out), "--require-device", "cuda", "--no-explain"]) == 1
+    captured = capsys.readouterr()
+    assert listing(tmp_path) == []
+    assert "placement check failed" in captured.err and cuda.reason in captured.err
+    assert re.search(r"does not load|has no CUDAExecutionProvider", cuda.reason)
+    listed = re.search(r"^CPU-placed compute nodes \((\d+)\):\n((?:  .*\n)+)", captured.out, re.M)
+    assert listed, captured.out  # every one, by name and op type
+    rows = listed.group(2).splitlines()
+    assert len(rows) == int(listed.group(1)) > 50
+    assert any(row.split()[-1] == "LSTM" for row in rows) and any(row.split()[-1] == "Softmax" for row in rows)
+    assert "parity passed" in captured.out  # the checks before placement ran (on the CPU)
+
+
+class NotAWeight:
+    """Pickled into a checkpoint: loading it would need code, so weights_only refuses it."""
+
+
+@pytest.mark.parametrize("kind", ["missing", "corrupt", "truncated", "pickled"])
+def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "in" / "ckpt.pt"
+    bad.parent.mkdir()
+    if kind == "corrupt":
+        bad.write_bytes(b"this is not a checkpoint\n" * 100)
+    elif kind == "truncated":
+        bad.write_bytes(ckpt.read_bytes()[:5000])
+    elif kind == "pickled":
+        torch.save({"format": FORMAT, "model_config": NotAWeight()}, bad)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main([str(bad), str(out / "model.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert listing(out) == []
+    expected = {"missing": "no such checkpoint file", "corrupt": "not a readable checkpoint",
+                "truncated": "not a readable checkpoint", "pickled": "refused"}[kind]
+    assert expected in err and "nothing was written" in err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--opset", "12"], "supported opsets are 18..23"),
+    (["--threads", "0"], "--threads 0"),
+    (["--triton-name", "x"], "only apply with --triton-repo"),
+    (["--triton-repo", "REPO", "--triton-name", "bad/name"], "Triton model name"),
+    (["--bars", "NOPE/bars.parquet"], "--bars"),
+])
+def test_bad_arguments_exit_2(flags: list[str], message: str, ckpt: Path, tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    flags = [f.replace("REPO", str(tmp_path / "repo")).replace("NOPE", str(tmp_path / "nope")) for f in flags]
+    assert main([str(ckpt), str(tmp_path / "model.onnx"), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert listing(tmp_path) == []
+
+
+def test_output_paths_are_checked(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(ckpt), str(tmp_path / "missing_dir" / "model.onnx")]) == 2
+    assert "does not exist; create it first" in capsys.readouterr().err
+    assert main([str(ckpt), str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main([str(ckpt), str(ckpt)]) == 2
+    assert "is the checkpoint itself" in capsys.readouterr().err
+
+
+def test_real_command_exit_status_and_help_text(tmp_path: Path) -> None:
+    r = run(["-m", "export", str(tmp_path / "nope.pt"), str(tmp_path / "model.onnx")])
+    assert r.returncode == 2 and "no such checkpoint file" in r.stderr
+    assert listing(tmp_path) == []
+    text = build_parser().format_help()
+    assert "exit status" in text and "--require-device" in text and "nothing was written" in text
+
+
+# ---- pieces ---------------------------------------------------------------------------------------
+
+
+def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransformer) -> None:
+    c = load_checkpoint(ckpt)
+    rebuilt = windows_from_bars(ckpt.parent / "bars.parquet", c, torch_model.cfg)
+    saved = saved_windows(c, torch_model.cfg)
+    for name in MODEL_INPUTS:
+        assert rebuilt[name].shape[1:] == saved[name].shape[1:] and rebuilt[name].dtype == saved[name].dtype
+    assert 1 < rebuilt[MODEL_INPUTS[0]].shape[0] <= 256
+    assert all(np.isfinite(rebuilt[name]).all() for name in MODEL_INPUTS)
+
+
+def test_staging_is_all_or_nothing(tmp_path: Path) -> None:
+    target, repo = tmp_path / "model.onnx", tmp_path / "repo" / "tft"
+    with Staging() as s:  # discarded: nothing appears, not even the repository directory
+        s.file(target, b"new")
+        s.directory(repo, {"config.pbtxt": b"c", "1/model.onnx": b"new"})
+    assert listing(tmp_path) == []
+
+    with Staging() as s:
+        s.file(target, b"old")
+        s.directory(repo, {"config.pbtxt": b"old", "1/model.onnx": b"old"})
+        s.commit()
+    assert target.read_bytes() == b"old" and (repo / "1/model.onnx").read_bytes() == b"old"
+
+    blocker = tmp_path / "blocked.onnx"
+    blocker.mkdir()  # os.replace onto a directory fails: the model directory must roll back
+    with pytest.raises(OSError), Staging() as s:
+        s.file(blocker, b"new")
+        s.directory(repo, {"config.pbtxt": b"new", "1/model.onnx": b"new"})
+        s.commit()
+    assert (repo / "config.pbtxt").read_bytes() == b"old"
+    assert listing(tmp_path) == sorted(["blocked.onnx", "model.onnx", "repo", "repo/tft", "repo/tft/1",
+                                        "repo/tft/1/model.onnx", "repo/tft/config.pbtxt"])
+    shutil.rmtree(blocker)
+
+
+# ---- on a GPU machine ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_require_device_cuda_passes_where_cuda_loads(precision: str, ckpt: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    cuda = probe("cuda")
+    if not cuda.available:
+        pytest.skip(f"needs the ONNX Runtime CUDA provider: {cuda.reason}")
+    out = tmp_path / "model.onnx"
+    flags = ["--fp16"] if precision == "fp16" else []
+    assert main([str(ckpt), str(out), "--require-device", "cuda", *flags]) == 0, capsys.readouterr().err
+    meta = ModelMeta.from_props(props(out))
+    assert meta.placement["gate"] == "passed" and meta.placement["cpu_compute_nodes"] == []
+    assert meta.parity["provider"] == "CUDAExecutionProvider" and meta.parity["passed"]
