@@ -19,7 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 TRAIN_FLAGS = ["--hidden-size", "16", "--attention-heads", "4", "--encoder-length", "30", "--horizon", "5",
                "--batch-size", "64", "--epochs", "4", "--max-steps-per-epoch", "40", "--learning-rate", "3e-3",
-               "--dropout", "0.05", "--max-val-windows", "2000", "--device", "auto"]
+               "--dropout", "0.05", "--max-val-windows", "2000", "--device", "auto", "--threads", "1"]
+# The same path in seconds, for the test suite.
+TINY_FLAGS = ["--hidden-size", "8", "--attention-heads", "2", "--encoder-length", "20", "--horizon", "3",
+              "--batch-size", "32", "--epochs", "1", "--max-steps-per-epoch", "5", "--max-val-windows", "200",
+              "--device", "cpu", "--threads", "1", "--no-progress"]
 
 
 def step(title: str) -> None:
@@ -46,10 +50,30 @@ def start_server(model: Path) -> tuple[subprocess.Popen[str], str]:
                 raise SystemExit(f"demo: the server exited with status {proc.returncode}")
             continue
         print(f"   [server] {line.rstrip()}", flush=True)
-        m = re.search(r"serving on (\S+:\d+)", line)
+        m = re.search(r"listening on (\S+:\d+)", line)
         if m:
+            wait_serving(m.group(1), deadline)
+            print(f"   health: SERVING on {m.group(1)}", flush=True)
             return proc, m.group(1)
     proc.kill()
+    raise SystemExit("demo: the server did not report SERVING within 120 s")
+
+
+def wait_serving(target: str, deadline: float) -> None:
+    """Poll the standard gRPC health service until the server has warmed up."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
     raise SystemExit("demo: the server did not report SERVING within 120 s")
 
 
@@ -57,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "demo_out")
     p.add_argument("--bars", type=int, default=6000, help="sample bars per symbol")
+    p.add_argument("--tiny", action="store_true", help="a tiny model trained for a few steps (for tests)")
     args = p.parse_args(argv)
     out: Path = args.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
@@ -69,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     step("2/6 check the bars")
     sh(["-m", "features.check", str(bars)])
     step("3/6 train a small TFT (bounded steps)")
-    sh(["-m", "trainer", "--parquet", str(bars), "--out", str(ckpt), *TRAIN_FLAGS])
+    sh(["-m", "trainer", "--parquet", str(bars), "--out", str(ckpt), *(TINY_FLAGS if args.tiny else TRAIN_FLAGS)])
     step("4/6 export to ONNX (checker, names, parity at batch 1/7/64 and on real windows, placement)")
     sh(["-m", "export", str(ckpt), str(model)])
     step("5/6 serve it over gRPC on 127.0.0.1")

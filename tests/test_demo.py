@@ -1,0 +1,34 @@
+"""`make demo`'s steps end to end (scripts/demo.py, tiny model): the forecast comes from the live server."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+
+from features.model_meta import ModelMeta
+from tests.artifacts import REPO
+
+
+def test_demo_runs_every_stage_and_prints_a_forecast_from_the_live_server(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    r = subprocess.run([sys.executable, "scripts/demo.py", "--out", str(out), "--bars", "1500", "--tiny"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    text = r.stdout
+    for stage in ("1/6", "2/6", "3/6", "4/6", "5/6", "6/6"):
+        assert f"==> {stage}" in text
+    meta = ModelMeta.from_props({p.key: p.value for p in onnx.load(out / "model.onnx").metadata_props})
+    # the client's table names the model version the server answered with, and has one row per horizon step
+    assert re.search(rf"^ES\s+model {re.escape(meta.model_version)}\s+last bar", text, re.M), text[-2000:]
+    number = r"([-+]\d\.\d+)"
+    rows = re.findall(rf"^(\d)\s+\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\s+{number}\s+{number}\s+{number}", text, re.M)
+    assert [int(h) for h, *_ in rows] == list(range(1, meta.horizon + 1))
+    for _, lo, mid, hi in rows:
+        assert float(lo) <= float(mid) <= float(hi)
+    assert "health: SERVING" in text and "drained" in text and "server stopped (exit status 0)" in text
+    for name in ("bars.parquet", "ckpt.pt", "ckpt.last.pt", "ckpt.metrics.jsonl", "ckpt.report.png", "model.onnx"):
+        assert (out / name).is_file(), name
