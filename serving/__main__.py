@@ -10,12 +10,23 @@ refused and the old model keeps serving). SIGTERM or SIGINT drains: new calls ar
 in-flight ones get --grace seconds, then the process exits 0.
 
 Message size: --max-message-bytes bounds requests and responses (default 4 MiB). A bar
-costs 48 bytes on the wire (timestamp + 5 doubles) plus 8 per user feature column, so
-4 MiB is about 87,000 bars per request, far above any model's bars_required; larger
-requests are refused by gRPC with RESOURCE_EXHAUSTED before they reach the server's code.
+costs about 49 bytes on the wire (a 9-byte varint timestamp + 5 doubles) plus 8 per user
+feature column, so 4 MiB is about 85,000 bars per request, far above any model's
+bars_required; larger requests are refused by gRPC with RESOURCE_EXHAUSTED before they
+reach the server's code, and a response that would be larger (many series with explain)
+is refused RESOURCE_EXHAUSTED saying how many series fit.
+
+Access: binds 127.0.0.1 (loopback) unless --host says otherwise. --tls-cert/--tls-key serve
+TLS only; --tls-client-ca also requires client certificates signed by that CA (mutual TLS).
+--auth-token-file requires `authorization: Bearer <token>` metadata on every RPC except the
+health service (grpc.health.v1, open for load balancers and probes); server reflection needs
+the token too. Wrong or missing tokens answer UNAUTHENTICATED; tokens never appear in logs.
+SIGHUP re-reads the token file (rotation). The request messages hold data only: the server
+opens no file a request names (its only file is --model, and the TLS and token files).
 
 Exit status: 0 after a clean drain, 2 for bad arguments, a model that fails its checks,
-or --device cuda without a usable CUDA provider (one message on stderr, no traceback).
+unusable TLS or token files, or --device cuda without a usable CUDA provider (one message
+on stderr, no traceback).
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import sys
 from pathlib import Path
 
 from serving.batcher import WAIT_POLICIES
-from serving.errors import ModelLoadError
+from serving.errors import ConfigError, ModelLoadError
 from serving.model import DEVICES
 from serving.server import MiB, ServerConfig, serve
 
@@ -63,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=d.grace_s,
                    help=f"seconds in-flight calls get to finish on SIGTERM (default {d.grace_s:g})")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    a = p.add_argument_group("access")
+    a.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only (with --tls-key)")
+    a.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    a.add_argument("--tls-client-ca", type=Path,
+                   help="PEM CA certificate(s): require client certificates signed by it (mutual TLS)")
+    a.add_argument("--auth-token-file", type=Path,
+                   help="bearer tokens, one a line (>= 16 characters): every RPC but health must send "
+                        "`authorization: Bearer <token>`; SIGHUP re-reads the file")
     return p
 
 
@@ -77,6 +96,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         (args.max_message_bytes >= 1024, "--max-message-bytes must be >= 1024"),
         (args.grace >= 0, "--grace must be >= 0"),
         (args.device_id >= 0, "--device-id must be >= 0"),
+        ((args.tls_cert is None) == (args.tls_key is None), "--tls-cert and --tls-key go together"),
+        (args.tls_client_ca is None or args.tls_cert is not None, "--tls-client-ca needs --tls-cert/--tls-key"),
     )
     for ok, message in checks:
         if not ok:
@@ -85,7 +106,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         model_path=args.model, host=args.host, port=args.port, device=args.device, device_id=args.device_id,
         threads=args.threads, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms, batch_wait=args.batch_wait,
         max_concurrent=args.max_concurrent, max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
-        grace_s=args.grace,
+        grace_s=args.grace, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+        auth_token_file=args.auth_token_file,
     )
 
 
@@ -97,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(p, args)
     try:
         return asyncio.run(serve(config))
-    except ModelLoadError as exc:
+    except (ModelLoadError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -5,8 +5,12 @@ Asks the server what the model needs (GetModelInfo), reads and validates the bar
 forecast as a table: per horizon step, the future bar time and the quantiles of cumulative
 log return and of price. `--json` prints the response as JSON instead.
 
-Exit status: 0 done, 2 bad arguments or bars, 1 the server answered an error (its status
-code and message are printed).
+TLS and tokens: `--tls-ca ca.pem` (or `--tls` for the system's roots) connects with TLS,
+`--tls-cert/--tls-key` adds a client certificate (for a server with --tls-client-ca), and
+`--auth-token-file` sends the file's first token as `authorization: Bearer <token>`.
+
+Exit status: 0 done, 2 bad arguments, bars or TLS/token files, 1 the server answered an
+error (its status code and message are printed).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import numpy as np
 from google.protobuf import json_format
 
 from features.bars import BarDataError, Bars, ColumnMap, read_bars
+from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
+from serving.security import add_client_arguments, call_metadata, check_client_arguments, open_channel
 
 
 def series_from_bars(bars: Bars, symbol: str, n: int, user_columns: tuple[str, ...] | list[str] = ()) -> pb.Series:
@@ -71,12 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the response as JSON")
     p.add_argument("--timeout", type=float, default=10.0, help="deadline per call in seconds (default 10)")
     ColumnMap.add_arguments(p)
+    add_client_arguments(p)
     args = p.parse_args(argv)
+    check_client_arguments(p, args)
+    try:
+        metadata = call_metadata(args)
+        channel = open_channel(args.target, args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
-    with grpc.insecure_channel(args.target) as channel:
+    with channel:
         stub = pb_grpc.ForecasterStub(channel)
         try:
-            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout)
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             print(f"error: GetModelInfo: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
@@ -96,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             explain=args.explain,
         )
         try:
-            response = stub.Predict(request, timeout=args.timeout)
+            response = stub.Predict(request, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             print(f"error: Predict: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

@@ -4,19 +4,27 @@ Feature computation has a fixed cost per call of `build_frame` that dwarfs its c
 bar, so the batch computes the features of all its calls' series in one call, then runs
 the model once, then splits the rows back per call. Each call's rows depend on its own
 bars only, so the split equals what running the call alone gives.
+
+One call never fails another: a call whose features or outputs are not finite gets its own
+RequestError and its rows stay out of (or are dropped from) the run; if the batch as a
+whole fails unexpectedly, each call is rerun alone so that only the one at fault fails.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from serving.errors import RequestError
 from serving.model import LoadedModel
 from serving.preprocess import Prepared, nonfinite_problem, prepare
 from serving.validation import SeriesColumns
+
+log = logging.getLogger("serving")
 
 
 @dataclass
@@ -29,6 +37,36 @@ class Result:
 
 def run_batch(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]]) -> list[Result | Exception]:
     """Per call, in order: its Result, or the RequestError that says what to fix in it."""
+    try:
+        return _run_together(model, calls)
+    except Exception:
+        if len(calls) == 1:
+            raise
+        log.exception("a batch of %d calls failed; running each alone so that only the one at fault fails",
+                      len(calls))
+    results: list[Result | Exception] = []
+    for call in calls:
+        try:
+            results.append(_run_together(model, [call])[0])
+        except Exception as exc:
+            results.append(exc)
+    return results
+
+
+def _nonfinite_output(outputs: dict[str, np.ndarray], call: Sequence[SeriesColumns]) -> RequestError | None:
+    """A call whose bars passed every check but drive the model out of range (features far outside
+    what it was trained on) gets an error, never a NaN or infinite forecast."""
+    for name, out in outputs.items():
+        bad = ~np.isfinite(out.reshape(out.shape[0], -1)).all(axis=1)  # [n]
+        if bad.any():
+            b = int(np.flatnonzero(bad)[0])
+            return RequestError(f"series[{b}] ({call[b].symbol}): the model's output {name!r} is not finite for "
+                                "these bars: their features are far outside the range the model was trained on; "
+                                "check the bars for extreme prices, volumes or user-feature values")
+    return None
+
+
+def _run_together(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]]) -> list[Result | Exception]:
     sizes = [len(c) for c in calls]
     bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     prepared = prepare([s for c in calls for s in c], model.meta)
@@ -47,6 +85,7 @@ def run_batch(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]]) -> l
     offset = 0
     for i in good:
         n = sizes[i]
-        results[i] = Result(per_call[i], {k: v[offset:offset + n] for k, v in outputs.items()})
+        mine = {k: v[offset:offset + n] for k, v in outputs.items()}
+        results[i] = _nonfinite_output(mine, calls[i]) or Result(per_call[i], mine)
         offset += n
     return results

@@ -1,6 +1,7 @@
 """Prometheus metrics of the server, in their own registry, served on --metrics-port.
 
-    foxhunt_requests_total{method,code}          RPCs answered, by gRPC status code
+    foxhunt_requests_total{method,code}          RPCs answered, by gRPC status code (method: Predict,
+                                                 GetModelInfo, or `other` for refusals of other services)
     foxhunt_request_latency_seconds{method}      time in the handler, histogram
     foxhunt_queue_seconds                        time a call's windows waited for their batch
     foxhunt_inference_seconds                    ONNX Runtime time per batch
@@ -15,10 +16,13 @@
 
 from __future__ import annotations
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 from serving.model import LoadedModel
 
+FORECASTER = "/foxhunt.tft.v1.Forecaster/"
+FORECASTER_METHODS = ("Predict", "GetModelInfo")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 
@@ -46,6 +50,12 @@ class Metrics:
         self.ready = Gauge("foxhunt_ready", "1 when the model is warmed up and serving", registry=r)
         self.model = Info("foxhunt_model", "The model being served and where it runs", registry=r)
         self.reloads = Counter("foxhunt_reloads", "SIGHUP model reloads by result", ["result"], registry=r)
+
+    def count(self, method: str, code: grpc.StatusCode) -> None:
+        """An answer given outside the servicer (by an interceptor), by full method name; the label set stays
+        bounded whatever method names callers send."""
+        name = method[len(FORECASTER):] if method.startswith(FORECASTER) else ""
+        self.requests.labels(name if name in FORECASTER_METHODS else "other", code.name).inc()
 
     # ---- batcher observer -------------------------------------------------------------------
     def on_batch(self, windows: int, calls: int, inference_s: float) -> None:

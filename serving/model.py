@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import sys
 import tempfile
 import time
@@ -323,6 +324,22 @@ def _check_signature(session: ort.InferenceSession, meta: ModelMeta, path: str) 
     return (QUANTILES, *present)
 
 
+def _check_meta(meta: ModelMeta, path: str) -> None:
+    """What the server relies on beyond `ModelMeta.check`: values it computes with or repeats to callers."""
+    problems = []
+    q = np.asarray(meta.quantiles, dtype=np.float64)
+    if not (np.isfinite(q).all() and (q > 0).all() and (q < 1).all() and (np.diff(q) > 0).all()):
+        problems.append(f"quantiles {list(meta.quantiles)} must be strictly increasing levels in (0, 1)")
+    if len(set(meta.symbols)) != len(meta.symbols) or not all(meta.symbols):
+        problems.append("symbols must be unique, non-empty names")
+    if meta.horizon * meta.bar_interval_ns >= 1 << 62:
+        problems.append(f"horizon {meta.horizon} x bar_interval_ns {meta.bar_interval_ns} spans centuries")
+    if not meta.model_version or len(meta.model_version) > 200 or not meta.model_version.isprintable():
+        problems.append("model_version must be a printable string of 1..200 characters")
+    if problems:
+        raise ModelLoadError(f"{path}: model metadata is unusable: " + "; ".join(problems) + "; re-export the model")
+
+
 def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batch: int = 64,
                device_id: int = 0) -> LoadedModel:
     """Read, check and place a model; ModelLoadError (or DeviceUnavailable) says what is wrong."""
@@ -330,15 +347,20 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
         raise ModelLoadError(f"device {device!r} is not one of {', '.join(DEVICES)}")
     p = str(path)
     try:
+        if not stat.S_ISREG(Path(p).stat().st_mode):  # a directory, a FIFO, /dev/zero: never read those whole
+            raise ModelLoadError(f"{p}: not a regular file; give the .onnx file written by `python -m export`")
         model_bytes = Path(p).read_bytes()
     except OSError as exc:
         raise ModelLoadError(f"{p}: cannot read the model file: {exc.strerror or exc}") from None
+    if not model_bytes:
+        raise ModelLoadError(f"{p}: the model file is empty")
     placement = _create_session(model_bytes, p, device, device_id, threads)
     session = placement.session
     try:
         meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
     except ModelMetaError as exc:
         raise ModelLoadError(f"{p}: {exc}") from None
+    _check_meta(meta, p)
     output_names = _check_signature(session, meta, p)
     _check_placement(meta, placement, device, p)
     return LoadedModel(

@@ -6,6 +6,7 @@ import numpy as np
 
 from features.model_meta import ModelMeta
 from features.schema import ATTENTION, DECODER_WEIGHTS, ENCODER_WEIGHTS, QUANTILES, STATIC_WEIGHTS
+from serving.errors import RequestError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.preprocess import Prepared
 
@@ -41,7 +42,14 @@ def build_response(prepared: Prepared, outputs: dict[str, np.ndarray], meta: Mod
                    explain: bool) -> pb.PredictResponse:
     """One Forecast per series, in request order. outputs[QUANTILES]: [B, H, Q] float32."""
     q = outputs[QUANTILES].astype(np.float64)  # [B, H, Q]
-    prices = price_quantiles(prepared.last_close, q)  # [B, H, Q]
+    with np.errstate(over="ignore"):
+        prices = price_quantiles(prepared.last_close, q)  # [B, H, Q]
+    overflow = ~np.isfinite(prices).reshape(len(prepared), -1).all(axis=1)  # [B]
+    if overflow.any():
+        b = int(np.flatnonzero(overflow)[0])
+        raise RequestError(f"series[{b}] ({prepared.symbols[b]}): the price quantiles overflow a double "
+                           f"(last close {prepared.last_close[b]:.6g} x exp(forecast return)); send prices in a "
+                           "sensible unit")
     levels = list(meta.quantiles)
     forecasts = []
     for b, symbol in enumerate(prepared.symbols):

@@ -92,7 +92,8 @@ def prepare(series: Sequence[SeriesColumns], meta: ModelMeta) -> Prepared:
     """Model inputs for the window ending at each series' last bar (series already validated)."""
     keys, vocab, to_symbol_id = _keys_and_vocab(series, meta.symbols)
     bars = to_bars(series, keys, meta.feature_config.user_columns)
-    frame = build_frame(bars, meta.feature_config, symbols=vocab)
+    with np.errstate(all="ignore"):  # overflowing features (inf, NaN) are the caller's: nonfinite_problem names them
+        frame = build_frame(bars, meta.feature_config, symbols=vocab)
     frame.bar_interval_ns = meta.bar_interval_ns  # nominal future bar times, exactly as in training
     anchors = last_anchor_per_series(frame)  # [B]  in series order
     windows = gather_windows(frame, anchors, meta.encoder_length)

@@ -4,8 +4,15 @@
     serve(config) -> exit status                     load, start, run until SIGTERM/SIGINT
 
 Order at start: load and check the model (a bad model or an unavailable --device cuda
-stops here, exit 2), bind and start (health NOT_SERVING; Predict answers UNAVAILABLE),
-print `listening on HOST:PORT`, warm up at every padded batch size, then health SERVING.
+stops here, exit 2), read the TLS and token files (unusable ones stop here too), bind and
+start (health NOT_SERVING; Predict answers UNAVAILABLE), print `listening on HOST:PORT`,
+warm up at every padded batch size, then health SERVING.
+
+Access (serving.security): TLS with --tls-cert/--tls-key, client certificates required and
+verified with --tls-client-ca; with --auth-token-file every RPC but the health service needs
+`authorization: Bearer <token>`. Every service answers a request that does not parse with
+INVALID_ARGUMENT (MessageGuard). Interceptors run in that order: the token is checked
+before a request's bytes are decoded.
 """
 
 from __future__ import annotations
@@ -17,17 +24,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serving.batcher import MicroBatcher
-from serving.errors import ModelLoadError
+from serving.errors import ConfigError, ModelLoadError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.inference import run_batch
 from serving.metrics import Metrics
 from serving.model import LoadedModel, ModelHolder, load_and_warm, load_model
+from serving.security import MessageGuard, TokenAuth, is_loopback, read_tokens, server_credentials
 from serving.servicer import Batcher, ForecasterServicer, Limits
 
 log = logging.getLogger("serving")
@@ -53,6 +62,10 @@ class ServerConfig:
     max_message_bytes: int = 4 * MiB  # request and response size limit (gRPC's own default is 4 MiB too)
     metrics_port: int | None = None  # Prometheus /metrics port; None: off, 0: pick a free one
     grace_s: float = 10.0  # SIGTERM: time in-flight calls get to finish
+    tls_cert: Path | None = None  # PEM certificate chain; with tls_key: serve TLS only
+    tls_key: Path | None = None  # PEM private key of tls_cert
+    tls_client_ca: Path | None = None  # PEM CA: clients must present a certificate it signed (mutual TLS)
+    auth_token_file: Path | None = None  # bearer tokens, one a line; every RPC but health needs one
 
     @property
     def max_delay_s(self) -> float:
@@ -63,10 +76,27 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+@dataclass(frozen=True)
+class Access:
+    """What --tls-* and --auth-token-file hold, read and checked."""
+
+    credentials: grpc.ServerCredentials | None  # None: plaintext
+    tokens: tuple[str, ...]  # empty: no token check
+
+
+def read_access(config: ServerConfig) -> Access:
+    """Read the TLS and token files; ConfigError names the flag and what is wrong (never a token)."""
+    credentials = (server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+                   if config.tls_cert is not None and config.tls_key is not None else None)
+    tokens = tuple(read_tokens(config.auth_token_file)) if config.auth_token_file is not None else ()
+    return Access(credentials, tokens)
+
+
 class ForecastServer:
     """The gRPC server with its model holder, batcher, health, reflection and metrics."""
 
-    def __init__(self, config: ServerConfig, model: LoadedModel, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: ServerConfig, model: LoadedModel, metrics: Metrics | None = None,
+                 access: Access | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
         self.holder = ModelHolder(model)
@@ -75,10 +105,16 @@ class ForecastServer:
         limits = Limits(config.max_batch, config.max_message_bytes, config.max_concurrent)
         self.servicer = ForecasterServicer(self.holder, self.batcher, self.metrics, limits)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs lacks health.aio
-        self.grpc = aio.server(options=[
+        access = access or read_access(config)
+        self.credentials = access.credentials
+        self.auth = TokenAuth(access.tokens, count=self.metrics.count) if access.tokens else None
+        interceptors = [i for i in (self.auth, MessageGuard(self.metrics.count)) if i is not None]
+        self.grpc = aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent share
+            ("grpc.keepalive_time_ms", 60_000),  # ping idle connections; a dead peer's calls end
+            ("grpc.keepalive_timeout_ms", 20_000),
         ])
         pb_grpc.add_ForecasterServicer_to_server(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -97,7 +133,10 @@ class ForecastServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = host_port(self.config.host, self.config.port)
         try:
-            self.port = self.grpc.add_insecure_port(address)
+            if self.credentials is not None:
+                self.port = self.grpc.add_secure_port(address, self.credentials)
+            else:
+                self.port = self.grpc.add_insecure_port(address)
         except RuntimeError as exc:
             raise OSError(f"cannot bind {address}: {exc}") from None
         if self.port == 0:
@@ -114,6 +153,18 @@ class ForecastServer:
         self.metrics.ready.set(1)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("warmed up at batch sizes %s in %.3f s; health SERVING", list(model.buckets), seconds)
+
+    def reload_tokens(self) -> None:
+        """SIGHUP: re-read --auth-token-file (token rotation); an unusable file keeps the current tokens."""
+        if self.auth is None or self.config.auth_token_file is None:
+            return
+        try:
+            tokens = read_tokens(self.config.auth_token_file)
+        except ConfigError as exc:
+            log.error("token reload refused, the current tokens stay: %s", exc)
+            return
+        self.auth.set_tokens(tokens)
+        log.info("token file re-read: %d token(s) accepted", len(tokens))
 
     async def reload(self) -> None:
         """SIGHUP: load, check and warm the model file, then swap it in; a bad file is refused."""
@@ -152,6 +203,7 @@ class ForecastServer:
     async def stop(self, grace_s: float) -> None:
         """Health NOT_SERVING, refuse new calls, let in-flight ones finish within grace_s, stop the batcher."""
         self.servicer.ready = False
+        self.servicer.draining = True
         self.metrics.ready.set(0)
         await self.health.enter_graceful_shutdown()
         started = time.monotonic()
@@ -160,18 +212,35 @@ class ForecastServer:
         log.info("drained in %.3f s", time.monotonic() - started)
 
 
-def build_server(config: ServerConfig, model: LoadedModel) -> ForecastServer:
-    return ForecastServer(config, model)
+def build_server(config: ServerConfig, model: LoadedModel, access: Access | None = None) -> ForecastServer:
+    """Everything wired, nothing bound. Without `access`, reads the TLS and token files (ConfigError)."""
+    return ForecastServer(config, model, access=access)
+
+
+def access_summary(config: ServerConfig) -> str:
+    """One log line on who can reach the server; warns where secrets or data travel in clear text."""
+    tls = ("mutual TLS (client certificates required)" if config.tls_client_ca else "TLS") \
+        if config.tls_cert else "plaintext"
+    auth = "bearer token on every RPC but health" if config.auth_token_file else "no authentication"
+    if not is_loopback(config.host):
+        if config.tls_cert is None and config.auth_token_file is not None:
+            log.warning("--host %s without TLS: bearer tokens cross the network in clear text; add "
+                        "--tls-cert/--tls-key", config.host)
+        elif config.tls_cert is None:
+            log.warning("--host %s without TLS or a token: anyone who can reach the port can call it", config.host)
+    return f"{tls}, {auth}"
 
 
 async def serve(config: ServerConfig) -> int:
-    """Run until SIGTERM or SIGINT; 0 after a clean drain. ModelLoadError and OSError propagate."""
+    """Run until SIGTERM or SIGINT; 0 after a clean drain. ModelLoadError, ConfigError and OSError propagate."""
+    access = read_access(config)  # unusable TLS or token files stop the start before the model loads
     model = await asyncio.to_thread(load_model, config.model_path, config.device, config.threads,
                                     config.max_batch, config.device_id)
     log.info("model %s from %s: provider %s, bars_required %d, horizon %d, quantiles %s, symbols %s",
              model.version, model.path, model.provider, model.meta.bars_required, model.meta.horizon,
              list(model.meta.quantiles), ",".join(model.meta.symbols))
-    server = build_server(config, model)
+    server = build_server(config, model, access)
+    log.info("access: %s", access_summary(config))
     port = await server.start()
     print(f"listening on {host_port(config.host, port)}", flush=True)
     log.info("listening on %s (max message %d bytes, max batch %d, max delay %g ms, %s wait, max concurrent %d)",
@@ -187,6 +256,7 @@ async def serve(config: ServerConfig) -> int:
     reloads: set[asyncio.Task[None]] = set()
 
     def on_hup() -> None:
+        server.reload_tokens()
         task = loop.create_task(server.reload())
         reloads.add(task)
         task.add_done_callback(reloads.discard)

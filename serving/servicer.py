@@ -22,7 +22,7 @@ from grpc import aio
 
 from features.schema import Role
 from serving.batcher import MicroBatcher
-from serving.errors import ExplainUnavailable, NotReady, Overloaded, status_of
+from serving.errors import ExplainUnavailable, NotReady, Overloaded, ResponseTooLarge, status_of
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.inference import Result
@@ -117,11 +117,14 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         self.limits = limits
         self.admission = Admission(limits.max_concurrent, metrics)
         self.ready = False  # set once the model is warmed up
+        self.draining = False  # set on SIGTERM: new calls are refused while in-flight ones finish
 
     @rpc("Predict")
     async def Predict(self, request: pb.PredictRequest,
                       context: aio.ServicerContext[pb.PredictRequest, pb.PredictResponse]) -> pb.PredictResponse:
         with self.admission.admit():
+            if self.draining:
+                raise NotReady("the server is shutting down; retry on another replica")
             if not self.ready:
                 raise NotReady("the model is warming up; wait for health SERVING")
             model = self.holder.current  # one snapshot for the whole call
@@ -132,7 +135,15 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             result = await self.batcher.submit(model, series, len(series), deadline)
-            return build_response(result.prepared, result.outputs, model.meta, model.version, request.explain)
+            response = build_response(result.prepared, result.outputs, model.meta, model.version, request.explain)
+            size = response.ByteSize()
+            if size > self.limits.max_message_bytes:  # else gRPC fails the send with a status the caller can't act on
+                per = max(1, size // len(series))
+                raise ResponseTooLarge(
+                    f"the response would be {size} bytes, over the server's limit of {self.limits.max_message_bytes} "
+                    f"(--max-message-bytes); send at most {max(1, self.limits.max_message_bytes // per)} series per "
+                    "request" + (" or set explain=false" if request.explain else ""))
+            return response
 
     @rpc("GetModelInfo")
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,

@@ -16,12 +16,13 @@ import numpy as np
 
 from features.bars import PRICE_COLUMNS, Bars, ColumnMap, Problem, validate
 from features.model_meta import ModelMeta
-from serving.errors import RequestError
+from serving.errors import RequestError, bounded
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 
 BAR_COLUMNS: tuple[str, ...] = ("timestamp_ns", *PRICE_COLUMNS, "volume")  # the proto's field names
 WIRE_COLUMNS = ColumnMap(timestamp="timestamp_ns")  # names problems after the proto's fields
 MAX_PROBLEMS = 5  # problems listed in one error message
+INT64_MAX = np.iinfo(np.int64).max
 
 
 @dataclass
@@ -53,8 +54,8 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
     user: dict[str, np.ndarray] = {}
     for col in series.user_features:
         if col.name in user:
-            raise RequestError(f"{_label(index, series.symbol)}: user feature column {col.name!r} is sent twice; "
-                               "send each column once")
+            raise RequestError(f"{_label(index, series.symbol)}: user feature column {bounded(col.name)} is sent "
+                               "twice; send each column once")
         user[col.name] = np.asarray(col.values, dtype=np.float64)
     return SeriesColumns(
         symbol=series.symbol,
@@ -69,7 +70,9 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
 
 
 def _label(i: int, symbol: str) -> str:
-    return f"series[{i}] ({symbol})"
+    """How messages name series i: `series[0] (ES)`; a long or unprintable symbol is quoted and cut."""
+    shown = symbol if symbol.isprintable() and len(symbol) <= 48 else bounded(symbol)
+    return f"series[{i}] ({shown})"
 
 
 def _check_identity(i: int, s: SeriesColumns, meta: ModelMeta, seen: dict[str, int]) -> None:
@@ -77,9 +80,9 @@ def _check_identity(i: int, s: SeriesColumns, meta: ModelMeta, seen: dict[str, i
     if not s.symbol:
         raise RequestError(f"series[{i}]: symbol is empty; set it to one of the model's symbols: {known}")
     if s.symbol not in meta.symbols:
-        raise RequestError(f"series[{i}]: unknown symbol {s.symbol!r}; the model knows {known}")
+        raise RequestError(f"series[{i}]: unknown symbol {bounded(s.symbol)}; the model knows {known}")
     if s.symbol in seen:
-        raise RequestError(f"series[{i}]: symbol {s.symbol!r} already appears in series[{seen[s.symbol]}]; "
+        raise RequestError(f"series[{i}]: symbol {bounded(s.symbol)} already appears in series[{seen[s.symbol]}]; "
                            "send each symbol at most once per request")
     seen[s.symbol] = i
 
@@ -89,7 +92,7 @@ def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     need = list(meta.feature_config.user_columns)
     missing = [u for u in need if u not in s.user]
     if missing:
-        raise RequestError(f"{label}: user feature column(s) {', '.join(repr(m) for m in missing)} missing; this "
+        raise RequestError(f"{label}: user feature column(s) {', '.join(bounded(m) for m in missing)} missing; this "
                            f"model needs user_features {', '.join(need)} (see GetModelInfo.user_feature_columns)")
     lengths = {c: int(getattr(s, c).shape[0]) for c in BAR_COLUMNS} | {u: int(s.user[u].shape[0]) for u in need}
     if len(set(lengths.values())) > 1:
@@ -103,6 +106,17 @@ def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
             "bars, oldest first (GetModelInfo.bars_required)")
 
 
+def _check_time_range(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
+    """The forecast's future bar times (last + h * bar_interval_ns, h <= horizon) must fit in int64."""
+    latest = INT64_MAX - meta.horizon * meta.bar_interval_ns
+    too_late = np.flatnonzero(s.timestamp_ns > latest)
+    if too_late.size:
+        row = int(too_late[0])
+        raise RequestError(f"{_label(i, s.symbol)}: column 'timestamp_ns', row {row}: {int(s.timestamp_ns[row])} is "
+                           f"past the last time this model can forecast from ({latest} ns, {meta.horizon} bars before "
+                           "the int64 limit in the year 2262); send UTC nanoseconds since the Unix epoch")
+
+
 def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
     """Every value and order rule holds (a fast conjunction of the rules `features.bars.validate` checks)."""
     o, h, lo, c, v = s.open, s.high, s.low, s.close, s.volume
@@ -111,7 +125,8 @@ def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
         ok = bool(np.isfinite(prices).all() and (prices > 0).all())
         ok = ok and bool((h >= lo).all() and (o <= h).all() and (c <= h).all() and (o >= lo).all() and (c >= lo).all())
         ok = ok and bool(np.isfinite(v).all() and (v >= 0).all())
-        ok = ok and bool(np.all(np.diff(s.timestamp_ns) > 0))
+        ts = s.timestamp_ns
+        ok = ok and bool(np.all(ts[1:] > ts[:-1]))  # compared, not differenced: a difference can overflow
         return ok and all(bool(np.isfinite(s.user[u]).all()) for u in user_columns)
 
 
@@ -125,6 +140,19 @@ def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> 
     return validate(bars, [part], [_label(i, s.symbol)], WIRE_COLUMNS, user_columns)
 
 
+def _order_problem(i: int, s: SeriesColumns) -> list[Problem]:
+    """Timestamps that do not strictly increase, found by comparison (a difference of two int64 timestamps
+    far apart overflows and can hide a decrease, or invent one)."""
+    ts = s.timestamp_ns
+    bad = np.flatnonzero(ts[1:] <= ts[:-1])
+    if not bad.size:
+        return []
+    row = int(bad[0]) + 1
+    rule = "duplicate timestamp" if ts[row] == ts[row - 1] else "timestamps decrease"
+    return [Problem(_label(i, s.symbol), "timestamp_ns", row, f"{rule} (rule: strictly increasing)",
+                    "send the bars oldest first, one per timestamp", int(bad.size))]
+
+
 def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> None:
     """Raise RequestError naming the first series that breaks the contract and what to fix."""
     if not series:
@@ -135,9 +163,10 @@ def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> None:
     for i, s in enumerate(series):
         _check_identity(i, s, meta, seen)
         _check_shape(i, s, meta)
+        _check_time_range(i, s, meta)
         if _looks_valid(s, user_columns):
             continue
-        problems = _value_problems(i, s, user_columns)
+        problems = _value_problems(i, s, user_columns) or _order_problem(i, s)
         if not problems:  # the fast check and the contract disagree: still refuse, never guess
             raise RequestError(f"{_label(i, s.symbol)}: bars break the bar contract (prices finite and > 0, "
                                "low <= open, close <= high, volume >= 0, timestamps strictly increasing)")

@@ -1,0 +1,366 @@
+"""Who may call the server, and what reaches its code: TLS, bearer tokens, undecodable messages.
+
+Server side
+    server_credentials(cert, key, client_ca)   TLS (and, with a client CA, required and verified
+                                               client certificates: mutual TLS)
+    read_tokens(path) / TokenAuth              `--auth-token-file`: every RPC but the health
+                                               service needs `authorization: Bearer <token>`;
+                                               anything else is UNAUTHENTICATED
+    MessageGuard                               a request that does not parse as its method's
+                                               message is INVALID_ARGUMENT, for every service
+
+Client side (serving.client, serving.health_probe)
+    add_client_arguments(parser) / open_channel(args) / call_metadata(args)
+
+The token file holds one token per line (blank lines and `#` comments ignored); more than
+one line lets an operator rotate tokens without downtime: add the new one, SIGHUP, move the
+clients, remove the old one, SIGHUP. Tokens are compared as SHA-256 digests with
+`hmac.compare_digest` against every configured token (no early exit), so neither the token
+nor its length leaks through timing. No token (presented or configured) is ever logged or
+echoed in a status message.
+
+Reflection needs the token like any other service (it describes the whole API); only
+`grpc.health.v1.Health` is open, so load balancers and `serving.health_probe` need no secret.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import inspect
+import ipaddress
+import logging
+import stat
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from serving.errors import ConfigError, bounded
+
+log = logging.getLogger("serving")
+
+HEALTH_SERVICE = "grpc.health.v1.Health"
+OPEN_SERVICES = (HEALTH_SERVICE,)  # reachable without a token
+MIN_TOKEN_CHARS = 16  # shorter tokens are refused at start: guessable
+AUTH_HEADER = "authorization"  # gRPC metadata keys are lower case
+Counter = Callable[[str, grpc.StatusCode], None]  # (full method name, code) of an answer given here
+
+
+# ---- files --------------------------------------------------------------------------------------------
+def read_file(path: Path, what: str, flag: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot read the {what}: {exc.strerror or exc}") from None
+    if not data.strip():
+        raise ConfigError(f"{flag} {path}: the {what} file is empty")
+    return data
+
+
+def read_pem(path: Path, what: str, flag: str) -> bytes:
+    """A PEM file (certificate chain or private key); ConfigError if it is not one."""
+    data = read_file(path, what, flag)
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"{flag} {path}: not a PEM file (no '-----BEGIN' line); give the {what} in PEM format")
+    return data
+
+
+def _token_lines(data: bytes, path: Path, flag: str) -> list[tuple[int, str]]:
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{flag} {path}: tokens must be printable ASCII (the file is not)") from None
+    return [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1)
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def read_tokens(path: Path, flag: str = "--auth-token-file") -> list[str]:
+    """The server's tokens: one a line, each printable ASCII without spaces, >= MIN_TOKEN_CHARS.
+
+    Error messages name the line, never its content.
+    """
+    lines = _token_lines(read_file(path, "token", flag), path, flag)
+    if not lines:
+        raise ConfigError(f"{flag} {path}: no token in the file (blank lines and '#' comments are ignored)")
+    for n, token in lines:
+        if not all("!" <= c <= "~" for c in token):
+            raise ConfigError(f"{flag} {path}, line {n}: a token must be printable ASCII without spaces")
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ConfigError(f"{flag} {path}, line {n}: the token is shorter than {MIN_TOKEN_CHARS} characters; "
+                              "use a random one, e.g. `openssl rand -hex 32`")
+    try:
+        mode = Path(path).stat().st_mode
+    except OSError:
+        mode = 0
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("%s %s is readable by other users (mode %o); chmod 600 it", flag, path, stat.S_IMODE(mode))
+    return [token for _, token in lines]
+
+
+def read_client_token(path: Path, flag: str = "--auth-token-file") -> str:
+    """The first token of the file: what a client sends."""
+    lines = _token_lines(read_file(path, "token", flag), path, flag)
+    if not lines:
+        raise ConfigError(f"{flag} {path}: no token in the file")
+    return lines[0][1]
+
+
+def server_credentials(cert: Path, key: Path, client_ca: Path | None = None) -> grpc.ServerCredentials:
+    """TLS with this certificate chain and key; with `client_ca`, clients must present a certificate it signed."""
+    pair = (read_pem(key, "private key", "--tls-key"), read_pem(cert, "certificate", "--tls-cert"))
+    ca = read_pem(client_ca, "client CA certificate", "--tls-client-ca") if client_ca else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+# ---- interceptors -------------------------------------------------------------------------------------
+def _service_of(method: str) -> str:
+    """'/pkg.Service/Method' -> 'pkg.Service'."""
+    return method.lstrip("/").split("/", 1)[0]
+
+
+def _digest(token: str | bytes) -> bytes:
+    return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that answers `code` without reading the request."""
+
+    async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort(code, message)
+
+    async def streaming(request_or_iterator: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort(code, message)
+
+    if handler is None or not (handler.request_streaming or handler.response_streaming):
+        return grpc.unary_unary_rpc_method_handler(unary)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(streaming)
+    return grpc.unary_stream_rpc_method_handler(streaming)
+
+
+class TokenAuth(aio.ServerInterceptor):
+    """Bearer-token check on every RPC except the services in `open_services`.
+
+    A call without a valid `authorization: Bearer <token>` is answered UNAUTHENTICATED before
+    its request is even decoded; unknown methods too (an unauthenticated caller learns
+    nothing about the API).
+    """
+
+    def __init__(self, tokens: Sequence[str], open_services: Sequence[str] = OPEN_SERVICES,
+                 count: Counter | None = None) -> None:
+        self._digests: tuple[bytes, ...] = ()
+        self.set_tokens(tokens)
+        self.open_services = frozenset(open_services)
+        self._count = count
+
+    def set_tokens(self, tokens: Sequence[str]) -> None:
+        if not tokens:
+            raise ValueError("at least one token")
+        self._digests = tuple(_digest(t) for t in tokens)  # the tokens themselves are not kept
+
+    def check(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
+        """'' when the metadata carries a valid token, else what is wrong (never the token)."""
+        values = [v for k, v in (metadata or ()) if k == AUTH_HEADER]
+        if not values:
+            return (f"missing credentials: send the metadata '{AUTH_HEADER}: Bearer <token>' "
+                    "(the token from the server's --auth-token-file)")
+        if len(values) > 1:
+            return f"send the '{AUTH_HEADER}' metadata once"
+        value = values[0].encode("latin-1", "replace") if isinstance(values[0], str) else values[0]
+        scheme, _, presented = value.partition(b" ")
+        if scheme.lower() != b"bearer" or not presented.strip():
+            return f"the '{AUTH_HEADER}' metadata must be 'Bearer <token>'"
+        given = _digest(presented.strip())
+        ok = False
+        for d in self._digests:  # every token, no early exit
+            ok |= hmac.compare_digest(given, d)
+        return "" if ok else "invalid token"
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method
+        if _service_of(method) in self.open_services:
+            return await continuation(handler_call_details)
+        problem = self.check(handler_call_details.invocation_metadata)
+        if not problem:
+            return await continuation(handler_call_details)
+        if self._count is not None:
+            self._count(method, grpc.StatusCode.UNAUTHENTICATED)
+        log.debug("refused %s: %s", bounded(method, 120), problem)
+        handler = await continuation(handler_call_details)
+        return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, problem)
+
+
+class Malformed:
+    """Stands in for a request message that did not parse; the guard answers INVALID_ARGUMENT for it."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _safe(deserializer: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)  # Message.FromString's class
+    expected = f"{descriptor.full_name} message" if descriptor is not None else f"request message of {method}"
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError, and anything else a parser may raise
+            reason = str(exc).rsplit(": ", 1)[-1][:200] if str(exc) else type(exc).__name__
+            return Malformed(f"the request ({len(data)} bytes) is not a valid {expected} ({reason.rstrip('.')}); "
+                             "send that message serialised with the .proto in protos/")
+
+    return decode
+
+
+Behavior = Any  # a servicer method: (request or request iterator, context) -> response(s)
+OnMalformed = Callable[[], None]
+
+
+def _guard_unary(behavior: Behavior, on_malformed: OnMalformed) -> Behavior:
+    if inspect.isasyncgenfunction(behavior):
+        async def stream_out(request: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            if isinstance(request, Malformed):
+                on_malformed()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            async for response in behavior(request, context):
+                yield response
+
+        return stream_out
+
+    async def unary_in(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        if isinstance(request, Malformed):
+            on_malformed()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        result = behavior(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    return unary_in
+
+
+def _guard_stream(behavior: Behavior, on_malformed: OnMalformed) -> Behavior:
+    def checked(requests: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        async def gen() -> AsyncIterator[Any]:
+            async for request in requests:
+                if isinstance(request, Malformed):
+                    on_malformed()
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                yield request
+
+        return gen()
+
+    if inspect.isasyncgenfunction(behavior):
+        async def stream_out(requests: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            async for response in behavior(checked(requests, context), context):
+                yield response
+
+        return stream_out
+
+    async def unary_out(requests: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        result = behavior(checked(requests, context), context)
+        return await result if inspect.isawaitable(result) else result
+
+    return unary_out
+
+
+class MessageGuard(aio.ServerInterceptor):
+    """A request that does not parse answers INVALID_ARGUMENT saying so, on every service.
+
+    (gRPC's own answer to an undecodable message is UNKNOWN with the parser's exception
+    class in the details.) The behaviour never sees the bad bytes.
+    """
+
+    def __init__(self, count: Counter | None = None) -> None:
+        self._count = count
+        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}  # method -> (own, guarded)
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # an unknown method: gRPC answers UNIMPLEMENTED
+            return handler
+        method = handler_call_details.method
+        cached = self._guarded.get(method)  # only methods a service registered get here: a bounded set
+        if cached is None or cached[0] is not handler:
+            cached = (handler, self._guard(handler, method))
+            self._guarded[method] = cached
+        return cached[1]
+
+    def _guard(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        def on_malformed() -> None:
+            if self._count is not None:
+                self._count(method, grpc.StatusCode.INVALID_ARGUMENT)
+
+        decode = _safe(handler.request_deserializer, method)
+        encode = handler.response_serializer
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary, on_malformed), decode,
+                                                       encode)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(_guard_unary(handler.unary_stream, on_malformed), decode,
+                                                        encode)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(_guard_stream(handler.stream_unary, on_malformed), decode,
+                                                        encode)
+        return grpc.stream_stream_rpc_method_handler(_guard_stream(handler.stream_stream, on_malformed), decode,
+                                                     encode)
+
+
+# ---- clients --------------------------------------------------------------------------------------------
+def add_client_arguments(p: argparse.ArgumentParser) -> None:
+    """--tls, --tls-ca, --tls-cert/--tls-key, --tls-server-name, --auth-token-file."""
+    g = p.add_argument_group("TLS and authentication (match the server's flags)")
+    g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CA roots")
+    g.add_argument("--tls-ca", type=Path, help="connect with TLS, trusting this CA certificate (PEM)")
+    g.add_argument("--tls-cert", type=Path, help="client certificate (PEM) for a server with --tls-client-ca")
+    g.add_argument("--tls-key", type=Path, help="private key (PEM) of --tls-cert")
+    g.add_argument("--tls-server-name", help="name to verify the server certificate against, when it differs "
+                                             "from the target's host (e.g. a container's 127.0.0.1)")
+    g.add_argument("--auth-token-file", type=Path, help="send the first token of this file as "
+                                                        "'authorization: Bearer <token>'")
+
+
+def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        p.error("--tls-cert and --tls-key go together")
+
+
+def open_channel(target: str, args: argparse.Namespace) -> grpc.Channel:
+    """A plaintext channel, or a TLS one when any TLS flag is set. ConfigError for unreadable files."""
+    if not (args.tls or args.tls_ca or args.tls_cert):
+        return grpc.insecure_channel(target)
+    ca = read_pem(args.tls_ca, "CA certificate", "--tls-ca") if args.tls_ca else None
+    key = read_pem(args.tls_key, "private key", "--tls-key") if args.tls_key else None
+    cert = read_pem(args.tls_cert, "certificate", "--tls-cert") if args.tls_cert else None
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    return grpc.secure_channel(target, credentials, options=options)
+
+
+def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The metadata every call sends: the bearer token, when --auth-token-file is set."""
+    if args.auth_token_file is None:
+        return ()
+    return ((AUTH_HEADER, f"Bearer {read_client_token(args.auth_token_file)}"),)

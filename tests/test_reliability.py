@@ -1,0 +1,458 @@
+"""The server under load, under clients that vanish, with broken model files, and its health probe.
+
+* Load: 64 concurrent clients (one grpc.aio channel each, closed loop) for a fixed 10 s on
+  loopback, against the real server (--threads 1); every answer must equal the answer that
+  request got alone, zero errors; p50/p99 and throughput are printed. Beside them 4 clients
+  send requests that pass validation but fail inside a batch (a feature that overflows), and
+  undecodable bytes: they must get INVALID_ARGUMENT and never disturb the 64. The server's
+  RSS (VmRSS) is read after a 3 s warm-up at full load and again at the end: it may grow by
+  at most 50 MiB. Why 50: after warm-up the server holds no per-request state, so RSS
+  should stay flat but for allocator and gRPC buffer-pool noise of a few MiB; a leak of
+  ~10 KiB per request — one forgotten response or feature frame — over the run's several
+  thousand requests would cross it. (benchmarks/soak.py runs the same load for as long as
+  you like and prints RSS over time.) Latency is reported, never asserted: the machine is
+  shared.
+* Disconnects: clients cancelling in-flight calls at random moments (queued, in the batch,
+  done), closing their channel, and a client process SIGKILLed mid-call, while other calls
+  run: those all succeed with their correct answers, and the server stays healthy.
+* A corrupted or inconsistent ONNX file at start: exit 2 and one clear line, no traceback.
+* `python -m serving.health_probe`: 0 when SERVING, 1 when NOT_SERVING, unreachable, or misused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+import pytest
+from grpc import aio
+
+from serving.__main__ import main as serve_main
+from serving.errors import RequestError
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
+from tests.artifacts import REPO
+from tests.live_server import SERVICE, LiveServer, Model, request_for, tiny_model  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+RTOL, ATOL = 1e-5, 1e-7  # ORT's float32 kernels may differ in the last bits between batch sizes
+CLIENTS = 64
+POISON_CLIENTS = 4
+WARM_S, LOAD_S = 3.0, 10.0
+RSS_GROWTH_MIB = 50
+PREDICT = f"/{SERVICE}/Predict"
+
+
+def quantiles(answer: pb.PredictResponse) -> np.ndarray:
+    return np.asarray([list(f.log_return) for f in answer.forecasts])
+
+
+def pool_of(m: Model, size: int) -> list[pb.PredictRequest]:
+    """`size` distinct one-series requests: both symbols, windows ending at different bars."""
+    symbols = list(m.meta.symbols)
+    return [request_for(m, symbols[i % len(symbols)], end=200 + 23 * i) for i in range(size)]
+
+
+def overflowing_feature(m: Model) -> pb.PredictRequest:
+    """Valid bars (finite, positive, ordered) whose high/low ratio overflows: refused inside the batch."""
+    r = request_for(m, m.meta.symbols[0])
+    s = r.series[0]
+    i = len(s.close) - 3
+    s.low[i], s.high[i] = 1e-300, 1e300
+    s.open[i] = s.close[i] = 1.0
+    return r
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:  # noqa: F811
+    s = LiveServer(tiny_model.model, tmp_path_factory.mktemp("reliability") / "server.log")
+    try:
+        s.wait_serving()
+        yield s
+    finally:
+        s.kill()
+
+
+# ---- load ----------------------------------------------------------------------------------------------
+async def _load(target: str, pool: list[pb.PredictRequest], expected: list[np.ndarray], poison: list[bytes],
+                server: LiveServer) -> dict[str, object]:
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+    refused: Counter[str] = Counter()
+    wrong: list[int] = []
+    phase = {"measure": False, "stop": False}
+    raw = [r.SerializeToString() for r in pool]
+
+    async def client(k: int) -> None:
+        async with aio.insecure_channel(target) as channel:
+            predict = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=None)
+            i = k
+            while not phase["stop"]:
+                j = i % len(raw)
+                t0 = time.perf_counter()
+                try:
+                    answer = pb.PredictResponse.FromString(await predict(raw[j], timeout=30))
+                except grpc.RpcError as exc:
+                    errors[f"{exc.code().name}: {exc.details()}"] += 1
+                    continue
+                finally:
+                    i += 7
+                if phase["measure"]:
+                    latencies.append(time.perf_counter() - t0)
+                if not np.allclose(quantiles(answer), expected[j], rtol=RTOL, atol=ATOL):
+                    wrong.append(j)
+
+    async def bad_client(k: int) -> None:
+        async with aio.insecure_channel(target) as channel:
+            predict = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=None)
+            i = k
+            while not phase["stop"]:
+                try:
+                    await predict(poison[i % len(poison)], timeout=30)
+                    errors["a poison request was answered OK"] += 1
+                except grpc.RpcError as exc:
+                    refused[exc.code().name] += 1
+                i += 1
+                await asyncio.sleep(0.005)
+
+    tasks = [asyncio.create_task(client(k)) for k in range(CLIENTS)]
+    tasks += [asyncio.create_task(bad_client(k)) for k in range(POISON_CLIENTS)]
+    await asyncio.sleep(WARM_S)
+    rss = [server.rss_kib()]
+    phase["measure"] = True
+    started = time.perf_counter()
+    for _ in range(int(LOAD_S)):
+        await asyncio.sleep(1.0)
+        rss.append(server.rss_kib())
+    seconds = time.perf_counter() - started
+    phase["measure"] = False
+    phase["stop"] = True
+    await asyncio.gather(*tasks)
+    return {"latencies": latencies, "errors": errors, "refused": refused, "wrong": wrong, "rss_kib": rss,
+            "seconds": seconds}
+
+
+def test_64_clients_for_10_s_zero_errors_exact_answers_bounded_memory(
+        tiny_model: Model, server: LiveServer, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    pool = pool_of(tiny_model, 96)
+    with grpc.insecure_channel(server.target) as channel:  # each request's answer alone, one at a time
+        stub = pb_grpc.ForecasterStub(channel)
+        expected = [quantiles(stub.Predict(r, timeout=10)) for r in pool]
+    poison = [overflowing_feature(tiny_model).SerializeToString(), b"\xff\x00garbage"]
+
+    result = asyncio.run(_load(server.target, pool, expected, poison, server))
+    latencies, rss = result["latencies"], result["rss_kib"]
+    assert isinstance(latencies, list) and isinstance(rss, list)
+    assert not result["errors"], result["errors"]
+    assert not result["wrong"], f"{len(result['wrong'])} answers differ from the same request alone"
+    assert set(result["refused"]) == {"INVALID_ARGUMENT"}, result["refused"]  # type: ignore[arg-type]
+    assert len(latencies) > CLIENTS, "the load did not run"
+    growth_mib = (rss[-1] - rss[0]) / 1024
+    ms = np.percentile(np.asarray(latencies) * 1e3, [50, 99])
+    summary = {"clients": CLIENTS, "seconds": round(float(result["seconds"]), 1), "requests": len(latencies),
+               "req_per_s": round(len(latencies) / float(result["seconds"])),  # type: ignore[arg-type]
+               "p50_ms": round(float(ms[0]), 2), "p99_ms": round(float(ms[1]), 2), "errors": 0,
+               "poison_refused": sum(result["refused"].values()),  # type: ignore[attr-defined]
+               "rss_mib_after_warmup": round(rss[0] / 1024, 1), "rss_mib_end": round(rss[-1] / 1024, 1),
+               "rss_mib_max": round(max(rss) / 1024, 1), "rss_growth_mib": round(growth_mib, 1)}
+    with capsys.disabled():
+        print(f"\nload: {json.dumps(summary)}")
+    assert growth_mib < RSS_GROWTH_MIB, summary
+    assert server.alive() and "Traceback" not in server.log_text()
+
+
+# ---- clients that go away --------------------------------------------------------------------------------
+KILLED_CLIENT = """
+import asyncio, sys
+from grpc import aio
+async def main():
+    channel = aio.insecure_channel(sys.argv[1])
+    predict = channel.unary_unary("{method}", request_serializer=None, response_deserializer=None)
+    data = sys.stdin.buffer.read()
+    calls = [predict(data, timeout=30) for _ in range(16)]
+    print("sent", flush=True)
+    await asyncio.gather(*calls, return_exceptions=True)
+asyncio.run(main())
+"""
+
+
+def test_clients_that_disconnect_mid_call_do_not_disturb_others(tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
+    # every batch waits 300 ms for company: calls are cancelled while queued, while their batch runs, or after
+    s = LiveServer(tiny_model.model, tmp_path / "server.log", "--batch-wait", "fixed", "--max-delay-ms", "300")
+    pool = pool_of(tiny_model, 16)
+    rng = random.Random(7)
+    try:
+        s.wait_serving()
+        with grpc.insecure_channel(s.target) as channel:
+            stub = pb_grpc.ForecasterStub(channel)
+            expected = [quantiles(stub.Predict(r, timeout=10)) for r in pool]
+
+        async def rounds() -> tuple[int, int]:
+            ok = cancelled = 0
+            async with aio.insecure_channel(s.target) as bystander_channel:
+                stub = pb_grpc.ForecasterStub(bystander_channel)
+                for _ in range(5):
+                    victims_channel = aio.insecure_channel(s.target)
+                    victims = [pb_grpc.ForecasterStub(victims_channel).Predict(pool[i], timeout=30) for i in range(8)]
+                    others = [asyncio.ensure_future(stub.Predict(pool[i], timeout=30)) for i in range(8, 16)]
+                    await asyncio.sleep(rng.uniform(0.0, 0.45))
+                    for v in victims[:4]:
+                        cancelled += bool(v.cancel())
+                    await victims_channel.close()  # the rest: the whole connection goes away
+                    for i, answer in enumerate(await asyncio.gather(*others)):
+                        np.testing.assert_allclose(quantiles(answer), expected[8 + i], rtol=RTOL, atol=ATOL)
+                        ok += 1
+            return ok, cancelled
+
+        ok, cancelled = asyncio.run(rounds())
+        assert ok == 40 and cancelled > 0
+
+        # a client process killed (SIGKILL: no goodbye on the connection) with 16 calls in flight
+        code = KILLED_CLIENT.replace("{method}", PREDICT)
+        killed = subprocess.Popen([sys.executable, "-c", code, s.target], cwd=REPO, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=False)
+        assert killed.stdin is not None and killed.stdout is not None
+        killed.stdin.write(pool[0].SerializeToString())
+        killed.stdin.close()
+        with grpc.insecure_channel(s.target) as channel:
+            stub = pb_grpc.ForecasterStub(channel)
+            futures = [stub.Predict.future(pool[i], timeout=30) for i in range(8, 16)]
+            assert killed.stdout.readline() == b"sent\n"
+            time.sleep(0.1)
+            killed.send_signal(signal.SIGKILL)
+            killed.wait(timeout=10)
+            for i, f in enumerate(futures):
+                np.testing.assert_allclose(quantiles(f.result()), expected[8 + i], rtol=RTOL, atol=ATOL)
+            np.testing.assert_allclose(quantiles(stub.Predict(pool[3], timeout=10)), expected[3], rtol=RTOL,
+                                       atol=ATOL)
+        assert s.alive() and "Traceback" not in s.log_text()
+    finally:
+        s.kill()
+
+
+# ---- one bad call in a batch ------------------------------------------------------------------------------
+def test_a_call_failing_inside_a_batch_fails_alone(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """If feature computation or the run fails for the batch, each call is rerun alone: only the culprit fails."""
+    import serving.inference as inference
+    from serving.model import load_model
+    from serving.validation import parse_request
+
+    model = load_model(tiny_model.model, "cpu", threads=1)
+    calls = [parse_request(r, model.meta) for r in pool_of(tiny_model, 3)]
+    alone = [inference.run_batch(model, [c])[0] for c in calls]
+    real_prepare = inference.prepare
+    culprit = calls[1][0].close[-1]
+
+    def prepare(series, meta):  # type: ignore[no-untyped-def]
+        if any(s.close[-1] == culprit for s in series):
+            raise ZeroDivisionError("a bug that only this call's bars reach")
+        return real_prepare(series, meta)
+
+    monkeypatch.setattr(inference, "prepare", prepare)
+    results = inference.run_batch(model, calls)
+    assert isinstance(results[1], ZeroDivisionError)
+    for i in (0, 2):
+        got, want = results[i], alone[i]
+        assert isinstance(got, inference.Result) and isinstance(want, inference.Result)
+        np.testing.assert_allclose(got.outputs["quantiles"], want.outputs["quantiles"], rtol=RTOL, atol=ATOL)
+
+
+def test_a_response_over_the_size_limit_is_resource_exhausted(tiny_model: Model) -> None:  # noqa: F811
+    from serving.model import load_model
+    from serving.server import ServerConfig, build_server
+    from serving.servicer import Limits
+
+    async def main() -> None:
+        config = ServerConfig(model_path=tiny_model.model, port=0, device="cpu")
+        server = build_server(config, load_model(tiny_model.model, "cpu", threads=1))
+        server.servicer.limits = Limits(max_batch=64, max_message_bytes=1000, max_concurrent=8)  # responses only
+        port = await server.start()
+        await server.warm_up()
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.ForecasterStub(channel)
+                request = request_for(tiny_model, tiny_model.meta.symbols[0])
+                request.explain = True
+                with pytest.raises(aio.AioRpcError) as info:
+                    await stub.Predict(request, timeout=10)
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "--max-message-bytes" in (info.value.details() or "")
+                assert "explain=false" in (info.value.details() or "")
+                request.explain = False
+                assert (await stub.Predict(request, timeout=10)).forecasts
+        finally:
+            await server.stop(1)
+
+    asyncio.run(main())
+
+
+def test_nonfinite_model_output_is_refused(tiny_model: Model) -> None:  # noqa: F811
+    from serving.inference import _nonfinite_output
+    from serving.model import load_model
+    from serving.validation import parse_request
+
+    model = load_model(tiny_model.model, "cpu", threads=1)
+    call = parse_request(request_for(tiny_model, tiny_model.meta.symbols[0]), model.meta)
+    out = {"quantiles": np.array([[[0.1, np.nan, 0.3]]], dtype=np.float32)}
+    problem = _nonfinite_output(out, call)
+    assert isinstance(problem, RequestError) and "not finite" in str(problem)
+    assert _nonfinite_output({"quantiles": np.zeros((1, 3, 3), np.float32)}, call) is None
+
+
+# ---- broken model files at start -----------------------------------------------------------------------------
+def _with_meta(model: Path, out: Path, **changes: str | None) -> Path:
+    proto = onnx.load(str(model))
+    props = {p.key: p.value for p in proto.metadata_props}
+    for key, value in changes.items():
+        if value is None:
+            props.pop(f"foxhunt.{key}", None)
+        else:
+            props[f"foxhunt.{key}"] = value
+    del proto.metadata_props[:]
+    for k, v in props.items():
+        proto.metadata_props.add(key=k, value=v)
+    onnx.save(proto, str(out))
+    return out
+
+
+def test_a_corrupted_onnx_file_stops_the_start_with_a_message(tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
+    """The real command, as an operator runs it: exit 2, one line, no traceback, never `listening`."""
+    data = tiny_model.model.read_bytes()
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(data[: len(data) // 2])
+    r = subprocess.run([sys.executable, "-m", "serving", "--model", str(truncated), "--port", "0", "--device", "cpu"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "listening" not in r.stdout and "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert lines == [f"error: {truncated}: ONNX Runtime cannot load the model: " + lines[0].split(": ", 3)[-1]]
+    assert "INVALID_PROTOBUF" in lines[0] or "parsing failed" in lines[0].lower(), lines
+
+
+def test_bad_model_files_are_refused_with_clear_messages(tiny_model: Model, tmp_path: Path,  # noqa: F811
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI entry point in process (fast), one case per way a model file can be wrong."""
+    m = tiny_model.model
+    rng = np.random.default_rng(0)
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    horizon = json.loads(next(p.value for p in onnx.load(str(m)).metadata_props if p.key == "foxhunt.horizon"))
+    cases = [
+        (tmp_path / "missing.onnx", "cannot read the model file: No such file"),
+        (tmp_path, "not a regular file"),
+        (empty, "the model file is empty"),
+        (junk, "ONNX Runtime cannot load the model"),
+        (_with_meta(m, tmp_path / "nometa.onnx", format=None), "not a foxhunt-tft model"),
+        (_with_meta(m, tmp_path / "json.onnx", quantiles="[0.1, 0.5"), "'foxhunt.quantiles' is not valid JSON"),
+        (_with_meta(m, tmp_path / "lacks.onnx", symbols=None), "lacks 'foxhunt.symbols'"),
+        (_with_meta(m, tmp_path / "order.onnx", quantiles="[0.9, 0.5, 0.1]"), "quantiles must be"),
+        (_with_meta(m, tmp_path / "range.onnx", quantiles="[0.1, 0.5, 1.5]"), "levels in (0, 1)"),
+        (_with_meta(m, tmp_path / "dup.onnx", symbols='["ES", "ES"]'), "symbols must be unique"),
+        (_with_meta(m, tmp_path / "horizon.onnx", horizon=str(horizon + 2)), "horizon"),
+        (_with_meta(m, tmp_path / "types.onnx", encoder_length='"long"'), "inconsistent"),
+    ]
+    for path, message in cases:
+        assert serve_main(["--model", str(path), "--port", "0", "--device", "cpu"]) == 2, path
+        err = capsys.readouterr().err
+        first = next(line for line in err.splitlines() if line.startswith("error: "))
+        assert message in first and str(path) in first, (message, err)
+        assert "Traceback" not in err
+
+
+# ---- the health probe ------------------------------------------------------------------------------------------
+def _probe(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "serving.health_probe", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_health_probe_exit_status(tiny_model: Model, server: LiveServer) -> None:  # noqa: F811
+    r = _probe("--target", server.target)
+    assert r.returncode == 0 and r.stdout.strip() == f"{server.target}: SERVING", r.stderr
+    assert _probe("--target", server.target, "--service", SERVICE).returncode == 0
+    unknown = _probe("--target", server.target, "--service", "no.such.Service")
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+    closed = _probe("--target", "127.0.0.1:1", "--timeout", "2")
+    assert closed.returncode == 1 and "UNAVAILABLE" in closed.stderr
+    assert _probe("--no-such-flag").returncode == 1  # Docker reserves exit status 2
+    assert _probe("--target", server.target, "--tls-cert", "c.pem").returncode == 1  # without --tls-key
+
+    # NOT_SERVING: a server started but not yet warmed up
+    from serving.model import load_model
+    from serving.server import ServerConfig, build_server
+
+    async def main() -> tuple[int, bytes]:
+        config = ServerConfig(model_path=tiny_model.model, port=0, device="cpu")
+        srv = build_server(config, load_model(tiny_model.model, "cpu", threads=1))
+        port = await srv.start()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "serving.health_probe", "--target", f"127.0.0.1:{port}", cwd=REPO,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            out, _ = await proc.communicate()
+            return await proc.wait(), out
+        finally:
+            await srv.stop(0)
+
+    code, out = asyncio.run(main())
+    assert code == 1 and b"NOT_SERVING" in out, out
+
+
+def test_sigterm_under_load_finishes_every_call_in_flight_and_exits_0(tiny_model: Model,  # noqa: F811
+                                                                     tmp_path: Path) -> None:
+    """8 clients call without pause; every batch waits 200 ms, so calls are always in flight. SIGTERM: every
+    call sent before it succeeds; calls sent after are refused (UNAVAILABLE, or CANCELLED by gRPC once the
+    listener closes), never failed otherwise; the process exits 0."""
+    s = LiveServer(tiny_model.model, tmp_path / "server.log", "--batch-wait", "fixed", "--max-delay-ms", "200",
+                   "--grace", "10")
+    calls: list[tuple[float, str, str]] = []  # (sent at, code, details)
+    stop = threading.Event()
+    try:
+        s.wait_serving()
+        request = request_for(tiny_model, tiny_model.meta.symbols[0])
+
+        def hammer() -> None:
+            with grpc.insecure_channel(s.target) as channel:
+                stub = pb_grpc.ForecasterStub(channel)
+                while not stop.is_set():
+                    sent = time.monotonic()
+                    try:
+                        stub.Predict(request, timeout=20)
+                        calls.append((sent, "OK", ""))
+                    except grpc.RpcError as exc:
+                        calls.append((sent, exc.code().name, exc.details() or ""))
+                        if exc.code() != grpc.StatusCode.OK:
+                            time.sleep(0.05)
+
+        threads = [threading.Thread(target=hammer, daemon=True) for _ in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        signalled = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=20) == 0, s.log_text()
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        before = [c for c in calls if c[0] < signalled - 0.02]  # sent before SIGTERM (less the signal's delivery)
+        after = [c for c in calls if c[0] >= signalled - 0.02]
+        assert before and all(code == "OK" for _, code, _ in before), [c for c in before if c[1] != "OK"]
+        assert {code for _, code, _ in after} <= {"OK", "UNAVAILABLE", "CANCELLED"}, after
+        assert "Traceback" not in s.log_text()
+    finally:
+        stop.set()
+        s.kill()
