@@ -331,11 +331,11 @@ def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
     order = np.argsort(sym, kind="stable")
     ts_o, sym_o = ts[order], sym[order]
     same = sym_o[1:] == sym_o[:-1]
-    diff = ts_o[1:] - ts_o[:-1]
+    prev, cur = ts_o[:-1], ts_o[1:]  # compared, not subtracted: a difference can overflow int64
     for mask, rule, fix in (
-        (same & (diff < 0), "timestamps decrease within a symbol (rule: sorted by time per symbol)",
+        (same & (cur < prev), "timestamps decrease within a symbol (rule: sorted by time per symbol)",
          "sort the rows by symbol and timestamp"),
-        (same & (diff == 0), "duplicate timestamp within a symbol (rule: one bar per timestamp)",
+        (same & (cur == prev), "duplicate timestamp within a symbol (rule: one bar per timestamp)",
          "drop or merge duplicate bars"),
     ):
         idx = np.flatnonzero(mask)

@@ -6,6 +6,7 @@ Every value is a string; structured values are JSON.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,10 +118,13 @@ class ModelMeta:
             problems.append(f"horizon {self.horizon} != feature_config.horizon {self.feature_config.horizon}")
         if self.horizon < 1 or self.encoder_length < 1:
             problems.append("horizon and encoder_length must be >= 1")
-        if not self.quantiles or list(self.quantiles) != sorted(self.quantiles):
-            problems.append("quantiles must be a non-empty increasing list")
+        q = list(self.quantiles)
+        if not q or any(not 0.0 < x < 1.0 for x in q) or any(b <= a for a, b in itertools.pairwise(q)):
+            problems.append(f"quantiles {q} must be a non-empty, strictly increasing list inside (0, 1)")
         if not self.symbols:
             problems.append("symbol vocabulary is empty")
+        elif len(set(self.symbols)) != len(self.symbols):
+            problems.append("symbol vocabulary has duplicates")
         if self.bar_interval_ns <= 0:
             problems.append("bar_interval_ns must be > 0")
         if self.precision not in ("fp32", "fp16"):

@@ -451,3 +451,14 @@ def test_check_cli_on_missing_path_and_mapping(tmp_path: Path) -> None:
     res = run_check(str(path), "--time-col", "ts_event", "--default-symbol", "ESH4")
     assert res.returncode == 0, res.stderr
     assert "ESH4: 4 rows" in res.stdout
+
+
+def test_order_rule_holds_at_extreme_timestamps(tmp_path: Path) -> None:
+    """A decrease whose difference overflows int64 is still a decrease."""
+    big = 2**62 + 5  # big - (-big) and -big - big overflow int64
+    path = write_parquet(tmp_path / "x.parquet", {
+        "timestamp": pa.array([big, -big, -big + 1], type=pa.int64()), "symbol": ["ES"] * 3,
+        "open": [1.0] * 3, "high": [1.0] * 3, "low": [1.0] * 3, "close": [1.0] * 3, "volume": [1.0] * 3})
+    with pytest.raises(BarDataError) as info:
+        read_bars(path)
+    assert any("decrease" in p.rule and p.row == 1 for p in info.value.problems)
