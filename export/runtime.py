@@ -8,12 +8,6 @@ not load (typically a CUDA or cuDNN library that is missing).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import sys
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +16,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from export.errors import CheckFailed
+from serving.native_log import native_stderr, provider_failure_reason
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
 DEVICES = {"cpu": CPU, "cuda": CUDA}
@@ -30,29 +25,6 @@ DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
 # should re-check parity with it. Recorded in the model's parity report.
 CUDA_OPTIONS = {"device_id": "0", "use_tf32": "0"}
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-@contextlib.contextmanager
-def native_stderr() -> Iterator[list[str]]:
-    """Capture what native code writes to file descriptor 2 (ONNX Runtime's log) inside the block.
-
-    The yielded list is filled with the captured lines when the block ends.
-    """
-    lines: list[str] = []
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield lines
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            text = _ANSI.sub("", tmp.read().decode("utf-8", errors="replace"))
-            lines.extend(line.strip() for line in text.splitlines() if line.strip())
 
 
 def session_options(threads: int, profile_prefix: str | None = None, strict: bool = False) -> ort.SessionOptions:
@@ -80,7 +52,7 @@ def make_session(model: bytes, device: str, threads: int, profile_prefix: str | 
     got = session.get_providers()
     if not got or got[0] != DEVICES[device]:
         raise CheckFailed("device", f"asked ONNX Runtime for {DEVICES[device]} but the session runs on {got}: "
-                          f"{reason_from_log(log) or 'no reason logged'}")
+                          f"{provider_failure_reason(log) or 'no reason logged'}")
     return session
 
 
@@ -102,22 +74,6 @@ def _probe_model() -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
 
 
-def reason_from_log(lines: list[str]) -> str:
-    """The useful part of ONNX Runtime's provider-loading log: the library and loader error first."""
-    found = []
-    for line in lines:
-        m = re.search(r"Failed to load library (\S+) with error: (.+)$", line)
-        if m:
-            found.append(f"{os.path.basename(m.group(1))} failed to load: {m.group(2).strip()}")
-    for line in lines:
-        m = re.search(r"(Failed to create \w+ExecutionProvider\..*?)(?: Please| $|$)", line)
-        if m:
-            found.append(m.group(1).strip().rstrip("."))
-        elif re.search(r"CUDA failure|cudaError|no CUDA-capable device|CUDNN failure", line):
-            found.append(line.split("] ", 1)[-1])
-    return "; ".join(dict.fromkeys(found))
-
-
 def probe(device: str) -> Probe:
     """Try a one-node session on `device` alone with CPU fallback disabled, capturing the native log."""
     provider = DEVICES[device]
@@ -137,7 +93,8 @@ def probe(device: str) -> Probe:
             error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if session is not None and session.get_providers()[:1] == [provider]:
         return Probe(device, provider, True, log=log)
-    why = reason_from_log(log) or error or f"the session fell back to {session.get_providers() if session else '?'}"
+    fallback = f"the session fell back to {session.get_providers() if session else '?'}"
+    why = provider_failure_reason(log) or error or fallback
     return Probe(device, provider, False, f"{provider} is listed by onnxruntime {ort.__version__} but does not load: "
                  f"{why}", log=log)
 

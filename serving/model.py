@@ -22,16 +22,11 @@ are independent in the TFT, so padding changes no result.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import os
-import re
 import stat
-import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +44,7 @@ from features.schema import (
     STATIC_CATEGORICAL,
 )
 from serving.errors import DeviceUnavailable, ModelLoadError
+from serving.native_log import native_stderr, provider_failure_reason
 from serving.preprocess import INPUT_DTYPES
 
 log = logging.getLogger("serving")
@@ -57,7 +53,6 @@ DEVICES = ("auto", "cpu", "cuda")
 CPU_EP = "CPUExecutionProvider"
 CUDA_EP = "CUDAExecutionProvider"
 CUDA_OPTIONS = {"use_tf32": "0"}  # fp32 as export's parity check ran it (TF32 would need its own parity check)
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 ORT_TYPES: dict[type[np.generic], str] = {np.int64: "tensor(int64)", np.float32: "tensor(float)"}
 
 
@@ -186,40 +181,6 @@ def _session_options(threads: int) -> ort.SessionOptions:
     return so
 
 
-@contextlib.contextmanager
-def _native_stderr() -> Iterator[list[str]]:
-    """Capture what native code writes to fd 2 (ONNX Runtime's provider-loading log) inside the block.
-
-    The captured lines are yielded (filled when the block ends) and written back to stderr,
-    so nothing logged meanwhile is lost.
-    """
-    lines: list[str] = []
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield lines
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            text = tmp.read().decode("utf-8", errors="replace")
-            sys.stderr.write(text)
-            lines.extend(line.strip() for line in _ANSI.sub("", text).splitlines() if line.strip())
-
-
-def _reason_from_log(lines: list[str]) -> str:
-    """The useful part of ONNX Runtime's log when a provider did not load: the library and loader error."""
-    found = []
-    for line in lines:
-        if m := re.search(r"Failed to load library (\S+) with error: (.+)$", line):
-            found.append(f"{Path(m.group(1)).name} failed to load: {m.group(2).strip()}")
-        elif re.search(r"CUDA failure|cudaError|no CUDA-capable device|CUDNN failure", line):
-            found.append(line.split("] ", 1)[-1])
-    return "; ".join(dict.fromkeys(found))
-
-
 def _no_gpu_reason() -> str:
     if not any(Path("/dev").glob("nvidia[0-9]*")):
         return "no NVIDIA GPU is visible to this process (no /dev/nvidia*; in a container, run it with --gpus)"
@@ -237,10 +198,10 @@ def _cuda_session(model_bytes: bytes, path: str, device_id: int, threads: int) -
     # that every compute node runs on CUDA is what export's placement gate proved (checked in load_model)
     providers: list[str | tuple[str, dict[str, str]]] = [(CUDA_EP, {**CUDA_OPTIONS, "device_id": str(device_id)}),
                                                          CPU_EP]
-    with _native_stderr() as log_lines:
+    with native_stderr(echo=True) as log_lines:
         session = _new_session(model_bytes, path, providers, _session_options(threads))
     if session.get_providers()[0] != CUDA_EP:
-        why = _reason_from_log(log_lines) or _no_gpu_reason() or "ONNX Runtime logged no reason"
+        why = provider_failure_reason(log_lines) or _no_gpu_reason() or "ONNX Runtime logged no reason"
         raise DeviceUnavailable(f"CUDA requested but ONNX Runtime could not create the CUDA execution provider "
                                 f"(the session fell back to {session.get_providers()}): {why}")
     return session

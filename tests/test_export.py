@@ -24,11 +24,12 @@ from export.__main__ import build_parser, main
 from export.files import Staging
 from export.parity import make_cases
 from export.placement import PlacementReport, evaluate, is_shape_computation, profile_placement
-from export.runtime import CPU, probe, reason_from_log
+from export.runtime import CPU, probe
 from export.windows import saved_windows, windows_from_bars
 from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, FeatureSchema
+from serving.native_log import provider_failure_reason
 from tests.artifacts import make_checkpoint, make_onnx, run
 from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, model_from_checkpoint
 from trainer.modeling import TemporalFusionTransformer
@@ -295,9 +296,9 @@ def test_reason_from_the_provider_log() -> None:
         "[W:onnxruntime:Default, onnxruntime_pybind_state.cc:1295 CreateExecutionProviderFactoryInstance] Failed "
         "to create CUDAExecutionProvider. Require cuDNN 9.* and CUDA 13.*. Please install all dependencies",
     ]
-    assert reason_from_log(log) == ("libonnxruntime_providers_cuda.so failed to load: libcublasLt.so.13: cannot "
-                                    "open shared object file: No such file or directory; Failed to create "
-                                    "CUDAExecutionProvider. Require cuDNN 9.* and CUDA 13.*")
+    assert provider_failure_reason(log) == (
+        "libonnxruntime_providers_cuda.so failed to load: libcublasLt.so.13: cannot open shared object file: "
+        "No such file or directory; Failed to create CUDAExecutionProvider. Require cuDNN 9.* and CUDA 13.*")
 
 
 # ---- refusals: nothing is written ------------------------------------------------------------------

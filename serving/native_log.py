@@ -1,0 +1,53 @@
+"""Capture what native code (ONNX Runtime's C++ logger) writes to file descriptor 2.
+
+ONNX Runtime reports why a provider did not load (a missing libcublasLt, say) only on its
+own log, not in the Python exception; export and the server read it from here to say why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@contextlib.contextmanager
+def native_stderr(echo: bool = False) -> Iterator[list[str]]:
+    """Redirect fd 2 inside the block; the yielded list is filled with the captured lines
+    (ANSI colours removed) when the block ends. `echo` writes the raw text back to stderr,
+    so nothing logged meanwhile is lost."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode("utf-8", errors="replace")
+            if echo:
+                sys.stderr.write(text)
+            lines.extend(line.strip() for line in _ANSI.sub("", text).splitlines() if line.strip())
+
+
+def provider_failure_reason(lines: list[str]) -> str:
+    """The useful part of ONNX Runtime's provider-loading log: the library and loader error first."""
+    found = []
+    for line in lines:
+        if m := re.search(r"Failed to load library (\S+) with error: (.+)$", line):
+            found.append(f"{os.path.basename(m.group(1))} failed to load: {m.group(2).strip()}")
+    for line in lines:
+        if m := re.search(r"(Failed to create \w+ExecutionProvider\..*?)(?: Please| $|$)", line):
+            found.append(m.group(1).strip().rstrip("."))
+        elif re.search(r"CUDA failure|cudaError|no CUDA-capable device|CUDNN failure", line):
+            found.append(line.split("] ", 1)[-1])
+    return "; ".join(dict.fromkeys(found))
