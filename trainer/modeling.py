@@ -102,18 +102,23 @@ class BatchedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # einsum("vni,vio->vno", x, weight) + bias
-        return torch.matmul(x, self.weight) + self.bias  # [V, N, in] @ [V, in, out] -> [V, N, out]
+        return torch.baddbmm(self.bias, x, self.weight)  # [V, N, in] @ [V, in, out] + [V, 1, out] -> [V, N, out]
 
 
 class VariableGRNs(nn.Module):
-    """V separate GRNs (E -> D, no context) evaluated together, variable dimension leading."""
+    """V separate GRNs (E -> D, no context) evaluated together, variable dimension leading.
+
+    The inner width is E, the per-variable embedding size (as pytorch-forecasting sizes it by
+    hidden_continuous_size); with E = D this is the paper's GRN of width d_model.
+    """
 
     def __init__(self, n_vars: int, input_size: int, hidden_size: int, dropout: float) -> None:
         super().__init__()
-        self.fc1 = BatchedLinear(n_vars, input_size, hidden_size)
-        self.fc2 = BatchedLinear(n_vars, hidden_size, hidden_size)
+        inner = min(input_size, hidden_size)
+        self.fc1 = BatchedLinear(n_vars, input_size, inner)
+        self.fc2 = BatchedLinear(n_vars, inner, inner)
         self.dropout = nn.Dropout(dropout)
-        self.gate = BatchedLinear(n_vars, hidden_size, 2 * hidden_size)  # GLU projection
+        self.gate = BatchedLinear(n_vars, inner, 2 * hidden_size)  # GLU projection
         self.skip = BatchedLinear(n_vars, input_size, hidden_size) if input_size != hidden_size else None
         self.norm_weight = nn.Parameter(torch.ones(n_vars, 1, hidden_size))  # per-variable LayerNorm
         self.norm_bias = nn.Parameter(torch.zeros(n_vars, 1, hidden_size))
@@ -122,7 +127,7 @@ class VariableGRNs(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x.transpose(0, 1)  # [N, V, E] -> [V, N, E]
         residual = self.skip(x) if self.skip is not None else x  # [V, N, D]
-        h = self.dropout(self.fc2(F.elu(self.fc1(x))))  # [V, N, D]
+        h = self.dropout(self.fc2(F.elu(self.fc1(x))))  # [V, N, E]
         h = F.glu(self.gate(h), dim=-1)  # [V, N, D]
         y = F.layer_norm(residual + h, (self.hidden_size,)) * self.norm_weight + self.norm_bias  # [V, N, D]
         return y.transpose(0, 1)  # [N, V, D]
@@ -166,7 +171,7 @@ class VariableSelectionNetwork(nn.Module):
         weights = torch.softmax(self.flat_grn(emb.flatten(-2), c), dim=-1)  # [..., V]
         per_var = self.var_grns(emb.reshape(-1, self.n_vars, self.input_size))  # [N, V, D]
         per_var = per_var.reshape((*emb.shape[:-1], self.hidden_size))  # [..., V, D]
-        out = torch.matmul(weights.unsqueeze(-2), per_var).squeeze(-2)  # [..., 1, V] @ [..., V, D] -> [..., D]
+        out = (per_var * weights.unsqueeze(-1)).sum(dim=-2)  # [..., V, D] weighted by [..., V, 1] -> [..., D]
         return out, weights
 
 
