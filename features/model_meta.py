@@ -120,11 +120,11 @@ class ModelMeta:
             problems.append("horizon and encoder_length must be >= 1")
         q = list(self.quantiles)
         if not q or any(not 0.0 < x < 1.0 for x in q) or any(b <= a for a, b in itertools.pairwise(q)):
-            problems.append(f"quantiles {q} must be a non-empty, strictly increasing list inside (0, 1)")
+            problems.append(f"quantiles must be a non-empty list of strictly increasing levels in (0, 1), not {q}")
         if not self.symbols:
             problems.append("symbol vocabulary is empty")
         elif len(set(self.symbols)) != len(self.symbols):
-            problems.append("symbol vocabulary has duplicates")
+            problems.append("symbols must be unique: the vocabulary has duplicates")
         if self.bar_interval_ns <= 0:
             problems.append("bar_interval_ns must be > 0")
         if self.precision not in ("fp32", "fp16"):

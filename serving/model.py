@@ -288,11 +288,8 @@ def _check_signature(session: ort.InferenceSession, meta: ModelMeta, path: str) 
 def _check_meta(meta: ModelMeta, path: str) -> None:
     """What the server relies on beyond `ModelMeta.check`: values it computes with or repeats to callers."""
     problems = []
-    q = np.asarray(meta.quantiles, dtype=np.float64)
-    if not (np.isfinite(q).all() and (q > 0).all() and (q < 1).all() and (np.diff(q) > 0).all()):
-        problems.append(f"quantiles {list(meta.quantiles)} must be strictly increasing levels in (0, 1)")
-    if len(set(meta.symbols)) != len(meta.symbols) or not all(meta.symbols):
-        problems.append("symbols must be unique, non-empty names")
+    if not all(meta.symbols):
+        problems.append("symbols must be non-empty names")
     if meta.horizon * meta.bar_interval_ns >= 1 << 62:
         problems.append(f"horizon {meta.horizon} x bar_interval_ns {meta.bar_interval_ns} spans centuries")
     if not meta.model_version or len(meta.model_version) > 200 or not meta.model_version.isprintable():

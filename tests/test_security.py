@@ -366,7 +366,7 @@ def test_the_server_opens_only_its_own_files() -> None:
     assert found == {
         "model.load_model:read_bytes",  # --model
         "model._new_session:InferenceSession",  # from those bytes, not a path
-        "model._native_stderr:TemporaryFile",  # ONNX Runtime's provider log
+        "native_log.native_stderr:TemporaryFile",  # ONNX Runtime's provider log
         "model.load_and_warm:load_model",  # SIGHUP: --model again
         "server.serve:load_model",  # --model
         "security.read_file:read_bytes",  # --tls-*, --auth-token-file (server and clients)
