@@ -261,6 +261,17 @@ def table(levels: list[Level]) -> str:
     return "\n".join(lines)
 
 
+def stop_server(proc: subprocess.Popen[str] | subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM (the server drains), then SIGKILL if it has not exited within 30 s."""
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="ONNX model from `python -m export`")
@@ -308,12 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs))
             print(f"  concurrency {c}: {results[-1].throughput:.0f} req/s", flush=True)
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc)
 
     print(table(results))
     by_c = {lv.concurrency: lv for lv in results[2:]}

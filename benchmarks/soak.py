@@ -32,7 +32,6 @@ import multiprocessing
 import os
 import platform
 import re
-import subprocess
 import threading
 import time
 from collections import Counter, defaultdict
@@ -45,7 +44,7 @@ import numpy as np
 import onnxruntime as ort
 from grpc import aio
 
-from benchmarks.serving_load import request_pool, start_server, wait_serving
+from benchmarks.serving_load import request_pool, start_server, stop_server, wait_serving
 from features.bars import read_bars
 from features.model_meta import ModelMeta
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
@@ -301,12 +300,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.warmup:g} s warm-up + {args.duration:g} s, model {meta.model_version}", flush=True)
         report = soak(target, pid, pool, args)
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc)
 
     print(table(report))
     summary = {k: v for k, v in asdict(report).items() if k != "samples"}
