@@ -31,6 +31,7 @@ from export.placement import PlacementReport, evaluate, profile_placement
 from export.runtime import CUDA_OPTIONS, Probe, make_session, probe, strict_session_outcome, version_info
 from export.triton import config_pbtxt, repository_files
 from export.windows import saved_windows, windows_from_bars
+from features import package_version
 from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, FeatureSchema
@@ -79,13 +80,6 @@ class ExportResult:
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("foxhunt-tft")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-        return "unknown"
 
 
 def load(opts: ExportOptions) -> tuple[dict[str, Any], TemporalFusionTransformer, str]:

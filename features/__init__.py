@@ -4,10 +4,21 @@ The trainer and the server both turn bars into model inputs with this package, s
 training and serving cannot drift apart; importing it never imports torch.
 """
 
+import importlib.metadata
+
 from features.bars import BarDataError, Bars, ColumnMap, Problem, read_bars
 from features.compute import FeatureConfig, FeatureFrame, build_frame, known_features
 from features.normalize import NormStats
 from features.schema import FeatureSchema, FeatureSpec, Kind, Role
+
+
+def package_version() -> str:
+    """The installed foxhunt-tft version, recorded in checkpoints, models and GetModelInfo."""
+    try:
+        return importlib.metadata.version("foxhunt-tft")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
 
 __all__ = [
     "BarDataError",
@@ -23,5 +34,6 @@ __all__ = [
     "Role",
     "build_frame",
     "known_features",
+    "package_version",
     "read_bars",
 ]

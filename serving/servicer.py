@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.metadata
 import logging
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc import aio
 
+from features import package_version
 from features.schema import Role
 from serving.batcher import MicroBatcher
 from serving.errors import ExplainUnavailable, NotReady, Overloaded, ResponseTooLarge, status_of
@@ -38,13 +38,6 @@ ROLES = {Role.STATIC: pb.FEATURE_ROLE_STATIC, Role.OBSERVED: pb.FEATURE_ROLE_OBS
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Handler = Callable[[Any, Req, aio.ServicerContext[Req, Resp]], Awaitable[Resp]]
-
-
-def server_version() -> str:
-    try:
-        return importlib.metadata.version("foxhunt-tft")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 @dataclass(frozen=True)
@@ -178,5 +171,5 @@ def model_info(model: LoadedModel, limits: Limits) -> pb.ModelInfo:
         max_message_bytes=limits.max_message_bytes,
         max_concurrent=limits.max_concurrent,
         torch_imported="torch" in sys.modules,
-        server_version=server_version(),
+        server_version=package_version(),
     )

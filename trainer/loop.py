@@ -6,7 +6,6 @@ itself has no device branches (an autocast factory and a GradScaler that may be 
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import math
@@ -21,6 +20,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from features import package_version
 from features.bars import ColumnMap
 from features.schema import MODEL_INPUTS, TARGET
 from trainer.checkpoint import FORMAT, load_checkpoint, remove_stale_temp_files, save_atomic
@@ -37,13 +37,6 @@ log = logging.getLogger("trainer")
 
 VALIDATION_SAMPLE_WINDOWS = 256
 RESUME_OVERRIDABLE = ("epochs", "device", "vram_budget", "threads", "grad_checkpointing", "precision")
-
-
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("foxhunt-tft")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 @dataclass(frozen=True)
