@@ -18,18 +18,8 @@ latency per call, and ONNX Runtime / eager ratios (below 1 = ONNX Runtime faster
 under torch.inference_mode(); ONNX Runtime with all graph optimisations, sequential execution,
 intra-op threads = PyTorch threads = each value of --threads.
 
-Measured (`python -m benchmarks.inference_latency --threads 1 2`, defaults otherwise; x86_64,
-2 CPUs shared with other jobs, load average 4.5-5 throughout, so p99s are noisy):
+Figures, with the command and the machine's load: BENCHMARKS.md.
 
-    threads batch  eager median / p99       ORT median / p99       ORT/eager median
-       1      1      7.2 ms /   15.5 ms       1.73 ms /   7.8 ms     0.24
-       1     32     98.3 ms /  133 ms        68.3 ms /   84 ms       0.69
-       1    256      678 ms / 1724 ms         355 ms /  650 ms       0.52
-       2      1      5.9 ms /  902 ms         1.77 ms /   18 ms      0.30
-       2     32      163 ms / 1783 ms        85.5 ms /  147 ms       0.53
-       2    256     1485 ms / 3133 ms         571 ms /  730 ms       0.38
-
-The target (ONNX Runtime at most half of eager at batch 1) is met at both thread counts.
 With 2 threads on 2 busy cores, eager's p99 explodes (OpenMP threads spinning against the
 neighbours); one thread per process is the better setting on a shared machine.
 """
