@@ -49,6 +49,7 @@ from features.bars import Bars, read_bars
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS
 from serving.client import series_from_bars
+from serving.cuda_libs import preload_cuda_libraries
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.preprocess import prepare
@@ -113,6 +114,7 @@ def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequ
     providers: list[Any] = ["CPUExecutionProvider"]
     if provider == "CUDAExecutionProvider":  # as the server runs it (fp32, no TF32), CPU for shape nodes only
         providers = [(provider, {"use_tf32": "0"}), "CPUExecutionProvider"]
+        preload_cuda_libraries()
     session = ort.InferenceSession(str(model), so, providers=providers)
     if session.get_providers()[0] != provider:
         raise SystemExit(f"bare ONNX Runtime baseline wanted {provider} but got {session.get_providers()}")

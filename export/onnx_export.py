@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from features.schema import (
 from trainer.model_config import ModelConfig
 from trainer.modeling import TemporalFusionTransformer
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 BATCH = "batch"  # the name of the dynamic batch axis of every input and output
 MIN_OPSET = 18  # the torch.export-based exporter emits opset 18 or newer (and cannot down-convert Split)
 DEFAULT_OPSET = 18  # what the torch.export-based exporter emits natively
@@ -91,6 +93,22 @@ def _quiet_exporter() -> Iterator[None]:
                 lg.setLevel(level)
 
 
+def _describe(exc: BaseException) -> str:
+    """The exception and its root cause: torch.onnx wraps the torch.export error that says what failed."""
+    chain = [exc]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain and len(chain) < 8:
+        chain.append(nxt)
+
+    def first_line(e: BaseException) -> str:
+        lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()]
+        return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+    text = first_line(exc)
+    if len(chain) > 1:
+        text += f" (caused by {first_line(chain[-1])})"
+    return text
+
+
 def export_model(model: TemporalFusionTransformer, example: dict[str, Tensor], opset: int,
                  explain: bool) -> onnx.ModelProto:
     """Export with named inputs/outputs and a dynamic batch axis; weights inside the proto.
@@ -122,16 +140,17 @@ def export_model(model: TemporalFusionTransformer, example: dict[str, Tensor], o
                 verbose=False,
             )
     except Exception as exc:  # torch raises many unrelated types here; all mean "cannot export"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckFailed("torch.onnx.export", f"{type(exc).__name__}: {first}. The model could not be exported "
-                          "with a dynamic batch axis; a data-dependent shape or value in forward() is the usual "
-                          "cause") from exc
+        raise CheckFailed("torch.onnx.export", f"{_describe(exc)}. The model could not be exported with a dynamic "
+                          "batch axis; a data-dependent shape or value in forward() is the usual cause") from exc
     if program is None:  # pragma: no cover - the dynamo path always returns a program
         raise CheckFailed("torch.onnx.export", "the exporter returned no program")
     proto = program.model_proto
     for node in proto.graph.node:  # the exporter's per-node debug records: stack traces with local paths
         del node.metadata_props[:]
         node.doc_string = ""
+    # the exporter's shapes of intermediate values are annotations only (the checker and ONNX Runtime
+    # infer their own); torch 2.11 writes the LSTM states' as 4-D where the op makes them 3-D
+    del proto.graph.value_info[:]
     if not proto.graph.initializer:
         raise CheckFailed("torch.onnx.export", "the exported graph carries no weights (initializers)")
     return proto

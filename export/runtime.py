@@ -16,6 +16,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from export.errors import CheckFailed
+from serving.cuda_libs import preload_cuda_libraries
 from serving.native_log import native_stderr, provider_failure_reason
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
@@ -24,7 +25,6 @@ DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
 # fp32 parity on CUDA must not run matmuls in TF32 (10-bit mantissa); a server that wants TF32
 # should re-check parity with it. Recorded in the model's parity report.
 CUDA_OPTIONS = {"device_id": "0", "use_tf32": "0"}
-
 
 
 def session_options(threads: int, profile_prefix: str | None = None, strict: bool = False) -> ort.SessionOptions:
@@ -47,6 +47,8 @@ def providers_for(device: str) -> list[Any]:
 
 def make_session(model: bytes, device: str, threads: int, profile_prefix: str | None = None) -> ort.InferenceSession:
     """A session whose main provider is `device`'s, or CheckFailed: never a silent CPU session."""
+    if device == "cuda":
+        preload_cuda_libraries()
     with native_stderr() as log:
         session = ort.InferenceSession(model, session_options(threads, profile_prefix), providers=providers_for(device))
     got = session.get_providers()
@@ -85,6 +87,7 @@ def probe(device: str) -> Probe:
                      f"(available here: {', '.join(ort.get_available_providers())})")
     error = ""
     session = None
+    preload_cuda_libraries()
     with native_stderr() as log:
         try:
             session = ort.InferenceSession(_probe_model(), session_options(1, strict=True),

@@ -88,11 +88,17 @@ install_wheels() {  # install_wheels DIR WHEEL...: into a private target, first 
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$@" \
     && export PYTHONPATH="$target:$PYTHONPATH"
 }
+link_nvidia() {  # link_nvidia DIR: onnxruntime.preload_dlls looks for NVIDIA's CUDA wheels beside onnxruntime
+  local nv
+  nv=$("$PY" -c "import nvidia; print(list(nvidia.__path__)[0])" 2>/dev/null) || return 0
+  [ -n "$nv" ] && [ ! -e "$1/nvidia" ] && ln -s "$nv" "$1/nvidia"
+  return 0
+}
 if [ -n "$WHEELS" ]; then
   install_wheels "$WORK/site" "$WHEELS"/*.whl || log "installing the wheels in $WHEELS failed"
 fi
 if [ -n "$ORT_WHEEL" ]; then
-  install_wheels "$WORK/ort" "$ORT_WHEEL" || log "installing $ORT_WHEEL failed"
+  install_wheels "$WORK/ort" "$ORT_WHEEL" && link_nvidia "$WORK/ort" || log "installing $ORT_WHEEL failed"
 fi
 
 # ---- helper: figures and the report (python, stdlib only, torch for the checkpoint's plan) ----------
@@ -322,9 +328,11 @@ fi
 CKPT_CPU="$WORK/cpu/ckpt.pt"
 if [ -f "$DATA" ] && time_left; then
   t0=$SECONDS
-  if [ $HAVE_CUDA = 1 ]; then  # the same preset on every CPU thread, a few steps
-    CPU_FLAGS=("${PRESET[@]}" --max-steps-per-epoch "$CPU_STEPS" --max-val-windows 64 --threads "$NPROC")
-    what="the preset on $NPROC CPU threads, $CPU_STEPS steps"
+  if [ $HAVE_CUDA = 1 ]; then  # the same preset on every CPU thread, a few steps of 8 windows
+    # (the CUDA plan's micro-batch is about that size; a CPU step of 128 windows needs tens of GB)
+    CPU_FLAGS=("${PRESET[@]}" --batch-size 8 --max-steps-per-epoch "$CPU_STEPS" --max-val-windows 16
+               --threads "$NPROC")
+    what="the preset on $NPROC CPU threads, $CPU_STEPS steps of 8 windows"
   else  # no GPU: a tiny run that shows the pipeline works (the preset takes minutes per step here)
     CPU_FLAGS=(--parquet "$DATA" --hidden-size 16 --attention-heads 2 --encoder-length 30 --batch-size 32
                --max-steps-per-epoch 5 --max-val-windows 128 --threads "$NPROC")

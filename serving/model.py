@@ -43,6 +43,7 @@ from features.schema import (
     QUANTILES,
     STATIC_CATEGORICAL,
 )
+from serving.cuda_libs import preload_cuda_libraries
 from serving.errors import DeviceUnavailable, ModelLoadError
 from serving.native_log import native_stderr, provider_failure_reason
 from serving.preprocess import INPUT_DTYPES
@@ -194,6 +195,7 @@ def _cuda_session(model_bytes: bytes, path: str, device_id: int, threads: int) -
         raise DeviceUnavailable(f"CUDA requested but this onnxruntime build ({ort.__version__}) has no CUDA "
                                 f"execution provider (available: {', '.join(ort.get_available_providers())}); "
                                 "install onnxruntime-gpu")
+    preload_cuda_libraries()
     # the CPU provider stays listed for the shape computation the CUDA provider hands over on purpose;
     # that every compute node runs on CUDA is what export's placement gate proved (checked in load_model)
     providers: list[str | tuple[str, dict[str, str]]] = [(CUDA_EP, {**CUDA_OPTIONS, "device_id": str(device_id)}),

@@ -15,10 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 from types import FrameType
+
+# Before CUDA starts: expandable segments let the caching allocator grow and shrink its pool
+# instead of holding fixed blocks, so reserved memory (what the VRAM cap bounds) stays close to
+# allocated memory (what the plan estimates). A user's own setting wins.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch
 

@@ -31,9 +31,10 @@ def resolve_device(spec: str) -> torch.device:
         dev = torch.device(spec)
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise DeviceError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) visible")
-        return dev
+        # always with an index: some CUDA APIs (set_per_process_memory_fraction) refuse a bare "cuda"
+        return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
     if spec == "auto":
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         if dev.type == "cpu":
             log.warning("--device auto: CUDA is not available, training on the CPU")
         else:
@@ -90,7 +91,10 @@ class PeakMemory:
     def read(self) -> dict[str, int | str]:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated(self.device))}
+            # allocated is what the plan estimates; reserved (allocated + the caching allocator's free
+            # blocks) is what the set_per_process_memory_fraction cap bounds
+            return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated(self.device)),
+                    "reserved_bytes": int(torch.cuda.max_memory_reserved(self.device))}
         return {"kind": "cpu_peak_rss", "bytes": peak_rss_bytes()}
 
 

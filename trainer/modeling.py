@@ -341,7 +341,9 @@ class TemporalFusionTransformer(nn.Module):
         n = self.cfg.lstm_layers
         h0 = c_h.unsqueeze(0).repeat(n, 1, 1)  # [layers, B, D]
         c0 = c_c.unsqueeze(0).repeat(n, 1, 1)  # [layers, B, D]
-        enc_out, state = self.encoder_lstm(enc_x, (h0, c0))  # [B, L, D]
+        enc_out, (h_n, c_n) = self.encoder_lstm(enc_x, (h0, c0))  # [B, L, D], 2 x [layers, B, D]
+        # a no-op reshape, except under torch 2.11's export, which traces the final state as 4-D
+        state = (h_n.reshape(n, -1, self.cfg.hidden_size), c_n.reshape(n, -1, self.cfg.hidden_size))
         dec_out, _ = self.decoder_lstm(dec_x, state)  # [B, H, D]
         lstm_out = torch.cat([enc_out, dec_out], dim=1)  # [B, T, D]
         selected = torch.cat([enc_x, dec_x], dim=1)  # [B, T, D]

@@ -581,6 +581,8 @@ def plan_for_model(model: TemporalFusionTransformer, batch_fn: BatchFn, target: 
     mem = _measure_fitting(model, batch_fn, target, [mode == "on"], budget)
     if planning and needs_checkpointing_measure(mem, budget, batch_size, mode):
         mem = _measure_fitting(model, batch_fn, target, [True], budget, base=mem)
+    if target.measure_device.type == "cuda":  # the trial steps' cached blocks would fragment the real run's pool
+        torch.cuda.empty_cache()
     notes: tuple[str, ...] = ()
     if planning:
         opts = tuple(options_for(mem, budget, batch_size))
@@ -591,6 +593,9 @@ def plan_for_model(model: TemporalFusionTransformer, batch_fn: BatchFn, target: 
             report = PlanReport(target, budget, batch_size, mode, mem, opts, failed, assumptions_for(target),
                                 time.perf_counter() - t0, ("REFUSED: " + str(exc),))
             raise PlanError(str(exc), format_report(report, refused=True)) from None
+        if target.measure_device.type == "cuda":
+            plan = confirm_on_card(model, batch_fn, target, mem, plan)
+            notes = plan.notes[-1:]
     else:
         plan = literal_plan(batch_size, mode, target.precision)
         ckpt = plan.grad_checkpointing  # measured above: mode "on" measures with checkpointing, else without
@@ -601,6 +606,45 @@ def plan_for_model(model: TemporalFusionTransformer, batch_fn: BatchFn, target: 
         plan = replace(plan, estimate_bytes=estimate, notes=notes)
     return PlanReport(target, budget, batch_size, mode, mem, opts, plan, assumptions_for(target),
                       time.perf_counter() - t0, notes)
+
+
+def confirm_on_card(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target, mem: MemoryModel,
+                    plan: TrainPlan) -> TrainPlan:
+    """One real step of the chosen micro-batch under the cap, with the AdamW state's bytes held beside
+    it (the optimizer allocates them at its first step); on out of memory, a quarter fewer windows.
+
+    The estimate is of allocated memory and extrapolates from two small trial steps; the cap
+    bounds reserved memory. This step proves the plan on the card before training starts.
+    """
+    device = target.measure_device
+    trial = Trial(model, batch_fn, device, target.precision)
+    mb = plan.micro_batch
+    while True:
+        reserved = 0
+        with trial.restoring():
+            torch.cuda.empty_cache()
+            state: Tensor | None = None
+            try:
+                state = torch.empty(mem.optimizer_bytes, dtype=torch.uint8, device=device)
+                torch.cuda.reset_peak_memory_stats(device)
+                trial.train_step(mb, plan.grad_checkpointing)
+                reserved = int(torch.cuda.max_memory_reserved(device))
+            except torch.OutOfMemoryError:
+                pass
+            finally:
+                state = None  # noqa: F841 - frees the held bytes before the next try
+        torch.cuda.empty_cache()
+        if reserved:
+            note = (f"confirmed on the card: a step of {mb} windows with the optimizer state held peaked at "
+                    f"{format_bytes(reserved)} reserved of the {format_bytes(plan.budget_bytes)} cap")
+            if mb != plan.micro_batch:
+                note += f" (the estimate's {plan.micro_batch} windows ran out of memory)"
+            return replace(plan, micro_batch=mb, notes=(*plan.notes, note))
+        if mb == 1:
+            raise PlanError(f"a training step of one window does not fit the VRAM cap of "
+                            f"{format_bytes(plan.budget_bytes)} on the card, although the estimate said it would; "
+                            "raise --vram-budget or turn on --grad-checkpointing on")
+        mb = max(1, mb - max(1, mb // 4))
 
 
 def batch_fn_for(tensors: Any, anchors: np.ndarray) -> BatchFn:
