@@ -22,7 +22,9 @@
 #                and against both plans' estimates; GPU utilisation sampled in the background
 #   train_cpu    the same run on all CPU threads for a few steps: windows/s against CUDA
 #   export       python -m export --require-device cuda (the placement gate), if ORT has CUDA
-#   serving      python -m serving --device cuda, then benchmarks/serving_load.py against it
+#   serving      benchmarks/serving_load.py: python -m serving --device cuda with the preset's model
+#                against bare ONNX Runtime on CUDA, at 1, 8 and 64 concurrent clients
+#   serving_cpu  the same with the tiny test model on the CPU provider (an uncontended machine's figure)
 #
 # Without a GPU it says so, runs the plan and a tiny CPU training run, and exits 0. The exit
 # status is 1 only when a part that ran failed.
@@ -379,40 +381,57 @@ else
   fi
 fi
 
+SERVING_OK=1
 if [ ! -f serving/__main__.py ] || [ ! -f benchmarks/serving_load.py ]; then
-  record serving skipped 0 "python -m serving or benchmarks/serving_load.py does not exist yet"
+  SERVING_OK=0; why="python -m serving or benchmarks/serving_load.py does not exist yet"
+elif ! "$PY" -c "import grpc, grpc_health.v1, grpc_reflection.v1alpha" 2>>"$OUT/export_serving.log"; then
+  SERVING_OK=0; why="the server's gRPC packages are missing here (grpcio-health-checking, grpcio-reflection): pass --wheels DIR"
+fi
+# serving_load starts the server itself (python -m serving on 127.0.0.1, metrics scraped for the batch
+# sizes), measures bare ONNX Runtime on the same provider, then 1, 8 and 64 closed-loop clients
+serving_load() {  # serving_load PART MODEL DEVICE WHAT
+  local part=$1 model=$2 device=$3 what=$4 t0=$SECONDS rc
+  echo "== $part: $what" >>"$OUT/export_serving.log"
+  timeout 200 "$PY" -m benchmarks.serving_load --model "$model" --parquet "$DATA" --device "$device" \
+    --concurrency 1,8,64 --duration 5 --client-procs 4 --server-arg=--max-batch=64 \
+    --json "$WORK/$part.json" >>"$OUT/export_serving.log" 2>&1
+  rc=$?
+  if [ $rc = 0 ]; then
+    "$PY" -c "import json,sys; print(json.dumps({'part': sys.argv[2], 'what': sys.argv[3], **json.load(open(sys.argv[1]))}))" \
+      "$WORK/$part.json" "$part" "$what" >>"$FIGURES" 2>/dev/null
+    record "$part" pass $((SECONDS - t0)) "$what: $("$PY" -c "import json,sys; s=json.load(open(sys.argv[1]))['summary']; print(', '.join(f'{k} {v}' for k, v in s.items()))" "$WORK/$part.json")"
+  else
+    record "$part" fail $((SECONDS - t0)) "serving_load exit $rc: $(tail_of "$OUT/export_serving.log")"
+  fi
+}
+
+if [ $SERVING_OK = 0 ]; then
+  record serving skipped 0 "$why"
 elif [ ! -f "$MODEL" ]; then
   record serving skipped 0 "no exported CUDA model (see export)"
-elif ! "$PY" -c "import grpc, grpc_health.v1, grpc_reflection.v1alpha" 2>>"$OUT/export_serving.log"; then
-  record serving skipped 0 "the server's gRPC packages are missing here (grpcio-health-checking, grpcio-reflection): pass --wheels DIR"
 elif ! time_left; then
   record serving skipped 0 "out of time"
 else
+  serving_load serving "$MODEL" cuda "the preset model on the CUDA provider"
+fi
+
+# ---- serving_cpu: the small test model on the CPU provider of this (uncontended) machine ------------------
+TINY="$WORK/tiny"
+if [ $SERVING_OK = 0 ]; then
+  record serving_cpu skipped 0 "$why"
+elif [ ! -f "$DATA" ] || ! time_left; then
+  record serving_cpu skipped 0 "no data or out of time"
+else
   t0=$SECONDS
-  "$PY" -m serving --model "$MODEL" --device cuda --port 0 --max-batch 64 >"$WORK/server.out" 2>>"$OUT/export_serving.log" &
-  SERVER_PID=$!
-  addr=""
-  for _ in $(seq 1 120); do
-    addr=$(grep -m1 -o 'listening on [^ ]*' "$WORK/server.out" 2>/dev/null | awk '{print $3}')
-    [ -n "$addr" ] && break
-    kill -0 "$SERVER_PID" 2>/dev/null || break
-    sleep 0.5
-  done
-  if [ -z "$addr" ]; then
-    record serving fail $((SECONDS - t0)) "the server did not start on CUDA: $(tail_of "$OUT/export_serving.log")"
+  mkdir -p "$TINY"
+  if timeout 120 "$PY" -m trainer --parquet "$DATA" --out "$TINY/ckpt.pt" --hidden-size 8 --attention-heads 2 \
+       --encoder-length 20 --horizon 3 --batch-size 32 --epochs 1 --max-steps-per-epoch 5 --max-val-windows 200 \
+       --threads 1 --device cpu --no-progress --no-report >>"$OUT/export_serving.log" 2>&1 \
+     && timeout 120 "$PY" -m export "$TINY/ckpt.pt" "$TINY/model.onnx" --threads 1 >>"$OUT/export_serving.log" 2>&1; then
+    serving_load serving_cpu "$TINY/model.onnx" cpu "the tiny test model (hidden 8, encoder 20) on the CPU provider, 1 thread"
   else
-    timeout 150 "$PY" benchmarks/serving_load.py --model "$MODEL" --parquet "$DATA" --target "$addr" \
-      --concurrency 1,8,64 --duration 5 --json "$WORK/serving_load.json" >>"$OUT/export_serving.log" 2>&1
-    rc=$?
-    if [ $rc = 0 ]; then
-      "$PY" -c "import json,sys; print(json.dumps({'part': 'serving', **json.load(open(sys.argv[1]))}))" \
-        "$WORK/serving_load.json" >>"$FIGURES" 2>/dev/null
-      record serving pass $((SECONDS - t0)) "serving_load against the CUDA server: see figures"
-    else
-      record serving fail $((SECONDS - t0)) "serving_load exit $rc: $(tail_of "$OUT/export_serving.log")"
-    fi
+    record serving_cpu fail $((SECONDS - t0)) "the tiny model could not be trained or exported: $(tail_of "$OUT/export_serving.log")"
   fi
-  kill -TERM "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null
 fi
 
 # ---- the report ---------------------------------------------------------------------------------

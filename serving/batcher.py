@@ -3,7 +3,9 @@
 Calls `submit` their payload (checked series) and await their result. One loop forms
 batches and runs them, one at a time, on a single worker thread (ONNX
 Runtime releases the GIL, so the event loop keeps accepting and preparing calls while a
-batch runs; calls that arrive meanwhile form the next batch).
+batch runs; calls that arrive meanwhile form the next batch). A lone call with nothing else
+queued runs on the event loop itself when the last such run took under a millisecond (a
+small model on the CPU), saving the two thread hand-overs; slower runs stay on the worker.
 
 What runs is a `process(key, payloads)` function (serving.inference.run_batch: features
 of all the batch's series, one model run); the batcher only forms the batches.
@@ -35,6 +37,7 @@ from serving.errors import QueueDeadlineExceeded, ServingError
 log = logging.getLogger("serving")
 
 WAIT_POLICIES = ("adaptive", "fixed")
+INLINE_MAX_S = 0.001  # a lone call whose last run took less than this runs on the event loop, not the worker
 K = TypeVar("K")  # what a batch runs on (the model snapshot); only calls with the same key share a batch
 P = TypeVar("P")  # one call's payload (its series)
 R = TypeVar("R")  # one call's result
@@ -88,6 +91,7 @@ class MicroBatcher(Generic[K, P, R]):
         self._closing = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
         self._task: asyncio.Task[None] | None = None
+        self._lone_run_s = float("inf")  # how long the last lone call's run took (unknown until one ran)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -187,7 +191,15 @@ class MicroBatcher(Generic[K, P, R]):
                 self._observer.on_queue_time(started - it.enqueued)
             payloads = [it.payload for it in batch]
             try:
-                results = await loop.run_in_executor(self._executor, self._process, first.key, payloads)
+                lone = len(batch) == 1 and not self._queue
+                if lone and self._lone_run_s < INLINE_MAX_S:
+                    # a quick lone call runs on the loop itself: the two thread hand-overs would cost
+                    # more than the loop's short pause (only runs measured under INLINE_MAX_S qualify)
+                    results = self._process(first.key, payloads)
+                else:
+                    results = await loop.run_in_executor(self._executor, self._process, first.key, payloads)
+                if lone:
+                    self._lone_run_s = time.monotonic() - started
             except Exception as exc:  # a failed run fails its calls, never the loop
                 log.exception("inference failed for a batch of %d calls", len(batch))
                 results = [exc] * len(batch)

@@ -6,6 +6,7 @@ import asyncio
 import filecmp
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -169,6 +170,32 @@ class Recorder:
         self.batches.append(list(payloads))
         time.sleep(self.delay)
         return [p * 2 if p >= 0 else ValueError(f"bad {p}") for p in payloads]
+
+
+def test_quick_lone_calls_run_on_the_event_loop_and_slow_ones_on_the_worker() -> None:
+    def threads_of(delay: float) -> list[bool]:
+        on_loop: list[bool] = []
+
+        def process(key: str, payloads: list[int]) -> list[int | Exception]:
+            on_loop.append(threading.get_ident() == loop_thread)
+            time.sleep(delay)
+            return [p * 2 for p in payloads]
+
+        async def main() -> None:
+            b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=0.0)
+            b.start()
+            try:
+                for i in range(3):  # one at a time: each is a lone call
+                    assert await b.submit("m", i, 1) == 2 * i
+            finally:
+                await b.close()
+
+        loop_thread = threading.get_ident()
+        asyncio.run(main())
+        return on_loop
+
+    assert threads_of(0.0) == [False, True, True]  # the first run measures the cost on the worker
+    assert threads_of(0.01) == [False, False, False]  # over INLINE_MAX_S: never blocks the loop
 
 
 def test_concurrent_calls_share_batches_and_get_their_own_results() -> None:
