@@ -8,6 +8,7 @@ observed features and never start a window.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,11 +44,7 @@ class FeatureConfig:
         return self.volatility_window
 
     def schema(self) -> FeatureSchema:
-        specs = [FeatureSpec(STATIC_SYMBOL, Role.STATIC, Kind.CATEGORICAL)]
-        specs += [FeatureSpec(n, Role.OBSERVED, Kind.REAL) for n in BUILTIN_OBSERVED]
-        specs += [FeatureSpec(n, Role.OBSERVED, Kind.REAL, source="user") for n in self.user_columns]
-        specs += [FeatureSpec(n, Role.KNOWN, Kind.REAL) for n in BUILTIN_KNOWN]
-        return FeatureSchema(tuple(specs))
+        return _schema(self.user_columns)
 
     def to_dict(self) -> dict[str, Any]:
         return {"horizon": self.horizon, "volatility_window": self.volatility_window,
@@ -141,6 +138,15 @@ def _rolling_std(x: np.ndarray, window: int, starts: np.ndarray) -> np.ndarray:
         var += (padded[k : k + n] - mean) ** 2
     var /= window
     return np.where(ok, np.sqrt(var), np.nan)
+
+
+@functools.lru_cache(maxsize=32)  # a server builds a frame per batch; the schema only depends on the columns
+def _schema(user_columns: tuple[str, ...]) -> FeatureSchema:
+    specs = [FeatureSpec(STATIC_SYMBOL, Role.STATIC, Kind.CATEGORICAL)]
+    specs += [FeatureSpec(n, Role.OBSERVED, Kind.REAL) for n in BUILTIN_OBSERVED]
+    specs += [FeatureSpec(n, Role.OBSERVED, Kind.REAL, source="user") for n in user_columns]
+    specs += [FeatureSpec(n, Role.KNOWN, Kind.REAL) for n in BUILTIN_KNOWN]
+    return FeatureSchema(tuple(specs))
 
 
 def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = None,

@@ -52,6 +52,10 @@ class Prepared:
 
 def to_bars(series: Sequence[SeriesColumns], keys: Sequence[str], user_columns: Sequence[str]) -> Bars:
     """One Bars of all series, rows grouped by series in time order; `keys[i]` is series i's unique symbol key."""
+    if len(series) == 1:  # a lone series: its columns as they are, no copies
+        s = series[0]
+        return Bars(s.timestamp_ns, np.full(len(s), keys[0], dtype=object), s.open, s.high, s.low, s.close,
+                    s.volume, {u: s.user[u] for u in user_columns})
     return Bars(
         timestamp_ns=np.concatenate([s.timestamp_ns for s in series]),
         symbol=np.concatenate([np.full(len(s), k, dtype=object) for s, k in zip(series, keys, strict=True)]),
