@@ -43,7 +43,6 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 from grpc import aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from features.bars import Bars, read_bars
 from features.model_meta import ModelMeta
@@ -52,6 +51,7 @@ from serving.client import series_from_bars
 from serving.cuda_libs import preload_cuda_libraries
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
+from serving.health_probe import wait_serving as health_wait
 from serving.preprocess import prepare
 from serving.validation import columns_from_proto
 
@@ -164,18 +164,8 @@ def start_server(model: Path, device: str, threads: int, extra: list[str], log: 
 
 
 def wait_serving(target: str, timeout: float = 60) -> None:
-    with grpc.insecure_channel(target) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise SystemExit(f"server at {target} not SERVING after {timeout} s")
+    if not health_wait(target, timeout):
+        raise SystemExit(f"server at {target} not SERVING after {timeout} s")
 
 
 def server_provider(target: str) -> str:

@@ -61,20 +61,10 @@ def start_server(model: Path) -> tuple[subprocess.Popen[str], str]:
 
 def wait_serving(target: str, deadline: float) -> None:
     """Poll the standard gRPC health service until the server has warmed up."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from serving.health_probe import wait_serving as health_wait
 
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise SystemExit("demo: the server did not report SERVING within 120 s")
+    if not health_wait(target, max(0.0, deadline - time.monotonic()), interval=0.2):
+        raise SystemExit("demo: the server did not report SERVING within 120 s")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Shared by the reliability, fuzz and security tests: one tiny real model per session and a
+"""Shared by the serving, reliability, fuzz and security tests: one tiny real model per session and a
 real `python -m serving` subprocess on 127.0.0.1:0.
 
 The model is made by the real trainer and exporter (tests.artifacts) once per test session
@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from features.bars import Bars, read_bars
 from features.model_meta import ModelMeta
 from serving.client import series_from_bars
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from tests.artifacts import REPO, make_checkpoint, make_onnx
 
 SERVICE = "foxhunt.tft.v1.Forecaster"
@@ -57,14 +59,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Model:
     return _BUILT[root]
 
 
-def request_for(m: Model, symbol: str, end: int | None = None, n: int | None = None) -> pb.PredictRequest:
+def request_for(m: Model, symbol: str, end: int | None = None, n: int | None = None,
+                explain: bool = False) -> pb.PredictRequest:
     """The `n` (default bars_required) bars of `symbol` ending at its row `end` (default: its last)."""
     bars = m.bars
     if end is not None:
         stop = bars.series_slices()[symbol].start + end + 1
         bars = Bars(bars.timestamp_ns[:stop], bars.symbol[:stop], bars.open[:stop], bars.high[:stop],
                     bars.low[:stop], bars.close[:stop], bars.volume[:stop])
-    return pb.PredictRequest(series=[series_from_bars(bars, symbol, n or m.meta.bars_required)])
+    return pb.PredictRequest(series=[series_from_bars(bars, symbol, n or m.meta.bars_required)], explain=explain)
 
 
 class LiveServer:
@@ -80,17 +83,25 @@ class LiveServer:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, args=(lines,), daemon=True).start()
-        self.address = ""
-        try:
-            line = lines.get(timeout=60)
-        except queue.Empty:
-            line = ""
-        if m := re.fullmatch(r"listening on (\S+):(\d+)\n", line):
-            self.address, self.port = m.group(1), int(m.group(2))
+        self.address = self.metrics = ""
+        want_metrics = "--metrics-port" in flags
+        deadline = time.monotonic() + 60
+        line = ""
+        while not self.address or (want_metrics and not self.metrics):
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if m := re.fullmatch(r"listening on (\S+):(\d+)\n", line):
+                self.address, self.port = m.group(1), int(m.group(2))
+            if m := re.fullmatch(r"metrics on (\S+)\n", line):
+                self.metrics = m.group(1)
         if not self.address:
             self.kill()
             raise AssertionError(f"server did not report its port ({line!r}):\n{self.log_text()}")
         self.target = f"127.0.0.1:{self.port}"
+        self.channel = grpc.insecure_channel(self.target)  # for plaintext servers; TLS tests make their own
+        self.stub = pb_grpc.ForecasterStub(self.channel)
 
     def _read(self, lines: queue.Queue[str]) -> None:
         assert self.proc.stdout is not None
@@ -130,7 +141,13 @@ class LiveServer:
             if own:
                 ch.close()
 
+    def scrape(self) -> str:
+        """The Prometheus text of `--metrics-port 0`'s endpoint."""
+        return urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=5).read().decode()
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
+        if hasattr(self, "channel"):
+            self.channel.close()

@@ -366,7 +366,9 @@ def test_cuda_run_stays_under_its_budget(bars: Path, tmp_path: Path) -> None:
              "--vram-budget", "256MiB"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "set_per_process_memory_fraction" in r.stderr and "plan: micro-batch" in r.stderr
+    assert "confirmed on the card: a step of" in r.stderr  # the plan was proven with a real step first
     for line in out.with_suffix(".metrics.jsonl").read_text().splitlines():
         peak = json.loads(line)["peak_memory"]
         assert peak["train"]["kind"] == "cuda_max_allocated"
         assert 0 < peak["train"]["bytes"] <= budget and 0 < peak["val"]["bytes"] <= budget
+        assert peak["train"]["bytes"] <= peak["train"]["reserved_bytes"] <= budget  # the cap bounds reserved

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import queue
 import re
 import shutil
 import signal
@@ -17,10 +16,8 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -31,100 +28,28 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from features.bars import Bars, read_bars
 from features.compute import build_frame, future_timestamps
-from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES
 from features.windows import gather_windows
-from serving.client import series_from_bars
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
-from tests.artifacts import REPO, make_checkpoint, make_onnx
+from tests.artifacts import REPO
+from tests.live_server import SERVICE, LiveServer, Model, request_for, tiny_model  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 
-SERVICE = "foxhunt.tft.v1.Forecaster"
 RTOL, ATOL = 1e-5, 1e-7  # ORT's float32 kernels may differ in the last bits between batch sizes
 
 
-# ---- artifacts and servers --------------------------------------------------------------------------
-@dataclass
-class Artifacts:
-    bars_path: Path
-    model: Path
-    meta: ModelMeta
-    bars: Bars
-
-
+# ---- the model and servers (tests.live_server) --------------------------------------------------------
 @pytest.fixture(scope="module")
-def art(tmp_path_factory: pytest.TempPathFactory) -> Artifacts:
-    work = tmp_path_factory.mktemp("serving")
-    ckpt = make_checkpoint(work)
-    model = make_onnx(ckpt, work / "model.onnx", ("--threads", "1"))
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
-    return Artifacts(work / "bars.parquet", model, meta, read_bars(work / "bars.parquet"))
+def art(tiny_model: Model) -> Model:  # noqa: F811  (the shared fixture, under this module's name)
+    return tiny_model
 
 
-class ServerProcess:
-    """`python -m serving` on 127.0.0.1:0; stdout read for the bound ports, stderr to a log file."""
-
-    def __init__(self, model: Path, log: Path, *flags: str) -> None:
-        self.log = log
-        cmd = [sys.executable, "-m", "serving", "--model", str(model), "--port", "0", "--metrics-port", "0",
-               "--threads", "1", *flags]
-        with open(log, "w") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, args=(lines,), daemon=True).start()
-        self.target = self.metrics = ""
-        deadline = time.monotonic() + 60
-        while not (self.target and self.metrics):
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if m := re.fullmatch(r"listening on (127\.0\.0\.1:\d+)\n", line):
-                self.target = m.group(1)
-            if m := re.fullmatch(r"metrics on (127\.0\.0\.1:\d+)\n", line):
-                self.metrics = m.group(1)
-        if not self.target:
-            self.kill()
-            raise AssertionError(f"server did not report its port:\n{self.log_text()}")
-        self.channel = grpc.insecure_channel(self.target)
-        self.stub = pb_grpc.ForecasterStub(self.channel)
-
-    def _read(self, lines: queue.Queue[str]) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            lines.put(line)
-
-    def log_text(self) -> str:
-        return self.log.read_text()
-
-    def wait_serving(self, timeout: float = 60) -> None:
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.log_text()}"
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"not SERVING after {timeout} s:\n{self.log_text()}")
-
-    def scrape(self) -> str:
-        return urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=5).read().decode()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        if hasattr(self, "channel"):
-            self.channel.close()
+def serve(model: Path, log: Path, *flags: str) -> LiveServer:
+    """A live server with its Prometheus endpoint on a free port too."""
+    return LiveServer(model, log, "--metrics-port", "0", *flags)
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -139,8 +64,8 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def server(art: Artifacts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    s = ServerProcess(art.model, tmp_path_factory.mktemp("log") / "server.log", "--device", "cpu")
+def server(art: Model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    s = serve(art.model, tmp_path_factory.mktemp("log") / "server.log", "--device", "cpu")
     try:
         s.wait_serving()
         yield s
@@ -148,25 +73,12 @@ def server(art: Artifacts, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         s.kill()
 
 
-def request_for(art: Artifacts, symbol: str, end: int | None = None, n: int | None = None,
-                explain: bool = False) -> pb.PredictRequest:
-    """The `n` (default bars_required) bars of `symbol` ending at its row `end` (default: its last)."""
-    bars = art.bars
-    if end is not None:
-        sl = bars.series_slices()[symbol]
-        stop = sl.start + end + 1
-        bars = Bars(bars.timestamp_ns[:stop], bars.symbol[:stop], bars.open[:stop], bars.high[:stop],
-                    bars.low[:stop], bars.close[:stop], bars.volume[:stop])
-    series = series_from_bars(bars, symbol, n or art.meta.bars_required)
-    return pb.PredictRequest(series=[series], explain=explain)
-
-
 def quantiles_of(f: pb.Forecast) -> np.ndarray:
     return np.asarray(f.log_return).reshape(f.horizon, len(f.quantile_levels))
 
 
 # ---- the contract ---------------------------------------------------------------------------------------
-def test_predict_equals_direct_onnx_runtime_on_training_features(art: Artifacts, server: ServerProcess) -> None:
+def test_predict_equals_direct_onnx_runtime_on_training_features(art: Model, server: LiveServer) -> None:
     """Features of the whole file (as training computed them) + a bare ORT run == the server's answer
     for a request carrying only the last bars_required bars up to that point."""
     meta = art.meta
@@ -206,7 +118,7 @@ def test_predict_equals_direct_onnx_runtime_on_training_features(art: Artifacts,
                                        expected[name][0], rtol=RTOL, atol=ATOL)
 
 
-def test_batched_and_concurrent_requests_equal_single_ones(art: Artifacts, server: ServerProcess) -> None:
+def test_batched_and_concurrent_requests_equal_single_ones(art: Model, server: LiveServer) -> None:
     symbols = list(art.meta.symbols)
     singles = {s: server.stub.Predict(request_for(art, s), timeout=10).forecasts[0] for s in symbols}
     both = pb.PredictRequest(series=[request_for(art, s).series[0] for s in reversed(symbols)])
@@ -263,7 +175,7 @@ def _set(col: object, i: int, value: float) -> None:
 
 @pytest.mark.parametrize(("case", "mutate", "message"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_is_invalid_argument_and_the_next_call_succeeds(
-        art: Artifacts, server: ServerProcess, case: str, mutate: object, message: str) -> None:
+        art: Model, server: LiveServer, case: str, mutate: object, message: str) -> None:
     request = request_for(art, art.meta.symbols[0])
     mutate(request)  # type: ignore[operator]
     with pytest.raises(grpc.RpcError) as info:
@@ -273,7 +185,7 @@ def test_bad_input_is_invalid_argument_and_the_next_call_succeeds(
     assert server.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10).forecasts
 
 
-def test_oversized_message_is_refused_and_the_server_stays_up(art: Artifacts, server: ServerProcess) -> None:
+def test_oversized_message_is_refused_and_the_server_stays_up(art: Model, server: LiveServer) -> None:
     request = request_for(art, art.meta.symbols[0])
     s = request.series[0]
     n = 5 * (1 << 20) // 48  # > 4 MiB of bars
@@ -287,7 +199,7 @@ def test_oversized_message_is_refused_and_the_server_stays_up(art: Artifacts, se
     assert server.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10).forecasts
 
 
-def test_health_reflection_and_model_info(art: Artifacts, server: ServerProcess) -> None:
+def test_health_reflection_and_model_info(art: Model, server: LiveServer) -> None:
     health = health_pb2_grpc.HealthStub(server.channel)
     for name in ("", SERVICE):
         assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == \
@@ -316,7 +228,7 @@ def test_health_reflection_and_model_info(art: Artifacts, server: ServerProcess)
     assert info.explain_available == meta.explain and info.max_batch == 64 and info.max_message_bytes == 4 << 20
 
 
-def test_server_process_never_imports_torch(server: ServerProcess) -> None:
+def test_server_process_never_imports_torch(server: LiveServer) -> None:
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
     assert info.torch_imported is False  # `"torch" in sys.modules`, asked of the server process itself
     maps = Path(f"/proc/{server.proc.pid}/maps")
@@ -324,7 +236,7 @@ def test_server_process_never_imports_torch(server: ServerProcess) -> None:
         assert "libtorch" not in maps.read_text()
 
 
-def test_metrics(art: Artifacts, server: ServerProcess) -> None:
+def test_metrics(art: Model, server: LiveServer) -> None:
     server.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10)
     with pytest.raises(grpc.RpcError):
         server.stub.Predict(pb.PredictRequest(), timeout=10)
@@ -337,7 +249,7 @@ def test_metrics(art: Artifacts, server: ServerProcess) -> None:
     assert metric(text, "foxhunt_model_info", version=art.meta.model_version, provider="CPUExecutionProvider") == 1
 
 
-def test_client_prints_a_forecast_table(art: Artifacts, server: ServerProcess) -> None:
+def test_client_prints_a_forecast_table(art: Model, server: LiveServer) -> None:
     symbol = art.meta.symbols[0]
     r = subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
                         str(art.bars_path), "--symbol", symbol], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -351,9 +263,9 @@ def test_client_prints_a_forecast_table(art: Artifacts, server: ServerProcess) -
 
 
 # ---- overload, deadlines, signals, devices -----------------------------------------------------------
-def test_overload_is_resource_exhausted_and_queued_deadlines_are_not_run(art: Artifacts, tmp_path: Path) -> None:
+def test_overload_is_resource_exhausted_and_queued_deadlines_are_not_run(art: Model, tmp_path: Path) -> None:
     # fixed 1.5 s batching delay: admitted calls stay in flight long enough to fill --max-concurrent
-    s = ServerProcess(art.model, tmp_path / "server.log", "--device", "cpu", "--max-concurrent", "2",
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--max-concurrent", "2",
                       "--batch-wait", "fixed", "--max-delay-ms", "1500")
     try:
         s.wait_serving()
@@ -385,10 +297,10 @@ def test_overload_is_resource_exhausted_and_queued_deadlines_are_not_run(art: Ar
         s.kill()
 
 
-def test_sighup_reloads_a_good_model_and_refuses_broken_ones(art: Artifacts, tmp_path: Path) -> None:
+def test_sighup_reloads_a_good_model_and_refuses_broken_ones(art: Model, tmp_path: Path) -> None:
     served = tmp_path / "model.onnx"
     shutil.copy(art.model, served)
-    s = ServerProcess(served, tmp_path / "server.log", "--device", "cpu")
+    s = serve(served, tmp_path / "server.log", "--device", "cpu")
     stop = threading.Event()
     errors: list[str] = []
 
@@ -446,8 +358,8 @@ def test_sighup_reloads_a_good_model_and_refuses_broken_ones(art: Artifacts, tmp
         s.kill()
 
 
-def test_sigterm_drains_in_flight_calls_and_exits_0(art: Artifacts, tmp_path: Path) -> None:
-    s = ServerProcess(art.model, tmp_path / "server.log", "--device", "cpu", "--batch-wait", "fixed",
+def test_sigterm_drains_in_flight_calls_and_exits_0(art: Model, tmp_path: Path) -> None:
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--batch-wait", "fixed",
                       "--max-delay-ms", "1000", "--grace", "10")
     try:
         s.wait_serving()
@@ -466,7 +378,7 @@ def test_sigterm_drains_in_flight_calls_and_exits_0(art: Artifacts, tmp_path: Pa
         s.kill()
 
 
-def test_device_auto_falls_back_loudly_and_cuda_refuses(art: Artifacts, tmp_path: Path) -> None:
+def test_device_auto_falls_back_loudly_and_cuda_refuses(art: Model, tmp_path: Path) -> None:
     if "CUDAExecutionProvider" in ort.get_available_providers() and any(Path("/dev").glob("nvidia[0-9]*")):
         pytest.skip("a GPU is visible: the fallback cannot be provoked here (scripts/gpu_check covers CUDA)")
     r = subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), "--port", "0", "--device",
@@ -474,7 +386,7 @@ def test_device_auto_falls_back_loudly_and_cuda_refuses(art: Artifacts, tmp_path
     assert r.returncode == 2 and "listening" not in r.stdout
     assert re.search(r"error: CUDA requested but .*(failed to load|no CUDA|GPU)", r.stderr), r.stderr[-2000:]
 
-    s = ServerProcess(art.model, tmp_path / "server.log", "--device", "auto")
+    s = serve(art.model, tmp_path / "server.log", "--device", "auto")
     try:
         s.wait_serving()
         info = s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
@@ -501,7 +413,7 @@ def _quantiles_only(model: Path, out: Path) -> Path:
     return out
 
 
-def test_not_serving_until_warm_and_explain_needs_explain_outputs(art: Artifacts, tmp_path: Path) -> None:
+def test_not_serving_until_warm_and_explain_needs_explain_outputs(art: Model, tmp_path: Path) -> None:
     from grpc import aio
 
     from serving.model import load_model

@@ -270,3 +270,11 @@ def test_a_call_whose_deadline_passes_in_the_queue_is_answered_and_never_run() -
     asyncio.run(main())
     assert rec.batches == [[1]]  # neither the expired nor the cancelled call ran
 
+
+
+def test_wait_serving_gives_up_after_its_timeout_when_nothing_listens() -> None:
+    from serving.health_probe import wait_serving
+
+    start = time.monotonic()
+    assert wait_serving("127.0.0.1:1", timeout=0.3) is False  # port 1: nothing listens there
+    assert time.monotonic() - start < 5  # bounded by the timeout plus one 2 s health call at most
