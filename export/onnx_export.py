@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,10 +32,10 @@ from features.schema import (
     STATIC_CATEGORICAL,
     STATIC_WEIGHTS,
 )
+from serving.native_log import strip_ansi
 from trainer.model_config import ModelConfig
 from trainer.modeling import TemporalFusionTransformer
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 BATCH = "batch"  # the name of the dynamic batch axis of every input and output
 MIN_OPSET = 18  # the torch.export-based exporter emits opset 18 or newer (and cannot down-convert Split)
 DEFAULT_OPSET = 18  # what the torch.export-based exporter emits natively
@@ -100,7 +99,7 @@ def _describe(exc: BaseException) -> str:
         chain.append(nxt)
 
     def first_line(e: BaseException) -> str:
-        lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()]
+        lines = [ln.strip() for ln in strip_ansi(str(e)).splitlines() if ln.strip()]
         return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
     text = first_line(exc)

@@ -36,7 +36,12 @@ def native_stderr(echo: bool = False) -> Iterator[list[str]]:
             text = tmp.read().decode("utf-8", errors="replace")
             if echo:
                 sys.stderr.write(text)
-            lines.extend(line.strip() for line in _ANSI.sub("", text).splitlines() if line.strip())
+            lines.extend(line.strip() for line in strip_ansi(text).splitlines() if line.strip())
+
+
+def strip_ansi(text: str) -> str:
+    """`text` without terminal colour codes (ONNX Runtime's logger and torch's exporter add them)."""
+    return _ANSI.sub("", text)
 
 
 def provider_failure_reason(lines: list[str]) -> str:

@@ -271,7 +271,6 @@ def test_a_call_whose_deadline_passes_in_the_queue_is_answered_and_never_run() -
     assert rec.batches == [[1]]  # neither the expired nor the cancelled call ran
 
 
-
 def test_wait_serving_gives_up_after_its_timeout_when_nothing_listens() -> None:
     from serving.health_probe import wait_serving
 

@@ -622,7 +622,6 @@ def confirm_on_card(model: TemporalFusionTransformer, batch_fn: BatchFn, target:
     while True:
         reserved = 0
         with trial.restoring():
-            torch.cuda.empty_cache()
             state: Tensor | None = None
             try:
                 state = torch.empty(mem.optimizer_bytes, dtype=torch.uint8, device=device)
@@ -633,7 +632,7 @@ def confirm_on_card(model: TemporalFusionTransformer, batch_fn: BatchFn, target:
                 pass
             finally:
                 state = None  # noqa: F841 - frees the held bytes before the next try
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # what a failed try cached must not count against the next
         if reserved:
             note = (f"confirmed on the card: a step of {mb} windows with the optimizer state held peaked at "
                     f"{format_bytes(reserved)} reserved of the {format_bytes(plan.budget_bytes)} cap")
@@ -643,7 +642,7 @@ def confirm_on_card(model: TemporalFusionTransformer, batch_fn: BatchFn, target:
         if mb == 1:
             raise PlanError(f"a training step of one window does not fit the VRAM cap of "
                             f"{format_bytes(plan.budget_bytes)} on the card, although the estimate said it would; "
-                            "raise --vram-budget or turn on --grad-checkpointing on")
+                            "raise --vram-budget or pass --grad-checkpointing on")
         mb = max(1, mb - max(1, mb // 4))
 
 

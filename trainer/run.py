@@ -88,9 +88,7 @@ def budget_plan_fn(cfg: TrainConfig, budget: int) -> PlanFn:
                      precision: str) -> TrainPlan:
         total = torch.cuda.get_device_properties(device).total_memory
         fraction = min(1.0, budget / total)
-        # "cuda" alone names no index, which set_per_process_memory_fraction refuses
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.cuda.set_per_process_memory_fraction(fraction, index)
+        torch.cuda.set_per_process_memory_fraction(fraction, device)  # indexed: resolve_device always names one
         log.info("VRAM cap: torch.cuda.set_per_process_memory_fraction(%.4f) = %s of %s on %s", fraction,
                  format_bytes(fraction * total), format_bytes(total), torch.cuda.get_device_name(device))
         target = Target("cuda", device, precision, f"{torch.cuda.get_device_name(device)}, {format_bytes(total)}")
