@@ -1,7 +1,7 @@
 """Training throughput and validation loss: this project's TFT against pytorch-forecasting's.
 
     python -m benchmarks.train_vs_pytorch_forecasting [--bars 20000] [--epochs 2] [--steps 0]
-        [--threads 2] [--repeats 1] [--out-json bench.json]
+        [--threads 2] [--repeats 1] [--window-block 0] [--out-json bench.json]
 
 needs the `bench` extra (pytorch-forecasting, which brings lightning and pandas).
 
@@ -26,7 +26,10 @@ family (ours AdamW with warm-up + cosine schedule, theirs Adam at a constant rat
 its library's own), gradient clipping at norm 1.0, no early stopping, the same number of
 epochs and optimizer steps per epoch (`--steps` caps both: ours `max_steps_per_epoch`,
 theirs lightning's `limit_train_batches`), seed 7, no data-loader workers (the cores are
-for the model).
+for the model). Each samples with its library's own method: pytorch-forecasting shuffles
+windows one by one; ours shuffles blocks of `window_block` consecutive windows (trainer
+default 16; `--window-block 1` is a plain shuffle) and runs variable selection once per
+distinct bar of the batch. Without a step cap, both draw every window once per epoch.
 
 Same data: the pytorch-forecasting child builds its DataFrame from this project's own
 feature arrays (`trainer.data.prepare`), so both see identical values of the same inputs:
@@ -109,6 +112,7 @@ def train_config(args: argparse.Namespace) -> Any:
         variable_hidden_size=VARIABLE_HIDDEN, quantiles=QUANTILES, batch_size=BATCH, epochs=args.epochs,
         max_steps_per_epoch=args.steps, max_val_windows=0, learning_rate=args.lr, grad_clip=1.0, patience=0,
         threads=args.threads, device="cpu", seed=args.seed,
+        **({"window_block": args.window_block} if args.window_block else {}),
     )
 
 
@@ -339,7 +343,7 @@ def launch(name: str, args: argparse.Namespace, parquet: Path, workdir: Path, re
     cmd = [sys.executable, "-m", MODULE, "--child", name, "--parquet", str(parquet), "--workdir", str(workdir),
            "--result", str(result), "--epochs", str(args.epochs), "--steps", str(args.steps),
            "--threads", str(args.threads), "--lr", str(args.lr), "--seed", str(args.seed),
-           "--pf-normalizer", args.pf_normalizer]
+           "--pf-normalizer", args.pf_normalizer, "--window-block", str(args.window_block)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     load = os.getloadavg()[0]
@@ -451,7 +455,7 @@ def report(args: argparse.Namespace, ours_runs: list[dict[str, Any]], pf_runs: l
                    "learning_rate": args.lr, "seed": args.seed, "encoder_length": ENCODER_LENGTH, "horizon": HORIZON,
                    "hidden_size": HIDDEN, "attention_heads": HEADS, "variable_hidden_size": VARIABLE_HIDDEN,
                    "dropout": DROPOUT, "quantiles": list(QUANTILES), "batch_size": BATCH,
-                   "pf_normalizer": args.pf_normalizer},
+                   "pf_normalizer": args.pf_normalizer, "window_block": train_config(args).window_block},
         "command": " ".join([Path(sys.executable).name, "-m", MODULE, *sys.argv[1:]]),
         "machine": {"python": platform.python_version(), "platform": platform.platform(),
                     "cpus": os.cpu_count()},
@@ -482,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="train each model this many times, alternating the order; best and median are reported")
     p.add_argument("--pf-normalizer", choices=("auto", "group"), default="auto",
                    help="pytorch-forecasting's target normaliser: its default (auto) or GroupNormalizer by symbol")
+    p.add_argument("--window-block", type=int, default=0,
+                   help="ours: consecutive windows per shuffled block (default 0 = the trainer's default)")
     p.add_argument("--out-json", type=Path, default=None, help="write every figure here as JSON")
     p.add_argument("--child", choices=("ours", "pf"), help=argparse.SUPPRESS)
     p.add_argument("--parquet", help=argparse.SUPPRESS)
@@ -503,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         pq.write_table(generate(list(SYMBOLS), args.bars, seed=args.seed), parquet)
         print(f"TFT training: ours vs pytorch-forecasting; {len(SYMBOLS)} symbols x {args.bars:,} bars, "
               f"{args.epochs} epoch(s), step cap {args.steps or 'none'}, batch {BATCH}, {args.threads} thread(s), "
+              f"our window block {train_config(args).window_block}, "
               f"python {platform.python_version()}, {os.cpu_count()} CPUs", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {"ours": [], "pf": []}
         for repeat in range(args.repeats):  # alternate the order so neither model always runs first

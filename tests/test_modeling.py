@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS
 from trainer.loss import QuantileLoss, pinball_loss
 from trainer.model_config import ModelConfig
-from trainer.modeling import TemporalFusionTransformer, TFTOutput, VariableGRNs
+from trainer.modeling import Dropout, TemporalFusionTransformer, TFTOutput, VariableGRNs
 
 L, H = 6, 3
 TINY = ModelConfig(
@@ -309,3 +309,19 @@ def test_onnx_export_matches_pytorch_at_any_batch(mode: str, tmp_path: Path) -> 
         for name, e, g in zip(MODEL_OUTPUTS, expected, got, strict=True):
             assert g.shape == tuple(e.shape), name
             np.testing.assert_allclose(g, e.numpy(), atol=1e-4, rtol=0, err_msg=f"{name} at batch {batch}")
+
+
+def test_dropout_zeroes_a_share_p_scales_the_rest_and_is_the_identity_in_eval() -> None:
+    torch.manual_seed(0)
+    drop = Dropout(0.25).train()
+    x = torch.ones(200_000, requires_grad=True)
+    y = drop(x)
+    kept = y != 0
+    assert abs(1.0 - float(kept.float().mean()) - 0.25) < 0.01
+    torch.testing.assert_close(y[kept], torch.full_like(y[kept], 1 / 0.75))  # the expectation is kept
+    y.sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, y.detach())  # the gradient takes the same mask
+    assert not torch.equal(drop(x), y)  # a new mask each call
+    z = torch.randn(5)
+    assert drop.eval()(z) is z and Dropout(0.0).train()(z) is z
+

@@ -24,6 +24,7 @@ from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, run
 from trainer import planner
 from trainer.checkpoint import load_checkpoint
 from trainer.config import TrainConfig
+from trainer.data import unshared_rows
 from trainer.loop import Trainer
 from trainer.model_config import ModelConfig
 from trainer.modeling import TemporalFusionTransformer
@@ -54,7 +55,7 @@ def tiny_model(seed: int = 0) -> TemporalFusionTransformer:
     return TemporalFusionTransformer(TINY)
 
 
-def batch_fn(n: int) -> dict[str, torch.Tensor]:
+def windows_fn(n: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(n)
     L, H = TINY.encoder_length, TINY.horizon
     return {STATIC_CATEGORICAL: torch.randint(0, 2, (n, 1), generator=g),
@@ -62,6 +63,11 @@ def batch_fn(n: int) -> dict[str, torch.Tensor]:
             ENCODER_KNOWN: torch.randn(n, L, TINY.n_known, generator=g),
             DECODER_KNOWN: torch.randn(n, H, TINY.n_known, generator=g),
             TARGET: torch.randn(n, H, generator=g)}
+
+
+def batch_fn(n: int) -> dict[str, torch.Tensor]:
+    """n windows as the planner's trial steps take them (forward_rows, no bar shared)."""
+    return unshared_rows(windows_fn(n))
 
 
 # ---- budgets ---------------------------------------------------------------------------------
@@ -107,7 +113,7 @@ def test_activations_grow_linearly_with_the_batch_and_drop_with_checkpointing() 
 
 def test_gradients_with_and_without_checkpointing_match() -> None:
     model = tiny_model()
-    batch = batch_fn(5)
+    batch = windows_fn(5)
     grads = []
     for ckpt in (False, True):
         model.zero_grad(set_to_none=True)
@@ -130,7 +136,7 @@ def test_measured_memory_model_terms() -> None:
     assert mem.parameters == n_params
     assert mem.grad_bytes == 4 * n_params and mem.optimizer_bytes == 8 * n_params
     assert mem.cast_bytes == 2 * n_params  # assumed bf16 copies: the CPU measurement has none
-    assert mem.step_temp_bytes == 4 * n_params  # foreach AdamW on CUDA
+    assert mem.step_temp_bytes == 4 * n_params  # one fp32 copy of the parameters bounds AdamW's step on CUDA
     assert mem.train is not None and mem.train_ckpt is not None
     assert mem.train.peak.per_window >= mem.train.stored.per_window > 0
     assert mem.train_ckpt.stored.per_window < mem.train.stored.per_window

@@ -14,12 +14,22 @@ import pytest
 import torch
 
 from features.normalize import NormStats
+from features.schema import (
+    DECODER_KNOWN,
+    ENCODER_KNOWN,
+    ENCODER_OBSERVED,
+    MODEL_INPUTS,
+    MODEL_OUTPUTS,
+    STATIC_CATEGORICAL,
+    TARGET,
+)
 from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, run
 from trainer.checkpoint import FORMAT, load_checkpoint
 from trainer.config import TrainConfig
-from trainer.data import prepare
+from trainer.data import ROW_INPUTS, ROW_KNOWN, ROW_OBSERVED, ROW_WINDOW, WINDOW_ROWS, PreparedData, prepare
 from trainer.loop import Trainer
 from trainer.metrics import forecast_metrics
+from trainer.modeling import TemporalFusionTransformer
 
 # Enough training for the model to learn the planted volatility clustering (about 20 s on one thread).
 LEARN_FLAGS = ("--hidden-size", "16", "--encoder-length", "30", "--horizon", "3", "--batch-size", "64",
@@ -126,6 +136,84 @@ def test_batches_are_windows_taken_by_index(bars: Path) -> None:
         np.testing.assert_allclose(b[name].numpy(), value, rtol=0, atol=0, err_msg=name)
 
 
+def overlapping_anchors(data: PreparedData) -> torch.Tensor:
+    """16 consecutive windows (overlapping), two far apart, and the other symbol's last three."""
+    t = data.train_anchors
+    return torch.from_numpy(np.concatenate([t[10:26], t[[200, 900]], t[-3:]]))
+
+
+def test_row_batches_hold_each_shared_bar_once_and_rebuild_every_window(bars: Path) -> None:
+    cfg = tiny_cfg()
+    data = prepare(bars, cfg)
+    a = overlapping_anchors(data)
+    rows, windows = data.tensors.row_batch(a), data.tensors.batch(a)
+    bars_used = torch.unique(a[:, None] + data.tensors.offsets).numel()
+    assert rows[ROW_OBSERVED].shape[0] == rows[ROW_KNOWN].shape[0] == bars_used < a.numel() * cfg.encoder_length
+    for row_name, window_name in ((ROW_OBSERVED, ENCODER_OBSERVED), (ROW_KNOWN, ENCODER_KNOWN)):
+        torch.testing.assert_close(rows[row_name][rows[WINDOW_ROWS]], windows[window_name], rtol=0, atol=0)
+    for name in (STATIC_CATEGORICAL, DECODER_KNOWN, TARGET):
+        assert torch.equal(rows[name], windows[name]), name
+    holds = [(rows[WINDOW_ROWS] == r).any(dim=1).nonzero().flatten() for r in range(bars_used)]
+    assert rows[ROW_WINDOW].tolist() == [int(h[0]) for h in holds]  # the first window holding each bar
+    unshared = data.tensors.row_batch(a, share_bars=False)  # what the VRAM planner measures
+    assert unshared[ROW_OBSERVED].shape[0] == a.numel() * cfg.encoder_length
+    torch.testing.assert_close(unshared[ROW_OBSERVED][unshared[WINDOW_ROWS]], windows[ENCODER_OBSERVED],
+                               rtol=0, atol=0)
+
+
+def test_shared_bar_forward_equals_the_per_window_forward_and_its_gradients(bars: Path) -> None:
+    """forward_rows (training, validation) against forward (export, serving) on the same windows:
+    equal outputs, and without dropout equal gradients (a shared bar's gradient sums its windows')."""
+    cfg = tiny_cfg(dropout=0.0)
+    data = prepare(bars, cfg)
+    schema, n = data.frame.schema, data.normalization
+    torch.manual_seed(0)
+    model = TemporalFusionTransformer(cfg.model_config(len(schema.observed), len(schema.known),
+                                                       len(data.frame.symbols)))
+    model.set_normalization(n.observed.mean, n.observed.std, n.known.mean, n.known.std, n.target_scale)
+    a = overlapping_anchors(data)
+    rows, windows = data.tensors.row_batch(a), data.tensors.batch(a)
+
+    def by_rows() -> object:
+        return model.forward_rows(*(rows[k] for k in ROW_INPUTS))
+
+    def by_windows() -> object:
+        return model(*(windows[k] for k in MODEL_INPUTS))
+
+    model.eval()
+    with torch.no_grad():
+        got, want = by_rows(), by_windows()
+    for name, g, w in zip(MODEL_OUTPUTS, got, want, strict=True):  # type: ignore[call-overload]
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)
+    model.train()
+    grads = []
+    for forward in (by_rows, by_windows):
+        model.zero_grad(set_to_none=True)
+        out = forward()
+        (out.quantiles.square().mean() + out.encoder_weights.square().mean()).backward()  # type: ignore[attr-defined]
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 50
+    for k, g in grads[1].items():
+        torch.testing.assert_close(grads[0][k], g, rtol=1e-4, atol=1e-7, msg=k)
+
+
+def test_epoch_shuffles_blocks_of_consecutive_windows_and_visits_each_once(tmp_path: Path, bars: Path) -> None:
+    k = 8
+    t = Trainer(bars, tiny_cfg(max_steps_per_epoch=0, window_block=k), tmp_path / "c.pt", progress=False)
+    train = torch.from_numpy(t.data.train_anchors)
+    assert bool((train[1:] > train[:-1]).all())
+    order = t._epoch_anchors()
+    assert torch.equal(order.sort().values, train)  # every window once per epoch
+    pos = torch.searchsorted(train, order)  # index of each window in the training anchors
+    block = pos // k
+    same = block[1:] == block[:-1]
+    assert int((~same).sum()) + 1 == -(-train.numel() // k)  # each block of k is one run of the order ...
+    assert bool((pos[1:] - pos[:-1])[same].eq(1).all())  # ... in consecutive windows
+    assert not torch.equal(order[: 4 * k], train[: 4 * k])  # the blocks are shuffled
+    t.epoch = 1
+    assert not torch.equal(t._epoch_anchors(), order)  # differently each epoch
+
+
 def test_resume_after_interruption_gives_the_same_weights(tmp_path: Path, bars: Path) -> None:
     torch.set_num_threads(1)
     cfg = tiny_cfg(epochs=3)
@@ -195,6 +283,7 @@ def test_flags_override_config_file(tmp_path: Path, bars: Path) -> None:
         (["--features", "nope"], "user feature column 'nope' is missing"),
         (["--resume", "missing.pt"], "no such checkpoint file"),
         (["--precision", "fp16", "--device", "cpu"], "needs CUDA"),
+        (["--window-block", "0"], "window_block must be >= 1"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args: list[str], message: str) -> None:

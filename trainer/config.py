@@ -47,6 +47,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max gradient norm (0 = no clipping)
     patience: int = 3  # epochs without validation improvement before stopping (0 = never stop early)
     max_steps_per_epoch: int = 0  # cap on optimizer steps per epoch, windows sampled at random (0 = all)
+    window_block: int = 16  # consecutive windows shuffled as one block; their shared bars are selected once
     max_val_windows: int = 0  # cap on validation windows, evenly spaced (0 = all)
     seed: int = 7  # seeds weights, shuffling and dropout
     # ---- device ----
@@ -66,6 +67,7 @@ class TrainConfig:
              "training (val_fraction + test_fraction < 1)"),
             (self.epochs >= 1, "epochs must be >= 1"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.window_block >= 1, "window_block must be >= 1 (1 = every window shuffled on its own)"),
             (self.learning_rate > 0, "learning_rate must be > 0"),
             (self.patience >= 0, "patience must be >= 0"),
             (self.precision in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16"),

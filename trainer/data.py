@@ -19,6 +19,12 @@ from features.normalize import NormStats
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
 from trainer.config import TrainConfig
 
+ROW_OBSERVED = "row_observed"  # float32 [R, n_obs]  observed features of each distinct bar of a batch
+ROW_KNOWN = "row_known"  # float32 [R, n_known]
+ROW_WINDOW = "row_window"  # int64 [R]  a window holding each bar
+WINDOW_ROWS = "window_rows"  # int64 [B, L]  each window's encoder bars, as indices into the rows
+ROW_INPUTS = (STATIC_CATEGORICAL, ROW_OBSERVED, ROW_KNOWN, ROW_WINDOW, WINDOW_ROWS, DECODER_KNOWN)  # forward_rows
+
 
 class DataError(ValueError):
     """Data that cannot be trained on (too few bars, an empty split); the message says why."""
@@ -65,6 +71,46 @@ class WindowTensors:
             DECODER_KNOWN: self.future_known[anchors],  # [B, H, n_known]
             TARGET: self.targets[anchors],  # [B, H]
         }
+
+    def row_batch(self, anchors: torch.Tensor, share_bars: bool = True) -> dict[str, torch.Tensor]:
+        """The windows ending at `anchors` as bar rows plus indices (the model's forward_rows).
+
+        Overlapping windows share bars; each distinct bar appears once in row_observed/row_known,
+        window_rows maps each window's encoder steps to its rows, and row_window names, for each
+        row, the first window that holds it (whose static context the row takes). With
+        `share_bars=False` every window keeps rows of its own: the most memory a batch can
+        take, which is what the VRAM planner measures.
+        """
+        if not share_bars:
+            return unshared_rows(self.batch(anchors))
+        idx = anchors[:, None] + self.offsets  # [B, L]
+        rows, inverse = torch.unique(idx, sorted=True, return_inverse=True)  # [R], [B, L]
+        window_of = torch.arange(anchors.numel()).repeat_interleave(self.encoder_length)  # [B*L]
+        first = torch.full((rows.numel(),), anchors.numel(), dtype=torch.int64)
+        return {
+            STATIC_CATEGORICAL: self.series_id[anchors][:, None],  # [B, 1]
+            ROW_OBSERVED: self.observed[rows],  # [R, n_obs]
+            ROW_KNOWN: self.known[rows],  # [R, n_known]
+            ROW_WINDOW: first.scatter_reduce_(0, inverse.flatten(), window_of, reduce="amin"),  # [R]
+            WINDOW_ROWS: inverse,  # [B, L]
+            DECODER_KNOWN: self.future_known[anchors],  # [B, H, n_known]
+            TARGET: self.targets[anchors],  # [B, H]
+        }
+
+
+def unshared_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A per-window batch (MODEL_INPUTS, TARGET) in forward_rows' form, every window with rows of its own."""
+    observed = batch[ENCODER_OBSERVED]  # [B, L, n_obs]
+    b, length = observed.shape[:2]
+    return {
+        STATIC_CATEGORICAL: batch[STATIC_CATEGORICAL],  # [B, n_static]
+        ROW_OBSERVED: observed.reshape(b * length, -1),  # [B*L, n_obs]
+        ROW_KNOWN: batch[ENCODER_KNOWN].reshape(b * length, -1),  # [B*L, n_known]
+        ROW_WINDOW: torch.arange(b).repeat_interleave(length),  # [B*L]
+        WINDOW_ROWS: torch.arange(b * length).view(b, length),  # [B, L]
+        DECODER_KNOWN: batch[DECODER_KNOWN],  # [B, H, n_known]
+        **({TARGET: batch[TARGET]} if TARGET in batch else {}),
+    }
 
 
 @dataclass

@@ -22,15 +22,15 @@ from tqdm import tqdm
 
 from features import package_version
 from features.bars import ColumnMap
-from features.schema import MODEL_INPUTS, TARGET
+from features.schema import TARGET
 from trainer.checkpoint import FORMAT, load_checkpoint, remove_stale_temp_files, save_atomic
 from trainer.config import TrainConfig
-from trainer.data import Normalization, PreparedData, prepare
+from trainer.data import ROW_INPUTS, Normalization, PreparedData, prepare
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
 from trainer.distributed import init_from_env
 from trainer.loss import pinball_loss
 from trainer.metrics import climatology_forecast, forecast_metrics, pinball
-from trainer.modeling import TemporalFusionTransformer, TFTOutput
+from trainer.modeling import RowsForward, TemporalFusionTransformer, TFTOutput
 from trainer.plan import TrainPlan, literal_plan
 
 log = logging.getLogger("trainer")
@@ -133,9 +133,10 @@ class Trainer:
         n = self.data.normalization
         self.model.set_normalization(n.observed.mean, n.observed.std, n.known.mean, n.known.std, n.target_scale)
         self.model.to(self.device)
-        self.net: torch.nn.Module = self.model
+        self.rows_model = RowsForward(self.model)  # training and validation run the shared-bar forward
+        self.net: torch.nn.Module = self.rows_model
         if self.dist.enabled:
-            self.net = DistributedDataParallel(self.model, device_ids=[self.device.index]
+            self.net = DistributedDataParallel(self.rows_model, device_ids=[self.device.index]
                                                if self.device.type == "cuda" else None)
         self.plan = (plan_fn(self.model, self.data, self.device, self.precision.name) if plan_fn
                      else literal_plan(cfg.batch_size, cfg.grad_checkpointing, self.precision.name))
@@ -144,7 +145,7 @@ class Trainer:
         self.target_scale = torch.from_numpy(n.target_scale).to(self.device)
         self.autocast = autocast_factory(self.device, self.precision)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
-                                           weight_decay=cfg.weight_decay)
+                                           weight_decay=cfg.weight_decay, fused=True)
         self.steps_per_epoch = self._steps_per_epoch()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda_factory(cfg.warmup_steps, cfg.epochs * self.steps_per_epoch))
@@ -181,15 +182,23 @@ class Trainer:
 
     # ---- one epoch ---------------------------------------------------------------------
     def _epoch_anchors(self) -> torch.Tensor:
-        """Shuffled training anchors; the order depends on (seed, epoch) only, so resume is exact."""
+        """Training anchors shuffled in blocks of `window_block` consecutive windows.
+
+        Windows of one block overlap, so a batch holds fewer distinct bars than windows and
+        the forward selects each bar's variables once (`forward_rows`). The order depends on
+        (seed, epoch) only, so resume is exact; a block of 1 is a plain shuffle.
+        """
         g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.epoch)
         anchors = torch.from_numpy(self.data.train_anchors)
-        order = torch.randperm(anchors.numel(), generator=g)
+        n, k = anchors.numel(), self.cfg.window_block
+        starts = torch.arange(0, n, k)[torch.randperm(math.ceil(n / k), generator=g)]  # [n_blocks]
+        order = (starts[:, None] + torch.arange(k)).flatten()  # [n_blocks * k]
+        order = order[order < n]  # the last block may be short
         return anchors[order][: self.steps_per_epoch * self.cfg.batch_size]
 
     def _forward(self, batch: dict[str, torch.Tensor], net: torch.nn.Module | None = None) -> TFTOutput:
         with self.autocast():
-            out: TFTOutput = (net or self.model)(*(batch[name] for name in MODEL_INPUTS))
+            out: TFTOutput = (net or self.rows_model)(*(batch[name] for name in ROW_INPUTS))
         return out
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -198,7 +207,7 @@ class Trainer:
 
     def micro_step(self, anchors: torch.Tensor, weight: float) -> float:
         """Forward and backward of one micro-batch; returns its (unweighted) loss."""
-        batch = self._to_device(self.data.tensors.batch(anchors))
+        batch = self._to_device(self.data.tensors.row_batch(anchors))
         out = self._forward(batch, self.net)
         loss = normalized_loss(out, batch[TARGET], self.quantiles, self.target_scale)
         self.scaler.scale(loss * weight).backward()
@@ -257,7 +266,7 @@ class Trainer:
             try:
                 parts: dict[str, list[np.ndarray]] = {}
                 for chunk in torch.from_numpy(anchors).split(size):
-                    b = self._to_device(self.data.tensors.batch(chunk))
+                    b = self._to_device(self.data.tensors.row_batch(chunk))
                     out = self._forward(b)
                     for name, value in out._asdict().items():
                         parts.setdefault(name, []).append(value.float().cpu().numpy())

@@ -18,8 +18,9 @@ The memory model is a sum of named terms, each of which the plan table prints:
   table shows what autograd *stores* for the backward, counted with
   `torch.autograd.graph.saved_tensors_hooks`, deduplicated by storage, parameters excluded:
   the figure gradient checkpointing cuts;
-* `optimizer.step()` temporaries (foreach AdamW on CUDA: one fp32 tensor per parameter); the
-  step runs after the activations are freed, so it competes with them rather than adding;
+* `optimizer.step()` temporaries (fused AdamW updates in place; bounded on CUDA by one fp32
+  tensor per parameter, on the CPU by the largest parameter); the step runs after the
+  activations are freed, so it competes with them rather than adding;
 * validation: the transient peak per window of a forward under `torch.inference_mode()`,
   which stores no activations; gradients are freed (set to None) before it;
 * writing a checkpoint copies tensors to host memory and takes no device memory.
@@ -47,7 +48,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from features.schema import MODEL_INPUTS, TARGET
+from features.schema import TARGET
+from trainer.data import ROW_INPUTS
 from trainer.loss import pinball_loss
 from trainer.modeling import TemporalFusionTransformer
 from trainer.plan import TrainPlan, literal_plan
@@ -60,7 +62,7 @@ MIN_EFFICIENT_MICRO = 4  # below this many windows per micro-step, gradient chec
 TRIAL_SIZES = (2, 4)
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-BatchFn = Callable[[int], dict[str, Tensor]]  # n -> a CPU batch of n windows (MODEL_INPUTS and TARGET)
+BatchFn = Callable[[int], dict[str, Tensor]]  # n -> a CPU batch of n windows (ROW_INPUTS and TARGET)
 
 
 class PlanError(ValueError):
@@ -254,7 +256,7 @@ class Trial:
         with meter.measure():
             batch = self._batch(n)
             with saved, self.autocast():
-                out = self.model(*(batch[name] for name in MODEL_INPUTS))
+                out = self.model.forward_rows(*(batch[name] for name in ROW_INPUTS))
             loss = pinball_loss(out.quantiles.float(), batch[TARGET], self.quantiles).mean()
             loss.backward()
             del out, loss, batch
@@ -267,7 +269,7 @@ class Trial:
         with meter.measure(), torch.inference_mode():
             batch = self._batch(n)
             with self.autocast():
-                out = self.model(*(batch[name] for name in MODEL_INPUTS))
+                out = self.model.forward_rows(*(batch[name] for name in ROW_INPUTS))
             del out, batch
         return meter.peak
 
@@ -491,7 +493,7 @@ def assumptions_for(target: Target) -> tuple[str, ...]:
         if target.precision != "fp32":
             out.append(f"precision {target.precision}: --precision auto takes bf16 where the card supports it "
                        "(Ampere or newer), else fp16; both have the same sizes")
-    out += ["optimizer.step() as foreach AdamW (PyTorch's default on CUDA): one fp32 temporary per parameter",
+    out += ["optimizer.step(): fused AdamW updates in place; one fp32 temporary per parameter is assumed as a bound",
             "peak is allocated memory (torch.cuda.max_memory_allocated); the cap "
             "(set_per_process_memory_fraction) bounds reserved memory, which is at least that"]
     return tuple(out)
@@ -647,11 +649,13 @@ def confirm_on_card(model: TemporalFusionTransformer, batch_fn: BatchFn, target:
 
 
 def batch_fn_for(tensors: Any, anchors: np.ndarray) -> BatchFn:
-    """Real windows for trial steps: the first n training anchors (repeated if there are fewer)."""
+    """Real windows for trial steps: the first n training anchors (repeated if there are fewer),
+    every window with bars of its own (no bar shared), the most memory n windows can take."""
 
     def fn(n: int) -> dict[str, Tensor]:
         picked = np.resize(anchors, n) if anchors.size else anchors
-        batch: dict[str, Tensor] = tensors.batch(torch.from_numpy(np.ascontiguousarray(picked)))
+        batch: dict[str, Tensor] = tensors.row_batch(torch.from_numpy(np.ascontiguousarray(picked)),
+                                                     share_bars=False)
         return batch
 
     return fn
@@ -688,8 +692,9 @@ def format_report(r: PlanReport, refused: bool = False) -> str:
         rows.append(("resident after warm-up", format_bytes(m.resident_bytes),
                      "cuBLAS/cuDNN workspaces" + (" (measured on CUDA only)" if r.target.from_cpu else "")))
     rows.append(("optimizer.step() temporaries", format_bytes(m.step_temp_bytes),
-                 ("foreach AdamW: one fp32 copy of the parameters" if on_card else "for-loop AdamW: the largest "
-                  "parameter") + "; after activations are freed, so max(step, activations), not a sum"))
+                 ("fused AdamW, bounded by one fp32 copy of the parameters" if on_card else "fused AdamW, "
+                  "bounded by the largest parameter") + "; after activations are freed, so max(step, activations), "
+                 "not a sum"))
     sizes = f"trial steps of {m.trial_sizes[0]} and {m.trial_sizes[1]} windows"
     for ckpt in (False, True):
         s = m.train_ckpt if ckpt else m.train
