@@ -9,13 +9,14 @@
    bars of the parquet file (each the latest `bars_required` bars up to that point).
 3. Bare ONNX Runtime: the same model in this process on the provider the server reports
    (GetModelInfo), same thread count, `session.run` on one window at a time (features
-   precomputed, not timed), for `--duration` seconds; also features + run, to show what
-   feature computation costs.
+   precomputed, not timed), for `--duration` seconds; also the same runs 1 ms apart (what a
+   cold cache costs a run that, as at concurrency 1, follows a pause), and features + run,
+   to show what feature computation costs. The targets compare against the first.
 4. For each concurrency level: that many closed-loop clients (each sends its next request as
    soon as the previous answer arrives), spread over `--client-procs` processes with one
    grpc.aio channel each, for `--duration` seconds (loopback only). Reports throughput,
-   p50/p90/p99 latency, errors by status code, and the server's mean ONNX Runtime batch
-   size (from its Prometheus metrics).
+   p50/p90/p99 latency, errors by status code, and from the server's Prometheus metrics its
+   mean ONNX Runtime batch size, mean time in the Predict handler and mean time per batch.
 
 Targets (issue 6): p50 at concurrency 1 within 1 ms of bare ONNX Runtime; throughput at 64
 at least 4x that at 1; zero errors.
@@ -56,6 +57,7 @@ from serving.preprocess import prepare
 from serving.validation import columns_from_proto
 
 REPO = Path(__file__).resolve().parents[1]
+IDLE_GAP_S = 0.001  # the diagnostic bare row: runs this far apart, about a concurrency-1 client's round trip
 
 
 @dataclass
@@ -69,6 +71,8 @@ class Level:
     p99_ms: float
     errors: dict[str, int] = field(default_factory=dict)
     mean_batch: float = 0.0
+    handler_ms: float = 0.0  # the server's mean time in the Predict handler (its own histogram)
+    batch_ms: float = 0.0  # the server's mean time per batch: features, ONNX Runtime run, checks
 
     @property
     def throughput(self) -> float:
@@ -106,7 +110,9 @@ def request_pool(bars: Bars, meta: ModelMeta, size: int, seed: int = 0) -> list[
 
 # ---- bare ONNX Runtime ---------------------------------------------------------------------------
 def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequest], meta: ModelMeta,
-             duration: float, with_features: bool) -> Level:
+             duration: float, with_features: bool, gap_s: float = 0.0) -> Level:
+    """One window at a time in a closed loop; with `gap_s`, idle that long between runs (untimed), as a
+    server at concurrency 1 is between requests: shows what a cold cache costs the same run."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
@@ -126,14 +132,18 @@ def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequ
     start = time.perf_counter()
     i = 0
     while time.perf_counter() - start < duration:
+        if gap_s:
+            time.sleep(gap_s)
         t0 = time.perf_counter()
         feed = prepare(columns[i % len(columns)], meta).inputs if with_features else feeds[i % len(feeds)]
         session.run(None, feed)
         latencies.append(time.perf_counter() - t0)
         i += 1
-    seconds = time.perf_counter() - start
+    seconds = sum(latencies) if gap_s else time.perf_counter() - start  # req/s of the runs, not of the pauses
     p50, p90, p99 = percentiles(latencies)
     name = "bare ORT: features + run" if with_features else "bare ORT: session.run"
+    if gap_s:
+        name += f", {gap_s * 1e3:g} ms apart"
     if provider != "CPUExecutionProvider":
         name += " (CUDA)"
     return Level(name, 1, len(latencies), seconds, p50, p90, p99)
@@ -174,13 +184,30 @@ def server_provider(target: str) -> str:
     return str(info.provider)
 
 
-def batch_counters(metrics: str) -> tuple[float, float]:
-    """(sum, count) of foxhunt_batch_windows from the server's /metrics."""
+SERVER_SERIES = {  # what a level reads from the server's /metrics: name -> Prometheus series
+    "windows": "foxhunt_batch_windows",
+    "batch_s": "foxhunt_inference_seconds",
+    "handler_s": 'foxhunt_request_latency_seconds{method="Predict"}',
+}
+
+
+def server_counters(metrics: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each SERVER_SERIES histogram from the server's /metrics (zeros without metrics)."""
+    out = {k: (0.0, 0.0) for k in SERVER_SERIES}
     if not metrics:
-        return 0.0, 0.0
+        return out
     text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
-    values = dict(re.findall(r"^(foxhunt_batch_windows_(?:sum|count)) (\S+)$", text, re.M))
-    return float(values.get("foxhunt_batch_windows_sum", 0)), float(values.get("foxhunt_batch_windows_count", 0))
+    for key, series in SERVER_SERIES.items():
+        name, _, labels = series.partition("{")
+        labels = "{" + labels if labels else ""
+        found = [re.search(rf"^{re.escape(name + part + labels)} (\S+)$", text, re.M) for part in ("_sum", "_count")]
+        if found[0] and found[1]:
+            out[key] = (float(found[0].group(1)), float(found[1].group(1)))
+    return out
+
+
+def _mean(before: tuple[float, float], after: tuple[float, float]) -> float:
+    return (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else 0.0
 
 
 async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, start_at: float, duration: float,
@@ -222,7 +249,7 @@ def _client_process(args: tuple[str, list[bytes], int, int, float, float, float]
 def run_level(target: str, metrics: str, pool: list[pb.PredictRequest], concurrency: int, duration: float,
               timeout: float, procs: int) -> Level:
     """One level: `concurrency` clients spread over up to `procs` client processes."""
-    s0, c0 = batch_counters(metrics)
+    before = server_counters(metrics)
     raw = [r.SerializeToString() for r in pool]
     procs = max(1, min(procs, concurrency))
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
@@ -234,22 +261,27 @@ def run_level(target: str, metrics: str, pool: list[pb.PredictRequest], concurre
         for lat, err in workers.map(_client_process, jobs):
             latencies.extend(lat)
             errors.update(err)
-    s1, c1 = batch_counters(metrics)
+    after = server_counters(metrics)
     p50, p90, p99 = percentiles(latencies)
-    mean_batch = (s1 - s0) / (c1 - c0) if c1 > c0 else 0.0
     return Level(f"server, concurrency {concurrency}", concurrency, len(latencies), duration, p50, p90, p99,
-                 dict(errors), mean_batch)
+                 dict(errors), _mean(before["windows"], after["windows"]),
+                 1e3 * _mean(before["handler_s"], after["handler_s"]), 1e3 * _mean(before["batch_s"], after["batch_s"]))
 
 
 def table(levels: list[Level]) -> str:
-    head = (f"| {'run':<28} | {'req/s':>8} | {'p50 ms':>7} | {'p90 ms':>7} | {'p99 ms':>7} | {'mean batch':>10} "
-            "| errors |")
+    """Server rows add the server's own means: time in the Predict handler, and per batch."""
+    head = (f"| {'run':<36} | {'req/s':>8} | {'p50 ms':>7} | {'p90 ms':>7} | {'p99 ms':>7} | {'mean batch':>10} "
+            f"| {'handler ms':>10} | {'batch ms':>8} | errors |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
+
+    def cell(v: float, fmt: str) -> str:
+        return format(v, fmt) if v else "-"
+
     for lv in levels:
         err = sum(lv.errors.values())
-        batch = f"{lv.mean_batch:.1f}" if lv.mean_batch else "-"
-        lines.append(f"| {lv.name:<28} | {lv.throughput:>8.0f} | {lv.p50_ms:>7.2f} | {lv.p90_ms:>7.2f} | "
-                     f"{lv.p99_ms:>7.2f} | {batch:>10} | {err if err else 0:>6} |")
+        lines.append(f"| {lv.name:<36} | {lv.throughput:>8.0f} | {lv.p50_ms:>7.2f} | {lv.p90_ms:>7.2f} | "
+                     f"{lv.p99_ms:>7.2f} | {cell(lv.mean_batch, '.1f'):>10} | {cell(lv.handler_ms, '.2f'):>10} | "
+                     f"{cell(lv.batch_ms, '.2f'):>8} | {err if err else 0:>6} |")
     return "\n".join(lines)
 
 
@@ -306,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         provider = server_provider(target)  # the baseline runs where the server runs
         print(f"server at {target} on {provider}", flush=True)
         results += [bare_ort(args.model, args.threads, provider, pool, meta, args.duration, False),
+                    bare_ort(args.model, args.threads, provider, pool, meta, args.duration, False, IDLE_GAP_S),
                     bare_ort(args.model, args.threads, provider, pool, meta, args.duration, True)]
         for c in levels_c:
             results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs))
@@ -314,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         stop_server(proc)
 
     print(table(results))
-    by_c = {lv.concurrency: lv for lv in results[2:]}
-    bare = results[0]
+    by_c = {lv.concurrency: lv for lv in results if lv.name.startswith("server")}
+    bare = results[0]  # the peer of the targets: session.run in a hot loop
     summary: dict[str, Any] = {"errors": sum(sum(lv.errors.values()) for lv in results)}
     if 1 in by_c:
         summary["p50_overhead_ms_at_1"] = round(by_c[1].p50_ms - bare.p50_ms, 3)
