@@ -1,7 +1,8 @@
 """Load test of `python -m serving` against bare ONNX Runtime on the same model, in one run.
 
     python -m benchmarks.serving_load --model model.onnx --parquet bars.parquet \
-        [--concurrency 1,8,64] [--duration 10] [--device cpu] [--threads 1] [--json out.json]
+        [--concurrency 1,8,64] [--duration 10] [--device cpu] [--threads 1] [--channels 1]
+        [--server-arg=--workers=2] [--json out.json]
 
 1. Starts the real server (`python -m serving --port 0 --device cpu|cuda`) on 127.0.0.1 and
    waits for health SERVING (or drives `--target HOST:PORT`, a server already running).
@@ -13,8 +14,10 @@
    cold cache costs a run that, as at concurrency 1, follows a pause), and features + run,
    to show what feature computation costs. The targets compare against the first.
 4. For each concurrency level: that many closed-loop clients (each sends its next request as
-   soon as the previous answer arrives), spread over `--client-procs` processes with one
-   grpc.aio channel each, for `--duration` seconds (loopback only). Reports throughput,
+   soon as the previous answer arrives), spread over `--client-procs` processes with
+   `--channels` grpc.aio connections each, for `--duration` seconds (loopback only). With
+   the server's `--workers`, give several channels: the kernel spreads connections, not
+   calls, over the workers. Reports throughput,
    p50/p90/p99 latency, errors by status code, and from the server's Prometheus metrics its
    mean ONNX Runtime batch size, mean time in the Predict handler and mean time per batch.
 
@@ -151,22 +154,30 @@ def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequ
 
 # ---- the server ------------------------------------------------------------------------------------
 def start_server(model: Path, device: str, threads: int, extra: list[str], log: Path
-                 ) -> tuple[subprocess.Popen[str], str, str]:
+                 ) -> tuple[subprocess.Popen[str], str, list[str]]:
+    """The server process, its gRPC address and its metrics endpoints (one per worker with --workers)."""
     cmd = [sys.executable, "-m", "serving", "--model", str(model), "--port", "0", "--metrics-port", "0",
            "--device", device, "--threads", str(threads), *extra]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
-    target = metrics = ""
+    target = ""
+    metrics: list[str] = []
     assert proc.stdout is not None
+    workers = 1  # --workers N prints one metrics endpoint per worker
+    for i, arg in enumerate(extra):
+        if arg.startswith("--workers="):
+            workers = int(arg.split("=", 1)[1])
+        elif arg == "--workers" and i + 1 < len(extra):
+            workers = int(extra[i + 1])
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (target and metrics):
+    while time.monotonic() < deadline and not (target and len(metrics) >= workers):
         line = proc.stdout.readline()
         if not line:
             break
         if m := re.match(r"listening on (\S+)", line):
             target = m.group(1)
         if m := re.match(r"metrics on (\S+)", line):
-            metrics = m.group(1)
+            metrics.append(m.group(1))
     if not target:
         proc.kill()
         raise SystemExit(f"server did not start; see {log}:\n{log.read_text()[-3000:]}")
@@ -191,18 +202,19 @@ SERVER_SERIES = {  # what a level reads from the server's /metrics: name -> Prom
 }
 
 
-def server_counters(metrics: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each SERVER_SERIES histogram from the server's /metrics (zeros without metrics)."""
+def server_counters(metrics: list[str]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each SERVER_SERIES histogram over the server's /metrics endpoints (one per worker)."""
     out = {k: (0.0, 0.0) for k in SERVER_SERIES}
-    if not metrics:
-        return out
-    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
-    for key, series in SERVER_SERIES.items():
-        name, _, labels = series.partition("{")
-        labels = "{" + labels if labels else ""
-        found = [re.search(rf"^{re.escape(name + part + labels)} (\S+)$", text, re.M) for part in ("_sum", "_count")]
-        if found[0] and found[1]:
-            out[key] = (float(found[0].group(1)), float(found[1].group(1)))
+    for endpoint in metrics:
+        text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+        for key, series in SERVER_SERIES.items():
+            name, _, labels = series.partition("{")
+            labels = "{" + labels if labels else ""
+            found = [re.search(rf"^{re.escape(name + part + labels)} (\S+)$", text, re.M)
+                     for part in ("_sum", "_count")]
+            if found[0] and found[1]:
+                total, count = out[key]
+                out[key] = (total + float(found[0].group(1)), count + float(found[1].group(1)))
     return out
 
 
@@ -211,24 +223,30 @@ def _mean(before: tuple[float, float], after: tuple[float, float]) -> float:
 
 
 async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, start_at: float, duration: float,
-                 timeout: float) -> tuple[list[float], dict[str, int]]:
-    """`concurrency` closed-loop clients on one channel from start_at (time.time()) for `duration` seconds.
+                 timeout: float, channels: int) -> tuple[list[float], dict[str, int]]:
+    """`concurrency` closed-loop clients over `channels` connections (round robin) from start_at
+    (time.time()) for `duration` seconds. Separate connections matter with `--workers`: the kernel
+    spreads connections, not calls, over the server's processes.
 
     Requests are pre-serialised and responses left as bytes: the client's own CPU cost is kept
     to gRPC itself, since it shares the machine with the server.
     """
     latencies: list[float] = []
     errors: Counter[str] = Counter()
-    async with aio.insecure_channel(target) as channel:
-        predict = channel.unary_unary("/foxhunt.tft.v1.Forecaster/Predict", request_serializer=None,
-                                      response_deserializer=None)  # bytes in, bytes out
-        for r in pool[:10]:  # connect and warm
-            await predict(r, timeout=timeout)
+    opened = [aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+              for _ in range(max(1, min(channels, concurrency)))]  # a connection of its own each
+    try:
+        predicts = [ch.unary_unary("/foxhunt.tft.v1.Forecaster/Predict", request_serializer=None,
+                                   response_deserializer=None) for ch in opened]  # bytes in, bytes out
+        for predict in predicts:  # connect and warm
+            for r in pool[:10]:
+                await predict(r, timeout=timeout)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         stop_at = time.perf_counter() + duration
 
         async def worker(k: int) -> None:
             i = offset + k
+            predict = predicts[k % len(predicts)]
             while time.perf_counter() < stop_at:
                 t0 = time.perf_counter()
                 try:
@@ -239,22 +257,26 @@ async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, 
                 i += 7919  # a prime stride: clients walk the pool in different orders
 
         await asyncio.gather(*(worker(k) for k in range(concurrency)))
+    finally:
+        for ch in opened:
+            await ch.close(None)
     return latencies, dict(errors)
 
 
-def _client_process(args: tuple[str, list[bytes], int, int, float, float, float]) -> tuple[list[float], dict[str, int]]:
+def _client_process(args: tuple[str, list[bytes], int, int, float, float, float, int]
+                    ) -> tuple[list[float], dict[str, int]]:
     return asyncio.run(_drive(*args))
 
 
-def run_level(target: str, metrics: str, pool: list[pb.PredictRequest], concurrency: int, duration: float,
-              timeout: float, procs: int) -> Level:
+def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], concurrency: int, duration: float,
+              timeout: float, procs: int, channels: int = 1) -> Level:
     """One level: `concurrency` clients spread over up to `procs` client processes."""
     before = server_counters(metrics)
     raw = [r.SerializeToString() for r in pool]
     procs = max(1, min(procs, concurrency))
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     start_at = time.time() + 3.0  # every process connected and warm before the clock starts
-    jobs = [(target, raw, n, 101 * i, start_at, duration, timeout) for i, n in enumerate(shares)]
+    jobs = [(target, raw, n, 101 * i, start_at, duration, timeout, channels) for i, n in enumerate(shares)]
     latencies: list[float] = []
     errors: Counter[str] = Counter()
     with multiprocessing.get_context("spawn").Pool(procs) as workers:
@@ -311,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-procs", type=int, default=2,
                    help="client processes sharing each level's concurrency (default 2; one Python client "
                         "process saturates long before the server)")
+    p.add_argument("--channels", type=int, default=1,
+                   help="connections per client process (default 1); with the server's --workers, use several: "
+                        "the kernel spreads connections over the workers")
     p.add_argument("--target", help="drive a running server at HOST:PORT instead of starting one")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for the server (repeatable)")
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
@@ -329,9 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"serving_load.{os.getpid()}.log"
     results: list[Level] = []
+    metrics: list[str] = []
     try:
         if args.target:
-            target, metrics = args.target, ""
+            target = args.target
         else:
             proc, target, metrics = start_server(args.model, args.device, args.threads, args.server_arg, log)
         wait_serving(target)
@@ -341,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                     bare_ort(args.model, args.threads, provider, pool, meta, args.duration, False, IDLE_GAP_S),
                     bare_ort(args.model, args.threads, provider, pool, meta, args.duration, True)]
         for c in levels_c:
-            results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs))
+            results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs,
+                                     args.channels))
             print(f"  concurrency {c}: {results[-1].throughput:.0f} req/s", flush=True)
     finally:
         stop_server(proc)

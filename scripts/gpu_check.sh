@@ -24,6 +24,7 @@
 #   export       python -m export --require-device cuda (the placement gate), if ORT has CUDA
 #   serving      benchmarks/serving_load.py: python -m serving --device cuda with the preset's model
 #                against bare ONNX Runtime on CUDA, at 1, 8 and 64 concurrent clients
+#   serving_workers  the same with --workers 4 (four server processes on one port)
 #   serving_cpu  the same with the tiny test model on the CPU provider (an uncontended machine's figure)
 #
 # Without a GPU it says so, runs the plan and a tiny CPU training run, and exits 0. The exit
@@ -389,11 +390,14 @@ elif ! "$PY" -c "import grpc, grpc_health.v1, grpc_reflection.v1alpha" 2>>"$OUT/
 fi
 # serving_load starts the server itself (python -m serving on 127.0.0.1, metrics scraped for the batch
 # sizes), measures bare ONNX Runtime on the same provider, then 1, 8 and 64 closed-loop clients
-serving_load() {  # serving_load PART MODEL DEVICE WHAT
+serving_load() {  # serving_load PART MODEL DEVICE WHAT [SERVER_ARG...]
   local part=$1 model=$2 device=$3 what=$4 t0=$SECONDS rc
+  shift 4
+  local extra=()
+  for a in "$@"; do extra+=("--server-arg=$a"); done
   echo "== $part: $what" >>"$OUT/export_serving.log"
   timeout 200 "$PY" -m benchmarks.serving_load --model "$model" --parquet "$DATA" --device "$device" \
-    --concurrency 1,8,64 --duration 5 --client-procs 4 --server-arg=--max-batch=64 \
+    --concurrency 1,8,64 --duration 5 --client-procs 4 --server-arg=--max-batch=64 "${extra[@]}" \
     --json "$WORK/$part.json" >>"$OUT/export_serving.log" 2>&1
   rc=$?
   if [ $rc = 0 ]; then
@@ -413,6 +417,12 @@ elif ! time_left; then
   record serving skipped 0 "out of time"
 else
   serving_load serving "$MODEL" cuda "the preset model on the CUDA provider"
+  if time_left; then
+    serving_load serving_workers "$MODEL" cuda "the preset model on the CUDA provider, 4 server processes" \
+      --workers=4
+  else
+    record serving_workers skipped 0 "out of time"
+  fi
 fi
 
 # ---- serving_cpu: the small test model on the CPU provider of this (uncontended) machine ------------------

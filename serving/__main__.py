@@ -24,6 +24,12 @@ the token too. Wrong or missing tokens answer UNAUTHENTICATED; tokens never appe
 SIGHUP re-reads the token file (rotation). The request messages hold data only: the server
 opens no file a request names (its only file is --model, and the TLS and token files).
 
+Workers: --workers N starts N such servers on one port (SO_REUSEPORT; the kernel spreads
+connections over them), each with its own model session, micro-batcher and interpreter, for
+machines where one Python process is the bottleneck. Each warms up and reports health on
+its own; --metrics-port M gives them M, M+1, ... (one `metrics on` line each). SIGHUP and
+SIGTERM are forwarded to all; a worker that exits on its own stops the rest.
+
 Exit status: 0 after a clean drain, 2 for bad arguments, a model that fails its checks,
 unusable TLS or token files, or --device cuda without a usable CUDA provider (one message
 on stderr, no traceback).
@@ -52,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, required=True, help="ONNX model written by `python -m export`")
     p.add_argument("--host", default=d.host, help=f"interface to bind (default {d.host})")
     p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port}; 0 picks a free one)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes sharing the port, each with its own model session, batcher and "
+                        "interpreter (default 1); see 'Workers' below")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind with SO_REUSEPORT, sharing the port with other server processes (what --workers does)")
     p.add_argument("--device", choices=DEVICES, default=d.device,
                    help="cuda: CUDA provider or refuse to start; cpu; auto: CUDA if it works, else CPU with a "
                         f"warning (default {d.device})")
@@ -88,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> ServerConfig:
     checks = (
         (0 <= args.port <= 65535, "--port must be in 0..65535"),
+        (1 <= args.workers <= 64, "--workers must be in 1..64"),
         (args.metrics_port is None or 0 <= args.metrics_port <= 65535, "--metrics-port must be in 0..65535"),
         (args.threads >= 1, "--threads must be >= 1"),
         (args.max_batch >= 1, "--max-batch must be >= 1"),
@@ -103,7 +115,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         if not ok:
             p.error(message)
     return ServerConfig(
-        model_path=args.model, host=args.host, port=args.port, device=args.device, device_id=args.device_id,
+        model_path=args.model, host=args.host, port=args.port, reuse_port=args.reuse_port, device=args.device,
+        device_id=args.device_id,
         threads=args.threads, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms, batch_wait=args.batch_wait,
         max_concurrent=args.max_concurrent, max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
         grace_s=args.grace, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
@@ -117,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s",
                         stream=sys.stderr)
     config = config_from_args(p, args)
+    if args.workers > 1:
+        from serving.workers import run_workers
+
+        return run_workers(config, args.workers, args.log_level)
     try:
         return asyncio.run(serve(config))
     except (ModelLoadError, ConfigError) as exc:

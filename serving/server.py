@@ -52,6 +52,7 @@ class ServerConfig:
     model_path: Path  # the ONNX model (re-read on SIGHUP)
     host: str = "127.0.0.1"  # interface to bind; loopback unless told otherwise
     port: int = 50051  # 0 picks a free port (printed as `listening on HOST:PORT`)
+    reuse_port: bool = False  # SO_REUSEPORT: share the port with sibling server processes (--workers)
     device: str = "auto"  # auto | cpu | cuda
     device_id: int = 0  # CUDA device ordinal
     threads: int = 1  # ONNX Runtime intra-op threads
@@ -112,7 +113,7 @@ class ForecastServer:
         self.grpc = aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent share
+            ("grpc.so_reuseport", int(config.reuse_port)),  # unless asked, a port in use is an error, not a share
             ("grpc.keepalive_time_ms", 60_000),  # ping idle connections; a dead peer's calls end
             ("grpc.keepalive_timeout_ms", 20_000),
         ])

@@ -84,10 +84,12 @@ class LiveServer:
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, args=(lines,), daemon=True).start()
         self.address = self.metrics = ""
-        want_metrics = "--metrics-port" in flags
+        self.metrics_all: list[str] = []  # one endpoint per worker with --workers N
+        workers = int(flags[flags.index("--workers") + 1]) if "--workers" in flags else 1
+        want_metrics = workers if "--metrics-port" in flags else 0
         deadline = time.monotonic() + 60
         line = ""
-        while not self.address or (want_metrics and not self.metrics):
+        while not self.address or len(self.metrics_all) < want_metrics:
             try:
                 line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
@@ -95,7 +97,8 @@ class LiveServer:
             if m := re.fullmatch(r"listening on (\S+):(\d+)\n", line):
                 self.address, self.port = m.group(1), int(m.group(2))
             if m := re.fullmatch(r"metrics on (\S+)\n", line):
-                self.metrics = m.group(1)
+                self.metrics = self.metrics or m.group(1)
+                self.metrics_all.append(m.group(1))
         if not self.address:
             self.kill()
             raise AssertionError(f"server did not report its port ({line!r}):\n{self.log_text()}")
@@ -141,9 +144,9 @@ class LiveServer:
             if own:
                 ch.close()
 
-    def scrape(self) -> str:
-        """The Prometheus text of `--metrics-port 0`'s endpoint."""
-        return urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=5).read().decode()
+    def scrape(self, endpoint: str = "") -> str:
+        """The Prometheus text of `--metrics-port 0`'s endpoint (or of one worker's, `endpoint`)."""
+        return urllib.request.urlopen(f"http://{endpoint or self.metrics}/metrics", timeout=5).read().decode()
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -378,6 +378,58 @@ def test_sigterm_drains_in_flight_calls_and_exits_0(art: Model, tmp_path: Path) 
         s.kill()
 
 
+def _wait_metric(s: LiveServer, endpoint: str, name: str, value: float, **labels: str) -> None:
+    deadline = time.monotonic() + 60
+    while metric(s.scrape(endpoint), name, **labels) < value:
+        assert time.monotonic() < deadline and s.alive(), s.log_text()
+        time.sleep(0.05)
+
+
+def test_workers_share_one_port_reload_together_and_drain(art: Model, tmp_path: Path) -> None:
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--workers", "2")
+    try:
+        assert len(s.metrics_all) == 2 and len(set(s.metrics_all)) == 2  # one endpoint per worker
+        for endpoint in s.metrics_all:
+            _wait_metric(s, endpoint, "foxhunt_ready", 1)
+        request = request_for(art, art.meta.symbols[0])
+        answers = []
+        for _ in range(16):  # separate connections: the kernel spreads them over the workers
+            with grpc.insecure_channel(s.target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+                answers.append(pb_grpc.ForecasterStub(ch).Predict(request, timeout=10))
+        assert len({a.forecasts[0].SerializeToString() for a in answers}) == 1  # the same answer from each
+        served = [metric(s.scrape(e), "foxhunt_requests_total", method="Predict", code="OK") for e in s.metrics_all]
+        assert sum(served) == 16 and min(served) > 0, served  # both workers answered
+        s.proc.send_signal(signal.SIGHUP)  # forwarded: each worker reloads the model file
+        for endpoint in s.metrics_all:
+            _wait_metric(s, endpoint, "foxhunt_reloads_total", 1, result="ok")
+        pids = [int(pid) for pid in re.findall(r"worker \d \(pid (\d+)\) listening", s.log_text())]
+        assert len(pids) == 2
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=30) == 0, s.log_text()
+        for pid in pids:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+        assert s.log_text().count("drained") == 2
+    finally:
+        s.kill()
+
+
+def test_a_worker_that_dies_stops_the_rest_and_a_bad_model_stops_the_first(art: Model, tmp_path: Path) -> None:
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--workers", "2")
+    try:
+        pids = [int(pid) for pid in re.findall(r"worker \d \(pid (\d+)\) listening", s.log_text())]
+        os.kill(pids[1], signal.SIGKILL)
+        assert s.proc.wait(timeout=30) == 128 + signal.SIGKILL, s.log_text()
+        assert "worker 1" in s.log_text() and "stopping the other workers" in s.log_text()
+    finally:
+        s.kill()
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    r = subprocess.run([sys.executable, "-m", "serving", "--model", str(bad), "--port", "0", "--device", "cpu",
+                        "--workers", "3"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("error:") == 1 and "listening" not in r.stdout  # the first worker's one message
+
+
 def test_device_auto_falls_back_loudly_and_cuda_refuses(art: Model, tmp_path: Path) -> None:
     if "CUDAExecutionProvider" in ort.get_available_providers() and any(Path("/dev").glob("nvidia[0-9]*")):
         pytest.skip("a GPU is visible: the fallback cannot be provoked here (scripts/gpu_check covers CUDA)")

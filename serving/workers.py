@@ -1,0 +1,177 @@
+"""`python -m serving --workers N`: N server processes sharing one port, each with its own interpreter.
+
+One server process is bound by its interpreter lock: the event loop's per-call Python work
+(proto to numpy, validation, the response) and the batch's feature code take turns on it,
+so past about one core a busier machine adds nothing. With `--workers N` this process
+starts N full servers (`--reuse-port`: SO_REUSEPORT on the same HOST:PORT, so the kernel
+spreads new connections over them), one after the other so that a bad model or flag
+stops the first with its one message. Each worker has its own ONNX Runtime session,
+micro-batcher, health (SERVING once it has warmed up), and metrics port (--metrics-port M
+gives workers M, M+1, ...; 0 lets each pick one).
+
+This process prints `listening on HOST:PORT` once every worker listens, and one
+`metrics on HOST:PORT` line per worker; it forwards SIGHUP (reload) and SIGTERM/SIGINT
+(drain) to every worker and exits 0 when all drained cleanly. A worker that exits on its
+own stops the others; the status is that worker's (an orchestrator restarts the set).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from types import FrameType
+
+from serving.server import ServerConfig, host_port
+
+log = logging.getLogger("serving")
+
+START_TIMEOUT_S = 300.0  # a worker must print `listening on` within this (model load, session creation)
+
+
+def server_args(config: ServerConfig, log_level: str) -> list[str]:
+    """The command line of one worker: every ServerConfig field as its flag."""
+    args = ["--model", str(config.model_path), "--host", config.host, "--port", str(config.port),
+            "--device", config.device, "--device-id", str(config.device_id), "--threads", str(config.threads),
+            "--max-batch", str(config.max_batch), "--max-delay-ms", repr(config.max_delay_ms),
+            "--batch-wait", config.batch_wait, "--max-concurrent", str(config.max_concurrent),
+            "--max-message-bytes", str(config.max_message_bytes), "--grace", repr(config.grace_s),
+            "--log-level", log_level]
+    if config.reuse_port:
+        args.append("--reuse-port")
+    if config.metrics_port is not None:
+        args += ["--metrics-port", str(config.metrics_port)]
+    for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key),
+                       ("--tls-client-ca", config.tls_client_ca), ("--auth-token-file", config.auth_token_file)):
+        if path is not None:
+            args += [flag, str(path)]
+    return args
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to HOST:PORT with SO_REUSEPORT (not listening): it picks the port when 0 and
+    holds it until the workers have bound; OSError when the port is taken by a socket that does not share."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+@dataclass
+class Worker:
+    index: int
+    proc: subprocess.Popen[str]
+    lines: queue.Queue[str | None] = field(default_factory=queue.Queue)  # stdout lines; None at EOF
+
+    def start_reader(self) -> None:
+        """Drain the worker's stdout for good (a full pipe would block it); lines go to `lines`."""
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.put(line.rstrip("\n"))
+            self.lines.put(None)
+
+        threading.Thread(target=read, name=f"worker-{self.index}-stdout", daemon=True).start()
+
+    def wait_listening(self, want_metrics: bool, timeout: float) -> tuple[str, str] | None:
+        """(listening address, metrics address or "") once printed; None if the worker exited first."""
+        deadline = time.monotonic() + timeout
+        listening = metrics = ""
+        while not listening or (want_metrics and not metrics):
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if line is None:
+                return None
+            if line.startswith("listening on "):
+                listening = line.removeprefix("listening on ")
+            elif line.startswith("metrics on "):
+                metrics = line.removeprefix("metrics on ")
+        return listening, metrics
+
+
+def _stop(workers: list[Worker], sig: int = signal.SIGTERM) -> None:
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.send_signal(sig)
+
+
+def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
+    """Start n workers on one port, forward signals, return the exit status (see the module docstring)."""
+    try:
+        placeholder = reserve_port(config.host, config.port)
+    except OSError as exc:
+        print(f"error: cannot bind {host_port(config.host, config.port)}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    port = int(placeholder.getsockname()[1])
+    workers: list[Worker] = []
+    stopping = threading.Event()
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        if signum != signal.SIGHUP:
+            stopping.set()
+        _stop(workers, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    metrics: list[str] = []
+    try:
+        for i in range(n):
+            mport = config.metrics_port + i if config.metrics_port else config.metrics_port
+            worker_config = ServerConfig(**(asdict(config) | {"port": port, "reuse_port": True, "metrics_port": mport}))
+            cmd = [sys.executable, "-m", "serving", *server_args(worker_config, log_level)]
+            w = Worker(i, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+            workers.append(w)
+            w.start_reader()
+            started = w.wait_listening(config.metrics_port is not None, START_TIMEOUT_S)
+            if started is None or stopping.is_set():  # it failed to start (it said why), or we were told to stop
+                _stop(workers)
+                for other in workers:
+                    other.proc.wait()
+                return 0 if started is not None else exit_status(w.proc.returncode) or 1
+            log.info("worker %d (pid %d) listening on %s", i, w.proc.pid, started[0])
+            if started[1]:
+                metrics.append(started[1])
+    finally:
+        placeholder.close()
+    print(f"listening on {host_port(config.host, port)}", flush=True)
+    for address in metrics:
+        print(f"metrics on {address}", flush=True)
+    return _supervise(workers, stopping)
+
+
+def _supervise(workers: list[Worker], stopping: threading.Event) -> int:
+    """Wait for the workers; one that exits unbidden stops the rest and gives the status."""
+    first_failure: int | None = None
+    while any(w.proc.poll() is None for w in workers):
+        for w in workers:
+            code = w.proc.poll()
+            if code is not None and not stopping.is_set() and first_failure is None:
+                log.error("worker %d (pid %d) exited with status %d; stopping the other workers", w.index,
+                          w.proc.pid, code)
+                first_failure = exit_status(code) or 1
+                stopping.set()
+                _stop(workers)
+        time.sleep(0.1)
+    if first_failure is not None:
+        return first_failure
+    codes = [exit_status(w.proc.returncode) for w in workers]
+    return next((c for c in codes if c != 0), 0)
+
+
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell reports it: killed by signal N is 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
