@@ -390,14 +390,14 @@ elif ! "$PY" -c "import grpc, grpc_health.v1, grpc_reflection.v1alpha" 2>>"$OUT/
 fi
 # serving_load starts the server itself (python -m serving on 127.0.0.1, metrics scraped for the batch
 # sizes), measures bare ONNX Runtime on the same provider, then 1, 8 and 64 closed-loop clients
-serving_load() {  # serving_load PART MODEL DEVICE WHAT [SERVER_ARG...]
-  local part=$1 model=$2 device=$3 what=$4 t0=$SECONDS rc
-  shift 4
+serving_load() {  # serving_load PART MODEL DEVICE WHAT CHANNELS [SERVER_ARG...]
+  local part=$1 model=$2 device=$3 what=$4 channels=$5 t0=$SECONDS rc
+  shift 5
   local extra=()
   for a in "$@"; do extra+=("--server-arg=$a"); done
   echo "== $part: $what" >>"$OUT/export_serving.log"
   timeout 200 "$PY" -m benchmarks.serving_load --model "$model" --parquet "$DATA" --device "$device" \
-    --concurrency 1,8,64 --duration 5 --client-procs 4 --server-arg=--max-batch=64 "${extra[@]}" \
+    --concurrency 1,8,64 --duration 5 --client-procs 4 --channels "$channels" --server-arg=--max-batch=64 "${extra[@]}" \
     --json "$WORK/$part.json" >>"$OUT/export_serving.log" 2>&1
   rc=$?
   if [ $rc = 0 ]; then
@@ -416,9 +416,9 @@ elif [ ! -f "$MODEL" ]; then
 elif ! time_left; then
   record serving skipped 0 "out of time"
 else
-  serving_load serving "$MODEL" cuda "the preset model on the CUDA provider"
+  serving_load serving "$MODEL" cuda "the preset model on the CUDA provider" 1
   if time_left; then
-    serving_load serving_workers "$MODEL" cuda "the preset model on the CUDA provider, 4 server processes" \
+    serving_load serving_workers "$MODEL" cuda "the preset model on the CUDA provider, 4 server processes" 8 \
       --workers=4
   else
     record serving_workers skipped 0 "out of time"
@@ -438,7 +438,7 @@ else
        --encoder-length 20 --horizon 3 --batch-size 32 --epochs 1 --max-steps-per-epoch 5 --max-val-windows 200 \
        --threads 1 --device cpu --no-progress --no-report >>"$OUT/export_serving.log" 2>&1 \
      && timeout 120 "$PY" -m export "$TINY/ckpt.pt" "$TINY/model.onnx" --threads 1 >>"$OUT/export_serving.log" 2>&1; then
-    serving_load serving_cpu "$TINY/model.onnx" cpu "the tiny test model (hidden 8, encoder 20) on the CPU provider, 1 thread"
+    serving_load serving_cpu "$TINY/model.onnx" cpu "the tiny test model (hidden 8, encoder 20) on the CPU provider, 1 thread" 1
   else
     record serving_cpu fail $((SECONDS - t0)) "the tiny model could not be trained or exported: $(tail_of "$OUT/export_serving.log")"
   fi
