@@ -271,7 +271,6 @@ def _client_process(args: tuple[str, list[bytes], int, int, float, float, float,
 def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], concurrency: int, duration: float,
               timeout: float, procs: int, channels: int = 1) -> Level:
     """One level: `concurrency` clients spread over up to `procs` client processes."""
-    before = server_counters(metrics)
     raw = [r.SerializeToString() for r in pool]
     procs = max(1, min(procs, concurrency))
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
@@ -280,7 +279,10 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
     latencies: list[float] = []
     errors: Counter[str] = Counter()
     with multiprocessing.get_context("spawn").Pool(procs) as workers:
-        for lat, err in workers.map(_client_process, jobs):
+        running = workers.map_async(_client_process, jobs)
+        time.sleep(max(0.0, start_at - time.time()))
+        before = server_counters(metrics)  # after the clients' warm-up calls, as the clock starts
+        for lat, err in running.get():
             latencies.extend(lat)
             errors.update(err)
     after = server_counters(metrics)

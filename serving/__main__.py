@@ -28,7 +28,9 @@ Workers: --workers N starts N such servers on one port (SO_REUSEPORT; the kernel
 connections over them), each with its own model session, micro-batcher and interpreter, for
 machines where one Python process is the bottleneck. Each warms up and reports health on
 its own; --metrics-port M gives them M, M+1, ... (one `metrics on` line each). SIGHUP and
-SIGTERM are forwarded to all; a worker that exits on its own stops the rest.
+SIGTERM are forwarded to all; a worker that exits on its own stops the rest, and if the
+supervisor dies (even by SIGKILL) its workers drain and exit. A SIGHUP that arrives while a
+server is still starting is ignored: the model file is being read then anyway.
 
 Exit status: 0 after a clean drain, 2 for bad arguments, a model that fails its checks,
 unusable TLS or token files, or --device cuda without a usable CUDA provider (one message
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "interpreter (default 1); see 'Workers' below")
     p.add_argument("--reuse-port", action="store_true",
                    help="bind with SO_REUSEPORT, sharing the port with other server processes (what --workers does)")
+    p.add_argument("--stop-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)  # a --workers worker
     p.add_argument("--device", choices=DEVICES, default=d.device,
                    help="cuda: CUDA provider or refuse to start; cpu; auto: CUDA if it works, else CPU with a "
                         f"warning (default {d.device})")
@@ -100,6 +103,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
     checks = (
         (0 <= args.port <= 65535, "--port must be in 0..65535"),
         (1 <= args.workers <= 64, "--workers must be in 1..64"),
+        (not args.metrics_port or args.metrics_port + args.workers - 1 <= 65535,
+         "--metrics-port M with --workers N needs M + N - 1 <= 65535 (workers take M, M+1, ...)"),
         (args.metrics_port is None or 0 <= args.metrics_port <= 65535, "--metrics-port must be in 0..65535"),
         (args.threads >= 1, "--threads must be >= 1"),
         (args.max_batch >= 1, "--max-batch must be >= 1"),
@@ -115,8 +120,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         if not ok:
             p.error(message)
     return ServerConfig(
-        model_path=args.model, host=args.host, port=args.port, reuse_port=args.reuse_port, device=args.device,
-        device_id=args.device_id,
+        model_path=args.model, host=args.host, port=args.port, reuse_port=args.reuse_port,
+        stop_on_stdin_eof=args.stop_on_stdin_eof, device=args.device, device_id=args.device_id,
         threads=args.threads, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms, batch_wait=args.batch_wait,
         max_concurrent=args.max_concurrent, max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
         grace_s=args.grace, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,

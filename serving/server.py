@@ -18,8 +18,12 @@ before a request's bytes are decoded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +57,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # interface to bind; loopback unless told otherwise
     port: int = 50051  # 0 picks a free port (printed as `listening on HOST:PORT`)
     reuse_port: bool = False  # SO_REUSEPORT: share the port with sibling server processes (--workers)
+    stop_on_stdin_eof: bool = False  # drain when stdin closes: a --workers worker's tie to its supervisor
     device: str = "auto"  # auto | cpu | cuda
     device_id: int = 0  # CUDA device ordinal
     threads: int = 1  # ONNX Runtime intra-op threads
@@ -232,8 +237,20 @@ def access_summary(config: ServerConfig) -> str:
     return f"{tls}, {auth}"
 
 
+def _drain_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Block on stdin until EOF, then drain: a --workers supervisor holds the other end of the pipe, so
+    its death (even by SIGKILL) ends its workers instead of leaving them serving on its port."""
+    fd = sys.stdin.fileno()
+    while os.read(fd, 4096):  # the raw descriptor: a daemon thread blocked in sys.stdin's buffered reader
+        pass  # would hold its lock and abort the interpreter's shutdown
+    log.warning("stdin closed: the --workers supervisor is gone; draining")
+    with contextlib.suppress(RuntimeError):  # the loop already finished: the server is exiting anyway
+        loop.call_soon_threadsafe(stop.set)
+
+
 async def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT; 0 after a clean drain. ModelLoadError, ConfigError and OSError propagate."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload asked for while starting: the file is being read now
     access = read_access(config)  # unusable TLS or token files stop the start before the model loads
     model = await asyncio.to_thread(load_model, config.model_path, config.device, config.threads,
                                     config.max_batch, config.device_id)
@@ -265,6 +282,9 @@ async def serve(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
+    if config.stop_on_stdin_eof:
+        threading.Thread(target=_drain_at_stdin_eof, args=(loop, stop), name="supervisor-lifeline",
+                         daemon=True).start()
 
     warm = loop.create_task(server.warm_up())
     stopping = loop.create_task(stop.wait())

@@ -12,7 +12,9 @@ gives workers M, M+1, ...; 0 lets each pick one).
 This process prints `listening on HOST:PORT` once every worker listens, and one
 `metrics on HOST:PORT` line per worker; it forwards SIGHUP (reload) and SIGTERM/SIGINT
 (drain) to every worker and exits 0 when all drained cleanly. A worker that exits on its
-own stops the others; the status is that worker's (an orchestrator restarts the set).
+own stops the others; the status is that worker's (an orchestrator restarts the set). Each
+worker's stdin is a pipe from this process: if this process dies, even by SIGKILL, the
+pipe closes and the workers drain and exit rather than keep the port.
 """
 
 from __future__ import annotations
@@ -36,36 +38,46 @@ START_TIMEOUT_S = 300.0  # a worker must print `listening on` within this (model
 
 
 def server_args(config: ServerConfig, log_level: str) -> list[str]:
-    """The command line of one worker: every ServerConfig field as its flag."""
-    args = ["--model", str(config.model_path), "--host", config.host, "--port", str(config.port),
-            "--device", config.device, "--device-id", str(config.device_id), "--threads", str(config.threads),
-            "--max-batch", str(config.max_batch), "--max-delay-ms", repr(config.max_delay_ms),
-            "--batch-wait", config.batch_wait, "--max-concurrent", str(config.max_concurrent),
-            "--max-message-bytes", str(config.max_message_bytes), "--grace", repr(config.grace_s),
-            "--log-level", log_level]
-    if config.reuse_port:
-        args.append("--reuse-port")
-    if config.metrics_port is not None:
-        args += ["--metrics-port", str(config.metrics_port)]
-    for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key),
-                       ("--tls-client-ca", config.tls_client_ca), ("--auth-token-file", config.auth_token_file)):
-        if path is not None:
-            args += [flag, str(path)]
+    """The command line of one worker: every ServerConfig field as its flag (`--flag=value`, so that a
+    value starting with '-' stays a value)."""
+    values: list[tuple[str, object]] = [
+        ("--model", config.model_path), ("--host", config.host), ("--port", config.port),
+        ("--device", config.device), ("--device-id", config.device_id), ("--threads", config.threads),
+        ("--max-batch", config.max_batch), ("--max-delay-ms", repr(config.max_delay_ms)),
+        ("--batch-wait", config.batch_wait), ("--max-concurrent", config.max_concurrent),
+        ("--max-message-bytes", config.max_message_bytes), ("--grace", repr(config.grace_s)),
+        ("--log-level", log_level), ("--metrics-port", config.metrics_port), ("--tls-cert", config.tls_cert),
+        ("--tls-key", config.tls_key), ("--tls-client-ca", config.tls_client_ca),
+        ("--auth-token-file", config.auth_token_file),
+    ]
+    args = [f"{flag}={value}" for flag, value in values if value is not None]
+    args += [flag for flag, on in (("--reuse-port", config.reuse_port),
+                                   ("--stop-on-stdin-eof", config.stop_on_stdin_eof)) if on]
     return args
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
-    """A socket bound to HOST:PORT with SO_REUSEPORT (not listening): it picks the port when 0 and
-    holds it until the workers have bound; OSError when the port is taken by a socket that does not share."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
+def reserve_port(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound with SO_REUSEPORT (not listening) to the addresses `host` resolves to, as gRPC binds
+    them ("localhost": 127.0.0.1 and ::1 where the machine has IPv6): they pick the port when it is 0
+    and hold it until the workers have bound. OSError when no address can be bound (one taken by a
+    socket that does not share)."""
+    held: list[socket.socket] = []
+    error: OSError | None = None
+    for family, kind, proto, _name, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((address[0], port, *address[2:]))
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        held.append(sock)
+        port = port or int(sock.getsockname()[1])  # the first picks; the others take the same port
+    if not held:
+        raise error or OSError(f"{host} resolves to no address")
+    return held
 
 
 @dataclass
@@ -85,15 +97,18 @@ class Worker:
 
         threading.Thread(target=read, name=f"worker-{self.index}-stdout", daemon=True).start()
 
-    def wait_listening(self, want_metrics: bool, timeout: float) -> tuple[str, str] | None:
-        """(listening address, metrics address or "") once printed; None if the worker exited first."""
+    def wait_listening(self, want_metrics: bool, timeout: float, stopping: threading.Event) -> tuple[str, str] | None:
+        """(listening address, metrics address or "") once printed; None if the worker exited first, or
+        when `stopping` is set."""
         deadline = time.monotonic() + timeout
         listening = metrics = ""
         while not listening or (want_metrics and not metrics):
-            try:
-                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
+            if stopping.is_set() or time.monotonic() > deadline:
                 return None
+            try:
+                line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                continue
             if line is None:
                 return None
             if line.startswith("listening on "):
@@ -112,18 +127,19 @@ def _stop(workers: list[Worker], sig: int = signal.SIGTERM) -> None:
 def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
     """Start n workers on one port, forward signals, return the exit status (see the module docstring)."""
     try:
-        placeholder = reserve_port(config.host, config.port)
+        placeholders = reserve_port(config.host, config.port)
     except OSError as exc:
         print(f"error: cannot bind {host_port(config.host, config.port)}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    port = int(placeholder.getsockname()[1])
+    port = int(placeholders[0].getsockname()[1])
     workers: list[Worker] = []
+    listening: set[int] = set()  # workers past start-up: a worker still starting ignores SIGHUP anyway
     stopping = threading.Event()
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         if signum != signal.SIGHUP:
             stopping.set()
-        _stop(workers, signum)
+        _stop([w for w in workers if signum != signal.SIGHUP or w.index in listening], signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
@@ -131,26 +147,34 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
     try:
         for i in range(n):
             mport = config.metrics_port + i if config.metrics_port else config.metrics_port
-            worker_config = ServerConfig(**(asdict(config) | {"port": port, "reuse_port": True, "metrics_port": mport}))
+            worker_config = ServerConfig(**(asdict(config) | {"port": port, "reuse_port": True,
+                                                              "metrics_port": mport, "stop_on_stdin_eof": True}))
             cmd = [sys.executable, "-m", "serving", *server_args(worker_config, log_level)]
-            w = Worker(i, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+            # stdin is the worker's lifeline: when this process dies, however it dies, the pipe closes
+            w = Worker(i, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
             workers.append(w)
             w.start_reader()
-            started = w.wait_listening(config.metrics_port is not None, START_TIMEOUT_S)
-            if started is None or stopping.is_set():  # it failed to start (it said why), or we were told to stop
+            started = w.wait_listening(config.metrics_port is not None, START_TIMEOUT_S, stopping)
+            if started is None:  # it failed to start (and said why), or we were told to stop
                 _stop(workers)
                 for other in workers:
                     other.proc.wait()
-                return 0 if started is not None else exit_status(w.proc.returncode) or 1
+                return 0 if stopping.is_set() else exit_status(w.proc.returncode or 0) or 1
+            listening.add(i)
             log.info("worker %d (pid %d) listening on %s", i, w.proc.pid, started[0])
             if started[1]:
                 metrics.append(started[1])
     finally:
-        placeholder.close()
+        for sock in placeholders:
+            sock.close()
     print(f"listening on {host_port(config.host, port)}", flush=True)
     for address in metrics:
         print(f"metrics on {address}", flush=True)
-    return _supervise(workers, stopping)
+    status = _supervise(workers, stopping)
+    for w in workers:
+        if w.proc.stdin is not None:
+            w.proc.stdin.close()
+    return status
 
 
 def _supervise(workers: list[Worker], stopping: threading.Event) -> int:

@@ -413,13 +413,24 @@ def test_workers_share_one_port_reload_together_and_drain(art: Model, tmp_path: 
         s.kill()
 
 
-def test_a_worker_that_dies_stops_the_rest_and_a_bad_model_stops_the_first(art: Model, tmp_path: Path) -> None:
+def test_a_dead_worker_or_supervisor_ends_the_set_and_a_bad_model_stops_the_first(art: Model, tmp_path: Path) -> None:
     s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--workers", "2")
     try:
         pids = [int(pid) for pid in re.findall(r"worker \d \(pid (\d+)\) listening", s.log_text())]
         os.kill(pids[1], signal.SIGKILL)
         assert s.proc.wait(timeout=30) == 128 + signal.SIGKILL, s.log_text()
         assert "worker 1" in s.log_text() and "stopping the other workers" in s.log_text()
+    finally:
+        s.kill()
+    s = serve(art.model, tmp_path / "server2.log", "--device", "cpu", "--workers", "2")
+    try:  # the supervisor killed outright: its workers see their stdin close, drain and exit
+        pids = [int(pid) for pid in re.findall(r"worker \d \(pid (\d+)\) listening", s.log_text())]
+        s.proc.kill()
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() for pid in pids):
+            assert time.monotonic() < deadline, s.log_text()
+            time.sleep(0.1)
+        assert s.log_text().count("supervisor is gone") == 2
     finally:
         s.kill()
     bad = tmp_path / "bad.onnx"

@@ -277,3 +277,21 @@ def test_wait_serving_gives_up_after_its_timeout_when_nothing_listens() -> None:
     start = time.monotonic()
     assert wait_serving("127.0.0.1:1", timeout=0.3) is False  # port 1: nothing listens there
     assert time.monotonic() - start < 5  # bounded by the timeout plus one 2 s health call at most
+
+
+def test_a_worker_gets_every_setting_of_its_supervisor() -> None:
+    """--workers starts each worker with server_args(config): parsed back, it is the same config."""
+    from serving.__main__ import build_parser, config_from_args
+    from serving.server import ServerConfig
+    from serving.workers import server_args
+
+    config = ServerConfig(
+        model_path=Path("-odd name.onnx"), host="::1", port=50123, reuse_port=True, stop_on_stdin_eof=True,
+        device="cpu", device_id=2, threads=3, max_batch=48, max_delay_ms=1.5, batch_wait="fixed",
+        max_concurrent=99, max_message_bytes=65536, metrics_port=9470, grace_s=2.5, tls_cert=Path("c.pem"),
+        tls_key=Path("k.pem"), tls_client_ca=Path("ca.pem"), auth_token_file=Path("tokens"))
+    parser = build_parser()
+    args = parser.parse_args(server_args(config, "WARNING"))
+    assert config_from_args(parser, args) == config and args.log_level == "WARNING"
+    plain = ServerConfig(model_path=Path("m.onnx"))
+    assert config_from_args(parser, parser.parse_args(server_args(plain, "INFO"))) == plain

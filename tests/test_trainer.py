@@ -197,6 +197,13 @@ def test_shared_bar_forward_equals_the_per_window_forward_and_its_gradients(bars
         torch.testing.assert_close(grads[0][k], g, rtol=1e-4, atol=1e-7, msg=k)
 
 
+def test_a_checkpoint_from_before_window_blocks_resumes_with_a_plain_shuffle() -> None:
+    older = tiny_cfg().to_dict()
+    del older["window_block"]
+    assert TrainConfig.from_checkpoint(older).window_block == 1
+    assert TrainConfig.from_checkpoint(tiny_cfg(window_block=8).to_dict()).window_block == 8
+
+
 def test_epoch_shuffles_blocks_of_consecutive_windows_and_visits_each_once(tmp_path: Path, bars: Path) -> None:
     k = 8
     t = Trainer(bars, tiny_cfg(max_steps_per_epoch=0, window_block=k), tmp_path / "c.pt", progress=False)

@@ -109,6 +109,12 @@ class TrainConfig:
     def from_dict(d: dict[str, Any]) -> TrainConfig:
         return merge(TrainConfig(), d, "checkpoint")
 
+    @staticmethod
+    def from_checkpoint(d: dict[str, Any]) -> TrainConfig:
+        """A checkpoint's train_config. Fields added since it was written take the value its run had:
+        window_block 1 (a plain shuffle) for checkpoints from before blocks existed."""
+        return TrainConfig.from_dict({"window_block": 1, **d})
+
 
 def _coerce(name: str, value: Any, default: Any) -> Any:
     """Convert a TOML or flag value to the field's type, with a clear error."""

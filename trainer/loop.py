@@ -100,7 +100,7 @@ class Trainer:
         self.resume_state: dict[str, Any] | None = None
         if resume is not None:
             self.resume_state = load_checkpoint(resume)
-            stored = TrainConfig.from_dict(self.resume_state["train_config"])
+            stored = TrainConfig.from_checkpoint(self.resume_state["train_config"])
             if cfg.epochs != stored.epochs:
                 log.info("resume: epochs %d -> %d", stored.epochs, cfg.epochs)
             # the run's recipe comes from the checkpoint; the hardware it runs on from this command

@@ -406,12 +406,18 @@ class TemporalFusionTransformer(nn.Module):
         # window_rows [B, L] int64 in [0, R); decoder_known [B, H, n_known]
         observed, known = self._normalize(row_observed, row_known)  # [R, n_obs], [R, n_known]
         statics = self._run(self.static_encoder, static_categorical)  # 4 x [B, D], [B, n_static]
-        c_rows = statics[0][row_window]  # [R, D]
-        row_x, row_w = self._run(self._select_encoder, observed, known, c_rows)  # [R, D], [R, V]
-        # index_select, not row_x[window_rows]: its backward (index_add_) sums shared bars in a fixed order
-        enc_x = row_x.index_select(0, window_rows.flatten()).view(*window_rows.shape, -1)  # [B, L, D]
-        enc_w = row_w.index_select(0, window_rows.flatten()).view(*window_rows.shape, -1)  # [B, L, V]
+        row_x, row_w = self._run(self._select_rows, observed, known, statics[0], row_window)  # [R, D], [R, V]
+        # index_select, not row_x[window_rows]: on the CPU its backward (index_add_) sums shared bars in a
+        # fixed order, so runs repeat exactly
+        b, length = window_rows.shape
+        enc_x = row_x.index_select(0, window_rows.flatten()).view(b, length, row_x.shape[-1])  # [B, L, D]
+        enc_w = row_w.index_select(0, window_rows.flatten()).view(b, length, row_w.shape[-1])  # [B, L, V]
         return self._decode(statics, enc_x, enc_w, decoder_known)
+
+    def _select_rows(self, observed: Tensor, known: Tensor, c_selection: Tensor, row_window: Tensor
+                     ) -> tuple[Tensor, Tensor]:
+        # observed [R, n_obs], known [R, n_known], c_selection [B, D], row_window [R]: each row's context
+        return self._select_encoder(observed, known, c_selection[row_window])  # [R, D], [R, V]
 
     def _decode(
         self, statics: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], enc_x: Tensor, enc_w: Tensor,

@@ -58,7 +58,7 @@ def effective_config(args: argparse.Namespace, cfg: TrainConfig) -> TrainConfig:
     """The config the run will use: on --resume the stored one (epochs from the flags), as the Trainer does."""
     if not getattr(args, "resume", None):
         return cfg
-    stored = TrainConfig.from_dict(load_checkpoint(args.resume)["train_config"])
+    stored = TrainConfig.from_checkpoint(load_checkpoint(args.resume)["train_config"])
     return replace(stored, epochs=cfg.epochs)
 
 
