@@ -28,8 +28,9 @@ epochs and optimizer steps per epoch (`--steps` caps both: ours `max_steps_per_e
 theirs lightning's `limit_train_batches`), seed 7, no data-loader workers (the cores are
 for the model). Each samples with its library's own method: pytorch-forecasting shuffles
 windows one by one; ours shuffles blocks of `window_block` consecutive windows (trainer
-default 16; `--window-block 1` is a plain shuffle) and runs variable selection once per
-distinct bar of the batch. Without a step cap, both draw every window once per epoch.
+default: automatic, 16 at batch 256; `--window-block 1` is a plain shuffle) and runs
+variable selection once per distinct bar of the batch. Without a step cap, both draw every
+window once per epoch.
 
 Same data: the pytorch-forecasting child builds its DataFrame from this project's own
 feature arrays (`trainer.data.prepare`), so both see identical values of the same inputs:
@@ -455,7 +456,7 @@ def report(args: argparse.Namespace, ours_runs: list[dict[str, Any]], pf_runs: l
                    "learning_rate": args.lr, "seed": args.seed, "encoder_length": ENCODER_LENGTH, "horizon": HORIZON,
                    "hidden_size": HIDDEN, "attention_heads": HEADS, "variable_hidden_size": VARIABLE_HIDDEN,
                    "dropout": DROPOUT, "quantiles": list(QUANTILES), "batch_size": BATCH,
-                   "pf_normalizer": args.pf_normalizer, "window_block": train_config(args).window_block},
+                   "pf_normalizer": args.pf_normalizer, "window_block": train_config(args).block_windows},
         "command": " ".join([Path(sys.executable).name, "-m", MODULE, *sys.argv[1:]]),
         "machine": {"python": platform.python_version(), "platform": platform.platform(),
                     "cpus": os.cpu_count()},
@@ -487,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pf-normalizer", choices=("auto", "group"), default="auto",
                    help="pytorch-forecasting's target normaliser: its default (auto) or GroupNormalizer by symbol")
     p.add_argument("--window-block", type=int, default=0,
-                   help="ours: consecutive windows per shuffled block (default 0 = the trainer's default)")
+                   help="ours: consecutive windows per shuffled block (default 0 = the trainer's automatic choice)")
     p.add_argument("--out-json", type=Path, default=None, help="write every figure here as JSON")
     p.add_argument("--child", choices=("ours", "pf"), help=argparse.SUPPRESS)
     p.add_argument("--parquet", help=argparse.SUPPRESS)
@@ -509,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         pq.write_table(generate(list(SYMBOLS), args.bars, seed=args.seed), parquet)
         print(f"TFT training: ours vs pytorch-forecasting; {len(SYMBOLS)} symbols x {args.bars:,} bars, "
               f"{args.epochs} epoch(s), step cap {args.steps or 'none'}, batch {BATCH}, {args.threads} thread(s), "
-              f"our window block {train_config(args).window_block}, "
+              f"our window block {train_config(args).block_windows}, "
               f"python {platform.python_version()}, {os.cpu_count()} CPUs", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {"ours": [], "pf": []}
         for repeat in range(args.repeats):  # alternate the order so neither model always runs first

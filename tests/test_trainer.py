@@ -204,6 +204,11 @@ def test_a_checkpoint_from_before_window_blocks_resumes_with_a_plain_shuffle() -
     assert TrainConfig.from_checkpoint(tiny_cfg(window_block=8).to_dict()).window_block == 8
 
 
+def test_the_automatic_window_block_keeps_8_stretches_of_time_in_a_batch() -> None:
+    assert [tiny_cfg(batch_size=b).block_windows for b in (256, 1024, 64, 20, 8)] == [16, 16, 8, 2, 1]
+    assert tiny_cfg(batch_size=8, window_block=32).block_windows == 32  # an explicit block is kept
+
+
 def test_epoch_shuffles_blocks_of_consecutive_windows_and_visits_each_once(tmp_path: Path, bars: Path) -> None:
     k = 8
     t = Trainer(bars, tiny_cfg(max_steps_per_epoch=0, window_block=k), tmp_path / "c.pt", progress=False)
@@ -290,7 +295,7 @@ def test_flags_override_config_file(tmp_path: Path, bars: Path) -> None:
         (["--features", "nope"], "user feature column 'nope' is missing"),
         (["--resume", "missing.pt"], "no such checkpoint file"),
         (["--precision", "fp16", "--device", "cpu"], "needs CUDA"),
-        (["--window-block", "0"], "window_block must be >= 1"),
+        (["--window-block", "-1"], "window_block must be >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args: list[str], message: str) -> None:

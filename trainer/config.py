@@ -22,6 +22,10 @@ class ConfigError(ValueError):
     """A config file or flag that cannot be used; the message says what to change."""
 
 
+AUTO_WINDOW_BLOCK = 16  # window_block 0: blocks of 16 consecutive windows ...
+MIN_BLOCKS_PER_BATCH = 8  # ... but at least 8 blocks in a batch
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     # ---- data ----
@@ -47,7 +51,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max gradient norm (0 = no clipping)
     patience: int = 3  # epochs without validation improvement before stopping (0 = never stop early)
     max_steps_per_epoch: int = 0  # cap on optimizer steps per epoch, windows sampled at random (0 = all)
-    window_block: int = 16  # consecutive windows shuffled as one block; their shared bars are selected once
+    window_block: int = 0  # consecutive windows shuffled as one block, their shared bars selected once (0 = auto)
     max_val_windows: int = 0  # cap on validation windows, evenly spaced (0 = all)
     seed: int = 7  # seeds weights, shuffling and dropout
     # ---- device ----
@@ -67,7 +71,8 @@ class TrainConfig:
              "training (val_fraction + test_fraction < 1)"),
             (self.epochs >= 1, "epochs must be >= 1"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.window_block >= 1, "window_block must be >= 1 (1 = every window shuffled on its own)"),
+            (self.window_block >= 0, "window_block must be >= 0 (0 = automatic, 1 = every window shuffled on its "
+             "own)"),
             (self.learning_rate > 0, "learning_rate must be > 0"),
             (self.patience >= 0, "patience must be >= 0"),
             (self.precision in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16"),
@@ -108,6 +113,12 @@ class TrainConfig:
     @staticmethod
     def from_dict(d: dict[str, Any]) -> TrainConfig:
         return merge(TrainConfig(), d, "checkpoint")
+
+    @property
+    def block_windows(self) -> int:
+        """The window block in use: window_block, or when 0, 16 but at most batch_size / 8 (so that a
+        batch spans at least 8 stretches of time), and at least 1."""
+        return self.window_block or max(1, min(AUTO_WINDOW_BLOCK, self.batch_size // MIN_BLOCKS_PER_BATCH))
 
     @staticmethod
     def from_checkpoint(d: dict[str, Any]) -> TrainConfig:

@@ -182,7 +182,7 @@ class Trainer:
 
     # ---- one epoch ---------------------------------------------------------------------
     def _epoch_anchors(self) -> torch.Tensor:
-        """Training anchors shuffled in blocks of `window_block` consecutive windows.
+        """Training anchors shuffled in blocks of `block_windows` consecutive windows.
 
         Windows of one block overlap, so a batch holds fewer distinct bars than windows and
         the forward selects each bar's variables once (`forward_rows`). The order depends on
@@ -190,7 +190,7 @@ class Trainer:
         """
         g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.epoch)
         anchors = torch.from_numpy(self.data.train_anchors)
-        n, k = anchors.numel(), self.cfg.window_block
+        n, k = anchors.numel(), self.cfg.block_windows
         starts = torch.arange(0, n, k)[torch.randperm(math.ceil(n / k), generator=g)]  # [n_blocks]
         order = (starts[:, None] + torch.arange(k)).flatten()  # [n_blocks * k]
         order = order[order < n]  # the last block may be short
