@@ -159,7 +159,7 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
                 _stop(workers)
                 for other in workers:
                     other.proc.wait()
-                return 0 if stopping.is_set() else exit_status(w.proc.returncode or 0) or 1
+                return 0 if stopping.is_set() else exit_status(w.proc.returncode) or 1
             listening.add(i)
             log.info("worker %d (pid %d) listening on %s", i, w.proc.pid, started[0])
             if started[1]:

@@ -385,6 +385,11 @@ def _wait_metric(s: LiveServer, endpoint: str, name: str, value: float, **labels
         time.sleep(0.05)
 
 
+def worker_pids(s: LiveServer) -> list[int]:
+    """The workers' process ids, from the supervisor's `worker I (pid P) listening` log lines."""
+    return [int(pid) for pid in re.findall(r"worker \d+ \(pid (\d+)\) listening", s.log_text())]
+
+
 def test_workers_share_one_port_reload_together_and_drain(art: Model, tmp_path: Path) -> None:
     s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--workers", "2")
     try:
@@ -402,7 +407,7 @@ def test_workers_share_one_port_reload_together_and_drain(art: Model, tmp_path: 
         s.proc.send_signal(signal.SIGHUP)  # forwarded: each worker reloads the model file
         for endpoint in s.metrics_all:
             _wait_metric(s, endpoint, "foxhunt_reloads_total", 1, result="ok")
-        pids = [int(pid) for pid in re.findall(r"worker \d \(pid (\d+)\) listening", s.log_text())]
+        pids = worker_pids(s)
         assert len(pids) == 2
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(timeout=30) == 0, s.log_text()
@@ -416,7 +421,7 @@ def test_workers_share_one_port_reload_together_and_drain(art: Model, tmp_path: 
 def test_a_dead_worker_or_supervisor_ends_the_set_and_a_bad_model_stops_the_first(art: Model, tmp_path: Path) -> None:
     s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--workers", "2")
     try:
-        pids = [int(pid) for pid in re.findall(r"worker \d \(pid (\d+)\) listening", s.log_text())]
+        pids = worker_pids(s)
         os.kill(pids[1], signal.SIGKILL)
         assert s.proc.wait(timeout=30) == 128 + signal.SIGKILL, s.log_text()
         assert "worker 1" in s.log_text() and "stopping the other workers" in s.log_text()
@@ -424,7 +429,7 @@ def test_a_dead_worker_or_supervisor_ends_the_set_and_a_bad_model_stops_the_firs
         s.kill()
     s = serve(art.model, tmp_path / "server2.log", "--device", "cpu", "--workers", "2")
     try:  # the supervisor killed outright: its workers see their stdin close, drain and exit
-        pids = [int(pid) for pid in re.findall(r"worker \d \(pid (\d+)\) listening", s.log_text())]
+        pids = worker_pids(s)
         s.proc.kill()
         deadline = time.monotonic() + 30
         while any(Path(f"/proc/{pid}").exists() for pid in pids):
