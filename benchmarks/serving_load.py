@@ -20,6 +20,10 @@
    calls, over the workers. Reports throughput,
    p50/p90/p99 latency, errors by status code, and from the server's Prometheus metrics its
    mean ONNX Runtime batch size, mean time in the Predict handler and mean time per batch.
+5. The gRPC floor: the same clients calling the server's health Check (an empty handler behind
+   the same interceptors) at the lowest and the highest level. No Predict handler can answer
+   faster than this row at concurrency 1, nor scale further than its ratio at the top level:
+   it is what the gRPC stacks of client and server cost on this machine (`--no-floor` skips it).
 
 Targets (issue 6): p50 at concurrency 1 within 1 ms of bare ONNX Runtime; throughput at 64
 at least 4x that at 1; zero errors.
@@ -61,6 +65,8 @@ from serving.validation import columns_from_proto
 
 REPO = Path(__file__).resolve().parents[1]
 IDLE_GAP_S = 0.001  # the diagnostic bare row: runs this far apart, about a concurrency-1 client's round trip
+PREDICT = "/foxhunt.tft.v1.Forecaster/Predict"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # the floor rows' method; b"" is its request (the whole server)
 
 
 @dataclass
@@ -223,7 +229,7 @@ def _mean(before: tuple[float, float], after: tuple[float, float]) -> float:
 
 
 async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, start_at: float, duration: float,
-                 timeout: float, channels: int) -> tuple[list[float], dict[str, int]]:
+                 timeout: float, channels: int, method: str = PREDICT) -> tuple[list[float], dict[str, int]]:
     """`concurrency` closed-loop clients over `channels` connections (round robin) from start_at
     (time.time()) for `duration` seconds. Separate connections matter with `--workers`: the kernel
     spreads connections, not calls, over the server's processes.
@@ -236,8 +242,8 @@ async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, 
     opened = [aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
               for _ in range(max(1, min(channels, concurrency)))]  # a connection of its own each
     try:
-        predicts = [ch.unary_unary("/foxhunt.tft.v1.Forecaster/Predict", request_serializer=None,
-                                   response_deserializer=None) for ch in opened]  # bytes in, bytes out
+        predicts = [ch.unary_unary(method, request_serializer=None, response_deserializer=None)
+                    for ch in opened]  # bytes in, bytes out
         for predict in predicts:  # connect and warm
             for r in pool[:10]:
                 await predict(r, timeout=timeout)
@@ -263,19 +269,21 @@ async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, 
     return latencies, dict(errors)
 
 
-def _client_process(args: tuple[str, list[bytes], int, int, float, float, float, int]
+def _client_process(args: tuple[str, list[bytes], int, int, float, float, float, int, str]
                     ) -> tuple[list[float], dict[str, int]]:
     return asyncio.run(_drive(*args))
 
 
 def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], concurrency: int, duration: float,
-              timeout: float, procs: int, channels: int = 1) -> Level:
-    """One level: `concurrency` clients spread over up to `procs` client processes."""
-    raw = [r.SerializeToString() for r in pool]
+              timeout: float, procs: int, channels: int = 1, floor: bool = False) -> Level:
+    """One level: `concurrency` clients spread over up to `procs` client processes; with `floor`, calling
+    the health Check instead of Predict."""
+    raw = [b""] if floor else [r.SerializeToString() for r in pool]
+    method = HEALTH_CHECK if floor else PREDICT
     procs = max(1, min(procs, concurrency))
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     start_at = time.time() + 3.0  # every process connected and warm before the clock starts
-    jobs = [(target, raw, n, 101 * i, start_at, duration, timeout, channels) for i, n in enumerate(shares)]
+    jobs = [(target, raw, n, 101 * i, start_at, duration, timeout, channels, method) for i, n in enumerate(shares)]
     latencies: list[float] = []
     errors: Counter[str] = Counter()
     with multiprocessing.get_context("spawn").Pool(procs) as workers:
@@ -287,7 +295,8 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
             errors.update(err)
     after = server_counters(metrics)
     p50, p90, p99 = percentiles(latencies)
-    return Level(f"server, concurrency {concurrency}", concurrency, len(latencies), duration, p50, p90, p99,
+    name = f"gRPC floor: health Check, conc. {concurrency}" if floor else f"server, concurrency {concurrency}"
+    return Level(name, concurrency, len(latencies), duration, p50, p90, p99,
                  dict(errors), _mean(before["windows"], after["windows"]),
                  1e3 * _mean(before["handler_s"], after["handler_s"]), 1e3 * _mean(before["batch_s"], after["batch_s"]))
 
@@ -340,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the kernel spreads connections over the workers")
     p.add_argument("--target", help="drive a running server at HOST:PORT instead of starting one")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for the server (repeatable)")
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the gRPC floor rows (health Check at the lowest and highest concurrency)")
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = p.parse_args(argv)
     levels_c = [int(c) for c in args.concurrency.split(",") if c]
@@ -372,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs,
                                      args.channels))
             print(f"  concurrency {c}: {results[-1].throughput:.0f} req/s", flush=True)
+        for c in sorted({min(levels_c), max(levels_c)}) if levels_c and not args.no_floor else []:
+            results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs,
+                                     args.channels, floor=True))
+            print(f"  gRPC floor, concurrency {c}: {results[-1].throughput:.0f} req/s", flush=True)
     finally:
         stop_server(proc)
 
@@ -383,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         summary["p50_overhead_ms_at_1"] = round(by_c[1].p50_ms - bare.p50_ms, 3)
     if 1 in by_c and 64 in by_c and by_c[1].throughput:
         summary["throughput_64_over_1"] = round(by_c[64].throughput / by_c[1].throughput, 2)
+    floor = {lv.concurrency: lv for lv in results if lv.name.startswith("gRPC floor")}
+    if 1 in floor:
+        summary["floor_p50_ms_at_1"] = round(floor[1].p50_ms, 3)
+    if 1 in floor and 64 in floor and floor[1].throughput:
+        summary["floor_64_over_1"] = round(floor[64].throughput / floor[1].throughput, 2)
     print("summary: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, python "
           f"{platform.python_version()}, onnxruntime {ort.__version__}, grpcio {grpc.__version__}")

@@ -134,8 +134,11 @@ def _rolling_std(x: np.ndarray, window: int, starts: np.ndarray) -> np.ndarray:
         mean += padded[k : k + n]
     mean /= window
     var = np.zeros(n)
+    dev = np.empty(n)  # one scratch array, not two temporaries per step (same operations, same bits)
     for k in range(window):
-        var += (padded[k : k + n] - mean) ** 2
+        np.subtract(padded[k : k + n], mean, out=dev)
+        np.multiply(dev, dev, out=dev)
+        var += dev
     var /= window
     return np.where(ok, np.sqrt(var), np.nan)
 
@@ -150,12 +153,13 @@ def _schema(user_columns: tuple[str, ...]) -> FeatureSchema:
 
 
 def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = None,
-                bar_interval_ns: int | None = None) -> FeatureFrame:
+                bar_interval_ns: int | None = None, targets: bool = True) -> FeatureFrame:
     """Compute every feature array of `bars` (already validated, grouped by symbol in time order).
 
     `symbols` fixes the vocabulary (the trained model's); symbols outside it raise ValueError.
     `bar_interval_ns` fixes the bar spacing (the trained model's) instead of inferring it from
     `bars`, so a server that sees a few bars spaces future steps exactly as training did.
+    `targets=False` skips the forward returns (a server forecasts them; they stay all NaN).
     """
     slices = bars.series_slices()
     vocab = list(symbols) if symbols is not None else sorted(slices)
@@ -182,12 +186,13 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
     warm = np.arange(n) - first_row < config.warmup_bars
     observed[warm] = np.nan
     known = known_features(bars.timestamp_ns)  # [N, n_known]
-    targets = np.full((n, config.horizon), np.nan, dtype=np.float32)  # [N, H]
-    last_row = np.repeat(bounds[:, 1], bounds[:, 1] - bounds[:, 0]) - 1
-    rows = np.arange(n)
-    for k in range(1, config.horizon + 1):
-        ok = rows + k <= last_row
-        targets[ok, k - 1] = (log_c[rows[ok] + k] - log_c[rows[ok]]).astype(np.float32)
+    forward = np.full((n, config.horizon), np.nan, dtype=np.float32)  # [N, H]
+    if targets:
+        last_row = np.repeat(bounds[:, 1], bounds[:, 1] - bounds[:, 0]) - 1
+        rows = np.arange(n)
+        for k in range(1, config.horizon + 1):
+            ok = rows + k <= last_row
+            forward[ok, k - 1] = (log_c[rows[ok] + k] - log_c[rows[ok]]).astype(np.float32)
     return FeatureFrame(
         config=config,
         symbols=vocab,
@@ -197,6 +202,6 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
         observed=observed,
         known=known,
         close=c.astype(np.float64),
-        targets=targets,
+        targets=forward,
         bar_interval_ns=bar_interval_ns or infer_bar_interval_ns(bars.timestamp_ns, bounds),
     )

@@ -66,12 +66,20 @@ def _nonfinite_output(outputs: dict[str, np.ndarray], call: Sequence[SeriesColum
     return None
 
 
+def _finite(arrays: dict[str, np.ndarray]) -> bool:
+    """Every value of every array is finite: one pass per array over the whole batch."""
+    return all(bool(np.isfinite(a).all()) for a in arrays.values())
+
+
 def _run_together(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]]) -> list[Result | Exception]:
     sizes = [len(c) for c in calls]
     bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     prepared = prepare([s for c in calls for s in c], model.meta)
     per_call = [prepared.rows(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
-    problems = [nonfinite_problem(p, c, model.meta) for p, c in zip(per_call, calls, strict=True)]
+    # the batch is checked as a whole; only when something is not finite is it traced to its call
+    problems: list[RequestError | None] = [None] * len(calls)
+    if not _finite(prepared.inputs):
+        problems = [nonfinite_problem(p, c, model.meta) for p, c in zip(per_call, calls, strict=True)]
     good = [i for i, p in enumerate(problems) if p is None]
     results: list[Result | Exception] = [p if p is not None else Exception() for p in problems]
     if not good:
@@ -82,10 +90,12 @@ def _run_together(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]]) 
         rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in good])
         inputs = {k: v[rows] for k, v in prepared.inputs.items()}
     outputs = model.run(inputs)
+    all_finite = _finite(outputs)
     offset = 0
     for i in good:
         n = sizes[i]
         mine = {k: v[offset:offset + n] for k, v in outputs.items()}
-        results[i] = _nonfinite_output(mine, calls[i]) or Result(per_call[i], mine)
+        problem = None if all_finite else _nonfinite_output(mine, calls[i])
+        results[i] = problem or Result(per_call[i], mine)
         offset += n
     return results

@@ -58,7 +58,7 @@ def to_bars(series: Sequence[SeriesColumns], keys: Sequence[str], user_columns: 
                     s.volume, {u: s.user[u] for u in user_columns})
     return Bars(
         timestamp_ns=np.concatenate([s.timestamp_ns for s in series]),
-        symbol=np.concatenate([np.full(len(s), k, dtype=object) for s, k in zip(series, keys, strict=True)]),
+        symbol=np.repeat(np.array(keys, dtype=object), [len(s) for s in series]),
         open=np.concatenate([s.open for s in series]),
         high=np.concatenate([s.high for s in series]),
         low=np.concatenate([s.low for s in series]),
@@ -97,8 +97,9 @@ def prepare(series: Sequence[SeriesColumns], meta: ModelMeta) -> Prepared:
     keys, vocab, to_symbol_id = _keys_and_vocab(series, meta.symbols)
     bars = to_bars(series, keys, meta.feature_config.user_columns)
     with np.errstate(all="ignore"):  # overflowing features (inf, NaN) are the caller's: nonfinite_problem names them
-        frame = build_frame(bars, meta.feature_config, symbols=vocab)
-    frame.bar_interval_ns = meta.bar_interval_ns  # nominal future bar times, exactly as in training
+        # nominal future bar times from the model's bar interval, exactly as in training
+        frame = build_frame(bars, meta.feature_config, symbols=vocab, bar_interval_ns=meta.bar_interval_ns,
+                            targets=False)
     anchors = last_anchor_per_series(frame)  # [B]  in series order
     windows = gather_windows(frame, anchors, meta.encoder_length)
     inputs = {name: np.ascontiguousarray(windows[name], dtype=INPUT_DTYPES[name]) for name in MODEL_INPUTS}

@@ -382,3 +382,17 @@ def test_features_of_recent_bars_equal_those_of_the_whole_history(sample: Bars) 
         w = cfg.warmup_bars
         np.testing.assert_array_equal(recent.observed[w:], full.observed[es.start + first + w : es.stop])
         np.testing.assert_array_equal(recent.known, full.known[es.start + first : es.stop])
+
+
+def test_a_frame_without_targets_has_the_same_features(sample: Bars) -> None:
+    """What the server builds (targets=False, the model's bar interval) differs from training's frame
+    in the targets alone, which stay NaN."""
+    cfg = FeatureConfig(horizon=3, volatility_window=20)
+    full = build_frame(sample, cfg)
+    lean = build_frame(sample, cfg, bar_interval_ns=full.bar_interval_ns, targets=False)
+    np.testing.assert_array_equal(lean.observed, full.observed)
+    np.testing.assert_array_equal(lean.known, full.known)
+    np.testing.assert_array_equal(lean.series_id, full.series_id)
+    assert lean.bar_interval_ns == full.bar_interval_ns
+    assert lean.targets.shape == full.targets.shape and np.isnan(lean.targets).all()
+    assert np.isfinite(full.targets).any()

@@ -270,6 +270,24 @@ def test_a_call_failing_inside_a_batch_fails_alone(tiny_model: Model, monkeypatc
         np.testing.assert_allclose(got.outputs["quantiles"], want.outputs["quantiles"], rtol=RTOL, atol=ATOL)
 
 
+def test_a_call_with_nonfinite_features_fails_alone_in_its_batch(tiny_model: Model) -> None:  # noqa: F811
+    """The batch is checked for NaN/inf as a whole; a hit is traced to its call, and only that call fails."""
+    import serving.inference as inference
+    from serving.model import load_model
+    from serving.validation import parse_request
+
+    model = load_model(tiny_model.model, "cpu", threads=1)
+    good = [parse_request(r, model.meta) for r in pool_of(tiny_model, 2)]
+    bad = parse_request(overflowing_feature(tiny_model), model.meta)
+    results = inference.run_batch(model, [good[0], bad, good[1]])
+    assert isinstance(results[1], RequestError) and "is not finite" in str(results[1])
+    assert "log_range" in str(results[1])  # names the feature that overflowed
+    for got, call in ((results[0], good[0]), (results[2], good[1])):
+        want = inference.run_batch(model, [call])[0]
+        assert isinstance(got, inference.Result) and isinstance(want, inference.Result)
+        np.testing.assert_allclose(got.outputs["quantiles"], want.outputs["quantiles"], rtol=RTOL, atol=ATOL)
+
+
 def test_a_response_over_the_size_limit_is_resource_exhausted(tiny_model: Model) -> None:  # noqa: F811
     from serving.model import load_model
     from serving.server import ServerConfig, build_server

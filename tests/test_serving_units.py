@@ -117,6 +117,30 @@ def test_each_broken_rule_has_a_precise_message(name: str, make: Callable[[], pb
     assert message in str(info.value)
 
 
+def test_the_fast_bar_check_agrees_with_the_contract_on_random_breakages() -> None:
+    """_looks_valid (a few vectorised passes) accepts a series exactly when features.bars.validate
+    finds nothing wrong, for values set to NaN, inf, zero, negative or out of the bar's range."""
+    from serving.validation import _looks_valid, _order_problem, _value_problems
+
+    rng = np.random.default_rng(7)
+    columns = ("open", "high", "low", "close", "volume", "spread")
+    values = (np.nan, np.inf, -np.inf, 0.0, -1.0, 1e-9, 1e9)
+    verdicts = set()
+    for trial in range(400):
+        s = columns_from_proto(series(seed=trial))
+        for _ in range(int(rng.integers(0, 3))):  # none, one or two breakages
+            col, row = columns[int(rng.integers(len(columns)))], int(rng.integers(NEED))
+            target = s.user["spread"] if col == "spread" else getattr(s, col)
+            target[row] = values[int(rng.integers(len(values)))]
+        if rng.random() < 0.1:
+            s.timestamp_ns[3] = s.timestamp_ns[2]  # a duplicate timestamp
+        fast = _looks_valid(s, ("spread",))
+        contract = not (_value_problems(0, s, ("spread",)) or _order_problem(0, s))
+        assert fast == contract, (trial, s)
+        verdicts.add(fast)
+    assert verdicts == {True, False}
+
+
 def test_a_valid_request_is_trimmed_to_the_bars_the_model_reads() -> None:
     got = parse_request(_req(series("NQ", n=NEED + 30, seed=1), series("ES")), META)
     assert [s.symbol for s in got] == ["NQ", "ES"] and all(len(s) == NEED for s in got)
