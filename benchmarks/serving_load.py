@@ -2,12 +2,13 @@
 
     python -m benchmarks.serving_load --model model.onnx --parquet bars.parquet \
         [--concurrency 1,8,64] [--duration 10] [--device cpu] [--threads 1] [--channels 1]
-        [--server-arg=--workers=2] [--json out.json]
+        [--server-arg=--workers=2] [--packed] [--no-floor] [--json out.json]
 
 1. Starts the real server (`python -m serving --port 0 --device cpu|cuda`) on 127.0.0.1 and
    waits for health SERVING (or drives `--target HOST:PORT`, a server already running).
 2. Builds a pool of Predict requests, one series each, from windows ending at different
-   bars of the parquet file (each the latest `bars_required` bars up to that point).
+   bars of the parquet file (each the latest `bars_required` bars up to that point); with
+   `--packed`, user feature columns travel as one float64 block (`user_features_raw`).
 3. Bare ONNX Runtime: the same model in this process on the provider the server reports
    (GetModelInfo), same thread count, `session.run` on one window at a time (features
    precomputed, not timed), for `--duration` seconds; also the same runs 1 ms apart (what a
@@ -97,8 +98,10 @@ def percentiles(latencies_s: list[float]) -> tuple[float, float, float]:
 
 
 # ---- requests ------------------------------------------------------------------------------------
-def request_pool(bars: Bars, meta: ModelMeta, size: int, seed: int = 0) -> list[pb.PredictRequest]:
-    """`size` one-series requests ending at random bars of random symbols."""
+def request_pool(bars: Bars, meta: ModelMeta, size: int, seed: int = 0, packed: bool = False
+                 ) -> list[pb.PredictRequest]:
+    """`size` one-series requests ending at random bars of random symbols (user columns packed into one
+    block with `packed`)."""
     rng = np.random.default_rng(seed)
     slices = {s: sl for s, sl in bars.series_slices().items() if s in meta.symbols}
     need = meta.bars_required
@@ -112,7 +115,7 @@ def request_pool(bars: Bars, meta: ModelMeta, size: int, seed: int = 0) -> list[
         end = int(rng.integers(sl.start + need, sl.stop + 1))
         sub = Bars(bars.timestamp_ns[:end], bars.symbol[:end], bars.open[:end], bars.high[:end], bars.low[:end],
                    bars.close[:end], bars.volume[:end], {u: v[:end] for u, v in bars.user.items()})
-        series = series_from_bars(sub, sym, need, list(meta.feature_config.user_columns))
+        series = series_from_bars(sub, sym, need, list(meta.feature_config.user_columns), packed=packed)
         pool.append(pb.PredictRequest(series=[series]))
     return pool
 
@@ -349,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the kernel spreads connections over the workers")
     p.add_argument("--target", help="drive a running server at HOST:PORT instead of starting one")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for the server (repeatable)")
+    p.add_argument("--packed", action="store_true",
+                   help="send user feature columns as one packed block (user_features_raw), not a field each")
     p.add_argument("--no-floor", action="store_true",
                    help="skip the gRPC floor rows (health Check at the lowest and highest concurrency)")
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
@@ -359,10 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
     del session
     bars = read_bars(args.parquet, user_columns=tuple(meta.feature_config.user_columns))
-    pool = request_pool(bars, meta, args.pool)
+    pool = request_pool(bars, meta, args.pool, packed=args.packed)
     print(f"model {meta.model_version}: encoder {meta.encoder_length}, horizon {meta.horizon}, "
           f"hidden {meta.model_config.get('hidden_size')}, bars_required {meta.bars_required}; "
-          f"{len(pool)} requests; {args.duration:g} s per level; ORT threads {args.threads}", flush=True)
+          f"{len(pool)} requests of {pool[0].ByteSize():,} bytes{' (packed)' if args.packed else ''}; "
+          f"{args.duration:g} s per level; ORT threads {args.threads}", flush=True)
 
     proc = None
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"serving_load.{os.getpid()}.log"

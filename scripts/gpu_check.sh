@@ -24,7 +24,8 @@
 #   export       python -m export --require-device cuda (the placement gate), if ORT has CUDA
 #   serving      benchmarks/serving_load.py: python -m serving --device cuda with the preset's model
 #                against bare ONNX Runtime on CUDA, at 1, 8 and 64 concurrent clients
-#   serving_workers  the same with --workers 4 (four server processes on one port)
+#   serving_packed   the same with the user columns sent packed (user_features_raw)
+#   serving_workers  packed, with --workers 4 (four server processes on one port)
 #   serving_cpu  the same with the tiny test model on the CPU provider (an uncontended machine's figure)
 #
 # Without a GPU it says so, runs the plan and a tiny CPU training run, and exits 0. The exit
@@ -390,10 +391,11 @@ elif ! "$PY" -c "import grpc, grpc_health.v1, grpc_reflection.v1alpha" 2>>"$OUT/
 fi
 # serving_load starts the server itself (python -m serving on 127.0.0.1, metrics scraped for the batch
 # sizes), measures bare ONNX Runtime on the same provider, then 1, 8 and 64 closed-loop clients
-serving_load() {  # serving_load PART MODEL DEVICE WHAT CHANNELS [SERVER_ARG...]
+serving_load() {  # serving_load PART MODEL DEVICE WHAT CHANNELS CLIENT_FLAGS [SERVER_ARG...]
   local part=$1 model=$2 device=$3 what=$4 channels=$5 t0=$SECONDS rc
-  shift 5
-  local extra=()
+  local -a extra
+  read -r -a extra <<<"$6"  # serving_load's own flags, e.g. --packed
+  shift 6
   for a in "$@"; do extra+=("--server-arg=$a"); done
   echo "== $part: $what" >>"$OUT/export_serving.log"
   timeout 200 "$PY" -m benchmarks.serving_load --model "$model" --parquet "$DATA" --device "$device" \
@@ -416,10 +418,16 @@ elif [ ! -f "$MODEL" ]; then
 elif ! time_left; then
   record serving skipped 0 "out of time"
 else
-  serving_load serving "$MODEL" cuda "the preset model on the CUDA provider" 1
+  serving_load serving "$MODEL" cuda "the preset model on the CUDA provider" 1 ""
   if time_left; then
-    serving_load serving_workers "$MODEL" cuda "the preset model on the CUDA provider, 4 server processes" 8 \
-      --workers=4
+    serving_load serving_packed "$MODEL" cuda "the preset model on the CUDA provider, user columns packed" 1 \
+      --packed
+  else
+    record serving_packed skipped 0 "out of time"
+  fi
+  if time_left; then
+    serving_load serving_workers "$MODEL" cuda "the preset model on the CUDA provider, 4 server processes, packed" \
+      8 --packed --workers=4
   else
     record serving_workers skipped 0 "out of time"
   fi
@@ -438,7 +446,7 @@ else
        --encoder-length 20 --horizon 3 --batch-size 32 --epochs 1 --max-steps-per-epoch 5 --max-val-windows 200 \
        --threads 1 --device cpu --no-progress --no-report >>"$OUT/export_serving.log" 2>&1 \
      && timeout 120 "$PY" -m export "$TINY/ckpt.pt" "$TINY/model.onnx" --threads 1 >>"$OUT/export_serving.log" 2>&1; then
-    serving_load serving_cpu "$TINY/model.onnx" cpu "the tiny test model (hidden 8, encoder 20) on the CPU provider, 1 thread" 1
+    serving_load serving_cpu "$TINY/model.onnx" cpu "the tiny test model (hidden 8, encoder 20) on the CPU provider, 1 thread" 1 ""
   else
     record serving_cpu fail $((SECONDS - t0)) "the tiny model could not be trained or exported: $(tail_of "$OUT/export_serving.log")"
   fi

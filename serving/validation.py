@@ -51,7 +51,7 @@ class SeriesColumns:
 
 def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
     """Copy request.series[index] into numpy columns (no value checks)."""
-    user: dict[str, np.ndarray] = {}
+    user = _packed_user_columns(series, index) if series.user_feature_names or series.user_features_raw else {}
     for col in series.user_features:
         if col.name in user:
             raise RequestError(f"{_label(index, series.symbol)}: user feature column {bounded(col.name)} is sent "
@@ -67,6 +67,30 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
         volume=np.asarray(series.volume, dtype=np.float64),
         user=user,
     )
+
+
+def _packed_user_columns(series: pb.Series, index: int) -> dict[str, np.ndarray]:
+    """user_feature_names + user_features_raw -> name -> float64 [bars] (read-only views of the bytes)."""
+    label = _label(index, series.symbol)
+    names, raw = list(series.user_feature_names), series.user_features_raw
+    if series.user_features:
+        raise RequestError(f"{label}: sends both user_features and user_feature_names/user_features_raw; send the "
+                           "user features in one form")
+    if not names:
+        raise RequestError(f"{label}: user_features_raw has {len(raw)} bytes but user_feature_names is empty; name "
+                           "each row of the block")
+    if len(set(names)) != len(names):
+        twice = next(n for i, n in enumerate(names) if n in names[:i])
+        raise RequestError(f"{label}: user feature column {bounded(twice)} is named twice in user_feature_names; "
+                           "send each column once")
+    bars = len(series.timestamp_ns)
+    need = 8 * len(names) * bars
+    if len(raw) != need:
+        raise RequestError(f"{label}: user_features_raw has {len(raw)} bytes; {len(names)} names x {bars} bars "
+                           f"(len(timestamp_ns)) need {need}: little-endian float64, one row per name, oldest "
+                           "bar first")
+    block = np.frombuffer(raw, dtype="<f8").reshape(len(names), bars)  # [names, bars], no copy
+    return dict(zip(names, block, strict=True))
 
 
 def _label(i: int, symbol: str) -> str:

@@ -160,7 +160,17 @@ BAD_INPUTS = [
     ("duplicate symbol", lambda r: r.series.append(r.series[0]), "already appears in series[0]"),
     ("repeated user column", lambda r: r.series[0].user_features.extend([pb.Column(name="x"), pb.Column(name="x")]),
      "user feature column 'x' is sent twice"),
+    ("packed block of the wrong size", lambda r: _pack(r.series[0], ["x"], b"\0" * 8),
+     "user_features_raw has 8 bytes; 1 names x"),
+    ("packed and plain user features", lambda r: (r.series[0].user_features.add(name="y"),
+                                                  _pack(r.series[0], ["x"], b"")),
+     "sends both user_features and user_feature_names"),
 ]
+
+
+def _pack(series: pb.Series, names: list[str], raw: bytes) -> None:
+    series.user_feature_names.extend(names)
+    series.user_features_raw = raw
 
 
 def _trim(series: pb.Series, n: int) -> None:

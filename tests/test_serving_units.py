@@ -141,6 +141,79 @@ def test_the_fast_bar_check_agrees_with_the_contract_on_random_breakages() -> No
     assert verdicts == {True, False}
 
 
+def packed(s: pb.Series) -> pb.Series:
+    """The same series with its user columns as one little-endian float64 block."""
+    out = pb.Series()
+    out.CopyFrom(s)
+    out.ClearField("user_features")
+    out.user_feature_names.extend(c.name for c in s.user_features)
+    out.user_features_raw = np.asarray([list(c.values) for c in s.user_features], dtype="<f8").tobytes()
+    return out
+
+
+def test_packed_user_features_equal_columns() -> None:
+    """user_feature_names + user_features_raw give the model exactly what user_features give."""
+    plain = [series("ES", n=NEED + 7, seed=3), series("NQ", seed=4)]
+    a = parse_request(_req(*plain), META)
+    b = parse_request(_req(*(packed(s) for s in plain)), META)
+    for x, y in zip(a, b, strict=True):
+        assert list(y.user) == ["spread"]
+        np.testing.assert_array_equal(x.user["spread"], y.user["spread"])
+    pa, pb_ = prepare(a, META), prepare(b, META)
+    for name, value in pa.inputs.items():
+        np.testing.assert_array_equal(value, pb_.inputs[name])
+
+
+def test_the_client_packs_user_columns_as_the_server_reads_them() -> None:
+    from features.bars import Bars
+    from serving.client import series_from_bars
+
+    n, rng = 30, np.random.default_rng(5)
+    close = 100 + np.cumsum(rng.normal(0, 0.1, n))
+    bars = Bars(1_704_103_200_000_000_000 + 60_000_000_000 * np.arange(n), np.full(n, "ES", dtype=object), close,
+                close + 1, close - 1, close, np.ones(n), {"a": rng.normal(size=n), "b": rng.normal(size=n)})
+    plain = columns_from_proto(series_from_bars(bars, "ES", 12, ["b", "a"]))
+    wire = series_from_bars(bars, "ES", 12, ["b", "a"], packed=True)
+    assert not wire.user_features and list(wire.user_feature_names) == ["b", "a"]
+    got = columns_from_proto(pb.Series.FromString(wire.SerializeToString()))
+    for name in ("a", "b"):
+        np.testing.assert_array_equal(got.user[name], bars.user[name][-12:])
+        np.testing.assert_array_equal(got.user[name], plain.user[name])
+
+
+def _packed_with(**change: object) -> pb.PredictRequest:
+    s = packed(series())
+    for field_name, value in change.items():
+        if field_name == "user_features":
+            s.user_features.add(name="spread", values=[0.2] * NEED)
+        elif field_name == "user_feature_names":
+            del s.user_feature_names[:]
+            s.user_feature_names.extend(value)  # type: ignore[call-overload]
+        else:
+            setattr(s, field_name, value)
+    return _req(s)
+
+
+PACKED_CASES = [
+    ("both forms", lambda: _packed_with(user_features=True), "sends both user_features and user_feature_names"),
+    ("block without names", lambda: _packed_with(user_feature_names=[]), "user_feature_names is empty"),
+    ("name twice", lambda: _packed_with(user_feature_names=["spread", "spread"]), "'spread' is named twice"),
+    ("short block", lambda: _packed_with(user_features_raw=b"\0" * (8 * NEED - 8)),
+     f"user_features_raw has {8 * NEED - 8} bytes; 1 names x {NEED} bars (len(timestamp_ns)) need {8 * NEED}"),
+    ("block of another column", lambda: _packed_with(user_feature_names=["depth"]),
+     "user feature column(s) 'spread' missing"),
+    ("NaN in the block", lambda: _req(packed(_user_nan())), "column 'spread', row 3: user feature 'spread' is NaN"),
+]
+
+
+@pytest.mark.parametrize(("name", "make", "message"), PACKED_CASES, ids=[c[0] for c in PACKED_CASES])
+def test_a_broken_packed_block_has_a_precise_message(name: str, make: Callable[[], pb.PredictRequest],
+                                                     message: str) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_request(make(), META)
+    assert message in str(info.value)
+
+
 def test_a_valid_request_is_trimmed_to_the_bars_the_model_reads() -> None:
     got = parse_request(_req(series("NQ", n=NEED + 30, seed=1), series("ES")), META)
     assert [s.symbol for s in got] == ["NQ", "ES"] and all(len(s) == NEED for s in got)

@@ -27,7 +27,7 @@ class Column(_message.Message):
     def __init__(self, name: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Series(_message.Message):
-    __slots__ = ("symbol", "timestamp_ns", "open", "high", "low", "close", "volume", "user_features")
+    __slots__ = ("symbol", "timestamp_ns", "open", "high", "low", "close", "volume", "user_features", "user_feature_names", "user_features_raw")
     SYMBOL_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class Series(_message.Message):
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     VOLUME_FIELD_NUMBER: _ClassVar[int]
     USER_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    USER_FEATURE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    USER_FEATURES_RAW_FIELD_NUMBER: _ClassVar[int]
     symbol: str
     timestamp_ns: _containers.RepeatedScalarFieldContainer[int]
     open: _containers.RepeatedScalarFieldContainer[float]
@@ -44,7 +46,9 @@ class Series(_message.Message):
     close: _containers.RepeatedScalarFieldContainer[float]
     volume: _containers.RepeatedScalarFieldContainer[float]
     user_features: _containers.RepeatedCompositeFieldContainer[Column]
-    def __init__(self, symbol: _Optional[str] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., open: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ..., low: _Optional[_Iterable[float]] = ..., close: _Optional[_Iterable[float]] = ..., volume: _Optional[_Iterable[float]] = ..., user_features: _Optional[_Iterable[_Union[Column, _Mapping]]] = ...) -> None: ...
+    user_feature_names: _containers.RepeatedScalarFieldContainer[str]
+    user_features_raw: bytes
+    def __init__(self, symbol: _Optional[str] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., open: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ..., low: _Optional[_Iterable[float]] = ..., close: _Optional[_Iterable[float]] = ..., volume: _Optional[_Iterable[float]] = ..., user_features: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., user_feature_names: _Optional[_Iterable[str]] = ..., user_features_raw: _Optional[bytes] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
     __slots__ = ("series", "explain")
