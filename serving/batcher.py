@@ -78,7 +78,7 @@ class _Item(Generic[K, P, R]):
 
 class MicroBatcher(Generic[K, P, R]):
     def __init__(self, process: Process[K, P, R], max_batch: int, max_delay_s: float, wait: str = "adaptive",
-                 observer: BatchObserver | None = None) -> None:
+                 observer: BatchObserver | None = None, inline_max_s: float = INLINE_MAX_S) -> None:
         if max_batch < 1 or max_delay_s < 0 or wait not in WAIT_POLICIES:
             raise ValueError(f"need max_batch >= 1, max_delay_s >= 0, wait in {WAIT_POLICIES}")
         self._process = process
@@ -92,6 +92,7 @@ class MicroBatcher(Generic[K, P, R]):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
         self._task: asyncio.Task[None] | None = None
         self._lone_run_s = float("inf")  # how long the last lone call's run took (unknown until one ran)
+        self._inline_max_s = inline_max_s
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -192,9 +193,9 @@ class MicroBatcher(Generic[K, P, R]):
             payloads = [it.payload for it in batch]
             try:
                 lone = len(batch) == 1 and not self._queue
-                if lone and self._lone_run_s < INLINE_MAX_S:
+                if lone and self._lone_run_s < self._inline_max_s:
                     # a quick lone call runs on the loop itself: the two thread hand-overs would cost
-                    # more than the loop's short pause (only runs measured under INLINE_MAX_S qualify)
+                    # more than the loop's short pause (only runs measured under inline_max_s qualify)
                     results = self._process(first.key, payloads)
                 else:
                     results = await loop.run_in_executor(self._executor, self._process, first.key, payloads)

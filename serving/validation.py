@@ -23,6 +23,7 @@ BAR_COLUMNS: tuple[str, ...] = ("timestamp_ns", *PRICE_COLUMNS, "volume")  # the
 WIRE_COLUMNS = ColumnMap(timestamp="timestamp_ns")  # names problems after the proto's fields
 MAX_PROBLEMS = 5  # problems listed in one error message
 INT64_MAX = np.iinfo(np.int64).max
+MAX_USER_COLUMNS = 10_000  # user feature columns one series may send (a bound on per-request work)
 
 
 @dataclass
@@ -36,7 +37,8 @@ class SeriesColumns:
     low: np.ndarray  # float64 [n]
     close: np.ndarray  # float64 [n]
     volume: np.ndarray  # float64 [n]
-    user: dict[str, np.ndarray] = field(default_factory=dict)  # float64 [n] each, as sent (any names)
+    user: dict[str, np.ndarray] = field(default_factory=dict)  # float64 [n] each, as sent (any names); read-only
+    # views of the request's bytes when sent packed
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
@@ -50,7 +52,13 @@ class SeriesColumns:
 
 
 def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
-    """Copy request.series[index] into numpy columns (no value checks)."""
+    """request.series[index] as numpy columns (no value checks): copies, except that a packed block's
+    user columns are read-only views of its bytes."""
+    sent = len(series.user_features) + len(series.user_feature_names)
+    if sent > MAX_USER_COLUMNS:
+        raise RequestError(f"{_label(index, series.symbol)}: {sent} user feature columns sent, more than the "
+                           f"server accepts ({MAX_USER_COLUMNS}); send only the model's columns "
+                           "(GetModelInfo.user_feature_columns)")
     user = _packed_user_columns(series, index) if series.user_feature_names or series.user_features_raw else {}
     for col in series.user_features:
         if col.name in user:
@@ -79,14 +87,16 @@ def _packed_user_columns(series: pb.Series, index: int) -> dict[str, np.ndarray]
     if not names:
         raise RequestError(f"{label}: user_features_raw has {len(raw)} bytes but user_feature_names is empty; name "
                            "each row of the block")
-    if len(set(names)) != len(names):
-        twice = next(n for i, n in enumerate(names) if n in names[:i])
-        raise RequestError(f"{label}: user feature column {bounded(twice)} is named twice in user_feature_names; "
-                           "send each column once")
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise RequestError(f"{label}: user feature column {bounded(name)} is named twice in user_feature_names; "
+                               "send each column once")
+        seen.add(name)
     bars = len(series.timestamp_ns)
     need = 8 * len(names) * bars
     if len(raw) != need:
-        raise RequestError(f"{label}: user_features_raw has {len(raw)} bytes; {len(names)} names x {bars} bars "
+        raise RequestError(f"{label}: user_features_raw has {len(raw)} bytes; {len(names)} name(s) x {bars} bars "
                            f"(len(timestamp_ns)) need {need}: little-endian float64, one row per name, oldest "
                            "bar first")
     block = np.frombuffer(raw, dtype="<f8").reshape(len(names), bars)  # [names, bars], no copy

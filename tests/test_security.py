@@ -318,7 +318,8 @@ PATHLIKE = ("path", "file", "dir", "url", "uri", "location", "filename")
 
 
 def test_requests_carry_no_paths() -> None:
-    """Every string a request can carry is a symbol or a user-feature column name; none names a file."""
+    """Every string a request can carry is a symbol or a user-feature column name, and its one bytes field
+    is the packed block of user-feature values (decoded as float64 only); none names a file."""
     service = pb.DESCRIPTOR.services_by_name["Forecaster"]
     strings: set[str] = set()
     seen: set[str] = set()
@@ -337,7 +338,8 @@ def test_requests_carry_no_paths() -> None:
 
     for method in service.methods:
         walk(method.input_type)
-    assert strings == {"foxhunt.tft.v1.Series.symbol", "foxhunt.tft.v1.Column.name"}
+    assert strings == {"foxhunt.tft.v1.Series.symbol", "foxhunt.tft.v1.Column.name",
+                       "foxhunt.tft.v1.Series.user_feature_names", "foxhunt.tft.v1.Series.user_features_raw"}
 
 
 READERS = {"open", "read_bytes", "read_text", "read_bars", "InferenceSession", "load", "load_model",

@@ -161,7 +161,7 @@ BAD_INPUTS = [
     ("repeated user column", lambda r: r.series[0].user_features.extend([pb.Column(name="x"), pb.Column(name="x")]),
      "user feature column 'x' is sent twice"),
     ("packed block of the wrong size", lambda r: _pack(r.series[0], ["x"], b"\0" * 8),
-     "user_features_raw has 8 bytes; 1 names x"),
+     "user_features_raw has 8 bytes; 1 name(s) x"),
     ("packed and plain user features", lambda r: (r.series[0].user_features.add(name="y"),
                                                   _pack(r.series[0], ["x"], b"")),
      "sends both user_features and user_feature_names"),
