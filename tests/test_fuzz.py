@@ -6,7 +6,7 @@ One real `python -m serving` subprocess (tiny real model, --threads 1, --max-mes
 * mutated requests: a valid request with 1-4 mutations drawn by hypothesis (NaN, inf,
   huge, tiny, negative, zero values at any bar; duplicated, decreasing, extreme or shifted
   timestamps; truncated, unequal, emptied or extended columns; unknown, empty, huge or
-  control-character symbols; repeated series; junk user-feature columns; scaled prices and
+  control-character symbols; repeated series; junk user-feature columns, plain or packed; scaled prices and
   volumes; shuffled bars; explain on or off);
 * requests generated from scratch (any number of series, any lengths, any values);
 * random bytes on the wire (a generic unary_unary with identity serialisers), and valid
@@ -154,7 +154,8 @@ def _bar_count(s: pb.Series) -> int:
 
 
 OPS = ("value", "value", "value", "timestamp", "timestamp", "truncate", "cut_column", "clear_column", "extend",
-       "symbol", "scale", "edge", "shift_time", "constant", "shuffle", "reverse", "user", "repeat_series", "explain")
+       "symbol", "scale", "edge", "shift_time", "constant", "shuffle", "reverse", "user", "packed", "repeat_series",
+       "explain")
 
 
 @st.composite
@@ -231,6 +232,13 @@ def mutations(draw: st.DrawFn, base: pb.PredictRequest) -> pb.PredictRequest:
             name = draw(st.one_of(st.sampled_from(["spread", "", "x" * 5000]), st.text(max_size=12)))
             values = draw(st.lists(floats, max_size=n + 3))
             s.user_features.append(pb.Column(name=name, values=values))
+        elif op == "packed":  # a packed block: well-sized (one value throughout) or any bytes
+            names = draw(st.lists(st.one_of(st.sampled_from(["spread", ""]), st.text(max_size=8)), max_size=4))
+            s.user_feature_names.extend(names)
+            if draw(st.booleans()):
+                s.user_features_raw = np.full(len(names) * n, draw(floats), dtype="<f8").tobytes()
+            else:
+                s.user_features_raw = draw(st.binary(max_size=64))
         elif op == "repeat_series":
             copies = draw(st.integers(1, 40))
             for _ in range(copies):
