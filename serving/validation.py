@@ -37,8 +37,8 @@ class SeriesColumns:
     low: np.ndarray  # float64 [n]
     close: np.ndarray  # float64 [n]
     volume: np.ndarray  # float64 [n]
-    user: dict[str, np.ndarray] = field(default_factory=dict)  # float64 [n] each, as sent (any names); read-only
-    # views of the request's bytes when sent packed
+    # float64 [n] each, as sent (any names); read-only views of the request's bytes when sent packed
+    user: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
