@@ -22,9 +22,10 @@
    p50/p90/p99 latency, errors by status code, and from the server's Prometheus metrics its
    mean ONNX Runtime batch size, mean time in the Predict handler and mean time per batch.
 5. The gRPC floor: the same clients calling the server's health Check (an empty handler behind
-   the same interceptors) at the lowest and the highest level. No Predict handler can answer
-   faster than this row at concurrency 1, nor scale further than its ratio at the top level:
-   it is what the gRPC stacks of client and server cost on this machine (`--no-floor` skips it).
+   the same interceptors) at the lowest and the highest level. No Predict call can answer
+   faster than this row at concurrency 1, nor can Predict's throughput at the top level exceed
+   this row's: it is what the gRPC stacks of client and server cost on this machine
+   (`--no-floor` skips it).
 
 Targets (issue 6): p50 at concurrency 1 within 1 ms of bare ONNX Runtime; throughput at 64
 at least 4x that at 1; zero errors.

@@ -63,7 +63,6 @@ class Dropout(nn.Module):
         return f"p={self.p}"
 
 
-
 class GLU(nn.Module):
     """Gated linear unit: a * sigmoid(b) with [a, b] = Linear(x)."""
 
