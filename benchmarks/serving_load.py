@@ -13,7 +13,9 @@
    (GetModelInfo), same thread count, `session.run` on one window at a time (features
    precomputed, not timed), for `--duration` seconds; also the same runs 1 ms apart (what a
    cold cache costs a run that, as at concurrency 1, follows a pause), and features + run,
-   to show what feature computation costs. The targets compare against the first.
+   to show what feature computation costs. The targets compare against the first. On CUDA, one
+   more row: the same runs through the server's own `LoadedModel.run` (IO binding), to show
+   what binding and copying cost against plain `session.run`.
 4. For each concurrency level: that many closed-loop clients (each sends its next request as
    soon as the previous answer arrives), spread over `--client-procs` processes with
    `--channels` grpc.aio connections each, for `--duration` seconds (loopback only). With
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -45,6 +48,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +66,7 @@ from serving.cuda_libs import preload_cuda_libraries
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.health_probe import wait_serving as health_wait
+from serving.model import load_and_warm
 from serving.preprocess import prepare
 from serving.validation import columns_from_proto
 
@@ -123,24 +128,32 @@ def request_pool(bars: Bars, meta: ModelMeta, size: int, seed: int = 0, packed: 
 
 # ---- bare ONNX Runtime ---------------------------------------------------------------------------
 def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequest], meta: ModelMeta,
-             duration: float, with_features: bool, gap_s: float = 0.0) -> Level:
+             duration: float, with_features: bool, gap_s: float = 0.0, bound: bool = False) -> Level:
     """One window at a time in a closed loop; with `gap_s`, idle that long between runs (untimed), as a
-    server at concurrency 1 is between requests: shows what a cold cache costs the same run."""
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    providers: list[Any] = ["CPUExecutionProvider"]
-    if provider == "CUDAExecutionProvider":  # as the server runs it (fp32, no TF32), CPU for shape nodes only
-        providers = [(provider, {"use_tf32": "0"}), "CPUExecutionProvider"]
-        preload_cuda_libraries()
-    session = ort.InferenceSession(str(model), so, providers=providers)
-    if session.get_providers()[0] != provider:
-        raise SystemExit(f"bare ONNX Runtime baseline wanted {provider} but got {session.get_providers()}")
+    server at concurrency 1 is between requests: shows what a cold cache costs the same run. With
+    `bound`, the runs go through the server's own `LoadedModel.run` on CUDA (IO binding: inputs copied
+    to the card, outputs allocated there and copied back), to show what that path costs against
+    plain `session.run`."""
+    run: Callable[[dict[str, np.ndarray]], object]
+    if bound:
+        run = load_and_warm(model, "cuda", threads, max_batch=1).run
+    else:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        providers: list[Any] = ["CPUExecutionProvider"]
+        if provider == "CUDAExecutionProvider":  # as the server runs it (fp32, no TF32), CPU for shape nodes only
+            providers = [(provider, {"use_tf32": "0"}), "CPUExecutionProvider"]
+            preload_cuda_libraries()
+        session = ort.InferenceSession(str(model), so, providers=providers)
+        if session.get_providers()[0] != provider:
+            raise SystemExit(f"bare ONNX Runtime baseline wanted {provider} but got {session.get_providers()}")
+        run = functools.partial(session.run, None)
     columns = [[columns_from_proto(s) for s in r.series] for r in pool]
     feeds = [{k: v for k, v in prepare(c, meta).inputs.items() if k in MODEL_INPUTS} for c in columns]
     for f in feeds[:20]:
-        session.run(None, f)
+        run(f)
     latencies: list[float] = []
     start = time.perf_counter()
     i = 0
@@ -149,12 +162,14 @@ def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequ
             time.sleep(gap_s)
         t0 = time.perf_counter()
         feed = prepare(columns[i % len(columns)], meta).inputs if with_features else feeds[i % len(feeds)]
-        session.run(None, feed)
+        run(feed)
         latencies.append(time.perf_counter() - t0)
         i += 1
     seconds = sum(latencies) if gap_s else time.perf_counter() - start  # req/s of the runs, not of the pauses
     p50, p90, p99 = percentiles(latencies)
     name = "bare ORT: features + run" if with_features else "bare ORT: session.run"
+    if bound:
+        name = "bare: the server's run (IO binding)"
     if gap_s:
         name += f", {gap_s * 1e3:g} ms apart"
     if provider != "CPUExecutionProvider":
@@ -386,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
         results += [bare_ort(args.model, args.threads, provider, pool, meta, args.duration, False),
                     bare_ort(args.model, args.threads, provider, pool, meta, args.duration, False, IDLE_GAP_S),
                     bare_ort(args.model, args.threads, provider, pool, meta, args.duration, True)]
+        if provider == "CUDAExecutionProvider":  # what the server's IO binding costs against plain session.run
+            results.append(bare_ort(args.model, args.threads, provider, pool, meta, args.duration, False,
+                                    bound=True))
         for c in levels_c:
             results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs,
                                      args.channels))

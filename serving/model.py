@@ -129,16 +129,18 @@ class LoadedModel:
         if size != n:  # pad by repeating the last window (a valid input; rows are independent)
             pad = np.full(size - n, n - 1)
             inputs = {k: np.concatenate([v, v[pad]]) for k, v in inputs.items()}
-        outs = self._run_cuda(inputs) if self.device == "cuda" else self.session.run(list(self.output_names), inputs)
+        outs = self._run_bound(inputs, "cuda") if self.device == "cuda" else \
+            self.session.run(list(self.output_names), inputs)
         return {name: np.asarray(o)[:n] for name, o in zip(self.output_names, outs, strict=True)}
 
-    def _run_cuda(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """IO binding: inputs copied to the device once, outputs allocated there and copied back."""
+    def _run_bound(self, inputs: dict[str, np.ndarray], device: str) -> list[np.ndarray]:
+        """IO binding (the CUDA path): inputs copied to `device` once, outputs allocated there and copied
+        back, in output_names order. Works on "cpu" too, which is how tests without a GPU run this code."""
         binding = self.session.io_binding()
         for name, value in inputs.items():
-            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, "cuda", self.device_id))
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, device, self.device_id))
         for name in self.output_names:
-            binding.bind_output(name, "cuda", self.device_id)
+            binding.bind_output(name, device, self.device_id)
         self.session.run_with_iobinding(binding)
         return list(binding.copy_outputs_to_cpu())
 

@@ -474,3 +474,25 @@ def test_sigterm_under_load_finishes_every_call_in_flight_and_exits_0(tiny_model
     finally:
         stop.set()
         s.kill()
+
+
+def test_the_io_binding_path_equals_session_run(tiny_model: Model) -> None:  # noqa: F811
+    """The CUDA path binds inputs and outputs to the device (IO binding); the same code bound to the CPU
+    returns session.run's outputs, in output_names order, at every bucket size, so it runs in every test
+    run, not only on a GPU."""
+    from serving.model import dummy_inputs, load_model
+
+    model = load_model(tiny_model.model, "cpu", threads=1)
+    assert len(model.output_names) > 1  # the order of several outputs is what binding could get wrong
+    rng = np.random.default_rng(0)
+    for size in model.buckets:
+        inputs = dummy_inputs(model.meta, size)
+        for name, value in inputs.items():
+            if value.dtype == np.float32:
+                inputs[name] = rng.standard_normal(value.shape).astype(np.float32)
+        bound = model._run_bound(inputs, "cpu")
+        plain = model.session.run(list(model.output_names), inputs)
+        assert len(bound) == len(plain)
+        for name, b, p in zip(model.output_names, bound, plain, strict=True):
+            assert b.shape == p.shape and b.dtype == p.dtype, name
+            np.testing.assert_array_equal(b, p, err_msg=name)
