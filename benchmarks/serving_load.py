@@ -22,7 +22,9 @@
    the server's `--workers`, give several channels: the kernel spreads connections, not
    calls, over the workers. Reports throughput,
    p50/p90/p99 latency, errors by status code, and from the server's Prometheus metrics its
-   mean ONNX Runtime batch size, mean time in the Predict handler and mean time per batch.
+   mean ONNX Runtime batch size, mean time in the Predict handler and mean time per batch;
+   when this script started the server, also the CPU time its processes spent per answered
+   call (user + system), the figure to compare server builds by on a shared, noisy machine.
 5. The gRPC floor: the same clients calling the server's health Check (an empty handler behind
    the same interceptors) at the lowest and the highest level. No Predict call can answer
    faster than this row at concurrency 1, nor can Predict's throughput at the top level exceed
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import multiprocessing
@@ -56,6 +59,7 @@ from typing import Any
 import grpc
 import numpy as np
 import onnxruntime as ort
+import psutil
 from grpc import aio
 
 from features.bars import Bars, read_bars
@@ -89,6 +93,7 @@ class Level:
     mean_batch: float = 0.0
     handler_ms: float = 0.0  # the server's mean time in the Predict handler (its own histogram)
     batch_ms: float = 0.0  # the server's mean time per batch: features, ONNX Runtime run, checks
+    server_cpu_ms: float = 0.0  # CPU time (user + system) of the server's processes per answered call
 
     @property
     def throughput(self) -> float:
@@ -293,10 +298,25 @@ def _client_process(args: tuple[str, list[bytes], int, int, float, float, float,
     return asyncio.run(_drive(*args))
 
 
+def server_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) used so far by the server process and its workers; 0 without a pid."""
+    if pid is None:
+        return 0.0
+    root = psutil.Process(pid)
+    total = 0.0
+    for p in (root, *root.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
 def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], concurrency: int, duration: float,
-              timeout: float, procs: int, channels: int = 1, floor: bool = False) -> Level:
+              timeout: float, procs: int, channels: int = 1, floor: bool = False, server_pid: int | None = None
+              ) -> Level:
     """One level: `concurrency` clients spread over up to `procs` client processes; with `floor`, calling
-    the health Check instead of Predict."""
+    the health Check instead of Predict. With the server's pid, also its CPU time per answered call: a
+    figure that noise on a shared machine moves far less than throughput."""
     raw = [b""] if floor else [r.SerializeToString() for r in pool]
     method = HEALTH_CHECK if floor else PREDICT
     procs = max(1, min(procs, concurrency))
@@ -309,21 +329,25 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
         running = workers.map_async(_client_process, jobs)
         time.sleep(max(0.0, start_at - time.time()))
         before = server_counters(metrics)  # after the clients' warm-up calls, as the clock starts
+        cpu_before = server_cpu_s(server_pid)
         for lat, err in running.get():
             latencies.extend(lat)
             errors.update(err)
     after = server_counters(metrics)
+    cpu = server_cpu_s(server_pid) - cpu_before
     p50, p90, p99 = percentiles(latencies)
     name = f"gRPC floor: health Check, conc. {concurrency}" if floor else f"server, concurrency {concurrency}"
     return Level(name, concurrency, len(latencies), duration, p50, p90, p99,
                  dict(errors), _mean(before["windows"], after["windows"]),
-                 1e3 * _mean(before["handler_s"], after["handler_s"]), 1e3 * _mean(before["batch_s"], after["batch_s"]))
+                 1e3 * _mean(before["handler_s"], after["handler_s"]), 1e3 * _mean(before["batch_s"], after["batch_s"]),
+                 1e3 * cpu / len(latencies) if latencies else 0.0)
 
 
 def table(levels: list[Level]) -> str:
-    """Server rows add the server's own means: time in the Predict handler, and per batch."""
+    """Server rows add the server's own means: time in the Predict handler, per batch, and its CPU time
+    per call (when this script started the server)."""
     head = (f"| {'run':<36} | {'req/s':>8} | {'p50 ms':>7} | {'p90 ms':>7} | {'p99 ms':>7} | {'mean batch':>10} "
-            f"| {'handler ms':>10} | {'batch ms':>8} | errors |")
+            f"| {'handler ms':>10} | {'batch ms':>8} | {'CPU ms/call':>11} | errors |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
 
     def cell(v: float, fmt: str) -> str:
@@ -333,7 +357,7 @@ def table(levels: list[Level]) -> str:
         err = sum(lv.errors.values())
         lines.append(f"| {lv.name:<36} | {lv.throughput:>8.0f} | {lv.p50_ms:>7.2f} | {lv.p90_ms:>7.2f} | "
                      f"{lv.p99_ms:>7.2f} | {cell(lv.mean_batch, '.1f'):>10} | {cell(lv.handler_ms, '.2f'):>10} | "
-                     f"{cell(lv.batch_ms, '.2f'):>8} | {err if err else 0:>6} |")
+                     f"{cell(lv.batch_ms, '.2f'):>8} | {cell(lv.server_cpu_ms, '.3f'):>11} | {err if err else 0:>6} |")
     return "\n".join(lines)
 
 
@@ -406,11 +430,11 @@ def main(argv: list[str] | None = None) -> int:
                                     bound=True))
         for c in levels_c:
             results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs,
-                                     args.channels))
+                                     args.channels, server_pid=proc.pid if proc else None))
             print(f"  concurrency {c}: {results[-1].throughput:.0f} req/s", flush=True)
         for c in sorted({min(levels_c), max(levels_c)}) if levels_c and not args.no_floor else []:
             results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs,
-                                     args.channels, floor=True))
+                                     args.channels, floor=True, server_pid=proc.pid if proc else None))
             print(f"  gRPC floor, concurrency {c}: {results[-1].throughput:.0f} req/s", flush=True)
     finally:
         stop_server(proc)

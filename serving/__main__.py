@@ -40,7 +40,6 @@ on stderr, no traceback).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -48,7 +47,7 @@ from pathlib import Path
 from serving.batcher import WAIT_POLICIES
 from serving.errors import ConfigError, ModelLoadError
 from serving.model import DEVICES
-from serving.server import MiB, ServerConfig, serve
+from serving.server import EVENT_LOOPS, MiB, ServerConfig, run_server
 
 log = logging.getLogger("serving")
 
@@ -87,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default off)")
     p.add_argument("--grace", type=float, default=d.grace_s,
                    help=f"seconds in-flight calls get to finish on SIGTERM (default {d.grace_s:g})")
+    p.add_argument("--event-loop", choices=EVENT_LOOPS, default=d.event_loop,
+                   help="uvloop: libuv's event loop, less interpreter time per call; asyncio: the standard "
+                        f"library's (default {d.event_loop})")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     a = p.add_argument_group("access")
     a.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only (with --tls-key)")
@@ -125,7 +127,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         threads=args.threads, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms, batch_wait=args.batch_wait,
         max_concurrent=args.max_concurrent, max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
         grace_s=args.grace, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-        auth_token_file=args.auth_token_file,
+        auth_token_file=args.auth_token_file, event_loop=args.event_loop,
     )
 
 
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_workers(config, args.workers, args.log_level)
     try:
-        return asyncio.run(serve(config))
+        return run_server(config)
     except (ModelLoadError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

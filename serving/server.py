@@ -72,6 +72,7 @@ class ServerConfig:
     tls_key: Path | None = None  # PEM private key of tls_cert
     tls_client_ca: Path | None = None  # PEM CA: clients must present a certificate it signed (mutual TLS)
     auth_token_file: Path | None = None  # bearer tokens, one a line; every RPC but health needs one
+    event_loop: str = "uvloop"  # uvloop | asyncio: the event loop the server runs on (see run_server)
 
     @property
     def max_delay_s(self) -> float:
@@ -248,6 +249,29 @@ def _drain_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) ->
         loop.call_soon_threadsafe(stop.set)
 
 
+EVENT_LOOPS = ("uvloop", "asyncio")
+
+
+def run_server(config: ServerConfig) -> int:
+    """`serve(config)` on the configured event loop, to the end; its exit status.
+
+    uvloop (libuv under the asyncio API) is the default: gRPC's asyncio stack hands every call
+    through the event loop several times, and uvloop spends less interpreter time on each hand-over
+    (BENCHMARKS.md measures what that buys). `asyncio` is the standard library's own loop.
+    ConfigError when uvloop is asked for but not installed: no quiet change of loop.
+    """
+    if config.event_loop == "asyncio":
+        return asyncio.run(serve(config))
+    if config.event_loop != "uvloop":
+        raise ConfigError(f"--event-loop {config.event_loop!r} is not one of {', '.join(EVENT_LOOPS)}")
+    try:
+        import uvloop
+    except ImportError:
+        raise ConfigError("--event-loop uvloop needs the uvloop package, which is not installed here; install it "
+                          "(pip install uvloop, a dependency of this project) or pass --event-loop asyncio") from None
+    return uvloop.run(serve(config))
+
+
 async def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT; 0 after a clean drain. ModelLoadError, ConfigError and OSError propagate."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload asked for while starting: the file is being read now
@@ -261,9 +285,9 @@ async def serve(config: ServerConfig) -> int:
     log.info("access: %s", access_summary(config))
     port = await server.start()
     print(f"listening on {host_port(config.host, port)}", flush=True)
-    log.info("listening on %s (max message %d bytes, max batch %d, max delay %g ms, %s wait, max concurrent %d)",
-             host_port(config.host, port), config.max_message_bytes, config.max_batch, config.max_delay_ms,
-             config.batch_wait, config.max_concurrent)
+    log.info("listening on %s (max message %d bytes, max batch %d, max delay %g ms, %s wait, max concurrent %d, "
+             "%s event loop)", host_port(config.host, port), config.max_message_bytes, config.max_batch,
+             config.max_delay_ms, config.batch_wait, config.max_concurrent, config.event_loop)
     if config.metrics_port is not None:
         mport = server.metrics.serve_http(config.host, config.metrics_port)
         print(f"metrics on {host_port(config.host, mport)}", flush=True)

@@ -388,6 +388,29 @@ def test_sigterm_drains_in_flight_calls_and_exits_0(art: Model, tmp_path: Path) 
         s.kill()
 
 
+def test_the_standard_asyncio_loop_serves_too_and_uvloop_is_never_swapped_quietly(
+        art: Model, server: LiveServer, tmp_path: Path) -> None:
+    """--event-loop asyncio gives the default (uvloop) server's answers and drains on SIGTERM; without the
+    uvloop package the default refuses to start, naming the fix, rather than run on another loop."""
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--event-loop", "asyncio")
+    try:
+        s.wait_serving()
+        request = request_for(art, art.meta.symbols[0])
+        mine, default = s.stub.Predict(request, timeout=10), server.stub.Predict(request, timeout=10)
+        np.testing.assert_array_equal(quantiles_of(mine.forecasts[0]), quantiles_of(default.forecasts[0]))
+        assert "asyncio event loop" in s.log_text() and "uvloop event loop" in server.log_text()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=15) == 0, s.log_text()
+    finally:
+        s.kill()
+    no_uvloop = "import sys; sys.modules['uvloop'] = None; from serving.__main__ import main; raise SystemExit(main())"
+    r = subprocess.run([sys.executable, "-c", no_uvloop, "--model", str(art.model), "--port", "0", "--device", "cpu"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "listening" not in r.stdout, r.stderr[-2000:]
+    assert "error: --event-loop uvloop needs the uvloop package" in r.stderr and "--event-loop asyncio" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def _wait_metric(s: LiveServer, endpoint: str, name: str, value: float, **labels: str) -> None:
     deadline = time.monotonic() + 60
     while metric(s.scrape(endpoint), name, **labels) < value:

@@ -391,7 +391,8 @@ def test_a_worker_gets_every_setting_of_its_supervisor() -> None:
         model_path=Path("-odd name.onnx"), host="::1", port=50123, reuse_port=True, stop_on_stdin_eof=True,
         device="cpu", device_id=2, threads=3, max_batch=48, max_delay_ms=1.5, batch_wait="fixed",
         max_concurrent=99, max_message_bytes=65536, metrics_port=9470, grace_s=2.5, tls_cert=Path("c.pem"),
-        tls_key=Path("k.pem"), tls_client_ca=Path("ca.pem"), auth_token_file=Path("tokens"))
+        tls_key=Path("k.pem"), tls_client_ca=Path("ca.pem"), auth_token_file=Path("tokens"),
+        event_loop="asyncio")
     parser = build_parser()
     args = parser.parse_args(server_args(config, "WARNING"))
     assert config_from_args(parser, args) == config and args.log_level == "WARNING"
