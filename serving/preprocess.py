@@ -56,6 +56,10 @@ def to_bars(series: Sequence[SeriesColumns], keys: Sequence[str], user_columns: 
         s = series[0]
         return Bars(s.timestamp_ns, np.full(len(s), keys[0], dtype=object), s.open, s.high, s.low, s.close,
                     s.volume, {u: s.user[u] for u in user_columns})
+    user = {}
+    if user_columns:  # one [columns, bars] block per series, joined once: not one join per column
+        block = np.concatenate([np.array([s.user[u] for u in user_columns]) for s in series], axis=1)
+        user = dict(zip(user_columns, block, strict=True))
     return Bars(
         timestamp_ns=np.concatenate([s.timestamp_ns for s in series]),
         symbol=np.repeat(np.array(keys, dtype=object), [len(s) for s in series]),
@@ -64,7 +68,7 @@ def to_bars(series: Sequence[SeriesColumns], keys: Sequence[str], user_columns: 
         low=np.concatenate([s.low for s in series]),
         close=np.concatenate([s.close for s in series]),
         volume=np.concatenate([s.volume for s in series]),
-        user={u: np.concatenate([s.user[u] for s in series]) for u in user_columns},
+        user=user,
     )
 
 

@@ -87,12 +87,13 @@ def _packed_user_columns(series: pb.Series, index: int) -> dict[str, np.ndarray]
     if not names:
         raise RequestError(f"{label}: user_features_raw has {len(raw)} bytes but user_feature_names is empty; name "
                            "each row of the block")
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            raise RequestError(f"{label}: user feature column {bounded(name)} is named twice in user_feature_names; "
-                               "send each column once")
-        seen.add(name)
+    if len(set(names)) != len(names):  # one pass in C; the loop below only names the first repeat
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise RequestError(f"{label}: user feature column {bounded(name)} is named twice in "
+                                   "user_feature_names; send each column once")
+            seen.add(name)
     bars = len(series.timestamp_ns)
     need = 8 * len(names) * bars
     if len(raw) != need:
@@ -128,9 +129,10 @@ def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     if missing:
         raise RequestError(f"{label}: user feature column(s) {', '.join(bounded(m) for m in missing)} missing; this "
                            f"model needs user_features {', '.join(need)} (see GetModelInfo.user_feature_columns)")
-    lengths = {c: int(getattr(s, c).shape[0]) for c in BAR_COLUMNS} | {u: int(s.user[u].shape[0]) for u in need}
-    if len(set(lengths.values())) > 1:
-        listed = ", ".join(f"{c} {n}" for c, n in lengths.items())
+    n = len(s)
+    if {getattr(s, c).shape[0] for c in BAR_COLUMNS} | {s.user[u].shape[0] for u in need} != {n}:
+        lengths = {c: int(getattr(s, c).shape[0]) for c in BAR_COLUMNS} | {u: int(s.user[u].shape[0]) for u in need}
+        listed = ", ".join(f"{c} {k}" for c, k in lengths.items())
         raise RequestError(f"{label}: columns have unequal lengths ({listed}); send one value per bar in every column")
     n, required = len(s), meta.bars_required
     if n < required:
@@ -166,7 +168,7 @@ def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
         ok = ok and bool((ts[1:] > ts[:-1]).all())  # compared, not differenced: a difference can overflow
         if not ok or not user_columns:
             return ok
-        return bool(np.isfinite(np.stack([s.user[u] for u in user_columns])).all())  # one check, not one per column
+        return bool(np.isfinite(np.array([s.user[u] for u in user_columns])).all())  # one check, not one per column
 
 
 def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> list[Problem]:
