@@ -14,8 +14,8 @@
    precomputed, not timed), for `--duration` seconds; also the same runs 1 ms apart (what a
    cold cache costs a run that, as at concurrency 1, follows a pause), and features + run,
    to show what feature computation costs. The targets compare against the first. On CUDA, one
-   more row: the same runs through the server's own `LoadedModel.run` (IO binding), to show
-   what binding and copying cost against plain `session.run`.
+   more row: the same runs through the server's own `LoadedModel.run` (IO binding, with its
+   bucket padding and slicing), to show what that path costs against plain `session.run`.
 4. For each concurrency level: that many closed-loop clients (each sends its next request as
    soon as the previous answer arrives), spread over `--client-procs` processes with
    `--channels` grpc.aio connections each, for `--duration` seconds (loopback only). With
@@ -24,7 +24,8 @@
    p50/p90/p99 latency, errors by status code, and from the server's Prometheus metrics its
    mean ONNX Runtime batch size, mean time in the Predict handler and mean time per batch;
    when this script started the server, also the CPU time its processes spent per answered
-   call (user + system), the figure to compare server builds by on a shared, noisy machine.
+   call (user + system, from the clock's start until the clients are done), the figure to
+   compare server builds by on a shared, noisy machine.
 5. The gRPC floor: the same clients calling the server's health Check (an empty handler behind
    the same interceptors) at the lowest and the highest level. No Predict call can answer
    faster than this row at concurrency 1, nor can Predict's throughput at the top level exceed
@@ -136,9 +137,9 @@ def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequ
              duration: float, with_features: bool, gap_s: float = 0.0, bound: bool = False) -> Level:
     """One window at a time in a closed loop; with `gap_s`, idle that long between runs (untimed), as a
     server at concurrency 1 is between requests: shows what a cold cache costs the same run. With
-    `bound`, the runs go through the server's own `LoadedModel.run` on CUDA (IO binding: inputs copied
-    to the card, outputs allocated there and copied back), to show what that path costs against
-    plain `session.run`."""
+    `bound`, the runs go through the server's own `LoadedModel.run` on CUDA device 0 (IO binding: inputs
+    copied to the card, outputs allocated there and copied back; plus its bucket padding and slicing),
+    to show what that path costs against plain `session.run`."""
     run: Callable[[dict[str, np.ndarray]], object]
     if bound:
         run = load_and_warm(model, "cuda", threads, max_batch=1).run
@@ -174,7 +175,7 @@ def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequ
     p50, p90, p99 = percentiles(latencies)
     name = "bare ORT: features + run" if with_features else "bare ORT: session.run"
     if bound:
-        name = "bare: the server's run (IO binding)"
+        name = "bare: server's LoadedModel.run"
     if gap_s:
         name += f", {gap_s * 1e3:g} ms apart"
     if provider != "CPUExecutionProvider":
@@ -328,13 +329,13 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
     with multiprocessing.get_context("spawn").Pool(procs) as workers:
         running = workers.map_async(_client_process, jobs)
         time.sleep(max(0.0, start_at - time.time()))
-        before = server_counters(metrics)  # after the clients' warm-up calls, as the clock starts
-        cpu_before = server_cpu_s(server_pid)
+        cpu_before = server_cpu_s(server_pid)  # after the clients' warm-up calls, as the clock starts
+        before = server_counters(metrics)
         for lat, err in running.get():
             latencies.extend(lat)
             errors.update(err)
+        cpu = server_cpu_s(server_pid) - cpu_before  # before this script's own scrape below
     after = server_counters(metrics)
-    cpu = server_cpu_s(server_pid) - cpu_before
     p50, p90, p99 = percentiles(latencies)
     name = f"gRPC floor: health Check, conc. {concurrency}" if floor else f"server, concurrency {concurrency}"
     return Level(name, concurrency, len(latencies), duration, p50, p90, p99,

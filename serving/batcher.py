@@ -145,7 +145,7 @@ class MicroBatcher(Generic[K, P, R]):
             try:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
             except TimeoutError:
-                return
+                continue  # uvloop rounds timers to the millisecond, so this can fire early: re-check the time
 
     def _take(self, key: K) -> list[_Item[K, P, R]]:
         """Pop up to max_batch windows of `key`'s calls, in arrival order; fail the expired ones."""

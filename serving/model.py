@@ -129,8 +129,10 @@ class LoadedModel:
         if size != n:  # pad by repeating the last window (a valid input; rows are independent)
             pad = np.full(size - n, n - 1)
             inputs = {k: np.concatenate([v, v[pad]]) for k, v in inputs.items()}
-        outs = self._run_bound(inputs, "cuda") if self.device == "cuda" else \
-            self.session.run(list(self.output_names), inputs)
+        if self.device == "cuda":
+            outs = self._run_bound(inputs, "cuda")
+        else:
+            outs = self.session.run(list(self.output_names), inputs)
         return {name: np.asarray(o)[:n] for name, o in zip(self.output_names, outs, strict=True)}
 
     def _run_bound(self, inputs: dict[str, np.ndarray], device: str) -> list[np.ndarray]:

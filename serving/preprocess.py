@@ -56,7 +56,7 @@ def to_bars(series: Sequence[SeriesColumns], keys: Sequence[str], user_columns: 
         s = series[0]
         return Bars(s.timestamp_ns, np.full(len(s), keys[0], dtype=object), s.open, s.high, s.low, s.close,
                     s.volume, {u: s.user[u] for u in user_columns})
-    user = {}
+    user: dict[str, np.ndarray] = {}
     if user_columns:  # one [columns, bars] block per series, joined once: not one join per column
         block = np.concatenate([np.array([s.user[u] for u in user_columns]) for s in series], axis=1)
         user = dict(zip(user_columns, block, strict=True))

@@ -266,9 +266,10 @@ def run_server(config: ServerConfig) -> int:
         raise ConfigError(f"--event-loop {config.event_loop!r} is not one of {', '.join(EVENT_LOOPS)}")
     try:
         import uvloop
-    except ImportError:
-        raise ConfigError("--event-loop uvloop needs the uvloop package, which is not installed here; install it "
-                          "(pip install uvloop, a dependency of this project) or pass --event-loop asyncio") from None
+    except ImportError as exc:
+        raise ConfigError(f"--event-loop uvloop (the default) needs the uvloop package, which does not import here "
+                          f"({exc}); install it (pip install uvloop, a dependency of this project) or pass "
+                          "--event-loop asyncio") from None
     return uvloop.run(serve(config))
 
 

@@ -134,7 +134,7 @@ def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
         lengths = {c: int(getattr(s, c).shape[0]) for c in BAR_COLUMNS} | {u: int(s.user[u].shape[0]) for u in need}
         listed = ", ".join(f"{c} {k}" for c, k in lengths.items())
         raise RequestError(f"{label}: columns have unequal lengths ({listed}); send one value per bar in every column")
-    n, required = len(s), meta.bars_required
+    required = meta.bars_required
     if n < required:
         raise RequestError(
             f"{label}: {n} bars sent, the model needs at least {required} ({meta.feature_config.warmup_bars} warm-up "

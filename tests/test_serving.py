@@ -407,7 +407,8 @@ def test_the_standard_asyncio_loop_serves_too_and_uvloop_is_never_swapped_quietl
     r = subprocess.run([sys.executable, "-c", no_uvloop, "--model", str(art.model), "--port", "0", "--device", "cpu"],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "listening" not in r.stdout, r.stderr[-2000:]
-    assert "error: --event-loop uvloop needs the uvloop package" in r.stderr and "--event-loop asyncio" in r.stderr
+    assert "error: --event-loop uvloop (the default) needs the uvloop package" in r.stderr
+    assert "--event-loop asyncio" in r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -316,6 +316,29 @@ def test_concurrent_calls_share_batches_and_get_their_own_results() -> None:
     assert max(len(batch) for batch in rec.batches) == 4 and len(rec.batches) == 3
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_fixed_wait_waits_its_whole_delay_on_either_event_loop(loop: str) -> None:
+    """--batch-wait fixed holds a lone call for the full delay, even one shorter than the millisecond
+    to which uvloop rounds its timers (its timer may fire early; the batcher then waits on)."""
+    import uvloop
+
+    rec = Recorder()
+    delay = 0.0004
+
+    async def main() -> float:
+        b: MicroBatcher[str, int, int] = MicroBatcher(rec, max_batch=64, max_delay_s=delay, wait="fixed")
+        b.start()
+        try:
+            start = time.monotonic()
+            assert await b.submit("m", 3, 1) == 6
+            return time.monotonic() - start
+        finally:
+            await b.close()
+
+    run = uvloop.run if loop == "uvloop" else asyncio.run
+    assert all(run(main()) >= delay for _ in range(20))  # a lower bound: a slow machine cannot break it
+
+
 def test_a_lone_call_does_not_wait_for_company_and_errors_stay_with_their_call() -> None:
     rec = Recorder()
 
