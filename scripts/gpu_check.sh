@@ -416,7 +416,7 @@ if [ $SERVING_OK = 0 ]; then
   for part in serving serving_packed serving_workers; do record $part skipped 0 "$why"; done
 elif [ ! -f "$MODEL" ]; then
   for part in serving serving_packed serving_workers; do record $part skipped 0 "no exported CUDA model (see export)"; done
-elif ! time_for 80; then
+elif ! time_for 90; then
   for part in serving serving_packed serving_workers; do record $part skipped 0 "out of time"; done
 else
   serving_load serving "$MODEL" cuda "the preset model on the CUDA provider" 1 ""
