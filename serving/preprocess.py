@@ -58,7 +58,7 @@ def to_bars(series: Sequence[SeriesColumns], keys: Sequence[str], user_columns: 
                     s.volume, {u: s.user[u] for u in user_columns})
     user: dict[str, np.ndarray] = {}
     if user_columns:  # one [columns, bars] block per series, joined once: not one join per column
-        block = np.concatenate([np.array([s.user[u] for u in user_columns]) for s in series], axis=1)
+        block = np.concatenate([s.user_matrix(user_columns) for s in series], axis=1)
         user = dict(zip(user_columns, block, strict=True))
     return Bars(
         timestamp_ns=np.concatenate([s.timestamp_ns for s in series]),

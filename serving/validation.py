@@ -39,15 +39,27 @@ class SeriesColumns:
     volume: np.ndarray  # float64 [n]
     # float64 [n] each, as sent (any names); read-only views of the request's bytes when sent packed
     user: dict[str, np.ndarray] = field(default_factory=dict)
+    # the same columns as one float64 [len(user), n] block whose rows are `user`'s values in order, when
+    # they came that way (packed, or after `tail`); None otherwise. Lets wide requests skip per-column steps.
+    user_block: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
 
+    def user_matrix(self, names: Sequence[str]) -> np.ndarray:
+        """float64 [len(names), n]: the named user columns as rows; the block itself, not a copy, when it
+        holds exactly these columns in this order (a packed request in the model's order)."""
+        if self.user_block is not None and tuple(self.user) == tuple(names):
+            return self.user_block
+        return np.array([self.user[u] for u in names]) if names else np.empty((0, len(self)))
+
     def tail(self, n: int, user_columns: Sequence[str]) -> SeriesColumns:
-        """The last `n` bars, with only the model's user columns."""
+        """The last `n` bars, with only the model's user columns (as one block too)."""
+        block = self.user_matrix(user_columns)[:, -n:] if user_columns else None  # [U, n]
+        user = dict(zip(user_columns, block, strict=True)) if block is not None else {}
         return SeriesColumns(
             self.symbol, self.timestamp_ns[-n:], self.open[-n:], self.high[-n:], self.low[-n:], self.close[-n:],
-            self.volume[-n:], {u: self.user[u][-n:] for u in user_columns},
+            self.volume[-n:], user, block,
         )
 
 
@@ -59,8 +71,12 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
         raise RequestError(f"{_label(index, series.symbol)}: {sent} user feature columns sent, more than the "
                            f"server accepts ({MAX_USER_COLUMNS}); send only the model's columns "
                            "(GetModelInfo.user_feature_columns)")
-    user = _packed_user_columns(series, index) if series.user_feature_names or series.user_features_raw else {}
-    for col in series.user_features:
+    user: dict[str, np.ndarray] = {}
+    block = None
+    if series.user_feature_names or series.user_features_raw:
+        block = _packed_user_columns(series, index)
+        user = dict(zip(series.user_feature_names, block, strict=True))
+    for col in series.user_features:  # the other form (both at once is refused above)
         if col.name in user:
             raise RequestError(f"{_label(index, series.symbol)}: user feature column {bounded(col.name)} is sent "
                                "twice; send each column once")
@@ -74,11 +90,12 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
         close=np.asarray(series.close, dtype=np.float64),
         volume=np.asarray(series.volume, dtype=np.float64),
         user=user,
+        user_block=block,
     )
 
 
-def _packed_user_columns(series: pb.Series, index: int) -> dict[str, np.ndarray]:
-    """user_feature_names + user_features_raw -> name -> float64 [bars] (read-only views of the bytes)."""
+def _packed_user_columns(series: pb.Series, index: int) -> np.ndarray:
+    """user_feature_names + user_features_raw -> float64 [names, bars], a read-only view of the bytes."""
     label = _label(index, series.symbol)
     names, raw = list(series.user_feature_names), series.user_features_raw
     if series.user_features:
@@ -100,8 +117,7 @@ def _packed_user_columns(series: pb.Series, index: int) -> dict[str, np.ndarray]
         raise RequestError(f"{label}: user_features_raw has {len(raw)} bytes; {len(names)} name(s) x {bars} bars "
                            f"(len(timestamp_ns)) need {need}: little-endian float64, one row per name, oldest "
                            "bar first")
-    block = np.frombuffer(raw, dtype="<f8").reshape(len(names), bars)  # [names, bars], no copy
-    return dict(zip(names, block, strict=True))
+    return np.frombuffer(raw, dtype="<f8").reshape(len(names), bars)  # [names, bars], no copy
 
 
 def _label(i: int, symbol: str) -> str:
@@ -168,7 +184,7 @@ def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
         ok = ok and bool((ts[1:] > ts[:-1]).all())  # compared, not differenced: a difference can overflow
         if not ok or not user_columns:
             return ok
-        return bool(np.isfinite(np.array([s.user[u] for u in user_columns])).all())  # one check, not one per column
+        return bool(np.isfinite(s.user_matrix(user_columns)).all())  # one check, not one per column
 
 
 def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> list[Problem]:

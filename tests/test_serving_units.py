@@ -165,6 +165,37 @@ def test_packed_user_features_equal_columns() -> None:
             np.testing.assert_array_equal(value, pb_.inputs[name])
 
 
+def test_a_packed_block_in_the_models_order_is_used_as_sent() -> None:
+    """User columns packed in exactly the model's order are checked and trimmed as the request's own block
+    (no copy per column); another order, a subset, or the repeated-field form give the same rows by copy."""
+    n, rng = 12, np.random.default_rng(8)
+    values = {"a": rng.normal(size=n), "b": rng.normal(size=n), "c": rng.normal(size=n)}
+
+    def wire(names: list[str], pack: bool) -> pb.Series:
+        s = pb.Series(symbol="ES", timestamp_ns=list(range(n)))
+        if pack:
+            s.user_feature_names.extend(names)
+            s.user_features_raw = np.array([values[u] for u in names], dtype="<f8").tobytes()
+        else:
+            s.user_features.extend(pb.Column(name=u, values=values[u].tolist()) for u in names)
+        return pb.Series.FromString(s.SerializeToString())
+
+    packed_ab = columns_from_proto(wire(["a", "b"], True))
+    assert packed_ab.user_matrix(["a", "b"]) is packed_ab.user_block  # the request's bytes, as sent
+    plain = columns_from_proto(wire(["a", "b", "c"], False))
+    assert plain.user_block is None
+    for s, names in ((packed_ab, ["b", "a"]), (packed_ab, ["b"]), (plain, ["c", "a"])):
+        got = s.user_matrix(names)
+        assert got is not s.user_block
+        np.testing.assert_array_equal(got, np.array([values[u] for u in names]))
+    for s in (packed_ab, plain):
+        cut = s.tail(5, ["b", "a"])
+        assert list(cut.user) == ["b", "a"] and cut.user_block is not None and cut.user_block.shape == (2, 5)
+        for row, u in zip(cut.user_block, ["b", "a"], strict=True):  # the block's rows are the columns
+            np.testing.assert_array_equal(row, values[u][-5:])
+            assert np.shares_memory(row, cut.user[u])
+
+
 def test_the_client_packs_user_columns_as_the_server_reads_them() -> None:
     from features.bars import Bars
     from serving.client import series_from_bars
