@@ -118,7 +118,7 @@ def test_predict_equals_direct_onnx_runtime_on_training_features(art: Model, ser
                                        expected[name][0], rtol=RTOL, atol=ATOL)
 
 
-def test_batched_and_concurrent_requests_equal_single_ones(art: Model, server: LiveServer) -> None:
+def test_batched_and_concurrent_requests_equal_single_ones(art: Model, server: LiveServer, tmp_path: Path) -> None:
     symbols = list(art.meta.symbols)
     singles = {s: server.stub.Predict(request_for(art, s), timeout=10).forecasts[0] for s in symbols}
     both = pb.PredictRequest(series=[request_for(art, s).series[0] for s in reversed(symbols)])
@@ -128,16 +128,23 @@ def test_batched_and_concurrent_requests_equal_single_ones(art: Model, server: L
         np.testing.assert_allclose(quantiles_of(f), quantiles_of(singles[f.symbol]), rtol=RTOL, atol=ATOL)
         assert f.timestamp_ns == singles[f.symbol].timestamp_ns
 
-    # concurrent calls get micro-batched together (same symbols in one batch included): same answers
+    # concurrent calls get micro-batched together (same symbols in one batch included): same answers. A
+    # fixed wait makes the batching certain: with the adaptive default, a fast server may answer each
+    # call before the next client thread has sent its own
     requests = [request_for(art, symbols[i % 2], end=300 + 37 * i) for i in range(24)]
     alone = [quantiles_of(server.stub.Predict(r, timeout=10).forecasts[0]) for r in requests]
-    before = metric(server.scrape(), "foxhunt_batch_calls_count")
-    with ThreadPoolExecutor(24) as pool:
-        together = list(pool.map(lambda r: quantiles_of(server.stub.Predict(r, timeout=10).forecasts[0]), requests))
-    after = server.scrape()
+    fixed = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--batch-wait", "fixed",
+                  "--max-delay-ms", "200")
+    try:
+        fixed.wait_serving()
+        with ThreadPoolExecutor(24) as pool:
+            together = list(pool.map(lambda r: quantiles_of(fixed.stub.Predict(r, timeout=10).forecasts[0]),
+                                     requests))
+        runs = metric(fixed.scrape(), "foxhunt_batch_calls_count")
+    finally:
+        fixed.kill()
     for a, t in zip(alone, together, strict=True):
         np.testing.assert_allclose(t, a, rtol=RTOL, atol=ATOL)
-    runs = metric(after, "foxhunt_batch_calls_count") - before
     assert runs < len(requests), "concurrent calls were never batched together"
 
 
