@@ -173,9 +173,8 @@ def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequ
         i += 1
     seconds = sum(latencies) if gap_s else time.perf_counter() - start  # req/s of the runs, not of the pauses
     p50, p90, p99 = percentiles(latencies)
-    name = "bare ORT: features + run" if with_features else "bare ORT: session.run"
-    if bound:
-        name = "bare: server's LoadedModel.run"
+    name = ("bare: server's LoadedModel.run" if bound else
+            "bare ORT: features + run" if with_features else "bare ORT: session.run")
     if gap_s:
         name += f", {gap_s * 1e3:g} ms apart"
     if provider != "CPUExecutionProvider":
