@@ -5,7 +5,10 @@ batches and runs them, one at a time, on a single worker thread (ONNX
 Runtime releases the GIL, so the event loop keeps accepting and preparing calls while a
 batch runs; calls that arrive meanwhile form the next batch). A lone call with nothing else
 queued runs on the event loop itself when the last such run took under a millisecond (a
-small model on the CPU), saving the two thread hand-overs; slower runs stay on the worker.
+small model on the CPU), saving the two thread hand-overs; slower runs stay on the worker. Only
+while the loop is quiet, though: when other calls' work ran on it while the batch gathered, the
+server is under load, and a run on the loop would stop it from receiving the calls that should
+join the next batch (batches would stay at one call, each run blocking the loop in turn).
 
 What runs is a `process(key, payloads)` function (serving.inference.run_batch: features
 of all the batch's series, one model run); the batcher only forms the batches.
@@ -38,6 +41,9 @@ log = logging.getLogger("serving")
 
 WAIT_POLICIES = ("adaptive", "fixed")
 INLINE_MAX_S = 0.001  # a lone call whose last run took less than this runs on the event loop, not the worker
+# A loop round (asyncio.sleep(0)) longer than this ran other calls' work: the server is under load. An idle
+# round takes a few microseconds; one that handles a gRPC call's events, tens to hundreds.
+QUIET_ROUND_S = 25e-6
 K = TypeVar("K")  # what a batch runs on (the model snapshot); only calls with the same key share a batch
 P = TypeVar("P")  # one call's payload (its series)
 R = TypeVar("R")  # one call's result
@@ -78,7 +84,8 @@ class _Item(Generic[K, P, R]):
 
 class MicroBatcher(Generic[K, P, R]):
     def __init__(self, process: Process[K, P, R], max_batch: int, max_delay_s: float, wait: str = "adaptive",
-                 observer: BatchObserver | None = None, inline_max_s: float = INLINE_MAX_S) -> None:
+                 observer: BatchObserver | None = None, inline_max_s: float = INLINE_MAX_S,
+                 quiet_round_s: float = QUIET_ROUND_S) -> None:
         if max_batch < 1 or max_delay_s < 0 or wait not in WAIT_POLICIES:
             raise ValueError(f"need max_batch >= 1, max_delay_s >= 0, wait in {WAIT_POLICIES}")
         self._process = process
@@ -93,6 +100,7 @@ class MicroBatcher(Generic[K, P, R]):
         self._task: asyncio.Task[None] | None = None
         self._lone_run_s = float("inf")  # how long the last lone call's run took (unknown until one ran)
         self._inline_max_s = inline_max_s
+        self._quiet_round_s = quiet_round_s
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -126,26 +134,31 @@ class MicroBatcher(Generic[K, P, R]):
     def _windows_ready(self, key: K) -> int:
         return sum(it.n for it in self._queue if it.key is key and not it.future.done())
 
-    async def _gather(self, first: _Item[K, P, R]) -> None:
-        """Wait until the batch that `first` opens should close."""
+    async def _gather(self, first: _Item[K, P, R]) -> bool:
+        """Wait until the batch that `first` opens should close; whether the loop was quiet meanwhile
+        (no other call's work ran on it: the server is not under load)."""
         close_at = first.enqueued + self.max_delay_s
         if self.wait == "adaptive":
             # let calls that are already runnable on the loop prepare and join; stop when none do
             seen = -1
+            quiet = True
             while seen != len(self._queue) and self._windows_ready(first.key) < self.max_batch \
                     and time.monotonic() < close_at and not self._closing:
                 seen = len(self._queue)
+                t0 = time.monotonic()
                 await asyncio.sleep(0)
-            return
+                quiet = quiet and time.monotonic() - t0 < self._quiet_round_s
+            return quiet
         while self._windows_ready(first.key) < self.max_batch and not self._closing:
             remaining = close_at - time.monotonic()
             if remaining <= 0:
-                return
+                return True
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
             except TimeoutError:
                 continue  # uvloop rounds timers to the millisecond, so this can fire early: re-check the time
+        return True  # waited on the event: nothing ran but arrivals
 
     def _take(self, key: K) -> list[_Item[K, P, R]]:
         """Pop up to max_batch windows of `key`'s calls, in arrival order; fail the expired ones."""
@@ -183,7 +196,7 @@ class MicroBatcher(Generic[K, P, R]):
             if first.future.done():
                 self._queue.popleft()
                 continue
-            await self._gather(first)
+            quiet = await self._gather(first)
             batch = self._take(first.key)
             if not batch:
                 continue
@@ -193,7 +206,7 @@ class MicroBatcher(Generic[K, P, R]):
             payloads = [it.payload for it in batch]
             try:
                 lone = len(batch) == 1 and not self._queue
-                if lone and self._lone_run_s < self._inline_max_s:
+                if lone and quiet and self._lone_run_s < self._inline_max_s:
                     # a quick lone call runs on the loop itself: the two thread hand-overs would cost
                     # more than the loop's short pause (only runs measured under inline_max_s qualify)
                     results = self._process(first.key, payloads)

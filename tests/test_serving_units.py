@@ -331,6 +331,43 @@ def test_quick_lone_calls_run_on_the_event_loop_and_slow_ones_on_the_worker() ->
     assert threads_of(0.1) == [False, False, False]  # over the threshold: never blocks the loop
 
 
+def test_lone_calls_run_on_the_worker_while_other_work_keeps_the_loop_busy() -> None:
+    """Under load a quick lone call must not run on the loop: the calls arriving meanwhile could not be
+    received, the next batch would be lone again, and batching would never start."""
+
+    def threads_of(busy_loop: bool) -> list[bool]:
+        on_loop: list[bool] = []
+
+        def process(key: str, payloads: list[int]) -> list[int | Exception]:
+            on_loop.append(threading.get_ident() == loop_thread)
+            return [p * 2 for p in payloads]
+
+        async def other_calls() -> None:  # stands in for other calls' handlers: 10 ms of loop work per round
+            while True:
+                time.sleep(0.01)
+                await asyncio.sleep(0)
+
+        async def main() -> None:
+            b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=0.05,
+                                                          inline_max_s=0.02, quiet_round_s=0.005)
+            b.start()
+            noise = asyncio.get_running_loop().create_task(other_calls()) if busy_loop else None
+            try:
+                for i in range(4):  # one at a time: each is a lone call
+                    assert await b.submit("m", i, 1) == 2 * i
+            finally:
+                if noise is not None:
+                    noise.cancel()
+                await b.close()
+
+        loop_thread = threading.get_ident()
+        asyncio.run(main())
+        return on_loop
+
+    assert threads_of(busy_loop=False) == [False, True, True, True]
+    assert threads_of(busy_loop=True) == [False, False, False, False]
+
+
 def test_concurrent_calls_share_batches_and_get_their_own_results() -> None:
     rec = Recorder()
 
