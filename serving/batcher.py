@@ -4,8 +4,10 @@ Calls `submit` their payload (checked series) and await their result. One loop f
 batches and runs them, one at a time, on a single worker thread (ONNX
 Runtime releases the GIL, so the event loop keeps accepting and preparing calls while a
 batch runs; calls that arrive meanwhile form the next batch). A lone call with nothing else
-queued runs on the event loop itself when the last such run took under a millisecond (a
-small model on the CPU), saving the two thread hand-overs; slower runs stay on the worker. Only
+queued runs on the event loop itself while such runs take under `inline_max_s` (2 ms: a small
+model on the CPU), saving the two thread hand-overs and the worker's wake-up; slower runs stay
+on the worker. That cost is the run's own time, wherever it ran (not the hand-overs around it),
+averaged over recent lone runs, so one slow run does not move quick calls off the loop. Only
 while the loop is quiet, though: when other calls' work ran on it while the batch gathered, the
 server is under load, and a run on the loop would stop it from receiving the calls that should
 join the next batch (batches would stay at one call, each run blocking the loop in turn).
@@ -40,7 +42,8 @@ from serving.errors import QueueDeadlineExceeded, ServingError
 log = logging.getLogger("serving")
 
 WAIT_POLICIES = ("adaptive", "fixed")
-INLINE_MAX_S = 0.001  # a lone call whose last run took less than this runs on the event loop, not the worker
+INLINE_MAX_S = 0.002  # lone calls whose runs take less than this (on average) run on the event loop
+LONE_RUN_WEIGHT = 0.2  # weight of the latest lone run in that average (an exponential moving average)
 # A loop round (asyncio.sleep(0)) longer than this ran other calls' work: the server is under load. An idle
 # round takes a few microseconds; one that handles a gRPC call's events, tens to hundreds.
 QUIET_ROUND_S = 25e-6
@@ -98,7 +101,7 @@ class MicroBatcher(Generic[K, P, R]):
         self._closing = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
         self._task: asyncio.Task[None] | None = None
-        self._lone_run_s = float("inf")  # how long the last lone call's run took (unknown until one ran)
+        self._lone_run_s = float("inf")  # average time of a lone call's run (unknown until one ran)
         self._inline_max_s = inline_max_s
         self._quiet_round_s = quiet_round_s
 
@@ -183,6 +186,12 @@ class MicroBatcher(Generic[K, P, R]):
         self._queue = kept
         return batch
 
+    def _timed(self, key: K, payloads: list[P]) -> tuple[Sequence[R | Exception], float]:
+        """process(key, payloads) and how long it took, timed on the thread it ran on."""
+        t0 = time.monotonic()
+        results = self._process(key, payloads)
+        return results, time.monotonic() - t0
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -207,13 +216,14 @@ class MicroBatcher(Generic[K, P, R]):
             try:
                 lone = len(batch) == 1 and not self._queue
                 if lone and quiet and self._lone_run_s < self._inline_max_s:
-                    # a quick lone call runs on the loop itself: the two thread hand-overs would cost
-                    # more than the loop's short pause (only runs measured under inline_max_s qualify)
-                    results = self._process(first.key, payloads)
+                    # a quick lone call runs on the loop itself: the two thread hand-overs (and the
+                    # worker's wake-up on a cold core) would cost more than the loop's short pause
+                    results, run_s = self._timed(first.key, payloads)
                 else:
-                    results = await loop.run_in_executor(self._executor, self._process, first.key, payloads)
+                    results, run_s = await loop.run_in_executor(self._executor, self._timed, first.key, payloads)
                 if lone:
-                    self._lone_run_s = time.monotonic() - started
+                    self._lone_run_s = run_s if self._lone_run_s == float("inf") else \
+                        LONE_RUN_WEIGHT * run_s + (1 - LONE_RUN_WEIGHT) * self._lone_run_s
             except Exception as exc:  # a failed run fails its calls, never the loop
                 log.exception("inference failed for a batch of %d calls", len(batch))
                 results = [exc] * len(batch)

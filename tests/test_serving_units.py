@@ -331,6 +331,36 @@ def test_quick_lone_calls_run_on_the_event_loop_and_slow_ones_on_the_worker() ->
     assert threads_of(0.1) == [False, False, False]  # over the threshold: never blocks the loop
 
 
+def test_one_slow_lone_run_does_not_move_quick_calls_off_the_loop_but_slow_runs_do() -> None:
+    """The cost that decides is an average of recent lone runs' own times: a single hiccup keeps quick
+    calls on the loop; a model that has become slow moves to the worker."""
+
+    def threads_of(delays: list[float]) -> list[bool]:
+        on_loop: list[bool] = []
+
+        def process(key: str, payloads: list[int]) -> list[int | Exception]:
+            on_loop.append(threading.get_ident() == loop_thread)
+            time.sleep(delays[len(on_loop) - 1])
+            return [p * 2 for p in payloads]
+
+        async def main() -> None:
+            b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=0.0,
+                                                          inline_max_s=0.02, quiet_round_s=0.005)
+            b.start()
+            try:
+                for i in range(len(delays)):
+                    assert await b.submit("m", i, 1) == 2 * i
+            finally:
+                await b.close()
+
+        loop_thread = threading.get_ident()
+        asyncio.run(main())
+        return on_loop
+
+    assert threads_of([0.0, 0.0, 0.03, 0.0, 0.0]) == [False, True, True, True, True]
+    slow = threads_of([0.0] + [0.06] * 5)
+    assert slow[:2] == [False, True] and slow[-1] is False
+
 def test_lone_calls_run_on_the_worker_while_other_work_keeps_the_loop_busy() -> None:
     """Under load a quick lone call must not run on the loop: the calls arriving meanwhile could not be
     received, the next batch would be lone again, and batching would never start."""
