@@ -88,7 +88,7 @@ class _Item(Generic[K, P, R]):
 class MicroBatcher(Generic[K, P, R]):
     def __init__(self, process: Process[K, P, R], max_batch: int, max_delay_s: float, wait: str = "adaptive",
                  observer: BatchObserver | None = None, inline_max_s: float = INLINE_MAX_S,
-                 quiet_round_s: float = QUIET_ROUND_S) -> None:
+                 quiet_round_s: float = QUIET_ROUND_S, busy_poll: bool = False) -> None:
         if max_batch < 1 or max_delay_s < 0 or wait not in WAIT_POLICIES:
             raise ValueError(f"need max_batch >= 1, max_delay_s >= 0, wait in {WAIT_POLICIES}")
         self._process = process
@@ -104,14 +104,37 @@ class MicroBatcher(Generic[K, P, R]):
         self._lone_run_s = float("inf")  # average time of a lone call's run (unknown until one ran)
         self._inline_max_s = inline_max_s
         self._quiet_round_s = quiet_round_s
+        self._busy_poll = busy_poll
+        self._spin_on = False
+        self._spin_gen = 0  # a paused spin's pending callback sees a newer generation and stops
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="micro-batcher")
+        self._spin_resume()
+
+    # ---- busy polling ---------------------------------------------------------------------
+    def _spin(self, gen: int) -> None:
+        if self._spin_on and gen == self._spin_gen:
+            asyncio.get_running_loop().call_soon(self._spin, gen)
+
+    def _spin_resume(self) -> None:
+        """With busy_poll, keep the loop from sleeping: a callback that schedules itself makes every
+        loop round poll for I/O without waiting, so the loop's thread (which runs lone calls) stays on
+        a hot core. Paused while a batch runs on the worker, which needs the interpreter lock the
+        spinning thread would keep taking back."""
+        if self._busy_poll and not self._closing:
+            self._spin_gen += 1
+            self._spin_on = True
+            asyncio.get_running_loop().call_soon(self._spin, self._spin_gen)
+
+    def _spin_pause(self) -> None:
+        self._spin_on = False
 
     async def close(self) -> None:
         """Finish what is queued, then stop."""
         self._closing = True
+        self._spin_pause()
         self._arrived.set()
         if self._task is not None:
             await self._task
@@ -220,7 +243,11 @@ class MicroBatcher(Generic[K, P, R]):
                     # worker's wake-up on a cold core) would cost more than the loop's short pause
                     results, run_s = self._timed(first.key, payloads)
                 else:
-                    results, run_s = await loop.run_in_executor(self._executor, self._timed, first.key, payloads)
+                    self._spin_pause()
+                    try:
+                        results, run_s = await loop.run_in_executor(self._executor, self._timed, first.key, payloads)
+                    finally:
+                        self._spin_resume()
                 if lone:
                     self._lone_run_s = run_s if self._lone_run_s == float("inf") else \
                         LONE_RUN_WEIGHT * run_s + (1 - LONE_RUN_WEIGHT) * self._lone_run_s

@@ -52,7 +52,8 @@ def server_args(config: ServerConfig, log_level: str) -> list[str]:
     ]
     args = [f"{flag}={value}" for flag, value in values if value is not None]
     args += [flag for flag, on in (("--reuse-port", config.reuse_port),
-                                   ("--stop-on-stdin-eof", config.stop_on_stdin_eof)) if on]
+                                   ("--stop-on-stdin-eof", config.stop_on_stdin_eof),
+                                   ("--busy-poll", config.busy_poll)) if on]
     return args
 
 

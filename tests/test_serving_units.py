@@ -398,6 +398,49 @@ def test_lone_calls_run_on_the_worker_while_other_work_keeps_the_loop_busy() -> 
     assert threads_of(busy_loop=True) == [False, False, False, False]
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_busy_poll_keeps_the_loop_running_while_idle_and_pauses_while_the_worker_runs(loop: str) -> None:
+    """--busy-poll spends a core while the server is idle (the point: the next call finds the loop's
+    thread running); it stops spinning while a batch runs on the worker, which needs the interpreter
+    lock, and when the batcher closes."""
+    import uvloop
+
+    def cpu_over(seconds: float) -> float:  # this process's CPU time over `seconds` of wall time
+        c0 = time.process_time()
+        time.sleep(seconds)  # blocks the loop: used only from coroutines that mean to measure idleness
+        return time.process_time() - c0
+
+    def process(key: str, payloads: list[int]) -> list[int | Exception]:
+        measured.append(cpu_over(0.3))  # on the worker (inline_max_s=0): the spin must be paused now
+        return [p * 2 for p in payloads]
+
+    async def idle_cpu(seconds: float) -> float:
+        c0 = time.process_time()
+        await asyncio.sleep(seconds)
+        return time.process_time() - c0
+
+    async def main(busy_poll: bool) -> tuple[float, float]:
+        b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=0.0, inline_max_s=0.0,
+                                                      busy_poll=busy_poll)
+        b.start()
+        try:
+            idle = await idle_cpu(0.3)
+            assert await b.submit("m", 1, 1) == 2
+            idle_after = await idle_cpu(0.3)  # spinning again once the worker is done
+        finally:
+            await b.close()
+        closed = await idle_cpu(0.3)
+        assert closed < 0.1, f"the loop still spins after close ({closed:.3f} s CPU in 0.3 s)"
+        return idle, idle_after
+
+    run = uvloop.run if loop == "uvloop" else asyncio.run
+    measured: list[float] = []
+    idle, idle_after = run(main(busy_poll=True))
+    assert idle > 0.15 and idle_after > 0.15, f"busy poll: {idle:.3f} / {idle_after:.3f} s CPU in 0.3 s idle"
+    assert measured[0] < 0.1, f"the loop spun while the worker ran ({measured[0]:.3f} s CPU in 0.3 s)"
+    idle, idle_after = run(main(busy_poll=False))
+    assert idle < 0.1 and idle_after < 0.1, "without busy poll an idle loop sleeps"
+
 def test_concurrent_calls_share_batches_and_get_their_own_results() -> None:
     rec = Recorder()
 
@@ -513,7 +556,7 @@ def test_a_worker_gets_every_setting_of_its_supervisor() -> None:
         device="cpu", device_id=2, threads=3, max_batch=48, max_delay_ms=1.5, batch_wait="fixed",
         max_concurrent=99, max_message_bytes=65536, metrics_port=9470, grace_s=2.5, tls_cert=Path("c.pem"),
         tls_key=Path("k.pem"), tls_client_ca=Path("ca.pem"), auth_token_file=Path("tokens"),
-        event_loop="asyncio")
+        event_loop="asyncio", busy_poll=True)
     parser = build_parser()
     args = parser.parse_args(server_args(config, "WARNING"))
     assert config_from_args(parser, args) == config and args.log_level == "WARNING"
