@@ -27,6 +27,7 @@
 #   serving_packed   the same with the user columns sent packed (user_features_raw)
 #   serving_workers  packed, with --workers 4 (four server processes on one port)
 #   serving_cpu  the same with the tiny test model on the CPU provider (an uncontended machine's figure)
+#   serving_cpu_busy_poll  serving_cpu's model and clients with the server's --busy-poll
 #
 # Without a GPU it says so, runs the plan and a tiny CPU training run, and exits 0. The exit
 # status is 1 only when a part that ran failed.
@@ -438,9 +439,9 @@ fi
 # ---- serving_cpu: the small test model on the CPU provider of this (uncontended) machine ------------------
 TINY="$WORK/tiny"
 if [ $SERVING_OK = 0 ]; then
-  record serving_cpu skipped 0 "$why"
+  for part in serving_cpu serving_cpu_busy_poll; do record $part skipped 0 "$why"; done
 elif [ ! -f "$DATA" ] || ! time_for 90; then
-  record serving_cpu skipped 0 "no data or out of time"
+  for part in serving_cpu serving_cpu_busy_poll; do record $part skipped 0 "no data or out of time"; done
 else
   t0=$SECONDS
   mkdir -p "$TINY"
@@ -449,8 +450,15 @@ else
        --threads 1 --device cpu --no-progress --no-report >>"$OUT/export_serving.log" 2>&1 \
      && timeout 120 "$PY" -m export "$TINY/ckpt.pt" "$TINY/model.onnx" --threads 1 >>"$OUT/export_serving.log" 2>&1; then
     serving_load serving_cpu "$TINY/model.onnx" cpu "the tiny test model (hidden 8, encoder 20) on the CPU provider, 1 thread" 1 ""
+    if time_for 60; then
+      serving_load serving_cpu_busy_poll "$TINY/model.onnx" cpu "serving_cpu with the server's --busy-poll" 1 \
+        "--no-floor" --busy-poll
+    else
+      record serving_cpu_busy_poll skipped 0 "out of time"
+    fi
   else
     record serving_cpu fail $((SECONDS - t0)) "the tiny model could not be trained or exported: $(tail_of "$OUT/export_serving.log")"
+    record serving_cpu_busy_poll skipped 0 "no tiny model (see serving_cpu)"
   fi
 fi
 
