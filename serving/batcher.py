@@ -7,10 +7,13 @@ batch runs; calls that arrive meanwhile form the next batch). A lone call with n
 queued runs on the event loop itself while such runs take under `inline_max_s` (2 ms: a small
 model on the CPU), saving the two thread hand-overs and the worker's wake-up; slower runs stay
 on the worker. That cost is the run's own time, wherever it ran (not the hand-overs around it),
-averaged over recent lone runs, so one slow run does not move quick calls off the loop. Only
-while the loop is quiet, though: when other calls' work ran on it while the batch gathered, the
-server is under load, and a run on the loop would stop it from receiving the calls that should
-join the next batch (batches would stay at one call, each run blocking the loop in turn).
+averaged over recent lone runs (each counted as at most twice the limit, failed runs too), so
+one slow run does not move quick calls off the loop. Only
+while the loop is quiet, though: when other calls' work ran on it while the batch gathered (or,
+with no gathering round, as with a fixed wait or no delay left, in one round timed for the
+purpose), the server is under load, and a run on the loop would stop it from receiving the
+calls that should join the next batch (batches would stay at one call, each run blocking the
+loop in turn).
 
 What runs is a `process(key, payloads)` function (serving.inference.run_batch: features
 of all the batch's series, one model run); the batcher only forms the batches.
@@ -29,10 +32,11 @@ Rows are independent, so each call's outputs equal those of running it alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -107,6 +111,7 @@ class MicroBatcher(Generic[K, P, R]):
         self._busy_poll = busy_poll
         self._spin_on = False
         self._spin_gen = 0  # a paused spin's pending callback sees a newer generation and stops
+        self._spin_holds = 0  # spin_paused() blocks entered and not left
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -114,27 +119,36 @@ class MicroBatcher(Generic[K, P, R]):
         self._spin_resume()
 
     # ---- busy polling ---------------------------------------------------------------------
+    # With busy_poll, the loop never sleeps: a callback that schedules itself makes every loop round
+    # poll for I/O without waiting, so the loop's thread (which runs lone calls) stays on a hot core.
+    # The spin pauses while other threads of the process do Python work (a batch on the worker, the
+    # warm-up, a reload: see spin_paused), since the spinning thread keeps taking the interpreter
+    # lock back from them, and it ends with the batcher's task (closed, failed or cancelled).
     def _spin(self, gen: int) -> None:
-        if self._spin_on and gen == self._spin_gen:
+        if self._spin_on and gen == self._spin_gen and self._task is not None and not self._task.done():
             asyncio.get_running_loop().call_soon(self._spin, gen)
 
     def _spin_resume(self) -> None:
-        """With busy_poll, keep the loop from sleeping: a callback that schedules itself makes every
-        loop round poll for I/O without waiting, so the loop's thread (which runs lone calls) stays on
-        a hot core. Paused while a batch runs on the worker, which needs the interpreter lock the
-        spinning thread would keep taking back."""
-        if self._busy_poll and not self._closing:
+        if self._busy_poll and not self._closing and self._spin_holds == 0:
             self._spin_gen += 1
             self._spin_on = True
             asyncio.get_running_loop().call_soon(self._spin, self._spin_gen)
 
-    def _spin_pause(self) -> None:
+    @contextlib.contextmanager
+    def spin_paused(self) -> Iterator[None]:
+        """No busy polling inside this block (nestable; a no-op without busy_poll)."""
+        self._spin_holds += 1
         self._spin_on = False
+        try:
+            yield
+        finally:
+            self._spin_holds -= 1
+            self._spin_resume()
 
     async def close(self) -> None:
         """Finish what is queued, then stop."""
         self._closing = True
-        self._spin_pause()
+        self._spin_on = False
         self._arrived.set()
         if self._task is not None:
             await self._task
@@ -164,27 +178,35 @@ class MicroBatcher(Generic[K, P, R]):
         """Wait until the batch that `first` opens should close; whether the loop was quiet meanwhile
         (no other call's work ran on it: the server is not under load)."""
         close_at = first.enqueued + self.max_delay_s
+        rounds = 0
+        quiet = True
         if self.wait == "adaptive":
             # let calls that are already runnable on the loop prepare and join; stop when none do
             seen = -1
-            quiet = True
             while seen != len(self._queue) and self._windows_ready(first.key) < self.max_batch \
                     and time.monotonic() < close_at and not self._closing:
                 seen = len(self._queue)
-                t0 = time.monotonic()
-                await asyncio.sleep(0)
-                quiet = quiet and time.monotonic() - t0 < self._quiet_round_s
-            return quiet
-        while self._windows_ready(first.key) < self.max_batch and not self._closing:
-            remaining = close_at - time.monotonic()
-            if remaining <= 0:
-                return True
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
-            except TimeoutError:
-                continue  # uvloop rounds timers to the millisecond, so this can fire early: re-check the time
-        return True  # waited on the event: nothing ran but arrivals
+                quiet = await self._quiet_round() and quiet
+                rounds += 1
+        else:
+            while self._windows_ready(first.key) < self.max_batch and not self._closing:
+                remaining = close_at - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), remaining)
+                except TimeoutError:
+                    continue  # uvloop rounds timers to the millisecond, so this can fire early: re-check the time
+        if rounds == 0:  # no round was timed (a fixed wait, no delay left, a full batch): time one now
+            quiet = await self._quiet_round()
+        return quiet
+
+    async def _quiet_round(self) -> bool:
+        """One loop round (the calls already runnable do their work); whether it was idle."""
+        t0 = time.monotonic()
+        await asyncio.sleep(0)
+        return time.monotonic() - t0 < self._quiet_round_s
 
     def _take(self, key: K) -> list[_Item[K, P, R]]:
         """Pop up to max_batch windows of `key`'s calls, in arrival order; fail the expired ones."""
@@ -209,11 +231,13 @@ class MicroBatcher(Generic[K, P, R]):
         self._queue = kept
         return batch
 
-    def _timed(self, key: K, payloads: list[P]) -> tuple[Sequence[R | Exception], float]:
-        """process(key, payloads) and how long it took, timed on the thread it ran on."""
+    def _timed(self, key: K, payloads: list[P]) -> tuple[Sequence[R | Exception] | Exception, float]:
+        """process(key, payloads), or what it raised, and how long it took, timed on the thread it ran on."""
         t0 = time.monotonic()
-        results = self._process(key, payloads)
-        return results, time.monotonic() - t0
+        try:
+            return self._process(key, payloads), time.monotonic() - t0
+        except Exception as exc:
+            return exc, time.monotonic() - t0
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -241,16 +265,17 @@ class MicroBatcher(Generic[K, P, R]):
                 if lone and quiet and self._lone_run_s < self._inline_max_s:
                     # a quick lone call runs on the loop itself: the two thread hand-overs (and the
                     # worker's wake-up on a cold core) would cost more than the loop's short pause
-                    results, run_s = self._timed(first.key, payloads)
+                    outcome, run_s = self._timed(first.key, payloads)
                 else:
-                    self._spin_pause()
-                    try:
-                        results, run_s = await loop.run_in_executor(self._executor, self._timed, first.key, payloads)
-                    finally:
-                        self._spin_resume()
-                if lone:
+                    with self.spin_paused():
+                        outcome, run_s = await loop.run_in_executor(self._executor, self._timed, first.key, payloads)
+                if lone:  # a hiccup (GC, preemption) counts as at most twice the limit
+                    run_s = min(run_s, 2 * self._inline_max_s)
                     self._lone_run_s = run_s if self._lone_run_s == float("inf") else \
                         LONE_RUN_WEIGHT * run_s + (1 - LONE_RUN_WEIGHT) * self._lone_run_s
+                if isinstance(outcome, Exception):
+                    raise outcome
+                results = outcome
             except Exception as exc:  # a failed run fails its calls, never the loop
                 log.exception("inference failed for a batch of %d calls", len(batch))
                 results = [exc] * len(batch)

@@ -156,7 +156,8 @@ class ForecastServer:
     async def warm_up(self) -> None:
         """Run the model at every padded batch size, then report SERVING."""
         model = self.holder.current
-        seconds = await asyncio.get_running_loop().run_in_executor(None, model.warm_up)
+        with self.batcher.spin_paused():  # --busy-poll: the warm-up thread needs the interpreter lock
+            seconds = await asyncio.get_running_loop().run_in_executor(None, model.warm_up)
         self.servicer.ready = True
         self.metrics.ready.set(1)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -193,7 +194,9 @@ class ForecastServer:
         c, old = self.config, self.holder.current
         log.info("SIGHUP: reloading %s", c.model_path)
         try:
-            new = await asyncio.to_thread(load_and_warm, c.model_path, c.device, c.threads, c.max_batch, c.device_id)
+            with self.batcher.spin_paused():  # --busy-poll: the loading thread needs the interpreter lock
+                new = await asyncio.to_thread(load_and_warm, c.model_path, c.device, c.threads, c.max_batch,
+                                              c.device_id)
         except ModelLoadError as exc:
             self.metrics.reloads.labels("refused").inc()
             log.error("reload refused, still serving model %s: %s", old.version, exc)
@@ -288,8 +291,9 @@ async def serve(config: ServerConfig) -> int:
     port = await server.start()
     print(f"listening on {host_port(config.host, port)}", flush=True)
     log.info("listening on %s (max message %d bytes, max batch %d, max delay %g ms, %s wait, max concurrent %d, "
-             "%s event loop)", host_port(config.host, port), config.max_message_bytes, config.max_batch,
-             config.max_delay_ms, config.batch_wait, config.max_concurrent, config.event_loop)
+             "%s event loop%s)", host_port(config.host, port), config.max_message_bytes, config.max_batch,
+             config.max_delay_ms, config.batch_wait, config.max_concurrent, config.event_loop,
+             ", busy poll" if config.busy_poll else "")
     if config.metrics_port is not None:
         mport = server.metrics.serve_http(config.host, config.metrics_port)
         print(f"metrics on {host_port(config.host, mport)}", flush=True)

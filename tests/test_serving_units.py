@@ -314,7 +314,7 @@ def test_quick_lone_calls_run_on_the_event_loop_and_slow_ones_on_the_worker() ->
 
         async def main() -> None:
             b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=0.0,
-                                                          inline_max_s=0.02)
+                                                          inline_max_s=0.02, quiet_round_s=0.005)
             b.start()
             try:
                 for i in range(3):  # one at a time: each is a lone call
@@ -332,15 +332,18 @@ def test_quick_lone_calls_run_on_the_event_loop_and_slow_ones_on_the_worker() ->
 
 
 def test_one_slow_lone_run_does_not_move_quick_calls_off_the_loop_but_slow_runs_do() -> None:
-    """The cost that decides is an average of recent lone runs' own times: a single hiccup keeps quick
-    calls on the loop; a model that has become slow moves to the worker."""
+    """The cost that decides is an average of recent lone runs' own times, each counted as at most twice
+    the limit: a single hiccup, however long, keeps quick calls on the loop; a model that has become
+    slow moves to the worker, and so do slow runs that fail."""
 
-    def threads_of(delays: list[float]) -> list[bool]:
+    def threads_of(delays: list[float], fail: bool = False) -> list[bool]:
         on_loop: list[bool] = []
 
         def process(key: str, payloads: list[int]) -> list[int | Exception]:
             on_loop.append(threading.get_ident() == loop_thread)
             time.sleep(delays[len(on_loop) - 1])
+            if fail and len(on_loop) > 1:
+                raise RuntimeError("the model failed")
             return [p * 2 for p in payloads]
 
         async def main() -> None:
@@ -349,7 +352,11 @@ def test_one_slow_lone_run_does_not_move_quick_calls_off_the_loop_but_slow_runs_
             b.start()
             try:
                 for i in range(len(delays)):
-                    assert await b.submit("m", i, 1) == 2 * i
+                    if fail and i > 0:
+                        with pytest.raises(RuntimeError, match="the model failed"):
+                            await b.submit("m", i, 1)
+                    else:
+                        assert await b.submit("m", i, 1) == 2 * i
             finally:
                 await b.close()
 
@@ -357,13 +364,18 @@ def test_one_slow_lone_run_does_not_move_quick_calls_off_the_loop_but_slow_runs_
         asyncio.run(main())
         return on_loop
 
-    assert threads_of([0.0, 0.0, 0.03, 0.0, 0.0]) == [False, True, True, True, True]
+    assert threads_of([0.0, 0.0, 0.2, 0.0, 0.0]) == [False, True, True, True, True]
     slow = threads_of([0.0] + [0.06] * 5)
     assert slow[:2] == [False, True] and slow[-1] is False
+    failing = threads_of([0.0] + [0.06] * 5, fail=True)
+    assert failing[:2] == [False, True] and failing[-1] is False
 
-def test_lone_calls_run_on_the_worker_while_other_work_keeps_the_loop_busy() -> None:
+
+@pytest.mark.parametrize(("wait", "delay"), [("adaptive", 0.05), ("adaptive", 0.0), ("fixed", 0.005)])
+def test_lone_calls_run_on_the_worker_while_other_work_keeps_the_loop_busy(wait: str, delay: float) -> None:
     """Under load a quick lone call must not run on the loop: the calls arriving meanwhile could not be
-    received, the next batch would be lone again, and batching would never start."""
+    received, the next batch would be lone again, and batching would never start. Whatever the wait
+    policy, and with no delay at all (no gathering round to time: the batcher times one)."""
 
     def threads_of(busy_loop: bool) -> list[bool]:
         on_loop: list[bool] = []
@@ -378,7 +390,7 @@ def test_lone_calls_run_on_the_worker_while_other_work_keeps_the_loop_busy() -> 
                 await asyncio.sleep(0)
 
         async def main() -> None:
-            b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=0.05,
+            b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=delay, wait=wait,
                                                           inline_max_s=0.02, quiet_round_s=0.005)
             b.start()
             noise = asyncio.get_running_loop().create_task(other_calls()) if busy_loop else None
@@ -399,47 +411,74 @@ def test_lone_calls_run_on_the_worker_while_other_work_keeps_the_loop_busy() -> 
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_busy_poll_keeps_the_loop_running_while_idle_and_pauses_while_the_worker_runs(loop: str) -> None:
-    """--busy-poll spends a core while the server is idle (the point: the next call finds the loop's
-    thread running); it stops spinning while a batch runs on the worker, which needs the interpreter
-    lock, and when the batcher closes."""
+def test_busy_poll_keeps_the_loop_running_while_idle_and_pauses_while_other_threads_work(loop: str) -> None:
+    """--busy-poll keeps the loop polling while the server is idle (the point: the next call finds the
+    loop's thread running). It pauses while a batch runs on the worker and inside spin_paused() (the
+    warm-up, a reload), whose threads need the interpreter lock, and stops when the batcher closes or
+    its task is cancelled. Spinning is counted in loop rounds (CPU time would depend on the machine's
+    load); not spinning is also checked as CPU time."""
     import uvloop
 
     def cpu_over(seconds: float) -> float:  # this process's CPU time over `seconds` of wall time
         c0 = time.process_time()
-        time.sleep(seconds)  # blocks the loop: used only from coroutines that mean to measure idleness
+        time.sleep(seconds)
         return time.process_time() - c0
 
     def process(key: str, payloads: list[int]) -> list[int | Exception]:
-        measured.append(cpu_over(0.3))  # on the worker (inline_max_s=0): the spin must be paused now
+        on_worker.append((spins[0], cpu_over(0.2), spins[0]))  # inline_max_s=0: always on the worker
         return [p * 2 for p in payloads]
 
-    async def idle_cpu(seconds: float) -> float:
-        c0 = time.process_time()
+    async def idle(seconds: float) -> tuple[int, float]:  # loop rounds spun and CPU time, while idle
+        n, c0 = spins[0], time.process_time()
         await asyncio.sleep(seconds)
-        return time.process_time() - c0
+        return spins[0] - n, time.process_time() - c0
 
-    async def main(busy_poll: bool) -> tuple[float, float]:
+    async def main(busy_poll: bool) -> dict[str, tuple[int, float]]:
         b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=0.0, inline_max_s=0.0,
                                                       busy_poll=busy_poll)
+        spin = b._spin
+
+        def counted(gen: int) -> None:
+            spins[0] += 1
+            spin(gen)
+
+        b._spin = counted  # type: ignore[method-assign]
+        out: dict[str, tuple[int, float]] = {}
         b.start()
         try:
-            idle = await idle_cpu(0.3)
+            out["idle"] = await idle(0.2)
             assert await b.submit("m", 1, 1) == 2
-            idle_after = await idle_cpu(0.3)  # spinning again once the worker is done
+            out["after the worker"] = await idle(0.2)
+            with b.spin_paused():
+                with b.spin_paused():
+                    out["paused"] = await idle(0.2)
+                out["still paused"] = await idle(0.2)
+            out["resumed"] = await idle(0.2)
         finally:
             await b.close()
-        closed = await idle_cpu(0.3)
-        assert closed < 0.1, f"the loop still spins after close ({closed:.3f} s CPU in 0.3 s)"
-        return idle, idle_after
+        out["closed"] = await idle(0.2)
+        b2: MicroBatcher[str, int, int] = MicroBatcher(process, 4, 0.0, busy_poll=busy_poll)
+        b2._spin = counted  # type: ignore[method-assign]
+        b2.start()
+        assert b2._task is not None
+        b2._task.cancel()
+        await asyncio.sleep(0.05)
+        out["task cancelled"] = await idle(0.2)
+        return out
 
     run = uvloop.run if loop == "uvloop" else asyncio.run
-    measured: list[float] = []
-    idle, idle_after = run(main(busy_poll=True))
-    assert idle > 0.15 and idle_after > 0.15, f"busy poll: {idle:.3f} / {idle_after:.3f} s CPU in 0.3 s idle"
-    assert measured[0] < 0.1, f"the loop spun while the worker ran ({measured[0]:.3f} s CPU in 0.3 s)"
-    idle, idle_after = run(main(busy_poll=False))
-    assert idle < 0.1 and idle_after < 0.1, "without busy poll an idle loop sleeps"
+    spins = [0]
+    on_worker: list[tuple[int, float, int]] = []
+    got = run(main(busy_poll=True))
+    for when in ("idle", "after the worker", "resumed"):
+        assert got[when][0] > 100, f"busy poll {when}: only {got[when][0]} loop rounds spun in 0.2 s"
+    for when in ("paused", "still paused", "closed", "task cancelled"):
+        assert got[when][0] <= 2 and got[when][1] < 0.1, f"busy poll {when}: still spinning {got[when]}"
+    before, cpu, after = on_worker[0]
+    assert after - before <= 2 and cpu < 0.1, f"spun while the worker ran ({after - before} rounds, {cpu:.3f} s)"
+    got = run(main(busy_poll=False))
+    assert all(n == 0 and cpu < 0.1 for n, cpu in got.values()), f"without busy poll an idle loop sleeps: {got}"
+
 
 def test_concurrent_calls_share_batches_and_get_their_own_results() -> None:
     rec = Recorder()
