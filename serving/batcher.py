@@ -8,12 +8,11 @@ queued runs on the event loop itself while such runs take under `inline_max_s` (
 model on the CPU), saving the two thread hand-overs and the worker's wake-up; slower runs stay
 on the worker. That cost is the run's own time, wherever it ran (not the hand-overs around it),
 averaged over recent lone runs (each counted as at most twice the limit, failed runs too), so
-one slow run does not move quick calls off the loop. Only
-while the loop is quiet, though: when other calls' work ran on it while the batch gathered (or,
-with no gathering round, as with a fixed wait or no delay left, in one round timed for the
-purpose), the server is under load, and a run on the loop would stop it from receiving the
-calls that should join the next batch (batches would stay at one call, each run blocking the
-loop in turn).
+one slow run does not move quick calls off the loop. Only while the loop is quiet, though:
+when other calls' work ran on it while the batch gathered (or, with no gathering round, as with
+a fixed wait or no delay left, in one round timed for the purpose), the server is under load,
+and a run on the loop would stop it from receiving the calls that should join the next batch
+(batches would stay at one call, each run blocking the loop in turn).
 
 What runs is a `process(key, payloads)` function (serving.inference.run_batch: features
 of all the batch's series, one model run); the batcher only forms the batches.

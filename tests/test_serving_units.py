@@ -303,71 +303,62 @@ class Recorder:
         return [p * 2 if p >= 0 else ValueError(f"bad {p}") for p in payloads]
 
 
-def test_quick_lone_calls_run_on_the_event_loop_and_slow_ones_on_the_worker() -> None:
-    def threads_of(delay: float) -> list[bool]:
-        on_loop: list[bool] = []
+def lone_calls_on_the_loop(delays: list[float], fail: bool = False, wait: str = "adaptive", delay: float = 0.0,
+                           busy_loop: bool = False) -> list[bool]:
+    """Submit len(delays) calls one at a time, so each is a lone call, to a batcher that runs lone calls
+    on the loop under 20 ms and calls a loop round quiet under 5 ms (thresholds far from the costs the
+    tests give: a busy machine can stretch a thread hand-over past 1 ms). Run i sleeps delays[i]; with
+    `fail`, every run after the first raises; with `busy_loop`, another task does 10 ms of loop work per
+    round, as other calls' handlers do under load. Whether each run was on the event loop's thread."""
+    on_loop: list[bool] = []
 
-        def process(key: str, payloads: list[int]) -> list[int | Exception]:
-            on_loop.append(threading.get_ident() == loop_thread)
-            time.sleep(delay)
-            return [p * 2 for p in payloads]
+    def process(key: str, payloads: list[int]) -> list[int | Exception]:
+        on_loop.append(threading.get_ident() == loop_thread)
+        time.sleep(delays[len(on_loop) - 1])
+        if fail and len(on_loop) > 1:
+            raise RuntimeError("the model failed")
+        return [p * 2 for p in payloads]
 
-        async def main() -> None:
-            b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=0.0,
-                                                          inline_max_s=0.02, quiet_round_s=0.005)
-            b.start()
-            try:
-                for i in range(3):  # one at a time: each is a lone call
+    async def other_calls() -> None:
+        while True:
+            time.sleep(0.01)
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=delay, wait=wait,
+                                                      inline_max_s=0.02, quiet_round_s=0.005)
+        b.start()
+        noise = asyncio.get_running_loop().create_task(other_calls()) if busy_loop else None
+        try:
+            for i in range(len(delays)):
+                if fail and i > 0:
+                    with pytest.raises(RuntimeError, match="the model failed"):
+                        await b.submit("m", i, 1)
+                else:
                     assert await b.submit("m", i, 1) == 2 * i
-            finally:
-                await b.close()
+        finally:
+            if noise is not None:
+                noise.cancel()
+            await b.close()
 
-        loop_thread = threading.get_ident()
-        asyncio.run(main())
-        return on_loop
+    loop_thread = threading.get_ident()
+    asyncio.run(main())
+    return on_loop
 
-    # thresholds far from both runs' costs (a busy machine can stretch a thread hand-over past 1 ms)
-    assert threads_of(0.0) == [False, True, True]  # the first run measures the cost on the worker
-    assert threads_of(0.1) == [False, False, False]  # over the threshold: never blocks the loop
+
+def test_quick_lone_calls_run_on_the_event_loop_and_slow_ones_on_the_worker() -> None:
+    assert lone_calls_on_the_loop([0.0] * 3) == [False, True, True]  # the first run measures the cost on the worker
+    assert lone_calls_on_the_loop([0.1] * 3) == [False, False, False]  # over the threshold: never blocks the loop
 
 
 def test_one_slow_lone_run_does_not_move_quick_calls_off_the_loop_but_slow_runs_do() -> None:
     """The cost that decides is an average of recent lone runs' own times, each counted as at most twice
     the limit: a single hiccup, however long, keeps quick calls on the loop; a model that has become
     slow moves to the worker, and so do slow runs that fail."""
-
-    def threads_of(delays: list[float], fail: bool = False) -> list[bool]:
-        on_loop: list[bool] = []
-
-        def process(key: str, payloads: list[int]) -> list[int | Exception]:
-            on_loop.append(threading.get_ident() == loop_thread)
-            time.sleep(delays[len(on_loop) - 1])
-            if fail and len(on_loop) > 1:
-                raise RuntimeError("the model failed")
-            return [p * 2 for p in payloads]
-
-        async def main() -> None:
-            b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=0.0,
-                                                          inline_max_s=0.02, quiet_round_s=0.005)
-            b.start()
-            try:
-                for i in range(len(delays)):
-                    if fail and i > 0:
-                        with pytest.raises(RuntimeError, match="the model failed"):
-                            await b.submit("m", i, 1)
-                    else:
-                        assert await b.submit("m", i, 1) == 2 * i
-            finally:
-                await b.close()
-
-        loop_thread = threading.get_ident()
-        asyncio.run(main())
-        return on_loop
-
-    assert threads_of([0.0, 0.0, 0.2, 0.0, 0.0]) == [False, True, True, True, True]
-    slow = threads_of([0.0] + [0.06] * 5)
+    assert lone_calls_on_the_loop([0.0, 0.0, 0.2, 0.0, 0.0]) == [False, True, True, True, True]
+    slow = lone_calls_on_the_loop([0.0] + [0.06] * 5)
     assert slow[:2] == [False, True] and slow[-1] is False
-    failing = threads_of([0.0] + [0.06] * 5, fail=True)
+    failing = lone_calls_on_the_loop([0.0] + [0.06] * 5, fail=True)
     assert failing[:2] == [False, True] and failing[-1] is False
 
 
@@ -376,38 +367,9 @@ def test_lone_calls_run_on_the_worker_while_other_work_keeps_the_loop_busy(wait:
     """Under load a quick lone call must not run on the loop: the calls arriving meanwhile could not be
     received, the next batch would be lone again, and batching would never start. Whatever the wait
     policy, and with no delay at all (no gathering round to time: the batcher times one)."""
-
-    def threads_of(busy_loop: bool) -> list[bool]:
-        on_loop: list[bool] = []
-
-        def process(key: str, payloads: list[int]) -> list[int | Exception]:
-            on_loop.append(threading.get_ident() == loop_thread)
-            return [p * 2 for p in payloads]
-
-        async def other_calls() -> None:  # stands in for other calls' handlers: 10 ms of loop work per round
-            while True:
-                time.sleep(0.01)
-                await asyncio.sleep(0)
-
-        async def main() -> None:
-            b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=delay, wait=wait,
-                                                          inline_max_s=0.02, quiet_round_s=0.005)
-            b.start()
-            noise = asyncio.get_running_loop().create_task(other_calls()) if busy_loop else None
-            try:
-                for i in range(4):  # one at a time: each is a lone call
-                    assert await b.submit("m", i, 1) == 2 * i
-            finally:
-                if noise is not None:
-                    noise.cancel()
-                await b.close()
-
-        loop_thread = threading.get_ident()
-        asyncio.run(main())
-        return on_loop
-
-    assert threads_of(busy_loop=False) == [False, True, True, True]
-    assert threads_of(busy_loop=True) == [False, False, False, False]
+    quick = [0.0] * 4
+    assert lone_calls_on_the_loop(quick, wait=wait, delay=delay) == [False, True, True, True]
+    assert lone_calls_on_the_loop(quick, wait=wait, delay=delay, busy_loop=True) == [False, False, False, False]
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
