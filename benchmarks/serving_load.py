@@ -183,13 +183,14 @@ def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequ
 
 
 # ---- the server ------------------------------------------------------------------------------------
-def start_server(model: Path, device: str, threads: int, extra: list[str], log: Path
+def start_server(model: Path, device: str, threads: int, extra: list[str], log: Path, code: Path = REPO
                  ) -> tuple[subprocess.Popen[str], str, list[str]]:
-    """The server process, its gRPC address and its metrics endpoints (one per worker with --workers)."""
+    """The server process, its gRPC address and its metrics endpoints (one per worker with --workers).
+    `code`: the checkout whose `serving` package runs (`python -m` imports from its working directory)."""
     cmd = [sys.executable, "-m", "serving", "--model", str(model), "--port", "0", "--metrics-port", "0",
            "--device", device, "--threads", str(threads), *extra]
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, cwd=code, stdout=subprocess.PIPE, stderr=err, text=True)
     target = ""
     metrics: list[str] = []
     assert proc.stdout is not None

@@ -12,7 +12,10 @@ one slow run does not move quick calls off the loop. Only while the loop is quie
 when other calls' work ran on it while the batch gathered (or, with no gathering round, as with
 a fixed wait or no delay left, in one round timed for the purpose), the server is under load,
 and a run on the loop would stop it from receiving the calls that should join the next batch
-(batches would stay at one call, each run blocking the loop in turn).
+(batches would stay at one call, each run blocking the loop in turn). When the batch loop is
+idle (nothing queued, no batch running), such a call does not even queue: after the same quiet
+round it runs in its caller's task, saving the hops through the queue and the batch loop's
+task; calls that arrive in the same round queue instead, and share a batch.
 
 What runs is a `process(key, payloads)` function (serving.inference.run_batch: features
 of all the batch's series, one model run); the batcher only forms the batches.
@@ -111,6 +114,8 @@ class MicroBatcher(Generic[K, P, R]):
         self._spin_on = False
         self._spin_gen = 0  # a paused spin's pending callback sees a newer generation and stops
         self._spin_holds = 0  # spin_paused() blocks entered and not left
+        self._parked = False  # the batch loop is waiting for calls: none queued, no batch running
+        self._trying_here = 0  # calls in the quiet round that may let them run at once (see submit)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -161,6 +166,21 @@ class MicroBatcher(Generic[K, P, R]):
         """
         if self._closing:
             raise ServingError("the server is shutting down")
+        if self._may_run_here(n):
+            # The batch loop is idle. A lone quick call runs right here after the same quiet round that
+            # its batch would have had, without the hops through the queue and the batch loop's task;
+            # calls that arrive together (in the same round) queue, to share a batch.
+            arrived = time.monotonic()
+            self._trying_here += 1
+            try:
+                quiet = await self._quiet_round()
+                alone = self._trying_here == 1
+            finally:
+                self._trying_here -= 1
+            if quiet and alone and self._may_run_here(n):
+                return self._run_here(key, payload, n, deadline, arrived)
+            if self._closing:
+                raise ServingError("the server is shutting down")
         item: _Item[K, P, R] = _Item(key, payload, n, asyncio.get_running_loop().create_future(), deadline)
         self._queue.append(item)
         self._arrived.set()
@@ -168,6 +188,36 @@ class MicroBatcher(Generic[K, P, R]):
             return await item.future
         finally:
             item.future.cancel()  # no-op when done; when the caller was cancelled, it is never run
+
+    def _may_run_here(self, n: int) -> bool:
+        """A call of n windows would be a lone batch that runs on the loop, if the loop stays quiet."""
+        return (self.wait == "adaptive" and self._parked and not self._queue and not self._closing
+                and n <= self.max_batch and self._lone_run_s < self._inline_max_s)
+
+    def _run_here(self, key: K, payload: P, n: int, deadline: float | None, arrived: float) -> R:
+        """Run one call on the loop now, as a batch of its own, observed and counted as one."""
+        started = time.monotonic()
+        if deadline is not None and started >= deadline:
+            self._observer.on_expired()
+            raise QueueDeadlineExceeded(f"deadline exceeded after {started - arrived:.3f} s in the queue; not run")
+        self._observer.on_queue_time(started - arrived)
+        outcome, run_s = self._timed(key, [payload])
+        self._count_lone_run(run_s)
+        self._observer.on_batch(n, 1, time.monotonic() - started)
+        if isinstance(outcome, Exception):
+            log.error("inference failed for a batch of 1 calls", exc_info=outcome)
+            raise outcome
+        result = outcome[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _count_lone_run(self, run_s: float) -> None:
+        """Add a lone run's own time to the moving average; a hiccup (GC, preemption) counts as at most
+        twice the limit."""
+        run_s = min(run_s, 2 * self._inline_max_s)
+        self._lone_run_s = run_s if self._lone_run_s == float("inf") else \
+            LONE_RUN_WEIGHT * run_s + (1 - LONE_RUN_WEIGHT) * self._lone_run_s
 
     # ---- the loop -------------------------------------------------------------------------
     def _windows_ready(self, key: K) -> int:
@@ -245,7 +295,11 @@ class MicroBatcher(Generic[K, P, R]):
                 if self._closing:
                     return
                 self._arrived.clear()
-                await self._arrived.wait()
+                self._parked = True
+                try:
+                    await self._arrived.wait()
+                finally:
+                    self._parked = False
                 continue
             first = self._queue[0]
             if first.future.done():
@@ -268,10 +322,8 @@ class MicroBatcher(Generic[K, P, R]):
                 else:
                     with self.spin_paused():
                         outcome, run_s = await loop.run_in_executor(self._executor, self._timed, first.key, payloads)
-                if lone:  # a hiccup (GC, preemption) counts as at most twice the limit
-                    run_s = min(run_s, 2 * self._inline_max_s)
-                    self._lone_run_s = run_s if self._lone_run_s == float("inf") else \
-                        LONE_RUN_WEIGHT * run_s + (1 - LONE_RUN_WEIGHT) * self._lone_run_s
+                if lone:
+                    self._count_lone_run(run_s)
                 if isinstance(outcome, Exception):
                     raise outcome
                 results = outcome
