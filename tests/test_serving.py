@@ -558,3 +558,18 @@ def test_not_serving_until_warm_and_explain_needs_explain_outputs(art: Model, tm
             await server.stop(1)
 
     asyncio.run(main())
+
+
+def test_serving_ab_compares_two_checkouts_served_at_once(art: Model, tmp_path: Path) -> None:
+    """benchmarks/serving_ab: both builds' servers answer (a row of latencies per round and a summary), and
+    a directory that is no checkout is refused with a message before anything starts."""
+    cmd = [sys.executable, "-m", "benchmarks.serving_ab", "--model", str(art.model), "--parquet", str(art.bars_path),
+           "--duration", "1", "--rounds", "1", "--pool", "16"]
+    done = subprocess.run([*cmd, "--a", str(REPO)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = re.search(r"^\| 1 \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([+-][\d.]+) \|", done.stdout, re.M)
+    assert row is not None, done.stdout
+    assert int(row.group(1)) > 10 and float(row.group(2)) > 0 and float(row.group(3)) > 0
+    assert re.search(r"^summary: B - A p50 over the rounds [+-][\d.]+ ms$", done.stdout, re.M), done.stdout
+    refused = subprocess.run([*cmd, "--a", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "holds no serving package" in refused.stderr
