@@ -1,7 +1,7 @@
 """Two builds of the server side by side: which answers a lone call faster, on the same machine at once.
 
     python -m benchmarks.serving_ab --model model.onnx --parquet bars.parquet --a ../other-checkout \
-        [--b .] [--duration 20] [--rounds 3] [--server-arg=--busy-poll]
+        [--b .] [--duration 20] [--rounds 3] [--packed] [--server-arg=--busy-poll]
 
 A change worth tens of microseconds at concurrency 1 is invisible in `serving_load`'s runs on
 a shared machine: from one run to the next the same build's p50 moves by hundreds. Here both
@@ -69,12 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool", type=int, default=512, help="distinct requests to cycle through (default 512)")
     p.add_argument("--timeout", type=float, default=10.0, help="deadline per call in seconds")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for both servers (repeatable)")
+    p.add_argument("--packed", action="store_true",
+                   help="send user feature columns as one packed block (user_features_raw), not a field each")
     args = p.parse_args(argv)
     for code in (args.a, args.b):
         if not (code / "serving" / "__main__.py").is_file():
             p.error(f"{code} holds no serving package: give a checkout of this project (e.g. git worktree add)")
     meta = load_model(args.model).meta
-    pool = [r.SerializeToString() for r in request_pool(read_bars(args.parquet), meta, args.pool)]
+    bars = read_bars(args.parquet, user_columns=tuple(meta.feature_config.user_columns))
+    pool = [r.SerializeToString() for r in request_pool(bars, meta, args.pool, packed=args.packed)]
     print(f"A = {args.a.resolve()}\nB = {args.b.resolve()}\nmodel {meta.model_version}; {args.rounds} rounds of "
           f"{args.duration:g} s; server args {' '.join(args.server_arg) or 'none'}")
     print("| round | calls each | A p50 ms | B p50 ms | B - A p50 ms | A mean ms | B mean ms | B - A mean ms |")

@@ -4,9 +4,11 @@ Calls `submit` their payload (checked series) and await their result. One loop f
 batches and runs them, one at a time, on a single worker thread (ONNX
 Runtime releases the GIL, so the event loop keeps accepting and preparing calls while a
 batch runs; calls that arrive meanwhile form the next batch). A lone call with nothing else
-queued runs on the event loop itself while such runs take under `inline_max_s` (2 ms: a small
-model on the CPU), saving the two thread hand-overs and the worker's wake-up; slower runs stay
-on the worker. That cost is the run's own time, wherever it ran (not the hand-overs around it),
+queued runs on the event loop itself while such runs take under `inline_max_s` (50 ms), rather
+than on the worker: besides the two thread hand-overs, a run on the worker is slower in itself,
+since that thread wakes on an idle core with cold caches. The limit bounds how long one run may
+hold the loop (health checks, signals and arriving calls wait for it); slower runs stay on the
+worker. That cost is the run's own time, wherever it ran (not the hand-overs around it),
 averaged over recent lone runs (each counted as at most twice the limit, failed runs too), so
 one slow run does not move quick calls off the loop. Only while the loop is quiet, though:
 when other calls' work ran on it while the batch gathered (or, with no gathering round, as with
@@ -48,7 +50,7 @@ from serving.errors import QueueDeadlineExceeded, ServingError
 log = logging.getLogger("serving")
 
 WAIT_POLICIES = ("adaptive", "fixed")
-INLINE_MAX_S = 0.002  # lone calls whose runs take less than this (on average) run on the event loop
+INLINE_MAX_S = 0.05  # lone calls whose runs take less than this (on average) run on the event loop
 LONE_RUN_WEIGHT = 0.2  # weight of the latest lone run in that average (an exponential moving average)
 # A loop round (asyncio.sleep(0)) longer than this ran other calls' work: the server is under load. An idle
 # round takes a few microseconds; one that handles a gRPC call's events, tens to hundreds.
