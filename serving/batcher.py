@@ -4,20 +4,24 @@ Calls `submit` their payload (checked series) and await their result. One loop f
 batches and runs them, one at a time, on a single worker thread (ONNX
 Runtime releases the GIL, so the event loop keeps accepting and preparing calls while a
 batch runs; calls that arrive meanwhile form the next batch). A lone call with nothing else
-queued runs on the event loop itself while such runs take under `inline_max_s` (50 ms), rather
-than on the worker: besides the two thread hand-overs, a run on the worker is slower in itself,
-since that thread wakes on an idle core with cold caches. The limit bounds how long one run may
-hold the loop (health checks, signals and arriving calls wait for it); slower runs stay on the
-worker. That cost is the run's own time, wherever it ran (not the hand-overs around it),
-averaged over recent lone runs (each counted as at most twice the limit, failed runs too), so
-one slow run does not move quick calls off the loop. Only while the loop is quiet, though:
+queued runs on the event loop itself when it is expected to take under `inline_max_s` (50 ms),
+rather than on the worker: besides the two thread hand-overs, a run on the worker is slower in
+itself, since that thread wakes on an idle core with cold caches. The limit bounds how long a
+run on the loop is expected to hold it (health checks, signals and arriving calls wait for it);
+calls expected to take longer run on the worker. The expectation is the call's windows times
+the time per window of recent lone runs of the same model (the runs' own time, wherever they
+ran, not the hand-overs around them; a moving average, each run counted as at most twice the
+limit per window, failed runs too), so one slow run does not move quick calls off the loop, a
+call of many windows is not taken for a quick one, and a newly loaded model's first lone run
+is measured on the worker. Only while the loop is quiet, though:
 when other calls' work ran on it while the batch gathered (or, with no gathering round, as with
 a fixed wait or no delay left, in one round timed for the purpose), the server is under load,
 and a run on the loop would stop it from receiving the calls that should join the next batch
 (batches would stay at one call, each run blocking the loop in turn). When the batch loop is
-idle (nothing queued, no batch running), such a call does not even queue: after the same quiet
-round it runs in its caller's task, saving the hops through the queue and the batch loop's
-task; calls that arrive in the same round queue instead, and share a batch.
+idle (nothing queued, no batch running), such a call does not even queue: after two quiet
+rounds (as many as its batch would have had: the batch loop's wake-up and one gathering round)
+it runs in its caller's task, saving the hops through the queue and the batch loop's task;
+calls that arrive meanwhile queue instead, and share a batch.
 
 What runs is a `process(key, payloads)` function (serving.inference.run_batch: features
 of all the batch's series, one model run); the batcher only forms the batches.
@@ -39,6 +43,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +55,7 @@ from serving.errors import QueueDeadlineExceeded, ServingError
 log = logging.getLogger("serving")
 
 WAIT_POLICIES = ("adaptive", "fixed")
-INLINE_MAX_S = 0.05  # lone calls whose runs take less than this (on average) run on the event loop
+INLINE_MAX_S = 0.05  # lone calls expected to run in less than this run on the event loop
 LONE_RUN_WEIGHT = 0.2  # weight of the latest lone run in that average (an exponential moving average)
 # A loop round (asyncio.sleep(0)) longer than this ran other calls' work: the server is under load. An idle
 # round takes a few microseconds; one that handles a gRPC call's events, tens to hundreds.
@@ -93,6 +98,19 @@ class _Item(Generic[K, P, R]):
     enqueued: float = field(default_factory=time.monotonic)
 
 
+def _weak(key: K) -> Callable[[], K | None]:
+    """A reference to `key` that does not keep it alive where it can be weak (a model snapshot: a
+    replaced model is freed), else a plain one (a string)."""
+    try:
+        return weakref.ref(key)
+    except TypeError:
+        return lambda: key
+
+
+def _no_key() -> None:
+    return None
+
+
 class MicroBatcher(Generic[K, P, R]):
     def __init__(self, process: Process[K, P, R], max_batch: int, max_delay_s: float, wait: str = "adaptive",
                  observer: BatchObserver | None = None, inline_max_s: float = INLINE_MAX_S,
@@ -109,7 +127,8 @@ class MicroBatcher(Generic[K, P, R]):
         self._closing = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
         self._task: asyncio.Task[None] | None = None
-        self._lone_run_s = float("inf")  # average time of a lone call's run (unknown until one ran)
+        self._window_s = float("inf")  # lone runs' average time per window, on _cost_key's model
+        self._cost_key: Callable[[], K | None] = _no_key  # whose runs those were (unknown until one ran)
         self._inline_max_s = inline_max_s
         self._quiet_round_s = quiet_round_s
         self._busy_poll = busy_poll
@@ -164,26 +183,28 @@ class MicroBatcher(Generic[K, P, R]):
     async def submit(self, key: K, payload: P, n: int, deadline: float | None = None) -> R:
         """The result for `payload` (n windows), computed in a batch with other calls on the same key.
 
-        A call of more than max_batch windows runs as a batch of its own.
+        A call of more than max_batch windows runs as a batch of its own. Raises ServingError once
+        close() has begun (also for a call still in its quiet rounds then).
         """
         if self._closing:
             raise ServingError("the server is shutting down")
-        if self._may_run_here(n):
-            # The batch loop is idle. A lone quick call runs right here after the same quiet round that
-            # its batch would have had, without the hops through the queue and the batch loop's task;
-            # calls that arrive together (in the same round) queue, to share a batch.
-            arrived = time.monotonic()
+        arrived = time.monotonic()
+        if self._may_run_here(key, n):
+            # The batch loop is idle. A lone quick call runs right here after as many quiet rounds as its
+            # batch would have had, without the hops through the queue and the batch loop's task; if
+            # another call arrives meanwhile (tries too, or queues), this one queues, to share a batch.
             self._trying_here += 1
             try:
-                quiet = await self._quiet_round()
+                quiet = await self._quiet_round() and await self._quiet_round()
                 alone = self._trying_here == 1
             finally:
                 self._trying_here -= 1
-            if quiet and alone and self._may_run_here(n):
+            if quiet and alone and self._may_run_here(key, n):
                 return self._run_here(key, payload, n, deadline, arrived)
             if self._closing:
                 raise ServingError("the server is shutting down")
-        item: _Item[K, P, R] = _Item(key, payload, n, asyncio.get_running_loop().create_future(), deadline)
+        item: _Item[K, P, R] = _Item(key, payload, n, asyncio.get_running_loop().create_future(), deadline,
+                                     arrived)
         self._queue.append(item)
         self._arrived.set()
         try:
@@ -191,10 +212,15 @@ class MicroBatcher(Generic[K, P, R]):
         finally:
             item.future.cancel()  # no-op when done; when the caller was cancelled, it is never run
 
-    def _may_run_here(self, n: int) -> bool:
+    def _may_run_here(self, key: K, n: int) -> bool:
         """A call of n windows would be a lone batch that runs on the loop, if the loop stays quiet."""
         return (self.wait == "adaptive" and self._parked and not self._queue and not self._closing
-                and n <= self.max_batch and self._lone_run_s < self._inline_max_s)
+                and n <= self.max_batch and self._quick(key, n))
+
+    def _quick(self, key: K, n: int) -> bool:
+        """A lone run of n windows on `key` is expected to take under the limit (from that model's
+        recent lone runs; never for a model without any)."""
+        return self._cost_key() is key and n * self._window_s < self._inline_max_s
 
     def _run_here(self, key: K, payload: P, n: int, deadline: float | None, arrived: float) -> R:
         """Run one call on the loop now, as a batch of its own, observed and counted as one."""
@@ -204,7 +230,7 @@ class MicroBatcher(Generic[K, P, R]):
             raise QueueDeadlineExceeded(f"deadline exceeded after {started - arrived:.3f} s in the queue; not run")
         self._observer.on_queue_time(started - arrived)
         outcome, run_s = self._timed(key, [payload])
-        self._count_lone_run(run_s)
+        self._count_lone_run(key, n, run_s)
         self._observer.on_batch(n, 1, time.monotonic() - started)
         if isinstance(outcome, Exception):
             log.error("inference failed for a batch of 1 calls", exc_info=outcome)
@@ -214,12 +240,14 @@ class MicroBatcher(Generic[K, P, R]):
             raise result
         return result
 
-    def _count_lone_run(self, run_s: float) -> None:
-        """Add a lone run's own time to the moving average; a hiccup (GC, preemption) counts as at most
-        twice the limit."""
-        run_s = min(run_s, 2 * self._inline_max_s)
-        self._lone_run_s = run_s if self._lone_run_s == float("inf") else \
-            LONE_RUN_WEIGHT * run_s + (1 - LONE_RUN_WEIGHT) * self._lone_run_s
+    def _count_lone_run(self, key: K, n: int, run_s: float) -> None:
+        """Add a lone run's own time per window to the moving average (a run of another model starts it
+        afresh); a hiccup (GC, preemption) counts as at most twice the limit per window."""
+        per_window = min(run_s / max(n, 1), 2 * self._inline_max_s)
+        if self._cost_key() is key:
+            self._window_s = LONE_RUN_WEIGHT * per_window + (1 - LONE_RUN_WEIGHT) * self._window_s
+        else:
+            self._cost_key, self._window_s = _weak(key), per_window
 
     # ---- the loop -------------------------------------------------------------------------
     def _windows_ready(self, key: K) -> int:
@@ -317,7 +345,7 @@ class MicroBatcher(Generic[K, P, R]):
             payloads = [it.payload for it in batch]
             try:
                 lone = len(batch) == 1 and not self._queue
-                if lone and quiet and self._lone_run_s < self._inline_max_s:
+                if lone and quiet and self._quick(first.key, batch[0].n):
                     # a quick lone call runs on the loop itself: the two thread hand-overs (and the
                     # worker's wake-up on a cold core) would cost more than the loop's short pause
                     outcome, run_s = self._timed(first.key, payloads)
@@ -325,7 +353,7 @@ class MicroBatcher(Generic[K, P, R]):
                     with self.spin_paused():
                         outcome, run_s = await loop.run_in_executor(self._executor, self._timed, first.key, payloads)
                 if lone:
-                    self._count_lone_run(run_s)
+                    self._count_lone_run(first.key, batch[0].n, run_s)
                 if isinstance(outcome, Exception):
                     raise outcome
                 results = outcome

@@ -501,6 +501,63 @@ def test_a_lone_call_on_an_idle_batcher_runs_at_once_but_never_beside_a_running_
     assert seen.batches == [(1, 1), (1, 1), (1, 1), (2, 2), (1, 1)] and seen.expired == 1
     assert len(seen.queue_times) == 6 and seen.queue_times[-1] >= 0.1  # call 5 waited for the pair's run
 
+
+def test_a_call_one_round_behind_still_joins_the_batch_of_a_lone_call_on_an_idle_batcher() -> None:
+    """A call whose handler reaches submit a loop round after another's (its request was still being
+    parsed) shares that call's batch, as it would through the queue: the quick path waits as many quiet
+    rounds as a queued call's batch would have had."""
+    rec = Recorder()
+
+    async def main() -> None:
+        b: MicroBatcher[str, int, int] = MicroBatcher(rec, max_batch=8, max_delay_s=0.05, inline_max_s=0.02,
+                                                      quiet_round_s=0.005)
+        b.start()
+
+        async def call(payload: int, rounds_late: int) -> int:
+            for _ in range(rounds_late):
+                await asyncio.sleep(0)
+            return await b.submit("m", payload, 1)
+
+        try:
+            for i in range(3):  # the batcher learns that lone runs are quick
+                assert await b.submit("m", i, 1) == 2 * i
+            rec.batches.clear()
+            assert await asyncio.gather(call(5, 0), call(6, 1)) == [10, 12]
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+    assert rec.batches == [[5, 6]]
+
+
+def test_a_lone_call_runs_on_the_loop_only_when_its_windows_and_its_model_make_it_quick() -> None:
+    """What decides is the expected run: the call's windows times the recent time per window of its
+    model's lone runs. A call of many windows, whose run would hold the loop past the limit, runs on the
+    worker; so does the first lone run of a model not yet measured (a reload), and then the next runs on
+    the loop once it proves quick."""
+    on_loop: list[tuple[str, int, bool]] = []
+    loop_thread = threading.get_ident()
+
+    def process(key: str, payloads: list[int]) -> list[int | Exception]:
+        on_loop.append((key, sum(payloads), threading.get_ident() == loop_thread))
+        time.sleep(0.004 * sum(payloads))  # 4 ms per window
+        return [p * 2 for p in payloads]
+
+    async def main() -> None:
+        b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=64, max_delay_s=0.0, inline_max_s=0.02,
+                                                      quiet_round_s=0.005)
+        b.start()
+        try:
+            for key, windows in [("old", 1), ("old", 1), ("old", 2), ("old", 10), ("old", 1), ("new", 1),
+                                 ("new", 1)]:
+                assert await b.submit(key, windows, windows) == 2 * windows  # payload = its windows
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+    assert on_loop == [("old", 1, False), ("old", 1, True), ("old", 2, True), ("old", 10, False), ("old", 1, True),
+                       ("new", 1, False), ("new", 1, True)]
+
 def test_concurrent_calls_share_batches_and_get_their_own_results() -> None:
     rec = Recorder()
 
