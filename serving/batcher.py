@@ -47,7 +47,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from serving.errors import QueueDeadlineExceeded, ServingError
@@ -95,7 +95,7 @@ class _Item(Generic[K, P, R]):
     n: int  # windows
     future: asyncio.Future[R]
     deadline: float | None  # time.monotonic() after which the call is not run
-    enqueued: float = field(default_factory=time.monotonic)
+    enqueued: float  # time.monotonic() when submitted
 
 
 def _weak(key: K) -> Callable[[], K | None]:
@@ -136,7 +136,7 @@ class MicroBatcher(Generic[K, P, R]):
         self._spin_gen = 0  # a paused spin's pending callback sees a newer generation and stops
         self._spin_holds = 0  # spin_paused() blocks entered and not left
         self._parked = False  # the batch loop is waiting for calls: none queued, no batch running
-        self._trying_here = 0  # calls in the quiet round that may let them run at once (see submit)
+        self._trying_here = 0  # calls in the quiet rounds that may let them run at once (see submit)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -226,8 +226,7 @@ class MicroBatcher(Generic[K, P, R]):
         """Run one call on the loop now, as a batch of its own, observed and counted as one."""
         started = time.monotonic()
         if deadline is not None and started >= deadline:
-            self._observer.on_expired()
-            raise QueueDeadlineExceeded(f"deadline exceeded after {started - arrived:.3f} s in the queue; not run")
+            raise self._expired(started - arrived)
         self._observer.on_queue_time(started - arrived)
         outcome, run_s = self._timed(key, [payload])
         self._count_lone_run(key, n, run_s)
@@ -298,9 +297,7 @@ class MicroBatcher(Generic[K, P, R]):
             if it.future.done():  # cancelled by its caller (deadline at the client, disconnect)
                 continue
             if it.deadline is not None and now >= it.deadline:
-                it.future.set_exception(QueueDeadlineExceeded(
-                    f"deadline exceeded after {now - it.enqueued:.3f} s in the queue; not run"))
-                self._observer.on_expired()
+                it.future.set_exception(self._expired(now - it.enqueued))
                 continue
             if it.key is key and (not batch or windows + it.n <= self.max_batch):
                 batch.append(it)
@@ -309,6 +306,11 @@ class MicroBatcher(Generic[K, P, R]):
                 kept.append(it)
         self._queue = kept
         return batch
+
+    def _expired(self, waited_s: float) -> QueueDeadlineExceeded:
+        """The error of a call whose deadline passed before it ran (counted as expired)."""
+        self._observer.on_expired()
+        return QueueDeadlineExceeded(f"deadline exceeded after {waited_s:.3f} s in the queue; not run")
 
     def _timed(self, key: K, payloads: list[P]) -> tuple[Sequence[R | Exception] | Exception, float]:
         """process(key, payloads), or what it raised, and how long it took, timed on the thread it ran on."""
@@ -346,8 +348,8 @@ class MicroBatcher(Generic[K, P, R]):
             try:
                 lone = len(batch) == 1 and not self._queue
                 if lone and quiet and self._quick(first.key, batch[0].n):
-                    # a quick lone call runs on the loop itself: the two thread hand-overs (and the
-                    # worker's wake-up on a cold core) would cost more than the loop's short pause
+                    # a quick lone call runs on the loop itself: on the worker it would cost two thread
+                    # hand-overs and run slower, on a core woken cold
                     outcome, run_s = self._timed(first.key, payloads)
                 else:
                     with self.spin_paused():
