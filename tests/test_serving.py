@@ -562,7 +562,7 @@ def test_not_serving_until_warm_and_explain_needs_explain_outputs(art: Model, tm
 
 def test_serving_ab_compares_two_checkouts_served_at_once(art: Model, tmp_path: Path) -> None:
     """benchmarks/serving_ab: both builds' servers answer (a row of latencies per round and a summary), and
-    a directory that is no checkout is refused with a message before anything starts."""
+    a directory that is no checkout, or a missing model, is refused with a message before anything starts."""
     cmd = [sys.executable, "-m", "benchmarks.serving_ab", "--model", str(art.model), "--parquet", str(art.bars_path),
            "--duration", "1", "--rounds", "1", "--pool", "16"]
     done = subprocess.run([*cmd, "--a", str(REPO)], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -573,3 +573,7 @@ def test_serving_ab_compares_two_checkouts_served_at_once(art: Model, tmp_path: 
     assert re.search(r"^summary: B - A p50 over the rounds [+-][\d.]+ ms$", done.stdout, re.M), done.stdout
     refused = subprocess.run([*cmd, "--a", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "holds no serving package" in refused.stderr
+    missing = [*cmd[:4], str(tmp_path / "none.onnx"), *cmd[5:], "--a", str(REPO)]
+    refused = subprocess.run(missing, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "cannot read the model file" in refused.stderr
+    assert "Traceback" not in refused.stderr
