@@ -8,6 +8,7 @@ raise ``BarDataError`` carrying all problems found; command-line tools print the
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote
@@ -93,6 +94,53 @@ class BarDataError(Exception):
         super().__init__("\n".join(str(p) for p in problems))
 
 
+class ColumnBlock(Mapping[str, np.ndarray]):
+    """Named columns held as the rows of one `[columns, n]` array: a read-only mapping name -> row.
+
+    A model with hundreds of user feature columns would otherwise pay for a dict of row views, built
+    and looked up column by column, at every step from a request to the features; code that knows the
+    block (`block_for`) takes it whole. The name index is built on the first lookup by name.
+    """
+
+    __slots__ = ("_index", "block", "names")
+
+    def __init__(self, names: tuple[str, ...], block: np.ndarray) -> None:
+        if block.ndim != 2 or block.shape[0] != len(names):
+            raise ValueError(f"a block of {len(names)} named columns must be [columns, n], got shape {block.shape}")
+        self.names = names
+        self.block = block  # [columns, n]
+        self._index: dict[str, int] | None = None
+
+    def _where(self) -> dict[str, int]:
+        if self._index is None:
+            self._index = {name: i for i, name in enumerate(self.names)}
+        return self._index
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.block[self._where()[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @property
+    def length(self) -> int:
+        """Values per column."""
+        return int(self.block.shape[1])
+
+
+def block_for(columns: Mapping[str, np.ndarray], names: tuple[str, ...]) -> np.ndarray | None:
+    """The `[len(names), n]` block itself when `columns` holds exactly `names` in this order as one; else None."""
+    if isinstance(columns, ColumnBlock) and columns.names == names:
+        return columns.block
+    return None
+
+
 @dataclass
 class Bars:
     """Validated bars as contiguous numpy columns, rows grouped by symbol in time order."""
@@ -104,7 +152,7 @@ class Bars:
     low: np.ndarray  # float64 [N]
     close: np.ndarray  # float64 [N]
     volume: np.ndarray  # float64 [N]
-    user: dict[str, np.ndarray] = field(default_factory=dict)  # float64 [N] each
+    user: Mapping[str, np.ndarray] = field(default_factory=dict)  # float64 [N] each (a dict or a ColumnBlock)
     files: list[str] = field(default_factory=list)  # source files, in reading order
 
     def __len__(self) -> int:

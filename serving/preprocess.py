@@ -9,12 +9,12 @@ training, not one inferred from a request's few bars.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from features.bars import Bars
+from features.bars import Bars, ColumnBlock, block_for
 from features.compute import build_frame, future_timestamps
 from features.model_meta import ModelMeta
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, MODEL_INPUTS, STATIC_CATEGORICAL
@@ -52,14 +52,16 @@ class Prepared:
 
 def to_bars(series: Sequence[SeriesColumns], keys: Sequence[str], user_columns: Sequence[str]) -> Bars:
     """One Bars of all series, rows grouped by series in time order; `keys[i]` is series i's unique symbol key."""
+    names = tuple(user_columns)
     if len(series) == 1:  # a lone series: its columns as they are, no copies
         s = series[0]
+        lone: Mapping[str, np.ndarray] = s.user if block_for(s.user, names) is not None else {
+            u: s.user[u] for u in names}
         return Bars(s.timestamp_ns, np.full(len(s), keys[0], dtype=object), s.open, s.high, s.low, s.close,
-                    s.volume, {u: s.user[u] for u in user_columns})
-    user: dict[str, np.ndarray] = {}
-    if user_columns:  # one [columns, bars] block per series, joined once: not one join per column
-        block = np.concatenate([s.user_matrix(user_columns) for s in series], axis=1)
-        user = dict(zip(user_columns, block, strict=True))
+                    s.volume, lone)
+    user: Mapping[str, np.ndarray] = {}
+    if names:  # one [columns, bars] block per series, joined once: not one join per column
+        user = ColumnBlock(names, np.concatenate([s.user_matrix(names) for s in series], axis=1))
     return Bars(
         timestamp_ns=np.concatenate([s.timestamp_ns for s in series]),
         symbol=np.repeat(np.array(keys, dtype=object), [len(s) for s in series]),

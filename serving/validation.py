@@ -9,12 +9,12 @@ as it does for a parquet file (the "file" being `series[i] (SYMBOL)`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from features.bars import PRICE_COLUMNS, Bars, ColumnMap, Problem, validate
+from features.bars import PRICE_COLUMNS, Bars, ColumnBlock, ColumnMap, Problem, block_for, validate
 from features.model_meta import ModelMeta
 from serving.errors import RequestError, bounded
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
@@ -37,29 +37,35 @@ class SeriesColumns:
     low: np.ndarray  # float64 [n]
     close: np.ndarray  # float64 [n]
     volume: np.ndarray  # float64 [n]
-    # float64 [n] each, as sent (any names); read-only views of the request's bytes when sent packed
-    user: dict[str, np.ndarray] = field(default_factory=dict)
-    # the same columns as one float64 [len(user), n] block whose rows are `user`'s values in order, when
-    # they came that way (packed, or after `tail`); None otherwise. Lets wide requests skip per-column steps.
-    user_block: np.ndarray | None = None
+    # float64 [n] each, as sent (any names). A ColumnBlock (one float64 [columns, n] block whose rows are the
+    # columns) when they came that way: packed (read-only views of the request's bytes), or after `tail`.
+    # Lets wide requests skip per-column steps.
+    user: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
 
+    @property
+    def user_block(self) -> np.ndarray | None:
+        """The user columns as one [columns, n] block, when they are held that way."""
+        return self.user.block if isinstance(self.user, ColumnBlock) else None
+
     def user_matrix(self, names: Sequence[str]) -> np.ndarray:
         """float64 [len(names), n]: the named user columns as rows; the block itself, not a copy, when it
         holds exactly these columns in this order (a packed request in the model's order)."""
-        if self.user_block is not None and tuple(self.user) == tuple(names):
-            return self.user_block
+        block = block_for(self.user, tuple(names))
+        if block is not None:
+            return block
         return np.array([self.user[u] for u in names]) if names else np.empty((0, len(self)))
 
     def tail(self, n: int, user_columns: Sequence[str]) -> SeriesColumns:
-        """The last `n` bars, with only the model's user columns (as one block too)."""
-        block = self.user_matrix(user_columns)[:, -n:] if user_columns else None  # [U, n]
-        user = dict(zip(user_columns, block, strict=True)) if block is not None else {}
+        """The last `n` bars, with only the model's user columns (as one block)."""
+        user: Mapping[str, np.ndarray] = {}
+        if user_columns:
+            user = ColumnBlock(tuple(user_columns), self.user_matrix(user_columns)[:, -n:])  # [U, n]
         return SeriesColumns(
             self.symbol, self.timestamp_ns[-n:], self.open[-n:], self.high[-n:], self.low[-n:], self.close[-n:],
-            self.volume[-n:], user, block,
+            self.volume[-n:], user,
         )
 
 
@@ -71,16 +77,15 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
         raise RequestError(f"{_label(index, series.symbol)}: {sent} user feature columns sent, more than the "
                            f"server accepts ({MAX_USER_COLUMNS}); send only the model's columns "
                            "(GetModelInfo.user_feature_columns)")
-    user: dict[str, np.ndarray] = {}
-    block = None
+    user: Mapping[str, np.ndarray] = {}
     if series.user_feature_names or series.user_features_raw:
-        block = _packed_user_columns(series, index)
-        user = dict(zip(series.user_feature_names, block, strict=True))
+        user = _packed_user_columns(series, index)
+    plain: dict[str, np.ndarray] = {}
     for col in series.user_features:  # the other form (both at once is refused above)
-        if col.name in user:
+        if col.name in plain:
             raise RequestError(f"{_label(index, series.symbol)}: user feature column {bounded(col.name)} is sent "
                                "twice; send each column once")
-        user[col.name] = np.asarray(col.values, dtype=np.float64)
+        plain[col.name] = np.asarray(col.values, dtype=np.float64)
     return SeriesColumns(
         symbol=series.symbol,
         timestamp_ns=np.asarray(series.timestamp_ns, dtype=np.int64),
@@ -89,15 +94,14 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
         low=np.asarray(series.low, dtype=np.float64),
         close=np.asarray(series.close, dtype=np.float64),
         volume=np.asarray(series.volume, dtype=np.float64),
-        user=user,
-        user_block=block,
+        user=plain or user,  # both forms at once are refused by _packed_user_columns
     )
 
 
-def _packed_user_columns(series: pb.Series, index: int) -> np.ndarray:
-    """user_feature_names + user_features_raw -> float64 [names, bars], a read-only view of the bytes."""
+def _packed_user_columns(series: pb.Series, index: int) -> ColumnBlock:
+    """user_feature_names + user_features_raw -> a float64 [names, bars] block, a read-only view of the bytes."""
     label = _label(index, series.symbol)
-    names, raw = list(series.user_feature_names), series.user_features_raw
+    names, raw = tuple(series.user_feature_names), series.user_features_raw
     if series.user_features:
         raise RequestError(f"{label}: sends both user_features and user_feature_names/user_features_raw; send the "
                            "user features in one form")
@@ -117,7 +121,7 @@ def _packed_user_columns(series: pb.Series, index: int) -> np.ndarray:
         raise RequestError(f"{label}: user_features_raw has {len(raw)} bytes; {len(names)} name(s) x {bars} bars "
                            f"(len(timestamp_ns)) need {need}: little-endian float64, one row per name, oldest "
                            "bar first")
-    return np.frombuffer(raw, dtype="<f8").reshape(len(names), bars)  # [names, bars], no copy
+    return ColumnBlock(names, np.frombuffer(raw, dtype="<f8").reshape(len(names), bars))  # [names, bars], no copy
 
 
 def _label(i: int, symbol: str) -> str:
@@ -140,13 +144,15 @@ def _check_identity(i: int, s: SeriesColumns, meta: ModelMeta, seen: dict[str, i
 
 def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     label = _label(i, s.symbol)
-    need = list(meta.feature_config.user_columns)
-    missing = [u for u in need if u not in s.user]
+    need = meta.feature_config.user_columns
+    block = block_for(s.user, need)  # a block of exactly the model's columns: no column-by-column steps
+    missing = [] if block is not None else [u for u in need if u not in s.user]
     if missing:
         raise RequestError(f"{label}: user feature column(s) {', '.join(bounded(m) for m in missing)} missing; this "
                            f"model needs user_features {', '.join(need)} (see GetModelInfo.user_feature_columns)")
     n = len(s)
-    if {getattr(s, c).shape[0] for c in BAR_COLUMNS} | {s.user[u].shape[0] for u in need} != {n}:
+    user_lengths = {block.shape[1]} if block is not None and need else {s.user[u].shape[0] for u in need}
+    if {getattr(s, c).shape[0] for c in BAR_COLUMNS} | user_lengths != {n}:
         lengths = {c: int(getattr(s, c).shape[0]) for c in BAR_COLUMNS} | {u: int(s.user[u].shape[0]) for u in need}
         listed = ", ".join(f"{c} {k}" for c, k in lengths.items())
         raise RequestError(f"{label}: columns have unequal lengths ({listed}); send one value per bar in every column")

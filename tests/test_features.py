@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from features import FeatureConfig, FeatureSchema, NormStats, build_frame, known_features, read_bars
-from features.bars import Bars
+from features.bars import Bars, ColumnBlock, block_for
 from features.compute import BUILTIN_KNOWN, BUILTIN_OBSERVED, FeatureFrame, future_timestamps
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
 from features.windows import anchor_rows, gather_windows, last_anchor_per_series
@@ -396,3 +396,37 @@ def test_a_frame_without_targets_has_the_same_features(sample: Bars) -> None:
     assert lean.bar_interval_ns == full.bar_interval_ns
     assert lean.targets.shape == full.targets.shape and np.isnan(lean.targets).all()
     assert np.isfinite(full.targets).any()
+
+
+def test_a_column_block_is_a_read_only_mapping_of_its_rows() -> None:
+    block = np.arange(12, dtype=np.float64).reshape(3, 4)
+    cols = ColumnBlock(("b", "a", "c"), block)
+    assert list(cols) == ["b", "a", "c"] and len(cols) == 3 and cols.length == 4
+    assert "a" in cols and "z" not in cols and 3 not in cols
+    np.testing.assert_array_equal(cols["a"], block[1])
+    assert np.shares_memory(cols["c"], block)  # a view of the block's row, not a copy
+    assert dict(cols).keys() == {"a", "b", "c"}
+    with pytest.raises(KeyError):
+        cols["z"]
+    assert block_for(cols, ("b", "a", "c")) is block
+    assert block_for(cols, ("a", "b", "c")) is None and block_for(dict(cols), ("b", "a", "c")) is None
+    with pytest.raises(ValueError, match=r"\[columns, n\], got shape \(3, 4\)"):
+        ColumnBlock(("a", "b"), block)
+
+
+@pytest.mark.parametrize("order", [("imbalance", "depth"), ("depth", "imbalance")])
+def test_user_columns_as_one_block_give_the_same_features_bit_for_bit(sample: Bars, order: tuple[str, ...]) -> None:
+    """The server hands build_frame a request's user columns as one [columns, bars] block; the features
+    must be exactly those of the same columns given one by one (as training reads them)."""
+    rng = np.random.default_rng(3)
+    user = {"imbalance": rng.normal(size=len(sample)), "depth": rng.lognormal(size=len(sample)) * 1e5}
+    plain = Bars(sample.timestamp_ns, sample.symbol, sample.open, sample.high, sample.low, sample.close,
+                 sample.volume, user)
+    cfg = FeatureConfig(horizon=2, volatility_window=20, user_columns=("imbalance", "depth"))
+    expected = build_frame(plain, cfg)
+    block = Bars(sample.timestamp_ns, sample.symbol, sample.open, sample.high, sample.low, sample.close,
+                 sample.volume, ColumnBlock(order, np.array([user[u] for u in order])))
+    got = build_frame(block, cfg)
+    np.testing.assert_array_equal(got.observed, expected.observed)
+    assert got.observed.flags.c_contiguous and got.observed.dtype == np.float32
+    np.testing.assert_array_equal(got.known, expected.known)
