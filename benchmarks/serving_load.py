@@ -63,15 +63,16 @@ import onnxruntime as ort
 import psutil
 from grpc import aio
 
-from features.bars import Bars, read_bars
+from features.bars import BarDataError, Bars, read_bars
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS
 from serving.client import series_from_bars
 from serving.cuda_libs import preload_cuda_libraries
+from serving.errors import ModelLoadError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.health_probe import wait_serving as health_wait
-from serving.model import load_and_warm
+from serving.model import load_and_warm, load_model
 from serving.preprocess import prepare
 from serving.validation import columns_from_proto
 
@@ -399,12 +400,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the gRPC floor rows (health Check at the lowest and highest concurrency)")
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = p.parse_args(argv)
-    levels_c = [int(c) for c in args.concurrency.split(",") if c]
-
-    session = ort.InferenceSession(str(args.model), providers=["CPUExecutionProvider"])
-    meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
-    del session
-    bars = read_bars(args.parquet, user_columns=tuple(meta.feature_config.user_columns))
+    try:
+        levels_c = [int(c) for c in args.concurrency.split(",") if c]
+    except ValueError:
+        p.error(f"--concurrency {args.concurrency!r}: give whole numbers separated by commas, e.g. 1,8,64")
+    if not levels_c or min(levels_c) < 1:
+        p.error(f"--concurrency {args.concurrency!r}: every level must be at least 1")
+    try:
+        meta = load_model(args.model).meta  # checked as the server checks it: a bad file is named, no traceback
+        bars = read_bars(args.parquet, user_columns=tuple(meta.feature_config.user_columns))
+    except (ModelLoadError, BarDataError) as exc:
+        p.error(str(exc))
     pool = request_pool(bars, meta, args.pool, packed=args.packed)
     print(f"model {meta.model_version}: encoder {meta.encoder_length}, horizon {meta.horizon}, "
           f"hidden {meta.model_config.get('hidden_size')}, bars_required {meta.bars_required}; "

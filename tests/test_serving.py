@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -577,3 +578,35 @@ def test_serving_ab_compares_two_checkouts_served_at_once(art: Model, tmp_path: 
     refused = subprocess.run(missing, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "cannot read the model file" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tmp_path: Path) -> None:
+    """benchmarks/serving_load, the issue's acceptance benchmark, end to end at small sizes: the bare rows,
+    one row per concurrency level with the server's own metrics, the gRPC floor, and a summary whose
+    overhead is the server's p50 less bare session.run's; a bad model file or level is refused by name."""
+    out = tmp_path / "load.json"
+    cmd = [sys.executable, "-m", "benchmarks.serving_load", "--model", str(art.model), "--parquet",
+           str(art.bars_path), "--duration", "1", "--pool", "16", "--client-procs", "1"]
+    done = subprocess.run([*cmd, "--concurrency", "1,4", "--json", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {(r["name"], r["concurrency"]): r for r in report["levels"]}
+    bare = rows[("bare ORT: session.run", 1)]
+    assert bare["requests"] > 100 and not bare["errors"]
+    for c in (1, 4):
+        row = rows[(f"server, concurrency {c}", c)]
+        assert row["requests"] > 10 and not row["errors"], row
+        assert row["mean_batch"] >= 1 and row["handler_ms"] > 0 and row["batch_ms"] > 0 and row["server_cpu_ms"] > 0
+        assert row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"]
+    assert any(name.startswith("gRPC floor") for name, _ in rows)
+    summary = report["summary"]
+    assert summary["errors"] == 0
+    expected = rows[("server, concurrency 1", 1)]["p50_ms"] - bare["p50_ms"]
+    assert summary["p50_overhead_ms_at_1"] == pytest.approx(expected, abs=1e-3)
+    assert "| server, concurrency 4" in done.stdout
+    for bad, message in ((["--model", str(tmp_path / "none.onnx")], "cannot read the model file"),
+                         (["--concurrency", "1,x"], "give whole numbers separated by commas")):
+        refused = subprocess.run([*cmd, *bad], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
+        assert "Traceback" not in refused.stderr
