@@ -2,7 +2,7 @@
 
     python -m benchmarks.serving_load --model model.onnx --parquet bars.parquet \
         [--concurrency 1,8,64] [--duration 10] [--device cpu] [--threads 1] [--channels 1]
-        [--server-arg=--workers=2] [--packed] [--no-floor] [--json out.json]
+        [--server-arg=--workers=2] [--server-cpus 0-3] [--packed] [--no-floor] [--json out.json]
 
 1. Starts the real server (`python -m serving --port 0 --device cpu|cuda`) on 127.0.0.1 and
    waits for health SERVING (or drives `--target HOST:PORT`, a server already running).
@@ -184,14 +184,33 @@ def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequ
 
 
 # ---- the server ------------------------------------------------------------------------------------
-def start_server(model: Path, device: str, threads: int, extra: list[str], log: Path, code: Path = REPO
-                 ) -> tuple[subprocess.Popen[str], str, list[str]]:
+def cpu_list(text: str) -> set[int]:
+    """`0-3,6` (taskset's list form) -> {0, 1, 2, 3, 6}; ValueError naming what is wrong, or which CPUs this
+    process may not use."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"{text!r}: give CPU numbers and ranges separated by commas, e.g. 0-3,6")
+        cpus.update(range(int(first), int(last or first) + 1))
+    if not cpus:
+        raise ValueError(f"{text!r} names no CPU")
+    if unusable := cpus - os.sched_getaffinity(0):
+        raise ValueError(f"{text!r}: CPU(s) {', '.join(map(str, sorted(unusable)))} are not available here "
+                         f"(this process may use {', '.join(map(str, sorted(os.sched_getaffinity(0))))})")
+    return cpus
+
+
+def start_server(model: Path, device: str, threads: int, extra: list[str], log: Path, code: Path = REPO,
+                 cpus: set[int] | None = None) -> tuple[subprocess.Popen[str], str, list[str]]:
     """The server process, its gRPC address and its metrics endpoints (one per worker with --workers).
-    `code`: the checkout whose `serving` package runs (`python -m` imports from its working directory)."""
+    `code`: the checkout whose `serving` package runs (`python -m` imports from its working directory).
+    `cpus`: run the server (every thread, and its workers) on these CPUs only, as `taskset -c` would."""
     cmd = [sys.executable, "-m", "serving", "--model", str(model), "--port", "0", "--metrics-port", "0",
            "--device", device, "--threads", str(threads), *extra]
+    pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)  # in the child, before exec
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=code, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, cwd=code, stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=pin)
     target = ""
     metrics: list[str] = []
     assert proc.stdout is not None
@@ -394,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the kernel spreads connections over the workers")
     p.add_argument("--target", help="drive a running server at HOST:PORT instead of starting one")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for the server (repeatable)")
+    p.add_argument("--server-cpus", help="run the server this script starts on these CPUs only (taskset's list "
+                                         "form, e.g. 0 or 0-3); the clients and the bare rows stay unpinned")
     p.add_argument("--packed", action="store_true",
                    help="send user feature columns as one packed block (user_features_raw), not a field each")
     p.add_argument("--no-floor", action="store_true",
@@ -406,6 +427,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--concurrency {args.concurrency!r}: give whole numbers separated by commas, e.g. 1,8,64")
     if not levels_c or min(levels_c) < 1:
         p.error(f"--concurrency {args.concurrency!r}: every level must be at least 1")
+    try:
+        server_cpus = None if args.server_cpus is None else cpu_list(args.server_cpus)
+    except ValueError as exc:
+        p.error(f"--server-cpus {exc}")
+    if server_cpus is not None and args.target:
+        p.error("--server-cpus pins a server this script starts; a --target server is already running")
     try:
         meta = load_model(args.model).meta  # checked as the server checks it: a bad file is named, no traceback
         bars = read_bars(args.parquet, user_columns=tuple(meta.feature_config.user_columns))
@@ -425,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.target:
             target = args.target
         else:
-            proc, target, metrics = start_server(args.model, args.device, args.threads, args.server_arg, log)
+            proc, target, metrics = start_server(args.model, args.device, args.threads, args.server_arg, log,
+                                                 cpus=server_cpus)
         wait_serving(target)
         provider = server_provider(target)  # the baseline runs where the server runs
         print(f"server at {target} on {provider}", flush=True)
@@ -461,10 +489,13 @@ def main(argv: list[str] | None = None) -> int:
         summary["floor_64_over_1"] = round(floor[64].throughput / floor[1].throughput, 2)
     print("summary: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, python "
-          f"{platform.python_version()}, onnxruntime {ort.__version__}, grpcio {grpc.__version__}")
+          f"{platform.python_version()}, onnxruntime {ort.__version__}, grpcio {grpc.__version__}"
+          + (f"; server on CPU(s) {args.server_cpus}" if server_cpus is not None else ""))
     if args.json:
         args.json.write_text(json.dumps({"levels": [asdict(lv) | {"throughput": lv.throughput} for lv in results],
-                                         "summary": summary, "model_version": meta.model_version}, indent=2))
+                                         "summary": summary, "model_version": meta.model_version,
+                                         "server_cpus": sorted(server_cpus) if server_cpus is not None else None},
+                                        indent=2))
     return 0 if summary["errors"] == 0 else 1
 
 

@@ -28,6 +28,7 @@
 #   serving_workers  packed, with --workers 4 (four server processes on one port)
 #   serving_cpu  the same with the tiny test model on the CPU provider (an uncontended machine's figure)
 #   serving_cpu_busy_poll  serving_cpu's model and clients with the server's --busy-poll
+#   serving_cpu_pinned  serving_cpu's model and clients with the server on two CPUs only (--server-cpus)
 #
 # Without a GPU it says so, runs the plan and a tiny CPU training run, and exits 0. The exit
 # status is 1 only when a part that ran failed.
@@ -439,9 +440,11 @@ fi
 # ---- serving_cpu: the small test model on the CPU provider of this (uncontended) machine ------------------
 TINY="$WORK/tiny"
 if [ $SERVING_OK = 0 ]; then
-  for part in serving_cpu serving_cpu_busy_poll; do record $part skipped 0 "$why"; done
+  for part in serving_cpu serving_cpu_busy_poll serving_cpu_pinned; do record $part skipped 0 "$why"; done
 elif [ ! -f "$DATA" ] || ! time_for 90; then
-  for part in serving_cpu serving_cpu_busy_poll; do record $part skipped 0 "no data or out of time"; done
+  for part in serving_cpu serving_cpu_busy_poll serving_cpu_pinned; do
+    record $part skipped 0 "no data or out of time"
+  done
 else
   t0=$SECONDS
   mkdir -p "$TINY"
@@ -456,9 +459,18 @@ else
     else
       record serving_cpu_busy_poll skipped 0 "out of time"
     fi
+    if time_for 60 && [ "$(nproc)" -ge 4 ]; then  # the server's threads on two CPUs (the 3rd and 4th this
+      # process may use: the first often serves interrupts), the clients anywhere
+      pin=$("$PY" -c "import os; c = sorted(os.sched_getaffinity(0)); print(f'{c[2]},{c[3]}')")
+      serving_load serving_cpu_pinned "$TINY/model.onnx" cpu "serving_cpu with the server on CPUs $pin only" 1 \
+        "--no-floor --server-cpus $pin"
+    else
+      record serving_cpu_pinned skipped 0 "out of time, or fewer than 4 CPUs"
+    fi
   else
     record serving_cpu fail $((SECONDS - t0)) "the tiny model could not be trained or exported: $(tail_of "$OUT/export_serving.log")"
     record serving_cpu_busy_poll skipped 0 "no tiny model (see serving_cpu)"
+    record serving_cpu_pinned skipped 0 "no tiny model (see serving_cpu)"
   fi
 fi
 

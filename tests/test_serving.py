@@ -610,3 +610,39 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
         refused = subprocess.run([*cmd, *bad], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
         assert "Traceback" not in refused.stderr
+
+
+def test_serving_load_pins_the_server_it_starts_to_the_cpus_given(art: Model, tmp_path: Path) -> None:
+    from benchmarks.serving_load import cpu_list, start_server
+    from serving.health_probe import wait_serving as health_wait
+
+    assert cpu_list("0") == {0} and cpu_list(",".join(map(str, sorted(os.sched_getaffinity(0))))) == set(
+        os.sched_getaffinity(0))
+    for bad, message in (("0-x", "CPU numbers and ranges"), ("4096", "not available here"), ("", "CPU numbers")):
+        with pytest.raises(ValueError, match=message):
+            cpu_list(bad)
+    proc, target, _ = start_server(art.model, "cpu", 1, [], tmp_path / "server.log", cpus={0})
+    try:
+        assert health_wait(target, 60)
+        threads = list(Path(f"/proc/{proc.pid}/task").iterdir())
+        assert len(threads) > 1  # gRPC's and the loop's threads, all of them on CPU 0
+        assert all(os.sched_getaffinity(int(t.name)) == {0} for t in threads)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serving_steps_times_each_step_of_a_call(art: Model, tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "benchmarks.serving_steps", "--model", str(art.model), "--parquet",
+                           str(art.bars_path), "--seconds", "0.01", "--repeats", "1", "--batch", "4"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = dict(re.findall(r"^\| ([^|]+?) \| ([\d,.]+) \|$", done.stdout, re.M))
+    assert set(rows) == {"parse_request", "prepare, 1", "prepare, batch of 4 (per series)", "run_batch, 1",
+                         "session.run, 1", "build_response"}, done.stdout
+    us = {k: float(v.replace(",", "")) for k, v in rows.items()}
+    assert all(v > 0 for v in us.values())
+    assert us["run_batch, 1"] > us["session.run, 1"]  # a lone call's batch is its features and its run, at least
+    refused = subprocess.run([sys.executable, "-m", "benchmarks.serving_steps", "--model", str(tmp_path / "no.onnx"),
+                              "--parquet", str(art.bars_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "cannot read the model file" in refused.stderr
