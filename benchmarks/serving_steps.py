@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     batch = [s for c in calls for s in c]
     lone = calls[0]
     result = run_batch(model, [lone])[0]
-    assert not isinstance(result, Exception), result
+    if isinstance(result, Exception):
+        raise SystemExit(f"a lone call on {args.model} failed, so there is nothing to time: {result}")
     names = list(model.output_names)
 
     def time_it(fn: Callable[[], Any], per: int = 1) -> float:
