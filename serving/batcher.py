@@ -29,8 +29,15 @@ of all the batch's series, one model run); the batcher only forms the batches.
 A batch closes when it holds `max_batch` windows, or when its first call has waited
 `max_delay_s`, whichever comes first. With `wait="adaptive"` (the default) it also closes
 as soon as no other call is ready to join — so a lone call never waits for company,
-and under load batches grow by themselves. With `wait="fixed"` it always waits the full
-delay unless it fills up (the classic dynamic batcher, for throughput-first deployments).
+and under load batches grow by themselves — except when the server is saturated: calls
+arrive faster than batches finish (moving averages of the time between arrivals and of a
+batch's wall time), so a batch of one would leave the next call waiting while it ran. Then
+a batch of one call waits, as a fixed wait does, for company until its delay is up, and no
+call takes the quick path. Calls otherwise reach the loop one at a time where gRPC's threads
+and the loop share a core (a server on one CPU), and batching would never start. A single
+closed-loop caller is never saturated: its next call arrives after the previous batch ended.
+With `wait="fixed"` a batch always waits the full delay unless it fills up (the classic
+dynamic batcher, for throughput-first deployments).
 
 Only windows of the same model snapshot share a batch (a reload never mixes models).
 A call whose deadline passed while queued, or that was cancelled, is never run.
@@ -60,6 +67,8 @@ LONE_RUN_WEIGHT = 0.2  # weight of the latest lone run in that average (an expon
 # A loop round (asyncio.sleep(0)) longer than this ran other calls' work: the server is under load. An idle
 # round takes a few microseconds; one that handles a gRPC call's events, tens to hundreds.
 QUIET_ROUND_S = 25e-6
+RATE_WEIGHT = 0.2  # weight of the latest sample in the moving averages of arrival gaps and batch wall times
+MAX_GAP_S = 1.0  # a longer gap between two calls counts as this long (an idle spell is not a trend)
 K = TypeVar("K")  # what a batch runs on (the model snapshot); only calls with the same key share a batch
 P = TypeVar("P")  # one call's payload (its series)
 R = TypeVar("R")  # one call's result
@@ -137,6 +146,9 @@ class MicroBatcher(Generic[K, P, R]):
         self._spin_holds = 0  # spin_paused() blocks entered and not left
         self._parked = False  # the batch loop is waiting for calls: none queued, no batch running
         self._trying_here = 0  # calls in the quiet rounds that may let them run at once (see submit)
+        self._last_arrival = -float("inf")
+        self._gap_s = MAX_GAP_S  # moving average of the time between two calls' arrivals
+        self._batch_s = 0.0  # moving average of a batch's wall time, wherever it ran
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -189,6 +201,9 @@ class MicroBatcher(Generic[K, P, R]):
         if self._closing:
             raise ServingError("the server is shutting down")
         arrived = time.monotonic()
+        gap = min(arrived - self._last_arrival, MAX_GAP_S)
+        self._last_arrival = arrived
+        self._gap_s = RATE_WEIGHT * gap + (1 - RATE_WEIGHT) * self._gap_s
         if self._may_run_here(key, n):
             # The batch loop is idle. A lone quick call runs right here after as many quiet rounds as its
             # batch would have had, without the hops through the queue and the batch loop's task; if
@@ -215,7 +230,15 @@ class MicroBatcher(Generic[K, P, R]):
     def _may_run_here(self, key: K, n: int) -> bool:
         """A call of n windows would be a lone batch that runs on the loop, if the loop stays quiet."""
         return (self.wait == "adaptive" and self._parked and not self._queue and not self._closing
-                and n <= self.max_batch and self._quick(key, n))
+                and n <= self.max_batch and self._quick(key, n) and not self.saturated())
+
+    def saturated(self) -> bool:
+        """Calls arrive faster than batches finish (recent averages): a batch of one call should wait for
+        company rather than run at once. Never for one closed-loop caller, whose gap includes the batch."""
+        return self._gap_s < self._batch_s
+
+    def _batch_done(self, wall_s: float) -> None:
+        self._batch_s = RATE_WEIGHT * wall_s + (1 - RATE_WEIGHT) * self._batch_s
 
     def _quick(self, key: K, n: int) -> bool:
         """A lone run of n windows on `key` is expected to take under the limit (from that model's
@@ -230,7 +253,9 @@ class MicroBatcher(Generic[K, P, R]):
         self._observer.on_queue_time(started - arrived)
         outcome, run_s = self._timed(key, [payload])
         self._count_lone_run(key, n, run_s)
-        self._observer.on_batch(n, 1, time.monotonic() - started)
+        wall_s = time.monotonic() - started
+        self._batch_done(wall_s)
+        self._observer.on_batch(n, 1, wall_s)
         if isinstance(outcome, Exception):
             log.error("inference failed for a batch of 1 calls", exc_info=outcome)
             raise outcome
@@ -266,19 +291,28 @@ class MicroBatcher(Generic[K, P, R]):
                 seen = len(self._queue)
                 quiet = await self._quiet_round() and quiet
                 rounds += 1
+            if self._windows_ready(first.key) == first.n and self.saturated() and not self._closing:
+                # saturated, and no company ready: wait for it as a fixed wait does; calls were arriving, so
+                # the loop was not idle (the batch runs on the worker, leaving the loop to receive the next)
+                await self._wait_until(close_at, first.key)
+                quiet = False
         else:
-            while self._windows_ready(first.key) < self.max_batch and not self._closing:
-                remaining = close_at - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), remaining)
-                except TimeoutError:
-                    continue  # uvloop rounds timers to the millisecond, so this can fire early: re-check the time
+            await self._wait_until(close_at, first.key)
         if rounds == 0:  # no round was timed (a fixed wait, no delay left, a full batch): time one now
             quiet = await self._quiet_round()
         return quiet
+
+    async def _wait_until(self, close_at: float, key: K) -> None:
+        """Wait for calls until `close_at` (time.monotonic()) or until `key`'s batch is full."""
+        while self._windows_ready(key) < self.max_batch and not self._closing:
+            remaining = close_at - time.monotonic()
+            if remaining <= 0:
+                break
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                continue  # uvloop rounds timers to the millisecond, so this can fire early: re-check the time
 
     async def _quiet_round(self) -> bool:
         """One loop round (the calls already runnable do their work); whether it was idle."""
@@ -362,7 +396,9 @@ class MicroBatcher(Generic[K, P, R]):
             except Exception as exc:  # a failed run fails its calls, never the loop
                 log.exception("inference failed for a batch of %d calls", len(batch))
                 results = [exc] * len(batch)
-            self._observer.on_batch(sum(it.n for it in batch), len(batch), time.monotonic() - started)
+            wall_s = time.monotonic() - started
+            self._batch_done(wall_s)
+            self._observer.on_batch(sum(it.n for it in batch), len(batch), wall_s)
             for it, result in zip(batch, results, strict=True):
                 if it.future.done():
                     continue

@@ -619,6 +619,58 @@ def test_a_lone_call_does_not_wait_for_company_and_errors_stay_with_their_call()
     assert asyncio.run(main()) < 1.0
 
 
+def test_a_saturated_batcher_holds_a_lone_call_for_company_and_an_idle_one_does_not() -> None:
+    """When calls have been arriving faster than batches finish, a call with no company ready waits (up to
+    the delay) for the next one, as on a server whose gRPC threads share the loop's one CPU and hand calls
+    over one at a time; a batcher that has not seen that runs the same lone call at once."""
+    rec = Recorder()
+
+    async def main(busy_first: bool) -> float:
+        b: MicroBatcher[str, int, int] = MicroBatcher(rec, max_batch=8, max_delay_s=0.3, wait="adaptive")
+        b.start()
+        try:
+            if busy_first:  # pairs of calls at once, each batch taking 10 ms: arrivals outpace batches
+                rec.delay = 0.01
+                for i in range(20):
+                    await asyncio.gather(b.submit("m", 100 + i, 1), b.submit("m", 200 + i, 1))
+                assert b.saturated()
+                rec.delay = 0.0
+            start = time.monotonic()
+            first = asyncio.ensure_future(b.submit("m", 1, 1))
+            await asyncio.sleep(0.03)
+            assert await b.submit("m", 2, 1) == 4 and await first == 2
+            return time.monotonic() - start
+        finally:
+            await b.close()
+
+    asyncio.run(main(busy_first=False))
+    assert rec.batches[-2:] == [[1], [2]]  # idle: the lone call ran at once
+    rec.batches.clear()
+    held = asyncio.run(main(busy_first=True))
+    assert rec.batches[-1] == [1, 2] and held >= 0.03  # saturated: it waited and shared a batch
+
+
+def test_one_caller_after_another_never_saturates_the_batcher() -> None:
+    """A closed-loop caller's next call arrives only after its last batch ended, so however slow the runs,
+    the batcher never holds its calls for company (a hold would show as a wait of the 1 s delay)."""
+    rec = Recorder(delay=0.01)
+
+    async def main() -> float:
+        b: MicroBatcher[str, int, int] = MicroBatcher(rec, max_batch=8, max_delay_s=1.0, wait="adaptive")
+        b.start()
+        try:
+            longest = 0.0
+            for i in range(30):
+                start = time.monotonic()
+                assert await b.submit("m", i, 1) == 2 * i
+                longest = max(longest, time.monotonic() - start)
+            return longest
+        finally:
+            await b.close()
+
+    assert asyncio.run(main()) < 0.5  # never held: no company ever comes, so a hold would last the whole second
+
+
 def test_models_never_share_a_batch() -> None:
     rec = Recorder()
 
