@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-delay-ms", type=float, default=d.max_delay_ms,
                    help=f"longest a call waits for others to join its batch (default {d.max_delay_ms:g})")
     p.add_argument("--batch-wait", choices=WAIT_POLICIES, default=d.batch_wait,
-                   help="adaptive: a batch also closes when no other call is ready to join (a lone call never "
-                        "waits); fixed: always wait --max-delay-ms unless the batch fills (default adaptive)")
+                   help="adaptive: a batch also closes when no other call is ready to join (a lone call on an "
+                        "idle server never waits), unless calls have been arriving faster than batches finish; "
+                        "fixed: always wait --max-delay-ms unless the batch fills (default adaptive)")
     p.add_argument("--max-concurrent", type=int, default=d.max_concurrent,
                    help=f"Predict calls in flight before RESOURCE_EXHAUSTED (default {d.max_concurrent})")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
