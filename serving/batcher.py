@@ -36,8 +36,8 @@ a batch of one call waits, as a fixed wait does, for company until its delay is 
 call takes the quick path. Calls otherwise reach the loop one at a time where gRPC's threads
 and the loop share a core (a server on one CPU), and batching would never start. A single
 closed-loop caller is never saturated: its next call arrives after the previous batch ended.
-(When heavy load gives way to one caller, the averages take some calls to say so, about ten
-when batches took a few milliseconds, and each of those calls may wait out the delay.)
+(When heavy load gives way to one caller, the averages take a few calls to say so, each of which
+may wait out the delay: about six after batches of 7 ms, for a caller whose calls take 1.3 ms.)
 With `wait="fixed"` a batch always waits the full delay unless it fills up (the classic
 dynamic batcher, for throughput-first deployments).
 
