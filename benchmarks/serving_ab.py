@@ -27,10 +27,7 @@ from pathlib import Path
 import numpy as np
 from grpc import aio
 
-from benchmarks.serving_load import PREDICT, REPO, request_pool, start_server, wait_serving
-from features.bars import BarDataError, read_bars
-from serving.errors import ModelLoadError
-from serving.model import load_model
+from benchmarks.serving_load import PREDICT, REPO, model_and_bars, request_pool, start_server, wait_serving
 
 WARM_CALLS = 400
 
@@ -76,11 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     for code in (args.a, args.b):
         if not (code / "serving" / "__main__.py").is_file():
             p.error(f"{code} holds no serving package: give a checkout of this project (e.g. git worktree add)")
-    try:
-        meta = load_model(args.model).meta
-        bars = read_bars(args.parquet, user_columns=tuple(meta.feature_config.user_columns))
-    except (ModelLoadError, BarDataError) as exc:
-        p.error(str(exc))
+    loaded, bars = model_and_bars(p, args.model, args.parquet)
+    meta = loaded.meta
     pool = [r.SerializeToString() for r in request_pool(bars, meta, args.pool, packed=args.packed)]
     print(f"A = {args.a.resolve()}\nB = {args.b.resolve()}\nmodel {meta.model_version}; {args.rounds} rounds of "
           f"{args.duration:g} s; server args {' '.join(args.server_arg) or 'none'}")

@@ -72,7 +72,7 @@ from serving.errors import ModelLoadError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.health_probe import wait_serving as health_wait
-from serving.model import load_and_warm, load_model
+from serving.model import LoadedModel, load_and_warm, load_model
 from serving.preprocess import prepare
 from serving.validation import columns_from_proto
 
@@ -181,6 +181,17 @@ def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequ
     if provider != "CPUExecutionProvider":
         name += " (CUDA)"
     return Level(name, 1, len(latencies), seconds, p50, p90, p99)
+
+
+def model_and_bars(p: argparse.ArgumentParser, model: Path, parquet: Path, max_batch: int = 64,
+                   warm: bool = False) -> tuple[LoadedModel, Bars]:
+    """The model on the CPU, checked (and with `warm`, warmed up) as the server does it, and the bars with
+    its user columns. A bad file of either ends the command with its message (exit 2), no traceback."""
+    try:
+        loaded = load_and_warm(model, "cpu", 1, max_batch) if warm else load_model(model, max_batch=max_batch)
+        return loaded, read_bars(parquet, user_columns=tuple(loaded.meta.feature_config.user_columns))
+    except (ModelLoadError, BarDataError) as exc:
+        p.error(str(exc))
 
 
 # ---- the server ------------------------------------------------------------------------------------
@@ -433,11 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--server-cpus {exc}")
     if server_cpus is not None and args.target:
         p.error("--server-cpus pins a server this script starts; a --target server is already running")
-    try:
-        meta = load_model(args.model).meta  # checked as the server checks it: a bad file is named, no traceback
-        bars = read_bars(args.parquet, user_columns=tuple(meta.feature_config.user_columns))
-    except (ModelLoadError, BarDataError) as exc:
-        p.error(str(exc))
+    loaded, bars = model_and_bars(p, args.model, args.parquet)
+    meta = loaded.meta
+    del loaded  # the bare rows load their own sessions
     pool = request_pool(bars, meta, args.pool, packed=args.packed)
     print(f"model {meta.model_version}: encoder {meta.encoder_length}, horizon {meta.horizon}, "
           f"hidden {meta.model_config.get('hidden_size')}, bars_required {meta.bars_required}; "

@@ -29,11 +29,8 @@ from typing import Any
 
 import onnxruntime as ort
 
-from benchmarks.serving_load import request_pool
-from features.bars import BarDataError, read_bars
-from serving.errors import ModelLoadError
+from benchmarks.serving_load import model_and_bars, request_pool
 from serving.inference import run_batch
-from serving.model import load_and_warm
 from serving.postprocess import build_response
 from serving.preprocess import prepare
 from serving.validation import parse_request
@@ -57,12 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.batch < 1 or args.repeats < 1 or args.seconds <= 0:
         p.error("need --batch >= 1, --repeats >= 1 and --seconds > 0")
-    try:
-        model = load_and_warm(args.model, "cpu", 1, max(64, args.batch))
-        meta = model.meta
-        bars = read_bars(args.parquet, user_columns=tuple(meta.feature_config.user_columns))
-    except (ModelLoadError, BarDataError) as exc:
-        p.error(str(exc))
+    model, bars = model_and_bars(p, args.model, args.parquet, max(64, args.batch), warm=True)
+    meta = model.meta
     pool = request_pool(bars, meta, max(16, args.batch), packed=args.packed)
     calls = [parse_request(r, meta) for r in pool[:args.batch]]
     batch = [s for c in calls for s in c]

@@ -44,9 +44,7 @@ import numpy as np
 import onnxruntime as ort
 from grpc import aio
 
-from benchmarks.serving_load import request_pool, start_server, stop_server, wait_serving
-from features.bars import read_bars
-from features.model_meta import ModelMeta
+from benchmarks.serving_load import model_and_bars, request_pool, start_server, stop_server, wait_serving
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 
 PREDICT = "/foxhunt.tft.v1.Forecaster/Predict"
@@ -282,11 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.duration, args.interval, args.clients) <= 0 or args.warmup < 0:
         p.error("--duration, --interval and --clients must be > 0, --warmup >= 0")
 
-    session = ort.InferenceSession(str(args.model), providers=["CPUExecutionProvider"])
-    meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
-    del session
-    pool = request_pool(read_bars(args.parquet, user_columns=tuple(meta.feature_config.user_columns)), meta,
-                        args.pool)
+    loaded, bars = model_and_bars(p, args.model, args.parquet)
+    meta = loaded.meta
+    del loaded
+    pool = request_pool(bars, meta, args.pool)
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"soak.{os.getpid()}.log"
     proc = None
     try:
