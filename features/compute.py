@@ -100,11 +100,14 @@ def known_features(timestamp_ns: np.ndarray) -> np.ndarray:
     ts = np.asarray(timestamp_ns, dtype=np.int64)
     tod = (ts % NS_PER_DAY).astype(np.float64) / NS_PER_DAY  # [...]  fraction of the day
     dow = ((ts // NS_PER_DAY + 3) % 7).astype(np.float64) / 7.0  # 1970-01-01 was a Thursday
-    out = np.stack(
-        [np.sin(2 * np.pi * tod), np.cos(2 * np.pi * tod), np.sin(2 * np.pi * dow), np.cos(2 * np.pi * dow)],
-        axis=-1,
-    )
-    return out.astype(np.float32)
+    out = np.empty((*ts.shape, 4), dtype=np.float32)  # [..., 4]
+    # each sin/cos on a whole contiguous float64 array, then rounded to float32 as it is stored
+    tod_angle, dow_angle = 2 * np.pi * tod, 2 * np.pi * dow
+    out[..., 0] = np.sin(tod_angle)
+    out[..., 1] = np.cos(tod_angle)
+    out[..., 2] = np.sin(dow_angle)
+    out[..., 3] = np.cos(dow_angle)
+    return out
 
 
 def future_timestamps(last_ns: np.ndarray, bar_interval_ns: int, horizon: int) -> np.ndarray:
@@ -117,18 +120,35 @@ def future_timestamps(last_ns: np.ndarray, bar_interval_ns: int, horizon: int) -
     return np.asarray(last_ns, dtype=np.int64)[..., None] + steps
 
 
+# Up to this many window cells ([rows, window]) the rolling std runs as a few whole-matrix steps
+# (a server's few bars); above, as one vector step per window offset, which is faster there and
+# keeps no [rows, window] temporaries (a training set's history).
+_SMALL_ROLLING_CELLS = 3072  # measured break-even: about 150 rows at window 20
+
+
 def _rolling_std(x: np.ndarray, window: int, starts: np.ndarray) -> np.ndarray:
     """Population std of the last `window` values at each row; NaN until `window` values exist
     within the row's series (`starts[i]` is the first row of row i's series whose x is defined).
 
-    Two passes over the window (mean, then squared deviations), summed in a fixed order: each
+    Two passes over the window (mean, then squared deviations), summed oldest value first: each
     value depends on the window's values alone, bit for bit, so the server computing from a
     series' last bars gets exactly what training computed from the whole history. (Running
     sums would make it depend on every earlier row through rounding.) O(N * window).
+
+    A server's few bars take the matrix path, a training set's history the loop path; both add
+    the same values in the same order (`np.add.accumulate` is sequential), so they agree bit for bit.
     """
     n = x.shape[0]
     ok = np.arange(n) - window + 1 >= starts
     padded = np.concatenate([np.zeros(window - 1), np.where(np.isnan(x), 0.0, x)])  # padded[i + window - 1] = x[i]
+    if n * window <= _SMALL_ROLLING_CELLS:
+        step = padded.strides[0]  # cells[i, k] = padded[i + k]: a read-only view, as sliding_window_view makes
+        cells = np.lib.stride_tricks.as_strided(padded, (n, window), (step, step), writeable=False)  # [n, window]
+        mean = np.add.accumulate(cells, axis=1)[:, -1] / window  # [n]
+        dev = cells - mean[:, None]  # [n, window]
+        np.multiply(dev, dev, out=dev)
+        var = np.add.accumulate(dev, axis=1)[:, -1] / window  # [n]
+        return np.where(ok, np.sqrt(var), np.nan)
     mean = np.zeros(n)
     for k in range(window):
         mean += padded[k : k + n]

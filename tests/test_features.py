@@ -17,9 +17,9 @@ from conftest import write_parquet
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from features import FeatureConfig, FeatureSchema, NormStats, build_frame, known_features, read_bars
+from features import FeatureConfig, FeatureSchema, NormStats, build_frame, compute, known_features, read_bars
 from features.bars import Bars, ColumnBlock, block_for
-from features.compute import BUILTIN_KNOWN, BUILTIN_OBSERVED, FeatureFrame, future_timestamps
+from features.compute import BUILTIN_KNOWN, BUILTIN_OBSERVED, NS_PER_DAY, FeatureFrame, future_timestamps
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
 from features.windows import anchor_rows, gather_windows, last_anchor_per_series
 
@@ -175,6 +175,20 @@ def test_calendar_features_of_known_timestamps() -> None:
     np.testing.assert_allclose(got, np.array(list(cases.values())), atol=1e-6)
     # any leading shape
     assert known_features(np.zeros((2, 3), dtype=np.int64)).shape == (2, 3, 4)
+
+
+def test_known_features_are_float64_sin_cos_rounded_once_to_float32() -> None:
+    """Bit for bit what exported models were trained on: sin and cos in float64 over the whole array,
+    then one rounding to float32 (not float32 arithmetic, not per element)."""
+    ts = np.random.default_rng(3).integers(-10**18, 4 * 10**18, size=(1001, 3))
+    tod = (ts % NS_PER_DAY).astype(np.float64) / NS_PER_DAY
+    dow = ((ts // NS_PER_DAY + 3) % 7).astype(np.float64) / 7.0
+    tau = 2 * np.pi
+    expected = np.stack([np.sin(tau * tod), np.cos(tau * tod), np.sin(tau * dow), np.cos(tau * dow)], axis=-1)
+    got = known_features(ts)
+    assert got.dtype == np.float32 and got.shape == (1001, 3, 4)
+    assert got.tobytes() == expected.astype(np.float32).tobytes()
+    assert known_features(ts[:1, 0]).tobytes() == got[:1, 0].tobytes()  # a row's values do not depend on the rest
 
 
 def test_known_features_of_the_frame_are_the_calendar_of_each_bar(tiny: FeatureFrame) -> None:
@@ -375,13 +389,36 @@ def test_features_of_recent_bars_equal_those_of_the_whole_history(sample: Bars) 
     cfg = FeatureConfig(horizon=2, volatility_window=20)
     full = build_frame(sample, cfg)
     es = sample.series_slices()["ES"]
-    for first in (1, 777, 2900):
+    assert es.stop - es.start - 2960 == 2 * cfg.volatility_window  # the last first: the few bars a server sees
+    for first in (1, 777, 2900, 2960):
         keep = np.zeros(len(sample), dtype=bool)
         keep[es.start + first : es.stop] = True
         recent = build_frame(bars_copy(sample, keep), cfg, symbols=full.symbols)
         w = cfg.warmup_bars
         np.testing.assert_array_equal(recent.observed[w:], full.observed[es.start + first + w : es.stop])
         np.testing.assert_array_equal(recent.known, full.known[es.start + first : es.stop])
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 20, 37])
+def test_rolling_std_paths_agree_bit_for_bit(window: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The few-bars (matrix) and long-history (loop) ways of the rolling std give the same bits, also
+    with NaN, +-0 and series starts: a server's features are training's only if they do."""
+    rng = np.random.default_rng(window)
+    for n in (1, window - 1, window, window + 1, 40, 151, 2000):
+        if n < 1:
+            continue
+        x = rng.normal(0.0, 0.01, n) * np.exp(rng.normal(0.0, 3.0, n))  # magnitudes over many octaves
+        x[rng.random(n) < 0.05] = np.nan
+        x[rng.random(n) < 0.05] = 0.0
+        x[rng.random(n) < 0.05] = -0.0
+        starts = np.zeros(n, dtype=np.int64)
+        starts[n // 3:] = n // 3  # a second series from row n // 3
+        monkeypatch.setattr(compute, "_SMALL_ROLLING_CELLS", 0)
+        loop = compute._rolling_std(x, window, starts)
+        monkeypatch.setattr(compute, "_SMALL_ROLLING_CELLS", 1 << 62)
+        matrix = compute._rolling_std(x, window, starts)
+        assert loop.tobytes() == matrix.tobytes(), (n, window)
+        assert np.isnan(loop[: min(n, window - 1)]).all()
 
 
 def test_a_frame_without_targets_has_the_same_features(sample: Bars) -> None:
