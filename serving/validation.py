@@ -167,9 +167,8 @@ def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
 def _check_time_range(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     """The forecast's future bar times (last + h * bar_interval_ns, h <= horizon) must fit in int64."""
     latest = INT64_MAX - meta.horizon * meta.bar_interval_ns
-    too_late = np.flatnonzero(s.timestamp_ns > latest)
-    if too_late.size:
-        row = int(too_late[0])
+    if s.timestamp_ns.max() > latest:  # one reduction on the good path; the row is found only when needed
+        row = int(np.flatnonzero(s.timestamp_ns > latest)[0])
         raise RequestError(f"{_label(i, s.symbol)}: column 'timestamp_ns', row {row}: {int(s.timestamp_ns[row])} is "
                            f"past the last time this model can forecast from ({latest} ns, {meta.horizon} bars before "
                            "the int64 limit in the year 2262); send UTC nanoseconds since the Unix epoch")

@@ -98,9 +98,17 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
                                                                  "infinite"),
     ("NaN volume", lambda: _req(_with("volume", 0, float("nan"))), "column 'volume', row 0: volume is NaN"),
     ("low above open", lambda: _req(_with("low", 5, 1e9)), "row 5: high < low"),
+    ("timestamp past 2262", lambda: _req(_late()), "series[0] (ES): column 'timestamp_ns', row 2: "
+                                                   f"{2**63 - 1} is past the last time this model can forecast from"),
     ("NaN user", lambda: _req(series(), _user_nan()), "series[1] (NQ): column 'spread', row 3: user feature "
                                                       "'spread' is NaN or infinite"),
 ]
+
+
+def _late() -> pb.Series:
+    s = series()
+    s.timestamp_ns[2] = 2**63 - 1  # the int64 limit: no future bar time fits after it
+    return s
 
 
 def _user_nan() -> pb.Series:
