@@ -2,7 +2,7 @@
 
     python -m benchmarks.serving_load --model model.onnx --parquet bars.parquet \
         [--concurrency 1,8,64] [--duration 10] [--device cpu] [--threads 1] [--channels 1]
-        [--server-arg=--workers=2] [--server-cpus 0-3] [--packed] [--no-floor] [--json out.json]
+        [--server-arg=--workers=2] [--server-cpus 0-3] [--packed] [--client sync] [--no-floor] [--json out.json]
 
 1. Starts the real server (`python -m serving --port 0 --device cpu|cuda`) on 127.0.0.1 and
    waits for health SERVING (or drives `--target HOST:PORT`, a server already running).
@@ -18,7 +18,9 @@
    bucket padding and slicing), to show what that path costs against plain `session.run`.
 4. For each concurrency level: that many closed-loop clients (each sends its next request as
    soon as the previous answer arrives), spread over `--client-procs` processes with
-   `--channels` grpc.aio connections each, for `--duration` seconds (loopback only). With
+   `--channels` connections each, for `--duration` seconds (loopback only). The clients are
+   grpc.aio coroutines, or with `--client sync` one thread each on grpc's blocking stub, which
+   is what a strategy engine calling from its own loop uses. With
    the server's `--workers`, give several channels: the kernel spreads connections, not
    calls, over the workers. Reports throughput,
    p50/p90/p99 latency, errors by status code, and from the server's Prometheus metrics its
@@ -49,6 +51,7 @@ import platform
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -325,9 +328,53 @@ async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, 
     return latencies, dict(errors)
 
 
-def _client_process(args: tuple[str, list[bytes], int, int, float, float, float, int, str]
+def _drive_sync(target: str, pool: list[bytes], concurrency: int, offset: int, start_at: float, duration: float,
+                timeout: float, channels: int, method: str = PREDICT) -> tuple[list[float], dict[str, int]]:
+    """As `_drive`, with grpc's blocking stub: one thread per client, each waiting on its own call."""
+    latencies: list[float] = []  # list.append is atomic: the threads share it
+    errors: Counter[str] = Counter()
+    lock = threading.Lock()
+    opened = [grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+              for _ in range(max(1, min(channels, concurrency)))]
+    try:
+        calls = [ch.unary_unary(method, request_serializer=None, response_deserializer=None) for ch in opened]
+        for call in calls:  # connect and warm
+            for r in pool[:10]:
+                call(r, timeout=timeout)
+        time.sleep(max(0.0, start_at - time.time()))
+        stop_at = time.perf_counter() + duration
+
+        def worker(k: int) -> None:
+            i = offset + k
+            call = calls[k % len(calls)]
+            while time.perf_counter() < stop_at:
+                t0 = time.perf_counter()
+                try:
+                    call(pool[i % len(pool)], timeout=timeout)
+                    latencies.append(time.perf_counter() - t0)
+                except grpc.RpcError as exc:
+                    with lock:
+                        errors[exc.code().name] += 1
+                i += 7919
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for ch in opened:
+            ch.close()
+    return latencies, dict(errors)
+
+
+def _client_process(args: tuple[str, list[bytes], int, int, float, float, float, int, str, str]
                     ) -> tuple[list[float], dict[str, int]]:
-    return asyncio.run(_drive(*args))
+    target, pool, concurrency, offset, start_at, duration, timeout, channels, method, client = args
+    drive = (target, pool, concurrency, offset, start_at, duration, timeout, channels, method)
+    if client == "sync":
+        return _drive_sync(*drive)
+    return asyncio.run(_drive(*drive))
 
 
 def server_cpu_s(pid: int | None) -> float:
@@ -344,8 +391,8 @@ def server_cpu_s(pid: int | None) -> float:
 
 
 def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], concurrency: int, duration: float,
-              timeout: float, procs: int, channels: int = 1, floor: bool = False, server_pid: int | None = None
-              ) -> Level:
+              timeout: float, procs: int, channels: int = 1, floor: bool = False, server_pid: int | None = None,
+              client: str = "aio") -> Level:
     """One level: `concurrency` clients spread over up to `procs` client processes; with `floor`, calling
     the health Check instead of Predict. With the server's pid, also its CPU time per answered call: a
     figure that noise on a shared machine moves far less than throughput."""
@@ -354,7 +401,8 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
     procs = max(1, min(procs, concurrency))
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     start_at = time.time() + 3.0  # every process connected and warm before the clock starts
-    jobs = [(target, raw, n, 101 * i, start_at, duration, timeout, channels, method) for i, n in enumerate(shares)]
+    jobs = [(target, raw, n, 101 * i, start_at, duration, timeout, channels, method, client)
+            for i, n in enumerate(shares)]
     latencies: list[float] = []
     errors: Counter[str] = Counter()
     with multiprocessing.get_context("spawn").Pool(procs) as workers:
@@ -369,6 +417,7 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
     after = server_counters(metrics)
     p50, p90, p99 = percentiles(latencies)
     name = f"gRPC floor: health Check, conc. {concurrency}" if floor else f"server, concurrency {concurrency}"
+    name += ", sync client" if client == "sync" else ""
     return Level(name, concurrency, len(latencies), duration, p50, p90, p99,
                  dict(errors), _mean(before["windows"], after["windows"]),
                  1e3 * _mean(before["handler_s"], after["handler_s"]), 1e3 * _mean(before["batch_s"], after["batch_s"]),
@@ -378,7 +427,8 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
 def table(levels: list[Level]) -> str:
     """Server rows add the server's own means: time in the Predict handler, per batch, and its CPU time
     per call (when this script started the server)."""
-    head = (f"| {'run':<36} | {'req/s':>8} | {'p50 ms':>7} | {'p90 ms':>7} | {'p99 ms':>7} | {'mean batch':>10} "
+    w = max([36, *(len(lv.name) for lv in levels)])
+    head = (f"| {'run':<{w}} | {'req/s':>8} | {'p50 ms':>7} | {'p90 ms':>7} | {'p99 ms':>7} | {'mean batch':>10} "
             f"| {'handler ms':>10} | {'batch ms':>8} | {'CPU ms/call':>11} | errors |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
 
@@ -387,7 +437,7 @@ def table(levels: list[Level]) -> str:
 
     for lv in levels:
         err = sum(lv.errors.values())
-        lines.append(f"| {lv.name:<36} | {lv.throughput:>8.0f} | {lv.p50_ms:>7.2f} | {lv.p90_ms:>7.2f} | "
+        lines.append(f"| {lv.name:<{w}} | {lv.throughput:>8.0f} | {lv.p50_ms:>7.2f} | {lv.p90_ms:>7.2f} | "
                      f"{lv.p99_ms:>7.2f} | {cell(lv.mean_batch, '.1f'):>10} | {cell(lv.handler_ms, '.2f'):>10} | "
                      f"{cell(lv.batch_ms, '.2f'):>8} | {cell(lv.server_cpu_ms, '.3f'):>11} | {err if err else 0:>6} |")
     return "\n".join(lines)
@@ -422,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--channels", type=int, default=1,
                    help="connections per client process (default 1); with the server's --workers, use several: "
                         "the kernel spreads connections over the workers")
+    p.add_argument("--client", choices=("aio", "sync"), default="aio",
+                   help="grpc.aio clients (default), or grpc's blocking stub with one thread per client")
     p.add_argument("--target", help="drive a running server at HOST:PORT instead of starting one")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for the server (repeatable)")
     p.add_argument("--server-cpus", help="run the server this script starts on these CPUs only (taskset's list "
@@ -451,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {meta.model_version}: encoder {meta.encoder_length}, horizon {meta.horizon}, "
           f"hidden {meta.model_config.get('hidden_size')}, bars_required {meta.bars_required}; "
           f"{len(pool)} requests of {pool[0].ByteSize():,} bytes{' (packed)' if args.packed else ''}; "
-          f"{args.duration:g} s per level; ORT threads {args.threads}", flush=True)
+          f"{args.duration:g} s per level; ORT threads {args.threads}; {args.client} clients", flush=True)
 
     proc = None
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"serving_load.{os.getpid()}.log"
@@ -474,11 +526,12 @@ def main(argv: list[str] | None = None) -> int:
                                     bound=True))
         for c in levels_c:
             results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs,
-                                     args.channels, server_pid=proc.pid if proc else None))
+                                     args.channels, server_pid=proc.pid if proc else None, client=args.client))
             print(f"  concurrency {c}: {results[-1].throughput:.0f} req/s", flush=True)
         for c in sorted({min(levels_c), max(levels_c)}) if levels_c and not args.no_floor else []:
             results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs,
-                                     args.channels, floor=True, server_pid=proc.pid if proc else None))
+                                     args.channels, floor=True, server_pid=proc.pid if proc else None,
+                                     client=args.client))
             print(f"  gRPC floor, concurrency {c}: {results[-1].throughput:.0f} req/s", flush=True)
     finally:
         stop_server(proc)
@@ -503,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"levels": [asdict(lv) | {"throughput": lv.throughput} for lv in results],
                                          "summary": summary, "model_version": meta.model_version,
+                                         "client": args.client,
                                          "server_cpus": sorted(server_cpus) if server_cpus is not None else None},
                                         indent=2))
     return 0 if summary["errors"] == 0 else 1

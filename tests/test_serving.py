@@ -604,7 +604,18 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
     assert summary["errors"] == 0
     expected = rows[("server, concurrency 1", 1)]["p50_ms"] - bare["p50_ms"]
     assert summary["p50_overhead_ms_at_1"] == pytest.approx(expected, abs=1e-3)
-    assert "| server, concurrency 4" in done.stdout
+    assert "| server, concurrency 4" in done.stdout and report["client"] == "aio"
+    # grpc's blocking stub, one thread per client: what a strategy engine calling from its own loop sees
+    sync = subprocess.run([*cmd, "--concurrency", "1,3", "--client", "sync", "--no-floor", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert sync.returncode == 0, sync.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["client"] == "sync" and report["summary"]["errors"] == 0
+    rows = {r["name"]: r for r in report["levels"]}
+    for c in (1, 3):
+        row = rows[f"server, concurrency {c}, sync client"]
+        assert row["requests"] > 10 and not row["errors"] and row["mean_batch"] >= 1, row
+    assert not any(name.startswith("gRPC floor") for name in rows)
     for bad, message in ((["--model", str(tmp_path / "none.onnx")], "cannot read the model file"),
                          (["--concurrency", "1,x"], "give whole numbers separated by commas")):
         refused = subprocess.run([*cmd, *bad], cwd=REPO, capture_output=True, text=True, timeout=60)
