@@ -20,14 +20,14 @@
    soon as the previous answer arrives), spread over `--client-procs` processes with
    `--channels` connections each, for `--duration` seconds (loopback only). The clients are
    grpc.aio coroutines, or with `--client sync` one thread each on grpc's blocking stub, which
-   is what a strategy engine calling from its own loop uses. With
-   the server's `--workers`, give several channels: the kernel spreads connections, not
-   calls, over the workers. Reports throughput,
-   p50/p90/p99 latency, errors by status code, and from the server's Prometheus metrics its
-   mean ONNX Runtime batch size, mean time in the Predict handler and mean time per batch;
-   when this script started the server, also the CPU time its processes spent per answered
-   call (user + system, from the clock's start until the clients are done), the figure to
-   compare server builds by on a shared, noisy machine.
+   is what a strategy engine calling from its own loop uses. With the server's `--workers`,
+   give several channels: the kernel spreads connections, not calls, over the workers.
+   Reports throughput, p50/p90/p99 latency, errors by status code, and from the server's
+   Prometheus metrics its mean ONNX Runtime batch size, mean time in the Predict handler and
+   mean time per batch; when this script started the server, also the CPU time its processes
+   spent per answered call (user + system, from the clock's start until the clients are
+   done), the figure to compare server builds by on a shared, noisy machine. A second table
+   gives the server's mean time per step (parse, features, run, response) at each level.
 5. The gRPC floor: the same clients calling the server's health Check (an empty handler behind
    the same interceptors) at the lowest and the highest level. No Predict call can answer
    faster than this row at concurrency 1, nor can Predict's throughput at the top level exceed
@@ -99,6 +99,7 @@ class Level:
     handler_ms: float = 0.0  # the server's mean time in the Predict handler (its own histogram)
     batch_ms: float = 0.0  # the server's mean time per batch: features, ONNX Runtime run, checks
     server_cpu_ms: float = 0.0  # CPU time (user + system) of the server's processes per answered call
+    step_us: dict[str, float] = field(default_factory=dict)  # the server's mean time per step (foxhunt_step_*)
 
     @property
     def throughput(self) -> float:
@@ -260,23 +261,24 @@ def server_provider(target: str) -> str:
     return str(info.provider)
 
 
-SERVER_SERIES = {  # what a level reads from the server's /metrics: name -> Prometheus series
-    "windows": "foxhunt_batch_windows",
-    "batch_s": "foxhunt_inference_seconds",
-    "handler_s": 'foxhunt_request_latency_seconds{method="Predict"}',
-}
+STEP_NAMES = ("parse", "features", "run", "response")
+# what a level reads from the server's /metrics: name -> the (sum, count) series, histograms and step counters
+SERVER_SERIES: dict[str, tuple[str, str]] = {
+    "windows": ("foxhunt_batch_windows_sum", "foxhunt_batch_windows_count"),
+    "batch_s": ("foxhunt_inference_seconds_sum", "foxhunt_inference_seconds_count"),
+    "handler_s": ('foxhunt_request_latency_seconds_sum{method="Predict"}',
+                  'foxhunt_request_latency_seconds_count{method="Predict"}'),
+} | {f"{step}_s": (f'foxhunt_step_seconds_total{{step="{step}"}}', f'foxhunt_steps_total{{step="{step}"}}')
+     for step in STEP_NAMES}
 
 
 def server_counters(metrics: list[str]) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each SERVER_SERIES histogram over the server's /metrics endpoints (one per worker)."""
+    """(sum, count) of each SERVER_SERIES pair over the server's /metrics endpoints (one per worker)."""
     out = {k: (0.0, 0.0) for k in SERVER_SERIES}
     for endpoint in metrics:
         text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
-        for key, series in SERVER_SERIES.items():
-            name, _, labels = series.partition("{")
-            labels = "{" + labels if labels else ""
-            found = [re.search(rf"^{re.escape(name + part + labels)} (\S+)$", text, re.M)
-                     for part in ("_sum", "_count")]
+        for key, pair in SERVER_SERIES.items():
+            found = [re.search(rf"^{re.escape(series)} (\S+)$", text, re.M) for series in pair]
             if found[0] and found[1]:
                 total, count = out[key]
                 out[key] = (total + float(found[0].group(1)), count + float(found[1].group(1)))
@@ -421,7 +423,8 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
     return Level(name, concurrency, len(latencies), duration, p50, p90, p99,
                  dict(errors), _mean(before["windows"], after["windows"]),
                  1e3 * _mean(before["handler_s"], after["handler_s"]), 1e3 * _mean(before["batch_s"], after["batch_s"]),
-                 1e3 * cpu / len(latencies) if latencies else 0.0)
+                 1e3 * cpu / len(latencies) if latencies else 0.0,
+                 {} if floor else {step: 1e6 * _mean(before[f"{step}_s"], after[f"{step}_s"]) for step in STEP_NAMES})
 
 
 def table(levels: list[Level]) -> str:
@@ -440,6 +443,21 @@ def table(levels: list[Level]) -> str:
         lines.append(f"| {lv.name:<{w}} | {lv.throughput:>8.0f} | {lv.p50_ms:>7.2f} | {lv.p90_ms:>7.2f} | "
                      f"{lv.p99_ms:>7.2f} | {cell(lv.mean_batch, '.1f'):>10} | {cell(lv.handler_ms, '.2f'):>10} | "
                      f"{cell(lv.batch_ms, '.2f'):>8} | {cell(lv.server_cpu_ms, '.3f'):>11} | {err if err else 0:>6} |")
+    return "\n".join(lines)
+
+
+def steps_table(levels: list[Level]) -> str:
+    """The server's own mean time per step at each level, from its step counters: parse and response per
+    call, features and run (ONNX Runtime alone) per batch. Against `benchmarks.serving_steps`' hot-loop
+    timings, these show what the rest of the server (gRPC, the event loop) costs each step in cache."""
+    rows = [lv for lv in levels if lv.step_us and any(lv.step_us.values())]
+    if not rows:
+        return ""
+    w = max(len(lv.name) for lv in rows)
+    head = f"| {'server steps, mean µs':<{w}} | " + " | ".join(f"{s:>8}" for s in STEP_NAMES) + " |"
+    lines = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
+    for lv in rows:
+        lines.append(f"| {lv.name:<{w}} | " + " | ".join(f"{lv.step_us[s]:>8.1f}" for s in STEP_NAMES) + " |")
     return "\n".join(lines)
 
 
@@ -537,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
         stop_server(proc)
 
     print(table(results))
+    steps = steps_table(results)
+    if steps:
+        print(steps)
     by_c = {lv.concurrency: lv for lv in results if lv.name.startswith("server")}
     bare = results[0]  # the peer of the targets: session.run in a hot loop
     summary: dict[str, Any] = {"errors": sum(sum(lv.errors.values()) for lv in results)}

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from serving.errors import RequestError
+from serving.metrics import StepTimes
 from serving.model import LoadedModel
 from serving.preprocess import Prepared, nonfinite_problem, prepare
 from serving.validation import SeriesColumns
@@ -35,10 +37,13 @@ class Result:
     outputs: dict[str, np.ndarray]  # output name -> [n, ...]
 
 
-def run_batch(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]]) -> list[Result | Exception]:
-    """Per call, in order: its Result, or the RequestError that says what to fix in it."""
+def run_batch(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]], steps: StepTimes | None = None
+              ) -> list[Result | Exception]:
+    """Per call, in order: its Result, or the RequestError that says what to fix in it. With `steps`, the
+    time of the features (with their checks) and of the model run are added to it."""
+    steps = steps or StepTimes()
     try:
-        return _run_together(model, calls)
+        return _run_together(model, calls, steps)
     except Exception:
         if len(calls) == 1:
             raise
@@ -47,7 +52,7 @@ def run_batch(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]]) -> l
     results: list[Result | Exception] = []
     for call in calls:
         try:
-            results.append(_run_together(model, [call])[0])
+            results.append(_run_together(model, [call], steps)[0])
         except Exception as exc:
             results.append(exc)
     return results
@@ -71,7 +76,9 @@ def _finite(arrays: dict[str, np.ndarray]) -> bool:
     return all(bool(np.isfinite(a).all()) for a in arrays.values())
 
 
-def _run_together(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]]) -> list[Result | Exception]:
+def _run_together(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]], steps: StepTimes
+                  ) -> list[Result | Exception]:
+    start = time.perf_counter()
     sizes = [len(c) for c in calls]
     bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     prepared = prepare([s for c in calls for s in c], model.meta)
@@ -83,13 +90,17 @@ def _run_together(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]]) 
     good = [i for i, p in enumerate(problems) if p is None]
     results: list[Result | Exception] = [p if p is not None else Exception() for p in problems]
     if not good:
+        steps.add("features", time.perf_counter() - start)
         return results
     if len(good) == len(calls):
         inputs = prepared.inputs
     else:  # leave the bad calls' rows out of the run
         rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in good])
         inputs = {k: v[rows] for k, v in prepared.inputs.items()}
+    ran = time.perf_counter()
+    steps.add("features", ran - start)
     outputs = model.run(inputs)
+    steps.add("run", time.perf_counter() - ran)
     all_finite = _finite(outputs)
     offset = 0
     for i in good:

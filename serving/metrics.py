@@ -4,7 +4,10 @@
                                                  GetModelInfo, or `other` for refusals of other services)
     foxhunt_request_latency_seconds{method}      time in the handler, histogram
     foxhunt_queue_seconds                        time a call's windows waited for their batch
-    foxhunt_inference_seconds                    ONNX Runtime time per batch
+    foxhunt_inference_seconds                    wall time per batch: features, ONNX Runtime run, checks
+    foxhunt_step_seconds_total{step}             time in each step, summed: parse and response (per call),
+                                                 features and run (per batch; run is ONNX Runtime alone)
+    foxhunt_steps_total{step}                    how many times each step ran (divide the two for a mean)
     foxhunt_batch_windows                        windows per ONNX Runtime run (before padding)
     foxhunt_batch_calls                          calls sharing one run
     foxhunt_queue_expired_total                  calls whose deadline passed while queued (not run)
@@ -16,8 +19,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from serving.model import LoadedModel
 
@@ -25,6 +32,38 @@ FORECASTER = "/foxhunt.tft.v1.Forecaster/"
 FORECASTER_METHODS = ("Predict", "GetModelInfo")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
+
+
+STEPS = ("parse", "features", "run", "response")
+
+
+class StepTimes(Collector):
+    """Seconds spent in each step of serving a call, summed, and how many times each ran.
+
+    Plain float and int additions on the request path, turned into Prometheus counters only when
+    scraped: the steps are microseconds long, so a metric update per step would cost a visible
+    share of them. The steps of one batch never run on two threads at once (the batcher runs one
+    batch at a time), and parse and response run on the event loop alone.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(STEPS, 0.0)
+        self.counts = dict.fromkeys(STEPS, 0)
+
+    def add(self, step: str, seconds: float) -> None:
+        self.seconds[step] += seconds
+        self.counts[step] += 1
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        seconds = CounterMetricFamily("foxhunt_step_seconds", "Time in each serving step, summed: parse and "
+                                      "response per call, features and run (ONNX Runtime alone) per batch",
+                                      labels=["step"])
+        counts = CounterMetricFamily("foxhunt_steps", "Times each serving step ran", labels=["step"])
+        for step in STEPS:
+            seconds.add_metric([step], self.seconds[step])
+            counts.add_metric([step], self.counts[step])
+        yield seconds
+        yield counts
 
 
 class Metrics:
@@ -38,7 +77,8 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("foxhunt_queue_seconds", "Time a call's windows waited for their batch",
                                buckets=LATENCY_BUCKETS, registry=r)
-        self.inference = Histogram("foxhunt_inference_seconds", "ONNX Runtime time per batch",
+        self.inference = Histogram("foxhunt_inference_seconds",
+                                   "Wall time per batch: features, ONNX Runtime run, output checks",
                                    buckets=LATENCY_BUCKETS, registry=r)
         self.batch_windows = Histogram("foxhunt_batch_windows", "Windows per ONNX Runtime run (before padding)",
                                        buckets=BATCH_BUCKETS, registry=r)
@@ -50,6 +90,8 @@ class Metrics:
         self.ready = Gauge("foxhunt_ready", "1 when the model is warmed up and serving", registry=r)
         self.model = Info("foxhunt_model", "The model being served and where it runs", registry=r)
         self.reloads = Counter("foxhunt_reloads", "SIGHUP model reloads by result", ["result"], registry=r)
+        self.steps = StepTimes()
+        r.register(self.steps)
 
     def count(self, method: str, code: grpc.StatusCode) -> None:
         """An answer given outside the servicer (by an interceptor), by full method name; the label set stays

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -108,7 +109,8 @@ class ForecastServer:
         self.config = config
         self.metrics = metrics or Metrics()
         self.holder = ModelHolder(model)
-        self.batcher: Batcher = MicroBatcher(run_batch, config.max_batch, config.max_delay_s, config.batch_wait,
+        process = functools.partial(run_batch, steps=self.metrics.steps)  # features and run timed per batch
+        self.batcher: Batcher = MicroBatcher(process, config.max_batch, config.max_delay_s, config.batch_wait,
                                              self.metrics, busy_poll=config.busy_poll)
         limits = Limits(config.max_batch, config.max_message_bytes, config.max_concurrent)
         self.servicer = ForecasterServicer(self.holder, self.batcher, self.metrics, limits)

@@ -124,12 +124,17 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             if request.explain and not model.explain_available:
                 raise ExplainUnavailable(f"model {model.version} was exported without explain outputs; "
                                          "send explain=false (GetModelInfo.explain_available)")
+            steps = self.metrics.steps
+            start = time.perf_counter()
             series = parse_request(request, model.meta)
+            steps.add("parse", time.perf_counter() - start)
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             result = await self.batcher.submit(model, series, len(series), deadline)
+            start = time.perf_counter()
             response = build_response(result.prepared, result.outputs, model.meta, model.version, request.explain)
             size = response.ByteSize()
+            steps.add("response", time.perf_counter() - start)
             if size > self.limits.max_message_bytes:  # else gRPC fails the send with a status the caller can't act on
                 per = max(1, size // len(series))
                 raise ResponseTooLarge(

@@ -267,6 +267,23 @@ def test_metrics(art: Model, server: LiveServer) -> None:
     assert metric(text, "foxhunt_model_info", version=art.meta.model_version, provider="CPUExecutionProvider") == 1
 
 
+def test_step_metrics_count_and_time_each_step_of_a_call(art: Model, server: LiveServer) -> None:
+    """One good call adds one of each step (its own batch) and some time to each; a call refused while
+    parsing adds to no step."""
+    def steps(text: str) -> dict[str, tuple[float, float]]:
+        return {s: (metric(text, "foxhunt_steps_total", step=s), metric(text, "foxhunt_step_seconds_total", step=s))
+                for s in ("parse", "features", "run", "response")}
+
+    before = steps(server.scrape())
+    server.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10)
+    with pytest.raises(grpc.RpcError):
+        server.stub.Predict(pb.PredictRequest(), timeout=10)
+    after = steps(server.scrape())
+    for step in before:
+        assert after[step][0] == before[step][0] + 1, (step, before, after)
+        assert after[step][1] > before[step][1], (step, before, after)
+
+
 def test_client_prints_a_forecast_table(art: Model, server: LiveServer) -> None:
     symbol = art.meta.symbols[0]
     r = subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
@@ -599,7 +616,10 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
         assert row["requests"] > 10 and not row["errors"], row
         assert row["mean_batch"] >= 1 and row["handler_ms"] > 0 and row["batch_ms"] > 0 and row["server_cpu_ms"] > 0
         assert row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"]
+        assert set(row["step_us"]) == {"parse", "features", "run", "response"} and all(
+            us > 0 for us in row["step_us"].values()), row["step_us"]
     assert any(name.startswith("gRPC floor") for name, _ in rows)
+    assert "| server steps, mean µs" in done.stdout
     summary = report["summary"]
     assert summary["errors"] == 0
     expected = rows[("server, concurrency 1", 1)]["p50_ms"] - bare["p50_ms"]
