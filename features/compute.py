@@ -163,7 +163,76 @@ def _rolling_std(x: np.ndarray, window: int, starts: np.ndarray) -> np.ndarray:
     return np.where(ok, np.sqrt(var), np.nan)
 
 
-@functools.lru_cache(maxsize=32)  # a server builds a frame per batch; the schema only depends on the columns
+def _observed(o: np.ndarray, h: np.ndarray, lo: np.ndarray, c: np.ndarray, v: np.ndarray,
+              user: np.ndarray | list[np.ndarray], config: FeatureConfig, starts: np.ndarray, first_row: np.ndarray,
+              log_c: np.ndarray) -> np.ndarray:
+    """The observed features of bars grouped by series, float32 [N, n_observed], NaN during each warm-up.
+
+    Bar columns are [N]; `user` is the user columns, as a float64 [n_user, N] block or as a list of
+    [N] columns (the same values either way); `starts` [S] are the series' first rows, `first_row` [N]
+    each row's, `log_c` = log(c). The one place observed features are computed, for training and serving.
+    """
+    n = c.shape[0]
+    log_return = np.full(n, np.nan)
+    log_return[1:] = log_c[1:] - log_c[:-1]
+    log_return[starts] = np.nan  # no return across a series boundary
+    vol = _rolling_std(log_return, config.volatility_window, first_row + 1)
+    cols = [log_return, np.log(h / lo), np.log(c / o), np.log1p(v), vol]
+    if isinstance(user, list):
+        # [n_observed, N] converted on the way in, then rows made contiguous: the same float32 values as
+        # stacking float64 columns and converting, with a third less peak memory and fewer per-column steps
+        observed = np.ascontiguousarray(np.array(cols + user, dtype=np.float32).T)  # [N, n_observed]
+    else:  # the block's columns in one step each way, with the same float64 -> float32 rounding
+        observed = np.empty((n, len(cols) + user.shape[0]), dtype=np.float32)  # [N, n_observed]
+        observed[:, :len(cols)] = np.array(cols, dtype=np.float32).T
+        observed[:, len(cols):] = user.T
+    warm = np.arange(n) - first_row < config.warmup_bars
+    observed[warm] = np.nan
+    return observed
+
+
+@dataclass(frozen=True)
+class LatestWindows:
+    """Model inputs of the window ending at each series' last bar (B series), and its future bar times."""
+
+    encoder_observed: np.ndarray  # float32 [B, L, n_observed]
+    encoder_known: np.ndarray  # float32 [B, L, n_known]
+    decoder_known: np.ndarray  # float32 [B, H, n_known]
+    future_timestamp_ns: np.ndarray  # int64 [B, H]
+
+
+def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
+                   volume: np.ndarray, user: np.ndarray | list[np.ndarray], config: FeatureConfig,
+                   encoder_length: int, bar_interval_ns: int) -> LatestWindows:
+    """The window at the last bar of each of B series of n bars each, from those bars alone: what a server
+    forecasts from. Bar columns are [B, n] (validated, oldest first); `user` is a float64 [n_user, B * n]
+    block or a list of [B * n] columns, series after series (as `_observed` takes them).
+
+    Bit for bit what `build_frame` + `gather_windows` give at those bars from a series' whole history,
+    once n >= warm-up + L (tested): the same `_observed` and `known_features`, and no feature reads
+    further back than the warm-up. Without a Bars, a vocabulary or a FeatureFrame, and with the windows
+    cut by reshaping, a server's call pays for the arithmetic alone.
+    """
+    b, n = close.shape
+    L = encoder_length
+    if n < config.warmup_bars + L:
+        raise ValueError(f"{n} bars per series; the windows need at least {config.warmup_bars + L} "
+                         f"({config.warmup_bars} warm-up + {L} encoder bars)")
+    starts = np.arange(b, dtype=np.int64) * n  # [B]  first row of each series
+    first_row = np.repeat(starts, n)  # [B * n]
+    c = close.reshape(-1)
+    observed = _observed(open_.reshape(-1), high.reshape(-1), low.reshape(-1), c, volume.reshape(-1), user, config,
+                         starts, first_row, np.log(c))  # [B * n, n_observed]
+    future = future_timestamps(timestamp_ns[:, -1], bar_interval_ns, config.horizon)  # [B, H]
+    return LatestWindows(
+        encoder_observed=np.ascontiguousarray(observed.reshape(b, n, -1)[:, n - L:]),  # [B, L, n_observed]
+        encoder_known=known_features(timestamp_ns[:, n - L:]),  # [B, L, n_known]
+        decoder_known=known_features(future),  # [B, H, n_known]
+        future_timestamp_ns=future,
+    )
+
+
+@functools.lru_cache(maxsize=32)  # every frame and model meta asks; the schema only depends on the columns
 def _schema(user_columns: tuple[str, ...]) -> FeatureSchema:
     specs = [FeatureSpec(STATIC_SYMBOL, Role.STATIC, Kind.CATEGORICAL)]
     specs += [FeatureSpec(n, Role.OBSERVED, Kind.REAL) for n in BUILTIN_OBSERVED]
@@ -194,25 +263,11 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
     for (s, e), name in zip(bounds, slices, strict=True):
         series_id[s:e] = index[name]
         first_row[s:e] = s
-    o, h, lo, c, v = bars.open, bars.high, bars.low, bars.close, bars.volume
+    c = bars.close
     log_c = np.log(c)
-    log_return = np.full(n, np.nan)
-    log_return[1:] = log_c[1:] - log_c[:-1]
-    log_return[bounds[:, 0]] = np.nan  # no return across a series boundary
-    vol = _rolling_std(log_return, config.volatility_window, first_row + 1)
-    cols = [log_return, np.log(h / lo), np.log(c / o), np.log1p(v), vol]
     user_block = block_for(bars.user, config.user_columns)  # [n_user, N] when the columns come as one block
-    if user_block is None:
-        cols += [bars.user[u] for u in config.user_columns]
-        # [n_observed, N] converted on the way in, then rows made contiguous: the same float32 values as
-        # stacking float64 columns and converting, with a third less peak memory and fewer per-column steps
-        observed = np.ascontiguousarray(np.array(cols, dtype=np.float32).T)  # [N, n_observed]
-    else:  # the block's columns in one step each way, with the same float64 -> float32 rounding
-        observed = np.empty((n, len(cols) + user_block.shape[0]), dtype=np.float32)  # [N, n_observed]
-        observed[:, :len(cols)] = np.array(cols, dtype=np.float32).T
-        observed[:, len(cols):] = user_block.T
-    warm = np.arange(n) - first_row < config.warmup_bars
-    observed[warm] = np.nan
+    user = user_block if user_block is not None else [bars.user[u] for u in config.user_columns]
+    observed = _observed(bars.open, bars.high, bars.low, c, bars.volume, user, config, bounds[:, 0], first_row, log_c)
     known = known_features(bars.timestamp_ns)  # [N, n_known]
     forward = np.full((n, config.horizon), np.nan, dtype=np.float32)  # [N, H]
     if targets:

@@ -6,6 +6,7 @@ Every value is a string; structured values are JSON.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -40,6 +41,11 @@ class ModelMeta:
     exporter: dict[str, Any] = field(default_factory=dict)  # library versions, opset
     parity: dict[str, Any] = field(default_factory=dict)  # the parity report export proved
     placement: dict[str, Any] = field(default_factory=dict)  # the placement gate's report
+
+    @functools.cached_property
+    def symbol_index(self) -> dict[str, int]:
+        """Symbol -> its id, the static input (the vocabulary's order)."""
+        return {s: i for i, s in enumerate(self.symbols)}
 
     @property
     def bars_required(self) -> int:

@@ -1,24 +1,25 @@
 """Checked request columns -> model inputs, with the trainer's own feature code.
 
-The bars become a `features.Bars`, then `build_frame` with the model's FeatureConfig and
-symbol vocabulary, then `gather_windows` at each series' last bar — the same functions
-training used — so there is no training/serving skew. The one serving-side choice is the
-bar interval of the decoder's calendar features: the model's (from its metadata), as in
-training, not one inferred from a request's few bars.
+Each series' last `bars_required` bars go to `features.latest_windows` with the model's
+FeatureConfig: the observed and calendar features come from the same functions that
+`build_frame` uses in training, and the window at each series' last bar equals the one
+training would cut there, bit for bit (tested in tests/test_features.py), so there is no
+training/serving skew. The one serving-side choice is the bar interval of the decoder's
+calendar features: the model's (from its metadata), as in training, not one inferred from a
+request's few bars.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from features.bars import Bars, ColumnBlock, block_for
-from features.compute import build_frame, future_timestamps
+from features.bars import block_for
+from features.compute import latest_windows
 from features.model_meta import ModelMeta
-from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, MODEL_INPUTS, STATIC_CATEGORICAL
-from features.windows import gather_windows, last_anchor_per_series
+from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL
 from serving.errors import RequestError
 from serving.validation import SeriesColumns
 
@@ -50,74 +51,36 @@ class Prepared:
                         self.future_timestamp_ns[start:stop], self.encoder_timestamp_ns[start:stop])
 
 
-def to_bars(series: Sequence[SeriesColumns], keys: Sequence[str], user_columns: Sequence[str]) -> Bars:
-    """One Bars of all series, rows grouped by series in time order; `keys[i]` is series i's unique symbol key."""
-    names = tuple(user_columns)
-    if len(series) == 1:  # a lone series: its columns as they are, no copies
-        s = series[0]
-        lone: Mapping[str, np.ndarray] = s.user if block_for(s.user, names) is not None else {
-            u: s.user[u] for u in names}
-        return Bars(s.timestamp_ns, np.full(len(s), keys[0], dtype=object), s.open, s.high, s.low, s.close,
-                    s.volume, lone)
-    user: Mapping[str, np.ndarray] = {}
-    if names:  # one [columns, bars] block per series, joined once: not one join per column
-        user = ColumnBlock(names, np.concatenate([s.user_matrix(names) for s in series], axis=1))
-    return Bars(
-        timestamp_ns=np.concatenate([s.timestamp_ns for s in series]),
-        symbol=np.repeat(np.array(keys, dtype=object), [len(s) for s in series]),
-        open=np.concatenate([s.open for s in series]),
-        high=np.concatenate([s.high for s in series]),
-        low=np.concatenate([s.low for s in series]),
-        close=np.concatenate([s.close for s in series]),
-        volume=np.concatenate([s.volume for s in series]),
-        user=user,
-    )
-
-
-def _keys_and_vocab(series: Sequence[SeriesColumns], symbols: Sequence[str]) -> tuple[list[str], list[str], np.ndarray]:
-    """Unique grouping keys for the series, the vocabulary to pass build_frame, and key id -> symbol id.
-
-    A batch may hold the same symbol several times (one per call). `Bars` groups rows by
-    symbol, so each repeat gets an alias key appended to the vocabulary; its windows'
-    static symbol id is mapped back to the real symbol's id. No feature value depends on
-    the symbol's name or id, so this is exact.
-    """
-    vocab = list(symbols)
-    to_symbol_id = list(range(len(vocab)))
-    index = {s: i for i, s in enumerate(vocab)}
-    seen: dict[str, int] = {}
-    keys = []
-    for s in series:
-        k = seen.get(s.symbol, 0)
-        seen[s.symbol] = k + 1
-        key = s.symbol if k == 0 else f"{s.symbol}\x1f{k}"  # \x1f cannot appear in a request's symbol (unit sep.)
-        if k:
-            vocab.append(key)
-            to_symbol_id.append(index[s.symbol])
-        keys.append(key)
-    return keys, vocab, np.asarray(to_symbol_id, dtype=np.int64)
+BAR_COLUMNS = ("timestamp_ns", "open", "high", "low", "close", "volume")
 
 
 def prepare(series: Sequence[SeriesColumns], meta: ModelMeta) -> Prepared:
-    """Model inputs for the window ending at each series' last bar (series already validated)."""
-    keys, vocab, to_symbol_id = _keys_and_vocab(series, meta.symbols)
-    bars = to_bars(series, keys, meta.feature_config.user_columns)
+    """Model inputs for the window ending at each series' last bar (series already validated, each with at
+    least bars_required bars, of which the last bars_required are read)."""
+    n = meta.bars_required
+    names = tuple(meta.feature_config.user_columns)
+    user: np.ndarray | list[np.ndarray]
+    if len(series) == 1:  # a lone series: [1, n] views of its columns, no copies
+        s = series[0]
+        ts, o, h, lo, c, v = (getattr(s, name)[None, -n:] for name in BAR_COLUMNS)
+        block = block_for(s.user, names)
+        user = block[:, -n:] if block is not None else [s.user[u][-n:] for u in names]
+    else:  # [B, n] each; the user columns as one [columns, B * n] block, joined once
+        ts, o, h, lo, c, v = (np.stack([getattr(s, name)[-n:] for s in series]) for name in BAR_COLUMNS)
+        user = np.concatenate([s.user_matrix(names)[:, -n:] for s in series], axis=1) if names else []
     with np.errstate(all="ignore"):  # overflowing features (inf, NaN) are the caller's: nonfinite_problem names them
         # nominal future bar times from the model's bar interval, exactly as in training
-        frame = build_frame(bars, meta.feature_config, symbols=vocab, bar_interval_ns=meta.bar_interval_ns,
-                            targets=False)
-    anchors = last_anchor_per_series(frame)  # [B]  in series order
-    windows = gather_windows(frame, anchors, meta.encoder_length)
-    inputs = {name: np.ascontiguousarray(windows[name], dtype=INPUT_DTYPES[name]) for name in MODEL_INPUTS}
-    inputs[STATIC_CATEGORICAL] = to_symbol_id[inputs[STATIC_CATEGORICAL]]  # [B, 1] aliases -> symbol ids
-    L = meta.encoder_length
+        w = latest_windows(ts, o, h, lo, c, v, user, meta.feature_config, meta.encoder_length, meta.bar_interval_ns)
+    index = meta.symbol_index
+    static = np.array([[index[s.symbol]] for s in series], dtype=np.int64)  # [B, 1]
     return Prepared(
         symbols=[s.symbol for s in series],
-        inputs=inputs,
-        last_timestamp_ns=frame.timestamp_ns[anchors],
-        last_close=frame.close[anchors],
-        future_timestamp_ns=future_timestamps(frame.timestamp_ns[anchors], meta.bar_interval_ns, meta.horizon),
-        encoder_timestamp_ns=frame.timestamp_ns[anchors[:, None] + np.arange(-L + 1, 1)],
+        inputs={STATIC_CATEGORICAL: static, ENCODER_OBSERVED: w.encoder_observed, ENCODER_KNOWN: w.encoder_known,
+                DECODER_KNOWN: w.decoder_known},
+        last_timestamp_ns=ts[:, -1],
+        last_close=c[:, -1],
+        future_timestamp_ns=w.future_timestamp_ns,
+        encoder_timestamp_ns=ts[:, n - meta.encoder_length:],
     )
 
 

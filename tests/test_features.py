@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 
 from features import FeatureConfig, FeatureSchema, NormStats, build_frame, compute, known_features, read_bars
 from features.bars import Bars, ColumnBlock, block_for
-from features.compute import BUILTIN_KNOWN, BUILTIN_OBSERVED, NS_PER_DAY, FeatureFrame, future_timestamps
+from features.compute import (
+    BUILTIN_KNOWN,
+    BUILTIN_OBSERVED,
+    NS_PER_DAY,
+    FeatureFrame,
+    future_timestamps,
+    latest_windows,
+)
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
 from features.windows import anchor_rows, gather_windows, last_anchor_per_series
 
@@ -419,6 +426,41 @@ def test_rolling_std_paths_agree_bit_for_bit(window: int, monkeypatch: pytest.Mo
         matrix = compute._rolling_std(x, window, starts)
         assert loop.tobytes() == matrix.tobytes(), (n, window)
         assert np.isnan(loop[: min(n, window - 1)]).all()
+
+
+@pytest.mark.parametrize("user_form", ["none", "columns", "block"])
+def test_latest_windows_equal_the_training_windows_at_those_bars(sample: Bars, user_form: str) -> None:
+    """What a server computes from each series' last bars alone (`latest_windows`, B series at once) is
+    bit for bit the window training cuts at the same bar from the whole history."""
+    user_columns = () if user_form == "none" else ("u1", "u2")
+    cfg = FeatureConfig(horizon=3, volatility_window=20, user_columns=user_columns)
+    bars = bars_copy(sample)
+    rng = np.random.default_rng(11)
+    bars.user = {u: rng.normal(size=len(bars)) * 10.0 ** k for k, u in enumerate(user_columns)}
+    full = build_frame(bars, cfg)
+    L = 16
+    n = cfg.warmup_bars + L
+    ends = [e for sl in bars.series_slices().values() for e in (sl.start + n - 1, sl.start + 777, sl.stop - 1)]
+    for picked in (ends[-1:], ends[:1], ends):  # a lone series, the earliest possible window, a batch
+        anchors = np.array(picked, dtype=np.int64)  # [B]
+        rows = anchors[:, None] + np.arange(-n + 1, 1)  # [B, n]  each window's last n bars
+        flat = rows.reshape(-1)
+        cols = [getattr(bars, c)[rows] for c in ("timestamp_ns", "open", "high", "low", "close", "volume")]
+        user: np.ndarray | list[np.ndarray] = [bars.user[u][flat] for u in user_columns]
+        if user_form == "block":
+            user = np.array(user)  # [U, B * n]
+        got = latest_windows(*cols, user, cfg, L, full.bar_interval_ns)
+        want = gather_windows(full, anchors, L)
+        for name, value in ((ENCODER_OBSERVED, got.encoder_observed), (ENCODER_KNOWN, got.encoder_known),
+                            (DECODER_KNOWN, got.decoder_known)):
+            assert value.dtype == want[name].dtype and value.shape == want[name].shape, name
+            assert value.tobytes() == want[name].tobytes(), name
+        assert np.isfinite(got.encoder_observed).all()
+        np.testing.assert_array_equal(got.future_timestamp_ns,
+                                      future_timestamps(full.timestamp_ns[anchors], full.bar_interval_ns, cfg.horizon))
+    with pytest.raises(ValueError, match="at least 36"):
+        latest_windows(*(c[:, 1:] for c in cols), [], FeatureConfig(horizon=3, volatility_window=20), L,
+                       full.bar_interval_ns)
 
 
 def test_a_frame_without_targets_has_the_same_features(sample: Bars) -> None:
