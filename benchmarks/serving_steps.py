@@ -7,7 +7,7 @@ Builds requests as `benchmarks.serving_load` does (one series each, the latest `
 then times with `timeit` (best of `--repeats`, hot loops):
 
 * parse_request     protobuf columns -> checked numpy columns, trimmed (`serving.validation`)
-* prepare, 1        features of one series (`serving.preprocess.prepare`: build_frame + windows)
+* prepare, 1        features of one series (`serving.preprocess.prepare`: features.latest_windows)
 * prepare, batch    features of `--batch` series at once, per series (what a micro-batch pays)
 * run_batch, 1      features + ONNX Runtime run + output checks for a lone call (`serving.inference`)
 * session.run, 1    the bare ONNX Runtime run of one window, for scale
