@@ -26,6 +26,7 @@
 #                against bare ONNX Runtime on CUDA, at 1, 8 and 64 concurrent clients
 #   serving_packed   the same with the user columns sent packed (user_features_raw)
 #   serving_workers  packed, with --workers 4 (four server processes on one port)
+#   serving_busy_poll  packed, with the server's --busy-poll (the concurrency-1 target's configuration)
 #   serving_cpu  the same with the tiny test model on the CPU provider (an uncontended machine's figure)
 #   serving_cpu_busy_poll  serving_cpu's model and clients with the server's --busy-poll
 #   serving_cpu_pinned  serving_cpu's model and clients with the server on two CPUs only (--server-cpus)
@@ -415,11 +416,13 @@ serving_load() {  # serving_load PART MODEL DEVICE WHAT CHANNELS CLIENT_FLAGS [S
 }
 
 if [ $SERVING_OK = 0 ]; then
-  for part in serving serving_packed serving_workers; do record $part skipped 0 "$why"; done
+  for part in serving serving_packed serving_workers serving_busy_poll; do record $part skipped 0 "$why"; done
 elif [ ! -f "$MODEL" ]; then
-  for part in serving serving_packed serving_workers; do record $part skipped 0 "no exported CUDA model (see export)"; done
+  for part in serving serving_packed serving_workers serving_busy_poll; do
+    record $part skipped 0 "no exported CUDA model (see export)"
+  done
 elif ! time_for 90; then
-  for part in serving serving_packed serving_workers; do record $part skipped 0 "out of time"; done
+  for part in serving serving_packed serving_workers serving_busy_poll; do record $part skipped 0 "out of time"; done
 else
   serving_load serving "$MODEL" cuda "the preset model on the CUDA provider" 1 ""
   # the floor rows measure the machine: `serving` has them, the variants skip them (time)
@@ -434,6 +437,12 @@ else
       8 "--packed --no-floor" --workers=4
   else
     record serving_workers skipped 0 "out of time"
+  fi
+  if time_for 70; then
+    serving_load serving_busy_poll "$MODEL" cuda "the preset model on the CUDA provider, packed, --busy-poll" 1 \
+      "--packed --no-floor" --busy-poll
+  else
+    record serving_busy_poll skipped 0 "out of time"
   fi
 fi
 
