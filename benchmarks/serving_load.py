@@ -75,6 +75,7 @@ from serving.errors import ModelLoadError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.health_probe import wait_serving as health_wait
+from serving.metrics import STEPS
 from serving.model import LoadedModel, load_and_warm, load_model
 from serving.preprocess import prepare
 from serving.validation import columns_from_proto
@@ -261,7 +262,6 @@ def server_provider(target: str) -> str:
     return str(info.provider)
 
 
-STEP_NAMES = ("parse", "features", "run", "response")
 # what a level reads from the server's /metrics: name -> the (sum, count) series, histograms and step counters
 SERVER_SERIES: dict[str, tuple[str, str]] = {
     "windows": ("foxhunt_batch_windows_sum", "foxhunt_batch_windows_count"),
@@ -269,7 +269,7 @@ SERVER_SERIES: dict[str, tuple[str, str]] = {
     "handler_s": ('foxhunt_request_latency_seconds_sum{method="Predict"}',
                   'foxhunt_request_latency_seconds_count{method="Predict"}'),
 } | {f"{step}_s": (f'foxhunt_step_seconds_total{{step="{step}"}}', f'foxhunt_steps_total{{step="{step}"}}')
-     for step in STEP_NAMES}
+     for step in STEPS}
 
 
 def server_counters(metrics: list[str]) -> dict[str, tuple[float, float]]:
@@ -424,7 +424,7 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
                  dict(errors), _mean(before["windows"], after["windows"]),
                  1e3 * _mean(before["handler_s"], after["handler_s"]), 1e3 * _mean(before["batch_s"], after["batch_s"]),
                  1e3 * cpu / len(latencies) if latencies else 0.0,
-                 {} if floor else {step: 1e6 * _mean(before[f"{step}_s"], after[f"{step}_s"]) for step in STEP_NAMES})
+                 {} if floor else {step: 1e6 * _mean(before[f"{step}_s"], after[f"{step}_s"]) for step in STEPS})
 
 
 def table(levels: list[Level]) -> str:
@@ -454,10 +454,10 @@ def steps_table(levels: list[Level]) -> str:
     if not rows:
         return ""
     w = max(len(lv.name) for lv in rows)
-    head = f"| {'server steps, mean µs':<{w}} | " + " | ".join(f"{s:>8}" for s in STEP_NAMES) + " |"
+    head = f"| {'server steps, mean µs':<{w}} | " + " | ".join(f"{s:>8}" for s in STEPS) + " |"
     lines = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
     for lv in rows:
-        lines.append(f"| {lv.name:<{w}} | " + " | ".join(f"{lv.step_us[s]:>8.1f}" for s in STEP_NAMES) + " |")
+        lines.append(f"| {lv.name:<{w}} | " + " | ".join(f"{lv.step_us[s]:>8.1f}" for s in STEPS) + " |")
     return "\n".join(lines)
 
 

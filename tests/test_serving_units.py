@@ -582,6 +582,21 @@ def test_concurrent_calls_share_batches_and_get_their_own_results() -> None:
     assert max(len(batch) for batch in rec.batches) == 4 and len(rec.batches) == 3
 
 
+async def _one_call_after_another(b: MicroBatcher[str, int, int], calls: int) -> list[float]:
+    """Start `b`, send `calls` lone calls one after another (each checked: the Recorder doubles), close it;
+    how long each call took."""
+    b.start()
+    try:
+        took = []
+        for i in range(calls):
+            start = time.monotonic()
+            assert await b.submit("m", i, 1) == 2 * i
+            took.append(time.monotonic() - start)
+        return took
+    finally:
+        await b.close()
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_fixed_wait_waits_its_whole_delay_on_either_event_loop(loop: str) -> None:
     """--batch-wait fixed holds a lone call for the full delay, even one shorter than the millisecond
@@ -593,16 +608,7 @@ def test_a_fixed_wait_waits_its_whole_delay_on_either_event_loop(loop: str) -> N
 
     async def main() -> float:
         b: MicroBatcher[str, int, int] = MicroBatcher(rec, max_batch=64, max_delay_s=delay, wait="fixed")
-        b.start()
-        try:
-            shortest = float("inf")
-            for i in range(3):  # later lone calls too, once the batcher knows they are quick
-                start = time.monotonic()
-                assert await b.submit("m", i, 1) == 2 * i
-                shortest = min(shortest, time.monotonic() - start)
-            return shortest
-        finally:
-            await b.close()
+        return min(await _one_call_after_another(b, 3))  # later lone calls too, once the batcher knows they are quick
 
     run = uvloop.run if loop == "uvloop" else asyncio.run
     assert all(run(main()) >= delay for _ in range(10))  # a lower bound: a slow machine cannot break it
@@ -665,16 +671,7 @@ def test_one_caller_after_another_never_saturates_the_batcher() -> None:
 
     async def main() -> float:
         b: MicroBatcher[str, int, int] = MicroBatcher(rec, max_batch=8, max_delay_s=1.0, wait="adaptive")
-        b.start()
-        try:
-            longest = 0.0
-            for i in range(30):
-                start = time.monotonic()
-                assert await b.submit("m", i, 1) == 2 * i
-                longest = max(longest, time.monotonic() - start)
-            return longest
-        finally:
-            await b.close()
+        return max(await _one_call_after_another(b, 30))
 
     assert asyncio.run(main()) < 0.5  # never held: no company ever comes, so a hold would last the whole second
 
