@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -90,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--event-loop", choices=EVENT_LOOPS, default=d.event_loop,
                    help="uvloop: libuv's event loop, less interpreter time per call; asyncio: the standard "
                         f"library's (default {d.event_loop})")
-    p.add_argument("--busy-poll", action="store_true",
-                   help="keep the event loop polling instead of sleeping between calls: lower latency at low "
-                        "load, for one core kept busy while the server is idle (default off)")
+    p.add_argument("--busy-poll", nargs="?", type=float, const=math.inf, default=d.busy_poll_ms, metavar="MS",
+                   help="keep the event loop polling instead of sleeping, so that a call finds its core awake: "
+                        "for MS milliseconds after each call arrives or ends (an idle server then sleeps), or "
+                        "always without MS (one core kept busy while idle); lower latency for calls that "
+                        "follow each other (default off)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     a = p.add_argument_group("access")
     a.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only (with --tls-key)")
@@ -119,6 +122,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         (args.max_message_bytes >= 1024, "--max-message-bytes must be >= 1024"),
         (args.grace >= 0, "--grace must be >= 0"),
         (args.device_id >= 0, "--device-id must be >= 0"),
+        (args.busy_poll >= 0, "--busy-poll MS must be >= 0 (0: off; without MS: always)"),
         ((args.tls_cert is None) == (args.tls_key is None), "--tls-cert and --tls-key go together"),
         (args.tls_client_ca is None or args.tls_cert is not None, "--tls-client-ca needs --tls-cert/--tls-key"),
     )
@@ -131,7 +135,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         threads=args.threads, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms, batch_wait=args.batch_wait,
         max_concurrent=args.max_concurrent, max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
         grace_s=args.grace, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-        auth_token_file=args.auth_token_file, event_loop=args.event_loop, busy_poll=args.busy_poll,
+        auth_token_file=args.auth_token_file, event_loop=args.event_loop, busy_poll_ms=args.busy_poll,
     )
 
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import weakref
 from collections import deque
@@ -125,9 +126,9 @@ def _no_key() -> None:
 class MicroBatcher(Generic[K, P, R]):
     def __init__(self, process: Process[K, P, R], max_batch: int, max_delay_s: float, wait: str = "adaptive",
                  observer: BatchObserver | None = None, inline_max_s: float = INLINE_MAX_S,
-                 quiet_round_s: float = QUIET_ROUND_S, busy_poll: bool = False) -> None:
-        if max_batch < 1 or max_delay_s < 0 or wait not in WAIT_POLICIES:
-            raise ValueError(f"need max_batch >= 1, max_delay_s >= 0, wait in {WAIT_POLICIES}")
+                 quiet_round_s: float = QUIET_ROUND_S, busy_poll_s: float = 0.0) -> None:
+        if max_batch < 1 or max_delay_s < 0 or wait not in WAIT_POLICIES or not busy_poll_s >= 0:
+            raise ValueError(f"need max_batch >= 1, max_delay_s >= 0, wait in {WAIT_POLICIES}, busy_poll_s >= 0")
         self._process = process
         self.max_batch = max_batch
         self.max_delay_s = max_delay_s
@@ -142,7 +143,8 @@ class MicroBatcher(Generic[K, P, R]):
         self._cost_key: Callable[[], K | None] = _no_key  # whose runs those were (unknown until one ran)
         self._inline_max_s = inline_max_s
         self._quiet_round_s = quiet_round_s
-        self._busy_poll = busy_poll
+        self._busy_poll_s = busy_poll_s  # 0: off; inf: always; else: this long after each call's arrival and end
+        self._spin_until = math.inf if busy_poll_s == math.inf else -math.inf  # time.monotonic()
         self._spin_on = False
         self._spin_gen = 0  # a paused spin's pending callback sees a newer generation and stops
         self._spin_holds = 0  # spin_paused() blocks entered and not left
@@ -158,17 +160,30 @@ class MicroBatcher(Generic[K, P, R]):
         self._spin_resume()
 
     # ---- busy polling ---------------------------------------------------------------------
-    # With busy_poll, the loop never sleeps: a callback that schedules itself makes every loop round
-    # poll for I/O without waiting, so the loop's thread (which runs lone calls) stays on a hot core.
-    # The spin pauses while other threads of the process do Python work (a batch on the worker, the
-    # warm-up, a reload: see spin_paused), since the spinning thread keeps taking the interpreter
-    # lock back from them, and it ends with the batcher's task (closed, failed or cancelled).
+    # While busy polling, the loop does not sleep: a callback that schedules itself makes every loop
+    # round poll for I/O without waiting, so the loop's thread (which runs lone calls) stays on a hot
+    # core. With busy_poll_s = inf it polls always; with a finite busy_poll_s, until that long after the
+    # latest call's arrival or end, then it sleeps until a call arrives (a caller's next call within the
+    # window finds the core hot; an idle server costs nothing). The spin pauses while other threads of
+    # the process do Python work (a batch on the worker, the warm-up, a reload: see spin_paused), since
+    # the spinning thread keeps taking the interpreter lock back from them, and it ends with the
+    # batcher's task (closed, failed or cancelled).
     def _spin(self, gen: int) -> None:
         if self._spin_on and gen == self._spin_gen and self._task is not None and not self._task.done():
-            asyncio.get_running_loop().call_soon(self._spin, gen)
+            if time.monotonic() < self._spin_until:
+                asyncio.get_running_loop().call_soon(self._spin, gen)
+            else:
+                self._spin_on = False
+
+    def _spin_extend(self) -> None:
+        """A call arrived or ended: poll for busy_poll_s from now (no-op when polling is off or always)."""
+        if 0 < self._busy_poll_s < math.inf:
+            self._spin_until = time.monotonic() + self._busy_poll_s
+            if not self._spin_on:
+                self._spin_resume()
 
     def _spin_resume(self) -> None:
-        if self._busy_poll and not self._closing and self._spin_holds == 0:
+        if self._busy_poll_s > 0 and not self._closing and self._spin_holds == 0:
             self._spin_gen += 1
             self._spin_on = True
             asyncio.get_running_loop().call_soon(self._spin, self._spin_gen)
@@ -200,6 +215,13 @@ class MicroBatcher(Generic[K, P, R]):
         A call of more than max_batch windows runs as a batch of its own. Raises ServingError once
         close() has begun (also for a call still in its quiet rounds then).
         """
+        self._spin_extend()
+        try:
+            return await self._submit(key, payload, n, deadline)
+        finally:
+            self._spin_extend()
+
+    async def _submit(self, key: K, payload: P, n: int, deadline: float | None) -> R:
         if self._closing:
             raise ServingError("the server is shutting down")
         arrived = time.monotonic()

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import os
 import signal
 import sys
@@ -74,7 +75,7 @@ class ServerConfig:
     tls_client_ca: Path | None = None  # PEM CA: clients must present a certificate it signed (mutual TLS)
     auth_token_file: Path | None = None  # bearer tokens, one a line; every RPC but health needs one
     event_loop: str = "uvloop"  # uvloop | asyncio: the event loop the server runs on (see run_server)
-    busy_poll: bool = False  # keep the event loop polling between calls: lower latency for one busy core
+    busy_poll_ms: float = 0.0  # keep the event loop polling this long after each call (inf: always; 0: off)
 
     @property
     def max_delay_s(self) -> float:
@@ -111,7 +112,7 @@ class ForecastServer:
         self.holder = ModelHolder(model)
         process = functools.partial(run_batch, steps=self.metrics.steps)  # features and run timed per batch
         self.batcher: Batcher = MicroBatcher(process, config.max_batch, config.max_delay_s, config.batch_wait,
-                                             self.metrics, busy_poll=config.busy_poll)
+                                             self.metrics, busy_poll_s=config.busy_poll_ms / 1000.0)
         limits = Limits(config.max_batch, config.max_message_bytes, config.max_concurrent)
         self.servicer = ForecasterServicer(self.holder, self.batcher, self.metrics, limits)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs lacks health.aio
@@ -230,6 +231,13 @@ def build_server(config: ServerConfig, model: LoadedModel, access: Access | None
     return ForecastServer(config, model, access=access)
 
 
+def busy_poll_text(ms: float) -> str:
+    """How the start-up log line names --busy-poll."""
+    if not ms:
+        return ""
+    return ", busy poll" if ms == math.inf else f", busy poll for {ms:g} ms after each call"
+
+
 def access_summary(config: ServerConfig) -> str:
     """One log line on who can reach the server; warns where secrets or data travel in clear text."""
     tls = ("mutual TLS (client certificates required)" if config.tls_client_ca else "TLS") \
@@ -295,7 +303,7 @@ async def serve(config: ServerConfig) -> int:
     log.info("listening on %s (max message %d bytes, max batch %d, max delay %g ms, %s wait, max concurrent %d, "
              "%s event loop%s)", host_port(config.host, port), config.max_message_bytes, config.max_batch,
              config.max_delay_ms, config.batch_wait, config.max_concurrent, config.event_loop,
-             ", busy poll" if config.busy_poll else "")
+             busy_poll_text(config.busy_poll_ms))
     if config.metrics_port is not None:
         mport = server.metrics.serve_http(config.host, config.metrics_port)
         print(f"metrics on {host_port(config.host, mport)}", flush=True)

@@ -52,8 +52,9 @@ def server_args(config: ServerConfig, log_level: str) -> list[str]:
     ]
     args = [f"{flag}={value}" for flag, value in values if value is not None]
     args += [flag for flag, on in (("--reuse-port", config.reuse_port),
-                                   ("--stop-on-stdin-eof", config.stop_on_stdin_eof),
-                                   ("--busy-poll", config.busy_poll)) if on]
+                                   ("--stop-on-stdin-eof", config.stop_on_stdin_eof)) if on]
+    if config.busy_poll_ms:
+        args.append(f"--busy-poll={config.busy_poll_ms!r}")  # inf: always
     return args
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import filecmp
+import math
 import subprocess
 import sys
 import threading
@@ -405,7 +407,7 @@ def test_busy_poll_keeps_the_loop_running_while_idle_and_pauses_while_other_thre
 
     async def main(busy_poll: bool) -> dict[str, tuple[int, float]]:
         b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=0.0, inline_max_s=0.0,
-                                                      busy_poll=busy_poll)
+                                                      busy_poll_s=math.inf if busy_poll else 0.0)
         spin = b._spin
 
         def counted(gen: int) -> None:
@@ -427,7 +429,7 @@ def test_busy_poll_keeps_the_loop_running_while_idle_and_pauses_while_other_thre
         finally:
             await b.close()
         out["closed"] = await idle(0.2)
-        b2: MicroBatcher[str, int, int] = MicroBatcher(process, 4, 0.0, busy_poll=busy_poll)
+        b2: MicroBatcher[str, int, int] = MicroBatcher(process, 4, 0.0, busy_poll_s=math.inf if busy_poll else 0.0)
         b2._spin = counted  # type: ignore[method-assign]
         b2.start()
         assert b2._task is not None
@@ -448,6 +450,49 @@ def test_busy_poll_keeps_the_loop_running_while_idle_and_pauses_while_other_thre
     assert after - before <= 2 and cpu < 0.1, f"spun while the worker ran ({after - before} rounds, {cpu:.3f} s)"
     got = run(main(busy_poll=False))
     assert all(n == 0 and cpu < 0.1 for n, cpu in got.values()), f"without busy poll an idle loop sleeps: {got}"
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_busy_poll_for_a_time_polls_after_each_call_then_sleeps(loop: str) -> None:
+    """--busy-poll MS: the loop polls for MS after a call arrives or ends, so that the caller's next call
+    finds it awake, then sleeps (an idle server costs nothing); the next call starts it again. Spinning
+    is counted in loop rounds; not spinning also as CPU time."""
+    import uvloop
+
+    async def idle(seconds: float) -> tuple[int, float]:  # loop rounds spun and CPU time, while idle
+        n, c0 = spins[0], time.process_time()
+        await asyncio.sleep(seconds)
+        return spins[0] - n, time.process_time() - c0
+
+    async def main() -> dict[str, tuple[int, float]]:
+        b: MicroBatcher[str, int, int] = MicroBatcher(lambda key, ps: [p * 2 for p in ps], 4, 0.0,
+                                                      busy_poll_s=0.3)
+        spin = b._spin
+
+        def counted(gen: int) -> None:
+            spins[0] += 1
+            spin(gen)
+
+        b._spin = counted  # type: ignore[method-assign]
+        out: dict[str, tuple[int, float]] = {}
+        b.start()
+        try:
+            out["before any call"] = await idle(0.2)
+            for i in (1, 2):
+                assert await b.submit("m", i, 1) == 2 * i
+                out[f"right after call {i}"] = await idle(0.1)
+                await asyncio.sleep(0.25)  # the window ends 0.3 s after the call
+                out[f"idle after call {i}"] = await idle(0.2)
+        finally:
+            await b.close()
+        return out
+
+    spins = [0]
+    got = (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+    for when in ("right after call 1", "right after call 2"):
+        assert got[when][0] > 100, f"{when}: only {got[when][0]} loop rounds spun in 0.1 s"
+    for when in ("before any call", "idle after call 1", "idle after call 2"):
+        assert got[when][0] <= 2 and got[when][1] < 0.1, f"{when}: still spinning {got[when]}"
 
 
 
@@ -733,9 +778,28 @@ def test_a_worker_gets_every_setting_of_its_supervisor() -> None:
         device="cpu", device_id=2, threads=3, max_batch=48, max_delay_ms=1.5, batch_wait="fixed",
         max_concurrent=99, max_message_bytes=65536, metrics_port=9470, grace_s=2.5, tls_cert=Path("c.pem"),
         tls_key=Path("k.pem"), tls_client_ca=Path("ca.pem"), auth_token_file=Path("tokens"),
-        event_loop="asyncio", busy_poll=True)
+        event_loop="asyncio", busy_poll_ms=2.5)
     parser = build_parser()
     args = parser.parse_args(server_args(config, "WARNING"))
     assert config_from_args(parser, args) == config and args.log_level == "WARNING"
+    always = dataclasses.replace(config, busy_poll_ms=math.inf)
+    assert config_from_args(parser, parser.parse_args(server_args(always, "INFO"))) == always
     plain = ServerConfig(model_path=Path("m.onnx"))
     assert config_from_args(parser, parser.parse_args(server_args(plain, "INFO"))) == plain
+
+
+def test_busy_poll_flag_reads_off_always_or_milliseconds(capsys: pytest.CaptureFixture[str]) -> None:
+    from serving.__main__ import build_parser, config_from_args
+
+    parser = build_parser()
+
+    def busy_poll_ms(*flags: str) -> float:
+        return config_from_args(parser, parser.parse_args(["--model", "m.onnx", *flags])).busy_poll_ms
+
+    assert busy_poll_ms() == 0.0
+    assert busy_poll_ms("--busy-poll") == math.inf
+    assert busy_poll_ms("--busy-poll", "2") == 2.0 and busy_poll_ms("--busy-poll=0.5") == 0.5
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit) as exc:
+            busy_poll_ms(f"--busy-poll={bad}")
+        assert exc.value.code == 2 and "--busy-poll MS must be >= 0" in capsys.readouterr().err
