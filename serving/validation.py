@@ -174,6 +174,32 @@ def _check_time_range(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
                            "the int64 limit in the year 2262); send UTC nanoseconds since the Unix epoch")
 
 
+def _check_spacing(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
+    """Most gaps between the bars the model reads at least half the model's bar interval: bars much
+    closer than the ones it was trained on are timestamps in another unit (seconds, milliseconds,
+    microseconds sent as nanoseconds) or bars of a finer size, and would be forecast as if they were
+    the model's bars. (Wider gaps are left alone: a quiet market's bars skip intervals.)"""
+    half = meta.bar_interval_ns // 2
+    ts = s.timestamp_ns[-meta.bars_required:]  # strictly increasing (checked), and + half cannot overflow
+    short = int(np.count_nonzero(ts[1:] < ts[:-1] + half))  # _check_time_range bounds ts away from int64's max
+    if 2 * short <= ts.shape[0] - 1:
+        return
+    typical = int(np.median(np.diff(ts)))
+    raise RequestError(f"{_label(i, s.symbol)}: bars are {_span(typical)} apart (the median gap of the last "
+                       f"{ts.shape[0]} bars), but this model's bars are {_span(meta.bar_interval_ns)} apart "
+                       f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}); send timestamp_ns in UTC "
+                       "nanoseconds since the Unix epoch (seconds x 1e9), and bars of the model's size")
+
+
+def _span(ns: int) -> str:
+    """A duration as people read it: 60 s, 1.5 ms, 60 ns."""
+    for unit, size in (("h", 3_600_000_000_000), ("min", 60_000_000_000), ("s", 1_000_000_000),
+                       ("ms", 1_000_000), ("µs", 1_000)):
+        if abs(ns) >= size:
+            return f"{ns / size:g} {unit}"
+    return f"{ns} ns"
+
+
 def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
     """Every value and order rule holds (a fast conjunction of the rules `features.bars.validate` checks).
 
@@ -226,14 +252,14 @@ def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> None:
         _check_identity(i, s, meta, seen)
         _check_shape(i, s, meta)
         _check_time_range(i, s, meta)
-        if _looks_valid(s, user_columns):
-            continue
-        problems = _value_problems(i, s, user_columns) or _order_problem(i, s)
-        if not problems:  # the fast check and the contract disagree: still refuse, never guess
-            raise RequestError(f"{_label(i, s.symbol)}: bars break the bar contract (prices finite and > 0, "
-                               "low <= open, close <= high, volume >= 0, timestamps strictly increasing)")
-        more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
-        raise RequestError("; ".join(str(p) for p in problems[:MAX_PROBLEMS]) + more)
+        if not _looks_valid(s, user_columns):
+            problems = _value_problems(i, s, user_columns) or _order_problem(i, s)
+            if not problems:  # the fast check and the contract disagree: still refuse, never guess
+                raise RequestError(f"{_label(i, s.symbol)}: bars break the bar contract (prices finite and > 0, "
+                                   "low <= open, close <= high, volume >= 0, timestamps strictly increasing)")
+            more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
+            raise RequestError("; ".join(str(p) for p in problems[:MAX_PROBLEMS]) + more)
+        _check_spacing(i, s, meta)
 
 
 def parse_request(request: pb.PredictRequest, meta: ModelMeta) -> list[SeriesColumns]:

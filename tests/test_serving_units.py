@@ -104,7 +104,20 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
                                                    f"{2**63 - 1} is past the last time this model can forecast from"),
     ("NaN user", lambda: _req(series(), _user_nan()), "series[1] (NQ): column 'spread', row 3: user feature "
                                                       "'spread' is NaN or infinite"),
+    ("seconds sent as nanoseconds", lambda: _req(_spaced(series("NQ"), 1_704_103_200, 60)),
+     f"series[0] (NQ): bars are 60 ns apart (the median gap of the last {NEED} bars), but this model's bars are "
+     "1 min apart (GetModelInfo.bar_interval_ns = 60000000000); send timestamp_ns in UTC nanoseconds"),
+    ("milliseconds sent as nanoseconds", lambda: _req(_spaced(series(), 1_704_103_200_000, 60_000)),
+     "bars are 60 µs apart"),
+    ("bars finer than the model's", lambda: _req(series("NQ"), _spaced(series(), 1_704_103_200 * 10**9, 20 * 10**9)),
+     "series[1] (ES): bars are 20 s apart"),
 ]
+
+
+def _spaced(s: pb.Series, start: int, gap: int) -> pb.Series:
+    """The series with timestamps start, start + gap, ...: another unit than nanoseconds, or finer bars."""
+    s.timestamp_ns[:] = (start + gap * np.arange(len(s.timestamp_ns))).tolist()
+    return s
 
 
 def _late() -> pb.Series:
@@ -803,3 +816,12 @@ def test_busy_poll_flag_reads_off_always_or_milliseconds(capsys: pytest.CaptureF
         with pytest.raises(SystemExit) as exc:
             busy_poll_ms(f"--busy-poll={bad}")
         assert exc.value.code == 2 and "--busy-poll MS must be >= 0" in capsys.readouterr().err
+
+
+def test_bars_with_wider_gaps_or_a_few_short_ones_are_served() -> None:
+    """Only bars mostly much closer than the model's are refused: a quiet market's bars skip intervals,
+    and a few short gaps (a session's odd first bar) are not a unit mistake."""
+    sparse = _spaced(series(), 1_704_103_200 * 10**9, 5 * 60 * 10**9)  # 5-minute gaps
+    few_short = series("NQ")
+    few_short.timestamp_ns[3] = few_short.timestamp_ns[2] + 1  # one gap of 1 ns, one of 2 min - 1 ns
+    assert [len(s) for s in parse_request(_req(sparse, few_short), META)] == [NEED, NEED]
