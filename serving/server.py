@@ -211,8 +211,8 @@ class ForecastServer:
         self.holder.swap(new)
         self.metrics.set_model(new)
         self.metrics.reloads.labels("ok").inc()
-        log.info("reloaded: serving model %s (sha256 %s, provider %s); was %s", new.version, new.sha256[:12],
-                 new.provider, old.version)
+        log.info("reloaded: serving model %s (sha256 %s, provider %s); was %s (sha256 %s)", new.version,
+                 new.sha256[:12], new.provider, old.version, old.sha256[:12])
 
     async def stop(self, grace_s: float) -> None:
         """Health NOT_SERVING, refuse new calls, let in-flight ones finish within grace_s, stop the batcher."""
@@ -298,14 +298,21 @@ async def serve(config: ServerConfig) -> int:
              list(model.meta.quantiles), ",".join(model.meta.symbols))
     server = build_server(config, model, access)
     log.info("access: %s", access_summary(config))
+    mport = None
+    if config.metrics_port is not None:  # before the gRPC port: "listening on" means the whole server is up
+        try:
+            mport = server.metrics.serve_http(config.host, config.metrics_port)
+        except OSError as exc:
+            raise OSError(f"--metrics-port {config.metrics_port}: cannot serve metrics on "
+                          f"{host_port(config.host, config.metrics_port)}: {exc.strerror or exc}; pick a free port "
+                          "(0 picks one)") from None
     port = await server.start()
     print(f"listening on {host_port(config.host, port)}", flush=True)
     log.info("listening on %s (max message %d bytes, max batch %d, max delay %g ms, %s wait, max concurrent %d, "
              "%s event loop%s)", host_port(config.host, port), config.max_message_bytes, config.max_batch,
              config.max_delay_ms, config.batch_wait, config.max_concurrent, config.event_loop,
              busy_poll_text(config.busy_poll_ms))
-    if config.metrics_port is not None:
-        mport = server.metrics.serve_http(config.host, config.metrics_port)
+    if mport is not None:
         print(f"metrics on {host_port(config.host, mport)}", flush=True)
         log.info("metrics on http://%s/metrics", host_port(config.host, mport))
 

@@ -25,6 +25,7 @@ import asyncio
 import json
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -496,3 +497,23 @@ def test_the_io_binding_path_equals_session_run(tiny_model: Model) -> None:  # n
         for name, b, p in zip(model.output_names, bound, plain, strict=True):
             assert b.shape == p.shape and b.dtype == p.dtype, name
             np.testing.assert_array_equal(b, p, err_msg=name)
+
+
+@pytest.mark.parametrize("taken", ["port", "metrics-port"])
+def test_a_port_in_use_stops_the_start_with_a_message_naming_it(taken: str, tiny_model: Model,  # noqa: F811
+                                                                tmp_path: Path) -> None:
+    """Either port already taken: exit 2 with one line naming the flag's port, no traceback, and never
+    `listening` (a supervisor waiting for that line would take the server for up)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        ports = {"port": "0", "metrics-port": "0", taken: str(port)}
+        r = subprocess.run([sys.executable, "-m", "serving", "--model", str(tiny_model.model), "--device", "cpu",
+                            "--port", ports["port"], "--metrics-port", ports["metrics-port"]],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "listening" not in r.stdout and "Traceback" not in r.stderr and "Exception ignored" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and str(port) in lines[0], r.stderr[-2000:]
+    assert ("--metrics-port" in lines[0]) == (taken == "metrics-port"), lines
