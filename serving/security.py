@@ -31,6 +31,7 @@ import hmac
 import inspect
 import ipaddress
 import logging
+import ssl
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
@@ -113,7 +114,28 @@ def server_credentials(cert: Path, key: Path, client_ca: Path | None = None) -> 
     """TLS with this certificate chain and key; with `client_ca`, clients must present a certificate it signed."""
     pair = (read_pem(key, "private key", "--tls-key"), read_pem(cert, "certificate", "--tls-cert"))
     ca = read_pem(client_ca, "client CA certificate", "--tls-client-ca") if client_ca else None
+    check_tls_files(cert, key, client_ca)
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def check_tls_files(cert: Path, key: Path, client_ca: Path | None = None) -> None:
+    """ConfigError unless OpenSSL takes the certificate chain with this key, and the client CA file.
+
+    gRPC only finds out when it binds the port, and then reports a bind failure; this names the files.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:  # an encrypted key gets an empty password (never a prompt): gRPC cannot use one either
+        context.load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as exc:
+        raise ConfigError(f"--tls-cert {cert} with --tls-key {key}: OpenSSL refuses the pair ({exc.reason or exc}); "
+                          "give the certificate chain and its own unencrypted private key") from None
+    if client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=client_ca)
+        except ssl.SSLError as exc:
+            raise ConfigError(f"--tls-client-ca {client_ca}: OpenSSL cannot read a CA certificate from it "
+                              f"({exc.reason or exc}); give the PEM certificate(s) of the CA that signs client "
+                              "certificates") from None
 
 
 def is_loopback(host: str) -> bool:

@@ -300,6 +300,11 @@ def test_bad_access_files_stop_the_start_with_a_message(tmp_path: Path, pki: Pki
         (["--tls-cert", str(pki.server_cert), "--tls-key", str(tmp_path / "missing.key")], "--tls-key"),
         (["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--tls-client-ca", str(not_pem)],
          "--tls-client-ca"),
+        # PEM files that are not what the flag needs: found before the port is bound, and named
+        (["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.client_key)], "OpenSSL refuses the pair"),
+        (["--tls-cert", str(pki.server_key), "--tls-key", str(pki.server_cert)], "OpenSSL refuses the pair"),
+        (["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--tls-client-ca",
+          str(pki.client_key)], "--tls-client-ca"),
     ]
     for flags, message in cases:
         assert serve_main(["--model", str(model), "--port", "0", *flags]) == 2, flags
