@@ -45,7 +45,7 @@ from features.schema import (
 )
 from serving.cuda_libs import preload_cuda_libraries
 from serving.errors import DeviceUnavailable, ModelLoadError
-from serving.native_log import native_stderr, provider_failure_reason
+from serving.native_log import is_onnxruntime_line, native_stderr, provider_failure_reason, strip_ansi
 from serving.preprocess import INPUT_DTYPES
 
 log = logging.getLogger("serving")
@@ -192,9 +192,12 @@ def _no_gpu_reason() -> str:
     return ""
 
 
-def _cuda_session(model_bytes: bytes, path: str, device_id: int, threads: int) -> ort.InferenceSession:
+def _cuda_session(model_bytes: bytes, path: str, device_id: int, threads: int, quiet_failure: bool = False
+                  ) -> ort.InferenceSession:
     """A session whose main provider is CUDA (the CPU takes only what the CUDA provider hands it), or
-    DeviceUnavailable naming why not."""
+    DeviceUnavailable naming why not. ONNX Runtime's log lines of the attempt are echoed to stderr,
+    except with `quiet_failure` when it failed (--device auto: the fallback warning names the reason,
+    once, rather than a screenful of red on every start and reload of a CPU host)."""
     if CUDA_EP not in ort.get_available_providers():
         raise DeviceUnavailable(f"CUDA requested but this onnxruntime build ({ort.__version__}) has no CUDA "
                                 f"execution provider (available: {', '.join(ort.get_available_providers())}); "
@@ -204,9 +207,16 @@ def _cuda_session(model_bytes: bytes, path: str, device_id: int, threads: int) -
     # that every compute node runs on CUDA is what export's placement gate proved (checked in load_model)
     providers: list[str | tuple[str, dict[str, str]]] = [(CUDA_EP, {**CUDA_OPTIONS, "device_id": str(device_id)}),
                                                          CPU_EP]
-    with native_stderr(echo=True) as log_lines:
+    failed = False
+
+    def echoed(line: str) -> bool:
+        quiet = quiet_failure and failed  # ONNX Runtime's lines go, and the colour resets left between them
+        return not (quiet and (is_onnxruntime_line(line) or not strip_ansi(line).strip()))
+
+    with native_stderr(echo=echoed) as log_lines:
         session = _new_session(model_bytes, path, providers, _session_options(threads))
-    if session.get_providers()[0] != CUDA_EP:
+        failed = session.get_providers()[0] != CUDA_EP
+    if failed:
         why = provider_failure_reason(log_lines) or _no_gpu_reason() or "ONNX Runtime logged no reason"
         raise DeviceUnavailable(f"CUDA requested but ONNX Runtime could not create the CUDA execution provider "
                                 f"(the session fell back to {session.get_providers()}): {why}")
@@ -219,7 +229,7 @@ def _create_session(model_bytes: bytes, path: str, device: str, device_id: int, 
     if device == "cuda":
         return SessionPlacement(_cuda_session(model_bytes, path, device_id, threads), "cuda", "")
     try:  # auto
-        return SessionPlacement(_cuda_session(model_bytes, path, device_id, threads), "cuda", "")
+        return SessionPlacement(_cuda_session(model_bytes, path, device_id, threads, quiet_failure=True), "cuda", "")
     except DeviceUnavailable as exc:
         warning = f"--device auto fell back to the CPU: {exc}"
         log.warning("%s", warning)

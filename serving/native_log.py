@@ -11,16 +11,18 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_ORT_LINE = re.compile(r"\[[VIWEF]:onnxruntime:")
 
 
 @contextlib.contextmanager
-def native_stderr(echo: bool = False) -> Iterator[list[str]]:
+def native_stderr(echo: bool | Callable[[str], bool] = False) -> Iterator[list[str]]:
     """Redirect fd 2 inside the block; the yielded list is filled with the captured lines
     (ANSI colours removed) when the block ends. `echo` writes the raw text back to stderr,
-    so nothing logged meanwhile is lost."""
+    so nothing logged meanwhile is lost; a function writes back the raw lines it keeps (asked
+    when the block ends, so it can depend on what happened inside)."""
     lines: list[str] = []
     sys.stderr.flush()
     saved = os.dup(2)
@@ -34,9 +36,16 @@ def native_stderr(echo: bool = False) -> Iterator[list[str]]:
             os.close(saved)
             tmp.seek(0)
             text = tmp.read().decode("utf-8", errors="replace")
-            if echo:
+            if echo is True:
                 sys.stderr.write(text)
+            elif echo:
+                sys.stderr.write("".join(line for line in text.splitlines(keepends=True) if echo(line)))
             lines.extend(line.strip() for line in strip_ansi(text).splitlines() if line.strip())
+
+
+def is_onnxruntime_line(line: str) -> bool:
+    """A line of ONNX Runtime's own logger (`... [E:onnxruntime:Default, file.cc:12 fn] ...`)."""
+    return _ORT_LINE.search(strip_ansi(line)) is not None
 
 
 def strip_ansi(text: str) -> str:
