@@ -93,5 +93,6 @@ def nonfinite_problem(prepared: Prepared, series: Sequence[SeriesColumns], meta:
         b, t, v = (int(i[0]) for i in np.nonzero(~np.isfinite(x)))
         bar = len(series[b]) - meta.encoder_length + t
         return RequestError(f"series[{b}] ({series[b].symbol}): feature {names[v]!r} is not finite at bar {bar} "
-                            "of the bars used (the last bars_required); check the bars around it")
+                            "of the bars used (the last bars_required): a value beyond float32's range (about "
+                            "3.4e38) or a price jump that overflows; check the bars around it")
     return None

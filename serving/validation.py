@@ -10,7 +10,7 @@ as it does for a parquet file (the "file" being `series[i] (SYMBOL)`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -225,7 +225,19 @@ def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> 
             "close": s.close, "volume": s.volume} | {f"user:{u}": s.user[u] for u in user_columns}
     bars = Bars(s.timestamp_ns, part["symbol"], s.open, s.high, s.low, s.close, s.volume,
                 {u: s.user[u] for u in user_columns})
-    return validate(bars, [part], [_label(i, s.symbol)], WIRE_COLUMNS, user_columns)
+    return [_for_the_wire(p, s.symbol) for p in validate(bars, [part], [_label(i, s.symbol)], WIRE_COLUMNS,
+                                                         user_columns)]
+
+
+def _for_the_wire(p: Problem, symbol: str) -> Problem:
+    """A problem as the data contract words it for a parquet file, reworded where a request's fix differs
+    (a file's rows are sorted or dropped; a request's bars are sent differently)."""
+    if p.column == WIRE_COLUMNS.timestamp:  # the rule as written names the symbol, which the label already does
+        return replace(p, rule=p.rule.removesuffix(f"; symbol {symbol}"), fix="send the bars oldest first, one per "
+                                                                              "timestamp")
+    if p.rule.startswith("user feature "):
+        return replace(p, fix="send a finite value for every bar, as in the training data")
+    return p
 
 
 def _order_problem(i: int, s: SeriesColumns) -> list[Problem]:

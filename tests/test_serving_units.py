@@ -103,7 +103,11 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
     ("timestamp past 2262", lambda: _req(_late()), "series[0] (ES): column 'timestamp_ns', row 2: "
                                                    f"{2**63 - 1} is past the last time this model can forecast from"),
     ("NaN user", lambda: _req(series(), _user_nan()), "series[1] (NQ): column 'spread', row 3: user feature "
-                                                      "'spread' is NaN or infinite"),
+                                                      "'spread' is NaN or infinite. Fix: send a finite value for "
+                                                      "every bar"),
+    ("duplicate timestamp", lambda: _req(_with("timestamp_ns", 3, 1_704_103_200_000_000_000 + 2 * 60 * 10**9)),
+     "series[0] (ES): column 'timestamp_ns', row 3: duplicate timestamp within a symbol (rule: one bar per "
+     "timestamp). Fix: send the bars oldest first, one per timestamp"),
     ("seconds sent as nanoseconds", lambda: _req(_spaced(series("NQ"), 1_704_103_200, 60)),
      f"series[0] (NQ): bars are 60 ns apart (the median gap of the last {NEED} bars), but this model's bars are "
      "1 min apart (GetModelInfo.bar_interval_ns = 60000000000); send timestamp_ns in UTC nanoseconds"),
