@@ -49,6 +49,8 @@ log = logging.getLogger("serving")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Forecaster"].full_name  # foxhunt.tft.v1.Forecaster
 MiB = 1 << 20
+DRAIN_POLL_S = 0.005  # how often a SIGTERM drain looks whether the in-flight calls have finished
+DRAIN_SETTLE_S = 0.1  # the least time a SIGTERM drain lets the calls on their way at the signal arrive
 
 
 @dataclass(frozen=True)
@@ -215,13 +217,24 @@ class ForecastServer:
                  new.sha256[:12], new.provider, old.version, old.sha256[:12])
 
     async def stop(self, grace_s: float) -> None:
-        """Health NOT_SERVING, refuse new calls, let in-flight ones finish within grace_s, stop the batcher."""
+        """Health NOT_SERVING, refuse new calls, let in-flight ones finish within grace_s, stop the batcher.
+
+        gRPC's own shutdown starts once the in-flight Predict calls have finished, and DRAIN_SETTLE_S after
+        the signal at the earliest (grace_s at the latest): until then gRPC keeps handing the calls it
+        receives to the handler, which refuses them with UNAVAILABLE (retriable), the calls on their way at
+        the signal included. Calls gRPC holds unhanded when it shuts down are cancelled instead (CANCELLED,
+        grpc/grpc#41785); this leaves only calls that arrive in the last instant.
+        """
         self.servicer.ready = False
         self.servicer.draining = True
         self.metrics.ready.set(0)
         await self.health.enter_graceful_shutdown()
         started = time.monotonic()
-        await self.grpc.stop(grace_s)
+        settle = min(DRAIN_SETTLE_S, grace_s)
+        while (elapsed := time.monotonic() - started) < grace_s and (self.servicer.admission.active
+                                                                     or elapsed < settle):
+            await asyncio.sleep(DRAIN_POLL_S)
+        await self.grpc.stop(max(0.0, grace_s - (time.monotonic() - started)))
         await self.batcher.close()
         log.info("drained in %.3f s", time.monotonic() - started)
 
