@@ -2,7 +2,8 @@
 
     python -m benchmarks.serving_load --model model.onnx --parquet bars.parquet \
         [--concurrency 1,8,64] [--duration 10] [--device cpu] [--threads 1] [--channels 1]
-        [--server-arg=--workers=2] [--server-cpus 0-3] [--packed] [--client sync] [--no-floor] [--json out.json]
+        [--server-arg=--workers=2] [--server-cpus 0-3] [--packed] [--client sync] [--no-floor] [--idle 5]
+        [--json out.json]
 
 1. Starts the real server (`python -m serving --port 0 --device cpu|cuda`) on 127.0.0.1 and
    waits for health SERVING (or drives `--target HOST:PORT`, a server already running).
@@ -33,6 +34,8 @@
    faster than this row at concurrency 1, nor can Predict's throughput at the top level exceed
    this row's: it is what the gRPC stacks of client and server cost on this machine
    (`--no-floor` skips it).
+6. With `--idle S` (a server this script started): the server's CPU time over S seconds with no
+   call, after the levels, as a share of one core (what `--busy-poll` costs an idle server).
 
 Targets (issue 6): p50 at concurrency 1 within 1 ms of bare ONNX Runtime; throughput at 64
 at least 4x that at 1; zero errors.
@@ -81,6 +84,7 @@ from serving.preprocess import prepare
 from serving.validation import columns_from_proto
 
 REPO = Path(__file__).resolve().parents[1]
+IDLE_SETTLE_S = 0.5  # --idle: the wait after the last level before the idle clock starts
 IDLE_GAP_S = 0.001  # the diagnostic bare row: runs this far apart, about a concurrency-1 client's round trip
 PREDICT = "/foxhunt.tft.v1.Forecaster/Predict"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # the floor rows' method; b"" is its request (the whole server)
@@ -500,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="send user feature columns as one packed block (user_features_raw), not a field each")
     p.add_argument("--no-floor", action="store_true",
                    help="skip the gRPC floor rows (health Check at the lowest and highest concurrency)")
+    p.add_argument("--idle", type=float, default=0.0,
+                   help="after the levels, the server's CPU over this many idle seconds, as a share of a core "
+                        "(default 0: skip; only for a server this script starts)")
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = p.parse_args(argv)
     try:
@@ -514,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--server-cpus {exc}")
     if server_cpus is not None and args.target:
         p.error("--server-cpus pins a server this script starts; a --target server is already running")
+    if not args.idle >= 0 or (args.idle and args.target):
+        p.error("--idle S needs S >= 0, and a server this script starts (not --target)")
     loaded, bars = model_and_bars(p, args.model, args.parquet)
     meta = loaded.meta
     del loaded  # the bare rows load their own sessions
@@ -524,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.duration:g} s per level; ORT threads {args.threads}; {args.client} clients", flush=True)
 
     proc = None
+    idle_core_share = 0.0
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"serving_load.{os.getpid()}.log"
     results: list[Level] = []
     metrics: list[str] = []
@@ -551,6 +561,11 @@ def main(argv: list[str] | None = None) -> int:
                                      args.channels, floor=True, server_pid=proc.pid if proc else None,
                                      client=args.client))
             print(f"  gRPC floor, concurrency {c}: {results[-1].throughput:.0f} req/s", flush=True)
+        if args.idle and proc is not None:
+            time.sleep(IDLE_SETTLE_S)  # the last level's calls and scrape are over
+            before = server_cpu_s(proc.pid)
+            time.sleep(args.idle)
+            idle_core_share = (server_cpu_s(proc.pid) - before) / args.idle
     finally:
         stop_server(proc)
 
@@ -570,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["floor_p50_ms_at_1"] = round(floor[1].p50_ms, 3)
     if 1 in floor and 64 in floor and floor[1].throughput:
         summary["floor_64_over_1"] = round(floor[64].throughput / floor[1].throughput, 2)
+    if args.idle:
+        summary["idle_server_cpu_pct"] = round(100 * idle_core_share, 1)  # of one core
     print("summary: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, python "
           f"{platform.python_version()}, onnxruntime {ort.__version__}, grpcio {grpc.__version__}"

@@ -630,11 +630,13 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
     assert summary["p50_overhead_ms_at_1"] == pytest.approx(expected, abs=1e-3)
     assert "| server, concurrency 4" in done.stdout and report["client"] == "aio"
     # grpc's blocking stub, one thread per client: what a strategy engine calling from its own loop sees
-    sync = subprocess.run([*cmd, "--concurrency", "1,3", "--client", "sync", "--no-floor", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    # (and what the server costs while idle after it: next to nothing, as it sleeps between calls)
+    sync = subprocess.run([*cmd, "--concurrency", "1,3", "--client", "sync", "--no-floor", "--idle", "1", "--json",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert sync.returncode == 0, sync.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["client"] == "sync" and report["summary"]["errors"] == 0
+    assert 0 <= report["summary"]["idle_server_cpu_pct"] < 50, report["summary"]
     rows = {r["name"]: r for r in report["levels"]}
     for c in (1, 3):
         row = rows[f"server, concurrency {c}, sync client"]
