@@ -197,7 +197,10 @@ def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str) -> tuple[np.ndarr
     if pa.types.is_timestamp(t) or pa.types.is_integer(t):
         arr = pc.cast(col, pa.timestamp("ns", tz=t.tz)) if pa.types.is_timestamp(t) and t.unit != "ns" else col
         arr = pc.fill_null(arr.cast(pa.int64()), 0)  # nulls are reported from the null mask
-        return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64), None
+        ns = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
+        if pa.types.is_integer(t) and ns.size and 0 < (top := int(ns.max())) < PLAUSIBLE_NS:
+            return None, _unit_problem(file, name, top)
+        return ns, None
     return None, Problem(
         file,
         name,
@@ -205,6 +208,19 @@ def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str) -> tuple[np.ndarr
         f"timestamp has type {t}, expected int64 nanoseconds or a timestamp type",
         "write timestamps as int64 UTC nanoseconds or an arrow timestamp, or map another column with --time-col",
     )
+
+
+# Integer timestamps are nanoseconds. Ones that all fall before this (1973-03-03) are another unit: epoch
+# seconds reach 1e11 only in the year 5138, milliseconds 1e14 in 5138, microseconds 1e17 in 5138.
+PLAUSIBLE_NS = 10**17
+
+
+def _unit_problem(file: str, name: str, top: int) -> Problem:
+    unit, factor = (("seconds", 10**9) if top < 10**11 else ("milliseconds", 10**6) if top < 10**14
+                    else ("microseconds", 10**3))
+    return Problem(file, name, -1, f"integer timestamps (the latest {top}) read as nanoseconds all fall before "
+                   f"1973-03-03: they look like {unit} since the Unix epoch",
+                   f"write int64 UTC nanoseconds ({unit} x {factor:,}), or an arrow timestamp type with its unit")
 
 
 def _first_bad(mask: np.ndarray) -> tuple[int, int]:

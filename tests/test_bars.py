@@ -462,3 +462,20 @@ def test_order_rule_holds_at_extreme_timestamps(tmp_path: Path) -> None:
     with pytest.raises(BarDataError) as info:
         read_bars(path)
     assert any("decrease" in p.rule and p.row == 1 for p in info.value.problems)
+
+
+@pytest.mark.parametrize(("per_unit", "unit"), [(10**9, "seconds"), (10**6, "milliseconds"), (10**3, "microseconds")])
+def test_integer_timestamps_in_another_unit_are_refused_by_name(tmp_path: Path, per_unit: int, unit: str) -> None:
+    """int64 timestamps are nanoseconds; epoch seconds, milliseconds or microseconds would put the bars in
+    1970 and every calendar feature and bar interval off by that factor: refused, with the factor."""
+    cols = series_columns(0, 5, "ES")
+    in_unit = np.asarray(cols["timestamp"]) // per_unit
+    cols["timestamp"] = pa.array(in_unit, pa.int64())
+    with pytest.raises(BarDataError) as info:
+        read_bars(write_parquet(tmp_path / "x.parquet", cols))
+    [problem] = info.value.problems
+    assert problem.column == "timestamp" and f"look like {unit} since the Unix epoch" in problem.rule
+    assert f"{unit} x {per_unit:,}" in problem.fix
+    cols["timestamp"] = pa.array(in_unit, pa.int64()).cast(  # with its unit said: read as such
+        pa.timestamp({10**9: "s", 10**6: "ms", 10**3: "us"}[per_unit]))
+    assert read_bars(write_parquet(tmp_path / "y.parquet", cols)).timestamp_ns[0] == T0
