@@ -39,6 +39,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link where the file system allows one (no bytes copied), else a copy."""
+    if os.path.islink(src):
+        os.symlink(os.readlink(src), dst)
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 class Staging:
     """Stage files and directories; `commit()` publishes them, `discard()` (or an exception) removes them."""
 
@@ -60,7 +71,10 @@ class Staging:
         self._files.append((Path(tmp), target))
         _write(Path(tmp), data, self._mode)
 
-    def directory(self, target: Path, files: dict[str, bytes]) -> None:
+    def directory(self, target: Path, files: dict[str, bytes], keep_others: bool = False) -> None:
+        """Stage `target` holding `files` (relative path -> content). With `keep_others`, what an existing
+        `target` holds besides the top-level entries of `files` (other Triton versions, labels) is
+        carried into the staged copy as hard links (copies where links fail), so the swap keeps it."""
         if not target.parent.exists():
             missing = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
             target.parent.mkdir(parents=True)
@@ -72,6 +86,15 @@ class Staging:
             path = tmp / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             _write(path, data, self._mode)
+        if keep_others and target.is_dir():
+            ours = {Path(rel).parts[0] for rel in files}
+            for entry in target.iterdir():
+                if entry.name in ours:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.copytree(entry, tmp / entry.name, symlinks=True, copy_function=_link_or_copy)
+                else:
+                    _link_or_copy(str(entry), str(tmp / entry.name))
 
     def commit(self) -> None:
         """Publish: directories (swapping out any old one), then files (os.replace)."""

@@ -249,7 +249,7 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
                                       comment=f"written by `python -m export` from checkpoint sha256 "
                                               f"{meta.checkpoint_sha256}\nfoxhunt-tft {meta.precision} model, "
                                               f"version {meta.model_version}")
-                staging.directory(triton_dir, repository_files(data, config))
+                staging.directory(triton_dir, repository_files(data, config), keep_others=True)
             staging.commit()
     except OSError as exc:
         raise UsageError(f"cannot write the output: {exc}. Check the path and its permissions; nothing was "

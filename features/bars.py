@@ -55,6 +55,12 @@ class ColumnMap:
             g.add_argument(f"--{name}-col", default=name, help=f"{name} column")
         g.add_argument("--default-symbol", default="SERIES", help="symbol name when there is no symbol column")
 
+    def over(self, stored: dict[str, str]) -> ColumnMap:
+        """A stored map (a resumed run's) with this one's fields that differ from the defaults put over it:
+        the flags a command was given win, the ones it was not given leave the stored names."""
+        default = ColumnMap().to_dict()
+        return ColumnMap.from_dict({**stored, **{k: v for k, v in self.to_dict().items() if v != default[k]}})
+
     @staticmethod
     def from_args(args: argparse.Namespace) -> ColumnMap:
         return ColumnMap(

@@ -437,6 +437,24 @@ def test_staging_is_all_or_nothing(tmp_path: Path) -> None:
     shutil.rmtree(blocker)
 
 
+def test_a_new_export_into_a_triton_model_directory_keeps_what_else_it_holds(tmp_path: Path) -> None:
+    """Re-exporting replaces the config and version 1, and leaves the operator's other versions and files."""
+    repo = tmp_path / "repo" / "tft"
+    with Staging() as s:
+        s.directory(repo, {"config.pbtxt": b"old", "1/model.onnx": b"old"})
+        s.commit()
+    (repo / "2").mkdir()
+    (repo / "2" / "model.onnx").write_bytes(b"v2")
+    (repo / "labels.txt").write_text("ES\nNQ\n")
+    with Staging() as s:
+        s.directory(repo, {"config.pbtxt": b"new", "1/model.onnx": b"new"}, keep_others=True)
+        s.commit()
+    assert listing(repo) == ["1", "1/model.onnx", "2", "2/model.onnx", "config.pbtxt", "labels.txt"]
+    assert [(repo / p).read_bytes() for p in ("config.pbtxt", "1/model.onnx", "2/model.onnx", "labels.txt")] == \
+        [b"new", b"new", b"v2", b"ES\nNQ\n"]
+    assert listing(tmp_path / "repo") == ["tft", *(f"tft/{p}" for p in listing(repo))]  # no backup left behind
+
+
 # ---- on a GPU machine ------------------------------------------------------------------------------
 
 

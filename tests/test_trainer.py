@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +26,9 @@ from features.schema import (
 )
 from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, run
 from trainer.checkpoint import FORMAT, load_checkpoint
-from trainer.config import TrainConfig
+from trainer.config import ConfigError, TrainConfig, resumed_config
 from trainer.data import ROW_INPUTS, ROW_KNOWN, ROW_OBSERVED, ROW_WINDOW, WINDOW_ROWS, PreparedData, prepare
-from trainer.loop import Trainer
+from trainer.loop import Trainer, TrainingDiverged
 from trainer.metrics import forecast_metrics
 from trainer.modeling import TemporalFusionTransformer
 
@@ -263,10 +264,29 @@ def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path,
     last = load_checkpoint(out.with_suffix(".last.pt"))
     assert 1 <= last["epoch"] < 50
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--resume", str(out.with_suffix(".last.pt")),
-             "--epochs", str(last["epoch"] + 1), "--no-progress", "--no-report"])
+    resume = ["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--resume", str(out.with_suffix(".last.pt"))]
+    # the command says what machine the plan is for; the recipe stays the checkpoint's
+    r = run([*resume, "--plan-only", "--device", "cuda", "--vram-budget", "4GiB"])
+    assert r.returncode == 0 and "planned for a CUDA card" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    r = run([*resume, "--hidden-size", "16"])
+    assert r.returncode == 2 and "changes hidden_size 16 (the checkpoint's: 8)" in r.stderr, r.stderr[-2000:]
+    r = run([*resume, "--epochs", str(last["epoch"] + 1), "--no-progress", "--no-report"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert load_checkpoint(out.with_suffix(".last.pt"))["epoch"] == last["epoch"] + 1
+    assert f'"epochs": {last["epoch"] + 1}' in r.stderr and '"hidden_size": 8' in r.stderr  # the config it ran
+
+
+def test_a_resumed_run_keeps_its_recipe_and_takes_its_machine_from_the_command() -> None:
+    stored = TrainConfig(hidden_size=8, attention_heads=2, epochs=3, device="cuda", vram_budget="4GiB",
+                         learning_rate=3e-4)
+    now = TrainConfig(hidden_size=8, attention_heads=2, device="cpu")  # epochs and learning rate left at defaults
+    resumed = resumed_config(stored, now, {"hidden_size", "attention_heads", "device", "vram_budget"})
+    assert (resumed.device, resumed.vram_budget) == ("cpu", "")  # this machine's, given or not
+    assert resumed.epochs == 3 and resumed.learning_rate == 3e-4  # the run's own, not the defaults
+    assert resumed_config(stored, replace(now, epochs=5), {"epochs"}).epochs == 5
+    with pytest.raises(ConfigError) as info:
+        resumed_config(stored, replace(now, hidden_size=16, learning_rate=1.0), {"hidden_size", "learning_rate"})
+    assert "hidden_size 16 (the checkpoint's: 8); learning_rate 1.0 (the checkpoint's: 0.0003)" in str(info.value)
 
 
 def test_flags_override_config_file(tmp_path: Path, bars: Path) -> None:
@@ -296,6 +316,7 @@ def test_flags_override_config_file(tmp_path: Path, bars: Path) -> None:
         (["--resume", "missing.pt"], "no such checkpoint file"),
         (["--precision", "fp16", "--device", "cpu"], "needs CUDA"),
         (["--window-block", "-1"], "window_block must be >= 0"),
+        (["--threads", "-2"], "threads must be >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args: list[str], message: str) -> None:
@@ -306,6 +327,20 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args
     assert message in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("weight_decay", -1.0, "weight_decay must be >= 0"),
+    ("warmup_steps", -5, "warmup_steps must be >= 0"),
+    ("grad_clip", -1.0, "grad_clip must be >= 0"),
+    ("max_steps_per_epoch", -1, "max_steps_per_epoch must be >= 0"),
+    ("max_val_windows", -1, "max_val_windows must be >= 0"),
+    ("features", ("imbalance", "spread", "imbalance"), "features lists a column more than once (imbalance)"),
+])
+def test_config_refuses_what_it_cannot_train_with(field: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_dict({field: value}).validate()
+    assert message in str(info.value)
 
 
 def test_unknown_config_key_and_bad_bars_exit_2(tmp_path: Path) -> None:
@@ -324,6 +359,9 @@ def test_unknown_config_key_and_bad_bars_exit_2(tmp_path: Path) -> None:
     r = run(["-m", "trainer", "--parquet", str(tmp_path / "bad.parquet"), "--out", str(tmp_path / "x.pt")])
     assert r.returncode == 2
     assert "column 'close', row 10" in r.stderr and "Traceback" not in r.stderr
+    pq.write_table(t.slice(0, 0), tmp_path / "empty.parquet")  # the columns, no rows
+    r = run(["-m", "trainer", "--parquet", str(tmp_path / "empty.parquet"), "--out", str(tmp_path / "x.pt")])
+    assert r.returncode == 2 and "no bars (the file holds no rows)" in r.stderr and "Traceback" not in r.stderr
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"not a checkpoint")
     r = run(["-m", "trainer", "--parquet", str(bars), "--resume", str(corrupt)])
@@ -400,3 +438,27 @@ def test_validation_out_of_memory_halves_the_batch(tmp_path: Path, bars: Path,
     got = t.predict(anchors, batch=32)["quantiles"]
     assert injected and "validation batch halved to 16" in caplog.text
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_diverging_run_stops_with_a_message_and_saves_nothing_of_that_epoch(tmp_path: Path, bars: Path) -> None:
+    out = tmp_path / "ckpt.pt"
+    good = Trainer(bars, tiny_cfg(epochs=1), out, progress=False)
+    good.run()
+    kept = out.with_suffix(".last.pt").read_bytes()
+    # a learning rate no model survives: the loss leaves the floats in the first epoch
+    t = Trainer(bars, tiny_cfg(epochs=2, learning_rate=1e9, grad_clip=0.0), out, progress=False)
+    with pytest.raises(TrainingDiverged) as info:
+        t.run()
+    message = str(info.value)
+    assert "training diverged in epoch 1" in message and "no checkpoint was written" in message
+    assert "--learning-rate (now 1e+09)" in message and "--grad-clip (now 0" in message
+    assert out.with_suffix(".last.pt").read_bytes() == kept  # the earlier run's files are left alone ...
+    assert out.with_suffix(".metrics.jsonl").read_text() == ""  # ... but its metrics are not this run's
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_an_unusable_out_is_refused_before_any_training(tmp_path: Path, bars: Path) -> None:
+    (tmp_path / "adir").mkdir()
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "adir"), *TINY_TRAIN_FLAGS])
+    assert r.returncode == 1 and f"--out {tmp_path / 'adir'} is a directory" in r.stderr, r.stderr[-2000:]
+    assert "epoch 1" not in r.stderr and "Traceback" not in r.stderr

@@ -1,8 +1,9 @@
 """`python -m trainer --parquet bars.parquet`: train a TFT and write a resumable checkpoint.
 
-Exit status: 0 done, 1 an output could not be written (e.g. disk full; the previous checkpoint
-is intact), 2 bad arguments, config or data, or a VRAM budget that cannot hold the run (one
-clear message, no traceback), 3 out of device memory with nothing left to halve, 130
+Exit status: 0 done, 1 an output could not be written (e.g. disk full, or --out not writable,
+found before training; the previous checkpoint is intact), 2 bad arguments, config or data, a
+VRAM budget that cannot hold the run, or a loss that became NaN or infinite (one clear message,
+no traceback; nothing of the diverged epoch is saved), 3 out of device memory with nothing left to halve, 130
 interrupted (the last good checkpoint is intact either way).
 
 `--vram-budget 4GiB` plans micro-batch, accumulation and gradient checkpointing to fit the
@@ -13,7 +14,6 @@ on any machine (without CUDA it plans for a CUDA card from a CPU measurement).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -33,6 +33,7 @@ from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, add_config_flags, config_from_args
 from trainer.data import DataError
 from trainer.device import DeviceError
+from trainer.loop import TrainingDiverged
 from trainer.planner import PlanError
 from trainer.run import run_training
 
@@ -70,14 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        print("resolved config:\n" + json.dumps(cfg.to_dict(), indent=2), file=sys.stderr)
         return run_training(args, cfg)
     except BarDataError as exc:
         print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars:", file=sys.stderr)
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return 2
-    except (ConfigError, DataError, DeviceError, CheckpointError, PlanError) as exc:
+    except (ConfigError, DataError, DeviceError, CheckpointError, PlanError, TrainingDiverged) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except torch.OutOfMemoryError as exc:

@@ -22,6 +22,9 @@ class ConfigError(ValueError):
     """A config file or flag that cannot be used; the message says what to change."""
 
 
+# What a resumed run takes from its command rather than its checkpoint: the machine it runs on, and how
+# many epochs (when given). Everything else is the run's recipe, kept as the checkpoint holds it.
+RESUME_OVERRIDABLE = ("epochs", "device", "vram_budget", "threads", "grad_checkpointing", "precision")
 AUTO_WINDOW_BLOCK = 16  # window_block 0: blocks of 16 consecutive windows ...
 MIN_BLOCKS_PER_BATCH = 8  # ... but at least 8 blocks in a batch
 
@@ -74,6 +77,14 @@ class TrainConfig:
             (self.window_block >= 0, "window_block must be >= 0 (0 = automatic, 1 = every window shuffled on its "
              "own)"),
             (self.learning_rate > 0, "learning_rate must be > 0"),
+            (self.weight_decay >= 0, "weight_decay must be >= 0"),
+            (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
+            (self.grad_clip >= 0, "grad_clip must be >= 0 (0 = no clipping)"),
+            (self.max_steps_per_epoch >= 0, "max_steps_per_epoch must be >= 0 (0 = all)"),
+            (self.max_val_windows >= 0, "max_val_windows must be >= 0 (0 = all)"),
+            (self.threads >= 0, "threads must be >= 0 (0 = torch's default)"),
+            (len(set(self.features)) == len(self.features),
+             f"features lists a column more than once ({', '.join(self._repeated_features())}); name each once"),
             (self.patience >= 0, "patience must be >= 0"),
             (self.precision in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16"),
             (self.grad_checkpointing in ("auto", "on", "off"), "grad_checkpointing must be auto, on or off"),
@@ -87,6 +98,9 @@ class TrainConfig:
             self.model_config(n_observed=1, n_known=1, n_symbols=1).validate()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+    def _repeated_features(self) -> list[str]:
+        return sorted({f for f in self.features if self.features.count(f) > 1})
 
     def feature_config(self) -> FeatureConfig:
         return FeatureConfig(self.horizon, self.volatility_window, tuple(self.features))
@@ -193,6 +207,28 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg_{f.name}", default=None,
                        metavar="A,B" if listed else type(default).__name__.upper(),
                        help=f"{comments.get(f.name, '')} (default {shown})")
+
+
+def given_fields(args: argparse.Namespace) -> set[str]:
+    """The fields this command sets: in its --config file or as flags (the rest are defaults)."""
+    given = {f.name for f in fields(TrainConfig) if getattr(args, f"cfg_{f.name}", None) is not None}
+    if getattr(args, "config", None):
+        given |= set(load_toml(Path(args.config)))
+    return given
+
+
+def resumed_config(stored: TrainConfig, now: TrainConfig, given: set[str]) -> TrainConfig:
+    """A resumed run's config: the checkpoint's recipe, the hardware fields of this command, and its epochs
+    when given (else the checkpoint's, so the schedule is the one the run started). ConfigError naming each
+    field of the recipe that this command sets to another value than the checkpoint holds."""
+    changed = [f"{k} {getattr(now, k)!r} (the checkpoint's: {getattr(stored, k)!r})"
+               for k in sorted(given - set(RESUME_OVERRIDABLE)) if getattr(now, k) != getattr(stored, k)]
+    if changed:
+        raise ConfigError(f"--resume continues the run as its checkpoint configured it, but this command changes "
+                          f"{'; '.join(changed)}; drop those settings, or start a new run without --resume "
+                          f"(a resumed run may change only {', '.join(RESUME_OVERRIDABLE)})")
+    hardware = {k: getattr(now, k) for k in RESUME_OVERRIDABLE if k != "epochs"}
+    return replace(stored, **hardware, epochs=now.epochs if "epochs" in given else stored.epochs)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

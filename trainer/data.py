@@ -143,7 +143,13 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
     from features.windows import anchor_rows
 
     bars = read_bars(parquet, columns, tuple(cfg.features))
-    frame = build_frame(bars, cfg.feature_config(), symbols)
+    if len(bars) == 0:
+        raise DataError(f"{parquet}: no bars (the file holds no rows); give bars to train on")
+    try:
+        frame = build_frame(bars, cfg.feature_config(), symbols)
+    except ValueError as exc:  # symbols outside the vocabulary of the run being resumed
+        raise DataError(f"{exc}: a resumed run keeps its checkpoint's symbols; drop the other symbols' bars, or "
+                        "start a new run (without --resume) to train on them") from None
     h, L = cfg.horizon, cfg.encoder_length
     starts, ends, b_val, b_test, cuts = split_rows(frame, cfg.val_fraction, cfg.test_fraction)
     train = anchor_rows(frame, L, True, (starts, b_val))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from features import package_version
 from features.bars import ColumnMap
 from features.schema import TARGET
 from trainer.checkpoint import FORMAT, load_checkpoint, remove_stale_temp_files, save_atomic
-from trainer.config import TrainConfig
+from trainer.config import RESUME_OVERRIDABLE, TrainConfig, resumed_config
 from trainer.data import ROW_INPUTS, Normalization, PreparedData, prepare
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
 from trainer.distributed import init_from_env
@@ -36,7 +37,6 @@ from trainer.plan import TrainPlan, literal_plan
 log = logging.getLogger("trainer")
 
 VALIDATION_SAMPLE_WINDOWS = 256
-RESUME_OVERRIDABLE = ("epochs", "device", "vram_budget", "threads", "grad_checkpointing", "precision")
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,23 @@ def normalized_loss(out: TFTOutput, target: torch.Tensor, quantiles: torch.Tenso
     return pinball_loss(pred, target / target_scale[None, :], quantiles).mean()
 
 
+class TrainingDiverged(ValueError):
+    """The loss became NaN or infinite: nothing of that epoch is saved; the message says what to change."""
+
+
+def check_output(out: Path) -> None:
+    """Where the checkpoints go is usable, found before any training: OSError naming --out otherwise."""
+    if out.is_dir():
+        raise OSError(f"--out {out} is a directory; give the checkpoint's file name, e.g. {out / 'ckpt.pt'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as exc:
+        raise OSError(f"--out {out}: cannot write in {out.parent} ({exc.strerror or exc}); give a directory "
+                      "this user can write to") from None
+
+
 class Trainer:
     """One training run; `run()` trains until the epochs end or validation stops improving."""
 
@@ -92,7 +109,7 @@ class Trainer:
                  plan_fn: Callable[[TemporalFusionTransformer, PreparedData, torch.device, str], TrainPlan]
                  | None = None) -> None:
         self.paths = RunPaths.for_out(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
+        check_output(out)
         for stale in (*remove_stale_temp_files(self.paths.best), *remove_stale_temp_files(self.paths.last)):
             log.warning("removed %s, a partial write left by a killed run", stale)
         self.progress = progress
@@ -103,10 +120,9 @@ class Trainer:
             stored = TrainConfig.from_checkpoint(self.resume_state["train_config"])
             if cfg.epochs != stored.epochs:
                 log.info("resume: epochs %d -> %d", stored.epochs, cfg.epochs)
-            # the run's recipe comes from the checkpoint; the hardware it runs on from this command
-            now = cfg.to_dict()
-            cfg = TrainConfig.from_dict({**stored.to_dict(), **{k: now[k] for k in RESUME_OVERRIDABLE}})
-            self.columns = ColumnMap.from_dict(self.resume_state.get("column_map", self.columns.to_dict()))
+            # the run's recipe comes from the checkpoint; the hardware it runs on and its epochs from `cfg`
+            cfg = resumed_config(stored, cfg, set(RESUME_OVERRIDABLE))
+            self.columns = self.columns.over(self.resume_state.get("column_map", {}))
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -338,8 +354,11 @@ class Trainer:
             torch.from_numpy(self.data.train_anchors[:2]))), self.device)
         if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
             stopped_early = True
-        if self.resume_state is not None and self.dist.is_main:  # metrics restart from the checkpoint's history
+        if self.dist.is_main:  # metrics restart from the checkpoint's history, or afresh: one run per file
             self.paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            if self.resume_state is None and (old := [p for p in (self.paths.best, self.paths.last) if p.exists()]):
+                log.warning("%s: from an earlier run; this run replaces them as its epochs finish",
+                            ", ".join(str(p) for p in old))
         while self.epoch < self.cfg.epochs and not stopped_early:
             self.memory.start()
             train_stats = self.train_epoch()
@@ -347,6 +366,7 @@ class Trainer:
             self.memory.start()
             val_stats = self.validate()
             val_peak = self.memory.read()
+            self._check_finite(train_stats["train_loss"], val_stats["val_loss"])
             self.epoch += 1
             ran += 1
             improved = val_stats["val_loss"] < self.best_val
@@ -373,6 +393,17 @@ class Trainer:
             if stop_after_epochs is not None and ran >= stop_after_epochs:
                 break
         return TrainResult(self.paths, self.history, self.best_val, ran, stopped_early, self.plan)
+
+    def _check_finite(self, train_loss: float, val_loss: float) -> None:
+        if math.isfinite(train_loss) and math.isfinite(val_loss):
+            return
+        kept = (f"the last good checkpoint is intact: {self.paths.last} (epoch {self.epoch})" if self.epoch
+                else "no checkpoint was written")
+        raise TrainingDiverged(
+            f"training diverged in epoch {self.epoch + 1}: train loss {train_loss}, validation loss {val_loss}; "
+            f"{kept}. Lower --learning-rate (now {self.cfg.learning_rate:g}), set --grad-clip (now "
+            f"{self.cfg.grad_clip:g}; 0 = no clipping) or --precision fp32 (now {self.precision.name}), and check "
+            "the bars and user features for extreme values")
 
     def _log_epoch(self, r: dict[str, Any]) -> None:
         v, b = r["val"], r["baseline"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import torch
 
 from features.bars import ColumnMap
 from trainer.checkpoint import load_checkpoint
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, given_fields, resumed_config
 from trainer.data import PreparedData, prepare
 from trainer.device import resolve_device, resolve_precision
 from trainer.loop import Trainer
@@ -40,6 +41,7 @@ PlanFn = Callable[[TemporalFusionTransformer, PreparedData, torch.device, str], 
 
 def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     cfg = effective_config(args, cfg)
+    print("resolved config:\n" + json.dumps(cfg.to_dict(), indent=2), file=sys.stderr)
     budget = parse_budget(cfg.vram_budget) if cfg.vram_budget else 0
     if args.plan_only:
         return plan_only(args, cfg, budget)
@@ -55,11 +57,12 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
 
 
 def effective_config(args: argparse.Namespace, cfg: TrainConfig) -> TrainConfig:
-    """The config the run will use: on --resume the stored one (epochs from the flags), as the Trainer does."""
+    """The config the run will use: on --resume the checkpoint's recipe with this command's hardware fields
+    and epochs (when given); ConfigError when the command changes the recipe."""
     if not getattr(args, "resume", None):
         return cfg
     stored = TrainConfig.from_checkpoint(load_checkpoint(args.resume)["train_config"])
-    return replace(stored, epochs=cfg.epochs)
+    return resumed_config(stored, cfg, given_fields(args))
 
 
 def _no_cuda_reason() -> str:
@@ -135,8 +138,10 @@ def plan_only(args: argparse.Namespace, cfg: TrainConfig, budget: int) -> int:
     torch.manual_seed(cfg.seed)
     cuda_here = torch.cuda.is_available()
     wants_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and (cuda_here or budget > 0))
-    symbols = list(load_checkpoint(args.resume)["symbols"]) if getattr(args, "resume", None) else None
-    data = prepare(args.parquet, cfg, ColumnMap.from_args(args), symbols)
+    stored = load_checkpoint(args.resume) if getattr(args, "resume", None) else None
+    symbols = list(stored["symbols"]) if stored else None
+    columns = ColumnMap.from_args(args).over(stored.get("column_map", {})) if stored else ColumnMap.from_args(args)
+    data = prepare(args.parquet, cfg, columns, symbols)
     frame = data.frame
     model = TemporalFusionTransformer(cfg.model_config(len(frame.schema.observed), len(frame.schema.known),
                                                        len(frame.symbols)))
