@@ -33,6 +33,7 @@ from export.errors import ExportError, UsageError
 from export.onnx_export import DEFAULT_OPSET, MIN_OPSET
 from export.pipeline import ExportOptions, Tamper, run_export
 from export.triton import check_name
+from features.bars import ColumnMap
 
 MAX_OPSET = min(onnx.defs.onnx_opset_version(), 23)  # 23: the newest opset onnxruntime 1.31 runs
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of the checkpoint's saved validation sample")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for PyTorch and ONNX Runtime during the checks (default 1)")
+    ColumnMap.add_arguments(p)  # for --bars; names not given are the training run's
     return p
 
 
@@ -93,7 +95,7 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
     return ExportOptions(checkpoint=args.checkpoint, output=out, opset=args.opset, fp16=args.fp16,
                          explain=args.explain, require_device=args.require_device, triton_repo=args.triton_repo,
                          triton_name=args.triton_name, triton_max_batch_size=args.triton_max_batch_size,
-                         bars=args.bars, threads=args.threads)
+                         bars=args.bars, columns=ColumnMap.from_args(args), threads=args.threads)
 
 
 def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int:

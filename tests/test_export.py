@@ -26,6 +26,7 @@ from export.parity import make_cases
 from export.placement import PlacementReport, evaluate, is_shape_computation, profile_placement
 from export.runtime import CPU, probe
 from export.windows import saved_windows, windows_from_bars
+from features.bars import ColumnMap
 from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, FeatureSchema
@@ -402,7 +403,7 @@ def test_real_command_exit_status_and_help_text(tmp_path: Path) -> None:
 # ---- pieces ---------------------------------------------------------------------------------------
 
 
-def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransformer) -> None:
+def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransformer, tmp_path: Path) -> None:
     c = load_checkpoint(ckpt)
     rebuilt = windows_from_bars(ckpt.parent / "bars.parquet", c, torch_model.cfg)
     saved = saved_windows(c, torch_model.cfg)
@@ -410,6 +411,16 @@ def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransf
         assert rebuilt[name].shape[1:] == saved[name].shape[1:] and rebuilt[name].dtype == saved[name].dtype
     assert 1 < rebuilt[MODEL_INPUTS[0]].shape[0] <= 256
     assert all(np.isfinite(rebuilt[name]).all() for name in MODEL_INPUTS)
+    # the same bars under another time column's name: mapped as the trainer's flag maps it
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(ckpt.parent / "bars.parquet")
+    pq.write_table(table.rename_columns(["ts_event" if n == "timestamp" else n for n in table.column_names]),
+                   tmp_path / "renamed.parquet")
+    renamed = windows_from_bars(tmp_path / "renamed.parquet", c, torch_model.cfg, ColumnMap(timestamp="ts_event"))
+    for name in MODEL_INPUTS:
+        np.testing.assert_array_equal(renamed[name], rebuilt[name])
+    assert "--time-col" in build_parser().format_help()
 
 
 def test_staging_is_all_or_nothing(tmp_path: Path) -> None:
