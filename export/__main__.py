@@ -24,8 +24,10 @@ exit status:
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 
 import onnx
 
@@ -98,6 +100,10 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
                          bars=args.bars, columns=ColumnMap.from_args(args), threads=args.threads)
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int:
     """Run the export; returns the exit status. `_tamper` is a test hook (see pipeline.run_export)."""
     args = build_parser().parse_args(argv)
@@ -114,4 +120,5 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends it as Ctrl-C does: exit 130, nothing written
     sys.exit(main())

@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--start {args.start!r}: expected a date as YYYY-MM-DD")
     if args.extra_features < 0:
         p.error("--extra-features must be >= 0")
+    if args.out.is_dir():
+        p.error(f"--out {args.out} is a directory; give the parquet file's name, e.g. {args.out / 'bars.parquet'}")
     table = generate(symbols, args.bars, args.seed, start, args.extra_features)
     write_parquet_atomic(table, args.out)
     print(f"wrote {table.num_rows} bars ({len(symbols)} symbols x {args.bars}) to {args.out}", file=sys.stderr)

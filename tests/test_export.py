@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,7 @@ from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, FeatureSchema
 from serving.native_log import provider_failure_reason
-from tests.artifacts import make_checkpoint, make_onnx, run
+from tests.artifacts import REPO, make_checkpoint, make_onnx, run
 from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, model_from_checkpoint
 from trainer.modeling import TemporalFusionTransformer
 
@@ -421,6 +424,24 @@ def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransf
     for name in MODEL_INPUTS:
         np.testing.assert_array_equal(renamed[name], rebuilt[name])
     assert "--time-col" in build_parser().format_help()
+
+
+def test_sigterm_interrupts_the_export_as_ctrl_c_does(ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "model.onnx"
+    proc = subprocess.Popen([sys.executable, "-m", "export", str(ckpt), str(out)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the export has begun: the checkpoint is loaded
+            if "exporting with" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 130, err[-2000:]
+    finally:
+        proc.kill()
+    assert "interrupted; nothing was written" in err and "Traceback" not in err
+    assert listing(tmp_path) == []
 
 
 def test_staging_is_all_or_nothing(tmp_path: Path) -> None:

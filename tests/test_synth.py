@@ -171,10 +171,10 @@ def test_cli_writes_readable_bars(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "words"),
     [(["--bars", "0"], "--bars"), (["--bars", "x"], "--bars"), (["--symbols", " , "], "--symbols"),
-     (["--start", "2024-13-45"], "--start"), ([], "--out")],
+     (["--start", "2024-13-45"], "--start"), ([], "--out"), (["--out", "."], "is a directory")],
 )
 def test_cli_bad_arguments(tmp_path: Path, args: list[str], words: str) -> None:
-    out = [] if words == "--out" else ["--out", str(tmp_path / "x.parquet")]
+    out = [] if "--out" in args or words == "--out" else ["--out", str(tmp_path / "x.parquet")]
     res = run_synth(*out, *args)
     assert res.returncode == 2
     assert words in res.stderr and "Traceback" not in res.stderr
