@@ -305,8 +305,12 @@ def _columns_of(
     part["timestamp_null"] = np.asarray(table.column(cmap.timestamp).is_null().to_numpy(zero_copy_only=False))
     n = table.num_rows
     if cmap.symbol in names:
-        part["symbol"] = np.asarray(table.column(cmap.symbol).cast(pa.string()).to_numpy(zero_copy_only=False),
-                                    dtype=object)
+        symbol = table.column(cmap.symbol)
+        if symbol.null_count:  # a null would become a series named "None"
+            row, count = _first_bad(np.asarray(symbol.is_null().to_numpy(zero_copy_only=False)))
+            problems.append(Problem(fname, cmap.symbol, row, "symbol is null", "fill in the symbol, or drop those rows",
+                                    count))
+        part["symbol"] = np.asarray(symbol.cast(pa.string()).to_numpy(zero_copy_only=False), dtype=object)
     else:
         part["symbol"] = np.full(n, cmap.default_symbol, dtype=object)
     for fld in (*PRICE_COLUMNS, "volume"):

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {problem}", file=sys.stderr)
         return 2
     print(summarize(bars))
+    if len(bars) == 0:
+        print(f"{args.path}: no bars (the files hold no rows): nothing to train on", file=sys.stderr)
+        return 2
     print("no problems found")
     return 0
 

@@ -438,6 +438,9 @@ def test_check_cli_on_bad_file(tmp_path: Path) -> None:
         assert len(matching) == 1, res.stderr
         assert str(path) in matching[0] and row in matching[0] and "Fix:" in matching[0], matching[0]
     assert "(2 rows affected)" in next(line for line in lines if "'low'" in line)
+    empty = write_parquet(tmp_path / "empty.parquet", {k: v[:0] for k, v in good_columns().items()})
+    res = run_check(str(empty))
+    assert res.returncode == 2 and "rows: 0" in res.stdout and "no bars (the files hold no rows)" in res.stderr
 
 
 def test_check_cli_on_missing_path_and_mapping(tmp_path: Path) -> None:
@@ -479,3 +482,13 @@ def test_integer_timestamps_in_another_unit_are_refused_by_name(tmp_path: Path, 
     cols["timestamp"] = pa.array(in_unit, pa.int64()).cast(  # with its unit said: read as such
         pa.timestamp({10**9: "s", 10**6: "ms", 10**3: "us"}[per_unit]))
     assert read_bars(write_parquet(tmp_path / "y.parquet", cols)).timestamp_ns[0] == T0
+
+
+def test_a_null_symbol_is_refused_with_its_row(tmp_path: Path) -> None:
+    cols = series_columns(0, 6, "ES")
+    cols["symbol"][2] = None
+    cols["symbol"][4] = None
+    with pytest.raises(BarDataError) as info:
+        read_bars(write_parquet(tmp_path / "x.parquet", cols))
+    [problem] = info.value.problems
+    assert (problem.column, problem.row, problem.rule, problem.count) == ("symbol", 2, "symbol is null", 2)
