@@ -99,6 +99,11 @@ def load(opts: ExportOptions) -> tuple[dict[str, Any], TemporalFusionTransformer
         raise UsageError(f"{opts.checkpoint}: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise UsageError(f"{opts.checkpoint}: the stored model config is unusable: {exc}") from None
+    for name, tensor in model.state_dict().items():  # else parity compares NaN with NaN and blames the graph
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise UsageError(f"{opts.checkpoint}: weight {name!r} holds NaN or infinite values: the run that wrote "
+                             "it diverged; export a checkpoint from before (the run's best, ckpt.pt, or retrain "
+                             "with a lower --learning-rate)")
     return ckpt, model, file_sha256(opts.checkpoint)
 
 

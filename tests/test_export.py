@@ -350,7 +350,7 @@ class NotAWeight:
     """Pickled into a checkpoint: loading it would need code, so weights_only refuses it."""
 
 
-@pytest.mark.parametrize("kind", ["missing", "corrupt", "truncated", "pickled"])
+@pytest.mark.parametrize("kind", ["missing", "corrupt", "truncated", "pickled", "diverged"])
 def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "in" / "ckpt.pt"
@@ -361,13 +361,19 @@ def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
         bad.write_bytes(ckpt.read_bytes()[:5000])
     elif kind == "pickled":
         torch.save({"format": FORMAT, "model_config": NotAWeight()}, bad)
+    elif kind == "diverged":  # a readable checkpoint whose weights went NaN
+        state = load_checkpoint(ckpt)
+        name = next(k for k, v in state["model_state"].items() if v.is_floating_point())
+        state["model_state"][name] = torch.full_like(state["model_state"][name], float("nan"))
+        torch.save(state, bad)
     out = tmp_path / "out"
     out.mkdir()
     assert main([str(bad), str(out / "model.onnx")]) == 2
     err = capsys.readouterr().err
     assert listing(out) == []
     expected = {"missing": "no such checkpoint file", "corrupt": "not a readable checkpoint",
-                "truncated": "not a readable checkpoint", "pickled": "refused"}[kind]
+                "truncated": "not a readable checkpoint", "pickled": "refused",
+                "diverged": "holds NaN or infinite values: the run that wrote it diverged"}[kind]
     assert expected in err and "nothing was written" in err
 
 
