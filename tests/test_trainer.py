@@ -462,3 +462,25 @@ def test_an_unusable_out_is_refused_before_any_training(tmp_path: Path, bars: Pa
     r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "adir"), *TINY_TRAIN_FLAGS])
     assert r.returncode == 1 and f"--out {tmp_path / 'adir'} is a directory" in r.stderr, r.stderr[-2000:]
     assert "epoch 1" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_symbols_the_model_cannot_learn_or_space_rightly_are_warned_about(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from features.synth import generate
+
+    table = generate(["ES", "NQ", "CL"], 1500, seed=3)  # 1,500 one-minute bars each, symbol after symbol
+    symbol, row = table.column("symbol"), pa.array(np.arange(table.num_rows))
+    keep = pc.or_(pc.equal(symbol, "ES"),
+                  pc.or_(pc.and_(pc.equal(symbol, "NQ"), pc.equal(pc.bit_wise_and(row, 3), 0)),  # every 4th bar
+                         pc.and_(pc.equal(symbol, "CL"), pc.less(row, 2 * 1500 + 10))))  # CL's first 10 bars
+    pq.write_table(table.filter(keep), tmp_path / "bars.parquet")
+    with caplog.at_level("WARNING", logger="trainer"):
+        prepare(tmp_path / "bars.parquet", tiny_cfg())
+    text = caplog.text
+    assert "symbol CL has no training window (10 bars" in text
+    assert "symbol NQ: its bars are mostly 240 s apart, the run's bar interval is 60 s" in text
+    assert "symbol ES" not in text

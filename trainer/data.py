@@ -7,6 +7,7 @@ target of one split overlaps the next. Normalisation is fitted on the training r
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from features.bars import ColumnMap, read_bars
-from features.compute import FeatureFrame, build_frame, future_timestamps, known_features
+from features.compute import FeatureFrame, build_frame, future_timestamps, infer_bar_interval_ns, known_features
 from features.normalize import NormStats
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
 from trainer.config import TrainConfig
@@ -113,6 +114,9 @@ def unshared_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
+log = logging.getLogger("trainer")
+
+
 @dataclass
 class PreparedData:
     frame: FeatureFrame
@@ -135,6 +139,25 @@ def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -
     b_val = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_val) for s, e in frame.series_bounds])
     b_test = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_test) for s, e in frame.series_bounds])
     return starts, ends, b_val, b_test, np.array([cut_val, cut_test])
+
+
+def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int) -> None:
+    """Warn about a symbol the model will know but not have learnt (no training window: its embedding
+    stays as initialised, yet the server forecasts it), and about one whose bars are mostly spaced
+    unlike the run's bar interval (its decoder's future times would be spaced wrongly)."""
+    anchors = np.sort(train_anchors)
+    for s, e in frame.series_bounds:
+        symbol = frame.symbols[int(frame.series_id[s])]
+        if np.searchsorted(anchors, e) == np.searchsorted(anchors, s):
+            log.warning("symbol %s has no training window (%d bars; a window needs %d of one symbol in the training "
+                        "split): the model will know it but not have learnt it; give it more bars or leave it out",
+                        symbol, e - s, need)
+        own = infer_bar_interval_ns(frame.timestamp_ns, np.array([[s, e]]))
+        if own and own != frame.bar_interval_ns:
+            log.warning("symbol %s: its bars are mostly %.6g s apart, the run's bar interval is %.6g s (the most "
+                        "common spacing of all bars): its forecasts' future bar times would be spaced by the "
+                        "latter; train bars of different sizes separately", symbol, own / 1e9,
+                        frame.bar_interval_ns / 1e9)
 
 
 def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = None,
@@ -176,6 +199,7 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
             known=NormStats.fit(frame.known, train_rows),
             target_scale=NormStats.fit(frame.targets, train).std,
         )
+    warn_about_series(frame, train, cfg.volatility_window + L + h)
     clim = np.quantile(frame.targets[train], cfg.quantiles, axis=0).T.astype(np.float32)  # [H, Q]
     return PreparedData(frame, WindowTensors(frame, L), train, val, test, normalization, clim,
                         (int(cuts[0]), int(cuts[1])))
