@@ -484,3 +484,18 @@ def test_symbols_the_model_cannot_learn_or_space_rightly_are_warned_about(tmp_pa
     assert "symbol CL has no training window (10 bars" in text
     assert "symbol NQ: its bars are mostly 240 s apart, the run's bar interval is 60 s" in text
     assert "symbol ES" not in text
+
+
+def test_the_best_model_is_scored_once_on_the_held_out_test_split(tmp_path: Path, bars: Path) -> None:
+    from trainer.run import test_best
+
+    t = Trainer(bars, tiny_cfg(epochs=2, test_fraction=0.15), tmp_path / "ckpt.pt", progress=False)
+    t.run()
+    result = test_best(t)
+    written = json.loads((tmp_path / "ckpt.test.json").read_text())
+    assert written["epoch"] == t.best_epoch and written["test_windows"] == t.data.test_anchors.size > 0
+    assert written["test_loss"] == pytest.approx(result["test_loss"]) and np.isfinite(written["test_loss"])
+    assert set(written["test"]) >= {"coverage", "q_risk", "pinball"} and "baseline" in written
+    # the test windows come after the validation windows in time: never seen by training nor by model choice
+    frame = t.data.frame
+    assert frame.timestamp_ns[t.data.test_anchors].min() > frame.timestamp_ns[t.data.val_anchors].max()

@@ -47,11 +47,13 @@ class RunPaths:
     last: Path  # end of the latest epoch: what --resume takes
     metrics: Path  # one JSON object per epoch
     report: Path  # loss curves, fan chart, importances, attention
+    test: Path  # the best model on the test split (with --test-fraction)
 
     @staticmethod
     def for_out(out: Path) -> RunPaths:
         stem = out.with_suffix("")
-        return RunPaths(out, Path(f"{stem}.last.pt"), Path(f"{stem}.metrics.jsonl"), Path(f"{stem}.report.png"))
+        return RunPaths(out, Path(f"{stem}.last.pt"), Path(f"{stem}.metrics.jsonl"), Path(f"{stem}.report.png"),
+                        Path(f"{stem}.test.json"))
 
 
 @dataclass
@@ -296,15 +298,19 @@ class Trainer:
                 log.warning("out of memory in validation: validation batch halved to %d", size)
 
     def validate(self) -> dict[str, Any]:
-        anchors = self.data.val_anchors
+        return self.evaluate(self.data.val_anchors, "val")
+
+    def evaluate(self, anchors: np.ndarray, split: str) -> dict[str, Any]:
+        """The model's loss and forecast metrics on these windows, beside the climatology baseline's:
+        `{split}_loss`, `{split}` (metrics), `baseline`, `{split}_windows`."""
         pred = self.predict(anchors)["quantiles"]  # [W, H, Q]
         target = self.data.frame.targets[anchors]  # [W, H]
         scale = self.data.normalization.target_scale
         q = tuple(self.cfg.quantiles)
-        val_loss = float((pinball(pred / scale[None, :, None], target / scale[None, :], np.asarray(q))).mean())
+        loss = float((pinball(pred / scale[None, :, None], target / scale[None, :], np.asarray(q))).mean())
         base = climatology_forecast(self.data.climatology, anchors.size)
-        return {"val_loss": val_loss, "val": forecast_metrics(pred, target, q),
-                "baseline": forecast_metrics(base, target, q), "val_windows": int(anchors.size)}
+        return {f"{split}_loss": loss, split: forecast_metrics(pred, target, q),
+                "baseline": forecast_metrics(base, target, q), f"{split}_windows": int(anchors.size)}
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

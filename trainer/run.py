@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -50,6 +51,8 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     result = trainer.run()
     if not args.no_report and result.history:
         _report(trainer)
+    if trainer.data.test_anchors.size and result.history and trainer.dist.is_main:
+        test_best(trainer)
     log.info("best validation loss %.5f at epoch %d; checkpoint %s (resume from %s), metrics %s%s",
              trainer.best_val, trainer.best_epoch, result.paths.best, result.paths.last, result.paths.metrics,
              "" if args.no_report else f", report {result.paths.report}")
@@ -172,6 +175,23 @@ def plan_only(args: argparse.Namespace, cfg: TrainConfig, budget: int) -> int:
              report.plan.micro_batch, report.plan.accumulation, "on" if report.plan.grad_checkpointing else "off",
              format_bytes(report.plan.estimate_bytes), report.seconds)
     return 0
+
+
+def test_best(trainer: Trainer) -> dict[str, Any]:
+    """The best checkpoint's metrics on the held-out test split, logged and written beside it (once, at the
+    end: the test split chose nothing, unlike validation, which chose the epoch)."""
+    best = load_checkpoint(trainer.paths.best)
+    trainer.model.load_state_dict(best["model_state"])
+    result = {"epoch": int(best["epoch"]), **trainer.evaluate(trainer.data.test_anchors, "test")}
+    tmp = trainer.paths.test.with_name(f".{trainer.paths.test.name}.tmp")  # written whole or not at all
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, trainer.paths.test)
+    t, b = result["test"], result["baseline"]
+    log.info("test split, best model (epoch %d), %d windows: loss %.4f; coverage model %.1f%% baseline %.1f%% "
+             "(nominal %.0f%%); q-risk model/baseline %s -> %s", result["epoch"], result["test_windows"],
+             result["test_loss"], 100 * t["coverage"], 100 * b["coverage"], 100 * t["nominal_coverage"],
+             " ".join(f"q{q}={t['q_risk'][q]:.4f}/{b['q_risk'][q]:.4f}" for q in t["q_risk"]), trainer.paths.test)
+    return result
 
 
 def _report(trainer: Trainer) -> None:
