@@ -8,6 +8,7 @@ raise ``BarDataError`` carrying all problems found; command-line tools print the
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,9 +186,16 @@ def _list_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():  # hidden and temporary files (".x", "_x") are skipped, as pyarrow's datasets do
-        return sorted(p for p in path.rglob("*.parquet")
-                      if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts))
+        return sorted((p for p in path.rglob("*.parquet")
+                       if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)),
+                      key=_natural_key)
     return []
+
+
+def _natural_key(path: Path) -> tuple[tuple[int, int | str], ...]:
+    """Path order with numbers compared as numbers: part-2 before part-10, as people number their files."""
+    return tuple((0, int(piece)) if piece.isdigit() else (1, piece)
+                 for piece in re.split(r"(\d+)", path.as_posix()) if piece)
 
 
 def _hive_partitions(file: Path, root: Path) -> dict[str, str]:

@@ -310,6 +310,16 @@ def test_order_is_checked_across_files(tmp_path: Path) -> None:
     assert "decrease" in p.rule and "ES" in p.rule
 
 
+def test_numbered_files_are_read_in_number_order(tmp_path: Path) -> None:
+    """part-2 before part-10 (as people number files), not after it as plain text order puts it."""
+    root = tmp_path / "bars"
+    for k in (1, 2, 10):
+        write_parquet(root / f"part-{k}.parquet", series_columns(10 * k, 10 * k + 5, "ES"))
+    bars = read_bars(root)
+    assert bars.files == [str(root / f"part-{k}.parquet") for k in (1, 2, 10)]
+    assert (np.diff(bars.timestamp_ns) > 0).all()
+
+
 def test_duplicate_across_files(tmp_path: Path) -> None:
     root = tmp_path / "bars"
     write_parquet(root / "a.parquet", series_columns(0, 5, "ES"))
