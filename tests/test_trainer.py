@@ -499,3 +499,15 @@ def test_the_best_model_is_scored_once_on_the_held_out_test_split(tmp_path: Path
     # the test windows come after the validation windows in time: never seen by training nor by model choice
     frame = t.data.frame
     assert frame.timestamp_ns[t.data.test_anchors].min() > frame.timestamp_ns[t.data.val_anchors].max()
+
+
+def test_a_config_file_key_set_in_two_sections_is_refused(tmp_path: Path) -> None:
+    from trainer.config import load_toml
+
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text("epochs = 2\n[model]\nhidden_size = 12\n[data]\nhorizon = 4\n")
+    assert load_toml(cfg) == {"epochs": 2, "hidden_size": 12, "horizon": 4}
+    cfg.write_text("[model]\nhidden_size = 12\n[train]\nhidden_size = 16\n")
+    with pytest.raises(ConfigError) as info:
+        load_toml(cfg)
+    assert "'hidden_size' is set in [model] and in [train]; set it once" in str(info.value)

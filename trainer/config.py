@@ -182,11 +182,13 @@ def load_toml(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
     flat: dict[str, Any] = {}
-    for k, v in raw.items():
-        if isinstance(v, dict):
-            flat.update(v)
-        else:
-            flat[k] = v
+    where: dict[str, str] = {}
+    for section, table in ((k, v) if isinstance(v, dict) else ("", {k: v}) for k, v in raw.items()):
+        for k, v in table.items():
+            if k in flat:  # sections are flattened: one key in two of them would silently lose one value
+                raise ConfigError(f"--config {path}: {k!r} is set in {where[k] or 'the top level'} and in "
+                                  f"{f'[{section}]' if section else 'the top level'}; set it once")
+            flat[k], where[k] = v, f"[{section}]" if section else ""
     return flat
 
 
