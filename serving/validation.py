@@ -10,7 +10,7 @@ as it does for a parquet file (the "file" being `series[i] (SYMBOL)`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -233,10 +233,11 @@ def _for_the_wire(p: Problem, symbol: str) -> Problem:
     """A problem as the data contract words it for a parquet file, reworded where a request's fix differs
     (a file's rows are sorted or dropped; a request's bars are sent differently)."""
     if p.column == WIRE_COLUMNS.timestamp:  # the rule as written names the symbol, which the label already does
-        return replace(p, rule=p.rule.removesuffix(f"; symbol {symbol}"), fix="send the bars oldest first, one per "
-                                                                              "timestamp")
+        return Problem(p.file, p.column, p.row, p.rule.removesuffix(f"; symbol {symbol}"),
+                       "send the bars oldest first, one per timestamp", p.count)
     if p.rule.startswith("user feature "):
-        return replace(p, fix="send a finite value for every bar, as in the training data")
+        return Problem(p.file, p.column, p.row, p.rule, "send a finite value for every bar, as in the training data",
+                       p.count)
     return p
 
 
