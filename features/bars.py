@@ -188,7 +188,7 @@ def _list_files(path: Path) -> list[Path]:
     if path.is_dir():  # hidden and temporary files (".x", "_x") are skipped, as pyarrow's datasets do
         return sorted((p for p in path.rglob("*.parquet")
                        if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)),
-                      key=_natural_key)
+                      key=lambda p: (_natural_key(p), p.as_posix()))  # a01 and a1: text order decides
     return []
 
 

@@ -393,3 +393,14 @@ def test_token_file_permissions_are_warned_about(tmp_path: Path, caplog: pytest.
     os.chmod(path, 0o600)
     read_tokens(path)
     assert "readable" not in caplog.text
+
+
+def test_a_weak_but_matching_tls_pair_is_left_to_grpc(tmp_path: Path) -> None:
+    """The pair check judges whether key and certificate belong together, not how strong they are: gRPC
+    serves a 1024-bit RSA key, which OpenSSL's default security level would refuse."""
+    from serving.security import check_tls_files
+
+    _openssl("req", "-x509", "-newkey", "rsa:1024", "-nodes", "-keyout", "k.pem", "-out", "c.pem", "-days", "1",
+             "-subj", "/CN=weak", cwd=tmp_path)
+    check_tls_files(tmp_path / "c.pem", tmp_path / "k.pem")
+    grpc.ssl_server_credentials([((tmp_path / "k.pem").read_bytes(), (tmp_path / "c.pem").read_bytes())])

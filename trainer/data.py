@@ -154,10 +154,12 @@ def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int)
                         symbol, e - s, need)
         own = infer_bar_interval_ns(frame.timestamp_ns, np.array([[s, e]]))
         if own and own != frame.bar_interval_ns:
+            refused = (" (and the server refuses bars closer than half the model's interval: it would refuse this "
+                       "symbol's)" if 2 * own < frame.bar_interval_ns else "")
             log.warning("symbol %s: its bars are mostly %.6g s apart, the run's bar interval is %.6g s (the most "
                         "common spacing of all bars): its forecasts' future bar times would be spaced by the "
-                        "latter; train bars of different sizes separately", symbol, own / 1e9,
-                        frame.bar_interval_ns / 1e9)
+                        "latter%s; train bars of different sizes separately", symbol, own / 1e9,
+                        frame.bar_interval_ns / 1e9, refused)
 
 
 def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = None,
@@ -170,7 +172,10 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
         raise DataError(f"{parquet}: no bars (the file holds no rows); give bars to train on")
     try:
         frame = build_frame(bars, cfg.feature_config(), symbols)
-    except ValueError as exc:  # symbols outside the vocabulary of the run being resumed
+    except ValueError as exc:
+        if symbols is None:
+            raise
+        # symbols outside the vocabulary of the run being resumed
         raise DataError(f"{exc}: a resumed run keeps its checkpoint's symbols; drop the other symbols' bars, or "
                         "start a new run (without --resume) to train on them") from None
     h, L = cfg.horizon, cfg.encoder_length
