@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
@@ -71,6 +72,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        self._httpd: WSGIServer | None = None  # the /metrics endpoint, once serve_http started it
         self.requests = Counter("foxhunt_requests", "RPCs answered, by method and gRPC status code",
                                 ["method", "code"], registry=r)
         self.latency = Histogram("foxhunt_request_latency_seconds", "Time in the RPC handler", ["method"],
@@ -125,4 +127,12 @@ class Metrics:
     def serve_http(self, host: str, port: int) -> int:
         """Start the /metrics endpoint (daemon thread); returns the bound port (port 0 picks one)."""
         httpd, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._httpd = httpd
         return int(httpd.server_port)
+
+    def stop_http(self) -> None:
+        """Stop the /metrics endpoint, if serve_http started one (its port is free again)."""
+        httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()

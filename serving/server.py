@@ -319,7 +319,11 @@ async def serve(config: ServerConfig) -> int:
             raise OSError(f"--metrics-port {config.metrics_port}: cannot serve metrics on "
                           f"{host_port(config.host, config.metrics_port)}: {exc.strerror or exc}; pick a free port "
                           "(0 picks one)") from None
-    port = await server.start()
+    try:
+        port = await server.start()
+    except BaseException:
+        server.metrics.stop_http()  # for a caller that goes on (the command itself exits)
+        raise
     print(f"listening on {host_port(config.host, port)}", flush=True)
     log.info("listening on %s (max message %d bytes, max batch %d, max delay %g ms, %s wait, max concurrent %d, "
              "%s event loop%s)", host_port(config.host, port), config.max_message_bytes, config.max_batch,

@@ -829,3 +829,19 @@ def test_bars_with_wider_gaps_or_a_few_short_ones_are_served() -> None:
     few_short = series("NQ")
     few_short.timestamp_ns[3] = few_short.timestamp_ns[2] + 1  # one gap of 1 ns, one of 2 min - 1 ns
     assert [len(s) for s in parse_request(_req(sparse, few_short), META)] == [NEED, NEED]
+
+
+def test_the_metrics_endpoint_stops_and_frees_its_port() -> None:
+    """What a start that fails after the metrics endpoint is up relies on: nothing keeps listening."""
+    import socket
+    import urllib.request
+
+    from serving.metrics import Metrics
+
+    m = Metrics()
+    port = m.serve_http("127.0.0.1", 0)
+    assert b"foxhunt_requests" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    m.stop_http()
+    m.stop_http()  # a second stop is a no-op
+    with pytest.raises(ConnectionRefusedError):  # nothing listens there any more
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
