@@ -97,7 +97,7 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
     return ExportOptions(checkpoint=args.checkpoint, output=out, opset=args.opset, fp16=args.fp16,
                          explain=args.explain, require_device=args.require_device, triton_repo=args.triton_repo,
                          triton_name=args.triton_name, triton_max_batch_size=args.triton_max_batch_size,
-                         bars=args.bars, columns=ColumnMap.from_args(args), threads=args.threads)
+                         bars=args.bars, column_flags=ColumnMap.given(args), threads=args.threads)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

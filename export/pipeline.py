@@ -32,7 +32,6 @@ from export.runtime import CUDA_OPTIONS, Probe, make_session, probe, strict_sess
 from export.triton import config_pbtxt, repository_files
 from export.windows import saved_windows, windows_from_bars
 from features import package_version
-from features.bars import ColumnMap
 from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, FeatureSchema
@@ -59,7 +58,7 @@ class ExportOptions:
     triton_name: str = ""  # default: the output file's stem
     triton_max_batch_size: int = 256
     bars: Path | None = None  # rebuild parity windows from these bars instead of the saved sample
-    columns: ColumnMap = dataclasses.field(default_factory=ColumnMap)  # --bars' names given, over the run's
+    column_flags: dict[str, str] = dataclasses.field(default_factory=dict)  # --bars' names given, over the run's
     threads: int = 1
 
     @property
@@ -274,7 +273,7 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, _tamper: Tamper | Non
     cfg = model.cfg
     meta = base_meta(ckpt, cfg, sha, opts)
     if opts.bars is not None:
-        windows, source = windows_from_bars(opts.bars, ckpt, cfg, opts.columns), f"rebuilt from {opts.bars}"
+        windows, source = windows_from_bars(opts.bars, ckpt, cfg, opts.column_flags), f"rebuilt from {opts.bars}"
     else:
         windows, source = saved_windows(ckpt, cfg), "from the checkpoint's validation sample"
     log(f"checkpoint {opts.checkpoint} (sha256 {sha[:12]}): hidden {cfg.hidden_size}, encoder {cfg.encoder_length}, "

@@ -48,13 +48,13 @@ def saved_windows(ckpt: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarra
                      for name in MODEL_INPUTS}, cfg, "the checkpoint's validation_sample")
 
 
-def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, columns: ColumnMap | None = None,
+def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column_flags: dict[str, str] | None = None,
                       limit: int = MAX_WINDOWS) -> dict[str, np.ndarray]:
     """Up to `limit` windows, evenly spread over the bars, built exactly as training and serving build them.
-    Column names: the training run's, with those of `columns` that differ from the defaults over them."""
+    Column names: the training run's, with `column_flags` (field -> column, the flags given) over them."""
     try:
         feature_config = FeatureConfig.from_dict(ckpt["feature_config"])
-        columns = (columns or ColumnMap()).over(ckpt.get("column_map") or {})
+        columns = ColumnMap.from_dict({**(ckpt.get("column_map") or {}), **(column_flags or {})})
         bars = read_bars(path, columns, tuple(feature_config.user_columns))
         frame = build_frame(bars, feature_config, list(ckpt["symbols"]), int(ckpt["bar_interval_ns"]))
     except BarDataError as exc:

@@ -50,30 +50,24 @@ class ColumnMap:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         """The column-mapping flags shared by every command that reads bars."""
         g = parser.add_argument_group("column mapping (for parquet layouts other than the default)")
-        g.add_argument("--time-col", default="timestamp", help="timestamp column (e.g. ts_event)")
-        g.add_argument("--symbol-col", default="symbol", help="symbol column; absent means one series")
+        g.add_argument("--time-col", help="timestamp column (default timestamp; e.g. ts_event)")
+        g.add_argument("--symbol-col", help="symbol column (default symbol); absent means one series")
         for name in ("open", "high", "low", "close", "volume"):
-            g.add_argument(f"--{name}-col", default=name, help=f"{name} column")
-        g.add_argument("--default-symbol", default="SERIES", help="symbol name when there is no symbol column")
-
-    def over(self, stored: dict[str, str]) -> ColumnMap:
-        """A stored map (a resumed run's) with this one's fields that differ from the defaults put over it:
-        the flags a command was given win, the ones it was not given leave the stored names."""
-        default = ColumnMap().to_dict()
-        return ColumnMap.from_dict({**stored, **{k: v for k, v in self.to_dict().items() if v != default[k]}})
+            g.add_argument(f"--{name}-col", help=f"{name} column (default {name})")
+        g.add_argument("--default-symbol", help="symbol name when there is no symbol column (default SERIES)")
 
     @staticmethod
-    def from_args(args: argparse.Namespace) -> ColumnMap:
-        return ColumnMap(
-            timestamp=args.time_col,
-            symbol=args.symbol_col,
-            open=args.open_col,
-            high=args.high_col,
-            low=args.low_col,
-            close=args.close_col,
-            volume=args.volume_col,
-            default_symbol=args.default_symbol,
-        )
+    def given(args: argparse.Namespace) -> dict[str, str]:
+        """The fields whose flags this command was given (a resumed run or an export lays them over the
+        training run's names; the ones not given keep those)."""
+        flags = {"timestamp": "time_col", "symbol": "symbol_col", "default_symbol": "default_symbol"}
+        values = {f: getattr(args, flags.get(f, f"{f}_col"), None) for f in ColumnMap.__dataclass_fields__}
+        return {f: v for f, v in values.items() if v is not None}
+
+    @staticmethod
+    def from_args(args: argparse.Namespace, stored: dict[str, str] | None = None) -> ColumnMap:
+        """The flags given, over `stored` (a training run's names) or over the defaults."""
+        return ColumnMap.from_dict({**(stored or {}), **ColumnMap.given(args)})
 
 
 @dataclass(frozen=True)

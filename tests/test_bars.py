@@ -386,6 +386,10 @@ def test_column_map_flags_round_trip() -> None:
     cmap = ColumnMap.from_args(parser.parse_args(["--time-col", "ts_event", "--volume-col", "size"]))
     assert cmap == ColumnMap(timestamp="ts_event", volume="size")
     assert ColumnMap.from_dict(cmap.to_dict()) == cmap
+    # over a training run's stored names (a resume, an export's --bars): what is given wins, even the default
+    stored = ColumnMap(timestamp="ts_event", close="px_close").to_dict()
+    assert ColumnMap.from_args(parser.parse_args(["--close-col", "close"]), stored) == ColumnMap(timestamp="ts_event")
+    assert ColumnMap.from_args(parser.parse_args([]), stored) == ColumnMap.from_dict(stored)
 
 
 @pytest.mark.parametrize(

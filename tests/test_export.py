@@ -29,7 +29,6 @@ from export.parity import make_cases
 from export.placement import PlacementReport, evaluate, is_shape_computation, profile_placement
 from export.runtime import CPU, probe
 from export.windows import saved_windows, windows_from_bars
-from features.bars import ColumnMap
 from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, FeatureSchema
@@ -426,7 +425,7 @@ def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransf
     table = pq.read_table(ckpt.parent / "bars.parquet")
     pq.write_table(table.rename_columns(["ts_event" if n == "timestamp" else n for n in table.column_names]),
                    tmp_path / "renamed.parquet")
-    renamed = windows_from_bars(tmp_path / "renamed.parquet", c, torch_model.cfg, ColumnMap(timestamp="ts_event"))
+    renamed = windows_from_bars(tmp_path / "renamed.parquet", c, torch_model.cfg, {"timestamp": "ts_event"})
     for name in MODEL_INPUTS:
         np.testing.assert_array_equal(renamed[name], rebuilt[name])
     assert "--time-col" in build_parser().format_help()

@@ -124,7 +124,8 @@ class Trainer:
                 log.info("resume: epochs %d -> %d", stored.epochs, cfg.epochs)
             # the run's recipe comes from the checkpoint; the hardware it runs on and its epochs from `cfg`
             cfg = resumed_config(stored, cfg, set(RESUME_OVERRIDABLE))
-            self.columns = self.columns.over(self.resume_state.get("column_map", {}))
+            if columns is None:  # else the caller laid its flags over the stored names (ColumnMap.from_args)
+                self.columns = ColumnMap.from_dict(self.resume_state.get("column_map", {}))
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)

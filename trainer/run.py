@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TextIO
 
 import torch
@@ -46,7 +48,7 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     budget = parse_budget(cfg.vram_budget) if cfg.vram_budget else 0
     if args.plan_only:
         return plan_only(args, cfg, budget)
-    trainer = Trainer(args.parquet, cfg, args.out, ColumnMap.from_args(args), resume=args.resume,
+    trainer = Trainer(args.parquet, cfg, args.out, _columns(args), resume=args.resume,
                       progress=not args.no_progress, plan_fn=budget_plan_fn(cfg, budget) if budget else None)
     result = trainer.run()
     if not args.no_report and result.history:
@@ -64,8 +66,20 @@ def effective_config(args: argparse.Namespace, cfg: TrainConfig) -> TrainConfig:
     and epochs (when given); ConfigError when the command changes the recipe."""
     if not getattr(args, "resume", None):
         return cfg
-    stored = TrainConfig.from_checkpoint(load_checkpoint(args.resume)["train_config"])
+    stored = TrainConfig.from_checkpoint(_resumed(args.resume)["train_config"])
     return resumed_config(stored, cfg, given_fields(args))
+
+
+@functools.lru_cache(maxsize=1)
+def _resumed(path: Path) -> dict[str, Any]:
+    """The checkpoint of --resume, read once for the config, the column names and the vocabulary."""
+    return load_checkpoint(path)
+
+
+def _columns(args: argparse.Namespace) -> ColumnMap:
+    """The column names: the flags given, over a resumed run's stored names or over the defaults."""
+    stored = _resumed(args.resume).get("column_map") if getattr(args, "resume", None) else None
+    return ColumnMap.from_args(args, stored)
 
 
 def _no_cuda_reason() -> str:
@@ -141,10 +155,8 @@ def plan_only(args: argparse.Namespace, cfg: TrainConfig, budget: int) -> int:
     torch.manual_seed(cfg.seed)
     cuda_here = torch.cuda.is_available()
     wants_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and (cuda_here or budget > 0))
-    stored = load_checkpoint(args.resume) if getattr(args, "resume", None) else None
-    symbols = list(stored["symbols"]) if stored else None
-    columns = ColumnMap.from_args(args).over(stored.get("column_map", {})) if stored else ColumnMap.from_args(args)
-    data = prepare(args.parquet, cfg, columns, symbols)
+    symbols = list(_resumed(args.resume)["symbols"]) if getattr(args, "resume", None) else None
+    data = prepare(args.parquet, cfg, _columns(args), symbols)
     frame = data.frame
     model = TemporalFusionTransformer(cfg.model_config(len(frame.schema.observed), len(frame.schema.known),
                                                        len(frame.symbols)))
