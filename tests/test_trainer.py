@@ -511,3 +511,20 @@ def test_a_config_file_key_set_in_two_sections_is_refused(tmp_path: Path) -> Non
     with pytest.raises(ConfigError) as info:
         load_toml(cfg)
     assert "'hidden_size' is set in [model] and in [train]; set it once" in str(info.value)
+
+
+def test_a_step_that_overflows_alone_is_counted_not_taken_for_divergence(tmp_path: Path, bars: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16's gradient scaler skips a step whose loss overflowed and leaves the weights as they were: the
+    run goes on; the epoch's loss is that of its other steps, and the skipped one is counted."""
+    t = Trainer(bars, tiny_cfg(epochs=1), tmp_path / "ckpt.pt", progress=False)
+    real, seen = t._optimizer_step, []
+
+    def first_overflows(anchors: torch.Tensor) -> float:
+        loss = real(anchors)
+        seen.append(loss)
+        return float("inf") if len(seen) == 1 else loss
+
+    monkeypatch.setattr(t, "_optimizer_step", first_overflows)
+    [record] = t.run().history
+    assert record["nonfinite_steps"] == 1 and record["train_loss"] == pytest.approx(float(np.mean(seen[1:])))

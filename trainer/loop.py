@@ -273,7 +273,14 @@ class Trainer:
                 bar.update(step_anchors.numel())
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
         seconds = time.perf_counter() - t0
-        return {"train_loss": self.dist.mean(float(np.mean(losses))), "train_seconds": seconds,
+        # a step whose loss overflowed is one fp16's gradient scaler skips (the weights stay as they were):
+        # counted, and left out of the epoch's loss; only an epoch of nothing else is NaN here
+        finite = [x for x in losses if math.isfinite(x)]
+        if len(finite) < len(losses):
+            log.warning("epoch %d: %d of %d steps had a non-finite loss", self.epoch + 1, len(losses) - len(finite),
+                        len(losses))
+        return {"train_loss": self.dist.mean(float(np.mean(finite)) if finite else math.nan),
+                "nonfinite_steps": len(losses) - len(finite), "train_seconds": seconds,
                 "windows_per_second": anchors.numel() / max(seconds, 1e-9)}
 
     @torch.inference_mode()
@@ -402,6 +409,7 @@ class Trainer:
         return TrainResult(self.paths, self.history, self.best_val, ran, stopped_early, self.plan)
 
     def _check_finite(self, train_loss: float, val_loss: float) -> None:
+        """Diverged: validation (the weights) went non-finite, or every training step did."""
         if math.isfinite(train_loss) and math.isfinite(val_loss):
             return
         kept = (f"the last good checkpoint is intact: {self.paths.last} (epoch {self.epoch})" if self.epoch
