@@ -29,7 +29,8 @@ from export.onnx_export import check_interface, export_model, output_names, run_
 from export.parity import ParityReport, check_parity, make_cases
 from export.placement import PlacementReport, evaluate, profile_placement
 from export.runtime import CUDA_OPTIONS, Probe, make_session, probe, strict_session_outcome, version_info
-from export.triton import config_pbtxt, repository_files
+from export.triton import VERSION as TRITON_VERSION
+from export.triton import config_pbtxt, newer_versions, repository_files
 from export.windows import saved_windows, windows_from_bars
 from features import package_version
 from features.compute import FeatureConfig
@@ -308,4 +309,8 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, _tamper: Tamper | Non
     triton_dir = write_outputs(data, opts, meta, final)
     log(f"wrote {opts.output} ({len(data) / 2**20:.2f} MiB, {meta.precision}, opset {opts.opset})"
         + (f" and Triton model {triton_dir}" if triton_dir else ""))
+    if triton_dir is not None and (later := newer_versions(triton_dir)):
+        log(f"warning: {triton_dir} also holds version(s) {', '.join(later)}, kept as they were: Triton serves the "
+            f"highest version by default, not the {TRITON_VERSION}/ just written; remove them, or set a "
+            "version_policy in config.pbtxt")
     return ExportResult(opts.output, meta, parity, placement, triton_dir)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from export.onnx_export import TensorSig
 
@@ -67,6 +68,12 @@ def config_pbtxt(name: str, inputs: Sequence[TensorSig], outputs: Sequence[Tenso
         "model_warmup [\n" + ",\n".join(warm) + "\n]",
     ]
     return "\n".join(parts) + "\n"
+
+
+def newer_versions(model_dir: Path) -> list[str]:
+    """Version directories of a Triton model above the one export writes (which Triton would serve instead)."""
+    return sorted((p.name for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()
+                   and int(p.name) > int(VERSION)), key=int)
 
 
 def repository_files(model: bytes, config: str) -> dict[str, bytes]:

@@ -28,6 +28,7 @@ from export.files import Staging
 from export.parity import make_cases
 from export.placement import PlacementReport, evaluate, is_shape_computation, profile_placement
 from export.runtime import CPU, probe
+from export.triton import newer_versions
 from export.windows import saved_windows, windows_from_bars
 from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
@@ -490,6 +491,7 @@ def test_a_new_export_into_a_triton_model_directory_keeps_what_else_it_holds(tmp
     assert [(repo / p).read_bytes() for p in ("config.pbtxt", "1/model.onnx", "2/model.onnx", "labels.txt")] == \
         [b"new", b"new", b"v2", b"ES\nNQ\n"]
     assert listing(tmp_path / "repo") == ["tft", *(f"tft/{p}" for p in listing(repo))]  # no backup left behind
+    assert newer_versions(repo) == ["2"]  # what export warns about: Triton would serve 2/, not the new 1/
 
 
 # ---- on a GPU machine ------------------------------------------------------------------------------
