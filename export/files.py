@@ -7,10 +7,14 @@ directory first and the model file last, rolling the directory back if the file 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -50,6 +54,22 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM inside the block are recorded in the yielded list rather than acted on (in the
+    main thread, where Python runs signal handlers; elsewhere the block changes nothing)."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+    previous = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield got
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 class Staging:
     """Stage files and directories; `commit()` publishes them, `discard()` (or an exception) removes them."""
 
@@ -58,6 +78,7 @@ class Staging:
         self._dirs: list[tuple[Path, Path]] = []
         self._created_parents: list[Path] = []
         self._mode = 0o666 & ~_umask()
+        self.interrupted: list[int] = []  # signals that arrived while commit() published
 
     def __enter__(self) -> Staging:
         return self
@@ -97,7 +118,13 @@ class Staging:
                     _link_or_copy(str(entry), str(tmp / entry.name))
 
     def commit(self) -> None:
-        """Publish: directories (swapping out any old one), then files (os.replace)."""
+        """Publish: directories (swapping out any old one), then files (os.replace). Ctrl-C or SIGTERM
+        meanwhile waits until it is done (`interrupted` then says so): half a publication, or a
+        backup left behind, would be worse than a late stop."""
+        with _interrupts_deferred() as self.interrupted:
+            self._commit()
+
+    def _commit(self) -> None:
         swapped: list[tuple[Path, Path, Path | None]] = []  # (staged, target, backup)
         try:
             for staged, target in self._dirs:

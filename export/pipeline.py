@@ -243,7 +243,8 @@ def check_parity_gate(model_bytes: bytes, model: TemporalFusionTransformer, wind
     return parity, cases[0].inputs
 
 
-def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx.ModelProto) -> Path | None:
+def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx.ModelProto, log: Log = _stderr
+                  ) -> Path | None:
     """All or nothing: the model file and, with --triton-repo, the Triton model directory."""
     triton_dir = None
     try:
@@ -258,6 +259,8 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
                                               f"version {meta.model_version}")
                 staging.directory(triton_dir, repository_files(data, config), keep_others=True)
             staging.commit()
+            if staging.interrupted:
+                log("interrupted while the files were being published: they were published whole first")
     except OSError as exc:
         raise UsageError(f"cannot write the output: {exc}. Check the path and its permissions; nothing was "
                          "written") from None
@@ -306,7 +309,7 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, _tamper: Tamper | Non
     final = with_meta(proto, meta)
     onnx.checker.check_model(final)  # the metadata changed nothing else; cheap insurance
     data = final.SerializeToString()
-    triton_dir = write_outputs(data, opts, meta, final)
+    triton_dir = write_outputs(data, opts, meta, final, log)
     log(f"wrote {opts.output} ({len(data) / 2**20:.2f} MiB, {meta.precision}, opset {opts.opset})"
         + (f" and Triton model {triton_dir}" if triton_dir else ""))
     if triton_dir is not None and (later := newer_versions(triton_dir)):

@@ -8,6 +8,7 @@ checked to leave nothing behind.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shutil
 import signal
@@ -473,6 +474,37 @@ def test_staging_is_all_or_nothing(tmp_path: Path) -> None:
     assert listing(tmp_path) == sorted(["blocked.onnx", "model.onnx", "repo", "repo/tft", "repo/tft/1",
                                         "repo/tft/1/model.onnx", "repo/tft/config.pbtxt"])
     shutil.rmtree(blocker)
+
+
+def test_a_signal_while_publishing_waits_until_everything_is_published(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM (Ctrl-C alike) between the model directory's swap and the model file's: both are published,
+    the signal is reported afterwards, and the handler that raises is back in place."""
+    import export.files as files
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    real_fsync = files._fsync_dir
+
+    def fsync_then_signal(path: Path) -> None:
+        real_fsync(path)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(files, "_fsync_dir", fsync_then_signal)
+    try:
+        with Staging() as s:
+            s.file(tmp_path / "model.onnx", b"new")
+            s.directory(tmp_path / "repo" / "tft", {"config.pbtxt": b"c", "1/model.onnx": b"new"})
+            s.commit()
+        assert s.interrupted and set(s.interrupted) == {signal.SIGTERM}
+        assert signal.getsignal(signal.SIGTERM) is interrupt
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (tmp_path / "model.onnx").read_bytes() == b"new"
+    assert listing(tmp_path) == ["model.onnx", "repo", "repo/tft", "repo/tft/1", "repo/tft/1/model.onnx",
+                                 "repo/tft/config.pbtxt"]
 
 
 def test_a_new_export_into_a_triton_model_directory_keeps_what_else_it_holds(tmp_path: Path) -> None:
