@@ -36,7 +36,7 @@ from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, FeatureSchema
 from serving.native_log import provider_failure_reason
 from tests.artifacts import REPO, make_checkpoint, make_onnx, run
-from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, model_from_checkpoint
+from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, model_from_checkpoint, state_digest
 from trainer.modeling import TemporalFusionTransformer
 
 torch.set_num_threads(1)
@@ -351,7 +351,7 @@ class NotAWeight:
     """Pickled into a checkpoint: loading it would need code, so weights_only refuses it."""
 
 
-@pytest.mark.parametrize("kind", ["missing", "corrupt", "truncated", "pickled", "diverged"])
+@pytest.mark.parametrize("kind", ["missing", "corrupt", "truncated", "pickled", "diverged", "flipped"])
 def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "in" / "ckpt.pt"
@@ -362,10 +362,15 @@ def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
         bad.write_bytes(ckpt.read_bytes()[:5000])
     elif kind == "pickled":
         torch.save({"format": FORMAT, "model_config": NotAWeight()}, bad)
-    elif kind == "diverged":  # a readable checkpoint whose weights went NaN
+    elif kind in ("diverged", "flipped"):
         state = load_checkpoint(ckpt)
         name = next(k for k, v in state["model_state"].items() if v.is_floating_point())
-        state["model_state"][name] = torch.full_like(state["model_state"][name], float("nan"))
+        weight = state["model_state"][name]
+        if kind == "diverged":  # written so by a run whose weights went NaN: the digest agrees
+            state["model_state"][name] = torch.full_like(weight, float("nan"))
+            state["model_state_sha256"] = state_digest(state["model_state"])
+        else:  # one weight changed on disk after it was written (what torch.load does not notice)
+            weight.view(-1)[0] = -weight.view(-1)[0] + 0.5
         torch.save(state, bad)
     out = tmp_path / "out"
     out.mkdir()
@@ -374,7 +379,8 @@ def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
     assert listing(out) == []
     expected = {"missing": "no such checkpoint file", "corrupt": "not a readable checkpoint",
                 "truncated": "not a readable checkpoint", "pickled": "refused",
-                "diverged": "holds NaN or infinite values: the run that wrote it diverged"}[kind]
+                "diverged": "holds NaN or infinite values: the run that wrote it diverged",
+                "flipped": "the weights differ from the digest written with them: the file is corrupted"}[kind]
     assert expected in err and "nothing was written" in err
 
 

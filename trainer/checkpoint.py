@@ -88,7 +88,24 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     missing = [k for k in REQUIRED_KEYS if k not in ckpt]
     if missing:
         raise CheckpointError(f"{p}: checkpoint lacks {', '.join(missing)}")
+    stored = ckpt.get("model_state_sha256")  # checkpoints from before the digest have none
+    if stored is not None and not isinstance(ckpt["model_state"], dict):
+        raise CheckpointError(f"{p}: checkpoint's model_state is not a dict of tensors")
+    if stored is not None and state_digest(ckpt["model_state"]) != stored:
+        raise CheckpointError(f"{p}: the weights differ from the digest written with them: the file is corrupted "
+                              "(a flipped bit, a bad copy); use another copy, or the run's other checkpoint")
     return ckpt
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over a state dict's names, dtypes, shapes and bytes: what a checkpoint stores beside the
+    weights, so that a weight changed on disk (which torch.load does not notice) is refused on load."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's own bytes, not a copy
+    return h.hexdigest()
 
 
 def model_from_checkpoint(ckpt: dict[str, Any]) -> TemporalFusionTransformer:

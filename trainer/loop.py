@@ -24,7 +24,7 @@ from tqdm import tqdm
 from features import package_version
 from features.bars import ColumnMap
 from features.schema import TARGET
-from trainer.checkpoint import FORMAT, load_checkpoint, remove_stale_temp_files, save_atomic
+from trainer.checkpoint import FORMAT, load_checkpoint, remove_stale_temp_files, save_atomic, state_digest
 from trainer.config import RESUME_OVERRIDABLE, TrainConfig, resumed_config
 from trainer.data import ROW_INPUTS, Normalization, PreparedData, prepare
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
@@ -339,7 +339,8 @@ class Trainer:
             "data_source": self.parquet,
             "split_times_ns": list(self.data.split_times_ns),
             "climatology": torch.from_numpy(self.data.climatology.copy()),
-            "model_state": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "model_state": (weights := {k: v.detach().cpu() for k, v in self.model.state_dict().items()}),
+            "model_state_sha256": state_digest(weights),
             "optimizer_state": self.optimizer.state_dict(),
             "scheduler_state": self.scheduler.state_dict(),
             "scaler_state": self.scaler.state_dict(),
