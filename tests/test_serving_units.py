@@ -399,6 +399,28 @@ def test_lone_calls_run_on_the_worker_while_other_work_keeps_the_loop_busy(wait:
     assert lone_calls_on_the_loop(quick, wait=wait, delay=delay, busy_loop=True) == [False, False, False, False]
 
 
+class SpinCounter:
+    """Counts the busy-poll rounds of the batchers it watches (each run of their spin callback)."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def watch(self, b: MicroBatcher[str, int, int]) -> None:
+        spin = b._spin
+
+        def counted(gen: int) -> None:
+            self.rounds += 1
+            spin(gen)
+
+        b._spin = counted  # type: ignore[method-assign]
+
+    async def idle(self, seconds: float) -> tuple[int, float]:
+        """Loop rounds spun and this process's CPU time while the loop waits `seconds` for nothing."""
+        n, c0 = self.rounds, time.process_time()
+        await asyncio.sleep(seconds)
+        return self.rounds - n, time.process_time() - c0
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_busy_poll_keeps_the_loop_running_while_idle_and_pauses_while_other_threads_work(loop: str) -> None:
     """--busy-poll keeps the loop polling while the server is idle (the point: the next call finds the
@@ -414,24 +436,14 @@ def test_busy_poll_keeps_the_loop_running_while_idle_and_pauses_while_other_thre
         return time.process_time() - c0
 
     def process(key: str, payloads: list[int]) -> list[int | Exception]:
-        on_worker.append((spins[0], cpu_over(0.2), spins[0]))  # inline_max_s=0: always on the worker
+        on_worker.append((spins.rounds, cpu_over(0.2), spins.rounds))  # inline_max_s=0: always on the worker
         return [p * 2 for p in payloads]
-
-    async def idle(seconds: float) -> tuple[int, float]:  # loop rounds spun and CPU time, while idle
-        n, c0 = spins[0], time.process_time()
-        await asyncio.sleep(seconds)
-        return spins[0] - n, time.process_time() - c0
 
     async def main(busy_poll: bool) -> dict[str, tuple[int, float]]:
         b: MicroBatcher[str, int, int] = MicroBatcher(process, max_batch=4, max_delay_s=0.0, inline_max_s=0.0,
                                                       busy_poll_s=math.inf if busy_poll else 0.0)
-        spin = b._spin
-
-        def counted(gen: int) -> None:
-            spins[0] += 1
-            spin(gen)
-
-        b._spin = counted  # type: ignore[method-assign]
+        spins.watch(b)
+        idle = spins.idle
         out: dict[str, tuple[int, float]] = {}
         b.start()
         try:
@@ -447,7 +459,7 @@ def test_busy_poll_keeps_the_loop_running_while_idle_and_pauses_while_other_thre
             await b.close()
         out["closed"] = await idle(0.2)
         b2: MicroBatcher[str, int, int] = MicroBatcher(process, 4, 0.0, busy_poll_s=math.inf if busy_poll else 0.0)
-        b2._spin = counted  # type: ignore[method-assign]
+        spins.watch(b2)
         b2.start()
         assert b2._task is not None
         b2._task.cancel()
@@ -456,7 +468,7 @@ def test_busy_poll_keeps_the_loop_running_while_idle_and_pauses_while_other_thre
         return out
 
     run = uvloop.run if loop == "uvloop" else asyncio.run
-    spins = [0]
+    spins = SpinCounter()
     on_worker: list[tuple[int, float, int]] = []
     got = run(main(busy_poll=True))
     for when in ("idle", "after the worker", "resumed"):
@@ -476,21 +488,11 @@ def test_busy_poll_for_a_time_polls_after_each_call_then_sleeps(loop: str) -> No
     is counted in loop rounds; not spinning also as CPU time."""
     import uvloop
 
-    async def idle(seconds: float) -> tuple[int, float]:  # loop rounds spun and CPU time, while idle
-        n, c0 = spins[0], time.process_time()
-        await asyncio.sleep(seconds)
-        return spins[0] - n, time.process_time() - c0
-
     async def main() -> dict[str, tuple[int, float]]:
         b: MicroBatcher[str, int, int] = MicroBatcher(lambda key, ps: [p * 2 for p in ps], 4, 0.0,
                                                       busy_poll_s=0.3)
-        spin = b._spin
-
-        def counted(gen: int) -> None:
-            spins[0] += 1
-            spin(gen)
-
-        b._spin = counted  # type: ignore[method-assign]
+        spins.watch(b)
+        idle = spins.idle
         out: dict[str, tuple[int, float]] = {}
         b.start()
         try:
@@ -504,7 +506,7 @@ def test_busy_poll_for_a_time_polls_after_each_call_then_sleeps(loop: str) -> No
             await b.close()
         return out
 
-    spins = [0]
+    spins = SpinCounter()
     got = (uvloop.run if loop == "uvloop" else asyncio.run)(main())
     for when in ("right after call 1", "right after call 2"):
         assert got[when][0] > 100, f"{when}: only {got[when][0]} loop rounds spun in 0.1 s"

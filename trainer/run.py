@@ -72,13 +72,15 @@ def effective_config(args: argparse.Namespace, cfg: TrainConfig) -> TrainConfig:
 
 @functools.lru_cache(maxsize=1)
 def _resumed(path: Path) -> dict[str, Any]:
-    """The checkpoint of --resume, read once for the config, the column names and the vocabulary."""
-    return load_checkpoint(path)
+    """What this module reads of the --resume checkpoint (its config, column names and vocabulary), read
+    once; only those small parts are kept, not the weights and optimizer state the Trainer loads itself."""
+    ckpt = load_checkpoint(path)
+    return {"train_config": ckpt["train_config"], "column_map": ckpt.get("column_map"), "symbols": ckpt["symbols"]}
 
 
 def _columns(args: argparse.Namespace) -> ColumnMap:
     """The column names: the flags given, over a resumed run's stored names or over the defaults."""
-    stored = _resumed(args.resume).get("column_map") if getattr(args, "resume", None) else None
+    stored = _resumed(args.resume)["column_map"] if getattr(args, "resume", None) else None
     return ColumnMap.from_args(args, stored)
 
 
