@@ -15,7 +15,7 @@ from features.bars import BarDataError, Bars, ColumnMap, read_bars
 from features.compute import infer_bar_interval_ns
 
 
-def _fmt_ts(ns: int) -> str:
+def format_timestamp(ns: int) -> str:
     return datetime.fromtimestamp(ns / 1e9, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
@@ -44,7 +44,7 @@ def summarize(bars: Bars) -> str:
         n_gaps = int(np.sum(gaps > interval)) if interval else 0
         largest = _fmt_duration(int(gaps.max())) if gaps.size else "n/a"
         lines.append(
-            f"  {sym}: {sl.stop - sl.start} rows, {_fmt_ts(int(ts[0]))} .. {_fmt_ts(int(ts[-1]))}, "
+            f"  {sym}: {sl.stop - sl.start} rows, {format_timestamp(int(ts[0]))} .. {format_timestamp(int(ts[-1]))}, "
             f"{n_gaps} session gaps (largest {largest})"
         )
     if bars.user:

@@ -27,7 +27,16 @@ from features.schema import (
 from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, run
 from trainer.checkpoint import FORMAT, load_checkpoint
 from trainer.config import ConfigError, TrainConfig, resumed_config
-from trainer.data import ROW_INPUTS, ROW_KNOWN, ROW_OBSERVED, ROW_WINDOW, WINDOW_ROWS, PreparedData, prepare
+from trainer.data import (
+    ROW_INPUTS,
+    ROW_KNOWN,
+    ROW_OBSERVED,
+    ROW_WINDOW,
+    WINDOW_ROWS,
+    DataError,
+    PreparedData,
+    prepare,
+)
 from trainer.loop import Trainer, TrainingDiverged
 from trainer.metrics import forecast_metrics
 from trainer.modeling import TemporalFusionTransformer
@@ -241,6 +250,14 @@ def test_resume_after_interruption_gives_the_same_weights(tmp_path: Path, bars: 
     for (name, p1), p2 in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(p1, p2), name
     assert [r["val_loss"] for r in full.history] == [r["val_loss"] for r in resumed.history]
+    # the same bars and more (a longer file): the split moves, so the run's held-out bars would be trained on
+    longer = make_bars(tmp_path / "longer.parquet", bars=5000)
+    with pytest.raises(DataError) as info:
+        Trainer(longer, cfg, tmp_path / "c" / "ckpt.pt", resume=tmp_path / "b" / "ckpt.last.pt", progress=False)
+    message = str(info.value)
+    assert "--resume: these bars split as validation from" in message and "the checkpoint's run split as" in message
+    assert str(bars) in message and "without --resume" in message
+    assert not (tmp_path / "c" / "ckpt.pt").exists() and not (tmp_path / "c" / "ckpt.last.pt").exists()
 
 
 def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path, bars: Path) -> None:

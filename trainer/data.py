@@ -8,6 +8,7 @@ target of one split overlaps the next. Normalisation is fitted on the training r
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from features.bars import ColumnMap, read_bars
+from features.check import format_timestamp
 from features.compute import FeatureFrame, build_frame, future_timestamps, infer_bar_interval_ns, known_features
 from features.normalize import NormStats
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
@@ -139,6 +141,25 @@ def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -
     b_val = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_val) for s, e in frame.series_bounds])
     b_test = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_test) for s, e in frame.series_bounds])
     return starts, ends, b_val, b_test, np.array([cut_val, cut_test])
+
+
+def check_resumed_split(stored: Sequence[int] | None, now: tuple[int, int], test_fraction: float,
+                        source: str) -> None:
+    """A resumed run must split its bars where the checkpoint's run did: elsewhere, it would train on bars
+    that run held out, and its best-model choice would compare validation losses over different bars."""
+    if stored is None or tuple(int(t) for t in stored) == now:
+        return
+
+    def split(cuts: Sequence[int]) -> str:
+        val, test = int(cuts[0]), int(cuts[1])
+        last = f" to the last bar at {format_timestamp(test - 1)}"
+        end = f", test from {format_timestamp(test)}" if test_fraction > 0 else last
+        return f"validation from {format_timestamp(val)}{end}"
+
+    raise DataError(f"--resume: these bars split as {split(now)}; the checkpoint's run split as {split(stored)} "
+                    f"(its bars: {source}). Resuming would train on bars that run held out and compare validation "
+                    "losses over different bars: resume with the bars the run started with, or start a new run "
+                    "(without --resume) to train on these")
 
 
 def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int) -> None:

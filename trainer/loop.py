@@ -26,7 +26,7 @@ from features.bars import ColumnMap
 from features.schema import TARGET
 from trainer.checkpoint import FORMAT, load_checkpoint, remove_stale_temp_files, save_atomic, state_digest
 from trainer.config import RESUME_OVERRIDABLE, TrainConfig, resumed_config
-from trainer.data import ROW_INPUTS, Normalization, PreparedData, prepare
+from trainer.data import ROW_INPUTS, Normalization, PreparedData, check_resumed_split, prepare
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
 from trainer.distributed import init_from_env
 from trainer.loss import pinball_loss
@@ -144,6 +144,9 @@ class Trainer:
             symbols, norm_dict = self.dist.broadcast(shared)  # type: ignore[misc]
             norm = Normalization.from_dict(norm_dict)
         self.data = prepare(parquet, cfg, self.columns, symbols, norm)
+        if self.resume_state is not None:
+            check_resumed_split(self.resume_state.get("split_times_ns"), self.data.split_times_ns, cfg.test_fraction,
+                                str(self.resume_state.get("data_source", "not recorded")))
         self.parquet = str(parquet)
         frame = self.data.frame
         self.model_config = cfg.model_config(len(frame.schema.observed), len(frame.schema.known),
