@@ -105,6 +105,29 @@ def test_attention_is_a_causal_distribution() -> None:
         assert bool((attn[:, i, : L + i + 1] > 0).all()), f"step {i} ignores an allowed key"
 
 
+@pytest.mark.parametrize("lstm_layers", [1, 2])
+def test_a_forecast_step_sees_no_later_step_and_every_past_bar(lstm_layers: int) -> None:
+    """Outputs, not just the returned attention weights: a step's forecast must not move when a later
+    step's known inputs change (the LSTM decoder and the attention values are causal), and must move
+    when any past bar changes."""
+    cfg = ModelConfig.from_dict({**TINY.to_dict(), "lstm_layers": lstm_layers})
+    model = make_model(cfg)
+    static, observed, known, future = make_inputs(cfg, 4, seed=5)
+    with torch.no_grad():
+        base = model(static, observed, known, future).quantiles  # [B, H, Q]
+        for j in range(H):
+            changed = future.clone()
+            changed[:, j] += 3.0
+            q = model(static, observed, known, changed).quantiles
+            assert torch.equal(q[:, :j], base[:, :j]), f"steps before {j} see step {j}'s known inputs"
+            assert bool((q[:, j] != base[:, j]).any()), f"step {j} ignores its own known inputs"
+        for bar in (0, L - 1):
+            changed = observed.clone()
+            changed[:, bar] += 3.0
+            q = model(static, changed, known, future).quantiles
+            assert bool((q != base).any(dim=-1).all()), f"some step ignores encoder bar {bar}"
+
+
 def test_selection_weights_are_distributions_over_variables() -> None:
     out = make_model()(*make_inputs(TINY, 4))
     for w in (out.static_weights, out.encoder_weights, out.decoder_weights):
