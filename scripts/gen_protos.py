@@ -3,16 +3,20 @@
     python scripts/gen_protos.py            # rewrite serving/gen/... in this checkout
     python scripts/gen_protos.py --out DIR  # write DIR/serving/gen/... instead (the stub test does this)
 
-Runs grpc_tools.protoc with --python_out, --grpc_python_out and --pyi_out. protos/ is
-mounted at the import path `serving/gen`, so the generated modules import each other as
-`serving.gen.foxhunt.tft.v1...` and need no sys.path tricks; the .proto keeps the
-conventional package layout (foxhunt/tft/v1/) under protos/.
+Runs grpc_tools.protoc with --python_out, --grpc_python_out and --pyi_out, with protos/ as the
+import root: the descriptors keep the file names a client compiling protos/ gets
+(`foxhunt/tft/v1/forecaster.proto`, also what server reflection serves), so their stubs and ours
+can share a descriptor pool. protoc's Python modules then import each other as
+`foxhunt.tft.v1...`; that prefix is rewritten to `serving.gen.foxhunt.tft.v1...` as the files are
+placed under serving/gen, so they need no sys.path tricks.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -20,41 +24,54 @@ from grpc_tools import protoc
 
 REPO = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO / "protos"
-MOUNT = "serving/gen"  # where protos/ appears in the import namespace
+PACKAGE = "serving.gen"  # where protos/ appears in the import namespace
 
 
 def proto_files() -> list[Path]:
     return sorted(PROTO_ROOT.rglob("*.proto"))
 
 
+def _in_package(text: str, roots: list[str]) -> str:
+    """protoc's module paths (`foxhunt.tft.v1.x_pb2`) in imports and module names, moved under PACKAGE."""
+    names = "|".join(map(re.escape, roots))
+    text = re.sub(rf"^from ({names})\.", rf"from {PACKAGE}.\1.", text, flags=re.MULTILINE)
+    return re.sub(rf"'({names})\.([\w.]+_pb2)'", rf"'{PACKAGE}.\1.\2'", text)
+
+
 def generate(out: Path) -> list[Path]:
     """Write the stubs of every .proto under protos/ to out/serving/gen; return the files written."""
-    out.mkdir(parents=True, exist_ok=True)
+    target = out.joinpath(*PACKAGE.split("."))
     well_known = str(resources.files("grpc_tools") / "_proto")
     files = proto_files()
-    args = [
-        "grpc_tools.protoc",
-        f"-I{MOUNT}={PROTO_ROOT}",
-        f"-I{well_known}",
-        f"--python_out={out}",
-        f"--grpc_python_out={out}",
-        f"--pyi_out={out}",
-        *(str(f) for f in files),
-    ]
-    if protoc.main(args) != 0:
-        raise SystemExit(f"protoc failed: {' '.join(args)}")
+    roots = sorted({f.relative_to(PROTO_ROOT).parts[0] for f in files})
     written = []
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [
+            "grpc_tools.protoc",
+            f"-I{PROTO_ROOT}",
+            f"-I{well_known}",
+            f"--python_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            f"--pyi_out={tmp}",
+            *(str(f) for f in files),
+        ]
+        if protoc.main(args) != 0:
+            raise SystemExit(f"protoc failed: {' '.join(args)}")
+        for made in sorted(Path(tmp).rglob("*")):
+            if made.is_file():
+                dest = target / made.relative_to(tmp)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_text(_in_package(made.read_text(), roots))
     for f in files:  # every directory of the generated package gets an __init__.py
-        rel = f.relative_to(PROTO_ROOT).parent
-        d = out / MOUNT / rel
+        d = target / f.relative_to(PROTO_ROOT).parent
         while True:
             init = d / "__init__.py"
             if not init.exists():
                 init.write_text("")
-            if d == out / MOUNT:
+            if d == target:
                 break
             d = d.parent
-    for p in sorted((out / MOUNT).rglob("*")):
+    for p in sorted(target.rglob("*")):
         if p.is_file() and p.suffix in (".py", ".pyi"):
             written.append(p)
     return written

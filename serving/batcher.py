@@ -60,7 +60,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from serving.errors import QueueDeadlineExceeded, ServingError
+from serving.errors import NotReady, QueueDeadlineExceeded
 
 log = logging.getLogger("serving")
 
@@ -212,7 +212,7 @@ class MicroBatcher(Generic[K, P, R]):
     async def submit(self, key: K, payload: P, n: int, deadline: float | None = None) -> R:
         """The result for `payload` (n windows), computed in a batch with other calls on the same key.
 
-        A call of more than max_batch windows runs as a batch of its own. Raises ServingError once
+        A call of more than max_batch windows runs as a batch of its own. Raises NotReady once
         close() has begun (also for a call still in its quiet rounds then).
         """
         self._spin_extend()
@@ -223,7 +223,7 @@ class MicroBatcher(Generic[K, P, R]):
 
     async def _submit(self, key: K, payload: P, n: int, deadline: float | None) -> R:
         if self._closing:
-            raise ServingError("the server is shutting down")
+            raise NotReady("the server is shutting down; retry on another replica")
         arrived = time.monotonic()
         gap = min(arrived - self._last_arrival, MAX_GAP_S)
         self._last_arrival = arrived
@@ -241,7 +241,7 @@ class MicroBatcher(Generic[K, P, R]):
             if quiet and alone and self._may_run_here(key, n):
                 return self._run_here(key, payload, n, deadline, arrived)
             if self._closing:
-                raise ServingError("the server is shutting down")
+                raise NotReady("the server is shutting down; retry on another replica")
         item: _Item[K, P, R] = _Item(key, payload, n, asyncio.get_running_loop().create_future(), deadline,
                                      arrived)
         self._queue.append(item)

@@ -51,6 +51,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Forecaster"].full_name  # foxhunt
 MiB = 1 << 20
 DRAIN_POLL_S = 0.005  # how often a SIGTERM drain looks whether the in-flight calls have finished
 DRAIN_SETTLE_S = 0.1  # the least time a SIGTERM drain lets the calls on their way at the signal arrive
+CLIENT_PING_MIN_MS = 1000  # the shortest keepalive interval accepted from clients
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,12 @@ class ForecastServer:
             ("grpc.so_reuseport", int(config.reuse_port)),  # unless asked, a port in use is an error, not a share
             ("grpc.keepalive_time_ms", 60_000),  # ping idle connections; a dead peer's calls end
             ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.http2.max_pings_without_data", 0),  # ... however long a connection stays idle
+            # Clients' keepalive pings are welcome every CLIENT_PING_MIN_MS or slower, calls in flight or not: by
+            # gRPC's default a ping with no call in flight is abuse, and the third closes the connection
+            # (GOAWAY too_many_pings), which a strategy calling once a bar with keepalive on would meet each time.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", CLIENT_PING_MIN_MS),
         ])
         pb_grpc.add_ForecasterServicer_to_server(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

@@ -230,14 +230,22 @@ def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> 
 
 
 def _for_the_wire(p: Problem, symbol: str) -> Problem:
-    """A problem as the data contract words it for a parquet file, reworded where a request's fix differs
-    (a file's rows are sorted or dropped; a request's bars are sent differently)."""
-    if p.column == WIRE_COLUMNS.timestamp:  # the rule as written names the symbol, which the label already does
-        return Problem(p.file, p.column, p.row, p.rule.removesuffix(f"; symbol {symbol}"),
+    """A problem as the data contract words it for a parquet file, reworded where a request's differs (a
+    file's rows are sorted, repaired or dropped, and grouped by symbol; a request's bars are sent
+    differently, one series per symbol)."""
+    if p.column == WIRE_COLUMNS.timestamp:
+        rule = "duplicate timestamp" if p.rule.startswith("duplicate") else "timestamps decrease"
+        return Problem(p.file, p.column, p.row, f"{rule} (rule: strictly increasing)",
                        "send the bars oldest first, one per timestamp", p.count)
     if p.rule.startswith("user feature "):
         return Problem(p.file, p.column, p.row, p.rule, "send a finite value for every bar, as in the training data",
                        p.count)
+    if p.rule.endswith(" is NaN or null"):
+        return Problem(p.file, p.column, p.row, p.rule.replace(" or null", ""),
+                       f"send a finite {p.column} for every bar", p.count)
+    if "is not positive" in p.rule:
+        return Problem(p.file, p.column, p.row, p.rule, "send positive prices (back-adjusted continuous contracts "
+                       "must be shifted to positive prices)", p.count)
     return p
 
 

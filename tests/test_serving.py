@@ -217,6 +217,23 @@ def test_oversized_message_is_refused_and_the_server_stays_up(art: Model, server
     assert server.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10).forecasts
 
 
+def test_client_keepalive_pings_on_an_idle_connection_keep_it_open(art: Model, server: LiveServer) -> None:
+    """A strategy calling once a bar keeps its connection alive with pings between calls; gRPC's default
+    server policy takes such pings for abuse and closes the connection (GOAWAY too_many_pings)."""
+    options = [("grpc.keepalive_time_ms", 1500), ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.max_pings_without_data", 0)]
+    states: list[grpc.ChannelConnectivity] = []
+    with grpc.insecure_channel(server.target, options=options) as channel:
+        channel.subscribe(states.append, try_to_connect=True)
+        stub = pb_grpc.ForecasterStub(channel)
+        assert stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10).forecasts
+        time.sleep(6.5)  # four client pings, no calls
+        assert stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10).forecasts
+        ready = states.index(grpc.ChannelConnectivity.READY)
+        assert set(states[ready:]) == {grpc.ChannelConnectivity.READY}, states  # never dropped and reconnected
+    assert "too_many_pings" not in server.log_text()
+
+
 def test_health_reflection_and_model_info(art: Model, server: LiveServer) -> None:
     health = health_pb2_grpc.HealthStub(server.channel)
     for name in ("", SERVICE):

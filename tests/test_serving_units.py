@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -20,7 +21,7 @@ from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
 from features.schema import STATIC_CATEGORICAL
 from serving.batcher import MicroBatcher
-from serving.errors import QueueDeadlineExceeded, RequestError
+from serving.errors import NotReady, QueueDeadlineExceeded, RequestError, status_of
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.model import batch_buckets, bucket_for
 from serving.postprocess import price_quantiles
@@ -59,6 +60,24 @@ def test_generated_stubs_match_the_proto(tmp_path: Path) -> None:
     assert any(n.endswith("forecaster_pb2.pyi") for n in names)
     _, mismatch, errors = filecmp.cmpfiles(fresh, committed, names, shallow=False)
     assert not mismatch and not errors, f"stale stubs {mismatch}: run `python scripts/gen_protos.py`"
+
+
+def test_a_clients_own_stubs_from_protos_import_beside_the_servers(tmp_path: Path) -> None:
+    """A client compiling protos/ itself gets the file name the server's stubs and reflection use, so both
+    sets of stubs share Python's descriptor pool (with another name, the second import fails: duplicate
+    symbols)."""
+    from grpc_tools import protoc
+
+    assert protoc.main(["protoc", f"-I{REPO / 'protos'}", f"--python_out={tmp_path}",
+                        str(REPO / "protos" / "foxhunt" / "tft" / "v1" / "forecaster.proto")]) == 0
+    code = ("import sys; from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as ours; "
+            "sys.path.insert(0, sys.argv[1]); from foxhunt.tft.v1 import forecaster_pb2 as theirs; "
+            "print(ours.DESCRIPTOR.name, theirs.PredictRequest.FromString("
+            "ours.PredictRequest(explain=True).SerializeToString()).explain)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["foxhunt/tft/v1/forecaster.proto", "True"]
 
 
 # ---- validation ---------------------------------------------------------------------------------------
@@ -106,8 +125,15 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
                                                       "'spread' is NaN or infinite. Fix: send a finite value for "
                                                       "every bar"),
     ("duplicate timestamp", lambda: _req(_with("timestamp_ns", 3, 1_704_103_200_000_000_000 + 2 * 60 * 10**9)),
-     "series[0] (ES): column 'timestamp_ns', row 3: duplicate timestamp within a symbol (rule: one bar per "
-     "timestamp). Fix: send the bars oldest first, one per timestamp"),
+     "series[0] (ES): column 'timestamp_ns', row 3: duplicate timestamp (rule: strictly increasing). Fix: send "
+     "the bars oldest first, one per timestamp"),
+    ("swapped timestamps", lambda: _req(_swapped(3)), "series[0] (ES): column 'timestamp_ns', row 4: timestamps "
+                                                      "decrease (rule: strictly increasing). Fix: send the bars "
+                                                      "oldest first, one per timestamp"),
+    ("NaN close", lambda: _req(_with("close", 4, float("nan"))), "series[0] (ES): column 'close', row 4: close is "
+                                                                 "NaN. Fix: send a finite close for every bar"),
+    ("negative open", lambda: _req(_with("open", 1, -2.0)), "column 'open', row 1: open is not positive (prices must "
+                                                            "be > 0). Fix: send positive prices"),
     ("seconds sent as nanoseconds", lambda: _req(_spaced(series("NQ"), 1_704_103_200, 60)),
      f"series[0] (NQ): bars are 60 ns apart (the median gap of the last {NEED} bars), but this model's bars are "
      "1 min apart (GetModelInfo.bar_interval_ns = 60000000000); send timestamp_ns in UTC nanoseconds"),
@@ -121,6 +147,14 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
 def _spaced(s: pb.Series, start: int, gap: int) -> pb.Series:
     """The series with timestamps start, start + gap, ...: another unit than nanoseconds, or finer bars."""
     s.timestamp_ns[:] = (start + gap * np.arange(len(s.timestamp_ns))).tolist()
+    return s
+
+
+def _swapped(row: int) -> pb.Series:
+    s = series()
+    ts = list(s.timestamp_ns)
+    ts[row], ts[row + 1] = ts[row + 1], ts[row]
+    s.timestamp_ns[:] = ts
     return s
 
 
@@ -776,6 +810,19 @@ def test_a_call_whose_deadline_passes_in_the_queue_is_answered_and_never_run() -
 
     asyncio.run(main())
     assert rec.batches == [[1]]  # neither the expired nor the cancelled call ran
+
+
+def test_a_call_after_the_batcher_closed_is_unavailable_so_the_caller_retries_elsewhere() -> None:
+    async def main() -> None:
+        b: MicroBatcher[str, int, int] = MicroBatcher(Recorder(), max_batch=4, max_delay_s=0.001)
+        b.start()
+        assert await b.submit("m", 1, 1) == 2
+        await b.close()
+        with pytest.raises(NotReady) as info:
+            await b.submit("m", 2, 1)
+        assert status_of(info.value)[0] == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(main())
 
 
 def test_wait_serving_gives_up_after_its_timeout_when_nothing_listens() -> None:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as foxhunt_dot_tft_dot_v1_dot_forecaster__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in serving/gen/foxhunt/tft/v1/forecaster_pb2_grpc.py depends on'
+        + ' but the generated code in foxhunt/tft/v1/forecaster_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class ForecasterStub:
         """
         self.Predict = channel.unary_unary(
                 '/foxhunt.tft.v1.Forecaster/Predict',
-                request_serializer=serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictRequest.SerializeToString,
-                response_deserializer=serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictResponse.FromString,
+                request_serializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictRequest.SerializeToString,
+                response_deserializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/foxhunt.tft.v1.Forecaster/GetModelInfo',
-                request_serializer=serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.ModelInfo.FromString,
+                request_serializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -70,13 +70,13 @@ def add_ForecasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Predict': grpc.unary_unary_rpc_method_handler(
                     servicer.Predict,
-                    request_deserializer=serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictRequest.FromString,
-                    response_serializer=serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictResponse.SerializeToString,
+                    request_deserializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictRequest.FromString,
+                    response_serializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -105,8 +105,8 @@ class Forecaster:
             request,
             target,
             '/foxhunt.tft.v1.Forecaster/Predict',
-            serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictRequest.SerializeToString,
-            serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictResponse.FromString,
+            foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictRequest.SerializeToString,
+            foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -132,8 +132,8 @@ class Forecaster:
             request,
             target,
             '/foxhunt.tft.v1.Forecaster/GetModelInfo',
-            serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.GetModelInfoRequest.SerializeToString,
-            serving_dot_gen_dot_foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.ModelInfo.FromString,
+            foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.GetModelInfoRequest.SerializeToString,
+            foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
