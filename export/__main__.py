@@ -34,7 +34,7 @@ import onnx
 from export.errors import ExportError, UsageError
 from export.onnx_export import DEFAULT_OPSET, MIN_OPSET
 from export.pipeline import ExportOptions, Tamper, run_export
-from export.triton import check_name
+from export.triton import MAX_BATCH_SIZE_LIMIT, check_name
 from features.bars import ColumnMap
 
 MAX_OPSET = min(onnx.defs.onnx_opset_version(), 23)  # 23: the newest opset onnxruntime 1.31 runs
@@ -90,8 +90,13 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         problem = check_name(args.triton_name or out.stem)
         if problem:
             raise UsageError(f"{problem}; pass --triton-name NAME")
-        if args.triton_max_batch_size < 1:
-            raise UsageError(f"--triton-max-batch-size {args.triton_max_batch_size}: must be >= 1")
+        if not 1 <= args.triton_max_batch_size <= MAX_BATCH_SIZE_LIMIT:
+            raise UsageError(f"--triton-max-batch-size {args.triton_max_batch_size}: must be 1..{MAX_BATCH_SIZE_LIMIT} "
+                             "(Triton's max_batch_size is an int32)")
+        model_dir = (args.triton_repo / (args.triton_name or out.stem)).resolve()
+        if out.resolve().is_relative_to(model_dir):
+            raise UsageError(f"{out} is inside the Triton model directory {model_dir}, which export replaces as a "
+                             "whole; write the model file elsewhere (the repository gets its own copy)")
     if args.bars is not None and not args.bars.exists():
         raise UsageError(f"--bars {args.bars}: no such file or directory")
     return ExportOptions(checkpoint=args.checkpoint, output=out, opset=args.opset, fp16=args.fp16,

@@ -70,6 +70,24 @@ def _interrupts_deferred() -> Iterator[list[int]]:
             signal.signal(s, handler)
 
 
+def leftovers(target: Path) -> tuple[list[Path], list[Path]]:
+    """What an export killed (SIGKILL, power loss) left beside `target`: staged copies (`.<name>.*.tmp`, never the
+    only copy of anything) and backups of a replaced directory (`.<name>.old-*`, the old one, set aside while
+    the new one was renamed into place). In a Triton repository, Triton would take either for a model."""
+    if not target.parent.is_dir():
+        return [], []
+    staged = sorted(target.parent.glob(f".{target.name}.*.tmp"))
+    backups = sorted(p for p in target.parent.glob(f".{target.name}.old-*") if p.is_dir())
+    return staged, backups
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 class Staging:
     """Stage files and directories; `commit()` publishes them, `discard()` (or an exception) removes them."""
 

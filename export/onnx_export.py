@@ -92,11 +92,17 @@ def _quiet_exporter() -> Iterator[None]:
                 lg.setLevel(level)
 
 
-def _describe(exc: BaseException) -> str:
-    """The exception and its root cause: torch.onnx wraps the torch.export error that says what failed."""
+def _chain(exc: BaseException) -> list[BaseException]:
+    """The exception and those it was raised from or while handling, outermost first (at most 8)."""
     chain = [exc]
     while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain and len(chain) < 8:
         chain.append(nxt)
+    return chain
+
+
+def _describe(exc: BaseException) -> str:
+    """The exception and its root cause: torch.onnx wraps the torch.export error that says what failed."""
+    chain = _chain(exc)
 
     def first_line(e: BaseException) -> str:
         lines = [ln.strip() for ln in strip_ansi(str(e)).splitlines() if ln.strip()]
@@ -139,6 +145,8 @@ def export_model(model: TemporalFusionTransformer, example: dict[str, Tensor], o
                 verbose=False,
             )
     except Exception as exc:  # torch raises many unrelated types here; all mean "cannot export"
+        if any(isinstance(e, KeyboardInterrupt) for e in _chain(exc)):  # Ctrl-C or SIGTERM, wrapped by torch
+            raise KeyboardInterrupt from None
         raise CheckFailed("torch.onnx.export", f"{_describe(exc)}. The model could not be exported with a dynamic "
                           "batch axis; a data-dependent shape or value in forward() is the usual cause") from exc
     if program is None:  # pragma: no cover - the dynamo path always returns a program

@@ -24,7 +24,7 @@ import torch
 
 from export import fp16 as fp16_mod
 from export.errors import CheckFailed, UsageError
-from export.files import Staging
+from export.files import Staging, leftovers, remove
 from export.onnx_export import check_interface, export_model, output_names, run_checker, signature
 from export.parity import ParityReport, check_parity, make_cases
 from export.placement import PlacementReport, evaluate, profile_placement
@@ -219,9 +219,21 @@ def build_graph(model: TemporalFusionTransformer, windows: dict[str, np.ndarray]
             proto = fp16_mod.convert_to_fp16(proto, keep)
         except fp16_mod.Fp16Error as exc:
             raise CheckFailed("fp16 conversion", f"{exc}. Export without --fp16") from None
+    lowest_ir_version(proto)
     if tamper is not None:
         tamper(proto)
     return with_meta(proto, meta)
+
+
+def lowest_ir_version(proto: onnx.ModelProto) -> None:
+    """Mark the graph with the oldest ONNX IR version its opsets allow, not the exporter's newest: the model
+    is the same, and runtimes that predate the newer IR (an older Triton's onnxruntime refuses IR 10)
+    load it. Opsets of domains onnx does not know leave the exporter's version."""
+    try:
+        lowest = onnx.helper.find_min_ir_version_for(list(proto.opset_import))
+    except ValueError:
+        return
+    proto.ir_version = min(proto.ir_version, lowest)
 
 
 def check_parity_gate(model_bytes: bytes, model: TemporalFusionTransformer, windows: dict[str, np.ndarray],
@@ -249,9 +261,20 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
     triton_dir = None
     try:
         with Staging() as staging:
+            for path in leftovers(opts.output)[0]:
+                remove(path)
+                log(f"removed {path}, a partial write left by a killed export")
             staging.file(opts.output, data)
             if opts.triton_repo is not None:
                 triton_dir = opts.triton_repo / opts.model_name
+                staged, backups = leftovers(triton_dir)
+                for path in staged:
+                    remove(path)
+                    log(f"removed {path}, a partial write left by a killed export (Triton would take it for a model)")
+                for path in backups:
+                    log(f"warning: {path} is a copy of {triton_dir} set aside by an export killed while publishing; "
+                        "Triton would take it for a model: remove it, or move it back if the model directory is "
+                        "missing")
                 config = config_pbtxt(opts.model_name, signature(list(final.graph.input)),
                                       signature(list(final.graph.output)), opts.triton_max_batch_size,
                                       comment=f"written by `python -m export` from checkpoint sha256 "

@@ -5,8 +5,10 @@
 
 The config uses the onnxruntime backend, batches dynamically up to `max_batch_size` (dims
 are written without the batch axis, as Triton wants when max_batch_size > 0), runs on the
-GPU, and warms up at batch 1 and at the largest batch with all-zero inputs (zero is a valid
-symbol id and a finite raw feature value, so warm-up exercises the real graph).
+GPU with the CUDA provider's TF32 math off (ONNX Runtime turns it on by default; export's
+parity check ran fp32 without it, as `python -m serving` runs), and warms up at batch 1 and
+at the largest batch with all-zero inputs (zero is a valid symbol id and a finite raw
+feature value, so warm-up exercises the real graph).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
                 "bool": "TYPE_BOOL"}
 QUEUE_DELAY_US = 100  # how long Triton may hold a request to batch it with others
+MAX_BATCH_SIZE_LIMIT = 2**31 - 1  # ModelConfig.max_batch_size is an int32
+CUDA_PROVIDER_OPTIONS = {"use_tf32": "0"}  # passed to ONNX Runtime's CUDA provider, as serving.model does
 
 
 def check_name(name: str) -> str | None:
@@ -65,9 +69,17 @@ def config_pbtxt(name: str, inputs: Sequence[TensorSig], outputs: Sequence[Tenso
         "output [\n" + ",\n".join(_tensor(s, "  ") for s in outputs) + "\n]",
         f"dynamic_batching {{\n  max_queue_delay_microseconds: {QUEUE_DELAY_US}\n}}",
         "instance_group [\n  {\n    count: 1\n    kind: KIND_GPU\n  }\n]",
+        _cuda_options(),
         "model_warmup [\n" + ",\n".join(warm) + "\n]",
     ]
     return "\n".join(parts) + "\n"
+
+
+def _cuda_options() -> str:
+    params = "\n".join(f"        parameters {{\n          key: \"{k}\"\n          value: \"{v}\"\n        }}"
+                       for k, v in CUDA_PROVIDER_OPTIONS.items())
+    return ("optimization {\n  execution_accelerators {\n    gpu_execution_accelerator [\n      {\n"
+            f"        name: \"cuda\"\n{params}\n      }}\n    ]\n  }}\n}}")
 
 
 def newer_versions(model_dir: Path) -> list[str]:

@@ -207,8 +207,15 @@ def test_triton_repository_matches_the_model(exported: Path) -> None:
     assert max_batch == 256
     assert "dynamic_batching" in cfg
     assert [g["kind"] for g in cfg["instance_group"]] == [["KIND_GPU"]]
+    # the CUDA provider runs fp32 as the parity check and the server do: without TF32 (ONNX Runtime's default is on)
+    cuda = cfg["optimization"][0]["execution_accelerators"][0]["gpu_execution_accelerator"]
+    assert [(a["name"], {p["key"][0]: p["value"][0] for p in a["parameters"]}) for a in cuda] == \
+        [(["cuda"], {"use_tf32": "0"})]
 
     model = onnx.load(str(exported))
+    # the oldest IR its opset allows (8 for opset 18), not the exporter's 10: onnxruntime 1.17 and older, as
+    # older Tritons bundle, refuse IR 10
+    assert model.ir_version == 8 and [(o.domain, o.version) for o in model.opset_import] == [("", 18)]
     dtypes = {onnx.TensorProto.FLOAT: "TYPE_FP32", onnx.TensorProto.INT64: "TYPE_INT64"}
 
     def sig(values: Any) -> list[tuple[str, str, list[int]]]:  # name, Triton type, dims without the batch
@@ -389,6 +396,7 @@ def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
     (["--threads", "0"], "--threads 0"),
     (["--triton-name", "x"], "only apply with --triton-repo"),
     (["--triton-repo", "REPO", "--triton-name", "bad/name"], "Triton model name"),
+    (["--triton-repo", "REPO", "--triton-max-batch-size", "3000000000"], "must be 1..2147483647"),
     (["--bars", "NOPE/bars.parquet"], "--bars"),
 ])
 def test_bad_arguments_exit_2(flags: list[str], message: str, ckpt: Path, tmp_path: Path,
@@ -406,6 +414,12 @@ def test_output_paths_are_checked(ckpt: Path, tmp_path: Path, capsys: pytest.Cap
     assert "is a directory" in capsys.readouterr().err
     assert main([str(ckpt), str(ckpt)]) == 2
     assert "is the checkpoint itself" in capsys.readouterr().err
+    inside = tmp_path / "repo" / "tft" / "1"
+    inside.mkdir(parents=True)
+    assert main([str(ckpt), str(inside / "model.onnx"), "--triton-repo", str(tmp_path / "repo"),
+                 "--triton-name", "tft"]) == 2
+    assert "is inside the Triton model directory" in capsys.readouterr().err
+    assert listing(tmp_path / "repo") == ["tft", "tft/1"]
 
 
 def test_real_command_exit_status_and_help_text(tmp_path: Path) -> None:
@@ -439,6 +453,23 @@ def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransf
     assert "--time-col" in build_parser().format_help()
 
 
+def test_an_interrupt_wrapped_by_the_exporter_is_an_interrupt_not_a_failed_check(
+        ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.onnx.export can wrap the KeyboardInterrupt of Ctrl-C (or of SIGTERM) in its own error; that is
+    the user stopping the export (exit 130), not a model that cannot be exported (exit 1)."""
+    def wrapped(*args: object, **kwargs: object) -> None:
+        try:
+            raise KeyboardInterrupt("signal 15")
+        except KeyboardInterrupt as exc:
+            raise RuntimeError("Failed to export the model with torch.export") from exc
+
+    monkeypatch.setattr(torch.onnx, "export", wrapped)
+    assert main([str(ckpt), str(tmp_path / "model.onnx")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; nothing was written" in err and "export refused" not in err
+    assert listing(tmp_path) == []
+
+
 def test_sigterm_interrupts_the_export_as_ctrl_c_does(ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "model.onnx"
     proc = subprocess.Popen([sys.executable, "-m", "export", str(ckpt), str(out)], cwd=REPO,
@@ -455,6 +486,25 @@ def test_sigterm_interrupts_the_export_as_ctrl_c_does(ckpt: Path, tmp_path: Path
         proc.kill()
     assert "interrupted; nothing was written" in err and "Traceback" not in err
     assert listing(tmp_path) == []
+
+
+def test_what_a_killed_export_left_is_cleared_or_named(ckpt: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGKILL can leave staged copies beside the outputs, and a model directory's backup mid-swap; Triton would
+    take either for a model. The next export removes the staged copies and names a backup (the only copy of
+    the old model, if the kill came between the two renames)."""
+    repo = tmp_path / "repo"
+    (repo / ".tft.k1ll3d.tmp" / "1").mkdir(parents=True)
+    (repo / ".tft.k1ll3d.tmp" / "config.pbtxt").write_text("partial")
+    (repo / ".tft.old-0badc0de" / "1").mkdir(parents=True)
+    (tmp_path / ".model.onnx.k1ll3d.tmp").write_bytes(b"partial")
+    assert main([str(ckpt), str(tmp_path / "model.onnx"), "--triton-repo", str(repo), "--triton-name", "tft"]) == 0
+    err = capsys.readouterr().err
+    assert "removed" in err and ".tft.k1ll3d.tmp" in err and ".model.onnx.k1ll3d.tmp" in err
+    assert ".tft.old-0badc0de is a copy of" in err
+    assert listing(repo) == [".tft.old-0badc0de", ".tft.old-0badc0de/1", "tft", "tft/1", "tft/1/model.onnx",
+                             "tft/config.pbtxt"]
+    assert not (tmp_path / ".model.onnx.k1ll3d.tmp").exists()
 
 
 def test_staging_is_all_or_nothing(tmp_path: Path) -> None:

@@ -81,8 +81,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             f"{p}: refused — loading it would unpickle code ({what}), which a foxhunt checkpoint never "
             "needs. Only load checkpoints written by `python -m trainer`") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, IndexError, KeyError) as exc:
-        raise CheckpointError(f"{p}: not a readable checkpoint (corrupt or truncated?): "
-                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        raise CheckpointError(f"{p}: not a readable checkpoint (corrupt, truncated, or not written by torch.save; "
+                              f"torch.load: {type(exc).__name__}{': ' + detail if detail else ''})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{p}: not a foxhunt-tft checkpoint (format {FORMAT!r} expected)")
     missing = [k for k in REQUIRED_KEYS if k not in ckpt]
