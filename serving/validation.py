@@ -241,7 +241,7 @@ def _for_the_wire(p: Problem, symbol: str) -> Problem:
         return Problem(p.file, p.column, p.row, p.rule, "send a finite value for every bar, as in the training data",
                        p.count)
     if p.rule.endswith(" is NaN or null"):
-        return Problem(p.file, p.column, p.row, p.rule.replace(" or null", ""),
+        return Problem(p.file, p.column, p.row, p.rule.removesuffix(" or null"),
                        f"send a finite {p.column} for every bar", p.count)
     if "is not positive" in p.rule:
         return Problem(p.file, p.column, p.row, p.rule, "send positive prices (back-adjusted continuous contracts "
