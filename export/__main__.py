@@ -126,4 +126,7 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends it as Ctrl-C does: exit 130, nothing written
-    sys.exit(main())
+    status = main()
+    for s in (signal.SIGINT, signal.SIGTERM):  # done: a signal during the interpreter's shutdown stops nothing
+        signal.signal(s, signal.SIG_IGN)
+    sys.exit(status)

@@ -55,7 +55,7 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 @contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[list[int]]:
+def interrupts_deferred() -> Iterator[list[int]]:
     """SIGINT and SIGTERM inside the block are recorded in the yielded list rather than acted on (in the
     main thread, where Python runs signal handlers; elsewhere the block changes nothing)."""
     got: list[int] = []
@@ -139,7 +139,7 @@ class Staging:
         """Publish: directories (swapping out any old one), then files (os.replace). Ctrl-C or SIGTERM
         meanwhile waits until it is done (`interrupted` then says so): half a publication, or a
         backup left behind, would be worse than a late stop."""
-        with _interrupts_deferred() as self.interrupted:
+        with interrupts_deferred() as self.interrupted:
             self._commit()
 
     def _commit(self) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from export import fp16 as fp16_mod
 from export.errors import CheckFailed, UsageError
-from export.files import Staging, leftovers, remove
+from export.files import Staging, interrupts_deferred, leftovers, remove
 from export.onnx_export import check_interface, export_model, output_names, run_checker, signature
 from export.parity import ParityReport, check_parity, make_cases
 from export.placement import PlacementReport, evaluate, profile_placement
@@ -333,10 +333,13 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, _tamper: Tamper | Non
     onnx.checker.check_model(final)  # the metadata changed nothing else; cheap insurance
     data = final.SerializeToString()
     triton_dir = write_outputs(data, opts, meta, final, log)
-    log(f"wrote {opts.output} ({len(data) / 2**20:.2f} MiB, {meta.precision}, opset {opts.opset})"
-        + (f" and Triton model {triton_dir}" if triton_dir else ""))
-    if triton_dir is not None and (later := newer_versions(triton_dir)):
-        log(f"warning: {triton_dir} also holds version(s) {', '.join(later)}, kept as they were: Triton serves the "
-            f"highest version by default, not the {TRITON_VERSION}/ just written; remove them, or set a "
-            "version_policy in config.pbtxt")
+    with interrupts_deferred() as late:  # once published, Ctrl-C has nothing left to stop: finish the report
+        log(f"wrote {opts.output} ({len(data) / 2**20:.2f} MiB, {meta.precision}, opset {opts.opset})"
+            + (f" and Triton model {triton_dir}" if triton_dir else ""))
+        if triton_dir is not None and (later := newer_versions(triton_dir)):
+            log(f"warning: {triton_dir} also holds version(s) {', '.join(later)}, kept as they were: Triton serves "
+                f"the highest version by default, not the {TRITON_VERSION}/ just written; remove them, or set a "
+                "version_policy in config.pbtxt")
+    if late:
+        log("interrupted after the files were published: they are complete")
     return ExportResult(opts.output, meta, parity, placement, triton_dir)

@@ -24,9 +24,10 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from export.__main__ import build_parser, main
+from export.__main__ import build_parser, main, options_from_args
 from export.files import Staging
 from export.parity import make_cases
+from export.pipeline import run_export
 from export.placement import PlacementReport, evaluate, is_shape_computation, profile_placement
 from export.runtime import CPU, probe
 from export.triton import newer_versions
@@ -505,6 +506,21 @@ def test_what_a_killed_export_left_is_cleared_or_named(ckpt: Path, tmp_path: Pat
     assert listing(repo) == [".tft.old-0badc0de", ".tft.old-0badc0de/1", "tft", "tft/1", "tft/1/model.onnx",
                              "tft/config.pbtxt"]
     assert not (tmp_path / ".model.onnx.k1ll3d.tmp").exists()
+
+
+def test_ctrl_c_after_the_files_are_published_lets_the_export_finish(ckpt: Path, tmp_path: Path) -> None:
+    """A signal once the files are in place has nothing left to stop: the export reports and succeeds, rather
+    than saying "nothing was written" over a written model."""
+    out, lines = tmp_path / "model.onnx", []
+
+    def log(message: str) -> None:
+        lines.append(message)
+        if message.startswith("wrote "):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    result = run_export(options_from_args(build_parser().parse_args([str(ckpt), str(out)])), log)
+    assert result.output == out and out.exists()
+    assert lines[-1] == "interrupted after the files were published: they are complete"
 
 
 def test_staging_is_all_or_nothing(tmp_path: Path) -> None:
