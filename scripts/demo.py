@@ -12,8 +12,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,12 +53,18 @@ def start_server(model: Path) -> tuple[subprocess.Popen[str], str]:
             continue
         print(f"   [server] {line.rstrip()}", flush=True)
         m = re.search(r"listening on (\S+:\d+)", line)
-        if m:
+        if m:  # from here the server's lines are echoed as they come, in order with the demo's own
+            threading.Thread(target=echo, args=(proc.stdout,), daemon=True).start()
             wait_serving(m.group(1), deadline)
             print(f"   health: SERVING on {m.group(1)}", flush=True)
             return proc, m.group(1)
     proc.kill()
     raise SystemExit("demo: the server did not report SERVING within 120 s")
+
+
+def echo(lines: IO[str]) -> None:
+    for line in lines:
+        print(f"   [server] {line.rstrip()}", flush=True)
 
 
 def wait_serving(target: str, deadline: float) -> None:
@@ -95,16 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.send_signal(signal.SIGTERM)
         try:
-            rest, _ = server.communicate(timeout=30)
-            for line in (rest or "").splitlines():
-                print(f"   [server] {line}")
+            server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+            server.wait()
+        time.sleep(0.1)  # the echo thread prints the server's last lines
         print(f"server stopped (exit status {server.returncode})")
     print(f"\ndone in {time.monotonic() - t0:.0f} s. Files in {out}:")
     for f in sorted(out.iterdir()):
         print(f"  {f.name:24s} {f.stat().st_size / 1024:9.1f} KiB")
     print(f"report picture: {ckpt.with_suffix('.report.png')}")
+    rel = out.relative_to(REPO) if out.is_relative_to(REPO) else out
+    print("\nnext, in two shells (then try --explain or --json on the client):\n"
+          f"  python -m serving --model {rel / 'model.onnx'} --port 50051\n"
+          f"  python -m serving.client --target 127.0.0.1:50051 --parquet {rel / 'bars.parquet'} --symbol NQ")
     return 0
 
 

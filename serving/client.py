@@ -9,8 +9,13 @@ TLS and tokens: `--tls-ca ca.pem` (or `--tls` for the system's roots) connects w
 `--tls-cert/--tls-key` adds a client certificate (for a server with --tls-client-ca), and
 `--auth-token-file` sends the file's first token as `authorization: Bearer <token>`.
 
-Exit status: 0 done, 2 bad arguments, bars or TLS/token files, 1 the server answered an
-error (its status code and message are printed).
+Times in the table are the forecast's nominal bar times (last bar + h bar intervals): step h is
+the h-th next bar, so across a session close they stand for the next session's bars.
+`--explain` adds each variable's mean selection weight and the bars the attention weighs most.
+
+Exit status: 0 done, 2 bad arguments, bars (missing, unreadable, too few for the model, a symbol
+the model does not know) or TLS/token files, 1 the server answered an error (its status code and
+message are printed), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 from datetime import UTC, datetime
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -75,7 +81,25 @@ def format_forecast(f: pb.Forecast) -> str:
     lines = [title,
              "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.append("ret: cumulative log return from the last close; time: nominal, step h is the h-th next bar")
+    if f.HasField("explanation"):
+        lines += format_explanation(f.explanation)
     return "\n".join(lines)
+
+
+def format_explanation(e: pb.Explanation, top: int = 5) -> list[str]:
+    """Each group's variables by mean selection weight (the largest `top`), and the bars the decoder's
+    attention weighs most, averaged over the horizon steps."""
+    lines = []
+    for label, w in (("static", e.static_weights), ("encoder", e.encoder_weights), ("decoder", e.decoder_weights)):
+        mean = np.asarray(w.weights).reshape(w.steps, len(w.variables)).mean(axis=0)
+        order = np.argsort(-mean, kind="stable")[:top]
+        lines.append(f"{label} variables: " + ", ".join(f"{w.variables[i]} {mean[i]:.0%}" for i in order))
+    attention = np.asarray(e.attention).reshape(e.attention_rows, e.attention_cols).mean(axis=0)
+    order = np.argsort(-attention, kind="stable")[:top]
+    lines.append("attention: " + ", ".join(f"{_time(int(e.attention_timestamp_ns[i]))} {attention[i]:.0%}"
+                                           for i in order))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT (default 127.0.0.1:50051)")
     p.add_argument("--parquet", required=True, help="bars: a parquet file or a directory of them")
     p.add_argument("--symbol", required=True, help="symbol to forecast (one of the model's symbols)")
-    p.add_argument("--explain", action="store_true", help="also ask for attention and variable weights (with --json)")
+    p.add_argument("--explain", action="store_true",
+                   help="also ask for attention and variable weights (a summary under the table; all with --json)")
     p.add_argument("--json", action="store_true", help="print the response as JSON")
     p.add_argument("--timeout", type=float, default=10.0, help="deadline per call in seconds (default 10)")
     p.add_argument("--packed", action="store_true",
@@ -93,6 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     add_client_arguments(p)
     args = p.parse_args(argv)
     check_client_arguments(p, args)
+    if not args.timeout > 0:
+        p.error(f"--timeout {args.timeout}: give a deadline in seconds above 0")
+    if not Path(args.parquet).exists():
+        print(f"error: --parquet {args.parquet}: no such file or directory", file=sys.stderr)
+        return 2
+    try:
+        return _forecast(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _forecast(args: argparse.Namespace) -> int:
     try:
         metadata = call_metadata(args)
         channel = open_channel(args.target, args)
@@ -114,9 +152,19 @@ def main(argv: list[str] | None = None) -> int:
             for problem in exc.problems:
                 print(f"  {problem}", file=sys.stderr)
             return 2
-        if args.symbol not in bars.series_slices():
-            print(f"error: symbol {args.symbol!r} not in {args.parquet} (it has {', '.join(bars.symbols)})",
+        slices = bars.series_slices()
+        if args.symbol not in slices:
+            print(f"error: symbol {args.symbol!r} not in {args.parquet} (it has "
+                  f"{', '.join(bars.symbols) or 'no bars'})", file=sys.stderr)
+            return 2
+        if info.symbols and args.symbol not in info.symbols:
+            print(f"error: the model does not know symbol {args.symbol!r} (it knows {', '.join(info.symbols)})",
                   file=sys.stderr)
+            return 2
+        have = slices[args.symbol].stop - slices[args.symbol].start
+        if have < info.bars_required:
+            print(f"error: {args.parquet} has {have} bars of {args.symbol}; the model needs the latest "
+                  f"{info.bars_required} (GetModelInfo.bars_required): give more history", file=sys.stderr)
             return 2
         request = pb.PredictRequest(
             series=[series_from_bars(bars, args.symbol, info.bars_required, list(info.user_feature_columns),

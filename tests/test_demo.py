@@ -30,5 +30,8 @@ def test_demo_runs_every_stage_and_prints_a_forecast_from_the_live_server(tmp_pa
     for _, lo, mid, hi in rows:
         assert float(lo) <= float(mid) <= float(hi)
     assert "health: SERVING" in text and "drained" in text and "server stopped (exit status 0)" in text
+    # the server's warm-up is reported before the forecast it made possible, and the demo ends with what to run
+    assert text.index("health: SERVING") < text.index("==> 6/6") and "warmed up" in text[:text.index("==> 6/6")]
+    assert "python -m serving --model" in text.splitlines()[-2] and "serving.client" in text.splitlines()[-1]
     for name in ("bars.parquet", "ckpt.pt", "ckpt.last.pt", "ckpt.metrics.jsonl", "ckpt.report.png", "model.onnx"):
         assert (out / name).is_file(), name

@@ -377,7 +377,7 @@ def test_the_server_opens_only_its_own_files() -> None:
         "model.load_and_warm:load_model",  # SIGHUP: --model again
         "server.serve:load_model",  # --model
         "security.read_file:read_bytes",  # --tls-*, --auth-token-file (server and clients)
-        "client.main:read_bars",  # the client's own --parquet
+        "client._forecast:read_bars",  # the client's own --parquet
     }, sorted(found)
 
 

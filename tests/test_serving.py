@@ -25,6 +25,8 @@ import grpc
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -301,17 +303,42 @@ def test_step_metrics_count_and_time_each_step_of_a_call(art: Model, server: Liv
         assert after[step][1] > before[step][1], (step, before, after)
 
 
-def test_client_prints_a_forecast_table(art: Model, server: LiveServer) -> None:
+def test_client_prints_a_forecast_table(art: Model, server: LiveServer, tmp_path: Path) -> None:
     symbol = art.meta.symbols[0]
     r = subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
                         str(art.bars_path), "--symbol", symbol], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith(f"{symbol}  model {art.meta.model_version}")
-    assert "ret q0.5" in lines[1] and "price q0.5" in lines[1] and len(lines) == 2 + art.meta.horizon
-    r = subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
-                        str(art.bars_path), "--symbol", "ZZ"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "ret q0.5" in lines[1] and "price q0.5" in lines[1] and len(lines) == 3 + art.meta.horizon
+    assert lines[-1].startswith("ret: cumulative log return") and "nominal" in lines[-1]
+
+    def client(parquet: Path, symbol: str, *flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
+                               str(parquet), "--symbol", symbol, *flags], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+
+    r = client(art.bars_path, symbol, "--explain")  # a summary of the weights under the table
+    assert r.returncode == 0, r.stderr
+    tail = r.stdout.splitlines()[3 + art.meta.horizon:]
+    assert [line.split(":")[0] for line in tail] == ["static variables", "encoder variables", "decoder variables",
+                                                     "attention"], tail
+    assert "log_return" in tail[1] and "%" in tail[3]
+    r = client(art.bars_path, "ZZ")
     assert r.returncode == 2 and "ZZ" in r.stderr
+    # bars the model cannot use are the caller's to fix (exit 2), found before any Predict: too few of them, a
+    # symbol the model does not know, a file that is not there
+    table = pq.read_table(art.bars_path)
+    rows = [i for i, s in enumerate(table.column("symbol").to_pylist()) if s == symbol]
+    pq.write_table(table.take(rows[-(art.meta.bars_required - 1):]), tmp_path / "short.parquet")
+    r = client(tmp_path / "short.parquet", symbol)
+    assert r.returncode == 2 and f"has {art.meta.bars_required - 1} bars of {symbol}" in r.stderr, r.stderr
+    renamed = table.set_column(table.schema.get_field_index("symbol"), "symbol", pa.array(["CL"] * table.num_rows))
+    pq.write_table(renamed.take(rows), tmp_path / "cl.parquet")
+    r = client(tmp_path / "cl.parquet", "CL")
+    assert r.returncode == 2 and "the model does not know symbol 'CL'" in r.stderr, r.stderr
+    r = client(tmp_path / "missing.parquet", symbol)
+    assert r.returncode == 2 and "no such file or directory" in r.stderr and "Traceback" not in r.stderr
 
 
 # ---- overload, deadlines, signals, devices -----------------------------------------------------------

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", type=Path, help="continue the run saved in this checkpoint (e.g. ckpt.last.pt)")
     p.add_argument("--plan-only", action="store_true",
                    help="print the memory plan (what fits the --vram-budget and what it costs) and exit")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none anyway where stderr is not a terminal)")
     p.add_argument("--no-report", action="store_true", help="skip the report picture")
     ColumnMap.add_arguments(p)
     add_config_flags(p)

@@ -268,8 +268,9 @@ class Trainer:
         anchors = self._epoch_anchors()
         losses: list[float] = []
         t0 = time.perf_counter()
-        bar = tqdm(total=anchors.numel(), unit="win", unit_scale=True, disable=not self.progress, leave=False,
-                   desc=f"epoch {self.epoch + 1}/{self.cfg.epochs}", dynamic_ncols=True)
+        # disable=None: no bar where stderr is not a terminal (a log file, a pipe), only the epoch lines
+        bar = tqdm(total=anchors.numel(), unit="win", unit_scale=True, disable=None if self.progress else True,
+                   leave=False, desc=f"epoch {self.epoch + 1}/{self.cfg.epochs}", dynamic_ncols=True)
         with bar:
             for step_anchors in anchors.split(self.cfg.batch_size):
                 losses.append(self._optimizer_step(self.dist.shard(step_anchors)))
