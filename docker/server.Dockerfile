@@ -3,8 +3,13 @@
 FROM nvidia/cuda:13.0.1-cudnn-runtime-ubuntu22.04
 
 ENV DEBIAN_FRONTEND=noninteractive PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+# Ubuntu 22.04's own python3.11 is a release candidate (3.11.0~rc1) that gets no updates; the deadsnakes
+# archive carries the 3.11 releases.
 RUN apt-get update \
+    && apt-get install -y --no-install-recommends software-properties-common gpg-agent \
+    && add-apt-repository -y ppa:deadsnakes/ppa \
     && apt-get install -y --no-install-recommends python3.11 python3.11-venv \
+    && apt-get purge -y --auto-remove software-properties-common gpg-agent \
     && rm -rf /var/lib/apt/lists/* \
     && python3.11 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH

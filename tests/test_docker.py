@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILES = sorted((REPO / "docker").glob("*.Dockerfile"))
@@ -63,9 +64,23 @@ def test_server_image_pins_match_pyproject_and_leave_out_torch() -> None:
     assert "--no-deps ." in server and "COPY trainer" not in server
 
 
-def test_compose_builds_both_images_and_checks_health_over_grpc() -> None:
-    text = (REPO / "docker" / "compose.yaml").read_text()
-    for name in re.findall(r"dockerfile: (\S+?)\}", text):
-        assert (REPO / name).exists(), name
-    assert "serving.health_probe" in text and "service_completed_successfully" in text
-    assert "--require-device cuda" in text and "--vram-budget" in text
+def test_compose_runs_train_export_serve_in_order_each_reachable_by_stop() -> None:
+    compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())
+    services = compose["services"]
+    assert list(services) == ["train", "export", "serve"]
+    for svc in services.values():
+        assert (REPO / svc["build"]["dockerfile"]).exists()
+        assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+        # exec form, no shell in between: `docker compose stop`'s SIGTERM reaches python (PID 1) itself
+        assert isinstance(svc.get("command", []), list) and svc.get("entrypoint", ["python"])[0] == "python"
+    assert services["export"]["depends_on"] == {"train": {"condition": "service_completed_successfully"}}
+    assert services["serve"]["depends_on"] == {"export": {"condition": "service_completed_successfully"}}
+    train, export = services["train"]["command"], services["export"]["command"]
+    assert train[train.index("--vram-budget") + 1] == "4GiB" and train[train.index("--device") + 1] == "cuda"
+    assert export[:2] == [train[train.index("--out") + 1], "/models/model.onnx"] and "--require-device" in export
+    assert "serving.health_probe" in services["serve"]["healthcheck"]["test"]
+    grace = float(re.sub(r"s$", "", services["serve"]["stop_grace_period"]))
+    assert grace > 10  # the server's default --grace: a drain finishes before docker's SIGKILL
+    # a new named volume takes its mount point's owner: /models must be the image user's for training to write
+    trainer = (REPO / "docker" / "trainer.Dockerfile").read_text()
+    assert "install -d -o 10001 -g 10001 /models" in trainer and "USER 10001" in trainer
