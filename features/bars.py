@@ -176,12 +176,15 @@ class Bars:
         return out
 
 
+PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
+
+
 def _list_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():  # hidden and temporary files (".x", "_x") are skipped, as pyarrow's datasets do
-        return sorted((p for p in path.rglob("*.parquet")
-                       if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)),
+        return sorted((p for p in path.rglob("*") if p.suffix.lower() in PARQUET_SUFFIXES
+                       and p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)),
                       key=lambda p: (_natural_key(p), p.as_posix()))  # a01 and a1: text order decides
     return []
 
@@ -321,11 +324,36 @@ def _columns_of(
             problems.append(Problem(fname, cmap.source(fld), -1, f"has type {col.type}, not numeric",
                                     "store prices and volume as numbers"))
             continue
-        part[fld] = np.asarray(col.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+        values, p = _as_float64(col, fname, cmap.source(fld))
+        if p is not None:
+            problems.append(p)
+        elif values is not None:
+            part[fld] = values
     for uc in user_columns:
-        part[f"user:{uc}"] = np.asarray(table.column(uc).cast(pa.float64()).to_numpy(zero_copy_only=False),
-                                        dtype=np.float64)
+        values, p = _as_float64(table.column(uc), fname, uc)
+        if p is not None:
+            problems.append(p)
+        elif values is not None:
+            part[f"user:{uc}"] = values
     return (None if problems else part), problems
+
+
+EXACT_INT = 2**53  # float64 holds every integer up to this, and not all beyond
+
+
+def _as_float64(col: pa.ChunkedArray, fname: str, name: str) -> tuple[np.ndarray | None, Problem | None]:
+    """The column as float64, or the Problem of integers too large for it: such values are placeholders
+    (a feed's INT64_MAX for "no price", as Databento's UNDEF_PRICE) more often than data."""
+    if pa.types.is_integer(col.type):
+        big = pc.fill_null(pc.or_(pc.greater(col, EXACT_INT), pc.less(col, -EXACT_INT)), False)
+        row, count = _first_bad(np.asarray(big.to_numpy(zero_copy_only=False), dtype=bool))
+        if count:
+            value = col[row].as_py()
+            what = " (INT64_MAX: a feed's placeholder for a missing value)" if value == 2**63 - 1 else ""
+            return None, Problem(fname, name, row, f"{value} is too large for a float64 to hold exactly{what}",
+                                 "set missing values to null and drop or repair those rows; write fixed-point "
+                                 "prices as floats (divided by their scale, e.g. 1e9)", count)
+    return np.asarray(col.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64), None
 
 
 def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns: tuple[str, ...]) -> Bars:
@@ -404,9 +432,10 @@ def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
     sym = np.concatenate([p["symbol"] for p in parts]).astype(str)
     file_idx = np.concatenate([np.full(len(p["timestamp"]), i) for i, p in enumerate(parts)])
     row_in_file = np.concatenate([np.arange(len(p["timestamp"])) for p in parts])
+    null = np.concatenate([p["timestamp_null"] for p in parts])
     order = np.argsort(sym, kind="stable")
-    ts_o, sym_o = ts[order], sym[order]
-    same = sym_o[1:] == sym_o[:-1]
+    ts_o, sym_o, null_o = ts[order], sym[order], null[order]
+    same = (sym_o[1:] == sym_o[:-1]) & ~null_o[1:] & ~null_o[:-1]  # a null timestamp has its own problem
     prev, cur = ts_o[:-1], ts_o[1:]  # compared, not subtracted: a difference can overflow int64
     for mask, rule, fix in (
         (same & (cur < prev), "timestamps decrease within a symbol (rule: sorted by time per symbol)",
@@ -416,7 +445,19 @@ def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
     ):
         idx = np.flatnonzero(mask)
         if idx.size:
-            bad = order[idx[0] + 1]
+            before, bad = order[idx[0]], order[idx[0] + 1]
+            symbol = sym_o[idx[0] + 1]
+            if file_idx[before] != file_idx[bad]:  # each file may be in order: the files overlap, or their
+                # path order is not time order
+                rule = (f"symbol {symbol}'s bars here start at or before its last bar in {files[file_idx[before]]} "
+                        "(rule: the files, in path order, hold ever later bars of a symbol)")
+                fix = ("drop the bars the files share, or name the files so that path order is time order (numbers "
+                       "compare as numbers)")
+                mine, theirs = sym == symbol, file_idx == file_idx[before]
+                shared = mine & (file_idx == file_idx[bad]) & (ts <= ts[mine & theirs].max())
+                out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]), rule, fix,
+                                   int(np.count_nonzero(shared))))
+                break
             out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]),
-                               f"{rule}; symbol {sym_o[idx[0] + 1]}", fix, int(idx.size)))
+                               f"{rule}; symbol {symbol}", fix, int(idx.size)))
     return out

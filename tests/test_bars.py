@@ -196,7 +196,7 @@ def test_null_timestamp(tmp_path: Path) -> None:
     path = write_parquet(tmp_path / "bad.parquet", cols)
     problems = problems_of(path)
     null = [p for p in problems if "null" in p.rule]
-    assert len(null) == 1, problems
+    assert len(null) == 1 and len(problems) == 1, problems  # not also a "decrease" at the null's row
     assert (null[0].file, null[0].column, null[0].row, null[0].count) == (str(path), "timestamp", 7, 1)
 
 
@@ -306,8 +306,10 @@ def test_order_is_checked_across_files(tmp_path: Path) -> None:
     problems = problems_of(root)
     assert len(problems) == 1, problems
     p = problems[0]
-    assert (p.file, p.column, p.row, p.count) == (str(second), "timestamp", 0, 1)
-    assert "decrease" in p.rule and "ES" in p.rule
+    assert (p.file, p.column, p.row, p.count) == (str(second), "timestamp", 0, 2)  # bars 3 and 4 in both files
+    # each file is in order: the files overlap, which the message says, naming the other file
+    assert f"symbol ES's bars here start at or before its last bar in {root / 'symbol=ES' / '2024-01.parquet'}" \
+        in p.rule and "path order is time order" in p.fix
 
 
 def test_numbered_files_are_read_in_number_order(tmp_path: Path) -> None:
@@ -326,7 +328,7 @@ def test_duplicate_across_files(tmp_path: Path) -> None:
     second = write_parquet(root / "b.parquet", series_columns(4, 9, "ES"))  # repeats bar 4
     p = only_problem(root)
     assert (p.file, p.column, p.row, p.count) == (str(second), "timestamp", 0, 1)
-    assert "duplicate" in p.rule
+    assert f"at or before its last bar in {root / 'a.parquet'}" in p.rule and "drop the bars the files share" in p.fix
 
 
 def test_row_numbers_are_within_each_file(tmp_path: Path) -> None:
@@ -506,3 +508,29 @@ def test_a_null_symbol_is_refused_with_its_row(tmp_path: Path) -> None:
         read_bars(write_parquet(tmp_path / "x.parquet", cols))
     [problem] = info.value.problems
     assert (problem.column, problem.row, problem.rule, problem.count) == ("symbol", 2, "symbol is null", 2)
+
+
+def test_integers_too_large_for_float64_are_refused_by_row_not_crashed_on(tmp_path: Path) -> None:
+    """A feed's INT64_MAX placeholder for a missing price (fixed-point prices, as Databento's UNDEF_PRICE), or
+    any integer float64 cannot hold exactly, is a problem with its row, in prices, volume and user columns."""
+    cols = good_columns()
+    scaled = (cols["close"] * 10**9).astype(np.int64)  # fixed-point prices in 1e-9 units read fine ...
+    scaled[3] = 2**63 - 1  # ... except the placeholder
+    cols["close"] = scaled
+    cols["imbalance"] = pa.array(np.arange(2 * N_PER_SYMBOL) + 2**60, pa.uint64())
+    problems = problems_of(write_parquet(tmp_path / "big.parquet", cols), user=("imbalance",))
+    by_column = {p.column: p for p in problems}
+    assert set(by_column) == {"close", "imbalance"}, problems
+    assert (by_column["close"].row, by_column["close"].count) == (3, 1)
+    assert "9223372036854775807 is too large for a float64" in by_column["close"].rule
+    assert "INT64_MAX" in by_column["close"].rule and "set missing values to null" in by_column["close"].fix
+    assert (by_column["imbalance"].row, by_column["imbalance"].count) == (0, 2 * N_PER_SYMBOL)
+
+
+def test_parq_and_pq_files_in_a_directory_are_read(tmp_path: Path) -> None:
+    root = tmp_path / "bars"
+    write_parquet(root / "part-1.parq", series_columns(0, 5, "ES"))
+    write_parquet(root / "part-2.pq", series_columns(5, 9, "ES"))
+    write_parquet(root / "part-3.parquet", series_columns(9, 12, "ES"))
+    bars = read_bars(root)
+    assert len(bars) == 12 and bars.files == [str(root / n) for n in ("part-1.parq", "part-2.pq", "part-3.parquet")]
