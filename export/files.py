@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -76,9 +77,12 @@ def leftovers(target: Path) -> tuple[list[Path], list[Path]]:
     the new one was renamed into place). In a Triton repository, Triton would take either for a model."""
     if not target.parent.is_dir():
         return [], []
-    staged = sorted(target.parent.glob(f".{target.name}.*.tmp"))
-    backups = sorted(p for p in target.parent.glob(f".{target.name}.old-*") if p.is_dir())
-    return staged, backups
+    name = re.escape(target.name)
+    staged_name = re.compile(rf"\.{name}\.[a-z0-9_]{{8}}\.tmp")  # tempfile's names, as Staging makes them
+    backup_name = re.compile(rf"\.{name}\.old-[0-9a-f]{{8}}")
+    entries = sorted(target.parent.iterdir())
+    return ([p for p in entries if staged_name.fullmatch(p.name)],
+            [p for p in entries if backup_name.fullmatch(p.name) and p.is_dir()])
 
 
 def remove(path: Path) -> None:

@@ -339,18 +339,25 @@ def _columns_of(
 
 
 EXACT_INT = 2**53  # float64 holds every integer up to this, and not all beyond
+PLACEHOLDERS = {2**63 - 1: "INT64_MAX", -(2**63): "INT64_MIN", 2**64 - 1: "UINT64_MAX"}
 
 
 def _as_float64(col: pa.ChunkedArray, fname: str, name: str) -> tuple[np.ndarray | None, Problem | None]:
     """The column as float64, or the Problem of integers too large for it: such values are placeholders
     (a feed's INT64_MAX for "no price", as Databento's UNDEF_PRICE) more often than data."""
     if pa.types.is_integer(col.type):
-        big = pc.fill_null(pc.or_(pc.greater(col, EXACT_INT), pc.less(col, -EXACT_INT)), False)
+        big = pc.greater(col, pa.scalar(EXACT_INT, pa.uint64() if pa.types.is_unsigned_integer(col.type)
+                                        else pa.int64()))
+        if pa.types.is_signed_integer(col.type):
+            big = pc.or_(big, pc.less(col, -EXACT_INT))
+        big = pc.fill_null(big, False)
         row, count = _first_bad(np.asarray(big.to_numpy(zero_copy_only=False), dtype=bool))
         if count:
             value = col[row].as_py()
-            what = " (INT64_MAX: a feed's placeholder for a missing value)" if value == 2**63 - 1 else ""
-            return None, Problem(fname, name, row, f"{value} is too large for a float64 to hold exactly{what}",
+            known = PLACEHOLDERS.get(value)
+            what = f" ({known}: a feed's placeholder for a missing value)" if known else ""
+            return None, Problem(fname, name, row, f"{value} is beyond the integers a float64 holds exactly "
+                                 f"(±2^53){what}",
                                  "set missing values to null and drop or repair those rows; write fixed-point "
                                  "prices as floats (divided by their scale, e.g. 1e9)", count)
     return np.asarray(col.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64), None
@@ -426,38 +433,43 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
 
 
 def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap) -> list[Problem]:
-    """Timestamps must strictly increase within each symbol, across files in reading order."""
-    out: list[Problem] = []
-    ts = np.concatenate([p["timestamp"] for p in parts])
-    sym = np.concatenate([p["symbol"] for p in parts]).astype(str)
-    file_idx = np.concatenate([np.full(len(p["timestamp"]), i) for i, p in enumerate(parts)])
-    row_in_file = np.concatenate([np.arange(len(p["timestamp"])) for p in parts])
-    null = np.concatenate([p["timestamp_null"] for p in parts])
+    """Timestamps must strictly increase within each symbol, across files in reading order.
+
+    Where a file's bars of a symbol start at or before that symbol's last bar in an earlier file, the
+    files overlap (each may be in order): one problem per such pair of files, naming both. Otherwise the
+    first decrease and the first duplicate. Rows with a null timestamp have their own problem and are
+    left out here."""
+    keep = ~np.concatenate([p["timestamp_null"] for p in parts])
+    ts = np.concatenate([p["timestamp"] for p in parts])[keep]
+    sym = np.concatenate([p["symbol"] for p in parts]).astype(str)[keep]
+    file_idx = np.concatenate([np.full(len(p["timestamp"]), i) for i, p in enumerate(parts)])[keep]
+    row_in_file = np.concatenate([np.arange(len(p["timestamp"])) for p in parts])[keep]
     order = np.argsort(sym, kind="stable")
-    ts_o, sym_o, null_o = ts[order], sym[order], null[order]
-    same = (sym_o[1:] == sym_o[:-1]) & ~null_o[1:] & ~null_o[:-1]  # a null timestamp has its own problem
+    ts_o, sym_o, file_o = ts[order], sym[order], file_idx[order]
     prev, cur = ts_o[:-1], ts_o[1:]  # compared, not subtracted: a difference can overflow int64
+    back = (sym_o[1:] == sym_o[:-1]) & (cur <= prev)
+    across = back & (file_o[1:] != file_o[:-1])
+    out: list[Problem] = []
+    for i in np.flatnonzero(across):
+        before, bad, symbol = order[i], order[i + 1], sym_o[i + 1]
+        mine = sym == symbol
+        last = ts[mine & (file_idx == file_idx[before])].max()
+        shared = int(np.count_nonzero(mine & (file_idx == file_idx[bad]) & (ts <= last)))
+        out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]),
+                           f"symbol {symbol}'s bars here start at or before its last bar in {files[file_idx[before]]} "
+                           "(rule: the files, in path order, hold ever later bars of a symbol)",
+                           "drop the bars the files share, or name the files so that path order is time order "
+                           "(numbers compare as numbers)", shared))
+    within = back & ~across
     for mask, rule, fix in (
-        (same & (cur < prev), "timestamps decrease within a symbol (rule: sorted by time per symbol)",
+        (within & (cur < prev), "timestamps decrease within a symbol (rule: sorted by time per symbol)",
          "sort the rows by symbol and timestamp"),
-        (same & (cur == prev), "duplicate timestamp within a symbol (rule: one bar per timestamp)",
+        (within & (cur == prev), "duplicate timestamp within a symbol (rule: one bar per timestamp)",
          "drop or merge duplicate bars"),
     ):
         idx = np.flatnonzero(mask)
         if idx.size:
-            before, bad = order[idx[0]], order[idx[0] + 1]
-            symbol = sym_o[idx[0] + 1]
-            if file_idx[before] != file_idx[bad]:  # each file may be in order: the files overlap, or their
-                # path order is not time order
-                rule = (f"symbol {symbol}'s bars here start at or before its last bar in {files[file_idx[before]]} "
-                        "(rule: the files, in path order, hold ever later bars of a symbol)")
-                fix = ("drop the bars the files share, or name the files so that path order is time order (numbers "
-                       "compare as numbers)")
-                mine, theirs = sym == symbol, file_idx == file_idx[before]
-                shared = mine & (file_idx == file_idx[bad]) & (ts <= ts[mine & theirs].max())
-                out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]), rule, fix,
-                                   int(np.count_nonzero(shared))))
-                break
+            bad = order[idx[0] + 1]
             out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]),
-                               f"{rule}; symbol {symbol}", fix, int(idx.size)))
+                               f"{rule}; symbol {sym_o[idx[0] + 1]}", fix, int(idx.size)))
     return out

@@ -31,11 +31,22 @@ def proto_files() -> list[Path]:
     return sorted(PROTO_ROOT.rglob("*.proto"))
 
 
-def _in_package(text: str, roots: list[str]) -> str:
-    """protoc's module paths (`foxhunt.tft.v1.x_pb2`) in imports and module names, moved under PACKAGE."""
-    names = "|".join(map(re.escape, roots))
-    text = re.sub(rf"^from ({names})\.", rf"from {PACKAGE}.\1.", text, flags=re.MULTILINE)
-    return re.sub(rf"'({names})\.([\w.]+_pb2)'", rf"'{PACKAGE}.\1.\2'", text)
+def _in_package(text: str, modules: set[str]) -> str:
+    """protoc's references to the modules it generated (`from foxhunt.tft.v1 import forecaster_pb2`, `import
+    x_pb2` for a top-level .proto, and their names in strings), moved under PACKAGE; every other import
+    (google.protobuf, grpc) is left as it is."""
+
+    def from_import(m: re.Match[str]) -> str:
+        pkg, mod, rest = m.groups()
+        return f"from {PACKAGE}.{pkg} import {mod}{rest}" if f"{pkg}.{mod}" in modules else m.group(0)
+
+    def plain_import(m: re.Match[str]) -> str:
+        mod, alias = m.groups()
+        return f"from {PACKAGE} import {mod}{alias or ''}" if mod in modules else m.group(0)
+
+    text = re.sub(r"^from ([\w.]+) import (\w+)(.*)$", from_import, text, flags=re.MULTILINE)
+    text = re.sub(r"^import (\w+)( as \w+)?$", plain_import, text, flags=re.MULTILINE)
+    return re.sub(r"'([\w.]+)'", lambda m: f"'{PACKAGE}.{m.group(1)}'" if m.group(1) in modules else m.group(0), text)
 
 
 def generate(out: Path) -> list[Path]:
@@ -43,7 +54,6 @@ def generate(out: Path) -> list[Path]:
     target = out.joinpath(*PACKAGE.split("."))
     well_known = str(resources.files("grpc_tools") / "_proto")
     files = proto_files()
-    roots = sorted({f.relative_to(PROTO_ROOT).parts[0] for f in files})
     written = []
     with tempfile.TemporaryDirectory() as tmp:
         args = [
@@ -57,11 +67,12 @@ def generate(out: Path) -> list[Path]:
         ]
         if protoc.main(args) != 0:
             raise SystemExit(f"protoc failed: {' '.join(args)}")
-        for made in sorted(Path(tmp).rglob("*")):
-            if made.is_file():
-                dest = target / made.relative_to(tmp)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_text(_in_package(made.read_text(), roots))
+        made = sorted(p for p in Path(tmp).rglob("*") if p.is_file())
+        modules = {".".join(p.relative_to(tmp).with_suffix("").parts) for p in made if p.suffix == ".py"}
+        for path in made:
+            dest = target / path.relative_to(tmp)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(_in_package(path.read_text(), modules))
     for f in files:  # every directory of the generated package gets an __init__.py
         d = target / f.relative_to(PROTO_ROOT).parent
         while True:

@@ -522,9 +522,12 @@ def test_integers_too_large_for_float64_are_refused_by_row_not_crashed_on(tmp_pa
     by_column = {p.column: p for p in problems}
     assert set(by_column) == {"close", "imbalance"}, problems
     assert (by_column["close"].row, by_column["close"].count) == (3, 1)
-    assert "9223372036854775807 is too large for a float64" in by_column["close"].rule
+    assert "9223372036854775807 is beyond the integers a float64 holds exactly" in by_column["close"].rule
     assert "INT64_MAX" in by_column["close"].rule and "set missing values to null" in by_column["close"].fix
     assert (by_column["imbalance"].row, by_column["imbalance"].count) == (0, 2 * N_PER_SYMBOL)
+    volume = pa.array([10] * (2 * N_PER_SYMBOL - 1) + [2**64 - 1], pa.uint64())  # beyond int64 too
+    p = only_problem(write_parquet(tmp_path / "u64.parquet", good_columns() | {"volume": volume}))
+    assert (p.column, p.row) == ("volume", 2 * N_PER_SYMBOL - 1) and "UINT64_MAX" in p.rule
 
 
 def test_parq_and_pq_files_in_a_directory_are_read(tmp_path: Path) -> None:
@@ -534,3 +537,20 @@ def test_parq_and_pq_files_in_a_directory_are_read(tmp_path: Path) -> None:
     write_parquet(root / "part-3.parquet", series_columns(9, 12, "ES"))
     bars = read_bars(root)
     assert len(bars) == 12 and bars.files == [str(root / n) for n in ("part-1.parq", "part-2.pq", "part-3.parquet")]
+
+
+def test_each_overlapping_pair_of_files_is_named_and_a_null_hides_no_decrease(tmp_path: Path) -> None:
+    root = tmp_path / "bars"
+    write_parquet(root / "part-1.parquet", {**series_columns(0, 10, "NQ")})
+    write_parquet(root / "part-2.parquet", {**series_columns(0, 10, "ES")})
+    third = write_parquet(root / "part-3.parquet", {**series_columns(8, 12, "ES")})
+    fourth = write_parquet(root / "part-4.parquet", {**series_columns(5, 12, "NQ")})
+    problems = problems_of(root)
+    assert [(p.file, p.count) for p in problems] == [(str(third), 2), (str(fourth), 5)], problems
+    assert "part-2.parquet" in problems[0].rule and "part-1.parquet" in problems[1].rule
+    cols = series_columns(0, 6, "ES")
+    ts: list[int | None] = [int(x) for x in cols["timestamp"]]
+    ts[2], ts[3] = None, ts[0]  # bar 3 goes back behind a null
+    problems = problems_of(write_parquet(tmp_path / "null.parquet", cols | {"timestamp": pa.array(ts, pa.int64())}))
+    assert sorted(p.rule.split(" (")[0].split(";")[0] for p in problems) == [
+        "timestamp is null", "timestamps decrease within a symbol"], problems

@@ -495,17 +495,20 @@ def test_what_a_killed_export_left_is_cleared_or_named(ckpt: Path, tmp_path: Pat
     take either for a model. The next export removes the staged copies and names a backup (the only copy of
     the old model, if the kill came between the two renames)."""
     repo = tmp_path / "repo"
-    (repo / ".tft.k1ll3d.tmp" / "1").mkdir(parents=True)
-    (repo / ".tft.k1ll3d.tmp" / "config.pbtxt").write_text("partial")
+    (repo / ".tft.k1ll3d_x.tmp" / "1").mkdir(parents=True)
+    (repo / ".tft.k1ll3d_x.tmp" / "config.pbtxt").write_text("partial")
     (repo / ".tft.old-0badc0de" / "1").mkdir(parents=True)
-    (tmp_path / ".model.onnx.k1ll3d.tmp").write_bytes(b"partial")
+    (tmp_path / ".model.onnx.k1ll3d_x.tmp").write_bytes(b"partial")
+    others = [repo / ".tft.v2.k3j9x0ab.tmp", repo / ".tft.my notes.tmp"]  # model tft.v2's staging; a user's
+    for other in others:
+        other.mkdir()
     assert main([str(ckpt), str(tmp_path / "model.onnx"), "--triton-repo", str(repo), "--triton-name", "tft"]) == 0
     err = capsys.readouterr().err
-    assert "removed" in err and ".tft.k1ll3d.tmp" in err and ".model.onnx.k1ll3d.tmp" in err
+    assert "removed" in err and ".tft.k1ll3d_x.tmp" in err and ".model.onnx.k1ll3d_x.tmp" in err
     assert ".tft.old-0badc0de is a copy of" in err
-    assert listing(repo) == [".tft.old-0badc0de", ".tft.old-0badc0de/1", "tft", "tft/1", "tft/1/model.onnx",
-                             "tft/config.pbtxt"]
-    assert not (tmp_path / ".model.onnx.k1ll3d.tmp").exists()
+    assert listing(repo) == [".tft.my notes.tmp", ".tft.old-0badc0de", ".tft.old-0badc0de/1", ".tft.v2.k3j9x0ab.tmp",
+                             "tft", "tft/1", "tft/1/model.onnx", "tft/config.pbtxt"]
+    assert not (tmp_path / ".model.onnx.k1ll3d_x.tmp").exists()
 
 
 def test_ctrl_c_after_the_files_are_published_lets_the_export_finish(ckpt: Path, tmp_path: Path) -> None:
