@@ -139,12 +139,16 @@ class Staging:
                 else:
                     _link_or_copy(str(entry), str(tmp / entry.name))
 
-    def commit(self) -> None:
+    def commit(self, published: list[Path] | None = None) -> None:
         """Publish: directories (swapping out any old one), then files (os.replace). Ctrl-C or SIGTERM
         meanwhile waits until it is done (`interrupted` then says so): half a publication, or a
-        backup left behind, would be worse than a late stop."""
+        backup left behind, would be worse than a late stop. The targets are added to `published`
+        before any signal can act, so a later interrupt knows the files are in place."""
+        targets = [t for _, t in self._dirs] + [t for _, t in self._files]
         with interrupts_deferred() as self.interrupted:
             self._commit()
+            if published is not None:
+                published.extend(targets)
 
     def _commit(self) -> None:
         swapped: list[tuple[Path, Path, Path | None]] = []  # (staged, target, backup)

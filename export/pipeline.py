@@ -255,6 +255,9 @@ def check_parity_gate(model_bytes: bytes, model: TemporalFusionTransformer, wind
     return parity, cases[0].inputs
 
 
+PUBLISHED: list[Path] = []  # what the current run_export has published (read by an interrupt after it)
+
+
 def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx.ModelProto, log: Log = _stderr
                   ) -> Path | None:
     """All or nothing: the model file and, with --triton-repo, the Triton model directory."""
@@ -281,7 +284,7 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
                                               f"{meta.checkpoint_sha256}\nfoxhunt-tft {meta.precision} model, "
                                               f"version {meta.model_version}")
                 staging.directory(triton_dir, repository_files(data, config), keep_others=True)
-            staging.commit()
+            staging.commit(PUBLISHED)
             if staging.interrupted:
                 log("interrupted while the files were being published: they were published whole first")
     except OSError as exc:
@@ -295,6 +298,7 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, _tamper: Tamper | Non
 
     `_tamper` is a test hook: it may change the exported graph before the checks run.
     """
+    PUBLISHED.clear()
     torch.set_num_threads(opts.threads)
     ckpt, model, sha = load(opts)
     cfg = model.cfg

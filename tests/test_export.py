@@ -526,6 +526,21 @@ def test_ctrl_c_after_the_files_are_published_lets_the_export_finish(ckpt: Path,
     assert lines[-1] == "interrupted after the files were published: they are complete"
 
 
+def test_an_interrupt_between_publishing_and_the_report_still_exits_0(
+        ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The moment after the files are renamed into place and before the report defers signals: a Ctrl-C there
+    meets a complete export, which is what main says (exit 0), not "nothing was written"."""
+    import export.pipeline
+
+    def signal_arrives() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export.pipeline, "interrupts_deferred", signal_arrives)
+    out = tmp_path / "model.onnx"
+    assert main([str(ckpt), str(out)]) == 0
+    assert out.exists() and f"interrupted after {out} were published: they are complete" in capsys.readouterr().err
+
+
 def test_staging_is_all_or_nothing(tmp_path: Path) -> None:
     target, repo = tmp_path / "model.onnx", tmp_path / "repo" / "tft"
     with Staging() as s:  # discarded: nothing appears, not even the repository directory
