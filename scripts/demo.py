@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {f.name:24s} {f.stat().st_size / 1024:9.1f} KiB")
     print(f"report picture: {ckpt.with_suffix('.report.png')}")
     rel = out.relative_to(REPO) if out.is_relative_to(REPO) else out
-    print("\nnext, in two shells (then try --explain or --json on the client):\n"
+    print("\nnext, in two shells after `. .venv/bin/activate` (then try --explain or --json on the client):\n"
           f"  python -m serving --model {rel / 'model.onnx'} --port 50051\n"
           f"  python -m serving.client --target 127.0.0.1:50051 --parquet {rel / 'bars.parquet'} --symbol NQ")
     return 0
