@@ -373,9 +373,10 @@ def test_unknown_config_key_and_bad_bars_exit_2(tmp_path: Path) -> None:
     close[10] = -1.0
     t = t.set_column(t.schema.get_field_index("close"), "close", [close])
     pq.write_table(t, tmp_path / "bad.parquet")
-    r = run(["-m", "trainer", "--parquet", str(tmp_path / "bad.parquet"), "--out", str(tmp_path / "x.pt")])
+    r = run(["-m", "trainer", "--parquet", str(tmp_path / "bad.parquet"), "--out", str(tmp_path / "new" / "x.pt")])
     assert r.returncode == 2
     assert "column 'close', row 10" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "new").exists()  # a refused run leaves nothing behind, not even --out's directory
     pq.write_table(t.slice(0, 0), tmp_path / "empty.parquet")  # the columns, no rows
     r = run(["-m", "trainer", "--parquet", str(tmp_path / "empty.parquet"), "--out", str(tmp_path / "x.pt")])
     assert r.returncode == 2 and "no bars (the file holds no rows)" in r.stderr and "Traceback" not in r.stderr
@@ -474,10 +475,27 @@ def test_a_diverging_run_stops_with_a_message_and_saves_nothing_of_that_epoch(tm
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_only_the_checkpoint_writers_own_temp_files_are_cleared(tmp_path: Path) -> None:
+    from trainer.checkpoint import remove_stale_temp_files, save_atomic
+
+    save_atomic({"x": 1}, tmp_path / "ckpt.pt")
+    killed = tmp_path / ".ckpt.pt.k1ll3d_x.tmp"  # what a SIGKILL mid-write leaves (mkstemp's 8 characters)
+    others = [tmp_path / ".ckpt.pt.my notes.tmp", tmp_path / ".ckpt.last.pt.k1ll3d_x.tmp", tmp_path / "ckpt.pt.tmp"]
+    for p in (killed, *others):
+        p.write_bytes(b"x")
+    assert remove_stale_temp_files(tmp_path / "ckpt.pt") == [killed]
+    assert all(p.exists() for p in others) and (tmp_path / "ckpt.pt").exists()
+
+
 def test_an_unusable_out_is_refused_before_any_training(tmp_path: Path, bars: Path) -> None:
     (tmp_path / "adir").mkdir()
     r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "adir"), *TINY_TRAIN_FLAGS])
     assert r.returncode == 1 and f"--out {tmp_path / 'adir'} is a directory" in r.stderr, r.stderr[-2000:]
+    assert "epoch 1" not in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "afile").write_text("")
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "afile" / "runs" / "ckpt.pt"),
+             *TINY_TRAIN_FLAGS])
+    assert r.returncode == 1 and f"cannot write in {tmp_path / 'afile'}" in r.stderr, r.stderr[-2000:]
     assert "epoch 1" not in r.stderr and "Traceback" not in r.stderr
 
 

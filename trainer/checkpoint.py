@@ -10,6 +10,7 @@ import errno
 import hashlib
 import os
 import pickle
+import re
 import tempfile
 import zipfile
 from pathlib import Path
@@ -58,7 +59,8 @@ def save_atomic(obj: dict[str, Any], path: Path) -> None:
 
 def remove_stale_temp_files(path: Path) -> list[Path]:
     """Temp files a killed writer (SIGKILL, power loss) left beside `path`; the real file is untouched."""
-    stale = list(path.parent.glob(f".{path.name}.*.tmp")) if path.parent.is_dir() else []
+    ours = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp")  # save_atomic's mkstemp names, no other
+    stale = [p for p in path.parent.iterdir() if ours.fullmatch(p.name) and p.is_file()] if path.parent.is_dir() else []
     for p in stale:
         p.unlink(missing_ok=True)
     return stale

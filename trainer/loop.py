@@ -91,15 +91,19 @@ class TrainingDiverged(ValueError):
 
 
 def check_output(out: Path) -> None:
-    """Where the checkpoints go is usable, found before any training: OSError naming --out otherwise."""
+    """Where the checkpoints go is usable, found before any training: OSError naming --out otherwise. Creates
+    nothing (a run refused later, e.g. for its data, leaves no empty directory): the run makes out's
+    directory when it starts writing; here its nearest existing ancestor must take a file."""
     if out.is_dir():
         raise OSError(f"--out {out} is a directory; give the checkpoint's file name, e.g. {out / 'ckpt.pt'}")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
     try:
-        with tempfile.TemporaryFile(dir=out.parent):
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is a file")
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
-        raise OSError(f"--out {out}: cannot write in {out.parent} ({exc.strerror or exc}); give a directory "
+        raise OSError(f"--out {out}: cannot write in {existing} ({exc.strerror or exc}); give a directory "
                       "this user can write to") from None
 
 
@@ -374,6 +378,7 @@ class Trainer:
         if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
             stopped_early = True
         if self.dist.is_main:  # metrics restart from the checkpoint's history, or afresh: one run per file
+            self.paths.metrics.parent.mkdir(parents=True, exist_ok=True)
             self.paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
             if self.resume_state is None and (old := [p for p in (self.paths.best, self.paths.last) if p.exists()]):
                 log.warning("%s: from an earlier run; this run replaces them as its epochs finish",
