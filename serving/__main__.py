@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import resource
 import sys
 from pathlib import Path
 
@@ -96,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "for MS milliseconds after each call arrives or ends (an idle server then sleeps), or "
                         "always without MS (one core kept busy while idle); lower latency for calls that "
                         "follow each other (default off)")
+    p.add_argument("--max-connection-age", type=float, default=d.max_connection_age_s, metavar="S",
+                   help="seconds after which a client connection is closed gracefully (in-flight calls finish, "
+                        "the client reconnects without an error), so that an L4 load balancer spreads "
+                        f"long-lived clients over replicas (default {d.max_connection_age_s:g}; 0: never)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     a = p.add_argument_group("access")
     a.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only (with --tls-key)")
@@ -123,6 +128,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         (args.grace >= 0, "--grace must be >= 0"),
         (args.device_id >= 0, "--device-id must be >= 0"),
         (args.busy_poll >= 0, "--busy-poll MS must be >= 0 (0: off; without MS: always)"),
+        (0 <= args.max_connection_age < math.inf, "--max-connection-age must be >= 0 seconds (0: never)"),
         ((args.tls_cert is None) == (args.tls_key is None), "--tls-cert and --tls-key go together"),
         (args.tls_client_ca is None or args.tls_cert is not None, "--tls-client-ca needs --tls-cert/--tls-key"),
     )
@@ -136,7 +142,27 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         max_concurrent=args.max_concurrent, max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
         grace_s=args.grace, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         auth_token_file=args.auth_token_file, event_loop=args.event_loop, busy_poll_ms=args.busy_poll,
+        max_connection_age_s=args.max_connection_age,
     )
+
+
+FD_LIMIT_CAP = 1 << 20  # Linux's default ceiling (fs.nr_open), for a hard limit of "unlimited"
+
+
+def raise_open_file_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit, as Go's runtime does for its servers:
+    each client connection is a file, and at a soft limit of 1,024 a burst of idle connections would leave
+    new callers, health checks and /metrics hanging."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = FD_LIMIT_CAP if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            logging.getLogger("serving").warning("open file limit stays at %d (raising it to %d failed: %s)",
+                                                 soft, target, exc)
+            return
+        logging.getLogger("serving").info("open file limit raised from %d to %d", soft, target)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s",
                         stream=sys.stderr)
     config = config_from_args(p, args)
+    raise_open_file_limit()
     if args.workers > 1:
         from serving.workers import run_workers
 

@@ -52,6 +52,7 @@ MiB = 1 << 20
 DRAIN_POLL_S = 0.005  # how often a SIGTERM drain looks whether the in-flight calls have finished
 DRAIN_SETTLE_S = 0.1  # the least time a SIGTERM drain lets the calls on their way at the signal arrive
 CLIENT_PING_MIN_MS = 1000  # the shortest keepalive interval accepted from clients
+CONNECTION_AGE_GRACE_S = 30.0  # calls in flight on a connection past its --max-connection-age get this long
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,22 @@ class ServerConfig:
     auth_token_file: Path | None = None  # bearer tokens, one a line; every RPC but health needs one
     event_loop: str = "uvloop"  # uvloop | asyncio: the event loop the server runs on (see run_server)
     busy_poll_ms: float = 0.0  # keep the event loop polling this long after each call (inf: always; 0: off)
+    max_connection_age_s: float = 1800.0  # close a connection (gracefully) after this long; 0: never
 
     @property
     def max_delay_s(self) -> float:
         return self.max_delay_ms / 1000.0
+
+
+def connection_age_options(age_s: float) -> list[tuple[str, int]]:
+    """gRPC's connection age (gRFC A9): after about `age_s` (gRPC adds ±10% jitter) a connection is told to go
+    away, its calls in flight get CONNECTION_AGE_GRACE_S to finish, and the client reconnects on its next
+    call without an error. Behind an L4 balancer (a Kubernetes Service, SO_REUSEPORT across --workers) that
+    is what spreads long-lived clients over new replicas, and it bounds what any one connection can hold."""
+    if not age_s:
+        return []
+    return [("grpc.max_connection_age_ms", int(age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(CONNECTION_AGE_GRACE_S * 1000))]
 
 
 def host_port(host: str, port: int) -> str:
@@ -135,6 +148,11 @@ class ForecastServer:
             # (GOAWAY too_many_pings), which a strategy calling once a bar with keepalive on would meet each time.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", CLIENT_PING_MIN_MS),
+            # A stream whose client never reads its answer holds that answer's memory after its call ended (it no
+            # longer counts against --max-concurrent): at most this many streams per connection. Calls beyond
+            # --max-concurrent are refused at once, so only such stalled streams fill the second half.
+            ("grpc.max_concurrent_streams", 2 * config.max_concurrent),
+            *connection_age_options(config.max_connection_age_s),
         ])
         pb_grpc.add_ForecasterServicer_to_server(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

@@ -49,6 +49,7 @@ def server_args(config: ServerConfig, log_level: str) -> list[str]:
         ("--log-level", log_level), ("--metrics-port", config.metrics_port), ("--tls-cert", config.tls_cert),
         ("--tls-key", config.tls_key), ("--tls-client-ca", config.tls_client_ca),
         ("--auth-token-file", config.auth_token_file), ("--event-loop", config.event_loop),
+        ("--max-connection-age", repr(config.max_connection_age_s)),
     ]
     args = [f"{flag}={value}" for flag, value in values if value is not None]
     args += [flag for flag, on in (("--reuse-port", config.reuse_port),

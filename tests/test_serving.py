@@ -236,6 +236,52 @@ def test_client_keepalive_pings_on_an_idle_connection_keep_it_open(art: Model, s
     assert "too_many_pings" not in server.log_text()
 
 
+def test_connections_are_aged_out_without_failing_a_call(art: Model, tmp_path: Path) -> None:
+    """--max-connection-age: the server tells an old connection to go away; its calls finish, and the client
+    reconnects by itself (how an L4 balancer gets to spread long-lived clients over new replicas)."""
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--max-connection-age", "0.5")
+    try:
+        s.wait_serving()
+        states: list[grpc.ChannelConnectivity] = []
+        with grpc.insecure_channel(s.target) as channel:
+            channel.subscribe(states.append, try_to_connect=True)
+            stub = pb_grpc.ForecasterStub(channel)
+            request = request_for(art, art.meta.symbols[0])
+            deadline = time.monotonic() + 3.0
+            calls = 0
+            while time.monotonic() < deadline:
+                assert stub.Predict(request, timeout=10).forecasts  # never an error
+                calls += 1
+        ready = [i for i, state in enumerate(states) if state == grpc.ChannelConnectivity.READY]
+        assert len(ready) >= 2, states  # connected again after the first connection was aged out
+        assert calls > 50
+    finally:
+        s.kill()
+
+
+def test_the_server_raises_its_open_file_limit(art: Model) -> None:
+    """Each connection is a file: a server started under a soft limit of 256 (a shell's 1,024 alike) raises it
+    to the hard limit, so a burst of idle connections does not lock new callers out."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard open-file limit here is {hard}: nothing to raise to")
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "--model", str(art.model), "--port", "0", "--device",
+                             "cpu"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("listening on"), line
+        soft_now, _ = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)
+        assert soft_now == (1 << 20 if hard == resource.RLIM_INFINITY else hard)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "open file limit raised from 256" in err
+
+
 def test_health_reflection_and_model_info(art: Model, server: LiveServer) -> None:
     health = health_pb2_grpc.HealthStub(server.channel)
     for name in ("", SERVICE):
