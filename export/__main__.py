@@ -33,7 +33,7 @@ import onnx
 
 from export.errors import ExportError, UsageError
 from export.onnx_export import DEFAULT_OPSET, MIN_OPSET
-from export.pipeline import PUBLISHED, ExportOptions, Tamper, run_export
+from export.pipeline import ExportOptions, Tamper, run_export
 from export.triton import MAX_BATCH_SIZE_LIMIT, check_name
 from features.bars import ColumnMap
 
@@ -112,15 +112,16 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int:
     """Run the export; returns the exit status. `_tamper` is a test hook (see pipeline.run_export)."""
     args = build_parser().parse_args(argv)
+    published: list[Path] = []
     try:
-        run_export(options_from_args(args), _tamper=_tamper)
+        run_export(options_from_args(args), published=published, _tamper=_tamper)
     except ExportError as exc:
         verdict = "error" if isinstance(exc, UsageError) else "export refused"
         print(f"{verdict}: {exc}\nnothing was written.", file=sys.stderr, flush=True)
         return exc.exit_status
     except KeyboardInterrupt:
-        if PUBLISHED:  # the signal came after the files were in place: they are whole, and the export done
-            print(f"interrupted after {', '.join(map(str, PUBLISHED))} were published: they are complete",
+        if published:  # the signal came after the files were in place: they are whole, and the export done
+            print(f"interrupted after {', '.join(map(str, published))} were published: they are complete",
                   file=sys.stderr)
             return 0
         print("interrupted; nothing was written.", file=sys.stderr)

@@ -255,12 +255,10 @@ def check_parity_gate(model_bytes: bytes, model: TemporalFusionTransformer, wind
     return parity, cases[0].inputs
 
 
-PUBLISHED: list[Path] = []  # what the current run_export has published (read by an interrupt after it)
-
-
-def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx.ModelProto, log: Log = _stderr
-                  ) -> Path | None:
-    """All or nothing: the model file and, with --triton-repo, the Triton model directory."""
+def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx.ModelProto, log: Log = _stderr,
+                  published: list[Path] | None = None) -> Path | None:
+    """All or nothing: the model file and, with --triton-repo, the Triton model directory (added to
+    `published` the moment they are in place)."""
     triton_dir = None
     try:
         with Staging() as staging:
@@ -284,7 +282,7 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
                                               f"{meta.checkpoint_sha256}\nfoxhunt-tft {meta.precision} model, "
                                               f"version {meta.model_version}")
                 staging.directory(triton_dir, repository_files(data, config), keep_others=True)
-            staging.commit(PUBLISHED)
+            staging.commit(published)
             if staging.interrupted:
                 log("interrupted while the files were being published: they were published whole first")
     except OSError as exc:
@@ -293,12 +291,14 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
     return triton_dir
 
 
-def run_export(opts: ExportOptions, log: Log = _stderr, *, _tamper: Tamper | None = None) -> ExportResult:
+def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path] | None = None,
+               _tamper: Tamper | None = None) -> ExportResult:
     """Export `opts.checkpoint` to `opts.output` (and the Triton repository), or raise ExportError.
 
-    `_tamper` is a test hook: it may change the exported graph before the checks run.
+    The outputs are appended to `published` as they are put in place, before any signal can act: a caller
+    interrupted after that knows the export is complete. `_tamper` is a test hook: it may change the
+    exported graph before the checks run.
     """
-    PUBLISHED.clear()
     torch.set_num_threads(opts.threads)
     ckpt, model, sha = load(opts)
     cfg = model.cfg
@@ -336,7 +336,7 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, _tamper: Tamper | Non
     final = with_meta(proto, meta)
     onnx.checker.check_model(final)  # the metadata changed nothing else; cheap insurance
     data = final.SerializeToString()
-    triton_dir = write_outputs(data, opts, meta, final, log)
+    triton_dir = write_outputs(data, opts, meta, final, log, published)
     with interrupts_deferred() as late:  # once published, Ctrl-C has nothing left to stop: finish the report
         log(f"wrote {opts.output} ({len(data) / 2**20:.2f} MiB, {meta.precision}, opset {opts.opset})"
             + (f" and Triton model {triton_dir}" if triton_dir else ""))

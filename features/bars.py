@@ -450,11 +450,15 @@ def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
     back = (sym_o[1:] == sym_o[:-1]) & (cur <= prev)
     across = back & (file_o[1:] != file_o[:-1])
     out: list[Problem] = []
+    # a symbol's rows of one file are one run of the sorted rows (reading order within a symbol is kept)
+    change = np.flatnonzero((sym_o[1:] != sym_o[:-1]) | (file_o[1:] != file_o[:-1])) + 1
+    starts, ends = np.concatenate([[0], change]), np.concatenate([change, [ts_o.size]])
+    run_of = np.repeat(np.arange(starts.size), ends - starts)
     for i in np.flatnonzero(across):
         before, bad, symbol = order[i], order[i + 1], sym_o[i + 1]
-        mine = sym == symbol
-        last = ts[mine & (file_idx == file_idx[before])].max()
-        shared = int(np.count_nonzero(mine & (file_idx == file_idx[bad]) & (ts <= last)))
+        a, b = run_of[i], run_of[i + 1]
+        last = ts_o[starts[a]:ends[a]].max()
+        shared = int(np.count_nonzero(ts_o[starts[b]:ends[b]] <= last))
         out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]),
                            f"symbol {symbol}'s bars here start at or before its last bar in {files[file_idx[before]]} "
                            "(rule: the files, in path order, hold ever later bars of a symbol)",

@@ -128,7 +128,9 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         (args.grace >= 0, "--grace must be >= 0"),
         (args.device_id >= 0, "--device-id must be >= 0"),
         (args.busy_poll >= 0, "--busy-poll MS must be >= 0 (0: off; without MS: always)"),
-        (0 <= args.max_connection_age < math.inf, "--max-connection-age must be >= 0 seconds (0: never)"),
+        (args.max_connection_age == 0 or 0.001 <= args.max_connection_age <= MAX_CONNECTION_AGE_S,
+         f"--max-connection-age must be 0 (never) or 0.001..{MAX_CONNECTION_AGE_S} seconds (gRPC counts it in "
+         "int32 milliseconds)"),
         ((args.tls_cert is None) == (args.tls_key is None), "--tls-cert and --tls-key go together"),
         (args.tls_client_ca is None or args.tls_cert is not None, "--tls-client-ca needs --tls-cert/--tls-key"),
     )
@@ -146,6 +148,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
     )
 
 
+MAX_CONNECTION_AGE_S = (2**31 - 1) // 1000  # gRPC's connection age is an int32 of milliseconds
 FD_LIMIT_CAP = 1 << 20  # Linux's default ceiling (fs.nr_open), for a hard limit of "unlimited"
 
 

@@ -94,8 +94,8 @@ def connection_age_options(age_s: float) -> list[tuple[str, int]]:
     is what spreads long-lived clients over new replicas, and it bounds what any one connection can hold."""
     if not age_s:
         return []
-    return [("grpc.max_connection_age_ms", int(age_s * 1000)),
-            ("grpc.max_connection_age_grace_ms", int(CONNECTION_AGE_GRACE_S * 1000))]
+    return [("grpc.max_connection_age_ms", math.ceil(age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", math.ceil(CONNECTION_AGE_GRACE_S * 1000))]
 
 
 def host_port(host: str, port: int) -> str:
@@ -149,9 +149,10 @@ class ForecastServer:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", CLIENT_PING_MIN_MS),
             # A stream whose client never reads its answer holds that answer's memory after its call ended (it no
-            # longer counts against --max-concurrent): at most this many streams per connection. Calls beyond
-            # --max-concurrent are refused at once, so only such stalled streams fill the second half.
-            ("grpc.max_concurrent_streams", 2 * config.max_concurrent),
+            # longer counts against --max-concurrent): a bound per connection, far above --max-concurrent, since
+            # a client may open a stream the moment it has an answer, before the server has released it, and a
+            # stream refused for that fails as UNAVAILABLE where the call should get RESOURCE_EXHAUSTED.
+            ("grpc.max_concurrent_streams", max(4 * config.max_concurrent, config.max_concurrent + 1024)),
             *connection_age_options(config.max_connection_age_s),
         ])
         pb_grpc.add_ForecasterServicer_to_server(self.servicer, self.grpc)

@@ -871,6 +871,27 @@ def test_busy_poll_flag_reads_off_always_or_milliseconds(capsys: pytest.CaptureF
         assert exc.value.code == 2 and "--busy-poll MS must be >= 0" in capsys.readouterr().err
 
 
+def test_connection_age_flag_takes_what_grpc_can(capsys: pytest.CaptureFixture[str]) -> None:
+    """gRPC counts the age in int32 milliseconds: 0 is never, a fraction of a millisecond would age every
+    connection out at once, and 35 days would overflow."""
+    from serving.__main__ import build_parser, config_from_args
+    from serving.server import connection_age_options
+
+    parser = build_parser()
+
+    def age(value: str) -> float:
+        return config_from_args(parser, parser.parse_args(["--model", "m.onnx", f"--max-connection-age={value}"])
+                                ).max_connection_age_s
+
+    assert age("0") == 0.0 and connection_age_options(0.0) == []
+    assert dict(connection_age_options(age("0.0015")))["grpc.max_connection_age_ms"] == 2  # rounded up
+    assert dict(connection_age_options(age("2147483")))["grpc.max_connection_age_ms"] <= 2**31 - 1
+    for bad in ("0.0004", "3000000", "-1", "nan", "inf"):
+        with pytest.raises(SystemExit) as exc:
+            age(bad)
+        assert exc.value.code == 2 and "--max-connection-age must be 0 (never) or 0.001.." in capsys.readouterr().err
+
+
 def test_bars_with_wider_gaps_or_a_few_short_ones_are_served() -> None:
     """Only bars mostly much closer than the model's are refused: a quiet market's bars skip intervals,
     and a few short gaps (a session's odd first bar) are not a unit mistake."""

@@ -421,6 +421,12 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path: Path, bars: Pat
         torch.testing.assert_close(b["model_state"][name], value, atol=1e-5, rtol=1e-4, msg=name)
     lines = (tmp_path / "two" / "ckpt.metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2  # written once, by rank 0
+    # the report too: drawn by rank 0 alone (another rank, done first, looked for a checkpoint not yet there)
+    with_report = [f for f in TINY_TRAIN_FLAGS if f != "--no-report"]
+    three = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainer",
+                 "--parquet", str(bars), "--out", str(tmp_path / "three" / "ckpt.pt"), *with_report])
+    assert three.returncode == 0, three.stderr[-3000:]
+    assert (tmp_path / "three" / "ckpt.report.png").is_file() and not list((tmp_path / "three").glob(".*.tmp*"))
 
 
 def test_every_config_field_has_a_flag_with_its_description() -> None:
@@ -497,6 +503,10 @@ def test_an_unusable_out_is_refused_before_any_training(tmp_path: Path, bars: Pa
              *TINY_TRAIN_FLAGS])
     assert r.returncode == 1 and f"cannot write in {tmp_path / 'afile'}" in r.stderr, r.stderr[-2000:]
     assert "epoch 1" not in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "runs").symlink_to(tmp_path / "gone")  # a link whose target is not there
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "runs" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
+    assert r.returncode == 1 and f"{tmp_path / 'runs'} is a link to {tmp_path / 'gone'}, which does not exist" \
+        in r.stderr, r.stderr[-2000:]
 
 
 def test_symbols_the_model_cannot_learn_or_space_rightly_are_warned_about(tmp_path: Path,

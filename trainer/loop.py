@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -96,8 +97,10 @@ def check_output(out: Path) -> None:
     directory when it starts writing; here its nearest existing ancestor must take a file."""
     if out.is_dir():
         raise OSError(f"--out {out} is a directory; give the checkpoint's file name, e.g. {out / 'ckpt.pt'}")
-    existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+    existing = next(p for p in (out.parent, *out.parent.parents) if p.exists() or p.is_symlink())
     try:
+        if not existing.exists():
+            raise FileNotFoundError(f"{existing} is a link to {os.readlink(existing)}, which does not exist")
         if not existing.is_dir():
             raise NotADirectoryError(f"{existing} is a file")
         with tempfile.TemporaryFile(dir=existing):

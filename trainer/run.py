@@ -51,7 +51,7 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     trainer = Trainer(args.parquet, cfg, args.out, _columns(args), resume=args.resume,
                       progress=not args.no_progress, plan_fn=budget_plan_fn(cfg, budget) if budget else None)
     result = trainer.run()
-    if not args.no_report and result.history:
+    if not args.no_report and result.history and trainer.dist.is_main:  # rank 0 alone writes files
         _report(trainer)
     if trainer.data.test_anchors.size and result.history and trainer.dist.is_main:
         test_best(trainer)
