@@ -81,8 +81,10 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
             code = grpc.StatusCode.OK
             try:
                 return await fn(self, request, context)
-            except asyncio.CancelledError:  # the client went away or its deadline passed
-                code = grpc.StatusCode.CANCELLED
+            except asyncio.CancelledError:  # the client went away or its deadline passed: counted as which
+                remaining = context.time_remaining()
+                code = (grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0
+                        else grpc.StatusCode.CANCELLED)
                 raise
             except Exception as exc:
                 code, message = status_of(exc)

@@ -320,6 +320,12 @@ def test_server_process_never_imports_torch(server: LiveServer) -> None:
 
 
 def test_metrics(art: Model, server: LiveServer) -> None:
+    first = server.scrape()  # the usual answers' counters exist from the start (at zero until one happens)
+    for code in ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"):
+        assert f'foxhunt_requests_total{{code="{code}",method="Predict"}}' in first, code
+    assert 'foxhunt_reloads_total{result="refused"}' in first and "_created" not in first
+    assert metric(first, "process_resident_memory_bytes") > 0 and metric(first, "process_open_fds") > 0
+    assert 'foxhunt_build_info{version="' in first and "python_gc_collections_total" in first
     server.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10)
     with pytest.raises(grpc.RpcError):
         server.stub.Predict(pb.PredictRequest(), timeout=10)
@@ -330,6 +336,8 @@ def test_metrics(art: Model, server: LiveServer) -> None:
     assert metric(text, "foxhunt_batch_windows_count") >= 1 and metric(text, "foxhunt_queue_seconds_count") >= 1
     assert metric(text, "foxhunt_inference_seconds_count") >= 1 and metric(text, "foxhunt_ready") == 1
     assert metric(text, "foxhunt_model_info", version=art.meta.model_version, provider="CPUExecutionProvider") == 1
+    # a lone call's handler time (about a millisecond) and queue wait (microseconds) fall in buckets that tell
+    assert metric(text, "foxhunt_queue_seconds_bucket", le="0.0001") >= 1
 
 
 def test_step_metrics_count_and_time_each_step_of_a_call(art: Model, server: LiveServer) -> None:
@@ -415,8 +423,10 @@ def test_overload_is_resource_exhausted_and_queued_deadlines_are_not_run(art: Mo
         time.sleep(1.6)
         text = s.scrape()
         assert metric(text, "foxhunt_batch_windows_count") == runs, "a call whose deadline passed was run"
-        assert metric(text, "foxhunt_requests_total", method="Predict", code="CANCELLED") + \
+        # the call's deadline passed while it waited: counted as that, not as a client that went away
+        assert metric(text, "foxhunt_requests_total", method="Predict", code="DEADLINE_EXCEEDED") + \
             metric(text, "foxhunt_queue_expired_total") >= 1
+        assert metric(text, "foxhunt_requests_total", method="Predict", code="CANCELLED") == 0
         assert call(0) == "OK" and s.proc.poll() is None
     finally:
         s.kill()
