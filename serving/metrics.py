@@ -1,7 +1,8 @@
 """Prometheus metrics of the server, in their own registry, served on --metrics-port.
 
     foxhunt_requests_total{method,code}          RPCs answered, by gRPC status code (method: Predict,
-                                                 GetModelInfo, or `other` for refusals of other services)
+                                                 GetModelInfo, or `other` for refusals of other services
+                                                 and calls to methods the server does not have)
     foxhunt_request_latency_seconds{method}      time in the handler, histogram
     foxhunt_queue_seconds                        time a call's windows waited for their batch
     foxhunt_inference_seconds                    wall time per batch: features, ONNX Runtime run, checks

@@ -322,7 +322,9 @@ class MessageGuard(aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None:  # an unknown method: gRPC answers UNIMPLEMENTED
+        if handler is None:  # an unknown method: gRPC answers UNIMPLEMENTED; counted (as `other`: bounded labels)
+            if self._count is not None:
+                self._count(handler_call_details.method, grpc.StatusCode.UNIMPLEMENTED)
             return handler
         method = handler_call_details.method
         cached = self._guarded.get(method)  # only methods a service registered get here: a bounded set

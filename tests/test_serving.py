@@ -329,7 +329,11 @@ def test_metrics(art: Model, server: LiveServer) -> None:
     server.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10)
     with pytest.raises(grpc.RpcError):
         server.stub.Predict(pb.PredictRequest(), timeout=10)
+    with pytest.raises(grpc.RpcError) as info:  # a client on another version, or a scanner: seen, as `other`
+        server.channel.unary_unary(f"/{SERVICE}/Nope" + "x" * 200)(b"", timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     text = server.scrape()
+    assert metric(text, "foxhunt_requests_total", method="other", code="UNIMPLEMENTED") >= 1
     assert metric(text, "foxhunt_requests_total", method="Predict", code="OK") >= 1
     assert metric(text, "foxhunt_requests_total", method="Predict", code="INVALID_ARGUMENT") >= 1
     assert metric(text, "foxhunt_request_latency_seconds_count", method="Predict") >= 2
