@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from export.onnx_export import TensorSig
+from export.runtime import CUDA_OPTIONS
 
 VERSION = "1"
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -25,7 +26,8 @@ TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_I
                 "bool": "TYPE_BOOL"}
 QUEUE_DELAY_US = 100  # how long Triton may hold a request to batch it with others
 MAX_BATCH_SIZE_LIMIT = 2**31 - 1  # ModelConfig.max_batch_size is an int32
-CUDA_PROVIDER_OPTIONS = {"use_tf32": "0"}  # passed to ONNX Runtime's CUDA provider, as serving.model does
+# the CUDA provider options parity was checked with, less the device (Triton's instance group places it)
+CUDA_PROVIDER_OPTIONS = {k: v for k, v in CUDA_OPTIONS.items() if k != "device_id"}
 
 
 def check_name(name: str) -> str | None:
