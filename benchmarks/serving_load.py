@@ -3,6 +3,7 @@
     python -m benchmarks.serving_load --model model.onnx --parquet bars.parquet \
         [--concurrency 1,8,64] [--duration 10] [--device cpu] [--threads 1] [--channels 1]
         [--server-arg=--workers=2] [--server-cpus 0-3] [--packed] [--client sync] [--no-floor] [--idle 5]
+        [--rate 10,100,300]
         [--json out.json]
 
 1. Starts the real server (`python -m serving --port 0 --device cpu|cuda`) on 127.0.0.1 and
@@ -34,7 +35,12 @@
    faster than this row at concurrency 1, nor can Predict's throughput at the top level exceed
    this row's: it is what the gRPC stacks of client and server cost on this machine
    (`--no-floor` skips it).
-6. With `--idle S` (a server this script started): the server's CPU time over S seconds with no
+6. With `--rate HZ[,HZ...]` (a server this script started): paced levels, one client sending a
+   call every 1/HZ seconds whatever the answers' latency (a strategy asking once a bar, or many
+   times a second), reporting p50/p99 and the server's CPU time as a share of one core: what
+   `--busy-poll` costs, and buys, between closed-loop calls and an idle server. Each has its peer:
+   bare `session.run` with the same pause between runs, which cold caches slow as well.
+7. With `--idle S` (a server this script started): the server's CPU time over S seconds with no
    call, after the levels, as a share of one core (what `--busy-poll` costs an idle server).
 
 Targets (issue 6): p50 at concurrency 1 within 1 ms of bare ONNX Runtime; throughput at 64
@@ -105,6 +111,8 @@ class Level:
     batch_ms: float = 0.0  # the server's mean time per batch: features, ONNX Runtime run, checks
     server_cpu_ms: float = 0.0  # CPU time (user + system) of the server's processes per answered call
     step_us: dict[str, float] = field(default_factory=dict)  # the server's mean time per step (foxhunt_step_*)
+    server_cpu_pct: float = 0.0  # the same CPU time over the level's seconds, as a share of one core
+    rate: float = 0.0  # a paced level's calls per second (0: closed loop)
 
     @property
     def throughput(self) -> float:
@@ -294,10 +302,12 @@ def _mean(before: tuple[float, float], after: tuple[float, float]) -> float:
 
 
 async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, start_at: float, duration: float,
-                 timeout: float, channels: int, method: str = PREDICT) -> tuple[list[float], dict[str, int]]:
+                 timeout: float, channels: int, method: str = PREDICT, interval: float = 0.0
+                 ) -> tuple[list[float], dict[str, int]]:
     """`concurrency` closed-loop clients over `channels` connections (round robin) from start_at
     (time.time()) for `duration` seconds. Separate connections matter with `--workers`: the kernel
-    spreads connections, not calls, over the server's processes.
+    spreads connections, not calls, over the server's processes. With `interval`, each client is paced
+    instead: a call starts every `interval` seconds (at once when the last answer came later).
 
     Requests are pre-serialised and responses left as bytes: the client's own CPU cost is kept
     to gRPC itself, since it shares the machine with the server.
@@ -318,7 +328,14 @@ async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, 
         async def worker(k: int) -> None:
             i = offset + k
             predict = predicts[k % len(predicts)]
+            next_at = time.perf_counter()
             while time.perf_counter() < stop_at:
+                if interval:  # paced: the next tick, or at once when the last answer came after it
+                    now = time.perf_counter()
+                    await asyncio.sleep(max(0.0, next_at - now))
+                    next_at = max(next_at, now) + interval
+                    if time.perf_counter() >= stop_at:
+                        break
                 t0 = time.perf_counter()
                 try:
                     await predict(pool[i % len(pool)], timeout=timeout)
@@ -335,7 +352,8 @@ async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, 
 
 
 def _drive_sync(target: str, pool: list[bytes], concurrency: int, offset: int, start_at: float, duration: float,
-                timeout: float, channels: int, method: str = PREDICT) -> tuple[list[float], dict[str, int]]:
+                timeout: float, channels: int, method: str = PREDICT, interval: float = 0.0
+                ) -> tuple[list[float], dict[str, int]]:
     """As `_drive`, with grpc's blocking stub: one thread per client, each waiting on its own call."""
     latencies: list[float] = []  # list.append is atomic: the threads share it
     errors: Counter[str] = Counter()
@@ -353,7 +371,14 @@ def _drive_sync(target: str, pool: list[bytes], concurrency: int, offset: int, s
         def worker(k: int) -> None:
             i = offset + k
             call = calls[k % len(calls)]
+            next_at = time.perf_counter()
             while time.perf_counter() < stop_at:
+                if interval:  # paced: the next tick, or at once when the last answer came after it
+                    now = time.perf_counter()
+                    time.sleep(max(0.0, next_at - now))
+                    next_at = max(next_at, now) + interval
+                    if time.perf_counter() >= stop_at:
+                        break
                 t0 = time.perf_counter()
                 try:
                     call(pool[i % len(pool)], timeout=timeout)
@@ -374,10 +399,10 @@ def _drive_sync(target: str, pool: list[bytes], concurrency: int, offset: int, s
     return latencies, dict(errors)
 
 
-def _client_process(args: tuple[str, list[bytes], int, int, float, float, float, int, str, str]
+def _client_process(args: tuple[str, list[bytes], int, int, float, float, float, int, str, str, float]
                     ) -> tuple[list[float], dict[str, int]]:
-    target, pool, concurrency, offset, start_at, duration, timeout, channels, method, client = args
-    drive = (target, pool, concurrency, offset, start_at, duration, timeout, channels, method)
+    target, pool, concurrency, offset, start_at, duration, timeout, channels, method, client, interval = args
+    drive = (target, pool, concurrency, offset, start_at, duration, timeout, channels, method, interval)
     if client == "sync":
         return _drive_sync(*drive)
     return asyncio.run(_drive(*drive))
@@ -398,17 +423,20 @@ def server_cpu_s(pid: int | None) -> float:
 
 def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], concurrency: int, duration: float,
               timeout: float, procs: int, channels: int = 1, floor: bool = False, server_pid: int | None = None,
-              client: str = "aio") -> Level:
+              client: str = "aio", rate: float = 0.0) -> Level:
     """One level: `concurrency` clients spread over up to `procs` client processes; with `floor`, calling
-    the health Check instead of Predict. With the server's pid, also its CPU time per answered call: a
-    figure that noise on a shared machine moves far less than throughput."""
+    the health Check instead of Predict; with `rate`, one client paced at that many calls a second. With
+    the server's pid, also its CPU time per answered call: a figure that noise on a shared machine moves
+    far less than throughput."""
+    if rate:
+        concurrency, procs = 1, 1
     raw = [b""] if floor else [r.SerializeToString() for r in pool]
     method = HEALTH_CHECK if floor else PREDICT
     procs = max(1, min(procs, concurrency))
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     start_at = time.time() + 3.0  # every process connected and warm before the clock starts
-    jobs = [(target, raw, n, 101 * i, start_at, duration, timeout, channels, method, client)
-            for i, n in enumerate(shares)]
+    jobs = [(target, raw, n, 101 * i, start_at, duration, timeout, channels, method, client,
+             1.0 / rate if rate else 0.0) for i, n in enumerate(shares)]
     latencies: list[float] = []
     errors: Counter[str] = Counter()
     with multiprocessing.get_context("spawn").Pool(procs) as workers:
@@ -423,12 +451,14 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
     after = server_counters(metrics)
     p50, p90, p99 = percentiles(latencies)
     name = f"gRPC floor: health Check, conc. {concurrency}" if floor else f"server, concurrency {concurrency}"
+    name = f"server, paced {rate:g}/s" if rate else name
     name += ", sync client" if client == "sync" else ""
     return Level(name, concurrency, len(latencies), duration, p50, p90, p99,
                  dict(errors), _mean(before["windows"], after["windows"]),
                  1e3 * _mean(before["handler_s"], after["handler_s"]), 1e3 * _mean(before["batch_s"], after["batch_s"]),
                  1e3 * cpu / len(latencies) if latencies else 0.0,
-                 {} if floor else {step: 1e6 * _mean(before[f"{step}_s"], after[f"{step}_s"]) for step in STEPS})
+                 {} if floor else {step: 1e6 * _mean(before[f"{step}_s"], after[f"{step}_s"]) for step in STEPS},
+                 100 * cpu / duration, rate)
 
 
 def table(levels: list[Level]) -> str:
@@ -447,6 +477,27 @@ def table(levels: list[Level]) -> str:
         lines.append(f"| {lv.name:<{w}} | {lv.throughput:>8.0f} | {lv.p50_ms:>7.2f} | {lv.p90_ms:>7.2f} | "
                      f"{lv.p99_ms:>7.2f} | {cell(lv.mean_batch, '.1f'):>10} | {cell(lv.handler_ms, '.2f'):>10} | "
                      f"{cell(lv.batch_ms, '.2f'):>8} | {cell(lv.server_cpu_ms, '.3f'):>11} | {err if err else 0:>6} |")
+    return "\n".join(lines)
+
+
+def paced_pairs(levels: list[Level]) -> list[tuple[Level, Level | None]]:
+    """Each paced server level with its bare peer (session.run as far apart), when measured."""
+    bare = {lv.rate: lv for lv in levels if lv.rate and lv.name.startswith("bare")}
+    return [(lv, bare.get(lv.rate)) for lv in levels if lv.rate and lv.name.startswith("server")]
+
+
+def paced_table(levels: list[Level]) -> str:
+    """The paced levels: the rate asked and reached, latency against bare session.run at the same spacing
+    (cold caches slow both), and the server's CPU as a share of a core."""
+    pairs = paced_pairs(levels)
+    if not pairs:
+        return ""
+    lines = ["| paced client | req/s | p50 ms | p99 ms | bare session.run p50 ms, as far apart | p50 over it, ms "
+             "| server CPU, % of a core | errors |", "|---|---|---|---|---|---|---|---|"]
+    for lv, bare in pairs:
+        peer = f"{bare.p50_ms:.2f} | {lv.p50_ms - bare.p50_ms:+.3f}" if bare else "- | -"
+        lines.append(f"| {lv.rate:g}/s | {lv.throughput:.0f} | {lv.p50_ms:.2f} | {lv.p99_ms:.2f} | {peer} | "
+                     f"{lv.server_cpu_pct:.1f} | {sum(lv.errors.values())} |")
     return "\n".join(lines)
 
 
@@ -507,6 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle", type=float, default=0.0,
                    help="after the levels, the server's CPU over this many idle seconds, as a share of a core "
                         "(default 0: skip; only for a server this script starts)")
+    p.add_argument("--rate", default="",
+                   help="comma-separated paced levels after the others: one client calling this many times a "
+                        "second, with the server's CPU as a share of a core (only for a server this script "
+                        "starts)")
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = p.parse_args(argv)
     try:
@@ -523,6 +578,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--server-cpus pins a server this script starts; a --target server is already running")
     if not args.idle >= 0 or (args.idle and args.target):
         p.error("--idle S needs S >= 0, and a server this script starts (not --target)")
+    try:
+        rates = [float(r) for r in args.rate.split(",") if r]
+    except ValueError:
+        p.error(f"--rate {args.rate!r}: give calls per second separated by commas, e.g. 10,100")
+    if any(not 0 < r <= 100_000 for r in rates):
+        p.error(f"--rate {args.rate!r}: each rate must be in (0, 100000] calls a second")
+    if rates and args.target:
+        p.error("--rate measures the CPU of a server this script starts; a --target server is not one")
     loaded, bars = model_and_bars(p, args.model, args.parquet)
     meta = loaded.meta
     del loaded  # the bare rows load their own sessions
@@ -549,6 +612,9 @@ def main(argv: list[str] | None = None) -> int:
         results += [bare_ort(args.model, args.threads, provider, pool, meta, args.duration, False),
                     bare_ort(args.model, args.threads, provider, pool, meta, args.duration, False, IDLE_GAP_S),
                     bare_ort(args.model, args.threads, provider, pool, meta, args.duration, True)]
+        for r in rates:  # the paced levels' peers: the same runs as far apart as their calls
+            results.append(bare_ort(args.model, args.threads, provider, pool, meta, args.duration, False, 1.0 / r))
+            results[-1].rate = r
         if provider == "CUDAExecutionProvider":  # what the server's IO binding costs against plain session.run
             results.append(bare_ort(args.model, args.threads, provider, pool, meta, args.duration, False,
                                     bound=True))
@@ -561,6 +627,11 @@ def main(argv: list[str] | None = None) -> int:
                                      args.channels, floor=True, server_pid=proc.pid if proc else None,
                                      client=args.client))
             print(f"  gRPC floor, concurrency {c}: {results[-1].throughput:.0f} req/s", flush=True)
+        for r in rates:  # rates need a server this script started
+            results.append(run_level(target, metrics, pool, 1, args.duration, args.timeout, 1, args.channels,
+                                     server_pid=proc.pid if proc else None, client=args.client, rate=r))
+            print(f"  paced {r:g}/s: {results[-1].throughput:.0f} req/s, server "
+                  f"{results[-1].server_cpu_pct:.1f}% of a core", flush=True)
         if args.idle and proc is not None:
             time.sleep(IDLE_SETTLE_S)  # the last level's calls and scrape are over
             before = server_cpu_s(proc.pid)
@@ -570,10 +641,10 @@ def main(argv: list[str] | None = None) -> int:
         stop_server(proc)
 
     print(table(results))
-    steps = steps_table(results)
-    if steps:
-        print(steps)
-    by_c = {lv.concurrency: lv for lv in results if lv.name.startswith("server")}
+    for extra in (steps_table(results), paced_table(results)):
+        if extra:
+            print(extra)
+    by_c = {lv.concurrency: lv for lv in results if lv.name.startswith("server") and not lv.rate}
     bare = results[0]  # the peer of the targets: session.run in a hot loop
     summary: dict[str, Any] = {"errors": sum(sum(lv.errors.values()) for lv in results)}
     if 1 in by_c:
@@ -585,6 +656,11 @@ def main(argv: list[str] | None = None) -> int:
         summary["floor_p50_ms_at_1"] = round(floor[1].p50_ms, 3)
     if 1 in floor and 64 in floor and floor[1].throughput:
         summary["floor_64_over_1"] = round(floor[64].throughput / floor[1].throughput, 2)
+    for lv, peer in paced_pairs(results):
+        summary[f"paced_{lv.rate:g}_p50_ms"] = round(lv.p50_ms, 3)
+        if peer is not None:
+            summary[f"paced_{lv.rate:g}_p50_over_bare_ms"] = round(lv.p50_ms - peer.p50_ms, 3)
+        summary[f"paced_{lv.rate:g}_server_cpu_pct"] = round(lv.server_cpu_pct, 1)  # of one core
     if args.idle:
         summary["idle_server_cpu_pct"] = round(100 * idle_core_share, 1)  # of one core
     print("summary: " + ", ".join(f"{k} {v}" for k, v in summary.items()))

@@ -394,7 +394,8 @@ elif ! "$PY" -c "import grpc, grpc_health.v1, grpc_reflection.v1alpha, uvloop, p
   SERVING_OK=0; why="the server's packages are missing here (grpcio-health-checking, grpcio-reflection, uvloop, psutil): pass --wheels DIR"
 fi
 # serving_load starts the server itself (python -m serving on 127.0.0.1, metrics scraped for the batch
-# sizes), measures bare ONNX Runtime on the same provider, then 1, 8 and 64 closed-loop clients
+# sizes), measures bare ONNX Runtime on the same provider, then 1, 8 and 64 closed-loop clients (the first
+# part of each device also one client paced at 20 calls a second: a caller once a bar, on cold caches)
 serving_load() {  # serving_load PART MODEL DEVICE WHAT CHANNELS CLIENT_FLAGS [SERVER_ARG...]
   local part=$1 model=$2 device=$3 what=$4 channels=$5 t0=$SECONDS rc
   local -a extra
@@ -424,7 +425,7 @@ elif [ ! -f "$MODEL" ]; then
 elif ! time_for 90; then
   for part in serving serving_packed serving_workers serving_busy_poll; do record $part skipped 0 "out of time"; done
 else
-  serving_load serving "$MODEL" cuda "the preset model on the CUDA provider" 1 ""
+  serving_load serving "$MODEL" cuda "the preset model on the CUDA provider" 1 "--rate 20"
   # the floor rows measure the machine: `serving` has them, the variants skip them (time)
   if time_for 70; then
     serving_load serving_packed "$MODEL" cuda "the preset model on the CUDA provider, user columns packed" 1 \
@@ -461,7 +462,8 @@ else
        --encoder-length 20 --horizon 3 --batch-size 32 --epochs 1 --max-steps-per-epoch 5 --max-val-windows 200 \
        --threads 1 --device cpu --no-progress --no-report >>"$OUT/export_serving.log" 2>&1 \
      && timeout 120 "$PY" -m export "$TINY/ckpt.pt" "$TINY/model.onnx" --threads 1 >>"$OUT/export_serving.log" 2>&1; then
-    serving_load serving_cpu "$TINY/model.onnx" cpu "the tiny test model (hidden 8, encoder 20) on the CPU provider, 1 thread" 1 ""
+    serving_load serving_cpu "$TINY/model.onnx" cpu "the tiny test model (hidden 8, encoder 20) on the CPU provider, 1 thread" 1 \
+      "--rate 20"
     if time_for 60; then
       serving_load serving_cpu_busy_poll "$TINY/model.onnx" cpu "serving_cpu with the server's --busy-poll" 1 \
         "--no-floor" --busy-poll

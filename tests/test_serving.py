@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -705,6 +706,19 @@ def test_serving_ab_compares_two_checkouts_served_at_once(art: Model, tmp_path: 
     assert "Traceback" not in refused.stderr
 
 
+def assert_paced(row: dict[str, Any], bare: dict[str, Any], rate: float, summary: dict[str, Any]) -> None:
+    """A paced level of serving_load (1 s long): one client held to `rate` calls a second, far below the
+    hundreds a closed-loop client makes, against bare session.run as far apart; the server's CPU share
+    and p50 over its peer in the summary."""
+    assert row["rate"] == rate and row["concurrency"] == 1 and not row["errors"], row
+    assert rate / 3 <= row["requests"] <= rate + 1, row
+    assert row["server_cpu_pct"] > 0 and row["p50_ms"] > 0, row
+    assert bare["rate"] == rate and 0 < bare["requests"] <= rate + 1, bare
+    assert summary[f"paced_{rate:g}_p50_ms"] == pytest.approx(row["p50_ms"], abs=1e-3)
+    assert summary[f"paced_{rate:g}_p50_over_bare_ms"] == pytest.approx(row["p50_ms"] - bare["p50_ms"], abs=1e-3)
+    assert summary[f"paced_{rate:g}_server_cpu_pct"] == pytest.approx(row["server_cpu_pct"], abs=0.1)
+
+
 def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tmp_path: Path) -> None:
     """benchmarks/serving_load, the issue's acceptance benchmark, end to end at small sizes: the bare rows,
     one row per concurrency level with the server's own metrics, the gRPC floor, and a summary whose
@@ -712,8 +726,8 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
     out = tmp_path / "load.json"
     cmd = [sys.executable, "-m", "benchmarks.serving_load", "--model", str(art.model), "--parquet",
            str(art.bars_path), "--duration", "1", "--pool", "16", "--client-procs", "1"]
-    done = subprocess.run([*cmd, "--concurrency", "1,4", "--json", str(out)], cwd=REPO, capture_output=True,
-                          text=True, timeout=180)
+    done = subprocess.run([*cmd, "--concurrency", "1,4", "--rate", "30", "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {(r["name"], r["concurrency"]): r for r in report["levels"]}
@@ -733,10 +747,11 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
     expected = rows[("server, concurrency 1", 1)]["p50_ms"] - bare["p50_ms"]
     assert summary["p50_overhead_ms_at_1"] == pytest.approx(expected, abs=1e-3)
     assert "| server, concurrency 4" in done.stdout and report["client"] == "aio"
+    assert_paced(rows[("server, paced 30/s", 1)], rows[("bare ORT: session.run, 33.3333 ms apart", 1)], 30, summary)
     # grpc's blocking stub, one thread per client: what a strategy engine calling from its own loop sees
     # (and what the server costs while idle after it: next to nothing, as it sleeps between calls)
-    sync = subprocess.run([*cmd, "--concurrency", "1,3", "--client", "sync", "--no-floor", "--idle", "1", "--json",
-                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=180)
+    sync = subprocess.run([*cmd, "--concurrency", "1,3", "--client", "sync", "--no-floor", "--idle", "1", "--rate",
+                           "20", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert sync.returncode == 0, sync.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["client"] == "sync" and report["summary"]["errors"] == 0
@@ -746,8 +761,12 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
         row = rows[f"server, concurrency {c}, sync client"]
         assert row["requests"] > 10 and not row["errors"] and row["mean_batch"] >= 1, row
     assert not any(name.startswith("gRPC floor") for name in rows)
+    assert_paced(rows["server, paced 20/s, sync client"], rows["bare ORT: session.run, 50 ms apart"], 20,
+                 report["summary"])
     for bad, message in ((["--model", str(tmp_path / "none.onnx")], "cannot read the model file"),
-                         (["--concurrency", "1,x"], "give whole numbers separated by commas")):
+                         (["--concurrency", "1,x"], "give whole numbers separated by commas"),
+                         (["--rate", "0"], "each rate must be in (0, 100000]"),
+                         (["--rate", "10", "--target", "127.0.0.1:1"], "a server this script starts")):
         refused = subprocess.run([*cmd, *bad], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
         assert "Traceback" not in refused.stderr
