@@ -39,7 +39,8 @@
    call every 1/HZ seconds whatever the answers' latency (a strategy asking once a bar, or many
    times a second), reporting p50/p99 and the server's CPU time as a share of one core: what
    `--busy-poll` costs, and buys, between closed-loop calls and an idle server. Each has its peer:
-   bare `session.run` with the same pause between runs, which cold caches slow as well.
+   bare `session.run` with the same pause between runs, which cold caches slow as well; and the
+   first rate's empty call (health Check) paced alike, unless `--no-floor`.
 7. With `--idle S` (a server this script started): the server's CPU time over S seconds with no
    call, after the levels, as a share of one core (what `--busy-poll` costs an idle server).
 
@@ -450,8 +451,8 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
         cpu = server_cpu_s(server_pid) - cpu_before  # before this script's own scrape below
     after = server_counters(metrics)
     p50, p90, p99 = percentiles(latencies)
-    name = f"gRPC floor: health Check, conc. {concurrency}" if floor else f"server, concurrency {concurrency}"
-    name = f"server, paced {rate:g}/s" if rate else name
+    name = ("gRPC floor: health Check, " if floor else "server, ") + (
+        f"paced {rate:g}/s" if rate else f"conc. {concurrency}" if floor else f"concurrency {concurrency}")
     name += ", sync client" if client == "sync" else ""
     return Level(name, concurrency, len(latencies), duration, p50, p90, p99,
                  dict(errors), _mean(before["windows"], after["windows"]),
@@ -480,10 +481,12 @@ def table(levels: list[Level]) -> str:
     return "\n".join(lines)
 
 
-def paced_pairs(levels: list[Level]) -> list[tuple[Level, Level | None]]:
-    """Each paced server level with its bare peer (session.run as far apart), when measured."""
+def paced_pairs(levels: list[Level]) -> list[tuple[Level, Level | None, Level | None]]:
+    """Each paced server level with its bare peer (session.run as far apart) and the empty call paced
+    alike (the gRPC floor), when measured."""
     bare = {lv.rate: lv for lv in levels if lv.rate and lv.name.startswith("bare")}
-    return [(lv, bare.get(lv.rate)) for lv in levels if lv.rate and lv.name.startswith("server")]
+    floor = {lv.rate: lv for lv in levels if lv.rate and lv.name.startswith("gRPC floor")}
+    return [(lv, bare.get(lv.rate), floor.get(lv.rate)) for lv in levels if lv.rate and lv.name.startswith("server")]
 
 
 def paced_table(levels: list[Level]) -> str:
@@ -493,11 +496,13 @@ def paced_table(levels: list[Level]) -> str:
     if not pairs:
         return ""
     lines = ["| paced client | req/s | p50 ms | p99 ms | bare session.run p50 ms, as far apart | p50 over it, ms "
-             "| server CPU, % of a core | errors |", "|---|---|---|---|---|---|---|---|"]
-    for lv, bare in pairs:
+             "| empty call p50 ms, paced alike | server CPU, % of a core | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for lv, bare, floor in pairs:
         peer = f"{bare.p50_ms:.2f} | {lv.p50_ms - bare.p50_ms:+.3f}" if bare else "- | -"
         lines.append(f"| {lv.rate:g}/s | {lv.throughput:.0f} | {lv.p50_ms:.2f} | {lv.p99_ms:.2f} | {peer} | "
-                     f"{lv.server_cpu_pct:.1f} | {sum(lv.errors.values())} |")
+                     f"{f'{floor.p50_ms:.2f}' if floor else '-'} | {lv.server_cpu_pct:.1f} | "
+                     f"{sum(lv.errors.values())} |")
     return "\n".join(lines)
 
 
@@ -632,6 +637,10 @@ def main(argv: list[str] | None = None) -> int:
                                      server_pid=proc.pid if proc else None, client=args.client, rate=r))
             print(f"  paced {r:g}/s: {results[-1].throughput:.0f} req/s, server "
                   f"{results[-1].server_cpu_pct:.1f}% of a core", flush=True)
+        for r in rates[:1] if not args.no_floor else []:  # what an empty call costs after the same pause
+            results.append(run_level(target, metrics, pool, 1, args.duration, args.timeout, 1, args.channels,
+                                     floor=True, server_pid=proc.pid if proc else None, client=args.client, rate=r))
+            print(f"  gRPC floor, paced {r:g}/s: p50 {results[-1].p50_ms:.2f} ms", flush=True)
         if args.idle and proc is not None:
             time.sleep(IDLE_SETTLE_S)  # the last level's calls and scrape are over
             before = server_cpu_s(proc.pid)
@@ -651,15 +660,17 @@ def main(argv: list[str] | None = None) -> int:
         summary["p50_overhead_ms_at_1"] = round(by_c[1].p50_ms - bare.p50_ms, 3)
     if 1 in by_c and 64 in by_c and by_c[1].throughput:
         summary["throughput_64_over_1"] = round(by_c[64].throughput / by_c[1].throughput, 2)
-    floor = {lv.concurrency: lv for lv in results if lv.name.startswith("gRPC floor")}
+    floor = {lv.concurrency: lv for lv in results if lv.name.startswith("gRPC floor") and not lv.rate}
     if 1 in floor:
         summary["floor_p50_ms_at_1"] = round(floor[1].p50_ms, 3)
     if 1 in floor and 64 in floor and floor[1].throughput:
         summary["floor_64_over_1"] = round(floor[64].throughput / floor[1].throughput, 2)
-    for lv, peer in paced_pairs(results):
+    for lv, peer, empty in paced_pairs(results):
         summary[f"paced_{lv.rate:g}_p50_ms"] = round(lv.p50_ms, 3)
         if peer is not None:
             summary[f"paced_{lv.rate:g}_p50_over_bare_ms"] = round(lv.p50_ms - peer.p50_ms, 3)
+        if empty is not None:
+            summary[f"paced_{lv.rate:g}_floor_p50_ms"] = round(empty.p50_ms, 3)
         summary[f"paced_{lv.rate:g}_server_cpu_pct"] = round(lv.server_cpu_pct, 1)  # of one core
     if args.idle:
         summary["idle_server_cpu_pct"] = round(100 * idle_core_share, 1)  # of one core

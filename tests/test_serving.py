@@ -748,6 +748,11 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
     assert summary["p50_overhead_ms_at_1"] == pytest.approx(expected, abs=1e-3)
     assert "| server, concurrency 4" in done.stdout and report["client"] == "aio"
     assert_paced(rows[("server, paced 30/s", 1)], rows[("bare ORT: session.run, 33.3333 ms apart", 1)], 30, summary)
+    empty = rows[("gRPC floor: health Check, paced 30/s", 1)]  # an empty call after the same pause
+    assert empty["rate"] == 30 and 0 < empty["requests"] <= 31 and not empty["errors"], empty
+    assert summary["paced_30_floor_p50_ms"] == pytest.approx(empty["p50_ms"], abs=1e-3)
+    floor_1 = rows[("gRPC floor: health Check, conc. 1", 1)]  # the closed-loop floor is still its own row
+    assert summary["floor_p50_ms_at_1"] == pytest.approx(floor_1["p50_ms"], abs=1e-3)
     # grpc's blocking stub, one thread per client: what a strategy engine calling from its own loop sees
     # (and what the server costs while idle after it: next to nothing, as it sleeps between calls)
     sync = subprocess.run([*cmd, "--concurrency", "1,3", "--client", "sync", "--no-floor", "--idle", "1", "--rate",
@@ -763,6 +768,7 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
     assert not any(name.startswith("gRPC floor") for name in rows)
     assert_paced(rows["server, paced 20/s, sync client"], rows["bare ORT: session.run, 50 ms apart"], 20,
                  report["summary"])
+    assert "paced_20_floor_p50_ms" not in report["summary"]  # --no-floor
     for bad, message in ((["--model", str(tmp_path / "none.onnx")], "cannot read the model file"),
                          (["--concurrency", "1,x"], "give whole numbers separated by commas"),
                          (["--rate", "0"], "each rate must be in (0, 100000]"),
