@@ -123,8 +123,9 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         (args.threads >= 1, "--threads must be >= 1"),
         (args.max_batch >= 1, "--max-batch must be >= 1"),
         (args.max_delay_ms >= 0, "--max-delay-ms must be >= 0"),
-        (args.max_concurrent >= 1, "--max-concurrent must be >= 1"),
-        (args.max_message_bytes >= 1024, "--max-message-bytes must be >= 1024"),
+        (1 <= args.max_concurrent <= INT32_MAX, f"--max-concurrent must be in 1..{INT32_MAX}"),
+        (1024 <= args.max_message_bytes <= INT32_MAX,
+         f"--max-message-bytes must be in 1024..{INT32_MAX} (gRPC counts it in an int32)"),
         (args.grace >= 0, "--grace must be >= 0"),
         (args.device_id >= 0, "--device-id must be >= 0"),
         (args.busy_poll >= 0, "--busy-poll MS must be >= 0 (0: off; without MS: always)"),
@@ -148,7 +149,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
     )
 
 
-MAX_CONNECTION_AGE_S = (2**31 - 1) // 1000  # gRPC's connection age is an int32 of milliseconds
+INT32_MAX = 2**31 - 1  # gRPC's channel arguments are C ints
+MAX_CONNECTION_AGE_S = INT32_MAX // 1000  # gRPC's connection age is an int32 of milliseconds
 FD_LIMIT_CAP = 1 << 20  # Linux's default ceiling (fs.nr_open), for a hard limit of "unlimited"
 
 

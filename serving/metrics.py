@@ -19,7 +19,7 @@
     foxhunt_build_info{version}                  1, labelled with the server's package version
     process_*, python_gc_*, python_info          prometheus_client's process, GC and platform collectors
 
-Counters of the usual answers and of both reload results exist at zero from the start, so that
+Counters of Predict's usual answers and of both reload results exist at zero from the start, so that
 `increase()` sees their first event. Latency buckets run from 50 µs: a lone call spends about
 1 ms in the handler and its queue wait tens of microseconds (the handler's time leaves out
 gRPC's transport, about 0.5 ms of a lone call on the 2-vCPU machine).

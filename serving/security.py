@@ -8,6 +8,9 @@ Server side
                                                anything else is UNAUTHENTICATED
     MessageGuard                               a request that does not parse as its method's
                                                message is INVALID_ARGUMENT, for every service
+    UnknownMethods                             counts calls to methods no service has (first in
+                                               the chain: a call refused for its token is not
+                                               counted again)
 
 Client side (serving.client, serving.health_probe)
     add_client_arguments(parser) / open_channel(args) / call_metadata(args)
@@ -306,6 +309,24 @@ def _guard_stream(behavior: Behavior, on_malformed: OnMalformed) -> Behavior:
     return unary_out
 
 
+class UnknownMethods(aio.ServerInterceptor):
+    """Counts the calls to methods no service has, which gRPC answers UNIMPLEMENTED itself: a client on
+    another version of the API, or a scanner. First in the chain, so that a call TokenAuth refuses (it
+    counts UNAUTHENTICATED and answers with a handler of its own) is not counted a second time."""
+
+    def __init__(self, count: Counter) -> None:
+        self._count = count
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            self._count(handler_call_details.method, grpc.StatusCode.UNIMPLEMENTED)  # as `other`: bounded labels
+        return handler
+
+
 class MessageGuard(aio.ServerInterceptor):
     """A request that does not parse answers INVALID_ARGUMENT saying so, on every service.
 
@@ -322,9 +343,7 @@ class MessageGuard(aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None:  # an unknown method: gRPC answers UNIMPLEMENTED; counted (as `other`: bounded labels)
-            if self._count is not None:
-                self._count(handler_call_details.method, grpc.StatusCode.UNIMPLEMENTED)
+        if handler is None:  # an unknown method: gRPC answers UNIMPLEMENTED (UnknownMethods counts it)
             return handler
         method = handler_call_details.method
         cached = self._guarded.get(method)  # only methods a service registered get here: a bounded set

@@ -11,8 +11,9 @@ warm up at every padded batch size, then health SERVING.
 Access (serving.security): TLS with --tls-cert/--tls-key, client certificates required and
 verified with --tls-client-ca; with --auth-token-file every RPC but the health service needs
 `authorization: Bearer <token>`. Every service answers a request that does not parse with
-INVALID_ARGUMENT (MessageGuard). Interceptors run in that order: the token is checked
-before a request's bytes are decoded.
+INVALID_ARGUMENT (MessageGuard). Interceptors run in that order, after UnknownMethods (which
+counts calls to methods no service has): the token is checked before a request's bytes are
+decoded.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.inference import run_batch
 from serving.metrics import Metrics
 from serving.model import LoadedModel, ModelHolder, load_and_warm, load_model
-from serving.security import MessageGuard, TokenAuth, is_loopback, read_tokens, server_credentials
+from serving.security import MessageGuard, TokenAuth, UnknownMethods, is_loopback, read_tokens, server_credentials
 from serving.servicer import Batcher, ForecasterServicer, Limits
 
 log = logging.getLogger("serving")
@@ -135,7 +136,8 @@ class ForecastServer:
         access = access or read_access(config)
         self.credentials = access.credentials
         self.auth = TokenAuth(access.tokens, count=self.metrics.count) if access.tokens else None
-        interceptors = [i for i in (self.auth, MessageGuard(self.metrics.count)) if i is not None]
+        interceptors = [i for i in (UnknownMethods(self.metrics.count), self.auth, MessageGuard(self.metrics.count))
+                        if i is not None]
         self.grpc = aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -152,7 +154,8 @@ class ForecastServer:
             # longer counts against --max-concurrent): a bound per connection, far above --max-concurrent, since
             # a client may open a stream the moment it has an answer, before the server has released it, and a
             # stream refused for that fails as UNAVAILABLE where the call should get RESOURCE_EXHAUSTED.
-            ("grpc.max_concurrent_streams", max(4 * config.max_concurrent, config.max_concurrent + 1024)),
+            ("grpc.max_concurrent_streams", min(max(4 * config.max_concurrent, config.max_concurrent + 1024),
+                                                2**31 - 1)),  # a C int
             *connection_age_options(config.max_connection_age_s),
         ])
         pb_grpc.add_ForecasterServicer_to_server(self.servicer, self.grpc)

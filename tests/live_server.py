@@ -154,3 +154,14 @@ class LiveServer:
             self.proc.wait(timeout=10)
         if hasattr(self, "channel"):
             self.channel.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Value of one sample in Prometheus text format (0 if absent)."""
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        m = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            return float(m.group(2))
+    return 0.0

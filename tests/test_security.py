@@ -31,7 +31,7 @@ from serving.__main__ import main as serve_main
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from tests.artifacts import REPO
-from tests.live_server import SERVICE, LiveServer, Model, request_for, tiny_model  # noqa: F401  (fixture)
+from tests.live_server import SERVICE, LiveServer, Model, metric, request_for, tiny_model  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")]
@@ -206,7 +206,8 @@ def token_server(tiny_model: Model, pki: Pki, tmp_path: Path) -> Iterator[tuple[
     tokens.write_text(f"# one token a line\n{TOKEN}\n\n{OTHER_TOKEN}\n")
     tokens.chmod(0o600)
     s = LiveServer(tiny_model.model, tmp_path / "server.log", "--auth-token-file", str(tokens),
-                   "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--log-level", "DEBUG")
+                   "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--log-level", "DEBUG",
+                   "--metrics-port", "0")
     try:
         yield s, tokens
     finally:
@@ -240,6 +241,13 @@ def test_token_needed_for_everything_but_health(tiny_model: Model, pki: Pki,  # 
                 code, details = _code(call, arg, timeout=5, metadata=metadata)
                 assert code == "UNAUTHENTICATED", (case, name, code, details)
                 assert TOKEN not in details and WRONG_TOKEN not in details and TOKEN[:-1] not in details
+        # each refusal is counted once, as what the caller got: an unknown method refused for its token is
+        # UNAUTHENTICATED, not also UNIMPLEMENTED
+        text = s.scrape()
+        for method, calls in (("Predict", 1), ("GetModelInfo", 1), ("other", 2)):  # other: reflection, unknown
+            assert metric(text, "foxhunt_requests_total", method=method, code="UNAUTHENTICATED") == \
+                calls * len(refused), method
+        assert metric(text, "foxhunt_requests_total", method="other", code="UNIMPLEMENTED") == 0
         huge = _code(stub.GetModelInfo, pb.GetModelInfoRequest(), timeout=5, metadata=_bearer("x" * 20_000))
         assert huge[0] == "RESOURCE_EXHAUSTED", huge  # gRPC's own metadata limit (16 KiB), before any of our code
         for token in (TOKEN, OTHER_TOKEN):  # every token of the file works
@@ -247,6 +255,7 @@ def test_token_needed_for_everything_but_health(tiny_model: Model, pki: Pki,  # 
             assert _code(reflect.ServerReflectionInfo, iter(reflect_request), timeout=5,
                          metadata=_bearer(token)) == ("OK", "")
         assert _code(unknown, b"", timeout=5, metadata=_bearer(TOKEN))[0] == "UNIMPLEMENTED"
+        assert metric(s.scrape(), "foxhunt_requests_total", method="other", code="UNIMPLEMENTED") == 1
         assert health_pb2_grpc.HealthStub(channel).Check(HEALTH, timeout=5, metadata=_bearer(WRONG_TOKEN)).status \
             == health_pb2.HealthCheckResponse.SERVING  # health ignores tokens, even wrong ones
 

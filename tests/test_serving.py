@@ -38,7 +38,7 @@ from features.windows import gather_windows
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from tests.artifacts import REPO
-from tests.live_server import SERVICE, LiveServer, Model, request_for, tiny_model  # noqa: F401  (fixture)
+from tests.live_server import SERVICE, LiveServer, Model, metric, request_for, tiny_model  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -54,17 +54,6 @@ def art(tiny_model: Model) -> Model:  # noqa: F811  (the shared fixture, under t
 def serve(model: Path, log: Path, *flags: str) -> LiveServer:
     """A live server with its Prometheus endpoint on a free port too."""
     return LiveServer(model, log, "--metrics-port", "0", *flags)
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Value of one sample in Prometheus text format (0 if absent)."""
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        m = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            return float(m.group(2))
-    return 0.0
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +247,26 @@ def test_connections_are_aged_out_without_failing_a_call(art: Model, tmp_path: P
         assert calls > 50
     finally:
         s.kill()
+
+
+def test_limits_at_grpcs_int32_bounds_start_and_beyond_them_are_refused(art: Model, tmp_path: Path) -> None:
+    """gRPC takes --max-concurrent (times 4, as the streams per connection) and --max-message-bytes as C ints:
+    the largest values a flag accepts start a serving server, and larger ones exit 2 naming the bound, not
+    with an OverflowError traceback."""
+    top = str(2**31 - 1)
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--max-concurrent", top,
+              "--max-message-bytes", top)
+    try:
+        s.wait_serving()
+        assert s.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10).forecasts
+    finally:
+        s.kill()
+    for flag, message in (("--max-concurrent", f"--max-concurrent must be in 1..{top}"),
+                          ("--max-message-bytes", f"--max-message-bytes must be in 1024..{top}")):
+        refused = subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), flag, str(2**31)],
+                                 cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
+        assert "Traceback" not in refused.stderr
 
 
 def test_the_server_raises_its_open_file_limit(art: Model) -> None:
