@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int
         return exc.exit_status
     except KeyboardInterrupt:
         if published:  # the signal came after the files were in place: they are whole, and the export done
-            print(f"interrupted after {', '.join(map(str, published))} were published: they are complete",
-                  file=sys.stderr)
+            whole = "were published: they are" if len(published) > 1 else "was published: it is"
+            print(f"interrupted after {', '.join(map(str, published))} {whole} complete", file=sys.stderr)
             return 0
         print("interrupted; nothing was written.", file=sys.stderr)
         return 130

@@ -173,7 +173,7 @@ class Staging:
             raise
         for _, _, backup in swapped:
             if backup is not None:
-                shutil.rmtree(backup, ignore_errors=True)
+                remove(backup)  # a link (a model directory that was a symlink) is unlinked, what it named kept
         self._files, self._dirs, self._created_parents = [], [], []
 
     def discard(self) -> None:

@@ -282,6 +282,10 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
                                               f"{meta.checkpoint_sha256}\nfoxhunt-tft {meta.precision} model, "
                                               f"version {meta.model_version}")
                 staging.directory(triton_dir, repository_files(data, config), keep_others=True)
+                if triton_dir.is_symlink():
+                    log(f"note: {triton_dir} was a link to {triton_dir.readlink()}; it becomes a directory of its "
+                        "own, with the new model and the other files the link showed (what it linked to is left "
+                        "as it was)")
             staging.commit(published)
             if staging.interrupted:
                 log("interrupted while the files were being published: they were published whole first")

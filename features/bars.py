@@ -249,7 +249,7 @@ def read_bars(
     root = Path(path)
     files = _list_files(root)
     if not files:
-        rule = "no such file or directory" if not root.exists() else "no .parquet files found"
+        rule = "no such file or directory" if not root.exists() else "no .parquet, .parq or .pq files found"
         raise BarDataError([Problem(str(root), "-", -1, rule, "pass a parquet file or a directory of them")])
 
     problems: list[Problem] = []

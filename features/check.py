@@ -16,7 +16,10 @@ from features.compute import infer_bar_interval_ns
 
 
 def format_timestamp(ns: int) -> str:
-    return datetime.fromtimestamp(ns / 1e9, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    """`2024-01-05 19:59:00 UTC`; a time within a second keeps its fraction (`...:00.25 UTC`)."""
+    seconds, fraction = divmod(int(ns), 1_000_000_000)
+    text = datetime.fromtimestamp(seconds, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return f"{text}{f'.{fraction:09d}'.rstrip('0') if fraction else ''} UTC"
 
 
 def _fmt_duration(ns: int) -> str:

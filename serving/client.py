@@ -88,17 +88,20 @@ def format_forecast(f: pb.Forecast) -> str:
 
 
 def format_explanation(e: pb.Explanation, top: int = 5) -> list[str]:
-    """Each group's variables by mean selection weight (the largest `top`), and the bars the decoder's
-    attention weighs most, averaged over the horizon steps."""
+    """Each group's variables by mean selection weight (the largest `top` of each), and the past bars the
+    decoder's attention weighs most, averaged over the horizon steps (the columns after the encoder's bars are
+    the forecast steps themselves: their share is given as one figure)."""
     lines = []
     for label, w in (("static", e.static_weights), ("encoder", e.encoder_weights), ("decoder", e.decoder_weights)):
         mean = np.asarray(w.weights).reshape(w.steps, len(w.variables)).mean(axis=0)
         order = np.argsort(-mean, kind="stable")[:top]
         lines.append(f"{label} variables: " + ", ".join(f"{w.variables[i]} {mean[i]:.0%}" for i in order))
     attention = np.asarray(e.attention).reshape(e.attention_rows, e.attention_cols).mean(axis=0)
-    order = np.argsort(-attention, kind="stable")[:top]
-    lines.append("attention: " + ", ".join(f"{_time(int(e.attention_timestamp_ns[i]))} {attention[i]:.0%}"
-                                           for i in order))
+    past = e.attention_cols - e.attention_rows  # the encoder's bars; then one column per horizon step
+    order = np.argsort(-attention[:past], kind="stable")[:top]
+    lines.append("attention to past bars: "
+                 + ", ".join(f"{_time(int(e.attention_timestamp_ns[i]))} {attention[i]:.0%}" for i in order)
+                 + f" (forecast steps: {attention[past:].sum():.0%})")
     return lines
 
 

@@ -263,7 +263,7 @@ def test_empty_directory(tmp_path: Path) -> None:
     (tmp_path / "empty" / "notes.txt").write_text("not bars")
     p = only_problem(tmp_path / "empty")
     assert (p.file, p.row) == (str(tmp_path / "empty"), -1)
-    assert "no .parquet files" in p.rule
+    assert "no .parquet, .parq or .pq files" in p.rule
 
 
 # ---- directories and hive partitions ----------------------------------------------------
@@ -554,3 +554,13 @@ def test_each_overlapping_pair_of_files_is_named_and_a_null_hides_no_decrease(tm
     problems = problems_of(write_parquet(tmp_path / "null.parquet", cols | {"timestamp": pa.array(ts, pa.int64())}))
     assert sorted(p.rule.split(" (")[0].split(";")[0] for p in problems) == [
         "timestamp is null", "timestamps decrease within a symbol"], problems
+
+
+def test_times_in_messages_keep_a_fraction_of_a_second_when_there_is_one() -> None:
+    """Sub-second bars: two times a message names must not print alike when they differ."""
+    from features.check import format_timestamp
+
+    assert format_timestamp(1_704_484_740_000_000_000) == "2024-01-05 19:59:00 UTC"
+    assert format_timestamp(1_704_484_740_250_000_000) == "2024-01-05 19:59:00.25 UTC"
+    assert format_timestamp(1_704_484_740_000_000_001) == "2024-01-05 19:59:00.000000001 UTC"
+    assert format_timestamp(-1_500_000_000) == "1969-12-31 23:59:58.5 UTC"

@@ -25,7 +25,7 @@ import torch
 from onnx import numpy_helper
 
 from export.__main__ import build_parser, main, options_from_args
-from export.files import Staging
+from export.files import Staging, leftovers
 from export.parity import make_cases
 from export.pipeline import run_export
 from export.placement import PlacementReport, evaluate, is_shape_computation, profile_placement
@@ -538,7 +538,7 @@ def test_an_interrupt_between_publishing_and_the_report_still_exits_0(
     monkeypatch.setattr(export.pipeline, "interrupts_deferred", signal_arrives)
     out = tmp_path / "model.onnx"
     assert main([str(ckpt), str(out)]) == 0
-    assert out.exists() and f"interrupted after {out} were published: they are complete" in capsys.readouterr().err
+    assert out.exists() and f"interrupted after {out} was published: it is complete" in capsys.readouterr().err
 
 
 def test_staging_is_all_or_nothing(tmp_path: Path) -> None:
@@ -615,6 +615,25 @@ def test_a_new_export_into_a_triton_model_directory_keeps_what_else_it_holds(tmp
     assert listing(tmp_path / "repo") == ["tft", *(f"tft/{p}" for p in listing(repo))]  # no backup left behind
     assert newer_versions(repo) == ["2"]  # what export warns about: Triton would serve 2/, not the new 1/
 
+
+
+def test_a_triton_model_directory_that_is_a_link_becomes_a_directory_and_leaves_no_backup(tmp_path: Path) -> None:
+    """A model directory symlinked elsewhere: the export's directory takes its place with what the link showed,
+    the directory it named is left as it was, and no `.tft.old-*` backup stays behind for Triton to load."""
+    store = tmp_path / "store" / "tft"
+    (store / "2").mkdir(parents=True)
+    (store / "2" / "model.onnx").write_bytes(b"v2")
+    (store / "config.pbtxt").write_bytes(b"old")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "tft").symlink_to(store)
+    with Staging() as s:
+        s.directory(repo / "tft", {"config.pbtxt": b"new", "1/model.onnx": b"new"}, keep_others=True)
+        s.commit()
+    assert not (repo / "tft").is_symlink() and listing(repo) == ["tft", "tft/1", "tft/1/model.onnx", "tft/2",
+                                                                  "tft/2/model.onnx", "tft/config.pbtxt"]
+    assert (repo / "tft" / "config.pbtxt").read_bytes() == b"new" and leftovers(repo / "tft") == ([], [])
+    assert listing(store) == ["2", "2/model.onnx", "config.pbtxt"] and (store / "config.pbtxt").read_bytes() == b"old"
 
 # ---- on a GPU machine ------------------------------------------------------------------------------
 

@@ -390,8 +390,11 @@ def test_client_prints_a_forecast_table(art: Model, server: LiveServer, tmp_path
     assert r.returncode == 0, r.stderr
     tail = r.stdout.splitlines()[3 + art.meta.horizon:]
     assert [line.split(":")[0] for line in tail] == ["static variables", "encoder variables", "decoder variables",
-                                                     "attention"], tail
-    assert "log_return" in tail[1] and "%" in tail[3]
+                                                     "attention to past bars"], tail
+    assert "log_return" in tail[1] and "(forecast steps: " in tail[3]
+    times = re.findall(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", tail[3])  # the most-attended bars: all past ones
+    last = lines[0].split("last bar ")[1][:19]
+    assert len(times) == 5 and all(t <= last for t in times), (times, last)
     r = client(art.bars_path, "ZZ")
     assert r.returncode == 2 and "ZZ" in r.stderr
     # bars the model cannot use are the caller's to fix (exit 2), found before any Predict: too few of them, a

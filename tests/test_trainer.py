@@ -25,7 +25,7 @@ from features.schema import (
     TARGET,
 )
 from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, run
-from trainer.checkpoint import FORMAT, load_checkpoint
+from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, save_atomic
 from trainer.config import ConfigError, TrainConfig, resumed_config
 from trainer.data import (
     ROW_INPUTS,
@@ -258,6 +258,37 @@ def test_resume_after_interruption_gives_the_same_weights(tmp_path: Path, bars: 
     assert "--resume: these bars split as validation from" in message and "the checkpoint's run split as" in message
     assert str(bars) in message and "without --resume" in message
     assert not (tmp_path / "c" / "ckpt.pt").exists() and not (tmp_path / "c" / "ckpt.last.pt").exists()
+
+
+def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path, bars: Path) -> None:
+    """--resume into a directory other than the run's: the run's best checkpoint is copied there from beside the
+    resumed file, so the report, the test split and export take this run's model, never another run's file
+    that happens to be there; with the best nowhere to be found, they are skipped with a warning."""
+    flags = [f for f in TINY_TRAIN_FLAGS if f != "--no-report"] + ["--test-fraction", "0.1"]
+    train = ["-m", "trainer", "--parquet", str(bars)]
+    for name, seed, epochs in (("a", "1", "2"), ("b", "2", "1")):
+        r = run([*train, "--out", str(tmp_path / name / "ckpt.pt"), *flags, "--seed", seed, "--epochs", epochs])
+        assert r.returncode == 0, r.stderr[-3000:]
+    a_test = json.loads((tmp_path / "a" / "ckpt.test.json").read_text())
+    a_best = load_checkpoint(tmp_path / "a" / "ckpt.pt")["epoch"]
+    assert file_sha256(tmp_path / "b" / "ckpt.pt") != file_sha256(tmp_path / "a" / "ckpt.pt")
+    # run a, resumed into b's directory (no epoch left to run, as when no new epoch beats the best)
+    resume = [*train, "--threads", "1", "--no-progress", "--resume"]
+    r = run([*resume, str(tmp_path / "a" / "ckpt.last.pt"), "--out", str(tmp_path / "b" / "ckpt.pt")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"copied the run's best checkpoint (epoch {a_best})" in r.stderr
+    assert file_sha256(tmp_path / "b" / "ckpt.pt") == file_sha256(tmp_path / "a" / "ckpt.pt")
+    assert json.loads((tmp_path / "b" / "ckpt.test.json").read_text())["test_loss"] == a_test["test_loss"]
+    assert (tmp_path / "b" / "ckpt.report.png").stat().st_size > 0
+    # a last checkpoint copied alone, its run's best at an earlier epoch: no best to use, and none borrowed
+    last = load_checkpoint(tmp_path / "a" / "ckpt.last.pt")
+    last.update(best_epoch=1, best_val_loss=last["metrics_history"][0]["val_loss"], epochs_without_improvement=1)
+    save_atomic(last, tmp_path / "c" / "saved.pt")
+    r = run([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "d" / "ckpt.pt")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "is not beside" in r.stderr and "skipped the report and the test split" in r.stderr
+    assert not (tmp_path / "d" / "ckpt.pt").exists() and not (tmp_path / "d" / "ckpt.test.json").exists()
+    assert not (tmp_path / "d" / "ckpt.report.png").exists()
 
 
 def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path, bars: Path) -> None:

@@ -11,10 +11,12 @@ import hashlib
 import os
 import pickle
 import re
+import shutil
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -35,12 +37,25 @@ def save_atomic(obj: dict[str, Any], path: Path) -> None:
 
     A crash, a kill or a full disk leaves either the old file or the new one, never half of one.
     """
+    _write_atomic(path, lambda fh: torch.save(obj, fh))
+
+
+def copy_atomic(src: Path, path: Path) -> None:
+    """`src`'s bytes to `path`, as save_atomic writes (never half a file at `path`)."""
+    def write(fh: BinaryIO) -> None:
+        with open(src, "rb") as source:
+            shutil.copyfileobj(source, fh, 1 << 20)
+
+    _write_atomic(path, write)
+
+
+def _write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         try:
             with os.fdopen(fd, "wb") as fh:
-                torch.save(obj, fh)
+                write(fh)
                 fh.flush()
                 os.fsync(fh.fileno())
         except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError

@@ -25,7 +25,15 @@ from tqdm import tqdm
 from features import package_version
 from features.bars import ColumnMap
 from features.schema import TARGET
-from trainer.checkpoint import FORMAT, load_checkpoint, remove_stale_temp_files, save_atomic, state_digest
+from trainer.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    copy_atomic,
+    load_checkpoint,
+    remove_stale_temp_files,
+    save_atomic,
+    state_digest,
+)
 from trainer.config import RESUME_OVERRIDABLE, TrainConfig, resumed_config
 from trainer.data import ROW_INPUTS, Normalization, PreparedData, check_resumed_split, prepare
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
@@ -124,6 +132,7 @@ class Trainer:
         self.progress = progress
         self.columns = columns or ColumnMap()
         self.resume_state: dict[str, Any] | None = None
+        self.resume_path = resume
         if resume is not None:
             self.resume_state = load_checkpoint(resume)
             stored = TrainConfig.from_checkpoint(self.resume_state["train_config"])
@@ -368,6 +377,54 @@ class Trainer:
             "validation_sample": {k: v.clone() for k, v in sample.items()},
         }
 
+    # ---- the best checkpoint of this run -------------------------------------------------------
+    def is_runs_best(self, ckpt: dict[str, Any]) -> bool:
+        """Whether `ckpt` was saved by this run at its best epoch: its epochs are this run's first ones."""
+        def trail(history: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+            return [(r.get("epoch"), r.get("step"), r.get("val_loss")) for r in history]
+
+        kept = trail(list(ckpt.get("metrics_history") or []))
+        same_epoch = 0 < self.best_epoch == int(ckpt.get("epoch", -1)) == len(kept)
+        return same_epoch and kept == trail(self.history)[:len(kept)]
+
+    def runs_best(self) -> dict[str, Any] | None:
+        """The checkpoint at paths.best when it is this run's best; None when it is missing or another run's."""
+        if not self.paths.best.is_file():
+            return None
+        try:
+            ckpt = load_checkpoint(self.paths.best)
+        except CheckpointError:
+            return None
+        return ckpt if self.is_runs_best(ckpt) else None
+
+    def _adopt_best(self) -> None:
+        """A resumed run writes its best checkpoint only when one of its own epochs beats the best so far. When
+        --out is not where the run started, that file is missing or another run's: copy the run's best there
+        from beside the resumed checkpoint, so that export, the report and the test split take this run's model."""
+        resumed = self.resume_path
+        if resumed is None or self.best_epoch == 0 or self.runs_best() is not None:
+            return
+        candidates = [resumed]
+        if resumed.name.endswith(".last.pt"):  # ckpt.last.pt beside ckpt.pt, as a run writes them
+            candidates.insert(0, resumed.with_name(resumed.name.removesuffix(".last.pt") + ".pt"))
+        for src in candidates:
+            if not src.is_file() or src.resolve() == self.paths.best.resolve():
+                continue
+            try:
+                found = self.is_runs_best(load_checkpoint(src))
+            except CheckpointError:
+                continue
+            if found:
+                copy_atomic(src, self.paths.best)
+                log.info("resume: copied the run's best checkpoint (epoch %d) from %s to %s", self.best_epoch, src,
+                         self.paths.best)
+                return
+        state = "holds another run's checkpoint" if self.paths.best.exists() else "does not exist"
+        log.warning("resume: %s %s, and the run's best checkpoint (epoch %d, validation loss %.5f) is not beside %s "
+                    "either; an epoch of this run that beats it will be written there. Until then there is no best "
+                    "checkpoint of this run to export, report or test (copy it to %s to use it)", self.paths.best,
+                    state, self.best_epoch, self.best_val, resumed, self.paths.best)
+
     # ---- the run ------------------------------------------------------------------------------
     def run(self, stop_after_epochs: int | None = None) -> TrainResult:
         """Train; `stop_after_epochs` ends this process's part early (as an interruption would)."""
@@ -382,6 +439,7 @@ class Trainer:
             stopped_early = True
         if self.dist.is_main:  # metrics restart from the checkpoint's history, or afresh: one run per file
             self.paths.metrics.parent.mkdir(parents=True, exist_ok=True)
+            self._adopt_best()
             self.paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
             if self.resume_state is None and (old := [p for p in (self.paths.best, self.paths.last) if p.exists()]):
                 log.warning("%s: from an earlier run; this run replaces them as its epochs finish",

@@ -51,10 +51,18 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     trainer = Trainer(args.parquet, cfg, args.out, _columns(args), resume=args.resume,
                       progress=not args.no_progress, plan_fn=budget_plan_fn(cfg, budget) if budget else None)
     result = trainer.run()
-    if not args.no_report and result.history and trainer.dist.is_main:  # rank 0 alone writes files
-        _report(trainer)
-    if trainer.data.test_anchors.size and result.history and trainer.dist.is_main:
-        test_best(trainer)
+    wanted = [what for what, on in (("the report", not args.no_report),
+                                    ("the test split", trainer.data.test_anchors.size > 0)) if on]
+    if wanted and result.history and trainer.dist.is_main:  # rank 0 alone writes files
+        best = trainer.runs_best()
+        if best is None:  # a resumed run whose best is elsewhere (said at its start), or a file replaced since
+            log.warning("skipped %s: %s is not this run's best checkpoint (epoch %d)", " and ".join(wanted),
+                        result.paths.best, trainer.best_epoch)
+        else:
+            if not args.no_report:
+                _report(trainer, best)
+            if trainer.data.test_anchors.size:
+                test_best(trainer, best)
     log.info("best validation loss %.5f at epoch %d; checkpoint %s (resume from %s), metrics %s%s",
              trainer.best_val, trainer.best_epoch, result.paths.best, result.paths.last, result.paths.metrics,
              "" if args.no_report else f", report {result.paths.report}")
@@ -191,10 +199,10 @@ def plan_only(args: argparse.Namespace, cfg: TrainConfig, budget: int) -> int:
     return 0
 
 
-def test_best(trainer: Trainer) -> dict[str, Any]:
+def test_best(trainer: Trainer, best: dict[str, Any] | None = None) -> dict[str, Any]:
     """The best checkpoint's metrics on the held-out test split, logged and written beside it (once, at the
     end: the test split chose nothing, unlike validation, which chose the epoch)."""
-    best = load_checkpoint(trainer.paths.best)
+    best = best if best is not None else load_checkpoint(trainer.paths.best)
     trainer.model.load_state_dict(best["model_state"])
     result = {"epoch": int(best["epoch"]), **trainer.evaluate(trainer.data.test_anchors, "test")}
     tmp = trainer.paths.test.with_name(f".{trainer.paths.test.name}.tmp")  # written whole or not at all
@@ -208,9 +216,8 @@ def test_best(trainer: Trainer) -> dict[str, Any]:
     return result
 
 
-def _report(trainer: Trainer) -> None:
+def _report(trainer: Trainer, best: dict[str, Any]) -> None:
     """The report shows the best model, as exported, on consecutive validation windows."""
-    best = load_checkpoint(trainer.paths.best)
     trainer.model.load_state_dict(best["model_state"])
     anchors = trainer.data.val_anchors[:REPORT_WINDOWS]
     outputs = trainer.predict(anchors)
