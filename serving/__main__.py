@@ -28,9 +28,11 @@ Workers: --workers N starts N such servers on one port (SO_REUSEPORT; the kernel
 connections over them), each with its own model session, micro-batcher and interpreter, for
 machines where one Python process is the bottleneck. Each warms up and reports health on
 its own; --metrics-port M gives them M, M+1, ... (one `metrics on` line each). SIGHUP and
-SIGTERM are forwarded to all; a worker that exits on its own stops the rest, and if the
-supervisor dies (even by SIGKILL) its workers drain and exit. A SIGHUP that arrives while a
-server is still starting is ignored: the model file is being read then anyway.
+SIGTERM are forwarded to all (a worker still starting gets the SIGHUP once it listens); a
+worker that exits on its own stops the rest, and if the supervisor dies (even by SIGKILL) its
+workers drain and exit. A SIGHUP that arrives while a server is still starting is kept: one
+that came after the model file was read reloads it once the server is warm (before that, the
+start reads the file anyway).
 
 Exit status: 0 after a clean drain, 2 for bad arguments, a model that fails its checks,
 unusable TLS or token files, or --device cuda without a usable CUDA provider (one message
@@ -38,6 +40,11 @@ on stderr, no traceback).
 """
 
 from __future__ import annotations
+
+from serving import sighup
+
+if __name__ == "__main__":  # before the imports below (the better part of a second): SIGHUP's default action kills
+    sighup.hold()
 
 import argparse
 import logging

@@ -36,6 +36,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from serving import sighup
 from serving.batcher import MicroBatcher
 from serving.errors import ConfigError, ModelLoadError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
@@ -331,7 +332,8 @@ def run_server(config: ServerConfig) -> int:
 
 async def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT; 0 after a clean drain. ModelLoadError, ConfigError and OSError propagate."""
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload asked for while starting: the file is being read now
+    sighup.hold()  # until the loop's handler: a SIGHUP now is recorded (python -m serving held it from its start)
+    sighup.forget()  # the token and model files are read below: a reload asked for before then is served by that
     access = read_access(config)  # unusable TLS or token files stop the start before the model loads
     model = await asyncio.to_thread(load_model, config.model_path, config.device, config.threads,
                                     config.max_batch, config.device_id)
@@ -375,11 +377,15 @@ async def serve(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
+    hup_while_starting = sighup.arrived()  # after the files were read, before the handler above
     if config.stop_on_stdin_eof:
         threading.Thread(target=_drain_at_stdin_eof, args=(loop, stop), name="supervisor-lifeline",
                          daemon=True).start()
 
     warm = loop.create_task(server.warm_up())
+    if hup_while_starting:
+        log.info("SIGHUP while starting, after the model file was read: reloading it once warm")
+        warm.add_done_callback(lambda t: on_hup() if not t.cancelled() and t.exception() is None else None)
     stopping = loop.create_task(stop.wait())
     done, _ = await asyncio.wait({warm, stopping}, return_when=asyncio.FIRST_COMPLETED)
     failure = warm.exception() if warm in done else None

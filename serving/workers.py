@@ -136,12 +136,15 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
         return 2
     port = int(placeholders[0].getsockname()[1])
     workers: list[Worker] = []
-    listening: set[int] = set()  # workers past start-up: a worker still starting ignores SIGHUP anyway
+    listening: set[int] = set()  # workers past start-up
+    hup_pending: set[int] = set()  # workers that were starting when a SIGHUP came: they get it once they listen
     stopping = threading.Event()
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         if signum != signal.SIGHUP:
             stopping.set()
+        else:  # a worker may have read the model file before it changed: it reloads once it listens
+            hup_pending.update(w.index for w in workers if w.index not in listening)
         _stop([w for w in workers if signum != signal.SIGHUP or w.index in listening], signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -165,6 +168,9 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
                 return 0 if stopping.is_set() else exit_status(w.proc.returncode) or 1
             listening.add(i)
             log.info("worker %d (pid %d) listening on %s", i, w.proc.pid, started[0])
+            if i in hup_pending:  # its own start-up kept it (serving.sighup) until its loop takes over
+                hup_pending.discard(i)
+                _stop([w], signal.SIGHUP)
             if started[1]:
                 metrics.append(started[1])
     finally:
@@ -188,7 +194,7 @@ def _supervise(workers: list[Worker], stopping: threading.Event) -> int:
             code = w.proc.poll()
             if code is not None and not stopping.is_set() and first_failure is None:
                 log.error("worker %d (pid %d) exited with status %d; stopping the other workers", w.index,
-                          w.proc.pid, code)
+                          w.proc.pid, exit_status(code))
                 first_failure = exit_status(code) or 1
                 stopping.set()
                 _stop(workers)

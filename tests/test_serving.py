@@ -510,6 +510,69 @@ def test_sighup_reloads_a_good_model_and_refuses_broken_ones(art: Model, tmp_pat
         s.kill()
 
 
+def _catches_sighup(pid: int) -> bool:
+    """Whether the process has a handler for SIGHUP (bit 0 of SigCgt), i.e. its start-up hold is in place."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return bool(int(re.search(r"SigCgt:\s*([0-9a-f]+)", status).group(1), 16) & 1)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_sighup_while_the_server_starts_neither_kills_it_nor_is_lost(art: Model, tmp_path: Path,
+                                                                        workers: str) -> None:
+    """SIGHUP's default action ends a process. One that comes during the imports must not kill the server, and
+    one that comes after the model file was read (the file then replaced) is honoured by a reload once warm;
+    with --workers 2, sent to the supervisor while its second worker is starting, every worker ends up on it."""
+    served = tmp_path / "model.onnx"
+    shutil.copy(art.model, served)
+    proto = onnx.load(str(served))
+    for prop in proto.metadata_props:
+        if prop.key == "foxhunt.model_version":
+            prop.value = "v2-while-starting"
+    (tmp_path / "v2.onnx").write_bytes(proto.SerializeToString())
+    log = tmp_path / "server.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "serving", "--model", str(served), "--port", "0", "--device",
+                                 "cpu", "--workers", workers], cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches_sighup(proc.pid):  # held from the top of `python -m serving`, before its imports
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.005)
+        read = f"model {art.meta.model_version} from"
+        assert read not in log.read_text()  # caught from the start, not only once the event loop handles it
+        proc.send_signal(signal.SIGHUP)  # during the imports: before any file is read, so nothing to reload
+        while log.read_text().count(read) < int(workers):  # every worker has read the file (the last still starting)
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.005)
+        os.replace(tmp_path / "v2.onnx", served)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("listening on "), log.read_text()
+        target = line.split()[-1]
+
+        def version() -> str:
+            with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+                try:  # a fresh connection each time: the kernel spreads them over the workers
+                    info = pb_grpc.ForecasterStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+                    return info.model_version
+                except grpc.RpcError:
+                    time.sleep(0.05)  # still warming up
+                    return ""
+
+        versions: list[str] = []
+        while len(versions) < 8 or set(versions[-8:]) != {"v2-while-starting"}:  # the reloads are done ...
+            assert proc.poll() is None and time.monotonic() < deadline, (versions[-8:], log.read_text())
+            versions.append(version())
+        assert [version() for _ in range(16)] == ["v2-while-starting"] * 16, log.read_text()  # ... in every worker
+        assert "reloading it once warm" in log.read_text() or "SIGHUP: reloading" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_sigterm_drains_in_flight_calls_and_exits_0(art: Model, tmp_path: Path) -> None:
     s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--batch-wait", "fixed",
                       "--max-delay-ms", "1000", "--grace", "10")
