@@ -120,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ColumnMap.add_arguments(p)
     add_client_arguments(p)
     args = p.parse_args(argv)
-    check_client_arguments(p, args)
-    if not args.timeout > 0:
-        p.error(f"--timeout {args.timeout}: give a deadline in seconds above 0")
+    check_client_arguments(p, args)  # --timeout too
     if not Path(args.parquet).exists():
         print(f"error: --parquet {args.parquet}: no such file or directory", file=sys.stderr)
         return 2

@@ -82,9 +82,7 @@ def wait_serving(target: str, timeout: float, service: str = "", interval: float
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    check_client_arguments(p, args)
-    if args.timeout <= 0:
-        p.error("--timeout must be > 0")
+    check_client_arguments(p, args)  # --timeout too
     code, line = probe(args.target, args)
     print(line, file=sys.stdout if code == HEALTHY else sys.stderr)
     return code

@@ -386,9 +386,18 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
                                                         "'authorization: Bearer <token>'")
 
 
+MAX_TIMEOUT_S = 1e6  # a gRPC deadline far beyond this overflows its clock and passes at once
+
+
 def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The TLS flags (and a tool's --timeout) make sense together; p.error names what does not."""
     if (args.tls_cert is None) != (args.tls_key is None):
         p.error("--tls-cert and --tls-key go together")
+    if args.tls_server_name and not (args.tls or args.tls_ca or args.tls_cert):
+        p.error("--tls-server-name is for a TLS connection: add --tls (the system's CA roots) or --tls-ca FILE")
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+        p.error(f"--timeout {timeout:g}: give a deadline in seconds, above 0 and at most {MAX_TIMEOUT_S:g}")
 
 
 def open_channel(target: str, args: argparse.Namespace) -> grpc.Channel:

@@ -62,22 +62,28 @@ def server_args(config: ServerConfig, log_level: str) -> list[str]:
 def reserve_port(host: str, port: int) -> list[socket.socket]:
     """Sockets bound with SO_REUSEPORT (not listening) to the addresses `host` resolves to, as gRPC binds
     them ("localhost": 127.0.0.1 and ::1 where the machine has IPv6): they pick the port when it is 0
-    and hold it until the workers have bound. OSError when no address can be bound (one taken by a
-    socket that does not share)."""
+    and hold it until the workers have bound. OSError when no address can be bound: one taken by any
+    other socket, another `--workers` set's included (SO_REUSEPORT would let the two share the port,
+    the kernel sending each set part of the connections)."""
     held: list[socket.socket] = []
     error: OSError | None = None
     for family, kind, proto, _name, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                                   flags=socket.AI_PASSIVE):
-        sock = socket.socket(family, kind, proto)
+        probe, sock = socket.socket(family, kind, proto), socket.socket(family, kind, proto)
         try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: old TIME_WAITs are fine
+            probe.bind((address[0], port, *address[2:]))  # no SO_REUSEPORT: fails on a port anyone holds
+            port = port or int(probe.getsockname()[1])  # the first picks; the others take the same port
+            probe.close()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((address[0], port, *address[2:]))
         except OSError as exc:
             sock.close()
             error = exc
             continue
+        finally:
+            probe.close()
         held.append(sock)
-        port = port or int(sock.getsockname()[1])  # the first picks; the others take the same port
     if not held:
         raise error or OSError(f"{host} resolves to no address")
     return held

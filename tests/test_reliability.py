@@ -409,6 +409,12 @@ def test_health_probe_exit_status(tiny_model: Model, server: LiveServer) -> None
     assert closed.returncode == 1 and "UNAVAILABLE" in closed.stderr
     assert _probe("--no-such-flag").returncode == 1  # Docker reserves exit status 2
     assert _probe("--target", server.target, "--tls-cert", "c.pem").returncode == 1  # without --tls-key
+    for bad, message in ((("--tls-server-name", "tft.internal"), "--tls-server-name is for a TLS connection"),
+                         (("--timeout", "inf"), "--timeout inf: give a deadline in seconds"),
+                         (("--timeout", "nan"), "--timeout nan: give a deadline in seconds"),
+                         (("--timeout", "1e10"), "at most 1e+06")):  # a deadline gRPC would find passed at once
+        refused = _probe("--target", server.target, *bad)
+        assert refused.returncode == 1 and message in refused.stderr, (bad, refused.stderr[-1000:])
 
     # NOT_SERVING: a server started but not yet warmed up
     from serving.model import load_model

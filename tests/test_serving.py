@@ -397,6 +397,9 @@ def test_client_prints_a_forecast_table(art: Model, server: LiveServer, tmp_path
     assert len(times) == 5 and all(t <= last for t in times), (times, last)
     r = client(art.bars_path, "ZZ")
     assert r.returncode == 2 and "ZZ" in r.stderr
+    for timeout in ("0", "inf", "1e10"):  # deadlines gRPC could not honour: refused before any call
+        r = client(art.bars_path, symbol, "--timeout", timeout)
+        assert r.returncode == 2 and ": give a deadline in seconds, above 0 and at most" in r.stderr, r.stderr
     # bars the model cannot use are the caller's to fix (exit 2), found before any Predict: too few of them, a
     # symbol the model does not know, a file that is not there
     table = pq.read_table(art.bars_path)
@@ -646,6 +649,13 @@ def test_workers_share_one_port_reload_together_and_drain(art: Model, tmp_path: 
         s.proc.send_signal(signal.SIGHUP)  # forwarded: each worker reloads the model file
         for endpoint in s.metrics_all:
             _wait_metric(s, endpoint, "foxhunt_reloads_total", 1, result="ok")
+        # a second set on the same port is refused, not let in to share it (SO_REUSEPORT would allow that)
+        port = s.target.rsplit(":", 1)[1]
+        other = subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), "--port", port,
+                                "--device", "cpu", "--workers", "2"], cwd=REPO, capture_output=True, text=True,
+                               timeout=60)
+        assert other.returncode == 2 and f"cannot bind 127.0.0.1:{port}: Address already in use" in other.stderr, \
+            other.stderr[-2000:]
         pids = worker_pids(s)
         assert len(pids) == 2
         s.proc.send_signal(signal.SIGTERM)
