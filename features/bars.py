@@ -206,7 +206,10 @@ def _hive_partitions(file: Path, root: Path) -> dict[str, str]:
 def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str) -> tuple[np.ndarray | None, Problem | None]:
     t = col.type
     if pa.types.is_timestamp(t) or pa.types.is_integer(t):
-        arr = pc.cast(col, pa.timestamp("ns", tz=t.tz)) if pa.types.is_timestamp(t) and t.unit != "ns" else col
+        try:
+            arr = pc.cast(col, pa.timestamp("ns", tz=t.tz)) if pa.types.is_timestamp(t) and t.unit != "ns" else col
+        except pa.ArrowInvalid:  # a time int64 nanoseconds cannot hold, such as a 9999-12-31 placeholder
+            return None, _out_of_range_problem(col, file, name)
         arr = pc.fill_null(arr.cast(pa.int64()), 0)  # nulls are reported from the null mask
         ns = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
         if pa.types.is_integer(t) and ns.size and 0 < (top := int(ns.max())) < PLAUSIBLE_NS:
@@ -219,6 +222,20 @@ def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str) -> tuple[np.ndarr
         f"timestamp has type {t}, expected int64 nanoseconds or a timestamp type",
         "write timestamps as int64 UTC nanoseconds or an arrow timestamp, or map another column with --time-col",
     )
+
+
+def _out_of_range_problem(col: pa.ChunkedArray, file: str, name: str) -> Problem:
+    per_ns = {"s": 10**9, "ms": 10**6, "us": 10**3}[col.type.unit]
+    raw = np.asarray(pc.fill_null(col.cast(pa.int64()), 0).to_numpy(zero_copy_only=False), dtype=np.int64)
+    bad = np.flatnonzero(np.abs(raw) > np.iinfo(np.int64).max // per_ns)
+    row = int(bad[0]) if bad.size else -1
+    shown = f" ({col[row]})" if bad.size else ""
+    return Problem(file, name, row, f"timestamp{shown} outside what int64 nanoseconds hold (1677 to 2262)",
+                   "replace placeholder times such as 9999-12-31 with the bars' real times, or drop those rows",
+                   max(int(bad.size), 1))
+
+
+F32_MAX = float(np.finfo(np.float32).max)  # features are float32: a user value beyond this would be infinite
 
 
 # Integer timestamps are nanoseconds. Ones that all fall before this (1973-03-03) are another unit: epoch
@@ -427,8 +444,11 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
         check(~np.isnan(v) & ~np.isfinite(v), cmap.volume, "volume is infinite", "repair the volume")
         check(v < 0, cmap.volume, "volume is negative (rule: volume >= 0)", "repair the volume")
     for uc in user_columns:
-        check(~np.isfinite(part[f"user:{uc}"]), uc, f"user feature '{uc}' is NaN or infinite",
+        x = part[f"user:{uc}"]
+        check(~np.isfinite(x), uc, f"user feature '{uc}' is NaN or infinite",
               "fill or drop those rows, or drop the column from the feature list")
+        check(np.isfinite(x) & (np.abs(x) > F32_MAX), uc, f"user feature '{uc}' is beyond float32's range "
+              f"(|x| > {F32_MAX:.3g}; the model computes in float32)", "rescale the column, or fill or drop those rows")
     return out
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from features.bars import PRICE_COLUMNS, Bars, ColumnBlock, ColumnMap, Problem, block_for, validate
+from features.bars import F32_MAX, PRICE_COLUMNS, Bars, ColumnBlock, ColumnMap, Problem, block_for, validate
 from features.model_meta import ModelMeta
 from serving.errors import RequestError, bounded
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
@@ -215,7 +215,7 @@ def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
         ok = ok and bool((ts[1:] > ts[:-1]).all())  # compared, not differenced: a difference can overflow
         if not ok or not user_columns:
             return ok
-        return bool(np.isfinite(s.user_matrix(user_columns)).all())  # one check, not one per column
+        return bool((np.abs(s.user_matrix(user_columns)) <= F32_MAX).all())  # finite, and within float32's range
 
 
 def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> list[Problem]:
@@ -238,8 +238,8 @@ def _for_the_wire(p: Problem, symbol: str) -> Problem:
         return Problem(p.file, p.column, p.row, f"{rule} (rule: strictly increasing)",
                        "send the bars oldest first, one per timestamp", p.count)
     if p.rule.startswith("user feature "):
-        return Problem(p.file, p.column, p.row, p.rule, "send a finite value for every bar, as in the training data",
-                       p.count)
+        return Problem(p.file, p.column, p.row, p.rule, "send a finite value within float32's range for every bar, "
+                       "as in the training data", p.count)
     if p.rule.endswith(" is NaN or null"):
         return Problem(p.file, p.column, p.row, p.rule.removesuffix(" or null"),
                        f"send a finite {p.column} for every bar", p.count)

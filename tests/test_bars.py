@@ -564,3 +564,22 @@ def test_times_in_messages_keep_a_fraction_of_a_second_when_there_is_one() -> No
     assert format_timestamp(1_704_484_740_250_000_000) == "2024-01-05 19:59:00.25 UTC"
     assert format_timestamp(1_704_484_740_000_000_001) == "2024-01-05 19:59:00.000000001 UTC"
     assert format_timestamp(-1_500_000_000) == "1969-12-31 23:59:58.5 UTC"
+
+
+def test_a_timestamp_nanoseconds_cannot_hold_is_a_problem_not_a_crash(tmp_path: Path) -> None:
+    """A 9999-12-31 placeholder in a timestamp[us] column (int64 nanoseconds end in 2262)."""
+    cols = good_columns()
+    us = np.asarray(cols["timestamp"]) // 1000
+    us[5] = 253_402_214_400_000_000  # 9999-12-31 in microseconds
+    cols["timestamp"] = pa.array(us, pa.timestamp("us"))
+    p = only_problem(write_parquet(tmp_path / "far.parquet", cols))
+    assert (p.column, p.row) == ("timestamp", 5) and "9999-12-31" in p.rule and "1677 to 2262" in p.rule, p
+
+
+def test_a_user_feature_beyond_float32_is_refused_by_row(tmp_path: Path) -> None:
+    """The model computes in float32: 1e39 is finite in the file and infinite in the model."""
+    cols = good_columns()
+    cols["imbalance"] = np.asarray(cols["imbalance"]).copy()
+    cols["imbalance"][9] = 1e39
+    p = only_problem(write_parquet(tmp_path / "huge.parquet", cols), user=("imbalance",))
+    assert (p.column, p.row) == ("imbalance", 9) and "beyond float32's range" in p.rule, p

@@ -122,8 +122,10 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
     ("timestamp past 2262", lambda: _req(_late()), "series[0] (ES): column 'timestamp_ns', row 2: "
                                                    f"{2**63 - 1} is past the last time this model can forecast from"),
     ("NaN user", lambda: _req(series(), _user_nan()), "series[1] (NQ): column 'spread', row 3: user feature "
-                                                      "'spread' is NaN or infinite. Fix: send a finite value for "
-                                                      "every bar"),
+                                                      "'spread' is NaN or infinite. Fix: send a finite value within "
+                                                      "float32's range for every bar"),
+    ("user beyond float32", lambda: _req(_user_nan(1e39)), "series[0] (NQ): column 'spread', row 3: user feature "
+                                                            "'spread' is beyond float32's range"),
     ("duplicate timestamp", lambda: _req(_with("timestamp_ns", 3, 1_704_103_200_000_000_000 + 2 * 60 * 10**9)),
      "series[0] (ES): column 'timestamp_ns', row 3: duplicate timestamp (rule: strictly increasing). Fix: send "
      "the bars oldest first, one per timestamp"),
@@ -164,9 +166,9 @@ def _late() -> pb.Series:
     return s
 
 
-def _user_nan() -> pb.Series:
+def _user_nan(value: float = float("nan")) -> pb.Series:
     s = series("NQ")
-    s.user_features[0].values[3] = float("nan")
+    s.user_features[0].values[3] = value
     return s
 
 

@@ -289,6 +289,10 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
     assert "is not beside" in r.stderr and "skipped the report and the test split" in r.stderr
     assert not (tmp_path / "d" / "ckpt.pt").exists() and not (tmp_path / "d" / "ckpt.test.json").exists()
     assert not (tmp_path / "d" / "ckpt.report.png").exists()
+    # a fresh run into b with no report and no test split: the earlier run's report and test scores go
+    r = run([*train, "--out", str(tmp_path / "b" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
+    assert r.returncode == 0 and "ckpt.test.json" in r.stderr and "from an earlier run" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "b" / "ckpt.test.json").exists() and not (tmp_path / "b" / "ckpt.report.png").exists()
 
 
 def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path, bars: Path) -> None:
@@ -349,6 +353,22 @@ def test_flags_override_config_file(tmp_path: Path, bars: Path) -> None:
     ckpt = load_checkpoint(tmp_path / "c.pt")
     assert ckpt["model_config"]["hidden_size"] == 6  # flag wins over the file
     assert ckpt["model_config"]["horizon"] == 4  # the file wins over the default
+
+
+def test_a_config_file_that_cannot_be_read_or_holds_a_boolean_for_a_number_is_a_config_error(tmp_path: Path) -> None:
+    """One message naming the file, never a traceback: a directory, a file that is not UTF-8, and TOML's
+    true given for a number (Python counts a bool as an int, so it would have become 1 epoch)."""
+    from trainer.config import load_toml, merge
+
+    (tmp_path / "latin1.toml").write_bytes("# caf\xe9\nepochs = 2\n".encode("latin-1"))
+    for path, message in ((tmp_path, "cannot read it"), (tmp_path / "latin1.toml", "not UTF-8 text")):
+        with pytest.raises(ConfigError) as info:
+            load_toml(path)
+        assert str(info.value).startswith(f"--config {path}: {message}"), info.value
+    for key, value in (("epochs", True), ("learning_rate", False)):
+        with pytest.raises(ConfigError) as info:
+            merge(TrainConfig(), {key: value}, "cfg.toml")
+        assert f"{key}: cannot use {value!r}" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -458,6 +478,14 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path: Path, bars: Pat
                  "--parquet", str(bars), "--out", str(tmp_path / "three" / "ckpt.pt"), *with_report])
     assert three.returncode == 0, three.stderr[-3000:]
     assert (tmp_path / "three" / "ckpt.report.png").is_file() and not list((tmp_path / "three").glob(".*.tmp*"))
+    # an epoch whose last step has one window, fewer than the ranks: dropped (rank 1 would have none to step on)
+    n = prepare(bars, tiny_cfg()).train_anchors.size
+    flags[flags.index("--batch-size") + 1] = str(n - 1)
+    flags[flags.index("--max-steps-per-epoch") + 1] = "0"  # every step of the epoch
+    four = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainer",
+                "--parquet", str(bars), "--out", str(tmp_path / "four" / "ckpt.pt"), *flags, "--epochs", "1"])
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert load_checkpoint(tmp_path / "four" / "ckpt.last.pt")["step"] == 1  # the full step; not the lone window
 
 
 def test_every_config_field_has_a_flag_with_its_description() -> None:

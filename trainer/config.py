@@ -36,8 +36,8 @@ class TrainConfig:
     horizon: int = 5  # future bars forecast (H)
     volatility_window: int = 20  # bars in the rolling-volatility feature
     features: tuple[str, ...] = ()  # extra numeric parquet columns used as observed features
-    val_fraction: float = 0.15  # last share of the time range used for validation
-    test_fraction: float = 0.0  # share after validation held out as a test split (0 = none)
+    val_fraction: float = 0.15  # last share of the bars (distinct timestamps) used for validation
+    test_fraction: float = 0.0  # share of the bars after validation held out as a test split (0 = none)
     # ---- model ----
     hidden_size: int = 64  # width of every TFT layer (d_model)
     attention_heads: int = 4  # heads of the interpretable attention
@@ -145,7 +145,13 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
     """Convert a TOML or flag value to the field's type, with a clear error."""
     try:
         if isinstance(default, bool):
-            return bool(value)
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if isinstance(value, bool):  # TOML's true/false is not a number (bool is an int in Python)
+            raise ValueError
         if isinstance(default, int):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
@@ -181,6 +187,11 @@ def load_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: no such file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}: not UTF-8 text, as TOML must be ({exc.reason} at byte {exc.start})") \
+            from None
+    except OSError as exc:  # a directory, no permission, ...
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
     flat: dict[str, Any] = {}
     where: dict[str, str] = {}
     for section, table in ((k, v) if isinstance(v, dict) else ("", {k: v}) for k, v in raw.items()):

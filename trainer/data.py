@@ -211,7 +211,7 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
                         f"training split; the longest series has {int((ends - starts).max(initial=0))} bars. "
                         "Give more bars, or lower --encoder-length / --volatility-window / --val-fraction")
     if val.size == 0:
-        raise DataError(f"no validation windows: the validation split ({cfg.val_fraction:.0%} of the time range) "
+        raise DataError(f"no validation windows: the validation split ({cfg.val_fraction:.0%} of the bars' timestamps) "
                         f"must hold {L + h} bars of one symbol after a purge of {h} bars. Raise --val-fraction "
                         "or give more bars")
     if cfg.test_fraction > 0 and test.size == 0:

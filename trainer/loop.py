@@ -187,6 +187,10 @@ class Trainer:
         self.steps_per_epoch = self._steps_per_epoch()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda_factory(cfg.warmup_steps, cfg.epochs * self.steps_per_epoch))
+        if cfg.warmup_steps >= cfg.epochs * self.steps_per_epoch and self.dist.is_main:
+            log.warning("warmup_steps %d >= the run's %d optimizer steps: the learning rate never reaches its peak "
+                        "(%g) nor decays; lower --warmup-steps", cfg.warmup_steps, cfg.epochs * self.steps_per_epoch,
+                        cfg.learning_rate)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.needs_scaler)
         self.memory = PeakMemory(self.device)
         self.epoch = 0
@@ -289,8 +293,10 @@ class Trainer:
                    leave=False, desc=f"epoch {self.epoch + 1}/{self.cfg.epochs}", dynamic_ncols=True)
         with bar:
             for step_anchors in anchors.split(self.cfg.batch_size):
-                losses.append(self._optimizer_step(self.dist.shard(step_anchors)))
                 bar.update(step_anchors.numel())
+                if step_anchors.numel() < self.dist.world_size:  # a last step too small to give every rank a
+                    continue  # window (a rank without one cannot join the gradients' all-reduce): dropped
+                losses.append(self._optimizer_step(self.dist.shard(step_anchors)))
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
         seconds = time.perf_counter() - t0
         # a step whose loss overflowed is one fp16's gradient scaler skips (the weights stay as they were):
@@ -444,6 +450,10 @@ class Trainer:
             if self.resume_state is None and (old := [p for p in (self.paths.best, self.paths.last) if p.exists()]):
                 log.warning("%s: from an earlier run; this run replaces them as its epochs finish",
                             ", ".join(str(p) for p in old))
+            if self.resume_state is None and (stale := [p for p in (self.paths.test, self.paths.report) if p.exists()]):
+                for p in stale:  # they judge the earlier run's model; this run writes its own, or none
+                    p.unlink()
+                log.warning("removed %s: from an earlier run", ", ".join(str(p) for p in stale))
         while self.epoch < self.cfg.epochs and not stopped_early:
             self.memory.start()
             train_stats = self.train_epoch()
