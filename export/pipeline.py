@@ -330,6 +330,10 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
     model_bytes = proto.SerializeToString()
     parity, feeds = check_parity_gate(model_bytes, model, windows, opts, dev.device if dev.available else "cpu")
     log(f"[3/4] parity: ok (max scaled error {max(r.scaled for r in parity.rows):.2e} <= {parity.tolerance:g})")
+    if opts.precision == "fp16" and parity.provider == "CPUExecutionProvider":
+        log("warning: --fp16 parity ran on ONNX Runtime's CPU provider, which computes most fp16 nodes in fp32 "
+            "(it inserts casts around them): this checked the weights' rounding to fp16, not fp16 arithmetic as a "
+            "GPU runs it; export again with --require-device cuda on a CUDA machine before serving it there")
     placement = _placement(model_bytes, opts, dev, feeds)
     print(placement.table(), flush=True)
     if placement.gate == "failed":
@@ -345,9 +349,8 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
         log(f"wrote {opts.output} ({len(data) / 2**20:.2f} MiB, {meta.precision}, opset {opts.opset})"
             + (f" and Triton model {triton_dir}" if triton_dir else ""))
         if triton_dir is not None and (later := newer_versions(triton_dir)):
-            log(f"warning: {triton_dir} also holds version(s) {', '.join(later)}, kept as they were: Triton serves "
-                f"the highest version by default, not the {TRITON_VERSION}/ just written; remove them, or set a "
-                "version_policy in config.pbtxt")
+            log(f"note: {triton_dir} also holds version(s) {', '.join(later)}, kept as they were; the config.pbtxt "
+                f"written serves version {TRITON_VERSION} alone (version_policy), the model just exported")
     if late:
         log("interrupted after the files were published: they are complete")
     return ExportResult(opts.output, meta, parity, placement, triton_dir)

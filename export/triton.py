@@ -6,9 +6,11 @@
 The config uses the onnxruntime backend, batches dynamically up to `max_batch_size` (dims
 are written without the batch axis, as Triton wants when max_batch_size > 0), runs on the
 GPU with the CUDA provider's TF32 math off (ONNX Runtime turns it on by default; export's
-parity check ran fp32 without it, as `python -m serving` runs), and warms up at batch 1 and
-at the largest batch with all-zero inputs (zero is a valid symbol id and a finite raw
-feature value, so warm-up exercises the real graph).
+parity check ran fp32 without it, as `python -m serving` runs), serves version 1 alone (the
+version export writes, whatever other versions the directory holds: a config.pbtxt is
+rewritten by every export, so a policy edited into it would not last), and warms up at batch 1
+and at the largest batch up to WARMUP_MAX_BATCH with all-zero inputs (zero is a valid symbol id
+and a finite raw feature value, so warm-up exercises the real graph).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_I
                 "bool": "TYPE_BOOL"}
 QUEUE_DELAY_US = 100  # how long Triton may hold a request to batch it with others
 MAX_BATCH_SIZE_LIMIT = 2**31 - 1  # ModelConfig.max_batch_size is an int32
+WARMUP_MAX_BATCH = 256  # Triton builds a warm-up batch request by request: a huge max_batch_size must not be one
 # the CUDA provider options parity was checked with, less the device (Triton's instance group places it)
 CUDA_PROVIDER_OPTIONS = {k: v for k, v in CUDA_OPTIONS.items() if k != "device_id"}
 
@@ -60,13 +63,14 @@ def config_pbtxt(name: str, inputs: Sequence[TensorSig], outputs: Sequence[Tenso
                  comment: str = "") -> str:
     """The config.pbtxt text (protobuf text format of Triton's ModelConfig)."""
     warm = [_warmup("zeros_batch_1", 1, inputs)]
-    if max_batch_size > 1:
-        warm.append(_warmup(f"zeros_batch_{max_batch_size}", max_batch_size, inputs))
+    if (largest := min(max_batch_size, WARMUP_MAX_BATCH)) > 1:
+        warm.append(_warmup(f"zeros_batch_{largest}", largest, inputs))
     parts = [
         *(f"# {line}" for line in comment.splitlines()),
         f"name: \"{name}\"",
         "platform: \"onnxruntime_onnx\"",
         f"max_batch_size: {max_batch_size}",
+        f"version_policy: {{\n  specific: {{\n    versions: [ {VERSION} ]\n  }}\n}}",
         "input [\n" + ",\n".join(_tensor(s, "  ") for s in inputs) + "\n]",
         "output [\n" + ",\n".join(_tensor(s, "  ") for s in outputs) + "\n]",
         f"dynamic_batching {{\n  max_queue_delay_microseconds: {QUEUE_DELAY_US}\n}}",
