@@ -30,12 +30,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from features.model_meta import ModelMeta
 from serving import sighup
 from serving.batcher import MicroBatcher
 from serving.errors import ConfigError, ModelLoadError
@@ -245,6 +247,8 @@ class ForecastServer:
         self.metrics.reloads.labels("ok").inc()
         log.info("reloaded: serving model %s (sha256 %s, provider %s); was %s (sha256 %s)", new.version,
                  new.sha256[:12], new.provider, old.version, old.sha256[:12])
+        if changed := contract_changes(old.meta, new.meta):  # what callers build requests from (GetModelInfo)
+            log.warning("the reloaded model asks callers for something else: %s", "; ".join(changed))
 
     async def stop(self, grace_s: float) -> None:
         """Health NOT_SERVING, refuse new calls, let in-flight ones finish within grace_s, stop the batcher.
@@ -267,6 +271,17 @@ class ForecastServer:
         await self.grpc.stop(max(0.0, grace_s - (time.monotonic() - started)))
         await self.batcher.close()
         log.info("drained in %.3f s", time.monotonic() - started)
+
+
+def contract_changes(old: ModelMeta, new: ModelMeta) -> list[str]:
+    """What a reload changed of what callers send and get (GetModelInfo's fields), as `name old -> new`."""
+    def facts(m: ModelMeta) -> dict[str, Any]:
+        return {"bars required": m.bars_required, "bar interval (ns)": m.bar_interval_ns, "horizon": m.horizon,
+                "quantiles": list(m.quantiles), "symbols": list(m.symbols),
+                "user feature columns": m.feature_schema.user_columns, "explain": m.explain}
+
+    was, now = facts(old), facts(new)
+    return [f"{k} {was[k]} -> {now[k]}" for k in was if was[k] != now[k]]
 
 
 def build_server(config: ServerConfig, model: LoadedModel, access: Access | None = None) -> ForecastServer:

@@ -897,3 +897,17 @@ def test_serving_steps_times_each_step_of_a_call(art: Model, tmp_path: Path) -> 
     refused = subprocess.run([sys.executable, "-m", "benchmarks.serving_steps", "--model", str(tmp_path / "no.onnx"),
                               "--parquet", str(art.bars_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "cannot read the model file" in refused.stderr
+
+
+def test_a_reload_that_changes_what_callers_send_is_named(art: Model) -> None:
+    """A SIGHUP may swap in a model with another horizon or symbol set: accepted (it passed its checks), and
+    the log names each change callers must follow (what GetModelInfo tells them)."""
+    import dataclasses
+
+    from serving.server import contract_changes
+
+    m = art.meta
+    assert contract_changes(m, m) == []
+    other = dataclasses.replace(m, horizon=m.horizon + 2, symbols=(*m.symbols, "YM"), model_version="v9")
+    assert contract_changes(m, other) == [f"horizon {m.horizon} -> {m.horizon + 2}",
+                                          f"symbols {list(m.symbols)} -> {[*m.symbols, 'YM']}"]
