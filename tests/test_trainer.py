@@ -464,6 +464,7 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path: Path, bars: Pat
     two = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainer",
                "--parquet", str(bars), "--out", str(tmp_path / "two" / "ckpt.pt"), *flags])
     assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stderr.count("resolved config:") == 1 and two.stderr.count("best validation loss") == 1  # rank 0's
     a = load_checkpoint(tmp_path / "one" / "ckpt.last.pt")
     b = load_checkpoint(tmp_path / "two" / "ckpt.last.pt")
     assert a["epoch"] == b["epoch"] == 2

@@ -63,7 +63,9 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun: rank 0 tells the run; the others only what goes wrong
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s " + (f"[rank {rank}] " if rank else "") + "%(message)s")
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:

@@ -44,7 +44,8 @@ PlanFn = Callable[[TemporalFusionTransformer, PreparedData, torch.device, str], 
 
 def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     cfg = effective_config(args, cfg)
-    print("resolved config:\n" + json.dumps(cfg.to_dict(), indent=2), file=sys.stderr)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
+        print("resolved config:\n" + json.dumps(cfg.to_dict(), indent=2), file=sys.stderr)
     budget = parse_budget(cfg.vram_budget) if cfg.vram_budget else 0
     if args.plan_only:
         return plan_only(args, cfg, budget)
