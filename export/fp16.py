@@ -10,9 +10,11 @@ op set the exporter emits (no subgraphs). Policy, decided per node:
 * fp16: everything else. LayerNormalization runs in half with `stash_type=1`, which the ONNX
   spec defines as float32 mean and variance.
 
-Cast nodes are inserted wherever a tensor crosses between the two, float initializers are
-stored in the precision of their readers (twice when both read one), and constants beyond
-the fp16 range are clipped to +-65504 (infinities stay infinite).
+Cast nodes are inserted wherever a tensor crosses between the two (a tensor going to half is
+clipped to +-65504 first: a value beyond half's range saturates instead of becoming infinite,
+and inf - inf = NaN, as a normalised input ten thousand standard deviations out would), float
+initializers are stored in the precision of their readers (twice when both read one), and
+constants beyond the fp16 range are clipped to +-65504 (infinities stay infinite).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 FLOAT, HALF = TensorProto.FLOAT, TensorProto.FLOAT16
 FP16_MAX = 65504.0
+HALF_RANGE = ("fp16_range__min", "fp16_range__max")  # float32 scalars: the bounds of the Clip before a Cast to half
 
 KEEP_FP32_OPS = frozenset({
     "Softmax", "LogSoftmax", "Softplus", "CumSum", "ReduceMean", "ReduceSum", "ReduceSumSquare",
@@ -98,7 +101,12 @@ def convert_to_fp16(model: onnx.ModelProto, keep_initializers: Iterable[str] = (
         key = (name, to)
         if key not in casts:
             out = f"{name}__to_{'fp16' if to == HALF else 'fp32'}"
-            new_nodes.append(helper.make_node("Cast", [name], [out], to=to, name=f"{out}__cast"))
+            source = name
+            if to == HALF:  # saturate at half's range rather than overflow to infinity
+                source = f"{name}__in_fp16_range"
+                new_nodes.append(helper.make_node("Clip", [name, HALF_RANGE[0], HALF_RANGE[1]], [source],
+                                                  name=f"{source}__clip"))
+            new_nodes.append(helper.make_node("Cast", [source], [out], to=to, name=f"{out}__cast"))
             casts[key] = out
             dtype[out] = to
         return casts[key]
@@ -146,6 +154,9 @@ def convert_to_fp16(model: onnx.ModelProto, keep_initializers: Iterable[str] = (
         if t.data_type == FLOAT and HALF in needs:
             new_inits.append(numpy_helper.from_array(_to_half(numpy_helper.to_array(t)), f"{name}__fp16"))
 
+    if any(to == HALF for _, to in casts):
+        new_inits += [numpy_helper.from_array(np.array(v, dtype=np.float32), n)
+                      for n, v in zip(HALF_RANGE, (-FP16_MAX, FP16_MAX), strict=True)]
     for o in g.output:
         if dtype.get(o.name, FLOAT) != FLOAT:  # pragma: no cover - producers of outputs run in fp32
             raise Fp16Error(f"output {o.name} would not be float32")

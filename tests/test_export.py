@@ -668,3 +668,24 @@ def test_the_triton_warm_up_batch_is_bounded_whatever_the_max_batch_size() -> No
         cfg = parse_pbtxt(config_pbtxt("m", sigs, sigs, max_batch))
         assert cfg["max_batch_size"] == [max_batch]
         assert [w["batch_size"][0] for w in cfg["model_warmup"]] == [1] + ([largest] if largest else [])
+
+
+def test_a_tensor_going_to_half_saturates_instead_of_overflowing() -> None:
+    """fp16 holds +-65504: a float32 value beyond it (a normalised input far out) is clipped on its way into half
+    compute, so x - x is 0 where an unclipped cast gives inf - inf = NaN."""
+    from onnx import TensorProto, helper
+
+    from export.fp16 import convert_to_fp16
+
+    graph = helper.make_graph(
+        [helper.make_node("Sub", ["x", "x"], ["d"]), helper.make_node("Mul", ["d", "one"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+        [helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    half = convert_to_fp16(model)
+    onnx.checker.check_model(half, full_check=True)
+    assert [n.op_type for n in half.graph.node] == ["Clip", "Cast", "Sub", "Cast", "Mul"]  # Sub runs in half
+    session = ort.InferenceSession(half.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"x": np.array([1e6, -1e9, 3.0], dtype=np.float32)})[0]
+    assert np.array_equal(got, [0.0, 0.0, 0.0]), got
