@@ -120,7 +120,7 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
             bar_interval_ns=int(ckpt["bar_interval_ns"]),
             symbols=tuple(str(s) for s in ckpt["symbols"]),
             checkpoint_sha256=sha,
-            model_version=sha[:12],
+            model_version=sha[:12] + ("-fp16" if opts.precision == "fp16" else ""),  # answers say which ran
             explain=opts.explain,
             precision=opts.precision,
             column_map=dict(ckpt.get("column_map") or {}),
