@@ -208,9 +208,9 @@ def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str) -> tuple[np.ndarr
     if pa.types.is_timestamp(t) or pa.types.is_integer(t):
         try:
             arr = pc.cast(col, pa.timestamp("ns", tz=t.tz)) if pa.types.is_timestamp(t) and t.unit != "ns" else col
-        except pa.ArrowInvalid:  # a time int64 nanoseconds cannot hold, such as a 9999-12-31 placeholder
+            arr = pc.fill_null(arr.cast(pa.int64()), 0)  # nulls are reported from the null mask
+        except pa.ArrowInvalid:  # a time int64 nanoseconds cannot hold: a 9999-12-31 or UINT64_MAX placeholder
             return None, _out_of_range_problem(col, file, name)
-        arr = pc.fill_null(arr.cast(pa.int64()), 0)  # nulls are reported from the null mask
         ns = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
         if pa.types.is_integer(t) and ns.size and 0 < (top := int(ns.max())) < PLAUSIBLE_NS:
             return None, _unit_problem(file, name, top)
@@ -225,11 +225,23 @@ def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str) -> tuple[np.ndarr
 
 
 def _out_of_range_problem(col: pa.ChunkedArray, file: str, name: str) -> Problem:
-    per_ns = {"s": 10**9, "ms": 10**6, "us": 10**3}[col.type.unit]
-    raw = np.asarray(pc.fill_null(col.cast(pa.int64()), 0).to_numpy(zero_copy_only=False), dtype=np.int64)
-    bad = np.flatnonzero(np.abs(raw) > np.iinfo(np.int64).max // per_ns)
+    """The rows of a timestamp column (any unit) or an unsigned integer one beyond int64 nanoseconds."""
+    top = np.iinfo(np.int64).max
+    if pa.types.is_timestamp(col.type):
+        unit = col.type.unit
+        raw = pc.fill_null(col.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(np.abs(raw) > top // {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}[unit])
+    else:  # an unsigned integer column of nanoseconds: above int64's largest
+        unit = "ns"
+        raw = pc.fill_null(col, 0).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(raw > np.uint64(top))
     row = int(bad[0]) if bad.size else -1
-    shown = f" ({col[row]})" if bad.size else ""
+    shown = ""
+    if bad.size:
+        try:
+            shown = f" ({col[row]})"  # as a date, where Python's datetime reaches it
+        except (OverflowError, ValueError):
+            shown = f" ({raw[row]} {unit})"
     return Problem(file, name, row, f"timestamp{shown} outside what int64 nanoseconds hold (1677 to 2262)",
                    "replace placeholder times such as 9999-12-31 with the bars' real times, or drop those rows",
                    max(int(bad.size), 1))

@@ -75,6 +75,7 @@ def reserve_port(host: str, port: int) -> list[socket.socket]:
             probe.bind((address[0], port, *address[2:]))  # no SO_REUSEPORT: fails on a port anyone holds
             port = port or int(probe.getsockname()[1])  # the first picks; the others take the same port
             probe.close()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the TIME_WAITs of a server just gone
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((address[0], port, *address[2:]))
         except OSError as exc:

@@ -574,6 +574,17 @@ def test_a_timestamp_nanoseconds_cannot_hold_is_a_problem_not_a_crash(tmp_path: 
     cols["timestamp"] = pa.array(us, pa.timestamp("us"))
     p = only_problem(write_parquet(tmp_path / "far.parquet", cols))
     assert (p.column, p.row) == ("timestamp", 5) and "9999-12-31" in p.rule and "1677 to 2262" in p.rule, p
+    # beyond what a date shows (the year 33658), and a UINT64_MAX placeholder in unsigned nanoseconds
+    ms = np.asarray(good_columns()["timestamp"]) // 10**6
+    ms[4] = 10**15
+    cols["timestamp"] = pa.array(ms, pa.timestamp("ms"))
+    p = only_problem(write_parquet(tmp_path / "farther.parquet", cols))
+    assert (p.row, p.count) == (4, 1) and "(1000000000000000 ms) outside what int64 nanoseconds hold" in p.rule, p
+    ns = np.asarray(good_columns()["timestamp"]).astype(np.uint64)
+    ns[6] = np.iinfo(np.uint64).max
+    cols["timestamp"] = pa.array(ns, pa.uint64())
+    p = only_problem(write_parquet(tmp_path / "unsigned.parquet", cols))
+    assert p.row == 6 and f"({np.iinfo(np.uint64).max}) outside" in p.rule, p
 
 
 def test_a_user_feature_beyond_float32_is_refused_by_row(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -665,6 +666,33 @@ def test_workers_share_one_port_reload_together_and_drain(art: Model, tmp_path: 
         assert s.log_text().count("drained") == 2
     finally:
         s.kill()
+
+
+def test_workers_reserve_the_port_a_single_server_just_left() -> None:
+    """A server that drained closed its connections first, leaving its end in TIME_WAIT on the port for a
+    minute: a --workers set started there at once reserves the port (as a single server binds it), not
+    'address in use'; a port someone listens on is still refused."""
+    from serving.workers import reserve_port
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds a single server
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server's end closes first: it is the one left in TIME_WAIT
+    time.sleep(0.05)
+    client.close()
+    listener.close()
+    for sock in reserve_port("127.0.0.1", port):
+        sock.close()
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        with pytest.raises(OSError):
+            reserve_port("127.0.0.1", port)
 
 
 def test_a_dead_worker_or_supervisor_ends_the_set_and_a_bad_model_stops_the_first(art: Model, tmp_path: Path) -> None:

@@ -280,6 +280,12 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
     assert file_sha256(tmp_path / "b" / "ckpt.pt") == file_sha256(tmp_path / "a" / "ckpt.pt")
     assert json.loads((tmp_path / "b" / "ckpt.test.json").read_text())["test_loss"] == a_test["test_loss"]
     assert (tmp_path / "b" / "ckpt.report.png").stat().st_size > 0
+    # an --out not ending in .pt: the best is e/model.ckpt beside e/model.last.pt
+    r = run([*train, "--out", str(tmp_path / "e" / "model.ckpt"), *TINY_TRAIN_FLAGS])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run([*resume, str(tmp_path / "e" / "model.last.pt"), "--out", str(tmp_path / "f" / "ckpt.pt"), "--no-report"])
+    assert r.returncode == 0 and "copied the run's best checkpoint (epoch 1) from" in r.stderr, r.stderr[-3000:]
+    assert file_sha256(tmp_path / "f" / "ckpt.pt") == file_sha256(tmp_path / "e" / "model.ckpt")
     # a last checkpoint copied alone, its run's best at an earlier epoch: no best to use, and none borrowed
     last = load_checkpoint(tmp_path / "a" / "ckpt.last.pt")
     last.update(best_epoch=1, best_val_loss=last["metrics_history"][0]["val_loss"], epochs_without_improvement=1)

@@ -6,6 +6,7 @@ itself has no device branches (an autocast factory and a GradScaler that may be 
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
@@ -204,7 +205,8 @@ class Trainer:
 
     # ---- set-up ----------------------------------------------------------------------
     def _steps_per_epoch(self) -> int:
-        full = math.ceil(self.data.train_anchors.size / self.cfg.batch_size)
+        n, b = self.data.train_anchors.size, self.cfg.batch_size
+        full = n // b + (n % b >= self.dist.world_size)  # a last step too small to give each rank a window is dropped
         return min(full, self.cfg.max_steps_per_epoch) if self.cfg.max_steps_per_epoch else full
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
@@ -411,8 +413,11 @@ class Trainer:
         if resumed is None or self.best_epoch == 0 or self.runs_best() is not None:
             return
         candidates = [resumed]
-        if resumed.name.endswith(".last.pt"):  # ckpt.last.pt beside ckpt.pt, as a run writes them
-            candidates.insert(0, resumed.with_name(resumed.name.removesuffix(".last.pt") + ".pt"))
+        if resumed.name.endswith(".last.pt"):  # NAME.last.pt beside its best, NAME or NAME.<suffix> (RunPaths)
+            stem = resumed.name.removesuffix(".last.pt")
+            beside = sorted(p for p in resumed.parent.glob(f"{glob.escape(stem)}*")
+                            if p.with_suffix("").name == stem)  # not NAME.last.pt, NAME.metrics.jsonl, ...
+            candidates = [*beside, resumed]
         for src in candidates:
             if not src.is_file() or src.resolve() == self.paths.best.resolve():
                 continue
