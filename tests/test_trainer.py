@@ -11,6 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -639,3 +641,23 @@ def test_a_step_that_overflows_alone_is_counted_not_taken_for_divergence(tmp_pat
     monkeypatch.setattr(t, "_optimizer_step", first_overflows)
     [record] = t.run().history
     assert record["nonfinite_steps"] == 1 and record["train_loss"] == pytest.approx(float(np.mean(seen[1:])))
+
+
+def test_a_training_split_whose_price_never_moves_is_refused_and_q_risk_is_undefined_on_zero_targets(
+        tmp_path: Path, bars: Path) -> None:
+    """Bars whose close never changes (an illiquid contract's carried price) leave every training target 0: the
+    model would forecast in a made-up unit of a 100% move. Refused, naming why; and q-risk (over sum |y|) is
+    reported as undefined, not as 1e14, where every target is 0."""
+    from trainer.metrics import forecast_metrics, format_q_risk
+
+    table = pq.read_table(bars)
+    flat = {name: pa.array(np.full(table.num_rows, 100.0)) for name in ("open", "high", "low", "close")}
+    for name, column in flat.items():
+        table = table.set_column(table.column_names.index(name), name, column)
+    pq.write_table(table, tmp_path / "flat.parquet")
+    with pytest.raises(DataError) as info:
+        prepare(tmp_path / "flat.parquet", tiny_cfg())
+    assert "the training split's closes never move" in str(info.value)
+    m = forecast_metrics(np.zeros((4, 3, 3)) + np.array([-0.1, 0.0, 0.1]), np.zeros((4, 3)), (0.1, 0.5, 0.9))
+    assert m["q_risk"] == {"0.1": None, "0.5": None, "0.9": None} and m["pinball_mean"] > 0
+    assert format_q_risk(m["q_risk"], m["q_risk"]) == "q0.1=n/a/n/a q0.5=n/a/n/a q0.9=n/a/n/a"  # type: ignore[arg-type]

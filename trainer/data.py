@@ -18,7 +18,7 @@ import torch
 from features.bars import ColumnMap, read_bars
 from features.check import format_timestamp
 from features.compute import FeatureFrame, build_frame, future_timestamps, infer_bar_interval_ns, known_features
-from features.normalize import NormStats
+from features.normalize import MIN_STD, NormStats
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
 from trainer.config import TrainConfig
 
@@ -219,6 +219,11 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
     if cfg.max_val_windows and val.size > cfg.max_val_windows:
         val = val[np.linspace(0, val.size - 1, cfg.max_val_windows).astype(np.int64)]
     if normalization is None:
+        spread = np.nanstd(frame.targets[train], axis=0)  # [H]
+        if not np.all(spread >= MIN_STD):  # the scale the model forecasts in would be a made-up 1.0 (a 100% move)
+            raise DataError(f"the training split's closes never move: its log returns over 1..{h} bars have a "
+                            f"spread of {float(spread.min()):.3g}, so there is no scale to forecast in. Give bars with "
+                            "trades (a flat, carried price has nothing to learn), a longer history or more symbols")
         train_rows = np.concatenate([np.arange(s, b) for s, b in zip(starts, b_val, strict=True)])
         normalization = Normalization(
             observed=NormStats.fit(frame.observed, train_rows),

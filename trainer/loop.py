@@ -40,7 +40,7 @@ from trainer.data import ROW_INPUTS, Normalization, PreparedData, check_resumed_
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
 from trainer.distributed import init_from_env
 from trainer.loss import pinball_loss
-from trainer.metrics import climatology_forecast, forecast_metrics, pinball
+from trainer.metrics import climatology_forecast, forecast_metrics, format_q_risk, pinball
 from trainer.modeling import RowsForward, TemporalFusionTransformer, TFTOutput
 from trainer.plan import TrainPlan, literal_plan
 
@@ -509,7 +509,7 @@ class Trainer:
     def _log_epoch(self, r: dict[str, Any]) -> None:
         v, b = r["val"], r["baseline"]
         qs = " ".join(f"q{q}={v['pinball'][q]:.2e}/{b['pinball'][q]:.2e}" for q in v["pinball"])
-        rs = " ".join(f"q{q}={v['q_risk'][q]:.4f}/{b['q_risk'][q]:.4f}" for q in v["q_risk"])
+        rs = format_q_risk(v["q_risk"], b["q_risk"])
         log.info(
             "epoch %d/%d  train loss %.4f  val loss %.4f%s  %.0f win/s\n"
             "    pinball model/baseline: %s\n    q-risk  model/baseline: %s\n"

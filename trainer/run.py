@@ -21,6 +21,7 @@ from trainer.config import TrainConfig, given_fields, resumed_config
 from trainer.data import PreparedData, prepare
 from trainer.device import resolve_device, resolve_precision
 from trainer.loop import Trainer
+from trainer.metrics import format_q_risk
 from trainer.modeling import TemporalFusionTransformer
 from trainer.plan import TrainPlan, literal_plan
 from trainer.planner import (
@@ -213,7 +214,7 @@ def test_best(trainer: Trainer, best: dict[str, Any] | None = None) -> dict[str,
     log.info("test split, best model (epoch %d), %d windows: loss %.4f; coverage model %.1f%% baseline %.1f%% "
              "(nominal %.0f%%); q-risk model/baseline %s -> %s", result["epoch"], result["test_windows"],
              result["test_loss"], 100 * t["coverage"], 100 * b["coverage"], 100 * t["nominal_coverage"],
-             " ".join(f"q{q}={t['q_risk'][q]:.4f}/{b['q_risk'][q]:.4f}" for q in t["q_risk"]), trainer.paths.test)
+             format_q_risk(t["q_risk"], b["q_risk"]), trainer.paths.test)
     return result
 
 
