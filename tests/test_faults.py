@@ -41,11 +41,16 @@ def test_sigkill_mid_epoch_then_resume_finishes(tmp_path: Path, bars: Path) -> N
         proc.kill()
     last = load_checkpoint(out.with_suffix(".last.pt"))  # never half-written
     assert 2 <= last["epoch"] < 40
+    # what a kill in the middle of a write leaves (the kill above rarely lands in one): save_atomic's temp names
+    partial = [tmp_path / ".ckpt.pt.k1ll3d_x.tmp", tmp_path / ".ckpt.last.pt.abcdefgh.tmp"]
+    for p in partial:
+        p.write_bytes(b"half a checkpoint")
     r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--resume", str(out.with_suffix(".last.pt")),
              "--epochs", str(last["epoch"] + 1), "--no-progress", "--no-report"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert load_checkpoint(out.with_suffix(".last.pt"))["epoch"] == last["epoch"] + 1
     assert not list(tmp_path.glob(".*.tmp")), "partial writes of the killed run were not cleaned up"
+    assert all(f"removed {p}, a partial write left by a killed run" in r.stderr for p in partial), r.stderr[-2000:]
 
 
 WRITE_UNDER_FILE_SIZE_LIMIT = """

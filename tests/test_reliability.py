@@ -156,7 +156,7 @@ def test_64_clients_for_10_s_zero_errors_exact_answers_bounded_memory(
 
     result = asyncio.run(_load(server.target, pool, expected, poison, server))
     latencies, rss = result["latencies"], result["rss_kib"]
-    assert isinstance(latencies, list) and isinstance(rss, list)
+    assert isinstance(latencies, list) and isinstance(rss, list) and latencies and rss
     assert not result["errors"], result["errors"]
     assert not result["wrong"], f"{len(result['wrong'])} answers differ from the same request alone"
     assert set(result["refused"]) == {"INVALID_ARGUMENT"}, result["refused"]  # type: ignore[arg-type]

@@ -917,3 +917,34 @@ def test_the_metrics_endpoint_stops_and_frees_its_port() -> None:
     m.stop_http()  # a second stop is a no-op
     with pytest.raises(ConnectionRefusedError):  # nothing listens there any more
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_two_user_columns_reach_the_model_in_its_order_whatever_order_they_are_sent_in() -> None:
+    """A wide model's user columns are matched by name: sent in another order (as fields, as a packed block,
+    one series or several), the model gets them in its own order, exactly as the shared feature code
+    computes them from the columns in that order (which a test holds bit for bit to training's windows)."""
+    from features.compute import latest_windows
+    from features.schema import ENCODER_OBSERVED
+
+    fc = FeatureConfig(horizon=3, volatility_window=5, user_columns=("spread", "depth"))
+    meta = dataclasses.replace(META, feature_config=fc, feature_schema=fc.schema())
+    sent = []
+    for k, symbol in enumerate(("ES", "NQ")):
+        s = series(symbol, seed=k)
+        rng = np.random.default_rng(10 + k)
+        del s.user_features[:]  # depth first, on another scale: an order mix-up cannot hide
+        s.user_features.add(name="depth", values=rng.uniform(1e3, 5e3, NEED).tolist())
+        s.user_features.add(name="spread", values=rng.uniform(0.1, 0.5, NEED).tolist())
+        sent.append(s)
+
+    def expected(chosen: list[pb.Series]) -> np.ndarray:
+        cols = [np.array([getattr(s, c) for s in chosen], dtype=np.float64 if c != "timestamp_ns" else np.int64)
+                for c in ("timestamp_ns", "open", "high", "low", "close", "volume")]
+        by_name = [{c.name: np.asarray(c.values) for c in s.user_features} for s in chosen]
+        user = [np.concatenate([u[name] for u in by_name]) for name in fc.user_columns]  # the model's order
+        return latest_windows(*cols, user, fc, meta.encoder_length, meta.bar_interval_ns).encoder_observed
+
+    for chosen in (sent[:1], sent):
+        for form in (lambda s: s, packed):
+            got = prepare([columns_from_proto(form(s)) for s in chosen], meta).inputs[ENCODER_OBSERVED]
+            assert got.tobytes() == expected(chosen).tobytes(), (len(chosen), form)

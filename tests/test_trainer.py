@@ -393,6 +393,7 @@ def test_a_config_file_that_cannot_be_read_or_holds_a_boolean_for_a_number_is_a_
         (["--precision", "fp16", "--device", "cpu"], "needs CUDA"),
         (["--window-block", "-1"], "window_block must be >= 0"),
         (["--threads", "-2"], "threads must be >= 0"),
+        (["--learning-rate", "1e9", "--grad-clip", "0"], "training diverged"),  # a NaN loss: one message, exit 2
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args: list[str], message: str) -> None:
