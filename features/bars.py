@@ -268,6 +268,15 @@ def _first_bad(mask: np.ndarray) -> tuple[int, int]:
     return (int(idx[0]), int(idx.size)) if idx.size else (-1, 0)
 
 
+def _shared_sources(cmap: ColumnMap) -> dict[str, list[str]]:
+    """Source columns mapped to two fields or more, other than prices sharing one (close-only data may map
+    open, high, low and close to it)."""
+    fields: dict[str, list[str]] = {}
+    for field_name in ("timestamp", "symbol", *PRICE_COLUMNS, "volume"):
+        fields.setdefault(cmap.source(field_name), []).append(field_name)
+    return {c: f for c, f in fields.items() if len(f) > 1 and not set(f) <= set(PRICE_COLUMNS)}
+
+
 def read_bars(
     path: str | Path,
     columns: ColumnMap | None = None,
@@ -276,6 +285,10 @@ def read_bars(
     """Read and validate bars; raise BarDataError listing every problem found."""
     cmap = columns or ColumnMap()
     root = Path(path)
+    if shared := _shared_sources(cmap):
+        raise BarDataError([Problem(str(root), column, -1, f"column {column!r} is mapped to {' and '.join(fields)}",
+                                    "map each of these fields to its own column (--time-col, --symbol-col, "
+                                    "--volume-col ...)") for column, fields in shared.items()])
     files = _list_files(root)
     if not files:
         rule = "no such file or directory" if not root.exists() else "no .parquet, .parq or .pq files found"

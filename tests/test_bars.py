@@ -594,3 +594,13 @@ def test_a_user_feature_beyond_float32_is_refused_by_row(tmp_path: Path) -> None
     cols["imbalance"][9] = 1e39
     p = only_problem(write_parquet(tmp_path / "huge.parquet", cols), user=("imbalance",))
     assert (p.column, p.row) == ("imbalance", 9) and "beyond float32's range" in p.rule, p
+
+
+def test_one_column_mapped_to_two_fields_is_refused_but_prices_may_share_one(tmp_path: Path) -> None:
+    """--volume-col close reads the price as volume: refused, naming the column and both fields. Close-only
+    data may map open, high, low and close to one column (a bar with no range)."""
+    path = write_parquet(tmp_path / "bars.parquet", good_columns())
+    problems = problems_of(path, ColumnMap(volume="close"))
+    assert [(p.column, p.rule) for p in problems] == [("close", "column 'close' is mapped to close and volume")]
+    bars = read_bars(path, ColumnMap(open="close", high="close", low="close"))
+    assert np.array_equal(bars.open, bars.close) and np.array_equal(bars.high, bars.low)

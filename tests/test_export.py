@@ -25,6 +25,7 @@ import torch
 from onnx import numpy_helper
 
 from export.__main__ import build_parser, main, options_from_args
+from export.errors import UsageError
 from export.files import Staging, leftovers
 from export.parity import make_cases
 from export.pipeline import run_export
@@ -458,6 +459,9 @@ def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransf
     for name in MODEL_INPUTS:
         np.testing.assert_array_equal(renamed[name], rebuilt[name])
     assert "--time-col" in build_parser().format_help()
+    with pytest.raises(UsageError, match=r"--time-col, --open-col: column mapping applies to --bars only"):
+        options_from_args(build_parser().parse_args([str(ckpt), str(tmp_path / "m.onnx"), "--time-col", "ts_event",
+                                                     "--open-col", "o"]))
 
 
 def test_an_interrupt_wrapped_by_the_exporter_is_an_interrupt_not_a_failed_check(

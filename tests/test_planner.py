@@ -79,8 +79,12 @@ def test_parse_budget_units() -> None:
     assert planner.parse_budget("4GB") == 4 * 10**9
     assert planner.parse_budget("1.5 gib") == 3 * 2**29
     assert planner.parse_budget("64KiB") == 65536
-    for bad in ("4", "four GiB", "4XB", "0GiB", "-1GiB", ""):
-        with pytest.raises(PlanError, match=r"expected a size with a unit|more than 0"):
+    assert planner.parse_budget(".5GiB") == 2**29
+    for bad in ("4", "four GiB", "4XB", ""):
+        with pytest.raises(PlanError, match=r"expected a size with a unit"):
+            planner.parse_budget(bad)
+    for bad in ("0GiB", "-1GiB", "-4 GiB"):  # a size, but none a budget can be
+        with pytest.raises(PlanError, match=r"must be more than 0 bytes"):
             planner.parse_budget(bad)
 
 

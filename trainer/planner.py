@@ -81,7 +81,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def parse_budget(text: str) -> int:
     """'4GiB' -> 4294967296; binary (KiB, MiB, GiB, TiB) and decimal (KB, MB, GB, TB) units, case-insensitive."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]+)\s*", text)
+    m = re.fullmatch(r"\s*([-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))\s*([A-Za-z]+)\s*", text)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
         raise PlanError(f"--vram-budget {text!r}: expected a size with a unit, e.g. 4GiB, 512MiB or 4GB "
@@ -576,10 +576,15 @@ def plan_for_model(model: TemporalFusionTransformer, batch_fn: BatchFn, target: 
         fixed = weights + grads + optim + cast
         if fixed > usable_bytes(budget):
             need = budget_flag(fixed / (1.0 - SAFETY_FRACTION))
-            raise PlanError(f"the VRAM budget {format_bytes(budget)} does not fit even the model: weights, gradients "
-                            f"and AdamW state alone take {format_bytes(fixed)} of {format_bytes(usable_bytes(budget))} "
-                            f"usable ({SAFETY_FRACTION:.0%} kept free). Raise --vram-budget above {need} or shrink "
-                            "the model (--hidden-size, fewer --features, --encoder-length)")
+            copies = f", their 16-bit copies {format_bytes(cast)}" if cast else ""
+            raise PlanError(f"the VRAM budget {format_bytes(budget)} does not fit even the model: weights "
+                            f"{format_bytes(weights)}, gradients {format_bytes(grads)}, AdamW state "
+                            f"{format_bytes(optim)}{copies} take {format_bytes(fixed)} of "
+                            f"{format_bytes(usable_bytes(budget))} usable "
+                            f"({SAFETY_FRACTION:.0%} kept free), before any window's activations. Raise --vram-budget "
+                            f"well above {need} (--plan-only with a larger budget measures a window's activations, "
+                            "and names the budget one window needs if that one falls short too) or shrink the model "
+                            "(--hidden-size, fewer --features, --encoder-length)")
     mem = _measure_fitting(model, batch_fn, target, [mode == "on"], budget)
     if planning and needs_checkpointing_measure(mem, budget, batch_size, mode):
         mem = _measure_fitting(model, batch_fn, target, [True], budget, base=mem)
