@@ -662,3 +662,17 @@ def test_a_training_split_whose_price_never_moves_is_refused_and_q_risk_is_undef
     m = forecast_metrics(np.zeros((4, 3, 3)) + np.array([-0.1, 0.0, 0.1]), np.zeros((4, 3)), (0.1, 0.5, 0.9))
     assert m["q_risk"] == {"0.1": None, "0.5": None, "0.9": None} and m["pinball_mean"] > 0
     assert format_q_risk(m["q_risk"], m["q_risk"]) == "q0.1=n/a/n/a q0.5=n/a/n/a q0.9=n/a/n/a"  # type: ignore[arg-type]
+
+
+def test_an_observed_feature_that_never_changes_in_training_is_warned_about(
+        tmp_path: Path, bars: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A user column filled with one value normalises to zero everywhere: the run says so, naming it."""
+    table = pq.read_table(bars)
+    rng = np.random.default_rng(3)
+    table = table.append_column("const", pa.array(np.full(table.num_rows, 7.0)))
+    table = table.append_column("noisy", pa.array(rng.normal(size=table.num_rows)))
+    pq.write_table(table, tmp_path / "bars.parquet")
+    with caplog.at_level("WARNING", logger="trainer"):
+        prepare(tmp_path / "bars.parquet", tiny_cfg(features=["const", "noisy"]))
+    flagged = [r.getMessage() for r in caplog.records if "never change over the training bars" in r.getMessage()]
+    assert len(flagged) == 1 and "const" in flagged[0] and "noisy" not in flagged[0], caplog.text

@@ -162,6 +162,16 @@ def check_resumed_split(stored: Sequence[int] | None, now: tuple[int, int], test
                     "(without --resume) to train on these")
 
 
+def warn_about_constant_features(frame: FeatureFrame, train_rows: np.ndarray) -> None:
+    """Warn about an observed feature that never changes over the training rows (a user column filled with
+    one value, say): normalised to zero, it tells the model nothing, in training and in serving."""
+    spread = np.nanstd(frame.observed[train_rows], axis=0)  # [n_observed]
+    flat = [name for name, sd in zip(frame.schema.observed, spread, strict=True) if not sd >= MIN_STD]
+    if flat:
+        log.warning("observed feature(s) %s never change over the training bars: the model learns nothing from "
+                    "them; check the column(s) or drop them from --features", ", ".join(flat))
+
+
 def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int) -> None:
     """Warn about a symbol the model will know but not have learnt (no training window: its embedding
     stays as initialised, yet the server forecasts it), and about one whose bars are mostly spaced
@@ -225,6 +235,7 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
                             f"spread of {float(spread.min()):.3g}, so there is no scale to forecast in. Give bars with "
                             "trades (a flat, carried price has nothing to learn), a longer history or more symbols")
         train_rows = np.concatenate([np.arange(s, b) for s, b in zip(starts, b_val, strict=True)])
+        warn_about_constant_features(frame, train_rows)
         normalization = Normalization(
             observed=NormStats.fit(frame.observed, train_rows),
             known=NormStats.fit(frame.known, train_rows),
