@@ -56,7 +56,7 @@ from pathlib import Path
 from serving.batcher import WAIT_POLICIES
 from serving.errors import ConfigError, ModelLoadError
 from serving.model import DEVICES
-from serving.server import EVENT_LOOPS, MiB, ServerConfig, run_server
+from serving.server import EVENT_LOOPS, INT32_MAX, MiB, ServerConfig, run_server
 
 log = logging.getLogger("serving")
 
@@ -156,7 +156,6 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
     )
 
 
-INT32_MAX = 2**31 - 1  # gRPC's channel arguments are C ints
 MAX_CONNECTION_AGE_S = INT32_MAX // 1000  # gRPC's connection age is an int32 of milliseconds
 FD_LIMIT_CAP = 1 << 20  # Linux's default ceiling (fs.nr_open), for a hard limit of "unlimited"
 

@@ -393,16 +393,20 @@ def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
     """The TLS flags (and a tool's --timeout) make sense together; p.error names what does not."""
     if (args.tls_cert is None) != (args.tls_key is None):
         p.error("--tls-cert and --tls-key go together")
-    if args.tls_server_name and not (args.tls or args.tls_ca or args.tls_cert):
+    if args.tls_server_name and not _wants_tls(args):
         p.error("--tls-server-name is for a TLS connection: add --tls (the system's CA roots) or --tls-ca FILE")
     timeout = getattr(args, "timeout", None)
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
         p.error(f"--timeout {timeout:g}: give a deadline in seconds, above 0 and at most {MAX_TIMEOUT_S:g}")
 
 
+def _wants_tls(args: argparse.Namespace) -> bool:
+    return bool(args.tls or args.tls_ca or args.tls_cert)
+
+
 def open_channel(target: str, args: argparse.Namespace) -> grpc.Channel:
     """A plaintext channel, or a TLS one when any TLS flag is set. ConfigError for unreadable files."""
-    if not (args.tls or args.tls_ca or args.tls_cert):
+    if not _wants_tls(args):
         return grpc.insecure_channel(target)
     ca = read_pem(args.tls_ca, "CA certificate", "--tls-ca") if args.tls_ca else None
     key = read_pem(args.tls_key, "private key", "--tls-key") if args.tls_key else None

@@ -53,6 +53,7 @@ log = logging.getLogger("serving")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Forecaster"].full_name  # foxhunt.tft.v1.Forecaster
 MiB = 1 << 20
+INT32_MAX = 2**31 - 1  # gRPC's channel arguments are C ints
 DRAIN_POLL_S = 0.005  # how often a SIGTERM drain looks whether the in-flight calls have finished
 DRAIN_SETTLE_S = 0.1  # the least time a SIGTERM drain lets the calls on their way at the signal arrive
 CLIENT_PING_MIN_MS = 1000  # the shortest keepalive interval accepted from clients
@@ -158,7 +159,7 @@ class ForecastServer:
             # a client may open a stream the moment it has an answer, before the server has released it, and a
             # stream refused for that fails as UNAVAILABLE where the call should get RESOURCE_EXHAUSTED.
             ("grpc.max_concurrent_streams", min(max(4 * config.max_concurrent, config.max_concurrent + 1024),
-                                                2**31 - 1)),  # a C int
+                                                INT32_MAX)),
             *connection_age_options(config.max_connection_age_s),
         ])
         pb_grpc.add_ForecasterServicer_to_server(self.servicer, self.grpc)

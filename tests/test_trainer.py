@@ -496,6 +496,12 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path: Path, bars: Pat
                 "--parquet", str(bars), "--out", str(tmp_path / "four" / "ckpt.pt"), *flags, "--epochs", "1"])
     assert four.returncode == 0, four.stderr[-3000:]
     assert load_checkpoint(tmp_path / "four" / "ckpt.last.pt")["step"] == 1  # the full step; not the lone window
+    # a batch smaller than the ranks could give none of its steps a window for every rank: refused up front
+    five = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainer",
+                "--parquet", str(bars), "--out", str(tmp_path / "five" / "ckpt.pt"), *TINY_TRAIN_FLAGS,
+                "--batch-size", "1"])
+    assert five.returncode != 0, five.stderr[-3000:]  # torchrun reports its ranks' exit 2 as its own failure
+    assert "error: --batch-size 1 is smaller than the 2 processes" in five.stderr, five.stderr[-3000:]
 
 
 def test_every_config_field_has_a_flag_with_its_description() -> None:

@@ -35,7 +35,7 @@ from trainer.checkpoint import (
     save_atomic,
     state_digest,
 )
-from trainer.config import RESUME_OVERRIDABLE, TrainConfig, resumed_config
+from trainer.config import RESUME_OVERRIDABLE, ConfigError, TrainConfig, resumed_config
 from trainer.data import ROW_INPUTS, Normalization, PreparedData, check_resumed_split, prepare
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
 from trainer.distributed import init_from_env
@@ -148,6 +148,10 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.dist = init_from_env(cfg.device)
+        if cfg.batch_size < self.dist.world_size:  # every rank takes a share of each step's windows
+            raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the {self.dist.world_size} processes "
+                              f"torchrun started: each needs a window of every step; raise it to at least "
+                              f"{self.dist.world_size}")
         self.progress = progress and self.dist.is_main
         self.device = resolve_device(self.dist.device_spec(cfg.device))
         self.precision = resolve_precision(cfg.precision, self.device)
@@ -206,7 +210,8 @@ class Trainer:
     # ---- set-up ----------------------------------------------------------------------
     def _steps_per_epoch(self) -> int:
         n, b = self.data.train_anchors.size, self.cfg.batch_size
-        full = n // b + (n % b >= self.dist.world_size)  # a last step too small to give each rank a window is dropped
+        # a last step too small to give each rank a window is dropped (_epoch_anchors cuts the epoch to these steps)
+        full = n // b + (n % b >= self.dist.world_size)
         return min(full, self.cfg.max_steps_per_epoch) if self.cfg.max_steps_per_epoch else full
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
@@ -294,11 +299,9 @@ class Trainer:
         bar = tqdm(total=anchors.numel(), unit="win", unit_scale=True, disable=None if self.progress else True,
                    leave=False, desc=f"epoch {self.epoch + 1}/{self.cfg.epochs}", dynamic_ncols=True)
         with bar:
-            for step_anchors in anchors.split(self.cfg.batch_size):
-                bar.update(step_anchors.numel())
-                if step_anchors.numel() < self.dist.world_size:  # a last step too small to give every rank a
-                    continue  # window (a rank without one cannot join the gradients' all-reduce): dropped
+            for step_anchors in anchors.split(self.cfg.batch_size):  # each gives every rank a window (_steps_per_epoch)
                 losses.append(self._optimizer_step(self.dist.shard(step_anchors)))
+                bar.update(step_anchors.numel())
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
         seconds = time.perf_counter() - t0
         # a step whose loss overflowed is one fp16's gradient scaler skips (the weights stay as they were):
