@@ -504,6 +504,27 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path: Path, bars: Pat
     assert "error: --batch-size 1 is smaller than the 2 processes" in five.stderr, five.stderr[-3000:]
 
 
+def test_torchrun_ranks_with_unequal_micro_steps_match_one_process(tmp_path: Path, bars: Path) -> None:
+    """Steps of 5 windows on 2 ranks (3 + 2) at micro-batch 2, and rank 0 halving to 1 on an out-of-memory
+    error: rank 0 makes 3 micro-steps a step, rank 1 one. Gradients are exchanged once a step, each window
+    weighted as in one process, so the weights match one process's at micro-batch 2 (which ran out of sync,
+    or hung, when every micro-step's backward exchanged gradients)."""
+    worker = str(REPO / "tests" / "ddp_epoch.py")
+    one = run([worker, str(bars), str(tmp_path / "one.pt"), "--micro-batch", "2"], timeout=180)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, str(bars),
+               str(tmp_path / "two.pt"), "--micro-batch", "2", "--oom-rank", "0"], timeout=180)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "out of memory: micro-batch halved to 1" in two.stderr
+    a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert a.keys() == b.keys()
+    for name, value in a.items():
+        torch.testing.assert_close(b[name], value, atol=1e-5, rtol=1e-4, msg=name)
+    untrained = Trainer(bars, tiny_cfg(batch_size=5, dropout=0.0), tmp_path / "u.pt", progress=False)
+    moved = [n for n, v in untrained.model.state_dict().items() if not torch.equal(v, a[n])]
+    assert moved  # the epoch trained: the comparison is of weights that moved
+
+
 def test_every_config_field_has_a_flag_with_its_description() -> None:
     from dataclasses import fields
 

@@ -6,6 +6,7 @@ itself has no device branches (an autocast factory and a GradScaler that may be 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -179,8 +180,10 @@ class Trainer:
         self.rows_model = RowsForward(self.model)  # training and validation run the shared-bar forward
         self.net: torch.nn.Module = self.rows_model
         if self.dist.enabled:
+            # buffers (the normalisation, the attention mask) are equal on every rank and never change: not
+            # broadcast at each forward, so a forward holds no collective and one that runs out of memory is retried
             self.net = DistributedDataParallel(self.rows_model, device_ids=[self.device.index]
-                                               if self.device.type == "cuda" else None)
+                                               if self.device.type == "cuda" else None, broadcast_buffers=False)
         self.plan = (plan_fn(self.model, self.data, self.device, self.precision.name) if plan_fn
                      else literal_plan(cfg.batch_size, cfg.grad_checkpointing, self.precision.name))
         self.model.gradient_checkpointing = self.plan.grad_checkpointing
@@ -200,6 +203,7 @@ class Trainer:
         self.memory = PeakMemory(self.device)
         self.epoch = 0
         self.step = 0
+        self._backward_started = False  # set by micro_step: an OOM after it, in the exchanging micro-batch, is fatal
         self.history: list[dict[str, Any]] = []
         self.best_val = math.inf
         self.best_epoch = 0
@@ -259,22 +263,47 @@ class Trainer:
         batch = self._to_device(self.data.tensors.row_batch(anchors))
         out = self._forward(batch, self.net)
         loss = normalized_loss(out, batch[TARGET], self.quantiles, self.target_scale)
+        self._backward_started = True
         self.scaler.scale(loss * weight).backward()
         return float(loss.detach())
 
-    def _optimizer_step(self, anchors: torch.Tensor) -> float:
-        """One optimizer step over `anchors`, in micro-batches; halves the micro-batch on OOM."""
+    def _gradients_kept_local(self, local: bool) -> contextlib.AbstractContextManager[None]:
+        """DDP's `no_sync` when `local` (the gradients accumulate on this rank alone), else nothing."""
+        if local and isinstance(self.net, DistributedDataParallel):
+            return self.net.no_sync()
+        return contextlib.nullcontext()
+
+    def _optimizer_step(self, anchors: torch.Tensor, step_windows: int) -> float:
+        """One optimizer step over this rank's `anchors` (of the step's `step_windows`), in micro-batches;
+        halves the micro-batch on OOM.
+
+        Under torchrun, gradients are exchanged once a step, in the backward of the rank's last
+        micro-batch (`no_sync` for the others): ranks may hold unequal shares, or have halved their
+        micro-batch alone, and so make different numbers of micro-steps. Each micro-batch's loss is
+        weighted by its share of the whole step times the ranks, so DDP's mean over ranks is the
+        step's mean over its windows, as one process computes it.
+        """
+        scale = self.dist.world_size / step_windows
         while True:
+            exchanging = self._backward_started = False
             try:
                 total = 0.0
-                for chunk in anchors.split(self.plan.micro_batch):
-                    w = chunk.numel() / anchors.numel()
-                    total += self.micro_step(chunk, w) * w
+                chunks = anchors.split(self.plan.micro_batch)
+                for i, chunk in enumerate(chunks):
+                    w = chunk.numel() * scale
+                    exchanging = self.dist.enabled and i == len(chunks) - 1
+                    self._backward_started = False
+                    with self._gradients_kept_local(not exchanging):
+                        total += self.micro_step(chunk, w) * chunk.numel() / anchors.numel()
                 break
-            except torch.OutOfMemoryError:
+            except torch.OutOfMemoryError as exc:
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
+                if exchanging and self._backward_started:  # other ranks may hold part of the exchange: no rerun
+                    raise torch.OutOfMemoryError(
+                        f"{str(exc).splitlines()[0]} (in the micro-batch whose backward exchanges gradients between "
+                        f"the {self.dist.world_size} ranks, which cannot be retried at a smaller size)") from exc
                 if self.plan.micro_batch <= 1:
                     raise
                 self.plan = self.plan.halved()
@@ -300,7 +329,7 @@ class Trainer:
                    leave=False, desc=f"epoch {self.epoch + 1}/{self.cfg.epochs}", dynamic_ncols=True)
         with bar:
             for step_anchors in anchors.split(self.cfg.batch_size):  # each gives every rank a window (_steps_per_epoch)
-                losses.append(self._optimizer_step(self.dist.shard(step_anchors)))
+                losses.append(self._optimizer_step(self.dist.shard(step_anchors), step_anchors.numel()))
                 bar.update(step_anchors.numel())
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
         seconds = time.perf_counter() - t0
