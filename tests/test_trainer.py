@@ -292,9 +292,13 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
     last = load_checkpoint(tmp_path / "a" / "ckpt.last.pt")
     last.update(best_epoch=1, best_val_loss=last["metrics_history"][0]["val_loss"], epochs_without_improvement=1)
     save_atomic(last, tmp_path / "c" / "saved.pt")
+    (tmp_path / "d").mkdir()
+    for other in ("ckpt.test.json", "ckpt.report.png"):  # another run's judgments, left in d
+        (tmp_path / "d" / other).write_text("another run's")
     r = run([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "d" / "ckpt.pt")])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "is not beside" in r.stderr and "skipped the report and the test split" in r.stderr
+    assert "they judge a model that is not this run's best" in r.stderr
     assert not (tmp_path / "d" / "ckpt.pt").exists() and not (tmp_path / "d" / "ckpt.test.json").exists()
     assert not (tmp_path / "d" / "ckpt.report.png").exists()
     # a fresh run into b with no report and no test split: the earlier run's report and test scores go

@@ -467,6 +467,10 @@ class Trainer:
                     "either; an epoch of this run that beats it will be written there. Until then there is no best "
                     "checkpoint of this run to export, report or test (copy it to %s to use it)", self.paths.best,
                     state, self.best_epoch, self.best_val, resumed, self.paths.best)
+        if stale := [p for p in (self.paths.test, self.paths.report) if p.exists()]:
+            for p in stale:  # they judge the model at paths.best, which is not this run's
+                p.unlink()
+            log.warning("removed %s: they judge a model that is not this run's best", ", ".join(map(str, stale)))
 
     # ---- the run ------------------------------------------------------------------------------
     def run(self, stop_after_epochs: int | None = None) -> TrainResult:
