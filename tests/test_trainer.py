@@ -509,24 +509,37 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path: Path, bars: Pat
 
 
 def test_torchrun_ranks_with_unequal_micro_steps_match_one_process(tmp_path: Path, bars: Path) -> None:
-    """Steps of 5 windows on 2 ranks (3 + 2) at micro-batch 2, and rank 0 halving to 1 on an out-of-memory
-    error: rank 0 makes 3 micro-steps a step, rank 1 one. Gradients are exchanged once a step, each window
-    weighted as in one process, so the weights match one process's at micro-batch 2 (which ran out of sync,
-    or hung, when every micro-step's backward exchanged gradients)."""
+    """Steps of 5 windows on 2 ranks (3 + 2) at micro-batch 2, rank 0 halving to 1 on an out-of-memory error,
+    and validation batches of 5 and 7 (as two cards with different free memory plan): rank 0 makes 3 micro-steps
+    a step, rank 1 one. Gradients are exchanged once a step, each window weighted as in one process, so the
+    weights match one process's at micro-batch 2 (they ran out of sync, or hung, when every micro-step's backward
+    exchanged gradients); every rank takes rank 0's validation figures, so they decide the best epoch and early
+    stopping alike; and each rank draws its own dropout masks."""
     worker = str(REPO / "tests" / "ddp_epoch.py")
-    one = run([worker, str(bars), str(tmp_path / "one.pt"), "--micro-batch", "2"], timeout=180)
+    one = run([worker, str(bars), str(tmp_path / "one"), "--micro-batch", "2", "--epochs", "2"], timeout=180)
     assert one.returncode == 0, one.stderr[-3000:]
     two = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, str(bars),
-               str(tmp_path / "two.pt"), "--micro-batch", "2", "--oom-rank", "0"], timeout=180)
+               str(tmp_path / "two"), "--micro-batch", "2", "--epochs", "2", "--oom-rank", "0", "--val-batch", "5,7"],
+              timeout=180)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "out of memory: micro-batch halved to 1" in two.stderr
-    a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    assert a.keys() == b.keys()
-    for name, value in a.items():
-        torch.testing.assert_close(b[name], value, atol=1e-5, rtol=1e-4, msg=name)
+    a = torch.load(tmp_path / "one" / "rank0.pt")
+    ranks = [torch.load(tmp_path / "two" / f"rank{r}.pt") for r in (0, 1)]
+    for b in ranks:
+        assert a["model"].keys() == b["model"].keys()
+        for name, value in a["model"].items():
+            torch.testing.assert_close(b["model"][name], value, atol=1e-5, rtol=1e-4, msg=name)
+    assert len(ranks[0]["val_loss"]) == 2 and ranks[0]["val_loss"] == ranks[1]["val_loss"]  # the very same floats
+    assert not torch.equal(ranks[0]["rng"], ranks[1]["rng"])
     untrained = Trainer(bars, tiny_cfg(batch_size=5, dropout=0.0), tmp_path / "u.pt", progress=False)
-    moved = [n for n, v in untrained.model.state_dict().items() if not torch.equal(v, a[n])]
-    assert moved  # the epoch trained: the comparison is of weights that moved
+    moved = [n for n, v in untrained.model.state_dict().items() if not torch.equal(v, a["model"][n])]
+    assert moved  # the epochs trained: the comparison is of weights that moved
+    # out of memory after DDP's forward readied the exchange: not retried (the ranks would fall out of step)
+    three = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, str(bars),
+                 str(tmp_path / "three"), "--micro-batch", "5", "--loss-oom-rank", "0"], timeout=180)
+    assert three.returncode != 0
+    assert "whose backward exchanges gradients between the 2 ranks" in three.stderr, three.stderr[-3000:]
+    assert "micro-batch halved" not in three.stderr
 
 
 def test_every_config_field_has_a_flag_with_its_description() -> None:
@@ -665,8 +678,8 @@ def test_a_step_that_overflows_alone_is_counted_not_taken_for_divergence(tmp_pat
     t = Trainer(bars, tiny_cfg(epochs=1), tmp_path / "ckpt.pt", progress=False)
     real, seen = t._optimizer_step, []
 
-    def first_overflows(anchors: torch.Tensor) -> float:
-        loss = real(anchors)
+    def first_overflows(anchors: torch.Tensor, step_windows: int) -> float:
+        loss = real(anchors, step_windows)
         seen.append(loss)
         return float("inf") if len(seen) == 1 else loss
 

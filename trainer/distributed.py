@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,14 @@ class DistContext:
         box: list[Any] = [obj if self.is_main else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def from_main(self, compute: Callable[[], T]) -> T:
+        """`compute()` run on rank 0 alone, its result on every rank (the others wait at the broadcast)."""
+        if not self.enabled:
+            return compute()
+        box: list[Any] = [compute() if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return cast(T, box[0])
 
     def mean(self, value: float) -> float:
         """The mean of `value` over ranks."""

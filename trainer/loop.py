@@ -181,9 +181,11 @@ class Trainer:
         self.net: torch.nn.Module = self.rows_model
         if self.dist.enabled:
             # buffers (the normalisation, the attention mask) are equal on every rank and never change: not
-            # broadcast at each forward, so a forward holds no collective and one that runs out of memory is retried
+            # broadcast at each forward, so a forward holds no collective and one that runs out of memory is retried.
+            # Gradients are views into DDP's buckets (kept between steps), not a second copy the plan never counted.
             self.net = DistributedDataParallel(self.rows_model, device_ids=[self.device.index]
-                                               if self.device.type == "cuda" else None, broadcast_buffers=False)
+                                               if self.device.type == "cuda" else None, broadcast_buffers=False,
+                                               gradient_as_bucket_view=True)
         self.plan = (plan_fn(self.model, self.data, self.device, self.precision.name) if plan_fn
                      else literal_plan(cfg.batch_size, cfg.grad_checkpointing, self.precision.name))
         self.model.gradient_checkpointing = self.plan.grad_checkpointing
@@ -203,7 +205,7 @@ class Trainer:
         self.memory = PeakMemory(self.device)
         self.epoch = 0
         self.step = 0
-        self._backward_started = False  # set by micro_step: an OOM after it, in the exchanging micro-batch, is fatal
+        self._exchange_armed = False  # set by micro_step: an OOM after it, in the exchanging micro-batch, is fatal
         self.history: list[dict[str, Any]] = []
         self.best_val = math.inf
         self.best_epoch = 0
@@ -262,10 +264,14 @@ class Trainer:
         """Forward and backward of one micro-batch; returns its (unweighted) loss."""
         batch = self._to_device(self.data.tensors.row_batch(anchors))
         out = self._forward(batch, self.net)
+        self._exchange_armed = True  # DDP's forward readied its gradient exchange, outside no_sync
         loss = normalized_loss(out, batch[TARGET], self.quantiles, self.target_scale)
-        self._backward_started = True
         self.scaler.scale(loss * weight).backward()
         return float(loss.detach())
+
+    def _zero_grad(self) -> None:
+        """Gradients freed (one process) or zeroed in place (DDP: they are views into its buckets, which stay)."""
+        self.optimizer.zero_grad(set_to_none=not self.dist.enabled)
 
     def _gradients_kept_local(self, local: bool) -> contextlib.AbstractContextManager[None]:
         """DDP's `no_sync` when `local` (the gradients accumulate on this rank alone), else nothing."""
@@ -285,22 +291,22 @@ class Trainer:
         """
         scale = self.dist.world_size / step_windows
         while True:
-            exchanging = self._backward_started = False
+            exchanging = self._exchange_armed = False
             try:
                 total = 0.0
                 chunks = anchors.split(self.plan.micro_batch)
                 for i, chunk in enumerate(chunks):
                     w = chunk.numel() * scale
                     exchanging = self.dist.enabled and i == len(chunks) - 1
-                    self._backward_started = False
+                    self._exchange_armed = False
                     with self._gradients_kept_local(not exchanging):
                         total += self.micro_step(chunk, w) * chunk.numel() / anchors.numel()
                 break
             except torch.OutOfMemoryError as exc:
-                self.optimizer.zero_grad(set_to_none=True)
+                self._zero_grad()
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-                if exchanging and self._backward_started:  # other ranks may hold part of the exchange: no rerun
+                if exchanging and self._exchange_armed:  # other ranks may hold part of the exchange: no rerun
                     raise torch.OutOfMemoryError(
                         f"{str(exc).splitlines()[0]} (in the micro-batch whose backward exchanges gradients between "
                         f"the {self.dist.world_size} ranks, which cannot be retried at a smaller size)") from exc
@@ -314,7 +320,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         self.scheduler.step()
         self.step += 1
         return total
@@ -323,19 +329,24 @@ class Trainer:
         self.model.train()
         anchors = self._epoch_anchors()
         losses: list[float] = []
+        shares: list[float] = []  # this rank's windows over the step's, times the ranks (1 in one process)
         t0 = time.perf_counter()
+        if self.dist.rank:  # dropout masks of their own on the other ranks; (seed, rank, epoch) keeps resume exact
+            torch.manual_seed((self.cfg.seed * 1_000_003 + self.dist.rank) * 1_009 + self.epoch)
         # disable=None: no bar where stderr is not a terminal (a log file, a pipe), only the epoch lines
         bar = tqdm(total=anchors.numel(), unit="win", unit_scale=True, disable=None if self.progress else True,
                    leave=False, desc=f"epoch {self.epoch + 1}/{self.cfg.epochs}", dynamic_ncols=True)
         with bar:
             for step_anchors in anchors.split(self.cfg.batch_size):  # each gives every rank a window (_steps_per_epoch)
-                losses.append(self._optimizer_step(self.dist.shard(step_anchors), step_anchors.numel()))
+                mine = self.dist.shard(step_anchors)
+                losses.append(self._optimizer_step(mine, step_anchors.numel()))
+                shares.append(mine.numel() * self.dist.world_size / step_anchors.numel())
                 bar.update(step_anchors.numel())
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
         seconds = time.perf_counter() - t0
         # a step whose loss overflowed is one fp16's gradient scaler skips (the weights stay as they were):
         # counted, and left out of the epoch's loss; only an epoch of nothing else is NaN here
-        finite = [x for x in losses if math.isfinite(x)]
+        finite = [x * share for x, share in zip(losses, shares, strict=True) if math.isfinite(x)]
         if len(finite) < len(losses):
             log.warning("epoch %d: %d of %d steps had a non-finite loss", self.epoch + 1, len(losses) - len(finite),
                         len(losses))
@@ -500,7 +511,9 @@ class Trainer:
             train_stats = self.train_epoch()
             train_peak = self.memory.read()
             self.memory.start()
-            val_stats = self.validate()
+            # rank 0 validates and every rank takes its figures: the best epoch, early stopping and the
+            # divergence check are decided alike everywhere (validation batches can differ between cards)
+            val_stats = self.dist.from_main(self.validate)
             val_peak = self.memory.read()
             self._check_finite(train_stats["train_loss"], val_stats["val_loss"])
             self.epoch += 1
