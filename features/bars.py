@@ -335,6 +335,10 @@ def _columns_of(
                 Problem(fname, src, -1, f"required column '{src}' is missing (have: {', '.join(sorted(names))})",
                         f"add it, or map the column that holds {fld} with {hint}")
             )
+    if cmap.symbol not in names and cmap.symbol != ColumnMap.symbol:  # a name given, not the optional default
+        problems.append(Problem(fname, cmap.symbol, -1, f"symbol column '{cmap.symbol}' is missing (have: "
+                                f"{', '.join(sorted(names))})", "map the column that holds the symbol with "
+                                "--symbol-col NAME, or leave --symbol-col out to read the file as one series"))
     for uc in user_columns:
         if uc not in names:
             problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' is missing",
@@ -358,8 +362,10 @@ def _columns_of(
             problems.append(Problem(fname, cmap.symbol, row, "symbol is null", "fill in the symbol, or drop those rows",
                                     count))
         part["symbol"] = np.asarray(symbol.cast(pa.string()).to_numpy(zero_copy_only=False), dtype=object)
+        part["symbol_absent"] = np.zeros(n, dtype=bool)
     else:
         part["symbol"] = np.full(n, cmap.default_symbol, dtype=object)
+        part["symbol_absent"] = np.ones(n, dtype=bool)  # for the hint when such a "series" is out of order
     for fld in (*PRICE_COLUMNS, "volume"):
         col = table.column(cmap.source(fld))
         if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_decimal(col.type)):
@@ -487,6 +493,7 @@ def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
     keep = ~np.concatenate([p["timestamp_null"] for p in parts])
     ts = np.concatenate([p["timestamp"] for p in parts])[keep]
     sym = np.concatenate([p["symbol"] for p in parts]).astype(str)[keep]
+    absent = np.concatenate([p["symbol_absent"] for p in parts])[keep]
     file_idx = np.concatenate([np.full(len(p["timestamp"]), i) for i, p in enumerate(parts)])[keep]
     row_in_file = np.concatenate([np.arange(len(p["timestamp"])) for p in parts])[keep]
     order = np.argsort(sym, kind="stable")
@@ -519,6 +526,10 @@ def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
         idx = np.flatnonzero(mask)
         if idx.size:
             bad = order[idx[0] + 1]
+            if absent[bad]:  # likely several symbols' bars read as one series
+                fix += (f" (the file has no '{cmap.symbol}' column, so all its rows were read as one series, "
+                        f"{cmap.default_symbol}: if it holds several symbols, map their column with --symbol-col "
+                        "NAME)")
             out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]),
                                f"{rule}; symbol {sym_o[idx[0] + 1]}", fix, int(idx.size)))
     return out

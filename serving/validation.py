@@ -221,7 +221,8 @@ def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
 def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> list[Problem]:
     n = len(s)
     part = {"timestamp": s.timestamp_ns, "timestamp_null": np.zeros(n, dtype=bool),
-            "symbol": np.full(n, s.symbol, dtype=object), "open": s.open, "high": s.high, "low": s.low,
+            "symbol": np.full(n, s.symbol, dtype=object), "symbol_absent": np.zeros(n, dtype=bool),
+            "open": s.open, "high": s.high, "low": s.low,
             "close": s.close, "volume": s.volume} | {f"user:{u}": s.user[u] for u in user_columns}
     bars = Bars(s.timestamp_ns, part["symbol"], s.open, s.high, s.low, s.close, s.volume,
                 {u: s.user[u] for u in user_columns})

@@ -371,6 +371,26 @@ def test_column_mapping_without_symbol_column(tmp_path: Path) -> None:
     np.testing.assert_array_equal(bars.high, cols["high"])
 
 
+def test_a_symbol_column_named_but_absent_is_refused_and_one_missed_is_hinted(tmp_path: Path) -> None:
+    cols = good_columns()
+    cols["raw_symbol"] = cols.pop("symbol")  # Databento's name: not the default, and not mapped
+    path = write_parquet(tmp_path / "dbn.parquet", cols)
+    p = only_problem(path, ColumnMap(symbol="instrument"))  # a name given that the file does not have
+    assert p.column == "instrument" and "symbol column 'instrument' is missing" in p.rule and "raw_symbol" in p.rule
+    assert "--symbol-col NAME" in p.fix
+    # not mapped: the file is read as one series, whose interleaved ES/NQ bars repeat each timestamp
+    p = only_problem(path)
+    assert p.rule.startswith("duplicate timestamp") and "symbol SERIES" in p.rule
+    assert "has no 'symbol' column, so all its rows were read as one series, SERIES" in p.fix
+    assert "--symbol-col NAME" in p.fix
+    assert len(read_bars(path, ColumnMap(symbol="raw_symbol")).symbols) == 2
+    # a symbol column that is there and out of order: no such hint
+    cols["symbol"] = cols.pop("raw_symbol")
+    cols["timestamp"] = cols["timestamp"][::-1].copy()
+    p = problems_of(write_parquet(tmp_path / "sorted_wrong.parquet", cols))[0]
+    assert "timestamps decrease" in p.rule and "--symbol-col" not in p.fix
+
+
 def test_mapped_column_problem_names_the_source_column(tmp_path: Path) -> None:
     cols = series_columns(0, 6)
     cols["px_close"] = cols.pop("close")
