@@ -39,7 +39,8 @@ def median_seconds(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bars", type=int, default=1_000_000, help="total bars over all symbols (default 1,000,000)")
     p.add_argument("--symbols", type=int, default=4, help="number of symbols (default 4)")
     p.add_argument("--encoder-length", type=int, default=120, help="encoder bars per window (default 120)")

@@ -123,7 +123,8 @@ def measure(ort_call: Callable[[], Any], torch_call: Callable[[], Any], args: ar
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256], help="batch sizes (default 1 32 256)")
     p.add_argument("--threads", type=int, nargs="+", default=[1],
                    help="CPU thread counts to measure, one table each (default 1)")

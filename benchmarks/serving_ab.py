@@ -56,7 +56,7 @@ async def alternate(targets: tuple[str, str], pool: list[bytes], duration: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True, help="ONNX model from `python -m export`")
     p.add_argument("--parquet", type=Path, required=True, help="bars with the model's symbols")
     p.add_argument("--a", type=Path, required=True, help="checkout of build A (e.g. a git worktree)")

@@ -533,7 +533,8 @@ def stop_server(proc: subprocess.Popen[str] | subprocess.Popen[bytes] | None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="ONNX model from `python -m export`")
     p.add_argument("--parquet", type=Path, required=True, help="bars with the model's symbols")
     p.add_argument("--concurrency", default="1,8,64", help="comma-separated client concurrency levels")

@@ -43,7 +43,8 @@ def best_us(fn: Callable[[], Any], number: int, repeats: int, per: int = 1) -> f
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="ONNX model from `python -m export`")
     p.add_argument("--parquet", type=Path, required=True, help="bars with the model's symbols")
     p.add_argument("--packed", action="store_true",

@@ -476,7 +476,8 @@ def report(args: argparse.Namespace, ours_runs: list[dict[str, Any]], pf_runs: l
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bars", type=int, default=20_000, help="bars per symbol, ES and NQ (default 20,000)")
     p.add_argument("--epochs", type=int, default=2, help="training epochs of each model (default 2)")
     p.add_argument("--steps", type=int, default=0, help="cap on optimizer steps per epoch, both models (0 = all)")

@@ -41,7 +41,7 @@ MAX_OPSET = min(onnx.defs.onnx_opset_version(), 23)  # 23: the newest opset onnx
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m export", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", type=Path, help="checkpoint written by `python -m trainer` (loaded weights-only)")
     p.add_argument("output", type=Path, help="the ONNX model to write, e.g. model.onnx (its directory must exist)")

@@ -56,7 +56,7 @@ def summarize(bars: Bars) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m features.check", description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m features.check", description=__doc__)
     p.add_argument("path", help="a parquet file or a directory of them")
     p.add_argument("--features", default="", help="comma-separated extra numeric columns to check as features")
     ColumnMap.add_arguments(p)

@@ -159,7 +159,7 @@ def write_parquet_atomic(table: pa.Table, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m features.synth", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m features.synth", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="parquet file to write")
     p.add_argument("--symbols", default="ES,NQ", help="comma-separated symbols (default ES,NQ)")

@@ -76,7 +76,8 @@ def wait_serving(target: str, deadline: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "demo_out")
     p.add_argument("--bars", type=int, default=6000, help="sample bars per symbol")
     p.add_argument("--tiny", action="store_true", help="a tiny model trained for a few steps (for tests)")

@@ -89,7 +89,8 @@ def generate(out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO, help="root to write serving/gen/... under (default: the repo)")
     args = p.parse_args(argv)
     for path in generate(args.out):

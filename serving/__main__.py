@@ -63,7 +63,7 @@ log = logging.getLogger("serving")
 
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig(model_path=Path("model.onnx"))
-    p = argparse.ArgumentParser(prog="python -m serving", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m serving", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="ONNX model written by `python -m export`")
     p.add_argument("--host", default=d.host, help=f"interface to bind (default {d.host})")

@@ -106,7 +106,7 @@ def format_explanation(e: pb.Explanation, top: int = 5) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m serving.client", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m serving.client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT (default 127.0.0.1:50051)")
     p.add_argument("--parquet", required=True, help="bars: a parquet file or a directory of them")

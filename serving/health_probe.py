@@ -36,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m serving.health_probe", description=__doc__,
+    p = _Parser(prog="python -m serving.health_probe", description=__doc__, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT (default 127.0.0.1:50051)")
     p.add_argument("--service", default="", help="service to ask about (default '': the whole server)")

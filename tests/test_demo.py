@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 import onnx
+import pytest
 
 from features.model_meta import ModelMeta
-from tests.artifacts import REPO
+from tests.artifacts import REPO, run
 
 
 def test_demo_runs_every_stage_and_prints_a_forecast_from_the_live_server(tmp_path: Path) -> None:
@@ -35,3 +36,18 @@ def test_demo_runs_every_stage_and_prints_a_forecast_from_the_live_server(tmp_pa
     assert "python -m serving --model" in text.splitlines()[-2] and "serving.client" in text.splitlines()[-1]
     for name in ("bars.parquet", "ckpt.pt", "ckpt.last.pt", "ckpt.metrics.jsonl", "ckpt.report.png", "model.onnx"):
         assert (out / name).is_file(), name
+
+
+@pytest.mark.parametrize(("command", "shortened"), [
+    (["trainer", "--parquet", "bars.parquet"], "--hidden"),  # for --hidden-size
+    (["export", "ckpt.pt", "model.onnx"], "--require"),  # for --require-device
+    (["serving", "--model", "model.onnx"], "--metrics"),  # for --metrics-port
+    (["serving.client", "--target", "127.0.0.1:1", "--parquet", "bars.parquet", "--symbol", "ES"], "--expl"),
+    (["features.check", "bars.parquet"], "--time"),  # for --time-col
+])
+def test_a_shortened_flag_is_refused_not_guessed(command: list[str], shortened: str) -> None:
+    """argparse would take `--hidden 8` for `--hidden-size 8`: with this many similar flags (`--feature` for
+    `--features`) a typo then runs with a setting the user did not name. Every command takes full names only."""
+    r = run(["-m", *command, shortened, "8"], timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert f"unrecognized arguments: {shortened} 8" in r.stderr, r.stderr[-2000:]

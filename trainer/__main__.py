@@ -41,7 +41,7 @@ log = logging.getLogger("trainer")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m trainer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parquet", required=True, help="bars: a parquet file or a directory of them")
     p.add_argument("--out", type=Path, default=Path("ckpt.pt"),
