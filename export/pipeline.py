@@ -34,6 +34,7 @@ from export.triton import config_pbtxt, newer_versions, repository_files
 from export.windows import saved_windows, windows_from_bars
 from features import package_version
 from features.compute import FeatureConfig
+from features.file_kind import hint
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, FeatureSchema
 from trainer.checkpoint import CheckpointError, file_sha256, load_checkpoint, model_from_checkpoint
@@ -92,7 +93,8 @@ def load(opts: ExportOptions) -> tuple[dict[str, Any], TemporalFusionTransformer
         raise UsageError(str(exc)) from None
     except Exception as exc:  # torch's weights-only unpickler raises odd types (IndexError...) on junk bytes
         raise UsageError(f"{opts.checkpoint}: not a readable checkpoint (corrupt, truncated, or not written by "
-                         f"torch.save): {type(exc).__name__}: {exc}") from None
+                         f"torch.save): {type(exc).__name__}: {exc}{hint(opts.checkpoint, 'a PyTorch checkpoint')}") \
+            from None
     try:
         model = model_from_checkpoint(ckpt)
     except CheckpointError as exc:

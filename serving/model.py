@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from features.file_kind import hint
 from features.model_meta import ModelMeta, ModelMetaError
 from features.schema import (
     DECODER_KNOWN,
@@ -259,7 +260,8 @@ def _new_session(model_bytes: bytes, path: str, providers: Sequence[str | tuple[
         return ort.InferenceSession(model_bytes, so, providers=providers)
     except Exception as exc:  # ORT raises its own exception types (InvalidProtobuf, InvalidGraph, Fail, ...)
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ModelLoadError(f"{path}: ONNX Runtime cannot load the model: {first}") from None
+        raise ModelLoadError(f"{path}: ONNX Runtime cannot load the model: {first}{hint(path, 'an ONNX model')}") \
+            from None
 
 
 def _check_signature(session: ort.InferenceSession, meta: ModelMeta, path: str) -> tuple[str, ...]:

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from onnx import numpy_helper
@@ -366,7 +368,8 @@ class NotAWeight:
     """Pickled into a checkpoint: loading it would need code, so weights_only refuses it."""
 
 
-@pytest.mark.parametrize("kind", ["missing", "corrupt", "truncated", "pickled", "diverged", "flipped"])
+@pytest.mark.parametrize("kind", ["missing", "corrupt", "truncated", "pickled", "diverged", "flipped", "onnx",
+                                  "parquet"])
 def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "in" / "ckpt.pt"
@@ -377,6 +380,13 @@ def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
         bad.write_bytes(ckpt.read_bytes()[:5000])
     elif kind == "pickled":
         torch.save({"format": FORMAT, "model_config": NotAWeight()}, bad)
+    elif kind == "onnx":  # export's output given as its input
+        graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "g",
+                                       [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                                       [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+        onnx.save(onnx.helper.make_model(graph), bad)
+    elif kind == "parquet":  # the bars given as the checkpoint
+        pq.write_table(pa.table({"close": [1.0, 2.0]}), bad)
     elif kind in ("diverged", "flipped"):
         state = load_checkpoint(ckpt)
         name = next(k for k, v in state["model_state"].items() if v.is_floating_point())
@@ -395,8 +405,12 @@ def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
     expected = {"missing": "no such checkpoint file", "corrupt": "not a readable checkpoint",
                 "truncated": "not a readable checkpoint", "pickled": "refused",
                 "diverged": "holds NaN or infinite values: the run that wrote it diverged",
-                "flipped": "the weights differ from the digest written with them: the file is corrupted"}[kind]
+                "flipped": "the weights differ from the digest written with them: the file is corrupted",
+                "onnx": "it is an ONNX model (what `python -m export` writes, for `python -m serving --model`); give "
+                        "the checkpoint `python -m trainer` wrote",
+                "parquet": "it is a parquet file, bars for `python -m trainer --parquet`"}[kind]
     assert expected in err and "nothing was written" in err
+    assert ("it is " in err) == (kind in ("onnx", "parquet"))  # a hint only where the file is another kind
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -370,12 +370,15 @@ def test_bad_model_files_are_refused_with_clear_messages(tiny_model: Model, tmp_
     junk.write_bytes(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
     empty = tmp_path / "empty.onnx"
     empty.write_bytes(b"")
+    ckpt_file = m.parent / "ckpt.pt"  # the trainer's checkpoint the model was exported from, given to the server
     horizon = json.loads(next(p.value for p in onnx.load(str(m)).metadata_props if p.key == "foxhunt.horizon"))
     cases = [
         (tmp_path / "missing.onnx", "cannot read the model file: No such file"),
         (tmp_path, "not a regular file"),
         (empty, "the model file is empty"),
         (junk, "ONNX Runtime cannot load the model"),
+        (tiny_model.bars_path, "; it is a parquet file, bars for `python -m trainer --parquet`"),
+        (ckpt_file, f"it is a PyTorch checkpoint: export it first with `python -m export {ckpt_file} model.onnx`"),
         (_with_meta(m, tmp_path / "nometa.onnx", format=None), "not a foxhunt-tft model"),
         (_with_meta(m, tmp_path / "json.onnx", quantiles="[0.1, 0.5"), "'foxhunt.quantiles' is not valid JSON"),
         (_with_meta(m, tmp_path / "lacks.onnx", symbols=None), "lacks 'foxhunt.symbols'"),

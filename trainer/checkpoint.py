@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from features.file_kind import hint
 from trainer.model_config import ModelConfig
 from trainer.modeling import TemporalFusionTransformer
 
@@ -92,7 +93,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         text = str(exc)
         if "Unsupported global" not in text:
             raise CheckpointError(f"{p}: not a readable checkpoint (corrupt, truncated, or not written by "
-                                  "torch.save)") from None
+                                  f"torch.save){hint(p, 'a PyTorch checkpoint')}") from None
         what = text[text.index("Unsupported global"):].split(" was not")[0]
         raise CheckpointError(
             f"{p}: refused — loading it would unpickle code ({what}), which a foxhunt checkpoint never "
@@ -100,7 +101,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, IndexError, KeyError) as exc:
         detail = str(exc).splitlines()[0] if str(exc) else ""
         raise CheckpointError(f"{p}: not a readable checkpoint (corrupt, truncated, or not written by torch.save; "
-                              f"torch.load: {type(exc).__name__}{': ' + detail if detail else ''})") from None
+                              f"torch.load: {type(exc).__name__}{': ' + detail if detail else ''})"
+                              f"{hint(p, 'a PyTorch checkpoint')}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{p}: not a foxhunt-tft checkpoint (format {FORMAT!r} expected)")
     missing = [k for k in REQUIRED_KEYS if k not in ckpt]

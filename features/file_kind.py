@@ -1,0 +1,57 @@
+"""What a file given in the wrong place is, from its first bytes, for the error that refuses it.
+
+Each stage takes one kind of file (bars, a checkpoint, an ONNX model) and the others are easy to
+pass by mistake: `python -m serving --model ckpt.pt`, `python -m export model.onnx out.onnx`. The
+refusal then says what the file is and which command takes it. A guess, used only in messages.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+# ModelProto's fields in serialised order start with ir_version (field 1, varint), then a
+# length-delimited or varint field: producer_name, producer_version, domain, model_version, doc_string,
+# graph, opset_import.
+_ONNX_SECOND_TAGS = frozenset({0x12, 0x1A, 0x22, 0x28, 0x32, 0x3A, 0x42})
+
+
+def describe(path: str | Path) -> str | None:
+    """'a PyTorch checkpoint', 'a parquet file', 'an ONNX model' or 'an empty file'; None when unknown or
+    unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+    except OSError:
+        return None
+    if not head:
+        return "an empty file"
+    if head.startswith(b"PAR1"):
+        return "a parquet file"
+    if head.startswith(b"PK\x03\x04"):
+        try:
+            with zipfile.ZipFile(path) as z:
+                if any(name.endswith("data.pkl") for name in z.namelist()):
+                    return "a PyTorch checkpoint"
+        except (zipfile.BadZipFile, OSError):
+            return None
+        return "a zip archive"
+    if len(head) >= 3 and head[0] == 0x08 and head[1] < 0x80 and head[2] in _ONNX_SECOND_TAGS:
+        return "an ONNX model"
+    return None
+
+
+def hint(path: str | Path, expected: str) -> str:
+    """'; it is KIND: ...which command takes it' for a file that is not the `expected` kind (one of describe's
+    answers); '' when it is that kind, or unknown."""
+    kind = describe(path)
+    if kind is None or kind == expected:
+        return ""
+    return "; " + {
+        "a PyTorch checkpoint": f"it is a PyTorch checkpoint: export it first with `python -m export {path} "
+                                "model.onnx`, then use model.onnx",
+        "a parquet file": "it is a parquet file, bars for `python -m trainer --parquet` or `python -m export "
+                          "--bars`",
+        "an ONNX model": "it is an ONNX model (what `python -m export` writes, for `python -m serving --model`); "
+                         "give the checkpoint `python -m trainer` wrote (ckpt.pt, or ckpt.last.pt to resume)",
+    }.get(kind, f"it is {kind}")
