@@ -5,6 +5,12 @@ Asks the server what the model needs (GetModelInfo), reads and validates the bar
 forecast as a table: per horizon step, the future bar time and the quantiles of cumulative
 log return and of price. `--json` prints the response as JSON instead.
 
+`python -m serving.client --target HOST:PORT --info` prints GetModelInfo alone: what a request
+needs (bars, symbols, user columns), which model runs and where (`--json` for all of it).
+
+The bars are read with the column names the model was trained from (GetModelInfo.bar_columns, e.g.
+`ts_event` for the timestamp); the mapping flags given here win over them.
+
 TLS and tokens: `--tls-ca ca.pem` (or `--tls` for the system's roots) connects with TLS,
 `--tls-cert/--tls-key` adds a client certificate (for a server with --tls-client-ca), and
 `--auth-token-file` sends the file's first token as `authorization: Bearer <token>`.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -109,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m serving.client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT (default 127.0.0.1:50051)")
-    p.add_argument("--parquet", required=True, help="bars: a parquet file or a directory of them")
-    p.add_argument("--symbol", required=True, help="symbol to forecast (one of the model's symbols)")
+    p.add_argument("--parquet", help="bars: a parquet file or a directory of them (required unless --info)")
+    p.add_argument("--symbol", help="symbol to forecast (one of the model's symbols; required unless --info)")
+    p.add_argument("--info", action="store_true",
+                   help="print what the server's model needs and where it runs (GetModelInfo), and nothing else")
     p.add_argument("--explain", action="store_true",
                    help="also ask for attention and variable weights (a summary under the table; all with --json)")
     p.add_argument("--json", action="store_true", help="print the response as JSON")
@@ -121,33 +130,99 @@ def main(argv: list[str] | None = None) -> int:
     add_client_arguments(p)
     args = p.parse_args(argv)
     check_client_arguments(p, args)  # --timeout too
+    if args.info:
+        if args.parquet or args.symbol or args.explain or args.packed or ColumnMap.given(args):
+            p.error("--info prints the model's information alone: leave out --parquet, --symbol, --explain, "
+                    "--packed and the column flags")
+        return _interrupted_is_130(_info, args)
+    if not (args.parquet and args.symbol):
+        p.error("the following arguments are required: --parquet, --symbol (or --info for the model alone)")
     if not Path(args.parquet).exists():
         print(f"error: --parquet {args.parquet}: no such file or directory", file=sys.stderr)
         return 2
+    return _interrupted_is_130(_forecast, args)
+
+
+def _interrupted_is_130(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     try:
-        return _forecast(args)
+        return command(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
 
 
-def _forecast(args: argparse.Namespace) -> int:
+def format_model_info(info: pb.ModelInfo) -> str:
+    """What a caller needs to build a request, and which model answers it, one fact a line."""
+    roles = {pb.FEATURE_ROLE_STATIC: "static", pb.FEATURE_ROLE_OBSERVED: "observed", pb.FEATURE_ROLE_KNOWN: "known"}
+    by_role: dict[str, list[str]] = {}
+    for f in info.features:
+        by_role.setdefault(roles.get(f.role, "other"), []).append(f.name)
+    facts = [
+        ("model", f"{info.model_version} ({info.precision}), server {info.server_version}"),
+        ("runs on", f"{info.provider} (--device {info.device_requested})"
+         + (f"; FALLBACK: {info.fallback_warning}" if info.fallback_warning else "")),
+        ("bars required", f"{info.bars_required} per series (encoder {info.encoder_length}), bar interval "
+         f"{info.bar_interval_ns / 1e9:g} s"),
+        ("forecast", f"{info.horizon} steps, quantiles {', '.join(f'{q:g}' for q in info.quantiles)}"),
+        ("symbols", ", ".join(info.symbols)),
+        ("user columns", ", ".join(info.user_feature_columns) or "(none)"),
+        ("bar columns", ", ".join(f"{k}={v}" for k, v in sorted(info.bar_columns.items())) or "(not recorded)"),
+        *((f"{role} features", ", ".join(names)) for role, names in by_role.items()),
+        ("limits", f"max batch {info.max_batch} windows, max message {info.max_message_bytes:,} bytes, "
+         f"max concurrent {info.max_concurrent}"),
+        ("explain", "available" if info.explain_available else "not in this model"),
+        ("checksums", f"model {info.model_sha256[:12]}, checkpoint {info.checkpoint_sha256[:12]}"),
+    ]
+    width = max(len(label) for label, _ in facts) + 2
+    return "\n".join(f"{label:<{width}}{value}" for label, value in facts)
+
+
+def _connect(args: argparse.Namespace) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]] | None:
+    """The channel and call metadata; None after printing why they cannot be made (bad TLS/token files)."""
     try:
         metadata = call_metadata(args)
-        channel = open_channel(args.target, args)
+        return open_channel(args.target, args), metadata
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return None
 
+
+def _model_info(stub: pb_grpc.ForecasterStub, args: argparse.Namespace,
+                metadata: tuple[tuple[str, str], ...]) -> pb.ModelInfo | None:
+    try:
+        info: pb.ModelInfo = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout, metadata=metadata)
+    except grpc.RpcError as exc:
+        print(f"error: GetModelInfo: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return None
+    return info
+
+
+def _info(args: argparse.Namespace) -> int:
+    connected = _connect(args)
+    if connected is None:
+        return 2
+    channel, metadata = connected
+    with channel:
+        info = _model_info(pb_grpc.ForecasterStub(channel), args, metadata)
+    if info is None:
+        return 1
+    print(json_format.MessageToJson(info, preserving_proto_field_name=True) if args.json else format_model_info(info))
+    return 0
+
+
+def _forecast(args: argparse.Namespace) -> int:
+    connected = _connect(args)
+    if connected is None:
+        return 2
+    channel, metadata = connected
     with channel:
         stub = pb_grpc.ForecasterStub(channel)
-        try:
-            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout, metadata=metadata)
-        except grpc.RpcError as exc:
-            print(f"error: GetModelInfo: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        info = _model_info(stub, args, metadata)
+        if info is None:
             return 1
+        trained = {k: v for k, v in info.bar_columns.items() if k in ColumnMap.__dataclass_fields__}
         try:
-            bars = read_bars(args.parquet, ColumnMap.from_args(args), tuple(info.user_feature_columns))
+            bars = read_bars(args.parquet, ColumnMap.from_args(args, trained), tuple(info.user_feature_columns))
         except BarDataError as exc:
             print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars:", file=sys.stderr)
             for problem in exc.problems:

@@ -179,4 +179,5 @@ def model_info(model: LoadedModel, limits: Limits) -> pb.ModelInfo:
         max_concurrent=limits.max_concurrent,
         torch_imported="torch" in sys.modules,
         server_version=package_version(),
+        bar_columns=meta.column_map,
     )

@@ -423,6 +423,51 @@ def test_client_prints_a_forecast_table(art: Model, server: LiveServer, tmp_path
     assert r.returncode == 2 and "no such file or directory" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_client_info_and_the_bar_columns_the_model_was_trained_from(art: Model, tmp_path: Path) -> None:
+    """`--info` prints GetModelInfo; the client reads bars with the column names the model was trained from
+    (GetModelInfo.bar_columns), as `export --bars` and `--resume` do, and mapping flags win over them."""
+    proto = onnx.load(str(art.model))
+    trained = {"timestamp": "ts_event", "symbol": "raw_symbol", "open": "open", "high": "high", "low": "low",
+               "close": "close", "volume": "volume", "default_symbol": "SERIES"}
+    for prop in proto.metadata_props:
+        if prop.key == "foxhunt.column_map":
+            prop.value = json.dumps(trained)
+    onnx.save(proto, str(tmp_path / "mapped.onnx"))
+    table = pq.read_table(art.bars_path)
+    pq.write_table(table.rename_columns([{"timestamp": "ts_event", "symbol": "raw_symbol"}.get(n, n)
+                                         for n in table.column_names]), tmp_path / "dbn.parquet")
+    s = serve(tmp_path / "mapped.onnx", tmp_path / "server.log", "--device", "cpu")
+    try:
+        s.wait_serving()
+
+        def client(*flags: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "serving.client", "--target", s.target, *flags], cwd=REPO,
+                                  capture_output=True, text=True, timeout=60)
+
+        r = client("--info")
+        assert r.returncode == 0, r.stderr
+        facts = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in r.stdout.splitlines())
+        assert facts["symbols"] == ", ".join(art.meta.symbols)
+        assert facts["bars required"].startswith(f"{art.meta.bars_required} per series")
+        assert "timestamp=ts_event" in facts["bar columns"] and "symbol=raw_symbol" in facts["bar columns"]
+        assert facts["runs on"] == "CPUExecutionProvider (--device cpu)"
+        r = client("--info", "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["bar_columns"] == trained, r.stdout
+        r = client("--info", "--symbol", "ES")
+        assert r.returncode == 2 and "--info prints the model's information alone" in r.stderr
+        symbol = art.meta.symbols[0]
+        r = client("--parquet", str(tmp_path / "dbn.parquet"), "--symbol", symbol)  # no mapping flags
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(f"{symbol}  model ")
+        r = client("--parquet", str(art.bars_path), "--symbol", symbol)  # a file of another layout
+        assert r.returncode == 2 and "required column 'ts_event' is missing" in r.stderr, r.stderr
+        r = client("--parquet", str(art.bars_path), "--symbol", symbol, "--time-col", "timestamp", "--symbol-col",
+                   "symbol")
+        assert r.returncode == 0, r.stderr
+    finally:
+        s.kill()
+
+
 # ---- overload, deadlines, signals, devices -----------------------------------------------------------
 def test_overload_is_resource_exhausted_and_queued_deadlines_are_not_run(art: Model, tmp_path: Path) -> None:
     # fixed 1.5 s batching delay: admitted calls stay in flight long enough to fill --max-concurrent
