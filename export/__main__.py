@@ -100,8 +100,7 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
     if args.bars is not None and not args.bars.exists():
         raise UsageError(f"--bars {args.bars}: no such file or directory")
     if args.bars is None and (given := ColumnMap.given(args)):
-        flags = ", ".join("--" + {"timestamp": "time-col", "default_symbol": "default-symbol"}.get(f, f"{f}-col")
-                          for f in given)
+        flags = ", ".join("--" + ColumnMap.dest(f).replace("_", "-") for f in given)
         raise UsageError(f"{flags}: column mapping applies to --bars only (the checkpoint's own windows need none)")
     return ExportOptions(checkpoint=args.checkpoint, output=out, opset=args.opset, fp16=args.fp16,
                          explain=args.explain, require_device=args.require_device, triton_repo=args.triton_repo,

@@ -23,6 +23,10 @@ PRICE_COLUMNS: tuple[str, ...] = ("open", "high", "low", "close")
 REQUIRED_COLUMNS: tuple[str, ...] = ("timestamp", *PRICE_COLUMNS, "volume")
 
 
+NS_PER_UNIT = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}  # arrow's timestamp units
+UNIT_FLAG = {"seconds": "s", "milliseconds": "ms", "microseconds": "us"}
+
+
 @dataclass(frozen=True)
 class ColumnMap:
     """Which parquet column holds each field of the bar contract."""
@@ -35,6 +39,11 @@ class ColumnMap:
     close: str = "close"
     volume: str = "volume"
     default_symbol: str = "SERIES"  # symbol used when the symbol column is absent
+    time_unit: str = "ns"  # unit of an integer timestamp column: s | ms | us | ns (arrow timestamps carry theirs)
+
+    def __post_init__(self) -> None:
+        if self.time_unit not in NS_PER_UNIT:
+            raise ValueError(f"time unit {self.time_unit!r}: expected one of {', '.join(NS_PER_UNIT)}")
 
     def source(self, field_name: str) -> str:
         return str(getattr(self, field_name))
@@ -55,14 +64,22 @@ class ColumnMap:
         for name in ("open", "high", "low", "close", "volume"):
             g.add_argument(f"--{name}-col", help=f"{name} column (default {name})")
         g.add_argument("--default-symbol", help="symbol name when there is no symbol column (default SERIES)")
+        g.add_argument("--time-unit", choices=tuple(NS_PER_UNIT),
+                       help="unit of an integer timestamp column (default ns; e.g. ms for milliseconds since the "
+                            "Unix epoch); arrow timestamp columns carry their own")
 
     @staticmethod
     def given(args: argparse.Namespace) -> dict[str, str]:
         """The fields whose flags this command was given (a resumed run or an export lays them over the
         training run's names; the ones not given keep those)."""
-        flags = {"timestamp": "time_col", "symbol": "symbol_col", "default_symbol": "default_symbol"}
-        values = {f: getattr(args, flags.get(f, f"{f}_col"), None) for f in ColumnMap.__dataclass_fields__}
+        values = {f: getattr(args, ColumnMap.dest(f), None) for f in ColumnMap.__dataclass_fields__}
         return {f: v for f, v in values.items() if v is not None}
+
+    @staticmethod
+    def dest(field_name: str) -> str:
+        """The argparse destination of a field's flag: timestamp -> time_col (--time-col), open -> open_col."""
+        return {"timestamp": "time_col", "default_symbol": "default_symbol", "time_unit": "time_unit"}.get(
+            field_name, f"{field_name}_col")
 
     @staticmethod
     def from_args(args: argparse.Namespace, stored: dict[str, str] | None = None) -> ColumnMap:
@@ -203,9 +220,15 @@ def _hive_partitions(file: Path, root: Path) -> dict[str, str]:
     return dict((unquote(k), unquote(v)) for k, v in (d.split("=", 1) for d in dirs if "=" in d))
 
 
-def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str) -> tuple[np.ndarray | None, Problem | None]:
+def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str,
+                   unit: str = "ns") -> tuple[np.ndarray | None, Problem | None]:
     t = col.type
     if pa.types.is_timestamp(t) or pa.types.is_integer(t):
+        if pa.types.is_integer(t) and unit != "ns":  # integers in the unit given: an arrow timestamp of that unit
+            try:
+                col, t = col.cast(pa.int64()).cast(pa.timestamp(unit)), pa.timestamp(unit)
+            except pa.ArrowInvalid:  # unsigned values past int64
+                return None, _out_of_range_problem(col, file, name)
         try:
             arr = pc.cast(col, pa.timestamp("ns", tz=t.tz)) if pa.types.is_timestamp(t) and t.unit != "ns" else col
             arr = pc.fill_null(arr.cast(pa.int64()), 0)  # nulls are reported from the null mask
@@ -230,7 +253,7 @@ def _out_of_range_problem(col: pa.ChunkedArray, file: str, name: str) -> Problem
     if pa.types.is_timestamp(col.type):
         unit = col.type.unit
         raw = pc.fill_null(col.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
-        bad = np.flatnonzero(np.abs(raw) > top // {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}[unit])
+        bad = np.flatnonzero(np.abs(raw) > top // NS_PER_UNIT[unit])
     else:  # an unsigned integer column of nanoseconds: above int64's largest
         unit = "ns"
         raw = pc.fill_null(col, 0).to_numpy(zero_copy_only=False)
@@ -260,7 +283,8 @@ def _unit_problem(file: str, name: str, top: int) -> Problem:
                     else ("microseconds", 10**3))
     return Problem(file, name, -1, f"integer timestamps (the latest {top}) read as nanoseconds all fall before "
                    f"1973-03-03: they look like {unit} since the Unix epoch",
-                   f"write int64 UTC nanoseconds ({unit} x {factor:,}), or an arrow timestamp type with its unit")
+                   f"give --time-unit {UNIT_FLAG[unit]}, or write int64 UTC nanoseconds ({unit} x {factor:,}) or an "
+                   "arrow timestamp type with its unit")
 
 
 def _first_bad(mask: np.ndarray) -> tuple[int, int]:
@@ -349,7 +373,7 @@ def _columns_of(
     if problems:
         return None, problems
     part: dict[str, np.ndarray] = {}
-    ts, p = _timestamps_ns(table.column(cmap.timestamp), fname, cmap.timestamp)
+    ts, p = _timestamps_ns(table.column(cmap.timestamp), fname, cmap.timestamp, cmap.time_unit)
     if p is not None or ts is None:
         return None, [p] if p else []
     part["timestamp"] = ts

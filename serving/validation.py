@@ -185,9 +185,13 @@ def _check_spacing(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     if 2 * short <= ts.shape[0] - 1:
         return
     typical = int(np.median(np.diff(ts)))
+    # the model's bar interval in another unit: the usual mistake, named with its factor
+    unit = next((f"; these look like {name}: multiply them by {factor:,}" for name, factor in
+                 (("seconds", 10**9), ("milliseconds", 10**6), ("microseconds", 10**3))
+                 if meta.bar_interval_ns <= 2 * typical * factor <= 4 * meta.bar_interval_ns), "")
     raise RequestError(f"{_label(i, s.symbol)}: bars are {_span(typical)} apart (the median gap of the last "
                        f"{ts.shape[0]} bars), but this model's bars are {_span(meta.bar_interval_ns)} apart "
-                       f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}); send timestamp_ns in UTC "
+                       f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}){unit}; send timestamp_ns in UTC "
                        "nanoseconds since the Unix epoch (seconds x 1e9), and bars of the model's size")
 
 

@@ -405,8 +405,9 @@ def test_column_map_flags_round_trip() -> None:
 
     parser = argparse.ArgumentParser()
     ColumnMap.add_arguments(parser)
-    cmap = ColumnMap.from_args(parser.parse_args(["--time-col", "ts_event", "--volume-col", "size"]))
-    assert cmap == ColumnMap(timestamp="ts_event", volume="size")
+    cmap = ColumnMap.from_args(parser.parse_args(["--time-col", "ts_event", "--volume-col", "size", "--time-unit",
+                                                  "ms"]))
+    assert cmap == ColumnMap(timestamp="ts_event", volume="size", time_unit="ms")
     assert ColumnMap.from_dict(cmap.to_dict()) == cmap
     # over a training run's stored names (a resume, an export's --bars): what is given wins, even the default
     stored = ColumnMap(timestamp="ts_event", close="px_close").to_dict()
@@ -490,6 +491,12 @@ def test_check_cli_on_missing_path_and_mapping(tmp_path: Path) -> None:
     res = run_check(str(path), "--time-col", "ts_event", "--default-symbol", "ESH4")
     assert res.returncode == 0, res.stderr
     assert "ESH4: 4 rows" in res.stdout
+    cols["ts_event"] = pa.array(np.asarray(cols["ts_event"]) // 10**6, pa.int64())  # milliseconds, as many vendors
+    path = write_parquet(tmp_path / "ms.parquet", cols)
+    res = run_check(str(path), "--time-col", "ts_event")
+    assert res.returncode == 2 and "give --time-unit ms" in res.stderr, res.stderr
+    res = run_check(str(path), "--time-col", "ts_event", "--time-unit", "ms")
+    assert res.returncode == 0, res.stderr
 
 
 def test_order_rule_holds_at_extreme_timestamps(tmp_path: Path) -> None:
@@ -514,10 +521,26 @@ def test_integer_timestamps_in_another_unit_are_refused_by_name(tmp_path: Path, 
         read_bars(write_parquet(tmp_path / "x.parquet", cols))
     [problem] = info.value.problems
     assert problem.column == "timestamp" and f"look like {unit} since the Unix epoch" in problem.rule
-    assert f"{unit} x {per_unit:,}" in problem.fix
-    cols["timestamp"] = pa.array(in_unit, pa.int64()).cast(  # with its unit said: read as such
-        pa.timestamp({10**9: "s", 10**6: "ms", 10**3: "us"}[per_unit]))
+    flag = {10**9: "s", 10**6: "ms", 10**3: "us"}[per_unit]
+    assert f"give --time-unit {flag}," in problem.fix and f"{unit} x {per_unit:,}" in problem.fix
+    # with its unit said, by --time-unit or by the column's arrow type: read as such
+    bars = read_bars(tmp_path / "x.parquet", ColumnMap(time_unit=flag))
+    np.testing.assert_array_equal(bars.timestamp_ns, in_unit * per_unit)
+    assert bars.timestamp_ns[0] == T0
+    cols["timestamp"] = pa.array(in_unit, pa.int64()).cast(pa.timestamp(flag))
     assert read_bars(write_parquet(tmp_path / "y.parquet", cols)).timestamp_ns[0] == T0
+    assert read_bars(tmp_path / "y.parquet", ColumnMap(time_unit=flag)).timestamp_ns[0] == T0  # arrow's unit wins
+
+
+def test_a_time_unit_whose_values_overflow_nanoseconds_is_a_problem_by_row(tmp_path: Path) -> None:
+    cols = series_columns(0, 5, "ES")
+    ms = np.asarray(cols["timestamp"]) // 10**6
+    ms[3] = 2**62  # fine as an integer; past int64 once in nanoseconds
+    cols["timestamp"] = pa.array(ms, pa.int64())
+    p = only_problem(write_parquet(tmp_path / "x.parquet", cols), ColumnMap(time_unit="ms"))
+    assert p.row == 3 and p.column == "timestamp"
+    with pytest.raises(ValueError, match="time unit 'minutes': expected one of s, ms, us, ns"):
+        ColumnMap(time_unit="minutes")
 
 
 def test_a_null_symbol_is_refused_with_its_row(tmp_path: Path) -> None:

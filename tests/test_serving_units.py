@@ -138,11 +138,14 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
                                                             "be > 0). Fix: send positive prices"),
     ("seconds sent as nanoseconds", lambda: _req(_spaced(series("NQ"), 1_704_103_200, 60)),
      f"series[0] (NQ): bars are 60 ns apart (the median gap of the last {NEED} bars), but this model's bars are "
-     "1 min apart (GetModelInfo.bar_interval_ns = 60000000000); send timestamp_ns in UTC nanoseconds"),
+     "1 min apart (GetModelInfo.bar_interval_ns = 60000000000); these look like seconds: multiply them by "
+     "1,000,000,000; send timestamp_ns in UTC nanoseconds"),
     ("milliseconds sent as nanoseconds", lambda: _req(_spaced(series(), 1_704_103_200_000, 60_000)),
-     "bars are 60 µs apart"),
+     f"bars are 60 µs apart (the median gap of the last {NEED} bars), but this model's bars are 1 min apart "
+     "(GetModelInfo.bar_interval_ns = 60000000000); these look like milliseconds: multiply them by 1,000,000;"),
     ("bars finer than the model's", lambda: _req(series("NQ"), _spaced(series(), 1_704_103_200 * 10**9, 20 * 10**9)),
-     "series[1] (ES): bars are 20 s apart"),
+     f"series[1] (ES): bars are 20 s apart (the median gap of the last {NEED} bars), but this model's bars are 1 min "
+     "apart (GetModelInfo.bar_interval_ns = 60000000000); send"),  # no unit to blame: bars of another size
 ]
 
 
