@@ -24,6 +24,7 @@ import functools
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -46,6 +47,7 @@ from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.inference import run_batch
 from serving.metrics import Metrics
 from serving.model import LoadedModel, ModelHolder, load_and_warm, load_model
+from serving.native_log import native_stderr
 from serving.security import MessageGuard, TokenAuth, UnknownMethods, is_loopback, read_tokens, server_credentials
 from serving.servicer import Batcher, ForecasterServicer, Limits
 
@@ -178,15 +180,23 @@ class ForecastServer:
         """Bind and start answering (health NOT_SERVING until warm_up); returns the bound port."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = host_port(self.config.host, self.config.port)
-        try:
-            if self.credentials is not None:
-                self.port = self.grpc.add_secure_port(address, self.credentials)
+        failed = False
+        # gRPC logs why a bind failed on its own stderr line, and raises only "Failed to bind": the reason goes
+        # into the one error message, and the raw line is dropped (echoed as it came when the bind worked)
+        with native_stderr(echo=lambda line: not failed or "add_port" not in line) as native:
+            try:
+                if self.credentials is not None:
+                    self.port = self.grpc.add_secure_port(address, self.credentials)
+                else:
+                    self.port = self.grpc.add_insecure_port(address)
+            except RuntimeError as exc:
+                failed, error = True, str(exc)
             else:
-                self.port = self.grpc.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise OSError(f"cannot bind {address}: {exc}") from None
-        if self.port == 0:
-            raise OSError(f"cannot bind {address}")
+                failed, error = self.port == 0, ""
+        if failed:
+            reasons = [m.group(1) for line in native if (m := re.search(r"Error in bind for address '[^']*': ([^)]+)\)",
+                                                                         line))]
+            raise OSError(f"cannot bind {address}: {reasons[0] if reasons else error or 'no address could be added'}")
         self.batcher.start()
         await self.grpc.start()
         return self.port
