@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import numpy as np
 
@@ -19,6 +21,7 @@ from features.schema import FeatureSchema, FeatureSpec, Kind, Role
 
 NS_PER_SECOND = 1_000_000_000
 NS_PER_DAY = 86_400 * NS_PER_SECOND
+NS_PER_QUARTER_HOUR = 900 * NS_PER_SECOND  # every UTC offset change since 1970 falls on a quarter hour
 
 BUILTIN_OBSERVED: tuple[str, ...] = ("log_return", "log_range", "log_body", "log_volume", "volatility")
 BUILTIN_KNOWN: tuple[str, ...] = ("tod_sin", "tod_cos", "dow_sin", "dow_cos")
@@ -32,11 +35,13 @@ class FeatureConfig:
     horizon: int = 5  # forecast steps H: targets are log(close[t+h]/close[t]) for h = 1..H
     volatility_window: int = 20  # bars in the rolling standard deviation of log returns
     user_columns: tuple[str, ...] = ()  # extra numeric parquet columns used as observed features
+    calendar_tz: str = "UTC"  # IANA time zone of the calendar features (time of day, day of week)
 
     def __post_init__(self) -> None:
         if self.horizon < 1 or self.volatility_window < 1:
             raise ValueError(f"horizon ({self.horizon}) and volatility_window ({self.volatility_window}) "
                              "must be at least 1")
+        check_time_zone(self.calendar_tz)
 
     @property
     def warmup_bars(self) -> int:
@@ -48,11 +53,12 @@ class FeatureConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"horizon": self.horizon, "volatility_window": self.volatility_window,
-                "user_columns": list(self.user_columns)}
+                "user_columns": list(self.user_columns), "calendar_tz": self.calendar_tz}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> FeatureConfig:
-        return FeatureConfig(int(d["horizon"]), int(d["volatility_window"]), tuple(d.get("user_columns", ())))
+        return FeatureConfig(int(d["horizon"]), int(d["volatility_window"]), tuple(d.get("user_columns", ())),
+                             str(d.get("calendar_tz", "UTC")))  # models from before the field: UTC
 
 
 @dataclass
@@ -91,13 +97,57 @@ def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -
     return int(values[np.argmax(counts)])
 
 
-def known_features(timestamp_ns: np.ndarray) -> np.ndarray:
+def check_time_zone(name: str) -> None:
+    """ValueError naming the problem when `name` is not an IANA time zone this machine knows."""
+    try:
+        ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"calendar time zone {name!r} is not an IANA time zone name (e.g. UTC, America/Chicago, "
+                         "Europe/London, Asia/Tokyo)") from None
+
+
+@functools.lru_cache(maxsize=8192)  # a server asks for the same few quarter hours call after call
+def _offset_ns(tz: str, quarter: int) -> int:
+    """The zone's UTC offset during the quarter hour `quarter` (counted from 1970-01-01 00:00 UTC), in ns."""
+    delta = datetime.fromtimestamp(quarter * 900, ZoneInfo(tz)).utcoffset()
+    return int(delta.total_seconds()) * NS_PER_SECOND if delta is not None else 0
+
+
+def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
+    """The zone's UTC offset at each timestamp, in ns (local time = UTC + offset), daylight saving included;
+    one int when it is the same for all of them.
+
+    Timestamps within two days of each other with the same offset at both ends have it throughout (no
+    zone changes its offset twice in two days): two cached look-ups, a server's usual case. Otherwise one
+    look-up per distinct UTC day, and per quarter hour on the days whose offset changes."""
+    ts = np.asarray(timestamp_ns, dtype=np.int64)
+    if ts.size == 0:
+        return 0
+    quarter = ts // NS_PER_QUARTER_HOUR
+    lo, hi = int(quarter.min()), int(quarter.max())
+    if hi - lo <= 2 * 96 and (first := _offset_ns(tz, lo)) == _offset_ns(tz, hi):
+        return first
+    days, day_of = np.unique(quarter // 96, return_inverse=True)
+    start = np.array([_offset_ns(tz, int(d) * 96) for d in days], dtype=np.int64)
+    end = np.array([_offset_ns(tz, int(d) * 96 + 95) for d in days], dtype=np.int64)
+    out = start[day_of].reshape(ts.shape)
+    for k in np.flatnonzero(start != end):  # the offset changes within this day: each quarter hour of it
+        rows = (day_of == k).reshape(ts.shape)
+        quarters, quarter_of = np.unique(quarter[rows], return_inverse=True)
+        out[rows] = np.array([_offset_ns(tz, int(q)) for q in quarters], dtype=np.int64)[quarter_of]
+    return out
+
+
+def known_features(timestamp_ns: np.ndarray, tz: str = "UTC") -> np.ndarray:
     """Calendar features of any timestamps (past or future), shape [..., 4], float32.
 
-    Time of day and day of week (Monday = 0) in UTC, each as a sin/cos pair so that
+    Time of day and day of week (Monday = 0) in the time zone `tz` (an exchange's, so that a session
+    opens at the same time of day all year, through daylight saving), each as a sin/cos pair so that
     midnight and the week's wrap-around are continuous.
     """
     ts = np.asarray(timestamp_ns, dtype=np.int64)
+    if tz != "UTC":
+        ts = ts + utc_offset_ns(ts, tz)  # local wall-clock time, as ns since a local 1970-01-01
     tod = (ts % NS_PER_DAY).astype(np.float64) / NS_PER_DAY  # [...]  fraction of the day
     dow = ((ts // NS_PER_DAY + 3) % 7).astype(np.float64) / 7.0  # 1970-01-01 was a Thursday
     out = np.empty((*ts.shape, 4), dtype=np.float32)  # [..., 4]
@@ -228,8 +278,8 @@ def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray
     future = future_timestamps(timestamp_ns[:, -1], bar_interval_ns, config.horizon)  # [B, H]
     return LatestWindows(
         encoder_observed=np.ascontiguousarray(observed.reshape(b, n, -1)[:, n - L:]),  # [B, L, n_observed]
-        encoder_known=known_features(timestamp_ns[:, n - L:]),  # [B, L, n_known]
-        decoder_known=known_features(future),  # [B, H, n_known]
+        encoder_known=known_features(timestamp_ns[:, n - L:], config.calendar_tz),  # [B, L, n_known]
+        decoder_known=known_features(future, config.calendar_tz),  # [B, H, n_known]
         future_timestamp_ns=future,
     )
 
@@ -270,7 +320,7 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
     user_block = block_for(bars.user, config.user_columns)  # [n_user, N] when the columns come as one block
     user = user_block if user_block is not None else [bars.user[u] for u in config.user_columns]
     observed = _observed(bars.open, bars.high, bars.low, c, bars.volume, user, config, bounds[:, 0], first_row, log_c)
-    known = known_features(bars.timestamp_ns)  # [N, n_known]
+    known = known_features(bars.timestamp_ns, config.calendar_tz)  # [N, n_known]
     forward = np.full((n, config.horizon), np.nan, dtype=np.float32)  # [N, H]
     if targets:
         last_row = np.repeat(bounds[:, 1], bounds[:, 1] - bounds[:, 0]) - 1

@@ -47,7 +47,7 @@ def gather_windows(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int
         STATIC_CATEGORICAL: frame.series_id[anchors][:, None].astype(np.int64),  # [B, 1]
         ENCODER_OBSERVED: frame.observed[idx],  # [B, L, n_observed]
         ENCODER_KNOWN: frame.known[idx],  # [B, L, n_known]
-        DECODER_KNOWN: known_features(fut),  # [B, H, n_known]
+        DECODER_KNOWN: known_features(fut, frame.config.calendar_tz),  # [B, H, n_known]
         TARGET: frame.targets[anchors],  # [B, H]
     }
 

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import numpy as np
 import pytest
@@ -182,6 +183,53 @@ def test_calendar_features_of_known_timestamps() -> None:
     np.testing.assert_allclose(got, np.array(list(cases.values())), atol=1e-6)
     # any leading shape
     assert known_features(np.zeros((2, 3), dtype=np.int64)).shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize("tz", ["America/Chicago", "Europe/London", "Asia/Kathmandu", "Australia/Lord_Howe",
+                                "America/Sao_Paulo"])
+def test_utc_offsets_match_the_zone_database_at_every_bar(tz: str) -> None:
+    """Every minute of the days around each daylight-saving change of 2019-2025 (Lord Howe shifts by 30
+    minutes, Kathmandu sits at +5:45, Sao Paulo dropped DST in 2019), and random times over 1975-2060,
+    against Python's zoneinfo one timestamp at a time; any leading shape."""
+    zone = ZoneInfo(tz)
+    rng = np.random.default_rng(5)
+    spread = rng.integers(ns(1975, 1, 1, 0, 0), ns(2060, 1, 1, 0, 0), size=5000)
+    minutes = np.arange(ns(2019, 1, 1, 0, 0), ns(2026, 1, 1, 0, 0), 60 * 10**9)
+    offsets = np.array([zone.utcoffset(datetime.fromtimestamp(int(t) // 10**9, zone)).total_seconds()
+                        for t in minutes[::60]])  # hourly, to find the changes
+    changes = np.flatnonzero(np.diff(offsets)) * 60  # minute index of each change
+    assert changes.size >= (0 if tz in ("Asia/Kathmandu", "America/Sao_Paulo") else 12)
+    near = np.concatenate([minutes[max(0, c - 1440):c + 1440] for c in changes] + [spread])
+    got = compute.utc_offset_ns(near, tz)
+    want = np.array([zone.utcoffset(datetime.fromtimestamp(int(t) // 10**9, zone)).total_seconds() * 10**9
+                     for t in near], dtype=np.int64)
+    np.testing.assert_array_equal(got, want)
+    spread_2d = near[-12:].reshape(3, 4)  # any leading shape
+    np.testing.assert_array_equal(compute.utc_offset_ns(spread_2d, tz), want[-12:].reshape(3, 4))
+    for t in near[::50]:  # a window of a few hours around each: the shortcut of one offset for all
+        window = t + np.arange(-120, 120) * 60 * 10**9
+        want = [zone.utcoffset(datetime.fromtimestamp(int(w) // 10**9, zone)).total_seconds() * 10**9 for w in window]
+        np.testing.assert_array_equal(np.broadcast_to(compute.utc_offset_ns(window, tz), window.shape), want)
+
+
+def test_calendar_features_in_an_exchange_time_zone_keep_the_session_open_through_daylight_saving() -> None:
+    """CME's 08:30 Chicago open is 14:30 UTC in January and 13:30 UTC in July: in UTC its time of day moves
+    by an hour; with calendar_tz America/Chicago it stays put, and the day of week is Chicago's."""
+    winter, summer = ns(2024, 1, 8, 14, 30), ns(2024, 7, 8, 13, 30)  # both Monday 08:30 in Chicago
+    utc = known_features(np.array([winter, summer]))
+    assert not np.allclose(utc[0, :2], utc[1, :2])
+    local = known_features(np.array([winter, summer]), "America/Chicago")
+    np.testing.assert_array_equal(local[0], local[1])
+    tau = 2 * math.pi
+    np.testing.assert_allclose(local[0], [math.sin(tau * 8.5 / 24), math.cos(tau * 8.5 / 24), 0.0, 1.0], atol=1e-6)
+    sunday_evening = known_features(np.array([ns(2024, 1, 8, 0, 0)]), "America/Chicago")  # 18:00 Sunday there
+    np.testing.assert_allclose(sunday_evening[0, 2:], [math.sin(tau * 6 / 7), math.cos(tau * 6 / 7)], atol=1e-6)
+    np.testing.assert_array_equal(known_features(np.array([winter]), "UTC"), utc[:1])  # UTC: as before
+    with pytest.raises(ValueError, match="'Mars/Olympus' is not an IANA time zone name"):
+        FeatureConfig(calendar_tz="Mars/Olympus")
+    assert FeatureConfig.from_dict({"horizon": 3, "volatility_window": 5}).calendar_tz == "UTC"  # older models
+    cfg = FeatureConfig(calendar_tz="America/Chicago")
+    assert FeatureConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_known_features_are_float64_sin_cos_rounded_once_to_float32() -> None:
@@ -428,12 +476,13 @@ def test_rolling_std_paths_agree_bit_for_bit(window: int, monkeypatch: pytest.Mo
         assert np.isnan(loop[: min(n, window - 1)]).all()
 
 
-@pytest.mark.parametrize("user_form", ["none", "columns", "block"])
-def test_latest_windows_equal_the_training_windows_at_those_bars(sample: Bars, user_form: str) -> None:
+@pytest.mark.parametrize(("user_form", "tz"), [("none", "UTC"), ("columns", "America/Chicago"),
+                                               ("block", "Asia/Kathmandu")])
+def test_latest_windows_equal_the_training_windows_at_those_bars(sample: Bars, user_form: str, tz: str) -> None:
     """What a server computes from each series' last bars alone (`latest_windows`, B series at once) is
     bit for bit the window training cuts at the same bar from the whole history."""
     user_columns = () if user_form == "none" else ("u1", "u2")
-    cfg = FeatureConfig(horizon=3, volatility_window=20, user_columns=user_columns)
+    cfg = FeatureConfig(horizon=3, volatility_window=20, user_columns=user_columns, calendar_tz=tz)
     bars = bars_copy(sample)
     rng = np.random.default_rng(11)
     bars.user = {u: rng.normal(size=len(bars)) * 10.0 ** k for k, u in enumerate(user_columns)}

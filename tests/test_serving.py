@@ -33,7 +33,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from features.compute import build_frame, future_timestamps
+from features.compute import FeatureConfig, build_frame, future_timestamps
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES
 from features.windows import gather_windows
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
@@ -423,15 +423,19 @@ def test_client_prints_a_forecast_table(art: Model, server: LiveServer, tmp_path
     assert r.returncode == 2 and "no such file or directory" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_client_info_and_the_bar_columns_the_model_was_trained_from(art: Model, tmp_path: Path) -> None:
+def test_a_models_recorded_layout_client_info_bar_columns_and_calendar_zone(art: Model, tmp_path: Path) -> None:
     """`--info` prints GetModelInfo; the client reads bars with the column names the model was trained from
-    (GetModelInfo.bar_columns), as `export --bars` and `--resume` do, and mapping flags win over them."""
+    (GetModelInfo.bar_columns), as `export --bars` and `--resume` do, and mapping flags win over them; the
+    server computes the calendar features in the model's time zone, as training did."""
     proto = onnx.load(str(art.model))
     trained = {"timestamp": "ts_event", "symbol": "raw_symbol", "open": "open", "high": "high", "low": "low",
-               "close": "close", "volume": "volume", "default_symbol": "SERIES"}
+               "close": "close", "volume": "volume", "default_symbol": "SERIES", "time_unit": "ns"}
+    chicago = FeatureConfig.from_dict({**art.meta.feature_config.to_dict(), "calendar_tz": "America/Chicago"})
     for prop in proto.metadata_props:
         if prop.key == "foxhunt.column_map":
             prop.value = json.dumps(trained)
+        if prop.key == "foxhunt.feature_config":
+            prop.value = json.dumps(chicago.to_dict())
     onnx.save(proto, str(tmp_path / "mapped.onnx"))
     table = pq.read_table(art.bars_path)
     pq.write_table(table.rename_columns([{"timestamp": "ts_event", "symbol": "raw_symbol"}.get(n, n)
@@ -464,6 +468,17 @@ def test_client_info_and_the_bar_columns_the_model_was_trained_from(art: Model, 
         r = client("--parquet", str(art.bars_path), "--symbol", symbol, "--time-col", "timestamp", "--symbol-col",
                    "symbol")
         assert r.returncode == 0, r.stderr
+        # the calendar in Chicago time: the server's answer is the model run on features computed so
+        session = ort.InferenceSession(str(tmp_path / "mapped.onnx"), providers=["CPUExecutionProvider"])
+        answer = quantiles_of(s.stub.Predict(request_for(art, symbol), timeout=10).forecasts[0])
+        anchor = np.array([art.bars.series_slices()[symbol].stop - 1])
+        runs = {}
+        for cfg in (chicago, art.meta.feature_config):
+            windows = gather_windows(build_frame(art.bars, cfg, symbols=list(art.meta.symbols)), anchor,
+                                     art.meta.encoder_length)
+            runs[cfg.calendar_tz] = session.run([QUANTILES], {k: windows[k] for k in MODEL_INPUTS})[0][0]
+        np.testing.assert_allclose(answer, runs["America/Chicago"], rtol=RTOL, atol=ATOL)
+        assert not np.allclose(answer, runs["UTC"], rtol=RTOL, atol=ATOL)  # the zone made a difference
     finally:
         s.kill()
 

@@ -417,6 +417,7 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args
     ("max_steps_per_epoch", -1, "max_steps_per_epoch must be >= 0"),
     ("max_val_windows", -1, "max_val_windows must be >= 0"),
     ("features", ("imbalance", "spread", "imbalance"), "features lists a column more than once (imbalance)"),
+    ("calendar_tz", "CST", "calendar time zone 'CST' is not an IANA time zone name (e.g. UTC, America/Chicago"),
 ])
 def test_config_refuses_what_it_cannot_train_with(field: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -14,7 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from features.compute import FeatureConfig
+from features.compute import FeatureConfig, check_time_zone
 from trainer.model_config import ModelConfig
 
 
@@ -36,6 +36,7 @@ class TrainConfig:
     horizon: int = 5  # future bars forecast (H)
     volatility_window: int = 20  # bars in the rolling-volatility feature
     features: tuple[str, ...] = ()  # extra numeric parquet columns used as observed features
+    calendar_tz: str = "UTC"  # time zone of the time-of-day and day-of-week features, e.g. America/Chicago
     val_fraction: float = 0.15  # last share of the bars (distinct timestamps) used for validation
     test_fraction: float = 0.0  # share of the bars after validation held out as a test split (0 = none)
     # ---- model ----
@@ -96,6 +97,7 @@ class TrainConfig:
                 raise ConfigError(message)
         try:
             self.model_config(n_observed=1, n_known=1, n_symbols=1).validate()
+            check_time_zone(self.calendar_tz)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
@@ -103,7 +105,7 @@ class TrainConfig:
         return sorted({f for f in self.features if self.features.count(f) > 1})
 
     def feature_config(self) -> FeatureConfig:
-        return FeatureConfig(self.horizon, self.volatility_window, tuple(self.features))
+        return FeatureConfig(self.horizon, self.volatility_window, tuple(self.features), self.calendar_tz)
 
     def model_config(self, n_observed: int, n_known: int, n_symbols: int) -> ModelConfig:
         return ModelConfig(

@@ -59,7 +59,8 @@ class WindowTensors:
         self.encoder_length = encoder_length
         self.observed = torch.from_numpy(np.nan_to_num(frame.observed, nan=0.0))  # [N, n_obs]
         self.known = torch.from_numpy(frame.known)  # [N, n_known]
-        fut = known_features(future_timestamps(frame.timestamp_ns, frame.bar_interval_ns, h))  # [N, H, n_known]
+        fut = known_features(future_timestamps(frame.timestamp_ns, frame.bar_interval_ns, h),  # [N, H, n_known]
+                             frame.config.calendar_tz)
         self.future_known = torch.from_numpy(fut)
         self.series_id = torch.from_numpy(frame.series_id)  # [N]
         self.targets = torch.from_numpy(np.nan_to_num(frame.targets, nan=0.0))  # [N, H]
