@@ -223,8 +223,9 @@ def _hive_partitions(file: Path, root: Path) -> dict[str, str]:
 def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str,
                    unit: str = "ns") -> tuple[np.ndarray | None, Problem | None]:
     t = col.type
-    if pa.types.is_timestamp(t) or pa.types.is_integer(t):
-        if pa.types.is_integer(t) and unit != "ns":  # integers in the unit given: an arrow timestamp of that unit
+    integers = pa.types.is_integer(t)
+    if pa.types.is_timestamp(t) or integers:
+        if integers and unit != "ns":  # integers in the unit given: an arrow timestamp of that unit
             try:
                 col, t = col.cast(pa.int64()).cast(pa.timestamp(unit)), pa.timestamp(unit)
             except pa.ArrowInvalid:  # unsigned values past int64
@@ -235,8 +236,8 @@ def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str,
         except pa.ArrowInvalid:  # a time int64 nanoseconds cannot hold: a 9999-12-31 or UINT64_MAX placeholder
             return None, _out_of_range_problem(col, file, name)
         ns = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
-        if pa.types.is_integer(t) and ns.size and 0 < (top := int(ns.max())) < PLAUSIBLE_NS:
-            return None, _unit_problem(file, name, top)
+        if integers and ns.size and 0 < (top := int(ns.max())) < PLAUSIBLE_NS:  # read in the unit given
+            return None, _unit_problem(file, name, top // NS_PER_UNIT[unit], unit)
         return ns, None
     return None, Problem(
         file,
@@ -278,13 +279,15 @@ F32_MAX = float(np.finfo(np.float32).max)  # features are float32: a user value 
 PLAUSIBLE_NS = 10**17
 
 
-def _unit_problem(file: str, name: str, top: int) -> Problem:
+def _unit_problem(file: str, name: str, top: int, read_as: str = "ns") -> Problem:
+    """Integer timestamps whose latest (`top`, as stored) falls before 1973 read in the unit `read_as`."""
     unit, factor = (("seconds", 10**9) if top < 10**11 else ("milliseconds", 10**6) if top < 10**14
-                    else ("microseconds", 10**3))
-    return Problem(file, name, -1, f"integer timestamps (the latest {top}) read as nanoseconds all fall before "
-                   f"1973-03-03: they look like {unit} since the Unix epoch",
-                   f"give --time-unit {UNIT_FLAG[unit]}, or write int64 UTC nanoseconds ({unit} x {factor:,}) or an "
-                   "arrow timestamp type with its unit")
+                    else ("microseconds", 10**3) if top < 10**17 else ("nanoseconds", 1))
+    units = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
+    return Problem(file, name, -1, f"integer timestamps (the latest {top}) read as {units[read_as]} all fall "
+                   f"before 1973-03-03: they look like {unit} since the Unix epoch",
+                   f"give --time-unit {UNIT_FLAG.get(unit, 'ns')}, or write int64 UTC nanoseconds ({unit} x "
+                   f"{factor:,}) or an arrow timestamp type with its unit")
 
 
 def _first_bad(mask: np.ndarray) -> tuple[int, int]:
@@ -362,7 +365,8 @@ def _columns_of(
     if cmap.symbol not in names and cmap.symbol != ColumnMap.symbol:  # a name given, not the optional default
         problems.append(Problem(fname, cmap.symbol, -1, f"symbol column '{cmap.symbol}' is missing (have: "
                                 f"{', '.join(sorted(names))})", "map the column that holds the symbol with "
-                                "--symbol-col NAME, or leave --symbol-col out to read the file as one series"))
+                                "--symbol-col NAME, or give --symbol-col symbol (the default, which may be "
+                                "absent) to read the file as one series"))
     for uc in user_columns:
         if uc not in names:
             problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' is missing",

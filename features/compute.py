@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 import numpy as np
 
@@ -21,7 +21,6 @@ from features.schema import FeatureSchema, FeatureSpec, Kind, Role
 
 NS_PER_SECOND = 1_000_000_000
 NS_PER_DAY = 86_400 * NS_PER_SECOND
-NS_PER_QUARTER_HOUR = 900 * NS_PER_SECOND  # every UTC offset change since 1970 falls on a quarter hour
 
 BUILTIN_OBSERVED: tuple[str, ...] = ("log_return", "log_range", "log_body", "log_volume", "volatility")
 BUILTIN_KNOWN: tuple[str, ...] = ("tod_sin", "tod_cos", "dow_sin", "dow_cos")
@@ -98,43 +97,65 @@ def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -
 
 
 def check_time_zone(name: str) -> None:
-    """ValueError naming the problem when `name` is not an IANA time zone this machine knows."""
+    """ValueError naming the problem when `name` is not an IANA time zone this machine knows.
+
+    UTC needs no zone database; `localtime` and `posixrules` name whatever the machine is set to, which
+    would differ between the machine that trains and the one that serves, so they are refused."""
+    if name == "UTC":
+        return
+    example = "(e.g. UTC, America/Chicago, Europe/London, Asia/Tokyo)"
+    if name in ("localtime", "posixrules"):
+        raise ValueError(f"calendar time zone {name!r} means this machine's setting, which the serving machine "
+                         f"need not share: name the zone {example}")
     try:
         ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError):
-        raise ValueError(f"calendar time zone {name!r} is not an IANA time zone name (e.g. UTC, America/Chicago, "
-                         "Europe/London, Asia/Tokyo)") from None
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a directory of zones (America), a long name
+        if not available_timezones():
+            raise ValueError(f"calendar time zone {name!r}: this machine has no time zone database; install the "
+                             "tzdata package (pip install tzdata)") from None
+        raise ValueError(f"calendar time zone {name!r} is not an IANA time zone name {example}") from None
 
 
-@functools.lru_cache(maxsize=8192)  # a server asks for the same few quarter hours call after call
-def _offset_ns(tz: str, quarter: int) -> int:
-    """The zone's UTC offset during the quarter hour `quarter` (counted from 1970-01-01 00:00 UTC), in ns."""
-    delta = datetime.fromtimestamp(quarter * 900, ZoneInfo(tz)).utcoffset()
+@functools.lru_cache(maxsize=8192)  # a server asks about the same days call after call
+def _offset_ns(tz: str, second: int) -> int:
+    """The zone's UTC offset at `second` (since 1970-01-01 00:00 UTC), in ns."""
+    delta = datetime.fromtimestamp(second, ZoneInfo(tz)).utcoffset()
     return int(delta.total_seconds()) * NS_PER_SECOND if delta is not None else 0
+
+
+def _change_second(tz: str, lo: int, hi: int) -> int:
+    """The first second in (lo, hi] with hi's offset, when lo's differs (one change between them)."""
+    end = _offset_ns(tz, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _offset_ns(tz, mid) == end else (mid, hi)
+    return hi
 
 
 def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
     """The zone's UTC offset at each timestamp, in ns (local time = UTC + offset), daylight saving included;
     one int when it is the same for all of them.
 
-    Timestamps within two days of each other with the same offset at both ends have it throughout (no
-    zone changes its offset twice in two days): two cached look-ups, a server's usual case. Otherwise one
-    look-up per distinct UTC day, and per quarter hour on the days whose offset changes."""
+    No zone has changed its offset twice within two days since 1970, so timestamps spanning at most two days
+    with one offset at both ends have it throughout: two cached look-ups, a server's usual case. Otherwise
+    one look-up per distinct UTC day at its first and last second; on a day whose offset changes, the
+    second of the change is found by bisection (changes fall on any minute: St. John's changed at 00:01)."""
     ts = np.asarray(timestamp_ns, dtype=np.int64)
     if ts.size == 0:
         return 0
-    quarter = ts // NS_PER_QUARTER_HOUR
-    lo, hi = int(quarter.min()), int(quarter.max())
-    if hi - lo <= 2 * 96 and (first := _offset_ns(tz, lo)) == _offset_ns(tz, hi):
+    second = ts // NS_PER_SECOND
+    lo, hi = int(second.min()), int(second.max())
+    if hi - lo <= 2 * 86_400 and (first := _offset_ns(tz, lo)) == _offset_ns(tz, hi):
         return first
-    days, day_of = np.unique(quarter // 96, return_inverse=True)
-    start = np.array([_offset_ns(tz, int(d) * 96) for d in days], dtype=np.int64)
-    end = np.array([_offset_ns(tz, int(d) * 96 + 95) for d in days], dtype=np.int64)
+    days, day_of = np.unique(second // 86_400, return_inverse=True)
+    start = np.array([_offset_ns(tz, int(d) * 86_400) for d in days], dtype=np.int64)
+    end = np.array([_offset_ns(tz, int(d) * 86_400 + 86_399) for d in days], dtype=np.int64)
     out = start[day_of].reshape(ts.shape)
-    for k in np.flatnonzero(start != end):  # the offset changes within this day: each quarter hour of it
-        rows = (day_of == k).reshape(ts.shape)
-        quarters, quarter_of = np.unique(quarter[rows], return_inverse=True)
-        out[rows] = np.array([_offset_ns(tz, int(q)) for q in quarters], dtype=np.int64)[quarter_of]
+    for k in np.flatnonzero(start != end):  # the offset changes within this day, once
+        day = int(days[k]) * 86_400
+        change = _change_second(tz, day, day + 86_399)
+        rows = (day_of == k).reshape(ts.shape) & (second >= change)
+        out[rows] = end[k]
     return out
 
 

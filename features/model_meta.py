@@ -16,6 +16,10 @@ from features.compute import FeatureConfig
 from features.schema import FeatureSchema
 
 FORMAT = "foxhunt-tft-onnx/1"
+# A model whose calendar features are in a time zone other than UTC: a server from before the zone would
+# read its metadata without it and compute them in UTC; this format makes such a server refuse the model.
+FORMAT_ZONED = "foxhunt-tft-onnx/2"
+FORMATS = (FORMAT, FORMAT_ZONED)
 PREFIX = "foxhunt."
 
 
@@ -54,7 +58,7 @@ class ModelMeta:
 
     def to_props(self) -> dict[str, str]:
         values: dict[str, Any] = {
-            "format": FORMAT,
+            "format": FORMAT if self.feature_config.calendar_tz == "UTC" else FORMAT_ZONED,
             "model_config": self.model_config,
             "feature_config": self.feature_config.to_dict(),
             "feature_schema": self.feature_schema.to_list(),
@@ -78,10 +82,10 @@ class ModelMeta:
     @staticmethod
     def from_props(props: dict[str, str]) -> ModelMeta:
         """Parse and check; ModelMetaError names the first missing or bad key."""
-        if props.get(PREFIX + "format") != FORMAT:
+        if props.get(PREFIX + "format") not in FORMATS:
             raise ModelMetaError(f"not a foxhunt-tft model: metadata '{PREFIX}format' is "
-                                 f"{props.get(PREFIX + 'format')!r}, expected {FORMAT!r}. Export it with "
-                                 "`python -m export ckpt.pt model.onnx`")
+                                 f"{props.get(PREFIX + 'format')!r}, expected one of {', '.join(FORMATS)}. Export "
+                                 "it with `python -m export ckpt.pt model.onnx`")
 
         def get(key: str, json_value: bool = True) -> Any:
             if PREFIX + key not in props:
@@ -115,6 +119,10 @@ class ModelMeta:
             raise
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelMetaError(f"model metadata is inconsistent: {exc}") from None
+        if props[PREFIX + "format"] == FORMAT and meta.feature_config.calendar_tz != "UTC":
+            raise ModelMetaError(f"model metadata is inconsistent: calendar time zone "
+                                 f"{meta.feature_config.calendar_tz!r} in a {FORMAT} model (a zone needs "
+                                 f"{FORMAT_ZONED}); re-export the model")
         meta.check()
         return meta
 

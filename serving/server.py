@@ -62,6 +62,16 @@ CLIENT_PING_MIN_MS = 1000  # the shortest keepalive interval accepted from clien
 CONNECTION_AGE_GRACE_S = 30.0  # calls in flight on a connection past its --max-connection-age get this long
 
 
+def bind_failure_reason(line: str) -> str:
+    """Why gRPC could not add a port, from its log line ('' for any other line): the first bind error
+    ('Address already in use'), or what it says instead ('address lookup failed for HOST:PORT: ...')."""
+    head, _, text = line.partition("Failed to add port to server: ")
+    if not head or not text:
+        return ""
+    if m := re.search(r"Error in bind for address '[^']*': (.*?)(?=Error in bind|\)|$)", text):
+        return m.group(1).strip()
+    return text.strip()
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything `python -m serving` takes; one comment per field."""
@@ -182,8 +192,8 @@ class ForecastServer:
         address = host_port(self.config.host, self.config.port)
         failed = False
         # gRPC logs why a bind failed on its own stderr line, and raises only "Failed to bind": the reason goes
-        # into the one error message, and the raw line is dropped (echoed as it came when the bind worked)
-        with native_stderr(echo=lambda line: not failed or "add_port" not in line) as native:
+        # into the one error message, and that line is dropped (everything is echoed as it came otherwise)
+        with native_stderr(echo=lambda line: not (failed and bind_failure_reason(line))) as native:
             try:
                 if self.credentials is not None:
                     self.port = self.grpc.add_secure_port(address, self.credentials)
@@ -194,9 +204,8 @@ class ForecastServer:
             else:
                 failed, error = self.port == 0, ""
         if failed:
-            reasons = [m.group(1) for line in native if (m := re.search(r"Error in bind for address '[^']*': ([^)]+)\)",
-                                                                         line))]
-            raise OSError(f"cannot bind {address}: {reasons[0] if reasons else error or 'no address could be added'}")
+            reason = next((r for line in native if (r := bind_failure_reason(line))), "")
+            raise OSError(f"cannot bind {address}: {reason or error or 'no address could be added'}")
         self.batcher.start()
         await self.grpc.start()
         return self.port
@@ -289,7 +298,8 @@ def contract_changes(old: ModelMeta, new: ModelMeta) -> list[str]:
     def facts(m: ModelMeta) -> dict[str, Any]:
         return {"bars required": m.bars_required, "bar interval (ns)": m.bar_interval_ns, "horizon": m.horizon,
                 "quantiles": list(m.quantiles), "symbols": list(m.symbols),
-                "user feature columns": m.feature_schema.user_columns, "explain": m.explain}
+                "user feature columns": m.feature_schema.user_columns, "explain": m.explain,
+                "bar columns": m.column_map, "calendar time zone": m.feature_config.calendar_tz}
 
     was, now = facts(old), facts(new)
     return [f"{k} {was[k]} -> {now[k]}" for k in was if was[k] != now[k]]

@@ -14,7 +14,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from features.bars import F32_MAX, PRICE_COLUMNS, Bars, ColumnBlock, ColumnMap, Problem, block_for, validate
+from features.bars import (
+    F32_MAX,
+    PLAUSIBLE_NS,
+    PRICE_COLUMNS,
+    Bars,
+    ColumnBlock,
+    ColumnMap,
+    Problem,
+    block_for,
+    validate,
+)
 from features.model_meta import ModelMeta
 from serving.errors import RequestError, bounded
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
@@ -185,10 +195,11 @@ def _check_spacing(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     if 2 * short <= ts.shape[0] - 1:
         return
     typical = int(np.median(np.diff(ts)))
-    # the model's bar interval in another unit: the usual mistake, named with its factor
+    # times before 1973 spaced as the model's bars in another unit: the usual mistake, named with its factor
     unit = next((f"; these look like {name}: multiply them by {factor:,}" for name, factor in
                  (("seconds", 10**9), ("milliseconds", 10**6), ("microseconds", 10**3))
-                 if meta.bar_interval_ns <= 2 * typical * factor <= 4 * meta.bar_interval_ns), "")
+                 if meta.bar_interval_ns <= 2 * typical * factor <= 4 * meta.bar_interval_ns), "") \
+        if int(ts[-1]) < PLAUSIBLE_NS else ""
     raise RequestError(f"{_label(i, s.symbol)}: bars are {_span(typical)} apart (the median gap of the last "
                        f"{ts.shape[0]} bars), but this model's bars are {_span(meta.bar_interval_ns)} apart "
                        f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}){unit}; send timestamp_ns in UTC "

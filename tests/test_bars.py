@@ -530,6 +530,11 @@ def test_integer_timestamps_in_another_unit_are_refused_by_name(tmp_path: Path, 
     cols["timestamp"] = pa.array(in_unit, pa.int64()).cast(pa.timestamp(flag))
     assert read_bars(write_parquet(tmp_path / "y.parquet", cols)).timestamp_ns[0] == T0
     assert read_bars(tmp_path / "y.parquet", ColumnMap(time_unit=flag)).timestamp_ns[0] == T0  # arrow's unit wins
+    if flag != "us":  # a unit too small for the values: 1970 again, refused with the unit they look like
+        smaller = {"s": "ms", "ms": "us"}[flag]
+        p = only_problem(tmp_path / "x.parquet", ColumnMap(time_unit=smaller))
+        assert f"read as {({'ms': 'milliseconds', 'us': 'microseconds'})[smaller]} all fall before 1973" in p.rule
+        assert f"give --time-unit {flag}," in p.fix
 
 
 def test_a_time_unit_whose_values_overflow_nanoseconds_is_a_problem_by_row(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from features.compute import FeatureConfig, build_frame, future_timestamps
+from features.model_meta import FORMAT_ZONED
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES
 from features.windows import gather_windows
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
@@ -436,6 +437,8 @@ def test_a_models_recorded_layout_client_info_bar_columns_and_calendar_zone(art:
             prop.value = json.dumps(trained)
         if prop.key == "foxhunt.feature_config":
             prop.value = json.dumps(chicago.to_dict())
+        if prop.key == "foxhunt.format":  # what export writes for a zoned model (a server before zones refuses it)
+            prop.value = FORMAT_ZONED
     onnx.save(proto, str(tmp_path / "mapped.onnx"))
     table = pq.read_table(art.bars_path)
     pq.write_table(table.rename_columns([{"timestamp": "ts_event", "symbol": "raw_symbol"}.get(n, n)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from features.compute import FeatureConfig
-from features.model_meta import ModelMeta
+from features.model_meta import FORMAT, FORMAT_ZONED, ModelMeta, ModelMetaError
 from features.schema import STATIC_CATEGORICAL
 from serving.batcher import MicroBatcher
 from serving.errors import NotReady, QueueDeadlineExceeded, RequestError, status_of
@@ -26,6 +26,7 @@ from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.model import batch_buckets, bucket_for
 from serving.postprocess import price_quantiles
 from serving.preprocess import prepare
+from serving.server import bind_failure_reason
 from serving.validation import columns_from_proto, parse_request, validate_series
 from tests.artifacts import REPO
 
@@ -951,3 +952,35 @@ def test_two_user_columns_reach_the_model_in_its_order_whatever_order_they_are_s
         for form in (lambda s: s, packed):
             got = prepare([columns_from_proto(form(s)) for s in chosen], meta).inputs[ENCODER_OBSERVED]
             assert got.tobytes() == expected(chosen).tobytes(), (len(chosen), form)
+
+
+@pytest.mark.parametrize(("line", "reason"), [
+    ("E1130 18:41:15.828615   32765 add_port.cc:83] Failed to add port to server: No address added out of total 1 "
+     "resolved for '127.0.0.1:50079' (Error in bind for address '[::ffff:127.0.0.1]:50079': Address already in use)",
+     "Address already in use"),
+    # a wildcard host (the container's 0.0.0.0) tries both families and joins their errors without a separator
+    ("E1130 18:41:15.828310   32765 add_port.cc:83] Failed to add port to server: No address added out of total 1 "
+     "resolved for '0.0.0.0:50079' (Failed to add any wildcard listeners: Error in bind for address '[::]:50079': "
+     "Address already in useError in bind for address '0.0.0.0:50079': Address already in use)",
+     "Address already in use"),
+    ("E1130 18:41:15.829630   32765 add_port.cc:83] Failed to add port to server: address lookup failed for "
+     "nonexistent.invalid:50079: Domain name not found",
+     "address lookup failed for nonexistent.invalid:50079: Domain name not found"),
+    ("2026-11-30 18:41:08,106 INFO serving listening", ""),
+])
+def test_the_reason_gRPC_logs_for_a_failed_bind_is_read_from_its_line(line: str, reason: str) -> None:
+    """gRPC raises only "Failed to bind ... set GRPC_VERBOSITY=debug"; its log line (gRPC 1.85's wording) says
+    why, and the server's one error line carries that reason instead."""
+    assert bind_failure_reason(line) == reason
+
+
+def test_a_model_with_a_calendar_zone_has_a_format_servers_before_zones_refuse() -> None:
+    """A server that predates calendar_tz would read a zoned model's metadata without the zone and compute
+    its calendar features in UTC: such models carry the next format, which that server refuses by name."""
+    assert META.to_props()["foxhunt.format"] == FORMAT  # UTC: the format every server reads
+    zoned = dataclasses.replace(META, feature_config=dataclasses.replace(FC, calendar_tz="America/Chicago"))
+    props = zoned.to_props()
+    assert props["foxhunt.format"] == FORMAT_ZONED
+    assert ModelMeta.from_props(props).feature_config.calendar_tz == "America/Chicago"
+    with pytest.raises(ModelMetaError, match="calendar time zone 'America/Chicago' in a foxhunt-tft-onnx/1 model"):
+        ModelMeta.from_props({**props, "foxhunt.format": FORMAT})
