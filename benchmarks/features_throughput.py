@@ -1,6 +1,7 @@
 """Throughput of the features package on 1,000,000 bars (CPU only, no torch).
 
     python -m benchmarks.features_throughput [--bars 1000000] [--symbols 4] [--batch 256] [--repeats 3]
+        [--calendar-tz America/Chicago]
 
 Generates the bars once with features.synth (not timed), writes them as one parquet file,
 then times each stage `--repeats` times and reports the median:
@@ -47,13 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--horizon", type=int, default=5, help="forecast steps (default 5)")
     p.add_argument("--batch", type=int, default=256, help="windows gathered per batch (default 256)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per stage; the median is reported")
+    p.add_argument("--calendar-tz", default="UTC", help="time zone of the calendar features (default UTC)")
     args = p.parse_args(argv)
     if args.symbols < 1 or args.bars < args.symbols or args.repeats < 1 or args.batch < 1:
         p.error("need --symbols >= 1, --bars >= --symbols, --repeats >= 1, --batch >= 1")
     names = list(KNOWN_SYMBOLS)[: args.symbols] + [f"S{i}" for i in range(args.symbols - len(KNOWN_SYMBOLS))]
     per_symbol = args.bars // args.symbols
     n = per_symbol * args.symbols
-    config = FeatureConfig(horizon=args.horizon)
+    config = FeatureConfig(horizon=args.horizon, calendar_tz=args.calendar_tz)
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bars.parquet"
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{platform.processor() or platform.system()}")
     anchors = anchor_rows(frame, args.encoder_length).size
     rows = [("read_bars (read + validate)", read_s, f"{n / read_s:,.0f} bars/s"),
-            (f"build_frame (H={args.horizon}, volatility window {config.volatility_window})", build_s,
+            (f"build_frame (H={args.horizon}, volatility window {config.volatility_window}, calendar "
+             f"{config.calendar_tz})", build_s,
              f"{n / build_s:,.0f} bars/s"),
             ("read + build", read_s + build_s, f"{n / (read_s + build_s):,.0f} bars/s"),
             (f"anchor_rows ({anchors:,}) + gather_windows (B={args.batch}, L={args.encoder_length})", win_s,

@@ -13,6 +13,9 @@ then times with `timeit` (best of `--repeats`, hot loops):
 * session.run, 1    the bare ONNX Runtime run of one window, for scale
 * build_response    model outputs -> PredictResponse (`serving.postprocess`)
 
+`--calendar-tz ZONE` adds the two prepare rows with the calendar features in that zone (the model's
+metadata changed in memory for the timing; its weights are not retrained for it), beside the model's own.
+
 To compare two builds, run it from each checkout in turn (`cd OTHER && python -m
 benchmarks.serving_steps ...`), alternating: these are microseconds, and the machine's state moves
 them between runs as much as small changes do.
@@ -21,6 +24,7 @@ them between runs as much as small changes do.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import timeit
 from collections.abc import Callable
@@ -52,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="series in the batched prepare row (default 8)")
     p.add_argument("--repeats", type=int, default=5, help="timings per step; the best is reported (default 5)")
     p.add_argument("--seconds", type=float, default=0.2, help="about how long each timing lasts (default 0.2)")
+    p.add_argument("--calendar-tz", help="also time prepare with the calendar features in this zone")
     args = p.parse_args(argv)
     if args.batch < 1 or args.repeats < 1 or args.seconds <= 0:
         p.error("need --batch >= 1, --repeats >= 1 and --seconds > 0")
@@ -81,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         ("build_response", time_it(lambda: build_response(result.prepared, result.outputs, meta, model.version,
                                                           False))),
     ]
+    if args.calendar_tz:
+        zoned = dataclasses.replace(meta, feature_config=dataclasses.replace(meta.feature_config,
+                                                                             calendar_tz=args.calendar_tz))
+        rows[3:3] = [(f"prepare, 1, {args.calendar_tz}", time_it(lambda: prepare(lone, zoned))),
+                     (f"prepare, batch of {args.batch} (per series), {args.calendar_tz}",
+                      time_it(lambda: prepare(batch, zoned), args.batch))]
     print(f"model {meta.model_version}: encoder {meta.encoder_length}, bars_required {meta.bars_required}, "
           f"{len(meta.feature_config.user_columns)} user columns{' (packed)' if args.packed else ''}; "
           f"request {pool[0].ByteSize():,} bytes")

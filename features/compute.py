@@ -116,6 +116,9 @@ def check_time_zone(name: str) -> None:
         raise ValueError(f"calendar time zone {name!r} is not an IANA time zone name {example}") from None
 
 
+SMALL_ZONE_ROWS = 256  # up to this many series of timestamps, each gets its own two offset look-ups
+
+
 @functools.lru_cache(maxsize=8192)  # a server asks about the same days call after call
 def _offset_ns(tz: str, second: int) -> int:
     """The zone's UTC offset at `second` (since 1970-01-01 00:00 UTC), in ns."""
@@ -143,17 +146,27 @@ def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
     ts = np.asarray(timestamp_ns, dtype=np.int64)
     if ts.size == 0:
         return 0
-    second = ts // NS_PER_SECOND
-    lo, hi = int(second.min()), int(second.max())
+    lo, hi = int(ts.min()) // NS_PER_SECOND, int(ts.max()) // NS_PER_SECOND
     if hi - lo <= 2 * 86_400 and (first := _offset_ns(tz, lo)) == _offset_ns(tz, hi):
         return first
-    days, day_of = np.unique(second // 86_400, return_inverse=True)
+    second = ts // NS_PER_SECOND
+    if ts.ndim >= 2 and ts.size // ts.shape[-1] <= SMALL_ZONE_ROWS:  # a server's batch: each series on its own
+        rows_lo, rows_hi = second.min(axis=-1).reshape(-1), second.max(axis=-1).reshape(-1)
+        per_row = [(_offset_ns(tz, int(a)), _offset_ns(tz, int(b))) for a, b in zip(rows_lo, rows_hi, strict=True)]
+        if all(a == b for a, b in per_row) and int((rows_hi - rows_lo).max()) <= 2 * 86_400:
+            return np.array([a for a, _ in per_row], dtype=np.int64).reshape(*ts.shape[:-1], 1)
+    day = second // 86_400
+    first_day, last_day = int(day.min()), int(day.max())
+    if last_day - first_day <= 100_000:  # every day of the span (no sort): a history of up to 270 years
+        days, day_of = np.arange(first_day, last_day + 1), day - first_day
+    else:
+        days, day_of = np.unique(day, return_inverse=True)
     start = np.array([_offset_ns(tz, int(d) * 86_400) for d in days], dtype=np.int64)
     end = np.array([_offset_ns(tz, int(d) * 86_400 + 86_399) for d in days], dtype=np.int64)
     out = start[day_of].reshape(ts.shape)
     for k in np.flatnonzero(start != end):  # the offset changes within this day, once
-        day = int(days[k]) * 86_400
-        change = _change_second(tz, day, day + 86_399)
+        midnight = int(days[k]) * 86_400
+        change = _change_second(tz, midnight, midnight + 86_399)
         rows = (day_of == k).reshape(ts.shape) & (second >= change)
         out[rows] = end[k]
     return out

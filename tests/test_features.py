@@ -206,12 +206,31 @@ def test_utc_offsets_match_the_zone_database_at_every_bar(tz: str, years: tuple[
     want = np.array([zone.utcoffset(datetime.fromtimestamp(int(t) // 10**9, zone)).total_seconds() * 10**9
                      for t in near], dtype=np.int64)
     np.testing.assert_array_equal(got, want)
+    centuries = np.array([ns(1700, 6, 1, 12, 0), ns(2250, 6, 1, 12, 0), *near[:50:10]])  # beyond 100,000 days
+    want_c = [zone.utcoffset(datetime.fromtimestamp(int(t) // 10**9, zone)).total_seconds() * 10**9 for t in centuries]
+    np.testing.assert_array_equal(compute.utc_offset_ns(centuries, tz), want_c)
     spread_2d = near[-12:].reshape(3, 4)  # any leading shape
     np.testing.assert_array_equal(compute.utc_offset_ns(spread_2d, tz), want[-12:].reshape(3, 4))
     for t in near[::50]:  # a window of a few hours around each: the shortcut of one offset for all
         window = t + np.arange(-120, 120) * 60 * 10**9
         want = [zone.utcoffset(datetime.fromtimestamp(int(w) // 10**9, zone)).total_seconds() * 10**9 for w in window]
         np.testing.assert_array_equal(np.broadcast_to(compute.utc_offset_ns(window, tz), window.shape), want)
+
+
+def test_utc_offsets_of_a_servers_batch_each_series_on_its_own() -> None:
+    """A batch [B, n] of series months apart (one offset each, told row by row), and one whose bars cross a
+    change (the whole batch then takes the general way): every offset as zoneinfo has it."""
+    zone = ZoneInfo("America/Chicago")
+    minute = 60 * 10**9
+    starts = [ns(2024, 1, 8, 14, 0), ns(2024, 7, 8, 13, 0), ns(2024, 12, 2, 15, 0)]
+    batch = np.array([t + np.arange(40) * minute for t in starts])  # [3, 40]
+    crossing = ns(2024, 3, 10, 7, 40) + np.arange(40) * minute  # 2024-03-10 08:00 UTC: CST -> CDT
+    for b in (batch, np.vstack([batch, crossing])):
+        got = np.broadcast_to(compute.utc_offset_ns(b, "America/Chicago"), b.shape)
+        want = [[zone.utcoffset(datetime.fromtimestamp(int(t) // 10**9, zone)).total_seconds() * 10**9 for t in row]
+                for row in b]
+        np.testing.assert_array_equal(got, want)
+    assert len(set(np.broadcast_to(compute.utc_offset_ns(batch, "America/Chicago"), batch.shape)[:, 0])) == 2
 
 
 def test_calendar_features_in_an_exchange_time_zone_keep_the_session_open_through_daylight_saving() -> None:
