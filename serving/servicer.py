@@ -71,6 +71,13 @@ class Admission:
             self._metrics.inflight.dec()
 
 
+def caller_gone(context: aio.ServicerContext[Any, Any]) -> bool:
+    """The call was cancelled or its deadline has passed: whatever the handler sends, gRPC fails to deliver and
+    logs the failure as an ERROR with a traceback (an abort or a response on a finished call)."""
+    remaining = context.time_remaining()
+    return context.cancelled() or (remaining is not None and remaining <= 0)
+
+
 def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
     """Map errors to status codes, count answers by code, time the handler."""
 
@@ -80,7 +87,10 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
             start = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                return await fn(self, request, context)
+                response = await fn(self, request, context)
+                if caller_gone(context):  # an answer no one waits for: counted as the deadline or the cancel
+                    raise asyncio.CancelledError
+                return response
             except asyncio.CancelledError:  # the client went away or its deadline passed: counted as which
                 remaining = context.time_remaining()
                 code = (grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0
@@ -93,6 +103,8 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
             finally:
                 self.metrics.requests.labels(method, code.name).inc()
                 self.metrics.latency.labels(method).observe(time.perf_counter() - start)
+            if caller_gone(context):  # no status can reach it; end the handler as a cancelled one
+                raise asyncio.CancelledError
             await context.abort(code, message)  # raises; the server stays up
             raise AssertionError("unreachable")  # pragma: no cover
 

@@ -487,6 +487,38 @@ def test_a_models_recorded_layout_client_info_bar_columns_and_calendar_zone(art:
 
 
 # ---- overload, deadlines, signals, devices -----------------------------------------------------------
+def test_callers_whose_deadlines_pass_are_counted_and_log_no_errors(art: Model, tmp_path: Path) -> None:
+    """Thousands of calls with a 20 ms deadline from 32 threads: most expire while queued or running. An
+    answer or an error status sent to a caller already gone fails in gRPC, which logs it as an ERROR with a
+    traceback; the server sends nothing then, and counts the call as DEADLINE_EXCEEDED."""
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu")
+    try:
+        s.wait_serving()
+        request = request_for(art, art.meta.symbols[0])
+        channels = [grpc.insecure_channel(s.target) for _ in range(8)]
+        stubs = [pb_grpc.ForecasterStub(c) for c in channels]
+
+        def call(i: int) -> str:
+            try:
+                stubs[i % 8].Predict(request, timeout=0.02)
+                return "OK"
+            except grpc.RpcError as exc:
+                return str(exc.code().name)
+
+        with ThreadPoolExecutor(32) as pool:
+            codes = list(pool.map(call, range(3000)))
+        for c in channels:
+            c.close()
+        assert set(codes) <= {"OK", "DEADLINE_EXCEEDED"} and codes.count("DEADLINE_EXCEEDED") > 100, codes[:20]
+        text = s.scrape()
+        assert metric(text, "foxhunt_requests_total", method="Predict", code="DEADLINE_EXCEEDED") > 100
+        assert s.proc.poll() is None
+        log = s.log_text()
+        assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+    finally:
+        s.kill()
+
+
 def test_overload_is_resource_exhausted_and_queued_deadlines_are_not_run(art: Model, tmp_path: Path) -> None:
     # fixed 1.5 s batching delay: admitted calls stay in flight long enough to fill --max-concurrent
     s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--max-concurrent", "2",
