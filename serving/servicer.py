@@ -150,11 +150,13 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             size = response.ByteSize()
             steps.add("response", time.perf_counter() - start)
             if size > self.limits.max_message_bytes:  # else gRPC fails the send with a status the caller can't act on
-                per = max(1, size // len(series))
+                fits = self.limits.max_message_bytes // max(1, size // len(series))  # series per response
+                fixes = [f"send at most {fits} series per request"] if 1 <= fits < len(series) else []
+                fixes += ["set explain=false"] if request.explain else []
+                fixes = fixes or ["the server's --max-message-bytes must be raised for one series' answer"]
                 raise ResponseTooLarge(
                     f"the response would be {size} bytes, over the server's limit of {self.limits.max_message_bytes} "
-                    f"(--max-message-bytes); send at most {max(1, self.limits.max_message_bytes // per)} series per "
-                    "request" + (" or set explain=false" if request.explain else ""))
+                    f"(--max-message-bytes); {' or '.join(fixes)}")
             return response
 
     @rpc("GetModelInfo")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 
@@ -154,6 +155,8 @@ def _check_identity(i: int, s: SeriesColumns, meta: ModelMeta, seen: dict[str, i
 
 def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     label = _label(i, s.symbol)
+    if all(getattr(s, c).shape[0] == 0 for c in BAR_COLUMNS):  # a symbol alone: the bars are what is missing
+        _refuse_too_few(label, 0, meta)
     need = meta.feature_config.user_columns
     block = block_for(s.user, need)  # a block of exactly the model's columns: no column-by-column steps
     missing = [] if block is not None else [u for u in need if u not in s.user]
@@ -166,12 +169,16 @@ def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
         lengths = {c: int(getattr(s, c).shape[0]) for c in BAR_COLUMNS} | {u: int(s.user[u].shape[0]) for u in need}
         listed = ", ".join(f"{c} {k}" for c, k in lengths.items())
         raise RequestError(f"{label}: columns have unequal lengths ({listed}); send one value per bar in every column")
+    if n < meta.bars_required:
+        _refuse_too_few(label, n, meta)
+
+
+def _refuse_too_few(label: str, n: int, meta: ModelMeta) -> NoReturn:
     required = meta.bars_required
-    if n < required:
-        raise RequestError(
-            f"{label}: {n} bars sent, the model needs at least {required} ({meta.feature_config.warmup_bars} warm-up "
-            f"bars for the rolling features + {meta.encoder_length} encoder bars); send the most recent {required} "
-            "bars, oldest first (GetModelInfo.bars_required)")
+    raise RequestError(
+        f"{label}: {n} bar{'' if n == 1 else 's'} sent, the model needs at least {required} "
+        f"({meta.feature_config.warmup_bars} warm-up bars for the rolling features + {meta.encoder_length} encoder "
+        f"bars); send the most recent {required} bars, oldest first (GetModelInfo.bars_required)")
 
 
 def _check_time_range(i: int, s: SeriesColumns, meta: ModelMeta) -> None:

@@ -308,10 +308,23 @@ def test_a_response_over_the_size_limit_is_resource_exhausted(tiny_model: Model)
                 with pytest.raises(aio.AioRpcError) as info:
                     await stub.Predict(request, timeout=10)
                 assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "--max-message-bytes" in (info.value.details() or "")
-                assert "explain=false" in (info.value.details() or "")
+                details = info.value.details() or ""
+                assert "--max-message-bytes); set explain=false" in details  # one series: no "send fewer"
                 request.explain = False
-                assert (await stub.Predict(request, timeout=10)).forecasts
+                one = await stub.Predict(request, timeout=10)
+                assert one.forecasts
+                size = one.ByteSize()
+                request.series.append(request.series[0])  # two series: room for one
+                request.series[1].symbol = tiny_model.meta.symbols[1]
+                server.servicer.limits = Limits(max_batch=64, max_message_bytes=size * 3 // 2, max_concurrent=8)
+                with pytest.raises(aio.AioRpcError) as info:
+                    await stub.Predict(request, timeout=10)
+                assert (info.value.details() or "").endswith("; send at most 1 series per request")
+                del request.series[1:]
+                server.servicer.limits = Limits(max_batch=64, max_message_bytes=size // 2, max_concurrent=8)
+                with pytest.raises(aio.AioRpcError) as info:
+                    await stub.Predict(request, timeout=10)
+                assert "the server's --max-message-bytes must be raised" in (info.value.details() or "")
         finally:
             await server.stop(1)
 

@@ -109,6 +109,9 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
                               f"most recent {NEED} bars"),
     ("too few", lambda: _req(series(n=NEED - 1)), f"series[0] (ES): {NEED - 1} bars sent, the model needs at least "
                                                   f"{NEED} (5 warm-up bars for the rolling features + 4 encoder bars)"),
+    ("one bar", lambda: _req(series(n=1)), f"series[0] (ES): 1 bar sent, the model needs at least {NEED} "),
+    ("a symbol alone", lambda: _req(pb.Series(symbol="ES")), f"series[0] (ES): 0 bars sent, the model needs at "
+                                                            f"least {NEED} "),  # not "user column missing"
     ("unknown", lambda: _req(series("CL")), "series[0]: unknown symbol 'CL'; the model knows ES, NQ"),
     ("no symbol", lambda: _req(series("")), "series[0]: symbol is empty"),
     ("twice", lambda: _req(series("NQ"), series("ES"), series("NQ")), "series[2]: symbol 'NQ' already appears in "
