@@ -122,7 +122,9 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
             bar_interval_ns=int(ckpt["bar_interval_ns"]),
             symbols=tuple(str(s) for s in ckpt["symbols"]),
             checkpoint_sha256=sha,
-            model_version=sha[:12] + ("-fp16" if opts.precision == "fp16" else ""),  # answers say which ran
+            # answers say which model ran: the checkpoint, and what the export changed of its graph
+            model_version=sha[:12] + ("-fp16" if opts.precision == "fp16" else "") + ("" if opts.explain
+                                                                                      else "-noexplain"),
             explain=opts.explain,
             precision=opts.precision,
             column_map=dict(ckpt.get("column_map") or {}),

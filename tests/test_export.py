@@ -250,7 +250,7 @@ def test_fp16_no_explain_model(ckpt: Path, torch_model: TemporalFusionTransforme
     assert main([str(ckpt), str(out), "--fp16", "--no-explain"]) == 0
     printed = capsys.readouterr()
     assert "parity passed" in printed.out
-    assert ModelMeta.from_props(props(out)).model_version == file_sha256(ckpt)[:12] + "-fp16"  # told from fp32's
+    assert ModelMeta.from_props(props(out)).model_version == file_sha256(ckpt)[:12] + "-fp16-noexplain"  # told apart
     # ONNX Runtime's CPU provider runs most fp16 nodes in fp32: the check is of the weights' rounding, and says so
     assert "--fp16 parity ran on ONNX Runtime's CPU provider" in printed.err and "--require-device cuda" in printed.err
     model = onnx.load(str(out))
