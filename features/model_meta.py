@@ -38,7 +38,7 @@ class ModelMeta:
     bar_interval_ns: int
     symbols: tuple[str, ...]
     checkpoint_sha256: str
-    model_version: str  # a short, human-readable id (the checkpoint hash's first 12 hex digits; -fp16 for --fp16)
+    model_version: str  # a short id: the checkpoint hash's first 12 hex digits, -fp16, -noexplain as exported
     explain: bool  # the model also returns attention and variable-selection weights
     precision: str  # fp32 | fp16 (inputs and outputs are float32 either way)
     column_map: dict[str, str] = field(default_factory=dict)

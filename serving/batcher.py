@@ -368,7 +368,7 @@ class MicroBatcher(Generic[K, P, R]):
     def _expired(self, waited_s: float) -> QueueDeadlineExceeded:
         """The error of a call whose deadline passed before it ran (counted as expired)."""
         self._observer.on_expired()
-        return QueueDeadlineExceeded(f"deadline exceeded after {waited_s * 1e3:.3g} ms in the queue; not run")
+        return QueueDeadlineExceeded(f"deadline exceeded after {waited_s * 1e3:,.1f} ms in the queue; not run")
 
     def _timed(self, key: K, payloads: list[P]) -> tuple[Sequence[R | Exception] | Exception, float]:
         """process(key, payloads), or what it raised, and how long it took, timed on the thread it ran on."""

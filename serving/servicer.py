@@ -72,10 +72,12 @@ class Admission:
 
 
 def caller_gone(context: aio.ServicerContext[Any, Any]) -> bool:
-    """The call was cancelled or its deadline has passed: whatever the handler sends, gRPC fails to deliver and
-    logs the failure as an ERROR with a traceback (an abort or a response on a finished call)."""
+    """The call's deadline has passed: whatever the handler sends, gRPC fails to deliver and logs the failure
+    as an ERROR with a traceback (an abort or a response on a finished call). (A client's cancel reaches the
+    handler as asyncio.CancelledError, not here: grpc.aio's `cancelled()` reports only a status the handler
+    set itself.)"""
     remaining = context.time_remaining()
-    return context.cancelled() or (remaining is not None and remaining <= 0)
+    return remaining is not None and remaining <= 0
 
 
 def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
@@ -85,7 +87,7 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
         @functools.wraps(fn)
         async def wrapper(self: ForecasterServicer, request: Req, context: aio.ServicerContext[Req, Resp]) -> Resp:
             start = time.perf_counter()
-            code = grpc.StatusCode.OK
+            code, gone = grpc.StatusCode.OK, False
             try:
                 response = await fn(self, request, context)
                 if caller_gone(context):  # an answer no one waits for: counted as the deadline or the cancel
@@ -100,10 +102,12 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
                 code, message = status_of(exc)
                 if code == grpc.StatusCode.INTERNAL:
                     log.exception("%s failed", method)
+                gone = caller_gone(context)  # no status can reach it: counted as what it is, nothing sent
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if gone else code
             finally:
                 self.metrics.requests.labels(method, code.name).inc()
                 self.metrics.latency.labels(method).observe(time.perf_counter() - start)
-            if caller_gone(context):  # no status can reach it; end the handler as a cancelled one
+            if gone:
                 raise asyncio.CancelledError
             await context.abort(code, message)  # raises; the server stays up
             raise AssertionError("unreachable")  # pragma: no cover
@@ -150,7 +154,8 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             size = response.ByteSize()
             steps.add("response", time.perf_counter() - start)
             if size > self.limits.max_message_bytes:  # else gRPC fails the send with a status the caller can't act on
-                fits = self.limits.max_message_bytes // max(1, size // len(series))  # series per response
+                per = -(-size // len(series))  # bytes per series, rounded up: `fits` stays below what failed
+                fits = self.limits.max_message_bytes // per  # series per response
                 fixes = [f"send at most {fits} series per request"] if 1 <= fits < len(series) else []
                 fixes += ["set explain=false"] if request.explain else []
                 fixes = fixes or ["the server's --max-message-bytes must be raised for one series' answer"]
