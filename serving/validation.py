@@ -34,6 +34,8 @@ BAR_COLUMNS: tuple[str, ...] = ("timestamp_ns", *PRICE_COLUMNS, "volume")  # the
 WIRE_COLUMNS = ColumnMap(timestamp="timestamp_ns")  # names problems after the proto's fields
 MAX_PROBLEMS = 5  # problems listed in one error message
 INT64_MAX = np.iinfo(np.int64).max
+NS_PER_DAY = 86_400 * 10**9
+COARSE_INTERVALS = 20  # bars mostly this many of the model's intervals (and a day) apart or more are refused
 MAX_USER_COLUMNS = 10_000  # user feature columns one series may send (a bound on per-request work)
 
 
@@ -195,12 +197,23 @@ def _check_spacing(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     """Most gaps between the bars the model reads at least half the model's bar interval: bars much
     closer than the ones it was trained on are timestamps in another unit (seconds, milliseconds,
     microseconds sent as nanoseconds) or bars of a finer size, and would be forecast as if they were
-    the model's bars. (Wider gaps are left alone: a quiet market's bars skip intervals.)"""
+    the model's bars. Wider gaps are left alone (a quiet market's bars skip intervals, and a training
+    symbol may be mostly a few intervals apart), up to bars mostly a day and 20 intervals apart or more:
+    daily bars sent to an intraday model."""
     half = meta.bar_interval_ns // 2
     ts = s.timestamp_ns[-meta.bars_required:]  # strictly increasing (checked), and + half cannot overflow
     short = int(np.count_nonzero(ts[1:] < ts[:-1] + half))  # _check_time_range bounds ts away from int64's max
     if 2 * short <= ts.shape[0] - 1:
-        return
+        far, gaps = max(NS_PER_DAY, COARSE_INTERVALS * meta.bar_interval_ns), ts.shape[0] - 1
+        if int(ts[-1]) - int(ts[0]) < (gaps // 2 + 1) * far:  # too short a span for most gaps to be that long
+            return
+        if 2 * int(np.count_nonzero(np.diff(ts) >= far)) <= gaps:  # a difference that overflows is < 0
+            return
+        typical = int(np.median(np.diff(ts)))
+        raise RequestError(f"{_label(i, s.symbol)}: bars are {_span(typical)} apart (the median gap of the last "
+                           f"{ts.shape[0]} bars), but this model's bars are {_span(meta.bar_interval_ns)} apart "
+                           f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}); send bars of the model's size: "
+                           "forecast steps would be read as the model's bars")
     typical = int(np.median(np.diff(ts)))
     # times before 1973 spaced as the model's bars in another unit: the usual mistake, named with its factor
     unit = next((f"; these look like {name}: multiply them by {factor:,}" for name, factor in
@@ -215,7 +228,7 @@ def _check_spacing(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
 
 def _span(ns: int) -> str:
     """A duration as people read it: 60 s, 1.5 ms, 60 ns."""
-    for unit, size in (("h", 3_600_000_000_000), ("min", 60_000_000_000), ("s", 1_000_000_000),
+    for unit, size in (("d", NS_PER_DAY), ("h", 3_600_000_000_000), ("min", 60_000_000_000), ("s", 1_000_000_000),
                        ("ms", 1_000_000), ("µs", 1_000)):
         if abs(ns) >= size:
             return f"{ns / size:g} {unit}"

@@ -147,6 +147,9 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
     ("milliseconds sent as nanoseconds", lambda: _req(_spaced(series(), 1_704_103_200_000, 60_000)),
      f"bars are 60 µs apart (the median gap of the last {NEED} bars), but this model's bars are 1 min apart "
      "(GetModelInfo.bar_interval_ns = 60000000000); these look like milliseconds: multiply them by 1,000,000;"),
+    ("daily bars to a 1-minute model", lambda: _req(_spaced(series(), 1_704_103_200 * 10**9, 86_400 * 10**9)),
+     f"series[0] (ES): bars are 1 d apart (the median gap of the last {NEED} bars), but this model's bars are 1 min "
+     "apart (GetModelInfo.bar_interval_ns = 60000000000); send bars of the model's size"),
     ("bars finer than the model's", lambda: _req(series("NQ"), _spaced(series(), 1_704_103_200 * 10**9, 20 * 10**9)),
      f"series[1] (ES): bars are 20 s apart (the median gap of the last {NEED} bars), but this model's bars are 1 min "
      "apart (GetModelInfo.bar_interval_ns = 60000000000); send"),  # no unit to blame: bars of another size
@@ -902,12 +905,19 @@ def test_connection_age_flag_takes_what_grpc_can(capsys: pytest.CaptureFixture[s
 
 
 def test_bars_with_wider_gaps_or_a_few_short_ones_are_served() -> None:
-    """Only bars mostly much closer than the model's are refused: a quiet market's bars skip intervals,
-    and a few short gaps (a session's odd first bar) are not a unit mistake."""
+    """Only bars mostly much closer than the model's, or mostly a day and 20 intervals apart, are refused: a
+    quiet market's bars skip intervals (a training symbol may be mostly a few apart), a few short gaps (a
+    session's odd first bar) are not a unit mistake, and a few long ones are nights and weekends."""
     sparse = _spaced(series(), 1_704_103_200 * 10**9, 5 * 60 * 10**9)  # 5-minute gaps
     few_short = series("NQ")
     few_short.timestamp_ns[3] = few_short.timestamp_ns[2] + 1  # one gap of 1 ns, one of 2 min - 1 ns
     assert [len(s) for s in parse_request(_req(sparse, few_short), META)] == [NEED, NEED]
+    hours = _spaced(series(), 1_704_103_200 * 10**9, 3_600 * 10**9)  # 60 intervals apart, but under a day
+    nights = series()
+    ts = list(nights.timestamp_ns)
+    nights.timestamp_ns[:] = [t + (k // 2) * 86_400 * 10**9 for k, t in enumerate(ts)]  # every other gap a day
+    assert [len(s) for s in parse_request(_req(hours, series("NQ")), META)] == [NEED, NEED]
+    assert [len(s) for s in parse_request(_req(nights), META)] == [NEED]
 
 
 def test_the_metrics_endpoint_stops_and_frees_its_port() -> None:
