@@ -199,4 +199,5 @@ def model_info(model: LoadedModel, limits: Limits) -> pb.ModelInfo:
         torch_imported="torch" in sys.modules,
         server_version=package_version(),
         bar_columns=meta.column_map,
+        calendar_tz=meta.feature_config.calendar_tz,
     )

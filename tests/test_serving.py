@@ -458,6 +458,7 @@ def test_a_models_recorded_layout_client_info_bar_columns_and_calendar_zone(art:
         assert facts["bars required"].startswith(f"{art.meta.bars_required} per series")
         assert "timestamp=ts_event" in facts["bar columns"] and "symbol=raw_symbol" in facts["bar columns"]
         assert facts["runs on"] == "CPUExecutionProvider (--device cpu)"
+        assert facts["calendar"] == "time of day and day of week in America/Chicago"
         r = client("--info", "--json")
         assert r.returncode == 0 and json.loads(r.stdout)["bar_columns"] == trained, r.stdout
         r = client("--info", "--symbol", "ES")
