@@ -172,6 +172,7 @@ class Bars:
     volume: np.ndarray  # float64 [N]
     user: Mapping[str, np.ndarray] = field(default_factory=dict)  # float64 [N] each (a dict or a ColumnBlock)
     files: list[str] = field(default_factory=list)  # source files, in reading order
+    notes: list[str] = field(default_factory=list)  # how the files were read where a reader should know (no problem)
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
@@ -324,6 +325,7 @@ def read_bars(
     problems: list[Problem] = []
     parts: list[dict[str, np.ndarray]] = []
     file_of_part: list[str] = []
+    naive: list[str] = []  # files whose arrow timestamps carry no time zone
     for file in files:  # one file at a time, so that a problem always names its file
         fname = str(file)
         try:
@@ -337,6 +339,9 @@ def read_bars(
                 table = table.append_column(key, pa.repeat(pa.scalar(value, pa.string()), table.num_rows))
         part, file_problems = _columns_of(table, fname, cmap, user_columns)
         problems.extend(file_problems)
+        stamp = table.schema.field(cmap.timestamp).type if cmap.timestamp in table.column_names else None
+        if stamp is not None and pa.types.is_timestamp(stamp) and stamp.tz is None:
+            naive.append(fname)
         if part is not None:
             parts.append(part)
             file_of_part.append(fname)
@@ -346,6 +351,11 @@ def read_bars(
     problems = validate(bars, parts, file_of_part, cmap, user_columns)
     if problems:
         raise BarDataError(problems)
+    if naive:
+        where = naive[0] + (f" and {len(naive) - 1} more file(s)" if len(naive) > 1 else "")
+        bars.notes.append(f"timestamp column '{cmap.timestamp}' has no time zone ({where}): read as UTC. If it "
+                          "holds exchange local times, store it with its zone (timestamp[ns, tz=America/Chicago]) "
+                          "or convert it to UTC; the server takes UTC, and --calendar-tz sets the calendar's zone")
     return bars
 
 

@@ -52,6 +52,7 @@ def summarize(bars: Bars) -> str:
         )
     if bars.user:
         lines.append(f"user feature columns: {', '.join(bars.user)}")
+    lines += [f"note: {note}" for note in bars.notes]
     return "\n".join(lines)
 
 

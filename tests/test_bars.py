@@ -432,6 +432,10 @@ def test_timestamp_types_read_to_the_same_ns(tmp_path: Path, arrow_type: pa.Data
     bars = read_bars(write_parquet(tmp_path / "bars.parquet", cols))
     assert bars.timestamp_ns.dtype == np.int64
     np.testing.assert_array_equal(bars.timestamp_ns, ns)
+    # a timestamp without a zone is read as UTC, and said so: exchange local times stored so would shift
+    naive = pa.types.is_timestamp(arrow_type) and arrow_type.tz is None
+    assert [n.split(":")[0] for n in bars.notes] == (["timestamp column 'timestamp' has no time zone (" +
+                                                       str(tmp_path / "bars.parquet") + ")"] if naive else [])
 
 
 # ---- the command line -----------------------------------------------------------------------
@@ -497,6 +501,11 @@ def test_check_cli_on_missing_path_and_mapping(tmp_path: Path) -> None:
     assert res.returncode == 2 and "give --time-unit ms" in res.stderr, res.stderr
     res = run_check(str(path), "--time-col", "ts_event", "--time-unit", "ms")
     assert res.returncode == 0, res.stderr
+    assert "note:" not in res.stdout  # integers are UTC by the contract
+    cols["ts_event"] = cols["ts_event"].cast(pa.timestamp("ms"))  # an arrow timestamp without a zone
+    res = run_check(str(write_parquet(tmp_path / "naive.parquet", cols)), "--time-col", "ts_event")
+    assert res.returncode == 0 and "note: timestamp column 'ts_event' has no time zone" in res.stdout, res.stdout
+    assert "read as UTC" in res.stdout and "--calendar-tz" in res.stdout
 
 
 def test_order_rule_holds_at_extreme_timestamps(tmp_path: Path) -> None:

@@ -200,6 +200,8 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
     from features.windows import anchor_rows
 
     bars = read_bars(parquet, columns, tuple(cfg.features))
+    for note in bars.notes:
+        log.info("bars: %s", note)
     if len(bars) == 0:
         raise DataError(f"{parquet}: no bars (the file holds no rows); give bars to train on")
     try:
