@@ -21,6 +21,9 @@ from features.schema import FeatureSchema, FeatureSpec, Kind, Role
 
 NS_PER_SECOND = 1_000_000_000
 NS_PER_DAY = 86_400 * NS_PER_SECOND
+# Bars mostly this many bar intervals (and a day) apart or more, at one or two times of day, are daily bars:
+# the server refuses them for an intraday model, and the trainer says so of a symbol whose bars are like that.
+COARSE_INTERVALS = 20
 
 BUILTIN_OBSERVED: tuple[str, ...] = ("log_return", "log_range", "log_body", "log_volume", "volatility")
 BUILTIN_KNOWN: tuple[str, ...] = ("tod_sin", "tod_cos", "dow_sin", "dow_cos")

@@ -168,7 +168,8 @@ def format_model_info(info: pb.ModelInfo) -> str:
         ("user columns", ", ".join(info.user_feature_columns) or "(none)"),
         ("bar columns", ", ".join(f"{k}={v}" for k, v in sorted(info.bar_columns.items())) or "(not recorded)"),
         *((f"{role} features", ", ".join(names)) for role, names in by_role.items()),
-        ("calendar", f"time of day and day of week in {info.calendar_tz or 'UTC'}"),
+        ("calendar", f"time of day and day of week in {info.calendar_tz}" if info.calendar_tz
+         else "(not reported: a server from before calendar zones)"),
         ("limits", f"max batch {info.max_batch} windows, max message {info.max_message_bytes:,} bytes, "
          f"max concurrent {info.max_concurrent}"),
         ("explain", "available" if info.explain_available else "not in this model"),

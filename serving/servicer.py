@@ -71,6 +71,18 @@ class Admission:
             self._metrics.inflight.dec()
 
 
+def series_that_fit(response: pb.PredictResponse, limit: int) -> int:
+    """How many of the response's forecasts any response within `limit` bytes can hold: its fixed part (the
+    model version) plus that many of its largest forecast as sent (tag, length, bytes)."""
+    wire = [1 + _varint_size(n) + n for n in (f.ByteSize() for f in response.forecasts)]
+    fixed = response.ByteSize() - sum(wire)
+    return max(0, limit - fixed) // max(wire) if wire else 0
+
+
+def _varint_size(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
 def caller_gone(context: aio.ServicerContext[Any, Any]) -> bool:
     """The call's deadline has passed: whatever the handler sends, gRPC fails to deliver and logs the failure
     as an ERROR with a traceback (an abort or a response on a finished call). (A client's cancel reaches the
@@ -154,8 +166,7 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             size = response.ByteSize()
             steps.add("response", time.perf_counter() - start)
             if size > self.limits.max_message_bytes:  # else gRPC fails the send with a status the caller can't act on
-                per = -(-size // len(series))  # bytes per series, rounded up: `fits` stays below what failed
-                fits = self.limits.max_message_bytes // per  # series per response
+                fits = series_that_fit(response, self.limits.max_message_bytes)
                 fixes = [f"send at most {fits} series per request"] if 1 <= fits < len(series) else []
                 fixes += ["set explain=false"] if request.explain else []
                 fixes = fixes or ["the server's --max-message-bytes must be raised for one series' answer"]

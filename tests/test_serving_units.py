@@ -918,6 +918,11 @@ def test_bars_with_wider_gaps_or_a_few_short_ones_are_served() -> None:
     nights.timestamp_ns[:] = [t + (k // 2) * 86_400 * 10**9 for k, t in enumerate(ts)]  # every other gap a day
     assert [len(s) for s in parse_request(_req(hours, series("NQ")), META)] == [NEED, NEED]
     assert [len(s) for s in parse_request(_req(nights), META)] == [NEED]
+    thin = series()  # a thin market: a bar a day or two apart, at whatever minute it traded (as trained on)
+    minutes = np.random.default_rng(3).integers(0, 1_440, NEED)
+    thin.timestamp_ns[:] = [1_704_103_200 * 10**9 + (k * 1_440 * 3 // 2 + int(m)) * 60 * 10**9
+                            for k, m in enumerate(minutes)]
+    assert [len(s) for s in parse_request(_req(thin), META)] == [NEED]
 
 
 def test_the_metrics_endpoint_stops_and_frees_its_port() -> None:
@@ -997,3 +1002,20 @@ def test_a_model_with_a_calendar_zone_has_a_format_servers_before_zones_refuse()
     assert ModelMeta.from_props(props).feature_config.calendar_tz == "America/Chicago"
     with pytest.raises(ModelMetaError, match="calendar time zone 'America/Chicago' in a foxhunt-tft-onnx/1 model"):
         ModelMeta.from_props({**props, "foxhunt.format": FORMAT})
+
+
+def test_the_series_advice_of_a_response_too_large_always_fits() -> None:
+    """'send at most k series' must hold for any k of them: a response of its k largest forecasts, with the
+    model version beside them, stays within the limit, for every limit up to the whole response's size."""
+    from serving.servicer import series_that_fit
+
+    forecasts = [pb.Forecast(symbol=sym, log_return=[0.1] * 15, price=[1.0] * 15, model_version="abc123def456")
+                 for sym in ("ES", "NQZ6", "CL", "RTYZ6")]  # one model's: the same shapes, symbols of any length
+    response = pb.PredictResponse(forecasts=forecasts, model_version="abc123def456")
+    largest = sorted(forecasts, key=lambda f: f.ByteSize(), reverse=True)
+    for limit in range(1, response.ByteSize() + 1):
+        k = series_that_fit(response, limit)
+        if k:  # 0: not even one fits, and the advice is not given
+            assert pb.PredictResponse(forecasts=largest[:k], model_version="abc123def456").ByteSize() <= limit, limit
+    assert series_that_fit(response, response.ByteSize()) >= 3  # the advice is not needlessly small
+    assert series_that_fit(pb.PredictResponse(), 100) == 0

@@ -636,12 +636,15 @@ def test_symbols_the_model_cannot_learn_or_space_rightly_are_warned_about(tmp_pa
     keep = pc.or_(pc.equal(symbol, "ES"),
                   pc.or_(pc.and_(pc.equal(symbol, "NQ"), pc.equal(pc.bit_wise_and(row, 3), 0)),  # every 4th bar
                          pc.and_(pc.equal(symbol, "CL"), pc.less(row, 2 * 1500 + 10))))  # CL's first 10 bars
-    pq.write_table(table.filter(keep), tmp_path / "bars.parquet")
+    daily = generate(["GC"], 390 * 40, seed=4)  # 40 sessions of GC, of which the first bar each: daily bars
+    daily = daily.filter(pc.equal(pc.bit_wise_and(pa.array(np.arange(daily.num_rows) % 390), 1023), 0))
+    pq.write_table(pa.concat_tables([table.filter(keep), daily.cast(table.schema)]), tmp_path / "bars.parquet")
     with caplog.at_level("WARNING", logger="trainer"):
         prepare(tmp_path / "bars.parquet", tiny_cfg())
     text = caplog.text
     assert "symbol CL has no training window (10 bars" in text
     assert "symbol NQ: its bars are mostly 240 s apart, the run's bar interval is 60 s" in text
+    assert "symbol GC: its bars are mostly 86400 s apart" in text and "if they are daily bars" in text
     assert "symbol ES" not in text
 
 

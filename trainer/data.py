@@ -17,7 +17,15 @@ import torch
 
 from features.bars import ColumnMap, read_bars
 from features.check import format_timestamp
-from features.compute import FeatureFrame, build_frame, future_timestamps, infer_bar_interval_ns, known_features
+from features.compute import (
+    COARSE_INTERVALS,
+    NS_PER_DAY,
+    FeatureFrame,
+    build_frame,
+    future_timestamps,
+    infer_bar_interval_ns,
+    known_features,
+)
 from features.normalize import MIN_STD, NormStats
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
 from trainer.config import TrainConfig
@@ -186,8 +194,11 @@ def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int)
                         symbol, e - s, need)
         own = infer_bar_interval_ns(frame.timestamp_ns, np.array([[s, e]]))
         if own and own != frame.bar_interval_ns:
+            coarse = own >= max(NS_PER_DAY, COARSE_INTERVALS * frame.bar_interval_ns)
             refused = (" (and the server refuses bars closer than half the model's interval: it would refuse this "
-                       "symbol's)" if 2 * own < frame.bar_interval_ns else "")
+                       "symbol's)" if 2 * own < frame.bar_interval_ns else
+                       " (and the server refuses bars mostly a day and 20 of the model's intervals apart at one time "
+                       "of day: it would refuse this symbol's if they are daily bars)" if coarse else "")
             log.warning("symbol %s: its bars are mostly %.6g s apart, the run's bar interval is %.6g s (the most "
                         "common spacing of all bars): its forecasts' future bar times would be spaced by the "
                         "latter%s; train bars of different sizes separately", symbol, own / 1e9,
