@@ -364,6 +364,12 @@ def _columns_of(
 ) -> tuple[dict[str, np.ndarray] | None, list[Problem]]:
     problems: list[Problem] = []
     names = set(table.column_names)
+    used = {cmap.source(f) for f in (*REQUIRED_COLUMNS, "symbol")} | set(user_columns)
+    for name in sorted(n for n in used if table.column_names.count(n) > 1):  # which of them would be read?
+        problems.append(Problem(fname, name, -1, f"column '{name}' appears {table.column_names.count(name)} times "
+                                "in the file", "keep one column of that name (rename or drop the others)"))
+    if problems:
+        return None, problems
     for fld in REQUIRED_COLUMNS:
         src = cmap.source(fld)
         if src not in names:

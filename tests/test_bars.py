@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import SAMPLE_BARS, write_parquet
 
@@ -389,6 +390,21 @@ def test_a_symbol_column_named_but_absent_is_refused_and_one_missed_is_hinted(tm
     cols["timestamp"] = cols["timestamp"][::-1].copy()
     p = problems_of(write_parquet(tmp_path / "sorted_wrong.parquet", cols))[0]
     assert "timestamps decrease" in p.rule and "--symbol-col" not in p.fix
+
+
+def test_a_column_the_file_holds_twice_is_a_problem_not_a_crash(tmp_path: Path) -> None:
+    """Parquet allows two columns of one name (a careless join or export); which one to read is the user's
+    call. A column the bars do not use may be doubled freely."""
+    cols = series_columns(0, 6)
+    names = [*cols, "close", "note", "note"]
+    arrays = [pa.array(v) for v in cols.values()] + [pa.array(np.asarray(cols["close"]) * 2)] + \
+        [pa.array(["x"] * 6)] * 2
+    pq.write_table(pa.Table.from_arrays(arrays, names=names), tmp_path / "twice.parquet")
+    p = only_problem(tmp_path / "twice.parquet")
+    assert p.column == "close" and "column 'close' appears 2 times in the file" in p.rule and "keep one" in p.fix
+    pq.write_table(pa.Table.from_arrays([pa.array(v) for v in cols.values()] + [pa.array(["x"] * 6)] * 2,
+                                        names=[*cols, "note", "note"]), tmp_path / "notes.parquet")
+    assert len(read_bars(tmp_path / "notes.parquet")) == 6
 
 
 def test_mapped_column_problem_names_the_source_column(tmp_path: Path) -> None:
