@@ -24,7 +24,7 @@ REQUIRED_COLUMNS: tuple[str, ...] = ("timestamp", *PRICE_COLUMNS, "volume")
 
 
 NS_PER_UNIT = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}  # arrow's timestamp units
-UNIT_FLAG = {"seconds": "s", "milliseconds": "ms", "microseconds": "us"}
+UNIT_NAMES = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
 
 
 @dataclass(frozen=True)
@@ -284,10 +284,10 @@ def _unit_problem(file: str, name: str, top: int, read_as: str = "ns") -> Proble
     """Integer timestamps whose latest (`top`, as stored) falls before 1973 read in the unit `read_as`."""
     unit, factor = (("seconds", 10**9) if top < 10**11 else ("milliseconds", 10**6) if top < 10**14
                     else ("microseconds", 10**3) if top < 10**17 else ("nanoseconds", 1))
-    units = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
-    return Problem(file, name, -1, f"integer timestamps (the latest {top}) read as {units[read_as]} all fall "
-                   f"before 1973-03-03: they look like {unit} since the Unix epoch",
-                   f"give --time-unit {UNIT_FLAG.get(unit, 'ns')}, or write int64 UTC nanoseconds ({unit} x "
+    flag = next(u for u, named in UNIT_NAMES.items() if named == unit)
+    return Problem(file, name, -1, f"integer timestamps (the latest {top}) read as {UNIT_NAMES[read_as]} all "
+                   f"fall before 1973-03-03: they look like {unit} since the Unix epoch",
+                   f"give --time-unit {flag}, or write int64 UTC nanoseconds ({unit} x "
                    f"{factor:,}) or an arrow timestamp type with its unit")
 
 
@@ -339,12 +339,12 @@ def read_bars(
                 table = table.append_column(key, pa.repeat(pa.scalar(value, pa.string()), table.num_rows))
         part, file_problems = _columns_of(table, fname, cmap, user_columns)
         problems.extend(file_problems)
-        stamp = table.schema.field(cmap.timestamp).type if cmap.timestamp in table.column_names else None
-        if stamp is not None and pa.types.is_timestamp(stamp) and stamp.tz is None:
-            naive.append(fname)
-        if part is not None:
+        if part is not None:  # its columns were found, once each
             parts.append(part)
             file_of_part.append(fname)
+            stamp = table.column(cmap.timestamp).type
+            if pa.types.is_timestamp(stamp) and stamp.tz is None:
+                naive.append(fname)
     if problems:
         raise BarDataError(problems)
     bars = _assemble(parts, file_of_part, user_columns)

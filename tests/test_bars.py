@@ -402,6 +402,9 @@ def test_a_column_the_file_holds_twice_is_a_problem_not_a_crash(tmp_path: Path) 
     pq.write_table(pa.Table.from_arrays(arrays, names=names), tmp_path / "twice.parquet")
     p = only_problem(tmp_path / "twice.parquet")
     assert p.column == "close" and "column 'close' appears 2 times in the file" in p.rule and "keep one" in p.fix
+    pq.write_table(pa.Table.from_arrays([pa.array(v) for v in cols.values()] + [pa.array(cols["timestamp"])],
+                                        names=[*cols, "timestamp"]), tmp_path / "twice_ts.parquet")
+    assert "column 'timestamp' appears 2 times" in only_problem(tmp_path / "twice_ts.parquet").rule
     pq.write_table(pa.Table.from_arrays([pa.array(v) for v in cols.values()] + [pa.array(["x"] * 6)] * 2,
                                         names=[*cols, "note", "note"]), tmp_path / "notes.parquet")
     assert len(read_bars(tmp_path / "notes.parquet")) == 6
