@@ -40,16 +40,9 @@ class DistContext:
             return f"cuda:{self.local_rank}"
         return spec
 
-    def broadcast(self, obj: T) -> T:
-        """Rank 0's `obj` on every rank (e.g. the symbol vocabulary and normalisation)."""
-        if not self.enabled:
-            return obj
-        box: list[Any] = [obj if self.is_main else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def from_main(self, compute: Callable[[], T]) -> T:
-        """`compute()` run on rank 0 alone, its result on every rank (the others wait at the broadcast)."""
+        """`compute()` run on rank 0 alone, its result on every rank (the others wait at the broadcast): the
+        symbol vocabulary and normalisation, each epoch's validation figures."""
         if not self.enabled:
             return compute()
         box: list[Any] = [compute() if self.is_main else None]

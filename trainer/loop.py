@@ -159,11 +159,11 @@ class Trainer:
         norm = (Normalization.from_dict(self.resume_state["normalization"]) if self.resume_state else None)
         symbols = list(self.resume_state["symbols"]) if self.resume_state else None
         if self.dist.enabled and norm is None:  # rank 0 fits vocabulary and normalisation; all ranks share them
-            shared = None
-            if self.dist.is_main:
+            def fitted() -> tuple[list[str], dict[str, Any]]:
                 first = prepare(parquet, cfg, self.columns)
-                shared = (first.frame.symbols, first.normalization.to_dict())
-            symbols, norm_dict = self.dist.broadcast(shared)  # type: ignore[misc]
+                return first.frame.symbols, first.normalization.to_dict()
+
+            symbols, norm_dict = self.dist.from_main(fitted)
             norm = Normalization.from_dict(norm_dict)
         self.data = prepare(parquet, cfg, self.columns, symbols, norm)
         if self.resume_state is not None:
@@ -291,7 +291,7 @@ class Trainer:
         """
         scale = self.dist.world_size / step_windows
         while True:
-            exchanging = self._exchange_armed = False
+            exchanging = False
             try:
                 total = 0.0
                 chunks = anchors.split(self.plan.micro_batch)
@@ -478,10 +478,15 @@ class Trainer:
                     "either; an epoch of this run that beats it will be written there. Until then there is no best "
                     "checkpoint of this run to export, report or test (copy it to %s to use it)", self.paths.best,
                     state, self.best_epoch, self.best_val, resumed, self.paths.best)
+        self._remove_judgments("they judge a model that is not this run's best")
+
+    def _remove_judgments(self, why: str) -> None:
+        """The report and test scores in --out, which judge the model at paths.best, when that is not this
+        run's (a fresh run, or a resumed one whose best is not to be found)."""
         if stale := [p for p in (self.paths.test, self.paths.report) if p.exists()]:
-            for p in stale:  # they judge the model at paths.best, which is not this run's
+            for p in stale:
                 p.unlink()
-            log.warning("removed %s: they judge a model that is not this run's best", ", ".join(map(str, stale)))
+            log.warning("removed %s: %s", ", ".join(map(str, stale)), why)
 
     # ---- the run ------------------------------------------------------------------------------
     def run(self, stop_after_epochs: int | None = None) -> TrainResult:
@@ -502,10 +507,8 @@ class Trainer:
             if self.resume_state is None and (old := [p for p in (self.paths.best, self.paths.last) if p.exists()]):
                 log.warning("%s: from an earlier run; this run replaces them as its epochs finish",
                             ", ".join(str(p) for p in old))
-            if self.resume_state is None and (stale := [p for p in (self.paths.test, self.paths.report) if p.exists()]):
-                for p in stale:  # they judge the earlier run's model; this run writes its own, or none
-                    p.unlink()
-                log.warning("removed %s: from an earlier run", ", ".join(str(p) for p in stale))
+            if self.resume_state is None:  # this run writes its own, or none
+                self._remove_judgments("from an earlier run")
         while self.epoch < self.cfg.epochs and not stopped_early:
             self.memory.start()
             train_stats = self.train_epoch()
