@@ -72,6 +72,7 @@ def bind_failure_reason(line: str) -> str:
         return m.group(1).strip()
     return text.strip()
 
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything `python -m serving` takes; one comment per field."""

@@ -106,9 +106,7 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
                     raise asyncio.CancelledError
                 return response
             except asyncio.CancelledError:  # the client went away or its deadline passed: counted as which
-                remaining = context.time_remaining()
-                code = (grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0
-                        else grpc.StatusCode.CANCELLED)
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if caller_gone(context) else grpc.StatusCode.CANCELLED
                 raise
             except Exception as exc:
                 code, message = status_of(exc)

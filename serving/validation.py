@@ -156,7 +156,7 @@ def _check_identity(i: int, s: SeriesColumns, meta: ModelMeta, seen: dict[str, i
 
 def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     label = _label(i, s.symbol)
-    if all(getattr(s, c).shape[0] == 0 for c in BAR_COLUMNS):  # a symbol alone: the bars are what is missing
+    if len(s) == 0 and all(getattr(s, c).shape[0] == 0 for c in BAR_COLUMNS):  # a symbol alone: no bars at all
         _refuse_too_few(label, 0, meta)
     need = meta.feature_config.user_columns
     block = block_for(s.user, need)  # a block of exactly the model's columns: no column-by-column steps
