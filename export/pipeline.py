@@ -123,8 +123,7 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
             symbols=tuple(str(s) for s in ckpt["symbols"]),
             checkpoint_sha256=sha,
             # answers say which model ran: the checkpoint, and what the export changed of its graph
-            model_version=sha[:12] + ("-fp16" if opts.precision == "fp16" else "") + ("" if opts.explain
-                                                                                      else "-noexplain"),
+            model_version=sha[:12] + "-fp16" * (opts.precision == "fp16") + "-noexplain" * (not opts.explain),
             explain=opts.explain,
             precision=opts.precision,
             column_map=dict(ckpt.get("column_map") or {}),
