@@ -557,12 +557,17 @@ def test_every_config_field_has_a_flag_with_its_description() -> None:
     assert "past bars the encoder sees" in r.stdout
 
 
-def test_validation_out_of_memory_halves_the_batch(tmp_path: Path, bars: Path,
+def test_predict_keeps_the_outputs_asked_for_and_out_of_memory_halves_the_batch(tmp_path: Path, bars: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     torch.set_num_threads(1)
     t = Trainer(bars, tiny_cfg(epochs=1), tmp_path / "c.pt", progress=False)
     anchors = t.data.val_anchors[:50]
-    expected = t.predict(anchors, batch=32)["quantiles"]
+    every = t.predict(anchors, batch=32)
+    assert set(every) == set(MODEL_OUTPUTS) and all(len(v) == 50 for v in every.values())
+    expected = every["quantiles"]
+    # validation keeps the quantiles alone (each window's explanations would dwarf them), and the same ones
+    only = t.predict(anchors, batch=32, outputs=("quantiles",))
+    assert list(only) == ["quantiles"] and np.array_equal(only["quantiles"], expected)
     real = t._forward
     injected: list[int] = []
 

@@ -63,16 +63,24 @@ class WindowTensors:
     """Contiguous tensors of every row, and batch assembly by index (no per-sample Python)."""
 
     def __init__(self, frame: FeatureFrame, encoder_length: int) -> None:
-        h = frame.config.horizon
         self.encoder_length = encoder_length
         self.observed = torch.from_numpy(np.nan_to_num(frame.observed, nan=0.0))  # [N, n_obs]
         self.known = torch.from_numpy(frame.known)  # [N, n_known]
-        fut = known_features(future_timestamps(frame.timestamp_ns, frame.bar_interval_ns, h),  # [N, H, n_known]
-                             frame.config.calendar_tz)
-        self.future_known = torch.from_numpy(fut)
         self.series_id = torch.from_numpy(frame.series_id)  # [N]
         self.targets = torch.from_numpy(np.nan_to_num(frame.targets, nan=0.0))  # [N, H]
         self.offsets = torch.arange(-encoder_length + 1, 1)  # [L]
+        self._timestamp_ns = frame.timestamp_ns  # int64 [N]
+        self._bar_interval_ns, self._horizon = frame.bar_interval_ns, frame.config.horizon
+        self._calendar_tz = frame.config.calendar_tz
+
+    def future_known(self, anchors: torch.Tensor) -> torch.Tensor:
+        """The decoder's calendar features of the windows ending at `anchors`: [B, H, n_known].
+
+        Computed per batch from the anchors' nominal future times (as the server does), not stored
+        for every bar: stored, they would take H times the memory of the encoder's known features.
+        """
+        future = future_timestamps(self._timestamp_ns[anchors.numpy()], self._bar_interval_ns, self._horizon)
+        return torch.from_numpy(known_features(future, self._calendar_tz))  # [B, H, n_known]
 
     def batch(self, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
         idx = anchors[:, None] + self.offsets  # [B, L]
@@ -80,7 +88,7 @@ class WindowTensors:
             STATIC_CATEGORICAL: self.series_id[anchors][:, None],  # [B, 1]
             ENCODER_OBSERVED: self.observed[idx],  # [B, L, n_obs]
             ENCODER_KNOWN: self.known[idx],  # [B, L, n_known]
-            DECODER_KNOWN: self.future_known[anchors],  # [B, H, n_known]
+            DECODER_KNOWN: self.future_known(anchors),  # [B, H, n_known]
             TARGET: self.targets[anchors],  # [B, H]
         }
 
@@ -105,7 +113,7 @@ class WindowTensors:
             ROW_KNOWN: self.known[rows],  # [R, n_known]
             ROW_WINDOW: first.scatter_reduce_(0, inverse.flatten(), window_of, reduce="amin"),  # [R]
             WINDOW_ROWS: inverse,  # [B, L]
-            DECODER_KNOWN: self.future_known[anchors],  # [B, H, n_known]
+            DECODER_KNOWN: self.future_known(anchors),  # [B, H, n_known]
             TARGET: self.targets[anchors],  # [B, H]
         }
 

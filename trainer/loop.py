@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from features import package_version
 from features.bars import ColumnMap
-from features.schema import TARGET
+from features.schema import MODEL_OUTPUTS, QUANTILES, TARGET
 from trainer.checkpoint import (
     FORMAT,
     CheckpointError,
@@ -355,18 +355,20 @@ class Trainer:
                 "windows_per_second": anchors.numel() / max(seconds, 1e-9)}
 
     @torch.inference_mode()
-    def predict(self, anchors: np.ndarray, batch: int | None = None) -> dict[str, np.ndarray]:
-        """Model outputs on `anchors` (eval mode, no stored activations)."""
+    def predict(self, anchors: np.ndarray, batch: int | None = None, outputs: tuple[str, ...] = MODEL_OUTPUTS
+                ) -> dict[str, np.ndarray]:
+        """The model's `outputs` on `anchors` (eval mode, no stored activations). Only those are kept: the
+        explanations of every validation window would take far more memory than its quantiles."""
         self.model.eval()
         size = batch or self.plan.val_batch
         while True:
             try:
-                parts: dict[str, list[np.ndarray]] = {}
+                parts: dict[str, list[np.ndarray]] = {name: [] for name in outputs}
                 for chunk in torch.from_numpy(anchors).split(size):
                     b = self._to_device(self.data.tensors.row_batch(chunk))
-                    out = self._forward(b)
-                    for name, value in out._asdict().items():
-                        parts.setdefault(name, []).append(value.float().cpu().numpy())
+                    out = self._forward(b)._asdict()
+                    for name, kept in parts.items():
+                        kept.append(out[name].float().cpu().numpy())
                 return {k: np.concatenate(v) for k, v in parts.items()}
             except torch.OutOfMemoryError:
                 if self.device.type == "cuda":
@@ -382,7 +384,7 @@ class Trainer:
     def evaluate(self, anchors: np.ndarray, split: str) -> dict[str, Any]:
         """The model's loss and forecast metrics on these windows, beside the climatology baseline's:
         `{split}_loss`, `{split}` (metrics), `baseline`, `{split}_windows`."""
-        pred = self.predict(anchors)["quantiles"]  # [W, H, Q]
+        pred = self.predict(anchors, outputs=(QUANTILES,))[QUANTILES]  # [W, H, Q]
         target = self.data.frame.targets[anchors]  # [W, H]
         scale = self.data.normalization.target_scale
         q = tuple(self.cfg.quantiles)
