@@ -329,7 +329,9 @@ def read_bars(
     for file in files:  # one file at a time, so that a problem always names its file
         fname = str(file)
         try:
-            table = pq.ParquetFile(file).read()
+            # pre_buffer (for object stores) keeps a second copy of a local file's column chunks for as long
+            # as the table lives: on a wide file of float64 columns, twice the memory of its values
+            table = pq.ParquetFile(file, pre_buffer=False).read()
         except (pa.ArrowException, OSError) as exc:
             problems.append(Problem(fname, "-", -1, f"cannot be read as parquet ({exc})",
                                     "re-write the file, or move it out of the data directory"))
@@ -345,12 +347,13 @@ def read_bars(
             stamp = table.column(cmap.timestamp).type
             if pa.types.is_timestamp(stamp) and stamp.tz is None:
                 naive.append(fname)
+        del table  # what the part did not copy is freed with it
+    if problems:
+        raise BarDataError(problems)
+    problems = validate(parts, file_of_part, cmap, user_columns)
     if problems:
         raise BarDataError(problems)
     bars = _assemble(parts, file_of_part, user_columns)
-    problems = validate(bars, parts, file_of_part, cmap, user_columns)
-    if problems:
-        raise BarDataError(problems)
     if naive:
         where = naive[0] + (f" and {len(naive) - 1} more file(s)" if len(naive) > 1 else "")
         bars.notes.append(f"timestamp column '{cmap.timestamp}' has no time zone ({where}): read as UTC. If it "
@@ -405,7 +408,10 @@ def _columns_of(
             row, count = _first_bad(np.asarray(symbol.is_null().to_numpy(zero_copy_only=False)))
             problems.append(Problem(fname, cmap.symbol, row, "symbol is null", "fill in the symbol, or drop those rows",
                                     count))
-        part["symbol"] = np.asarray(symbol.cast(pa.string()).to_numpy(zero_copy_only=False), dtype=object)
+        # each row a reference to its file's one string of that symbol (not a string object per row)
+        codes = pc.dictionary_encode(pc.fill_null(symbol.cast(pa.string()), "")).combine_chunks()
+        distinct = np.array(codes.dictionary.to_pylist(), dtype=object)
+        part["symbol"] = distinct[np.asarray(codes.indices.to_numpy(zero_copy_only=False), dtype=np.int64)]
         part["symbol_absent"] = np.zeros(n, dtype=bool)
     else:
         part["symbol"] = np.full(n, cmap.default_symbol, dtype=object)
@@ -452,28 +458,51 @@ def _as_float64(col: pa.ChunkedArray, fname: str, name: str) -> tuple[np.ndarray
                                  f"(±2^53){what}",
                                  "set missing values to null and drop or repair those rows; write fixed-point "
                                  "prices as floats (divided by their scale, e.g. 1e9)", count)
-    return np.asarray(col.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64), None
+    return _numpy(col.cast(pa.float64())), None
+
+
+def _numpy(col: pa.ChunkedArray) -> np.ndarray:
+    """A column as numpy: a file's one chunk without nulls as a read-only view of arrow's buffer (combine_chunks
+    and ChunkedArray.to_numpy copy even one chunk), several chunks joined once."""
+    one = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    return np.asarray(one.to_numpy(zero_copy_only=False))
 
 
 def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns: tuple[str, ...]) -> Bars:
-    cat = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    # group rows by symbol, keeping reading order within a symbol (validation checks that order)
-    order = np.argsort(cat["symbol"].astype(str), kind="stable")
+    """The parts' rows as one Bars, grouped by symbol in reading order within a symbol. Consumes the
+    parts' columns one at a time, so that a file's rows are held about once, not once per step: a
+    file already grouped by symbol is taken as it is, without a copy."""
+
+    def take(key: str) -> np.ndarray:
+        arrays = [p.pop(key) for p in parts]
+        column = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        del arrays
+        if order is None:
+            return column
+        column = column[order]
+        pa.default_memory_pool().release_unused()  # the file's buffers just freed, to the system rather than kept
+        return column
+
+    order: np.ndarray | None = None
+    symbol = take("symbol")
+    # group rows by symbol, keeping reading order within a symbol (validation checked that order)
+    by_symbol = np.argsort(symbol.astype(str), kind="stable")
+    if not np.array_equal(by_symbol, np.arange(by_symbol.size)):
+        order, symbol = by_symbol, symbol[by_symbol]
     return Bars(
-        timestamp_ns=cat["timestamp"][order],
-        symbol=cat["symbol"][order],
-        open=cat["open"][order],
-        high=cat["high"][order],
-        low=cat["low"][order],
-        close=cat["close"][order],
-        volume=cat["volume"][order],
-        user={uc: cat[f"user:{uc}"][order] for uc in user_columns},
+        timestamp_ns=take("timestamp"),
+        symbol=symbol,
+        open=take("open"),
+        high=take("high"),
+        low=take("low"),
+        close=take("close"),
+        volume=take("volume"),
+        user={uc: take(f"user:{uc}") for uc in user_columns},
         files=list(files),
     )
 
 
 def validate(
-    bars: Bars,
     parts: list[dict[str, np.ndarray]],
     files: list[str],
     cmap: ColumnMap,

@@ -252,6 +252,9 @@ def _rolling_std(x: np.ndarray, window: int, starts: np.ndarray) -> np.ndarray:
     return np.where(ok, np.sqrt(var), np.nan)
 
 
+ROWS_PER_BLOCK = 1 << 16  # rows of observed features converted at a time (a training set's history)
+
+
 def _observed(o: np.ndarray, h: np.ndarray, lo: np.ndarray, c: np.ndarray, v: np.ndarray,
               user: np.ndarray | list[np.ndarray], config: FeatureConfig, starts: np.ndarray, first_row: np.ndarray,
               log_c: np.ndarray) -> np.ndarray:
@@ -268,9 +271,12 @@ def _observed(o: np.ndarray, h: np.ndarray, lo: np.ndarray, c: np.ndarray, v: np
     vol = _rolling_std(log_return, config.volatility_window, first_row + 1)
     cols = [log_return, np.log(h / lo), np.log(c / o), np.log1p(v), vol]
     if isinstance(user, list):
-        # [n_observed, N] converted on the way in, then rows made contiguous: the same float32 values as
-        # stacking float64 columns and converting, with a third less peak memory and fewer per-column steps
-        observed = np.ascontiguousarray(np.array(cols + user, dtype=np.float32).T)  # [N, n_observed]
+        # [n_observed, rows] converted on the way in, then written as rows, a block of rows at a time: the
+        # same float32 values as stacking float64 columns and converting, without a whole [n_observed, N] copy
+        observed = np.empty((n, len(cols) + len(user)), dtype=np.float32)  # [N, n_observed]
+        columns = cols + user
+        for r in range(0, n, ROWS_PER_BLOCK):
+            observed[r:r + ROWS_PER_BLOCK] = np.array([x[r:r + ROWS_PER_BLOCK] for x in columns], dtype=np.float32).T
     else:  # the block's columns in one step each way, with the same float64 -> float32 rounding
         observed = np.empty((n, len(cols) + user.shape[0]), dtype=np.float32)  # [N, n_observed]
         observed[:, :len(cols)] = np.array(cols, dtype=np.float32).T

@@ -20,18 +20,8 @@ class NormStats:
     @staticmethod
     def fit(x: np.ndarray, rows: np.ndarray | slice | None = None) -> NormStats:
         """Fit on `x[rows]` (all rows if None), ignoring NaN; x is [N, C] or [N, ..., C]."""
-        sub = x if rows is None else x[rows]
-        sub = sub.reshape(-1, sub.shape[-1]).astype(np.float64)
-        finite = np.isfinite(sub)
-        count = finite.sum(axis=0)
-        if np.any(count == 0):
-            raise ValueError(f"cannot fit normalisation: column(s) {np.flatnonzero(count == 0).tolist()} "
-                             "have no finite value in the fitting rows")
-        z = np.where(finite, sub, 0.0)
-        mean = z.sum(axis=0) / count
-        var = np.where(finite, (sub - mean) ** 2, 0.0).sum(axis=0) / count
-        std = np.sqrt(var)
-        std = np.where(std < MIN_STD, 1.0, std)
+        mean, spread = spread_of(x, rows)
+        std = np.where(spread < MIN_STD, 1.0, spread)
         return NormStats(mean.astype(np.float32), std.astype(np.float32))
 
     def apply(self, x: np.ndarray) -> np.ndarray:
@@ -46,3 +36,28 @@ class NormStats:
     @staticmethod
     def from_dict(d: dict[str, Any]) -> NormStats:
         return NormStats(np.asarray(d["mean"], dtype=np.float32), np.asarray(d["std"], dtype=np.float32))
+
+
+COLUMNS_PER_BLOCK = 16  # columns fitted at a time: a training set's rows x 225 columns in float64, several times over,
+# would take far more memory than the features themselves
+
+
+def spread_of(x: np.ndarray, rows: np.ndarray | slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and standard deviation (float64 [C]) of each column of `x[rows]` (all rows if None), ignoring NaN
+    and infinities; x is [N, C] or [N, ..., C]. A block of columns at a time; ValueError when a column has
+    no finite value."""
+    picked = slice(None) if rows is None else rows
+    n_cols = x.shape[-1]
+    mean, std = np.empty(n_cols), np.empty(n_cols)
+    for j in range(0, n_cols, COLUMNS_PER_BLOCK):
+        block = x[picked, ..., j:j + COLUMNS_PER_BLOCK]  # [n, ..., b]
+        sub = block.reshape(-1, block.shape[-1]).astype(np.float64)  # [n * ..., b]
+        finite = np.isfinite(sub)
+        count = finite.sum(axis=0)
+        if np.any(count == 0):
+            empty = (j + np.flatnonzero(count == 0)).tolist()
+            raise ValueError(f"cannot fit normalisation: column(s) {empty} have no finite value in the fitting rows")
+        m = np.where(finite, sub, 0.0).sum(axis=0) / count
+        mean[j:j + COLUMNS_PER_BLOCK] = m
+        std[j:j + COLUMNS_PER_BLOCK] = np.sqrt(np.where(finite, (sub - m) ** 2, 0.0).sum(axis=0) / count)
+    return mean, std

@@ -19,7 +19,6 @@ from features.bars import (
     F32_MAX,
     PLAUSIBLE_NS,
     PRICE_COLUMNS,
-    Bars,
     ColumnBlock,
     ColumnMap,
     Problem,
@@ -263,10 +262,7 @@ def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> 
             "symbol": np.full(n, s.symbol, dtype=object), "symbol_absent": np.zeros(n, dtype=bool),
             "open": s.open, "high": s.high, "low": s.low,
             "close": s.close, "volume": s.volume} | {f"user:{u}": s.user[u] for u in user_columns}
-    bars = Bars(s.timestamp_ns, part["symbol"], s.open, s.high, s.low, s.close, s.volume,
-                {u: s.user[u] for u in user_columns})
-    return [_for_the_wire(p, s.symbol) for p in validate(bars, [part], [_label(i, s.symbol)], WIRE_COLUMNS,
-                                                         user_columns)]
+    return [_for_the_wire(p, s.symbol) for p in validate([part], [_label(i, s.symbol)], WIRE_COLUMNS, user_columns)]
 
 
 def _for_the_wire(p: Problem, symbol: str) -> Problem:

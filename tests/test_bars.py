@@ -65,6 +65,43 @@ def test_good_file_reads_grouped_by_symbol_in_time_order(tmp_path: Path) -> None
     assert bars.files == [str(path)]
 
 
+def test_every_layout_of_the_same_bars_reads_to_the_same_columns(tmp_path: Path) -> None:
+    """Symbols interleaved, grouped in sorted order (read without a copy), grouped in another order, written in
+    several row groups, split over two files: the same bars, column for column; a null user value in a later
+    row group is still found by its row."""
+    cols = good_columns(n=50, symbols=("NQ", "ES", "CL"))
+    user = ("imbalance",)
+    want = read_bars(write_parquet(tmp_path / "interleaved.parquet", cols), user_columns=user)
+
+    def rows(order: np.ndarray) -> dict[str, Any]:
+        return {k: np.asarray(v)[order] for k, v in cols.items()}
+
+    by_sorted_symbol = np.argsort(cols["symbol"].astype(str), kind="stable")
+    by_file_symbol = np.concatenate([np.flatnonzero(cols["symbol"] == s) for s in ("NQ", "ES", "CL")])
+    layouts = {"sorted": write_parquet(tmp_path / "sorted.parquet", rows(by_sorted_symbol)),
+               "other order": write_parquet(tmp_path / "other.parquet", rows(by_file_symbol))}
+    pq.write_table(pa.table(rows(by_sorted_symbol)), tmp_path / "groups.parquet", row_group_size=7)
+    layouts["row groups"] = tmp_path / "groups.parquet"
+    (tmp_path / "split").mkdir()
+    half = cols["timestamp"] < T0 + 25 * MINUTE
+    write_parquet(tmp_path / "split" / "1.parquet", rows(np.flatnonzero(half)))
+    write_parquet(tmp_path / "split" / "2.parquet", rows(np.flatnonzero(~half)))
+    layouts["two files"] = tmp_path / "split"
+    for name, path in layouts.items():
+        got = read_bars(path, user_columns=user)
+        assert got.symbols == ["CL", "ES", "NQ"] and list(got.symbol) == list(want.symbol), name
+        for column in ("timestamp_ns", "open", "high", "low", "close", "volume"):
+            np.testing.assert_array_equal(getattr(got, column), getattr(want, column), err_msg=f"{name}: {column}")
+        np.testing.assert_array_equal(got.user["imbalance"], want.user["imbalance"], err_msg=name)
+    spoiled = pa.table(rows(by_sorted_symbol))
+    values = spoiled.column("imbalance").to_pylist()
+    values[100] = None
+    spoiled = spoiled.set_column(spoiled.column_names.index("imbalance"), "imbalance", pa.array(values))
+    pq.write_table(spoiled, tmp_path / "null.parquet", row_group_size=7)
+    problem = only_problem(tmp_path / "null.parquet", user=user)
+    assert (problem.column, problem.row) == ("imbalance", 100) and "NaN" in problem.rule
+
+
 # (column to spoil, file rows, value, column named by the problem, words of the rule)
 VALUE_RULES = [
     pytest.param("open", [5, 9], np.nan, "open", "NaN", id="nan-open"),

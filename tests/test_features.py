@@ -419,6 +419,30 @@ def test_norm_stats_fit_on_a_slice_and_apply_to_another() -> None:
     np.testing.assert_allclose(rows.std, [2.0, 1.0, 1.0])
 
 
+def test_norm_stats_fit_a_block_of_columns_at_a_time_as_all_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training set's many columns are fitted a few at a time (memory): the same statistics as one block,
+    for [N, C] and [N, H, C] arrays, rows by slice or index; a column with no value is named by its index."""
+    import features.normalize
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(3.0, 2.0, size=(500, 37)).astype(np.float32)
+    x[rng.random(x.shape) < 0.1] = np.nan
+    x[:, 5] = 7.0  # no spread
+    cube = x.reshape(100, 5, 37)
+    cases = [(x, None), (x, slice(10, 400)), (x, np.arange(0, 500, 3)), (cube, slice(0, 80))]
+    monkeypatch.setattr(features.normalize, "COLUMNS_PER_BLOCK", 1000)
+    whole = [NormStats.fit(a, rows) for a, rows in cases]
+    monkeypatch.setattr(features.normalize, "COLUMNS_PER_BLOCK", 4)
+    for (a, rows), want in zip(cases, whole, strict=True):
+        got = NormStats.fit(a, rows)
+        np.testing.assert_array_equal(got.mean, want.mean)
+        np.testing.assert_array_equal(got.std, want.std)
+    assert whole[0].std[5] == 1.0
+    x[:, 30] = np.nan
+    with pytest.raises(ValueError, match=r"column\(s\) \[30\] have no finite value"):
+        NormStats.fit(x)
+
+
 def test_norm_stats_on_windows_and_round_trip(tiny: FeatureFrame) -> None:
     stats = NormStats.fit(tiny.observed, slice(0, 16))  # fitted on A, warm-up NaN ignored
     np.testing.assert_allclose(stats.mean, np.nanmean(tiny.observed[:16].astype(np.float64), axis=0), rtol=1e-5)
@@ -564,7 +588,8 @@ def test_a_column_block_is_a_read_only_mapping_of_its_rows() -> None:
 
 
 @pytest.mark.parametrize("order", [("imbalance", "depth"), ("depth", "imbalance")])
-def test_user_columns_as_one_block_give_the_same_features_bit_for_bit(sample: Bars, order: tuple[str, ...]) -> None:
+def test_user_columns_as_one_block_give_the_same_features_bit_for_bit(sample: Bars, order: tuple[str, ...],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The server hands build_frame a request's user columns as one [columns, bars] block; the features
     must be exactly those of the same columns given one by one (as training reads them)."""
     rng = np.random.default_rng(3)
@@ -578,4 +603,11 @@ def test_user_columns_as_one_block_give_the_same_features_bit_for_bit(sample: Ba
     got = build_frame(block, cfg)
     np.testing.assert_array_equal(got.observed, expected.observed)
     assert got.observed.flags.c_contiguous and got.observed.dtype == np.float32
+    # a training set's columns are converted a block of rows at a time: blocks that split series change nothing
+    import features.compute
+
+    monkeypatch.setattr(features.compute, "ROWS_PER_BLOCK", 1000)
+    in_blocks = build_frame(plain, cfg)
+    np.testing.assert_array_equal(in_blocks.observed, expected.observed)
+    assert in_blocks.observed.flags.c_contiguous and len(sample) > 4 * 1000
     np.testing.assert_array_equal(got.known, expected.known)

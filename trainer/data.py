@@ -26,7 +26,7 @@ from features.compute import (
     infer_bar_interval_ns,
     known_features,
 )
-from features.normalize import MIN_STD, NormStats
+from features.normalize import MIN_STD, NormStats, spread_of
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
 from trainer.config import TrainConfig
 
@@ -64,7 +64,7 @@ class WindowTensors:
 
     def __init__(self, frame: FeatureFrame, encoder_length: int) -> None:
         self.encoder_length = encoder_length
-        self.observed = torch.from_numpy(np.nan_to_num(frame.observed, nan=0.0))  # [N, n_obs]
+        self.observed = torch.from_numpy(frame.observed)  # [N, n_obs]  NaN in warm-ups: zeroed per batch
         self.known = torch.from_numpy(frame.known)  # [N, n_known]
         self.series_id = torch.from_numpy(frame.series_id)  # [N]
         self.targets = torch.from_numpy(np.nan_to_num(frame.targets, nan=0.0))  # [N, H]
@@ -86,7 +86,7 @@ class WindowTensors:
         idx = anchors[:, None] + self.offsets  # [B, L]
         return {
             STATIC_CATEGORICAL: self.series_id[anchors][:, None],  # [B, 1]
-            ENCODER_OBSERVED: self.observed[idx],  # [B, L, n_obs]
+            ENCODER_OBSERVED: torch.nan_to_num(self.observed[idx], nan=0.0),  # [B, L, n_obs]
             ENCODER_KNOWN: self.known[idx],  # [B, L, n_known]
             DECODER_KNOWN: self.future_known(anchors),  # [B, H, n_known]
             TARGET: self.targets[anchors],  # [B, H]
@@ -109,7 +109,7 @@ class WindowTensors:
         first = torch.full((rows.numel(),), anchors.numel(), dtype=torch.int64)
         return {
             STATIC_CATEGORICAL: self.series_id[anchors][:, None],  # [B, 1]
-            ROW_OBSERVED: self.observed[rows],  # [R, n_obs]
+            ROW_OBSERVED: torch.nan_to_num(self.observed[rows], nan=0.0),  # [R, n_obs]
             ROW_KNOWN: self.known[rows],  # [R, n_known]
             ROW_WINDOW: first.scatter_reduce_(0, inverse.flatten(), window_of, reduce="amin"),  # [R]
             WINDOW_ROWS: inverse,  # [B, L]
@@ -182,7 +182,10 @@ def check_resumed_split(stored: Sequence[int] | None, now: tuple[int, int], test
 def warn_about_constant_features(frame: FeatureFrame, train_rows: np.ndarray) -> None:
     """Warn about an observed feature that never changes over the training rows (a user column filled with
     one value, say): normalised to zero, it tells the model nothing, in training and in serving."""
-    spread = np.nanstd(frame.observed[train_rows], axis=0)  # [n_observed]
+    try:
+        spread = spread_of(frame.observed, train_rows)[1]  # [n_observed]
+    except ValueError:  # a column without a value: the normalisation's fit says which
+        return
     flat = [name for name, sd in zip(frame.schema.observed, spread, strict=True) if not sd >= MIN_STD]
     if flat:
         log.warning("observed feature(s) %s never change over the training bars: the model learns nothing from "
@@ -225,6 +228,7 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
         raise DataError(f"{parquet}: no bars (the file holds no rows); give bars to train on")
     try:
         frame = build_frame(bars, cfg.feature_config(), symbols)
+        del bars  # the frame holds what training needs; the bars' columns would double the peak that follows
     except ValueError as exc:
         if symbols is None:
             raise
