@@ -729,3 +729,17 @@ def test_an_observed_feature_that_never_changes_in_training_is_warned_about(
         prepare(tmp_path / "bars.parquet", tiny_cfg(features=["const", "noisy"]))
     flagged = [r.getMessage() for r in caplog.records if "never change over the training bars" in r.getMessage()]
     assert len(flagged) == 1 and "const" in flagged[0] and "noisy" not in flagged[0], caplog.text
+
+
+def test_train_memory_benchmark_runs_two_checkouts_and_compares_their_peaks(tmp_path: Path) -> None:
+    """benchmarks/train_memory at a small size: both builds (here the same checkout) train on one file, each
+    run's peak RSS and the trainer's own peaks are reported, and their validation losses agree."""
+    cmd = [sys.executable, "-m", "benchmarks.train_memory", "--a", str(REPO), "--bars", "1500", "--symbols", "ES,NQ",
+           "--steps", "1", "--repeats", "1", "--trainer-arg=--hidden-size=8", "--trainer-arg=--batch-size=32"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = [line for line in done.stdout.splitlines() if " run 1: peak RSS " in line]
+    assert len(runs) == 2 and {line.split()[0] for line in runs} == {"A", "B"}, done.stdout
+    assert "| peak RSS, MiB (whole child) |" in done.stdout and "(differ" not in done.stdout, done.stdout
+    refused = subprocess.run([*cmd[:4], str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "not a checkout holding trainer/__main__.py" in refused.stderr
