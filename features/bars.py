@@ -161,7 +161,11 @@ def block_for(columns: Mapping[str, np.ndarray], names: tuple[str, ...]) -> np.n
 
 @dataclass
 class Bars:
-    """Validated bars as contiguous numpy columns, rows grouped by symbol in time order."""
+    """Validated bars as contiguous numpy columns, rows grouped by symbol in time order.
+
+    Columns read from a file may be read-only views of the file's arrow buffers (when its rows come
+    grouped by symbol in sorted order, nothing is copied): copy a column before changing it in place.
+    """
 
     timestamp_ns: np.ndarray  # int64 [N]   UTC nanoseconds
     symbol: np.ndarray  # object [N]  symbol per row
@@ -462,8 +466,8 @@ def _as_float64(col: pa.ChunkedArray, fname: str, name: str) -> tuple[np.ndarray
 
 
 def _numpy(col: pa.ChunkedArray) -> np.ndarray:
-    """A column as numpy: a file's one chunk without nulls as a read-only view of arrow's buffer (combine_chunks
-    and ChunkedArray.to_numpy copy even one chunk), several chunks joined once."""
+    """A column as numpy: one chunk of a type numpy shares (float64 without nulls) as a read-only view of
+    arrow's buffer (combine_chunks and ChunkedArray.to_numpy copy even one chunk), several chunks joined once."""
     one = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     return np.asarray(one.to_numpy(zero_copy_only=False))
 
@@ -497,7 +501,7 @@ def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns
         low=take("low"),
         close=take("close"),
         volume=take("volume"),
-        user={uc: take(f"user:{uc}") for uc in user_columns},
+        user={uc: take(f"user:{uc}") for uc in dict.fromkeys(user_columns)},  # a name given twice is one column
         files=list(files),
     )
 

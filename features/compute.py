@@ -161,18 +161,33 @@ def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
     day = second // 86_400
     first_day, last_day = int(day.min()), int(day.max())
     if last_day - first_day <= 100_000:  # every day of the span (no sort): a history of up to 270 years
-        days, day_of = np.arange(first_day, last_day + 1), day - first_day
-    else:
-        days, day_of = np.unique(day, return_inverse=True)
-    start = np.array([_offset_ns(tz, int(d) * 86_400) for d in days], dtype=np.int64)
-    end = np.array([_offset_ns(tz, int(d) * 86_400 + 86_399) for d in days], dtype=np.int64)
-    out = start[day_of].reshape(ts.shape)
-    for k in np.flatnonzero(start != end):  # the offset changes within this day, once
-        midnight = int(days[k]) * 86_400
-        change = _change_second(tz, midnight, midnight + 86_399)
-        rows = (day_of == k).reshape(ts.shape) & (second >= change)
-        out[rows] = end[k]
-    return out
+        return DayOffsets(tz, first_day, last_day).at(second)
+    return DayOffsets(tz, days=np.unique(day)).at(second)
+
+
+class DayOffsets:
+    """A zone's UTC offset on given UTC days (every day from `first_day` to `last_day`, or the sorted `days`),
+    looked up once: per day, the offset at its first and its last second and the second it changes between.
+    `at` then answers any seconds on those days with array operations alone, as a training set's batches ask
+    (their times are spread over years: one look-up per batch would not stay in the cache)."""
+
+    NEVER = np.iinfo(np.int64).max
+
+    def __init__(self, tz: str, first_day: int = 0, last_day: int = -1, days: np.ndarray | None = None) -> None:
+        self.days = np.arange(first_day, last_day + 1) if days is None else days  # [D] days since 1970-01-01
+        self.contiguous = days is None
+        self.start = np.array([_offset_ns(tz, int(d) * 86_400) for d in self.days], dtype=np.int64)  # [D]
+        self.end = np.array([_offset_ns(tz, int(d) * 86_400 + 86_399) for d in self.days], dtype=np.int64)  # [D]
+        self.change = np.full(self.days.size, self.NEVER, dtype=np.int64)  # [D]  first second with `end`'s offset
+        for k in np.flatnonzero(self.start != self.end):  # the offset changes within this day, once
+            midnight = int(self.days[k]) * 86_400
+            self.change[k] = _change_second(tz, midnight, midnight + 86_399)
+
+    def at(self, second: np.ndarray) -> np.ndarray:
+        """The offset (ns) at each of `second` (seconds since 1970-01-01 UTC, on the table's days), same shape."""
+        day = second // 86_400
+        k = day - self.days[0] if self.contiguous else np.searchsorted(self.days, day)
+        return np.where(second >= self.change[k], self.end[k], self.start[k])
 
 
 def known_features(timestamp_ns: np.ndarray, tz: str = "UTC") -> np.ndarray:

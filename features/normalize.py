@@ -49,15 +49,20 @@ def spread_of(x: np.ndarray, rows: np.ndarray | slice | None = None) -> tuple[np
     picked = slice(None) if rows is None else rows
     n_cols = x.shape[-1]
     mean, std = np.empty(n_cols), np.empty(n_cols)
-    for j in range(0, n_cols, COLUMNS_PER_BLOCK):
-        block = x[picked, ..., j:j + COLUMNS_PER_BLOCK]  # [n, ..., b]
+    empty: list[int] = []
+    starts = list(range(0, n_cols, COLUMNS_PER_BLOCK))
+    if len(starts) > 1 and n_cols - starts[-1] == 1:
+        starts.pop()  # numpy sums a lone column pairwise, a block's columns row by row: keep the old float64 bits
+    for j, stop in zip(starts, [*starts[1:], n_cols], strict=True):
+        block = x[picked, ..., j:stop]  # [n, ..., b]
         sub = block.reshape(-1, block.shape[-1]).astype(np.float64)  # [n * ..., b]
         finite = np.isfinite(sub)
         count = finite.sum(axis=0)
-        if np.any(count == 0):
-            empty = (j + np.flatnonzero(count == 0)).tolist()
-            raise ValueError(f"cannot fit normalisation: column(s) {empty} have no finite value in the fitting rows")
+        empty += (j + np.flatnonzero(count == 0)).tolist()
+        count = np.maximum(count, 1)
         m = np.where(finite, sub, 0.0).sum(axis=0) / count
-        mean[j:j + COLUMNS_PER_BLOCK] = m
-        std[j:j + COLUMNS_PER_BLOCK] = np.sqrt(np.where(finite, (sub - m) ** 2, 0.0).sum(axis=0) / count)
+        mean[j:stop] = m
+        std[j:stop] = np.sqrt(np.where(finite, (sub - m) ** 2, 0.0).sum(axis=0) / count)
+    if empty:
+        raise ValueError(f"cannot fit normalisation: column(s) {empty} have no finite value in the fitting rows")
     return mean, std

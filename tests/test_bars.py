@@ -93,6 +93,8 @@ def test_every_layout_of_the_same_bars_reads_to_the_same_columns(tmp_path: Path)
         for column in ("timestamp_ns", "open", "high", "low", "close", "volume"):
             np.testing.assert_array_equal(getattr(got, column), getattr(want, column), err_msg=f"{name}: {column}")
         np.testing.assert_array_equal(got.user["imbalance"], want.user["imbalance"], err_msg=name)
+    twice = read_bars(layouts["sorted"], user_columns=("imbalance", "imbalance"))  # a feature list naming it twice
+    assert list(twice.user) == ["imbalance"]
     spoiled = pa.table(rows(by_sorted_symbol))
     values = spoiled.column("imbalance").to_pylist()
     values[100] = None

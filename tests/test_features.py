@@ -438,8 +438,8 @@ def test_norm_stats_fit_a_block_of_columns_at_a_time_as_all_at_once(monkeypatch:
         np.testing.assert_array_equal(got.mean, want.mean)
         np.testing.assert_array_equal(got.std, want.std)
     assert whole[0].std[5] == 1.0
-    x[:, 30] = np.nan
-    with pytest.raises(ValueError, match=r"column\(s\) \[30\] have no finite value"):
+    x[:, 2] = x[:, 30] = np.nan  # in two blocks: both named
+    with pytest.raises(ValueError, match=r"column\(s\) \[2, 30\] have no finite value"):
         NormStats.fit(x)
 
 

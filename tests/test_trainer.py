@@ -148,6 +148,28 @@ def test_batches_are_windows_taken_by_index(bars: Path) -> None:
         np.testing.assert_allclose(b[name].numpy(), value, rtol=0, atol=0, err_msg=name)
 
 
+@pytest.mark.parametrize("tz", ["America/Chicago", "Australia/Lord_Howe", "America/St_Johns"])
+def test_decoder_calendar_features_per_batch_equal_the_zones_own_across_its_changes(tz: str) -> None:
+    """Training computes each batch's future calendar features from offsets looked up once for the run: the
+    very values known_features gives in the zone, for anchors over two years whose horizons cross changes."""
+    from features.compute import FeatureConfig, FeatureFrame, future_timestamps, known_features
+    from trainer.data import WindowTensors
+
+    minute = 60 * 10**9
+    ts = 1_700_000_000 * 10**9 + np.arange(0, 2 * 365 * 24 * 60, 13, dtype=np.int64) * minute  # every 13 min, 2 y
+    n, h = ts.size, 6
+    frame = FeatureFrame(config=FeatureConfig(horizon=h, calendar_tz=tz), symbols=["A"], timestamp_ns=ts,
+                         series_id=np.zeros(n, np.int64), series_bounds=np.array([[0, n]]),
+                         observed=np.zeros((n, 1), np.float32), known=np.zeros((n, 4), np.float32),
+                         close=np.ones(n), targets=np.zeros((n, h), np.float32), bar_interval_ns=13 * minute)
+    tensors = WindowTensors(frame, 3)
+    rng = np.random.default_rng(1)
+    for anchors in (rng.integers(0, n, 300), np.arange(n)):
+        want = known_features(future_timestamps(ts[anchors], 13 * minute, h), tz)  # [B, H, 4]
+        np.testing.assert_array_equal(tensors.future_known(torch.from_numpy(anchors)).numpy(), want)
+    assert not np.array_equal(want, known_features(future_timestamps(ts, 13 * minute, h)))  # the zone mattered
+
+
 def overlapping_anchors(data: PreparedData) -> torch.Tensor:
     """16 consecutive windows (overlapping), two far apart, and the other symbol's last three."""
     t = data.train_anchors

@@ -20,6 +20,8 @@ from features.check import format_timestamp
 from features.compute import (
     COARSE_INTERVALS,
     NS_PER_DAY,
+    NS_PER_SECOND,
+    DayOffsets,
     FeatureFrame,
     build_frame,
     future_timestamps,
@@ -71,16 +73,23 @@ class WindowTensors:
         self.offsets = torch.arange(-encoder_length + 1, 1)  # [L]
         self._timestamp_ns = frame.timestamp_ns  # int64 [N]
         self._bar_interval_ns, self._horizon = frame.bar_interval_ns, frame.config.horizon
-        self._calendar_tz = frame.config.calendar_tz
+        self._offsets: DayOffsets | None = None  # the calendar zone's offsets over the bars' span and horizon
+        if frame.config.calendar_tz != "UTC" and frame.timestamp_ns.size:
+            last = int(frame.timestamp_ns.max()) + self._horizon * self._bar_interval_ns
+            self._offsets = DayOffsets(frame.config.calendar_tz, int(frame.timestamp_ns.min()) // NS_PER_DAY,
+                                       last // NS_PER_DAY)
 
     def future_known(self, anchors: torch.Tensor) -> torch.Tensor:
         """The decoder's calendar features of the windows ending at `anchors`: [B, H, n_known].
 
         Computed per batch from the anchors' nominal future times (as the server does), not stored
         for every bar: stored, they would take H times the memory of the encoder's known features.
+        In a calendar zone, the times are made local with the offsets looked up once for the run.
         """
         future = future_timestamps(self._timestamp_ns[anchors.numpy()], self._bar_interval_ns, self._horizon)
-        return torch.from_numpy(known_features(future, self._calendar_tz))  # [B, H, n_known]
+        if self._offsets is not None:
+            future = future + self._offsets.at(future // NS_PER_SECOND)  # local wall-clock time
+        return torch.from_numpy(known_features(future))  # [B, H, n_known]
 
     def batch(self, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
         idx = anchors[:, None] + self.offsets  # [B, L]
