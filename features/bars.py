@@ -351,7 +351,7 @@ def read_bars(
             stamp = table.column(cmap.timestamp).type
             if pa.types.is_timestamp(stamp) and stamp.tz is None:
                 naive.append(fname)
-        del table  # what the part did not copy is freed with it
+        del table  # the part keeps the buffers it views; the file's other columns go now
     if problems:
         raise BarDataError(problems)
     problems = validate(parts, file_of_part, cmap, user_columns)
@@ -474,8 +474,8 @@ def _numpy(col: pa.ChunkedArray) -> np.ndarray:
 
 def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns: tuple[str, ...]) -> Bars:
     """The parts' rows as one Bars, grouped by symbol in reading order within a symbol. Consumes the
-    parts' columns one at a time, so that a file's rows are held about once, not once per step: a
-    file already grouped by symbol is taken as it is, without a copy."""
+    parts' columns one at a time, so that the rows are held about once, not once per step: one file
+    whose rows already come grouped in sorted symbol order is taken as it is, without a copy."""
 
     def take(key: str) -> np.ndarray:
         arrays = [p.pop(key) for p in parts]
