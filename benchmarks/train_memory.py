@@ -13,8 +13,8 @@ one), A and B alternating, each in a child of its own so that its peak RSS (`ru_
 every validation window and the test split, as a real run ends, on the CPU.
 
 Reported per run: the child's peak RSS, its wall time, the trainer's own peaks (after the
-training steps and after validation), and the validation loss, which must be equal for the two
-builds when a change only moves memory. The summary gives B / A for each.
+training steps and after validation), its training windows/s, and the validation loss, which
+must be equal for the two builds when a change only moves memory. The summary gives B / A for each.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def run_trainer(checkout: Path, parquet: Path, out: Path, steps: int, extra: lis
         raise SystemExit(f"error: no peak memory in the log of {checkout}:\n{text[-3000:]}")
     record = json.loads(out.with_suffix(".metrics.jsonl").read_text().splitlines()[-1])
     return {"peak_rss_mib": usage.ru_maxrss / 1024, "wall_s": wall, "train_mib": float(peaks.group(1)),
-            "val_mib": float(peaks.group(2)), "val_loss": float(record["val_loss"])}
+            "val_mib": float(peaks.group(2)), "val_loss": float(record["val_loss"]),
+            "windows_per_s": float(record["windows_per_second"])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"val loss {r['val_loss']!r}", flush=True)
     print("\n| | A | B | B / A |\n|---|---|---|---|")
     for key, name in (("peak_rss_mib", "peak RSS, MiB (whole child)"), ("train_mib", "trainer's peak after "
-                      "training, MiB"), ("val_mib", "trainer's peak after validation, MiB"), ("wall_s", "wall, s")):
+                      "training, MiB"), ("val_mib", "trainer's peak after validation, MiB"), ("wall_s", "wall, s"),
+                      ("windows_per_s", "training windows/s")):
         a = [r[key] for r in runs["A"]]
         b = [r[key] for r in runs["B"]]
-        fmt = "{:.1f}" if key == "wall_s" else "{:,.0f}"
+        fmt = "{:.1f}" if key == "wall_s" else "{:,.0f}"  # windows/s as whole windows
         print(f"| {name} | {' / '.join(fmt.format(x) for x in a)} | {' / '.join(fmt.format(x) for x in b)} | "
               f"{sum(b) / len(b) / (sum(a) / len(a)):.2f} |")
     losses = {label: sorted({r["val_loss"] for r in rs}) for label, rs in runs.items()}
