@@ -13,8 +13,9 @@ one), A and B alternating, each in a child of its own so that its peak RSS (`ru_
 every validation window and the test split, as a real run ends, on the CPU.
 
 Reported per run: the child's peak RSS, its wall time, the trainer's own peaks (after the
-training steps and after validation), its training windows/s, and the validation loss, which
-must be equal for the two builds when a change only moves memory. The summary gives B / A for each.
+training steps and after validation), and the validation loss, which must be equal for the two
+builds when a change only moves memory. The summary gives each figure and the training windows/s
+of every run, and B / A for each.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name} {getattr(args, name)}: not a checkout holding trainer/__main__.py")
     if args.bars < 1000 or args.steps < 1 or args.repeats < 1 or args.extra_features < 0:
         p.error("need --bars >= 1000, --steps >= 1, --repeats >= 1, --extra-features >= 0")
+    symbols = args.symbols.split(",")
+    if not all(symbols) or len(set(symbols)) < len(symbols):
+        p.error(f"--symbols {args.symbols!r}: give distinct names separated by commas, e.g. ES,NQ")
     extra = list(args.trainer_arg)
     if args.extra_features:
         extra += ["--features", ",".join(f"f{i:03d}" for i in range(args.extra_features))]
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "-m", "features.synth", "--out", str(parquet), "--symbols", args.symbols,
                         "--bars", str(args.bars), "--extra-features", str(args.extra_features)], cwd=REPO,
                        check=True, stdout=subprocess.DEVNULL)
-        rows = args.bars * len(args.symbols.split(","))
+        rows = args.bars * len(symbols)
         print(f"{rows:,} bars ({args.symbols}, {args.bars:,} each), {args.extra_features} user columns, "
               f"parquet {parquet.stat().st_size / 2**20:,.1f} MiB; {args.steps} steps, then validation and test",
               flush=True)

@@ -163,8 +163,9 @@ def block_for(columns: Mapping[str, np.ndarray], names: tuple[str, ...]) -> np.n
 class Bars:
     """Validated bars as contiguous numpy columns, rows grouped by symbol in time order.
 
-    Columns read from a file may be read-only views of the file's arrow buffers (when its rows come
-    grouped by symbol in sorted order, nothing is copied): copy a column before changing it in place.
+    Columns read from a file may be read-only views of the file's arrow buffers (one file whose rows
+    come grouped by symbol in sorted order, a column in one chunk without nulls): copy a column before
+    changing it in place.
     """
 
     timestamp_ns: np.ndarray  # int64 [N]   UTC nanoseconds
@@ -462,37 +463,28 @@ def _as_float64(col: pa.ChunkedArray, fname: str, name: str) -> tuple[np.ndarray
                                  f"(±2^53){what}",
                                  "set missing values to null and drop or repair those rows; write fixed-point "
                                  "prices as floats (divided by their scale, e.g. 1e9)", count)
-    return _numpy(col.cast(pa.float64())), None
-
-
-def _numpy(col: pa.ChunkedArray) -> np.ndarray:
-    """A column as numpy: one chunk of a type numpy shares (float64 without nulls) as a read-only view of
-    arrow's buffer (combine_chunks and ChunkedArray.to_numpy copy even one chunk), several chunks joined once."""
-    one = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-    return np.asarray(one.to_numpy(zero_copy_only=False))
+    # one float64 chunk without nulls comes as a read-only view of arrow's buffer, not a copy
+    return np.asarray(col.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64), None
 
 
 def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns: tuple[str, ...]) -> Bars:
     """The parts' rows as one Bars, grouped by symbol in reading order within a symbol. Consumes the
     parts' columns one at a time, so that the rows are held about once, not once per step: one file
     whose rows already come grouped in sorted symbol order is taken as it is, without a copy."""
+    symbol = _joined(parts, "symbol")
+    # group rows by symbol, keeping reading order within a symbol (validation checked that order)
+    by_symbol = np.argsort(symbol.astype(str), kind="stable")
+    order = None if np.array_equal(by_symbol, np.arange(by_symbol.size)) else by_symbol
+    symbol = symbol if order is None else symbol[order]
 
     def take(key: str) -> np.ndarray:
-        arrays = [p.pop(key) for p in parts]
-        column = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        del arrays
+        column = _joined(parts, key)
         if order is None:
             return column
         column = column[order]
         pa.default_memory_pool().release_unused()  # the file's buffers just freed, to the system rather than kept
         return column
 
-    order: np.ndarray | None = None
-    symbol = take("symbol")
-    # group rows by symbol, keeping reading order within a symbol (validation checked that order)
-    by_symbol = np.argsort(symbol.astype(str), kind="stable")
-    if not np.array_equal(by_symbol, np.arange(by_symbol.size)):
-        order, symbol = by_symbol, symbol[by_symbol]
     return Bars(
         timestamp_ns=take("timestamp"),
         symbol=symbol,
@@ -504,6 +496,12 @@ def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns
         user={uc: take(f"user:{uc}") for uc in dict.fromkeys(user_columns)},  # a name given twice is one column
         files=list(files),
     )
+
+
+def _joined(parts: list[dict[str, np.ndarray]], key: str) -> np.ndarray:
+    """The parts' `key` columns as one, taken out of the parts (no copy for one part)."""
+    arrays = [p.pop(key) for p in parts]
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def validate(

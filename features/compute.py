@@ -161,21 +161,29 @@ def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
     day = second // 86_400
     first_day, last_day = int(day.min()), int(day.max())
     if last_day - first_day <= 100_000:  # every day of the span (no sort): a history of up to 270 years
-        return DayOffsets(tz, first_day, last_day).at(second)
-    return DayOffsets(tz, days=np.unique(day)).at(second)
+        return DayOffsets.span(tz, first_day, last_day).at(second)
+    return DayOffsets(tz, np.unique(day)).at(second)
 
 
 class DayOffsets:
-    """A zone's UTC offset on given UTC days (every day from `first_day` to `last_day`, or the sorted `days`),
-    looked up once: per day, the offset at its first and its last second and the second it changes between.
-    `at` then answers any seconds on those days with array operations alone, as a training set's batches ask
-    (their times are spread over years: one look-up per batch would not stay in the cache)."""
+    """A zone's UTC offset on given UTC days, looked up once: per day, the offset at its first and its last
+    second and the second it changes between. `at` then answers any seconds on those days with array
+    operations alone, as a training set's batches ask (their times are spread over years: one look-up per
+    batch would not stay in the cache)."""
 
     NEVER = np.iinfo(np.int64).max
 
-    def __init__(self, tz: str, first_day: int = 0, last_day: int = -1, days: np.ndarray | None = None) -> None:
-        self.days = np.arange(first_day, last_day + 1) if days is None else days  # [D] days since 1970-01-01
-        self.contiguous = days is None
+    @classmethod
+    def span(cls, tz: str, first_day: int, last_day: int) -> DayOffsets:
+        """Every day from `first_day` to `last_day` (days since 1970-01-01 UTC)."""
+        return cls(tz, np.arange(first_day, last_day + 1, dtype=np.int64))
+
+    def __init__(self, tz: str, days: np.ndarray) -> None:
+        """The offsets on `days` (sorted, distinct, days since 1970-01-01 UTC; at least one)."""
+        self.days = np.asarray(days, dtype=np.int64)  # [D]
+        if self.days.size == 0 or np.any(np.diff(self.days) <= 0):
+            raise ValueError("DayOffsets needs at least one day, sorted and distinct")
+        self.contiguous = int(self.days[-1] - self.days[0]) + 1 == self.days.size
         self.start = np.array([_offset_ns(tz, int(d) * 86_400) for d in self.days], dtype=np.int64)  # [D]
         self.end = np.array([_offset_ns(tz, int(d) * 86_400 + 86_399) for d in self.days], dtype=np.int64)  # [D]
         self.change = np.full(self.days.size, self.NEVER, dtype=np.int64)  # [D]  first second with `end`'s offset
@@ -187,6 +195,9 @@ class DayOffsets:
         """The offset (ns) at each of `second` (seconds since 1970-01-01 UTC, on the table's days), same shape."""
         day = second // 86_400
         k = day - self.days[0] if self.contiguous else np.searchsorted(self.days, day)
+        if k.size and (int(k.min()) < 0 or int(k.max()) >= self.days.size or
+                       not (self.contiguous or np.array_equal(self.days[k], day))):
+            raise ValueError("DayOffsets.at: a second on a day outside the table")
         return np.where(second >= self.change[k], self.end[k], self.start[k])
 
 

@@ -233,6 +233,27 @@ def test_utc_offsets_of_a_servers_batch_each_series_on_its_own() -> None:
     assert len(set(np.broadcast_to(compute.utc_offset_ns(batch, "America/Chicago"), batch.shape)[:, 0])) == 2
 
 
+def test_a_day_offset_table_answers_on_its_days_and_refuses_others() -> None:
+    """DayOffsets (a training run's zone table, and utc_offset_ns's long spans) gives the zone's offsets on the
+    days it holds, contiguous or not, and refuses a second on any other day rather than answering wrongly."""
+    tz, day = "America/Chicago", 86_400
+    first, last = 19_000, 19_400  # 2022-01-08 .. 2023-02-12: both of 2022's changes
+    table = compute.DayOffsets.span(tz, first, last)
+    seconds = np.arange(first * day, (last + 1) * day, 1_799)
+    want = np.array([compute._offset_ns(tz, int(x)) for x in seconds])
+    np.testing.assert_array_equal(table.at(seconds), want)
+    sparse = compute.DayOffsets(tz, np.array([first, 19_066, last]))  # 2022-03-13, a change day, in the middle
+    on_days = np.concatenate([np.arange(d * day, (d + 1) * day, 601) for d in (first, 19_066, last)])
+    np.testing.assert_array_equal(sparse.at(on_days), [compute._offset_ns(tz, int(x)) for x in on_days])
+    for outside in ((first - 1) * day, (last + 1) * day):
+        with pytest.raises(ValueError, match="outside the table"):
+            table.at(np.array([outside]))
+    with pytest.raises(ValueError, match="outside the table"):
+        sparse.at(np.array([19_065 * day]))
+    with pytest.raises(ValueError, match="sorted and distinct"):
+        compute.DayOffsets(tz, np.array([3, 2]))
+
+
 def test_calendar_features_in_an_exchange_time_zone_keep_the_session_open_through_daylight_saving() -> None:
     """CME's 08:30 Chicago open is 14:30 UTC in January and 13:30 UTC in July: in UTC its time of day moves
     by an hour; with calendar_tz America/Chicago it stays put, and the day of week is Chicago's."""

@@ -590,6 +590,8 @@ def test_predict_keeps_the_outputs_asked_for_and_out_of_memory_halves_the_batch(
     # validation keeps the quantiles alone (each window's explanations would dwarf them), and the same ones
     only = t.predict(anchors, batch=32, outputs=("quantiles",))
     assert list(only) == ["quantiles"] and np.array_equal(only["quantiles"], expected)
+    with pytest.raises(ValueError, match="no model output named attn"):
+        t.predict(anchors, outputs=("quantiles", "attn"))
     real = t._forward
     injected: list[int] = []
 

@@ -76,8 +76,8 @@ class WindowTensors:
         self._offsets: DayOffsets | None = None  # the calendar zone's offsets over the bars' span and horizon
         if frame.config.calendar_tz != "UTC" and frame.timestamp_ns.size:
             last = int(frame.timestamp_ns.max()) + self._horizon * self._bar_interval_ns
-            self._offsets = DayOffsets(frame.config.calendar_tz, int(frame.timestamp_ns.min()) // NS_PER_DAY,
-                                       last // NS_PER_DAY)
+            self._offsets = DayOffsets.span(frame.config.calendar_tz, int(frame.timestamp_ns.min()) // NS_PER_DAY,
+                                            last // NS_PER_DAY)
 
     def future_known(self, anchors: torch.Tensor) -> torch.Tensor:
         """The decoder's calendar features of the windows ending at `anchors`: [B, H, n_known].

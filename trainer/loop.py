@@ -359,6 +359,8 @@ class Trainer:
                 ) -> dict[str, np.ndarray]:
         """The model's `outputs` on `anchors` (eval mode, no stored activations). Only those are kept: the
         explanations of every validation window would take far more memory than its quantiles."""
+        if unknown := sorted(set(outputs) - set(MODEL_OUTPUTS)):
+            raise ValueError(f"no model output named {', '.join(unknown)}; the outputs are {', '.join(MODEL_OUTPUTS)}")
         self.model.eval()
         size = batch or self.plan.val_batch
         while True:
