@@ -85,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         extra += ["--features", ",".join(f"f{i:03d}" for i in range(args.extra_features))]
     with tempfile.TemporaryDirectory() as tmp:
         parquet = Path(tmp) / "bars.parquet"
-        subprocess.run([sys.executable, "-m", "features.synth", "--out", str(parquet), "--symbols", args.symbols,
-                        "--bars", str(args.bars), "--extra-features", str(args.extra_features)], cwd=REPO,
-                       check=True, stdout=subprocess.DEVNULL)
+        made = subprocess.run([sys.executable, "-m", "features.synth", "--out", str(parquet), "--symbols",
+                               args.symbols, "--bars", str(args.bars), "--extra-features", str(args.extra_features)],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if made.returncode != 0:
+            raise SystemExit(f"error: features.synth could not write the sample bars:\n{made.stderr[-3000:]}")
         rows = args.bars * len(symbols)
         print(f"{rows:,} bars ({args.symbols}, {args.bars:,} each), {args.extra_features} user columns, "
               f"parquet {parquet.stat().st_size / 2**20:,.1f} MiB; {args.steps} steps, then validation and test",

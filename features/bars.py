@@ -287,9 +287,8 @@ PLAUSIBLE_NS = 10**17
 
 def _unit_problem(file: str, name: str, top: int, read_as: str = "ns") -> Problem:
     """Integer timestamps whose latest (`top`, as stored) falls before 1973 read in the unit `read_as`."""
-    unit, factor = (("seconds", 10**9) if top < 10**11 else ("milliseconds", 10**6) if top < 10**14
-                    else ("microseconds", 10**3) if top < 10**17 else ("nanoseconds", 1))
-    flag = next(u for u, named in UNIT_NAMES.items() if named == unit)
+    flag = "s" if top < 10**11 else "ms" if top < 10**14 else "us" if top < 10**17 else "ns"
+    unit, factor = UNIT_NAMES[flag], NS_PER_UNIT[flag]
     return Problem(file, name, -1, f"integer timestamps (the latest {top}) read as {UNIT_NAMES[read_as]} all "
                    f"fall before 1973-03-03: they look like {unit} since the Unix epoch",
                    f"give --time-unit {flag}, or write int64 UTC nanoseconds ({unit} x "

@@ -160,9 +160,9 @@ def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
             return np.array([a for a, _ in per_row], dtype=np.int64).reshape(*ts.shape[:-1], 1)
     day = second // 86_400
     first_day, last_day = int(day.min()), int(day.max())
-    if last_day - first_day <= 100_000:  # every day of the span (no sort): a history of up to 270 years
-        return DayOffsets.span(tz, first_day, last_day).at(second)
-    return DayOffsets(tz, np.unique(day)).at(second)
+    # every day of the span (no sort) for a history of up to 270 years, else the days present
+    days = np.arange(first_day, last_day + 1) if last_day - first_day <= 100_000 else np.unique(day)
+    return DayOffsets(tz, days).at(second)
 
 
 class DayOffsets:

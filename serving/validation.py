@@ -17,8 +17,10 @@ import numpy as np
 
 from features.bars import (
     F32_MAX,
+    NS_PER_UNIT,
     PLAUSIBLE_NS,
     PRICE_COLUMNS,
+    UNIT_NAMES,
     ColumnBlock,
     ColumnMap,
     Problem,
@@ -219,9 +221,8 @@ def _check_spacing(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
                            "forecast steps would be read as the model's bars")
     typical = int(np.median(np.diff(ts)))
     # times before 1973 spaced as the model's bars in another unit: the usual mistake, named with its factor
-    unit = next((f"; these look like {name}: multiply them by {factor:,}" for name, factor in
-                 (("seconds", 10**9), ("milliseconds", 10**6), ("microseconds", 10**3))
-                 if meta.bar_interval_ns <= 2 * typical * factor <= 4 * meta.bar_interval_ns), "") \
+    unit = next((f"; these look like {UNIT_NAMES[u]}: multiply them by {NS_PER_UNIT[u]:,}" for u in ("s", "ms", "us")
+                 if meta.bar_interval_ns <= 2 * typical * NS_PER_UNIT[u] <= 4 * meta.bar_interval_ns), "") \
         if int(ts[-1]) < PLAUSIBLE_NS else ""
     raise RequestError(f"{_label(i, s.symbol)}: bars are {_span(typical)} apart (the median gap of the last "
                        f"{ts.shape[0]} bars), but this model's bars are {_span(meta.bar_interval_ns)} apart "
