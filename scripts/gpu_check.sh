@@ -2,7 +2,7 @@
 # Every check that needs a GPU, in one call of under 8 minutes, with a report under $OUT.
 #
 #   scripts/gpu_check.sh [--out DIR] [--budget 4GiB] [--steps N] [--python PY]
-#                        [--ort-wheel PATH] [--wheels DIR] [--deadline SECONDS]
+#                        [--ort-wheel PATH] [--wheels DIR] [--parts STAGE] [--deadline SECONDS]
 #
 # Writes (at most 8 files, so the whole folder can be carried back from a device machine):
 #   report.md, report.json  every part as pass / fail / skipped-with-reason, and the figures
@@ -38,7 +38,9 @@
 # CPU-only onnxruntime reports them as not run. --ort-wheel PATH installs an onnxruntime-gpu
 # wheel into a private --target directory first (nothing is fetched: the wheel must be
 # local); --wheels DIR does the same for every wheel in DIR (e.g. grpcio-health-checking,
-# grpcio-reflection and uvloop for the server, psutil for its benchmark).
+# grpcio-reflection and uvloop for the server, psutil for its benchmark). --parts STAGE joins
+# the parts that `scripts/wheel_parts.sh split` made (checking their SHA-256) and installs the
+# onnxruntime-gpu wheel among them as --ort-wheel, the others as --wheels.
 
 set -uo pipefail
 
@@ -49,10 +51,11 @@ CPU_STEPS=2
 PY=""
 ORT_WHEEL=""
 WHEELS=""
+PARTS=""
 DEADLINE_S=450  # stop starting new parts after this many seconds (the whole call must stay under 8 min)
 BARS=4000       # per symbol, 2 symbols: ~6,000 training windows, enough for 40 steps of 128
 
-usage() { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^$/p' "$0" | sed -e '/^$/d' -e 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
@@ -61,6 +64,7 @@ while [ $# -gt 0 ]; do
     --python) PY=$2; shift 2 ;;
     --ort-wheel) ORT_WHEEL=$2; shift 2 ;;
     --wheels) WHEELS=$2; shift 2 ;;
+    --parts) PARTS=$2; shift 2 ;;
     --deadline) DEADLINE_S=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -102,6 +106,20 @@ link_nvidia() {  # link_nvidia DIR: onnxruntime.preload_dlls looks for NVIDIA's 
   [ -n "$nv" ] && [ ! -e "$1/nvidia" ] && ln -s "$nv" "$1/nvidia"
   return 0
 }
+if [ -n "$PARTS" ]; then  # wheels carried in parts: joined and checked, then installed as below
+  if bash "$REPO/scripts/wheel_parts.sh" join "$PARTS" "$WORK/joined" >&2; then
+    mkdir -p "$WORK/wheels"
+    for w in "$WORK"/joined/*.whl; do
+      case "${w##*/}" in
+        onnxruntime_gpu-*) [ -n "$ORT_WHEEL" ] || ORT_WHEEL=$w ;;
+        *) mv "$w" "$WORK/wheels/" ;;
+      esac
+    done
+    [ -n "$WHEELS" ] || ! compgen -G "$WORK/wheels/*.whl" >/dev/null || WHEELS="$WORK/wheels"
+  else
+    log "joining the wheel parts in $PARTS failed (above); going on with what is installed"
+  fi
+fi
 if [ -n "$WHEELS" ]; then
   install_wheels "$WORK/site" "$WHEELS"/*.whl || log "installing the wheels in $WHEELS failed"
 fi
