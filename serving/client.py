@@ -41,6 +41,7 @@ from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.security import add_client_arguments, call_metadata, check_client_arguments, open_channel
+from serving.wire import make_series
 
 
 def series_from_bars(bars: Bars, symbol: str, n: int, user_columns: tuple[str, ...] | list[str] = (),
@@ -52,22 +53,8 @@ def series_from_bars(bars: Bars, symbol: str, n: int, user_columns: tuple[str, .
     """
     rows = bars.series_slices()[symbol]
     sl = slice(max(rows.start, rows.stop - n), rows.stop)
-    series = pb.Series(
-        symbol=symbol,
-        timestamp_ns=bars.timestamp_ns[sl].tolist(),
-        open=bars.open[sl].tolist(),
-        high=bars.high[sl].tolist(),
-        low=bars.low[sl].tolist(),
-        close=bars.close[sl].tolist(),
-        volume=bars.volume[sl].tolist(),
-    )
-    if packed and user_columns:
-        series.user_feature_names.extend(user_columns)
-        block = np.stack([bars.user[u][sl] for u in user_columns]).astype("<f8")  # [columns, bars]
-        series.user_features_raw = block.tobytes()
-    else:
-        series.user_features.extend(pb.Column(name=u, values=bars.user[u][sl].tolist()) for u in user_columns)
-    return series
+    return make_series(symbol, bars.timestamp_ns[sl], bars.open[sl], bars.high[sl], bars.low[sl], bars.close[sl],
+                       bars.volume[sl], {u: bars.user[u][sl] for u in user_columns}, packed=packed)
 
 
 def _time(ns: int) -> str:

@@ -1,0 +1,104 @@
+"""Numpy in, numpy out: the messages a strategy engine's own code builds and reads.
+
+`make_series` turns a symbol's latest bars (numpy columns) into a request `Series`, with the
+user feature columns packed as the server reads them fastest (one little-endian float64
+block, one row per name); `forecast_arrays` turns a `Forecast` back into [horizon, quantile]
+arrays. Only numpy and the generated messages: no gRPC channel is opened here, so the
+caller keeps its own channel, deadlines and retries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+
+PRICE_FIELDS = ("open", "high", "low", "close", "volume")
+
+
+def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: ArrayLike, low: ArrayLike,
+                close: ArrayLike, volume: ArrayLike, user: Mapping[str, ArrayLike] | None = None,
+                packed: bool = True) -> pb.Series:
+    """One series of a PredictRequest: the bars oldest first (send GetModelInfo.bars_required of them),
+    `timestamp_ns` in UTC nanoseconds, `user` the model's user feature columns by name
+    (GetModelInfo.user_feature_columns; sent in the mapping's order, fastest in the model's).
+
+    `packed` (the default) sends the user columns as one block (user_feature_names +
+    user_features_raw), else as one `Column` each. Raises ValueError naming a column that is not
+    one-dimensional or whose length differs from `timestamp_ns`'s; the bars' values are the
+    server's to check (it answers INVALID_ARGUMENT saying what to fix).
+    """
+    ts = np.asarray(timestamp_ns)
+    if ts.ndim != 1:
+        raise ValueError(f"timestamp_ns has shape {ts.shape}; give one value per bar (a 1-D array)")
+    if ts.size and not np.issubdtype(ts.dtype, np.integer):
+        raise ValueError(f"timestamp_ns has dtype {ts.dtype}; give int64 UTC nanoseconds since the Unix epoch "
+                         "(a datetime64 array: .astype('datetime64[ns]').astype('int64'))")
+    n = ts.shape[0]
+    columns = {name: _column(name, values, n) for name, values in zip(PRICE_FIELDS, (open, high, low, close, volume),
+                                                                         strict=True)}
+    series = pb.Series(symbol=symbol, timestamp_ns=ts.astype(np.int64).tolist(),
+                       **{name: col.tolist() for name, col in columns.items()})
+    if not user:
+        return series
+    names = list(user)
+    block = np.empty((len(names), n), dtype="<f8")  # [names, bars]: the wire's row-major order
+    for row, name in enumerate(names):
+        if not isinstance(name, str):
+            raise ValueError(f"user feature name {name!r} is not a string")
+        block[row] = _column(f"user feature {name!r}", user[name], n)
+    if packed:
+        series.user_feature_names.extend(names)
+        series.user_features_raw = block.tobytes()
+    else:
+        series.user_features.extend(pb.Column(name=name, values=row.tolist()) for name, row in zip(names, block,
+                                                                                                      strict=True))
+    return series
+
+
+def _column(name: str, values: ArrayLike, n: int) -> np.ndarray:
+    col = np.asarray(values, dtype=np.float64)
+    if col.ndim != 1 or col.shape[0] != n:
+        raise ValueError(f"{name} has shape {col.shape}, timestamp_ns has {n} bars; give one value per bar")
+    return col
+
+
+@dataclass(frozen=True)
+class ForecastArrays:
+    """One Forecast as arrays: row h is the h-th next bar, column q the q-th quantile level."""
+
+    symbol: str
+    model_version: str
+    last_timestamp_ns: int  # the forecast origin: the series' last bar
+    last_close: float
+    timestamp_ns: np.ndarray  # int64 [horizon]: nominal future bar times
+    quantile_levels: np.ndarray  # float64 [n_quantiles], increasing
+    log_return: np.ndarray  # float64 [horizon, n_quantiles]: cumulative log return from last_close
+    price: np.ndarray  # float64 [horizon, n_quantiles]: in the units of the closes sent
+
+    def quantile(self, level: float) -> int:
+        """The column of `level` (e.g. 0.5), or ValueError listing the model's levels."""
+        hits = np.flatnonzero(np.isclose(self.quantile_levels, level, rtol=0.0, atol=1e-9))
+        if not hits.size:
+            raise ValueError(f"quantile {level} is not among the model's levels {self.quantile_levels.tolist()}")
+        return int(hits[0])
+
+
+def forecast_arrays(forecast: pb.Forecast) -> ForecastArrays:
+    """A Forecast's repeated fields as [horizon, n_quantiles] arrays (the wire's row-major order)."""
+    levels = np.array(forecast.quantile_levels, dtype=np.float64)
+    shape = (forecast.horizon, levels.shape[0])
+    return ForecastArrays(
+        symbol=forecast.symbol,
+        model_version=forecast.model_version,
+        last_timestamp_ns=forecast.last_timestamp_ns,
+        last_close=forecast.last_close,
+        timestamp_ns=np.array(forecast.timestamp_ns, dtype=np.int64),
+        quantile_levels=levels,
+        log_return=np.array(forecast.log_return, dtype=np.float64).reshape(shape),
+        price=np.array(forecast.price, dtype=np.float64).reshape(shape),
+    )

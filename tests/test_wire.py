@@ -1,0 +1,122 @@
+"""serving.wire: numpy columns to a request Series and a Forecast back to arrays, and the README's example
+of calling Predict from one's own code, run as it stands against a real server."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from serving.client import series_from_bars
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.validation import parse_request
+from serving.wire import forecast_arrays, make_series
+from tests.artifacts import REPO
+from tests.live_server import LiveServer, Model, tiny_model  # noqa: F401  (the shared fixture)
+from tests.test_serving_units import META, NEED
+
+
+def bars(n: int = NEED, seed: int = 3) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    close = 100 * np.exp(np.cumsum(rng.normal(0, 1e-3, n)))
+    open_ = np.concatenate([[close[0]], close[:-1]])
+    return {"timestamp_ns": 1_704_103_200_000_000_000 + 60_000_000_000 * np.arange(n, dtype=np.int64),
+            "open": open_, "high": np.maximum(open_, close) * 1.001, "low": np.minimum(open_, close) * 0.999,
+            "close": close, "volume": rng.uniform(10, 1000, n), "spread": rng.uniform(0.1, 0.5, n)}
+
+
+def test_a_series_from_numpy_reads_back_as_the_same_columns_packed_or_plain() -> None:
+    b = bars()
+    parsed = []
+    for packed in (True, False):
+        s = make_series("ES", b["timestamp_ns"], b["open"], b["high"], b["low"], b["close"], b["volume"],
+                        {"spread": b["spread"]}, packed=packed)
+        assert bool(s.user_features_raw) == packed and bool(s.user_features) != packed
+        parsed.append(parse_request(pb.PredictRequest(series=[s]), META)[0])
+    for got in parsed:
+        for name in ("timestamp_ns", "open", "high", "low", "close", "volume"):
+            np.testing.assert_array_equal(getattr(got, name), b[name])
+        np.testing.assert_array_equal(got.user_matrix(("spread",))[0], b["spread"])
+
+
+def test_a_series_takes_lists_and_float32_and_sends_float64() -> None:
+    b = bars()
+    s = make_series("NQ", b["timestamp_ns"].tolist(), b["open"].astype(np.float32), b["high"], b["low"], b["close"],
+                    b["volume"])
+    assert list(s.open) == b["open"].astype(np.float32).astype(np.float64).tolist()
+    assert list(s.timestamp_ns) == b["timestamp_ns"].tolist() and not s.user_feature_names
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda b: b.update(close=b["close"][:-1]), "close has shape (8,), timestamp_ns has 9 bars"),
+    (lambda b: b.update(spread=b["spread"][1:]), "user feature 'spread' has shape (8,), timestamp_ns has 9 bars"),
+    (lambda b: b.update(volume=b["volume"][:, None]), "volume has shape (9, 1)"),
+    (lambda b: b.update(timestamp_ns=b["timestamp_ns"].astype("datetime64[ns]")),
+     "timestamp_ns has dtype datetime64[ns]; give int64 UTC nanoseconds"),
+    (lambda b: b.update(timestamp_ns=b["timestamp_ns"][None, :]), "timestamp_ns has shape (1, 9)"),
+])
+def test_a_column_that_cannot_be_sent_is_named(change: Callable[[dict[str, np.ndarray]], None], message: str
+                                                 ) -> None:
+    b = bars()
+    change(b)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_series("ES", b["timestamp_ns"], b["open"], b["high"], b["low"], b["close"], b["volume"],
+                    {"spread": b["spread"]})
+
+
+def test_a_forecast_reads_back_as_horizon_by_quantile_arrays() -> None:
+    levels, horizon = [0.1, 0.5, 0.9], 2
+    f = pb.Forecast(symbol="ES", horizon=horizon, quantile_levels=levels, timestamp_ns=[7, 8], last_close=100.0,
+                    log_return=[-0.1, 0.0, 0.1, -0.2, 0.0, 0.2], price=[90, 100, 110, 80, 100, 120],
+                    model_version="v1", last_timestamp_ns=6)
+    a = forecast_arrays(f)
+    np.testing.assert_array_equal(a.price, [[90, 100, 110], [80, 100, 120]])  # row h, column q
+    np.testing.assert_array_equal(a.log_return[:, a.quantile(0.9)], [0.1, 0.2])
+    assert a.timestamp_ns.dtype == np.int64 and a.timestamp_ns.tolist() == [7, 8]
+    assert (a.symbol, a.model_version, a.last_timestamp_ns, a.last_close) == ("ES", "v1", 6, 100.0)
+    with pytest.raises(ValueError, match=re.escape("quantile 0.25 is not among the model's levels [0.1, 0.5, 0.9]")):
+        a.quantile(0.25)
+
+
+def readme_example() -> str:
+    """The Python block under README's "Calling Predict from your own code"."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("**Calling Predict from your own code.**")
+    m = re.search(r"```python\n(.*?)```", text[start:], re.S)
+    assert m, "the README's example block is missing"
+    return m.group(1)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:  # noqa: F811
+    s = LiveServer(tiny_model.model, tmp_path_factory.mktemp("log") / "server.log")
+    try:
+        s.wait_serving()
+        yield s
+    finally:
+        s.kill()
+
+
+@pytest.mark.slow
+def test_the_readme_example_runs_as_it_stands_against_a_real_server(tiny_model: Model,  # noqa: F811
+                                                                   server: LiveServer) -> None:
+    code = readme_example()
+    assert code.count("127.0.0.1:50051") == 1
+    b = tiny_model.bars
+    rows = b.series_slices()["ES"]
+    names = {"ts": b.timestamp_ns[rows], "o": b.open[rows], "h": b.high[rows], "l": b.low[rows],
+             "c": b.close[rows], "v": b.volume[rows], "user": {u: b.user[u][rows] for u in b.user}}
+    scope = dict(names)
+    exec(compile(code.replace("127.0.0.1:50051", server.target), "README.md", "exec"), scope)
+    scope["channel"].close()
+    # the same forecast as the request the CLI client builds from the file
+    want = server.stub.Predict(pb.PredictRequest(series=[series_from_bars(b, "ES", tiny_model.meta.bars_required)]),
+                               timeout=10).forecasts[0]
+    price = np.asarray(want.price).reshape(want.horizon, len(want.quantile_levels))
+    np.testing.assert_array_equal(scope["median"], price[:, list(want.quantile_levels).index(0.5)])
+    np.testing.assert_array_equal(scope["band"], price[:, [0, -1]])
+    assert scope["median"].shape == (tiny_model.meta.horizon,)
+    assert (scope["band"][:, 0] <= scope["median"]).all() and (scope["median"] <= scope["band"][:, 1]).all()
+
