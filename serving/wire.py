@@ -3,8 +3,9 @@
 `make_series` turns a symbol's latest bars (numpy columns) into a request `Series`, with the
 user feature columns packed as the server reads them fastest (one little-endian float64
 block, one row per name); `forecast_arrays` turns a `Forecast` back into [horizon, quantile]
-arrays. Only numpy and the generated messages: no gRPC channel is opened here, so the
-caller keeps its own channel, deadlines and retries.
+arrays, and its explanation, when asked for, into attention and variable-weight arrays. Only
+numpy and the generated messages: no gRPC channel is opened here, so the caller keeps its own
+channel, deadlines and retries.
 """
 
 from __future__ import annotations
@@ -68,6 +69,25 @@ def _column(name: str, values: ArrayLike, n: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class WeightArrays:
+    """Variable-selection weights: row per step, column per variable (each row sums to 1)."""
+
+    variables: tuple[str, ...]
+    weights: np.ndarray  # float32 [steps, len(variables)]
+
+
+@dataclass(frozen=True)
+class ExplanationArrays:
+    """A Forecast's explanation (PredictRequest.explain) as arrays."""
+
+    attention: np.ndarray  # float32 [horizon, encoder_length + horizon]: decoder attention, mean over heads
+    attention_timestamp_ns: np.ndarray  # int64 [encoder_length + horizon]: each attention column's bar time
+    static: WeightArrays  # steps 1
+    encoder: WeightArrays  # steps encoder_length: observed, then known variables
+    decoder: WeightArrays  # steps horizon: known variables
+
+
+@dataclass(frozen=True)
 class ForecastArrays:
     """One Forecast as arrays: row h is the h-th next bar, column q the q-th quantile level."""
 
@@ -79,6 +99,7 @@ class ForecastArrays:
     quantile_levels: np.ndarray  # float64 [n_quantiles], increasing
     log_return: np.ndarray  # float64 [horizon, n_quantiles]: cumulative log return from last_close
     price: np.ndarray  # float64 [horizon, n_quantiles]: in the units of the closes sent
+    explanation: ExplanationArrays | None  # set when the request asked for explain
 
     def quantile(self, level: float) -> int:
         """The column of `level` (e.g. 0.5), or ValueError listing the model's levels."""
@@ -101,4 +122,19 @@ def forecast_arrays(forecast: pb.Forecast) -> ForecastArrays:
         quantile_levels=levels,
         log_return=np.array(forecast.log_return, dtype=np.float64).reshape(shape),
         price=np.array(forecast.price, dtype=np.float64).reshape(shape),
+        explanation=_explanation(forecast.explanation) if forecast.HasField("explanation") else None,
     )
+
+
+def _explanation(e: pb.Explanation) -> ExplanationArrays:
+    return ExplanationArrays(
+        attention=np.array(e.attention, dtype=np.float32).reshape(e.attention_rows, e.attention_cols),
+        attention_timestamp_ns=np.array(e.attention_timestamp_ns, dtype=np.int64),
+        static=_weight_arrays(e.static_weights), encoder=_weight_arrays(e.encoder_weights),
+        decoder=_weight_arrays(e.decoder_weights),
+    )
+
+
+def _weight_arrays(w: pb.VariableWeights) -> WeightArrays:
+    return WeightArrays(tuple(w.variables),
+                        np.array(w.weights, dtype=np.float32).reshape(w.steps, len(w.variables)))

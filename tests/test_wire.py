@@ -120,3 +120,27 @@ def test_the_readme_example_runs_as_it_stands_against_a_real_server(tiny_model: 
     assert scope["median"].shape == (tiny_model.meta.horizon,)
     assert (scope["band"][:, 0] <= scope["median"]).all() and (scope["median"] <= scope["band"][:, 1]).all()
 
+
+
+@pytest.mark.slow
+def test_an_explained_forecast_reads_back_as_attention_and_weight_arrays(tiny_model: Model,  # noqa: F811
+                                                                        server: LiveServer) -> None:
+    meta = tiny_model.meta
+    series = series_from_bars(tiny_model.bars, "NQ", meta.bars_required)
+    plain, explained = (server.stub.Predict(pb.PredictRequest(series=[series], explain=e), timeout=10).forecasts[0]
+                        for e in (False, True))
+    assert forecast_arrays(plain).explanation is None
+    got = forecast_arrays(explained)
+    e = got.explanation
+    assert e is not None
+    L, H = meta.encoder_length, meta.horizon
+    assert e.attention.shape == (H, L + H)
+    np.testing.assert_array_equal(e.attention.ravel(), np.asarray(explained.explanation.attention, np.float32))
+    np.testing.assert_array_equal(e.attention_timestamp_ns[L:], got.timestamp_ns)  # the future bars' columns
+    assert e.attention_timestamp_ns[L - 1] == got.last_timestamp_ns
+    schema = meta.feature_schema
+    for weights, steps, names in ((e.static, 1, schema.static), (e.encoder, L, schema.observed + schema.known),
+                                  (e.decoder, H, schema.known)):
+        assert weights.variables == tuple(names) and weights.weights.shape == (steps, len(names))
+        np.testing.assert_allclose(weights.weights.sum(axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_array_equal(got.price, forecast_arrays(plain).price)
