@@ -41,7 +41,7 @@ from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.security import add_client_arguments, call_metadata, check_client_arguments, open_channel
-from serving.wire import make_series
+from serving.wire import ExplanationArrays, forecast_arrays, make_series
 
 
 def series_from_bars(bars: Bars, symbol: str, n: int, user_columns: tuple[str, ...] | list[str] = (),
@@ -63,35 +63,33 @@ def _time(ns: int) -> str:
 
 def format_forecast(f: pb.Forecast) -> str:
     """A fixed-width table: one row per horizon step."""
-    levels = list(f.quantile_levels)
-    q = len(levels)
-    ret = np.asarray(f.log_return).reshape(f.horizon, q)
-    price = np.asarray(f.price).reshape(f.horizon, q)
+    a = forecast_arrays(f)
+    levels = a.quantile_levels.tolist()
     head = ["h", "time (UTC)"] + [f"ret q{lv:g}" for lv in levels] + [f"price q{lv:g}" for lv in levels]
-    rows = [[str(h + 1), _time(int(f.timestamp_ns[h]))] + [f"{x:+.6f}" for x in ret[h]] + [f"{x:.4f}" for x in price[h]]
-            for h in range(f.horizon)]
+    rows = [[str(h + 1), _time(int(a.timestamp_ns[h]))] + [f"{x:+.6f}" for x in a.log_return[h]]
+            + [f"{x:.4f}" for x in a.price[h]] for h in range(len(a.timestamp_ns))]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    title = f"{f.symbol}  model {f.model_version}  last bar {_time(f.last_timestamp_ns)} UTC  close {f.last_close:.4f}"
+    title = f"{a.symbol}  model {a.model_version}  last bar {_time(a.last_timestamp_ns)} UTC  close {a.last_close:.4f}"
     lines = [title,
              "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.append("ret: cumulative log return from the last close; time: nominal, step h is the h-th next bar")
-    if f.HasField("explanation"):
-        lines += format_explanation(f.explanation)
+    if a.explanation is not None:
+        lines += format_explanation(a.explanation)
     return "\n".join(lines)
 
 
-def format_explanation(e: pb.Explanation, top: int = 5) -> list[str]:
+def format_explanation(e: ExplanationArrays, top: int = 5) -> list[str]:
     """Each group's variables by mean selection weight (the largest `top` of each), and the past bars the
     decoder's attention weighs most, averaged over the horizon steps (the columns after the encoder's bars are
     the forecast steps themselves: their share is given as one figure)."""
     lines = []
-    for label, w in (("static", e.static_weights), ("encoder", e.encoder_weights), ("decoder", e.decoder_weights)):
-        mean = np.asarray(w.weights).reshape(w.steps, len(w.variables)).mean(axis=0)
+    for label, w in (("static", e.static), ("encoder", e.encoder), ("decoder", e.decoder)):
+        mean = w.weights.mean(axis=0, dtype=np.float64)  # [variables]
         order = np.argsort(-mean, kind="stable")[:top]
         lines.append(f"{label} variables: " + ", ".join(f"{w.variables[i]} {mean[i]:.0%}" for i in order))
-    attention = np.asarray(e.attention).reshape(e.attention_rows, e.attention_cols).mean(axis=0)
-    past = e.attention_cols - e.attention_rows  # the encoder's bars; then one column per horizon step
+    attention = e.attention.mean(axis=0, dtype=np.float64)  # [encoder bars + horizon]
+    past = e.attention.shape[1] - e.attention.shape[0]  # the encoder's bars; then one column per horizon step
     order = np.argsort(-attention[:past], kind="stable")[:top]
     lines.append("attention to past bars: "
                  + ", ".join(f"{_time(int(e.attention_timestamp_ns[i]))} {attention[i]:.0%}" for i in order)
