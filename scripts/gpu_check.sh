@@ -11,6 +11,7 @@
 #   train_cuda.log          the bounded CUDA run under the budget (its plan was measured on the card)
 #   train_cpu.log           the same run on CPU threads (throughput comparison)
 #   export_serving.log      export with the CUDA placement gate, server latency on the CUDA provider
+#   gpu_tests.log           the test suite's `gpu`-marked tests (fp32 and fp16 export on CUDA, the budget)
 #
 # Parts:
 #   env          nvidia-smi, torch, onnxruntime and its execution providers
@@ -27,6 +28,8 @@
 #   serving_packed   the same with the user columns sent packed (user_features_raw)
 #   serving_workers  packed, with --workers 4 (four server processes on one port)
 #   serving_busy_poll  packed, with the server's --busy-poll (the concurrency-1 target's configuration)
+#   gpu_tests    pytest -m gpu: export --require-device cuda in fp32 and fp16 (parity and placement on
+#                CUDA: fp16's Clip and Cast nodes included) and a tiny CUDA run under a 256 MiB budget
 #   serving_cpu  the same with the tiny test model on the CPU provider (an uncontended machine's figure)
 #   serving_cpu_busy_poll  serving_cpu's model and clients with the server's --busy-poll
 #   serving_cpu_pinned  serving_cpu's model and clients with the server on two CPUs only (--server-cpus)
@@ -462,6 +465,26 @@ else
       "--packed --no-floor" --busy-poll
   else
     record serving_busy_poll skipped 0 "out of time"
+  fi
+fi
+
+# ---- gpu_tests: the suite's own GPU tests ------------------------------------------------------------------
+if [ $HAVE_CUDA = 0 ]; then
+  record gpu_tests skipped 0 "no GPU"
+elif [ $ORT_CUDA = 0 ]; then
+  record gpu_tests skipped 0 "onnxruntime $ORT_VERSION here has no CUDAExecutionProvider"
+elif ! time_for 90; then
+  record gpu_tests skipped 0 "out of time"
+else
+  t0=$SECONDS
+  timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_export.py tests/test_planner.py \
+    >"$OUT/gpu_tests.log" 2>&1
+  rc=$?
+  summary=$(grep -E '[0-9]+ (passed|failed|skipped|errors?)' "$OUT/gpu_tests.log" | tail -1)  # pytest's last line
+  if [ $rc = 0 ] && ! grep -q "skipped" <<<"$summary"; then
+    record gpu_tests pass $((SECONDS - t0)) "pytest -m gpu: $summary"
+  else
+    record gpu_tests fail $((SECONDS - t0)) "pytest -m gpu exit $rc: ${summary:-$(tail_of "$OUT/gpu_tests.log")}"
   fi
 fi
 
