@@ -55,6 +55,7 @@ PY=""
 ORT_WHEEL=""
 WHEELS=""
 PARTS=""
+PART_WHEELS=()  # wheels to install beside onnxruntime-gpu: from --parts and --wheels
 DEADLINE_S=450  # stop starting new parts after this many seconds (the whole call must stay under 8 min)
 BARS=4000       # per symbol, 2 symbols: ~6,000 training windows, enough for 40 steps of 128
 
@@ -111,20 +112,21 @@ link_nvidia() {  # link_nvidia DIR: onnxruntime.preload_dlls looks for NVIDIA's 
 }
 if [ -n "$PARTS" ]; then  # wheels carried in parts: joined and checked, then installed as below
   if bash "$REPO/scripts/wheel_parts.sh" join "$PARTS" "$WORK/joined" >&2; then
-    mkdir -p "$WORK/wheels"
-    for w in "$WORK"/joined/*.whl; do
+    for w in "$WORK"/joined/*.whl; do  # split refuses two versions of one wheel
       case "${w##*/}" in
-        onnxruntime_gpu-*) [ -n "$ORT_WHEEL" ] || ORT_WHEEL=$w ;;
-        *) mv "$w" "$WORK/wheels/" ;;
+        onnxruntime_gpu-*)
+          if [ -n "$ORT_WHEEL" ]; then log "--ort-wheel $ORT_WHEEL given: ${w##*/} from the parts is not installed"
+          else ORT_WHEEL=$w; fi ;;
+        *) PART_WHEELS+=("$w") ;;
       esac
     done
-    [ -n "$WHEELS" ] || ! compgen -G "$WORK/wheels/*.whl" >/dev/null || WHEELS="$WORK/wheels"
   else
     log "joining the wheel parts in $PARTS failed (above); going on with what is installed"
   fi
 fi
-if [ -n "$WHEELS" ]; then
-  install_wheels "$WORK/site" "$WHEELS"/*.whl || log "installing the wheels in $WHEELS failed"
+[ -z "$WHEELS" ] || PART_WHEELS+=("$WHEELS"/*.whl)
+if [ ${#PART_WHEELS[@]} -gt 0 ]; then
+  install_wheels "$WORK/site" "${PART_WHEELS[@]}" || log "installing the wheels ${PART_WHEELS[*]##*/} failed"
 fi
 if [ -n "$ORT_WHEEL" ]; then
   install_wheels "$WORK/ort" "$ORT_WHEEL" && link_nvidia "$WORK/ort" || log "installing $ORT_WHEEL failed"
@@ -268,7 +270,9 @@ TORCH_CUDA=0
 case "$TORCH_INFO" in *" cuda") TORCH_CUDA=1 ;; esac
 ORT_VERSION=$("$PY" -c "import onnxruntime as o; print(o.__version__)" 2>/dev/null || echo "not installed")
 ORT_PROVIDERS=$("$PY" -c "import onnxruntime as o; print(','.join(o.get_available_providers()))" 2>/dev/null || echo "")
-"$PY" - "$WORK/header.json" "$GPU" "$TORCH_INFO" "$ORT_VERSION" "$ORT_PROVIDERS" "$BUDGET" "$STEPS" <<'PYEOF'
+ORT_FROM=$("$PY" -c "import onnxruntime as o, os; print(os.path.dirname(o.__file__))" 2>/dev/null || echo "")
+"$PY" - "$WORK/header.json" "$GPU" "$TORCH_INFO" "$ORT_VERSION${ORT_FROM:+ from $ORT_FROM}" "$ORT_PROVIDERS" "$BUDGET" \
+  "$STEPS" <<'PYEOF'
 import json, platform, sys, datetime, os
 path, gpu, torch_info, ort, providers, budget, steps = sys.argv[1:]
 json.dump({"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -473,11 +477,15 @@ if [ $HAVE_CUDA = 0 ]; then
   record gpu_tests skipped 0 "no GPU"
 elif [ $ORT_CUDA = 0 ]; then
   record gpu_tests skipped 0 "onnxruntime $ORT_VERSION here has no CUDAExecutionProvider"
+elif ! "$PY" -c "import pytest" 2>/dev/null; then
+  record gpu_tests skipped 0 "pytest is not installed for $PY"
 elif ! time_for 90; then
   record gpu_tests skipped 0 "out of time"
 else
   t0=$SECONDS
-  timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_export.py tests/test_planner.py \
+  limit=$((DEADLINE_S - SECONDS + 60))  # ends by a minute past the deadline, so the report is still written
+  [ "$limit" -le 240 ] || limit=240
+  timeout "$limit" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_export.py tests/test_planner.py \
     >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   summary=$(grep -E '[0-9]+ (passed|failed|skipped|errors?)' "$OUT/gpu_tests.log" | tail -1)  # pytest's last line

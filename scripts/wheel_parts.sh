@@ -42,11 +42,14 @@ fetch() {
       *) die "fetch: unknown argument $1 (see --help)" ;;
     esac
   done
+  local ort health reflection
+  ort=$(pinned onnxruntime-gpu) && health=$(pinned grpcio-health-checking) \
+    && reflection=$(pinned grpcio-reflection) || exit 2
   mkdir -p "$dir"
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$dir" \
-    "$(pinned onnxruntime-gpu)" "$(pinned grpcio-health-checking)" "$(pinned grpcio-reflection)"
+    "$ort" "$health" "$reflection"
   ls -l "$dir"/*.whl
 }
 
@@ -61,6 +64,9 @@ split_parts() {
   done
   [[ "$max_mib" =~ ^[1-9][0-9]*$ ]] || die "--max-mib must be a whole number of MiB, got '$max_mib'"
   compgen -G "$dir/*.whl" >/dev/null || die "no wheels (*.whl) in $dir; run: scripts/wheel_parts.sh fetch $dir"
+  local twice
+  twice=$(cd "$dir" && for w in *.whl; do echo "${w%%-*}"; done | tr 'A-Z.-' 'a-z__' | sort | uniq -d)
+  [ -z "$twice" ] || die "$dir holds more than one wheel of: $(tr '\n' ' ' <<<"$twice")(an earlier fetch?); keep one version each"
   [ ! -e "$stage" ] || [ -z "$(ls -A "$stage")" ] || die "$stage is not empty; give a new folder"
   mkdir -p "$stage"
   local tarball="$stage/.wheels.tar"
@@ -88,13 +94,17 @@ join_parts() {
   first=$(compgen -G "$stage/p*/parts" | head -1) || true
   [ -n "$first" ] || die "$stage holds no parts (p1/parts ... ); make them with: scripts/wheel_parts.sh split"
   parts=$(cat "$first")
-  sha=$(cut -d' ' -f1 "$(dirname "$first")/wheels.tar.sha256")
+  [[ "$parts" =~ ^[1-9][0-9]*$ ]] || die "$first holds '$parts', not a part count: that part was cut short in transit; carry it again"
+  sha=$(cut -d' ' -f1 "$(dirname "$first")/wheels.tar.sha256" 2>/dev/null) || true  # checked with each part below
   for ((i = 1; i <= parts; i++)); do
     [ -f "$stage/p$i/wheels.tar.part" ] || missing+=("p$i")
   done
   [ ${#missing[@]} -eq 0 ] || die "$stage lacks part(s) ${missing[*]} of $parts; carry them, then join again"
   for d in "$stage"/p*/; do
     local n=${d%/}; n=${n##*/p}
+    for f in parts wheels.tar.sha256 wheels.tar.part; do
+      [ -f "$d/$f" ] || die "$d lacks its $f: that part was cut short in transit; carry it again"
+    done
     if ! [[ "$n" =~ ^[0-9]+$ ]] || [ "$n" -gt "$parts" ] || [ "$(cat "$d/parts" 2>/dev/null)" != "$parts" ] \
       || [ "$(cut -d' ' -f1 "$d/wheels.tar.sha256" 2>/dev/null)" != "$sha" ]; then
       die "$d belongs to another split (its count or checksum differs from $first); remove it and join again"

@@ -39,12 +39,14 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
     if ts.size and not np.issubdtype(ts.dtype, np.integer):
         raise ValueError(f"timestamp_ns has dtype {ts.dtype}; give int64 UTC nanoseconds since the Unix epoch "
                          "(a datetime64 array: .astype('datetime64[ns]').astype('int64'))")
+    if ts.size and np.issubdtype(ts.dtype, np.unsignedinteger) and int(ts.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"timestamp_ns holds {int(ts.max())}, beyond int64; give int64 UTC nanoseconds")
     n = ts.shape[0]
     columns = {name: _column(name, values, n) for name, values in zip(PRICE_FIELDS, (open, high, low, close, volume),
                                                                          strict=True)}
     series = pb.Series(symbol=symbol, timestamp_ns=ts.astype(np.int64).tolist(),
                        **{name: col.tolist() for name, col in columns.items()})
-    if not user:
+    if user is None or len(user) == 0:  # a DataFrame of columns has no truth value, but a length
         return series
     names = list(user)
     block = np.empty((len(names), n), dtype="<f8")  # [names, bars]: the wire's row-major order

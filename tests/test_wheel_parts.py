@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,26 @@ def test_split_refuses_a_folder_without_wheels_and_a_stage_in_use(wheels: Path, 
     refused = parts("split", wheels, used)
     assert refused.returncode == 2 and "not empty" in refused.stderr
     assert (used / "keep").read_text() == "x"
+
+
+def test_split_refuses_two_versions_of_one_wheel(wheels: Path, tmp_path: Path) -> None:
+    (wheels / "onnxruntime_gpu-0.9-cp312-cp312-linux_x86_64.whl").write_bytes(b"older")
+    refused = parts("split", wheels, tmp_path / "stage")
+    assert refused.returncode == 2 and "more than one wheel of: onnxruntime_gpu" in refused.stderr
+    assert not (tmp_path / "stage").exists()
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda p: (p / "parts").write_text("BASH_VERSINFO[$(touch PWNED)0]\n"), "not a part count"),
+    (lambda p: (p / "wheels.tar.sha256").unlink(), "lacks its wheels.tar.sha256"),
+])
+def test_join_names_a_part_cut_short_and_runs_nothing_it_holds(damage: Callable[[Path], object], message: str,
+                                                              wheels: Path, tmp_path: Path) -> None:
+    stage = tmp_path / "stage"
+    assert parts("split", wheels, stage, "--max-mib", "1").returncode == 0
+    for p in sorted(stage.iterdir()):
+        damage(p)
+    joined = subprocess.run(["bash", str(SCRIPT), "join", str(stage), str(tmp_path / "out")], capture_output=True,
+                            text=True, timeout=60, cwd=tmp_path)
+    assert joined.returncode == 2 and message in joined.stderr, joined.stderr
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "out").exists()

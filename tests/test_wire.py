@@ -144,3 +144,27 @@ def test_an_explained_forecast_reads_back_as_attention_and_weight_arrays(tiny_mo
         assert weights.variables == tuple(names) and weights.weights.shape == (steps, len(names))
         np.testing.assert_allclose(weights.weights.sum(axis=1), 1.0, rtol=1e-5)
     np.testing.assert_array_equal(got.price, forecast_arrays(plain).price)
+
+
+class NoTruthValue(dict[str, np.ndarray]):
+    """A mapping that refuses `bool()`, as a pandas DataFrame of columns does."""
+
+    def __bool__(self) -> bool:
+        raise ValueError("the truth value of a DataFrame is ambiguous")
+
+
+def test_user_columns_may_come_as_a_mapping_without_a_truth_value() -> None:
+    b = bars()
+    for user in (NoTruthValue(spread=b["spread"]), NoTruthValue()):
+        s = make_series("ES", b["timestamp_ns"], b["open"], b["high"], b["low"], b["close"], b["volume"], user)
+        assert list(s.user_feature_names) == list(user)
+
+
+def test_unsigned_timestamps_beyond_int64_are_refused_not_wrapped() -> None:
+    b = bars()
+    ts = b["timestamp_ns"].astype(np.uint64)
+    assert list(make_series("ES", ts, b["open"], b["high"], b["low"], b["close"], b["volume"]).timestamp_ns) == \
+        b["timestamp_ns"].tolist()
+    ts[-1] = 2**63 + 5
+    with pytest.raises(ValueError, match="beyond int64"):
+        make_series("ES", ts, b["open"], b["high"], b["low"], b["close"], b["volume"])
