@@ -1,0 +1,265 @@
+"""`python -m serving.score --model model.onnx --parquet bars.parquet --out forecasts.parquet`: forecasts
+for every bar of a history, offline, for backtests and evaluation.
+
+Reads the bars with the training run's column names (the model's metadata; the mapping flags
+win), computes the features with the same `features` code the trainer and the server use, cuts
+the window ending at every bar that has its warm-up and encoder bars before it (each series on
+its own), and runs the ONNX model on them in batches with ONNX Runtime (`--device cpu|cuda|auto`,
+as the server; no gRPC, no torch). `--symbols`, `--start` and `--end` choose the forecast
+origins; earlier bars still feed the windows.
+
+The output is one row per origin and horizon step, in series and time order:
+
+    symbol      string
+    origin      timestamp[ns, UTC]   the window's last bar: the forecast is made at its close
+    h           int16                1..horizon: the h-th next bar
+    time        timestamp[ns, UTC]   that bar's nominal time (origin + h bar intervals), as the server gives it
+    close       float64              the origin's close
+    ret_q<q>    float64              quantile q of the cumulative log return from `close` to bar h
+    price_q<q>  float64              the same quantile as a price (close * exp(ret)), in the file's units
+    actual_ret  float64              the realised log return to the h-th next bar of the file (NaN past its end)
+
+A summary follows on stderr: windows per symbol, and where the future is in the file, the
+pinball loss and how often the realised return fell inside the outer quantiles.
+
+The file is written beside `--out` under a temporary name and renamed when complete: an error or
+Ctrl-C leaves no partial file. Exit status: 0 done, 1 the output could not be written, 2 bad
+arguments, bars, or a model that fails its checks, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from features.bars import BarDataError, Bars, ColumnMap, read_bars
+from features.compute import FeatureFrame, build_frame, future_timestamps
+from features.model_meta import ModelMeta
+from features.schema import MODEL_INPUTS, QUANTILES, STATIC_CATEGORICAL
+from features.windows import anchor_rows, gather_windows
+from serving.errors import ModelLoadError
+from serving.model import DEVICES, LoadedModel, load_model
+from serving.postprocess import price_quantiles
+
+log = logging.getLogger("serving.score")
+
+
+class ScoreError(Exception):
+    """What the user must fix, in one message (exit 2)."""
+
+
+def parse_time(text: str, flag: str) -> int:
+    """An ISO 8601 date or time, UTC (`2024-01-02`, `2024-01-02T14:30`), as int64 nanoseconds."""
+    try:
+        return int(np.datetime64(text.removesuffix("Z"), "ns").astype(np.int64))
+    except ValueError:
+        raise ScoreError(f"{flag} {text!r}: give an ISO 8601 UTC date or time, e.g. 2024-01-02 or "
+                         "2024-01-02T14:30") from None
+
+
+def only_symbols(bars: Bars, symbols: Sequence[str]) -> Bars:
+    """The rows of `symbols` (in that order), grouped as before."""
+    slices = bars.series_slices()
+    parts = [slices[s] for s in symbols]
+
+    def take(col: np.ndarray) -> np.ndarray:
+        return np.concatenate([col[sl] for sl in parts]) if parts else col[:0]
+
+    return Bars(take(bars.timestamp_ns), take(bars.symbol), take(bars.open), take(bars.high), take(bars.low),
+                take(bars.close), take(bars.volume), {u: take(bars.user[u]) for u in bars.user}, bars.files)
+
+
+def origins(frame: FeatureFrame, encoder_length: int, start_ns: int | None, end_ns: int | None) -> np.ndarray:
+    """Every anchor (window end) with its warm-up and encoder bars, in [start_ns, end_ns): int64 [W]."""
+    anchors = anchor_rows(frame, encoder_length, require_targets=False)
+    ts = frame.timestamp_ns[anchors]
+    keep = np.ones(anchors.shape[0], dtype=bool)
+    if start_ns is not None:
+        keep &= ts >= start_ns
+    if end_ns is not None:
+        keep &= ts < end_ns
+    return anchors[keep]
+
+
+def model_inputs(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int) -> dict[str, np.ndarray]:
+    """The windows ending at `anchors` as the model takes them (float32, warm-up NaN as zero, as in training)."""
+    w = gather_windows(frame, anchors, encoder_length)
+    out = {name: np.nan_to_num(np.asarray(w[name], dtype=np.float32), nan=0.0) for name in MODEL_INPUTS[1:]}
+    return {STATIC_CATEGORICAL: w[STATIC_CATEGORICAL].astype(np.int64), **out}
+
+
+def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndarray,
+                   quantiles: Sequence[float]) -> pa.Table:
+    """One row per anchor and horizon step. log_return: [W, H, Q] float32 from the model."""
+    w, h = log_return.shape[:2]
+    close = frame.close[anchors]  # [W]
+    ret = log_return.astype(np.float64)
+    price = price_quantiles(close, log_return)  # [W, H, Q]
+    future = future_timestamps(frame.timestamp_ns[anchors], frame.bar_interval_ns, h)  # [W, H]
+    utc = pa.timestamp("ns", tz="UTC")
+    columns: dict[str, pa.Array] = {
+        "symbol": pa.array(np.asarray(frame.symbols, dtype=object)[frame.series_id[anchors]].repeat(h),
+                           type=pa.string()).dictionary_encode(),
+        "origin": pa.array(frame.timestamp_ns[anchors].repeat(h), type=utc),
+        "h": pa.array(np.tile(np.arange(1, h + 1, dtype=np.int16), w)),
+        "time": pa.array(future.ravel(), type=utc),
+        "close": pa.array(close.repeat(h)),
+    }
+    for j, level in enumerate(quantiles):
+        columns[f"ret_q{level:g}"] = pa.array(ret[:, :, j].ravel())
+    for j, level in enumerate(quantiles):
+        columns[f"price_q{level:g}"] = pa.array(price[:, :, j].ravel())
+    columns["actual_ret"] = pa.array(frame.targets[anchors].astype(np.float64).ravel())  # NaN past the file
+    return pa.table(columns)
+
+
+def batches(anchors: np.ndarray, size: int) -> Iterator[np.ndarray]:
+    for i in range(0, anchors.shape[0], size):
+        yield anchors[i:i + size]
+
+
+class Summary:
+    """Pinball loss and outer-band coverage where the realised return is in the file, and windows per symbol."""
+
+    def __init__(self, quantiles: Sequence[float]) -> None:
+        self.q = np.asarray(quantiles, dtype=np.float64)
+        self.loss_sum = 0.0
+        self.inside = self.scored = 0
+        self.windows: dict[str, int] = {}
+
+    def add(self, frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndarray) -> None:
+        for sid, count in zip(*np.unique(frame.series_id[anchors], return_counts=True), strict=True):
+            name = frame.symbols[int(sid)]
+            self.windows[name] = self.windows.get(name, 0) + int(count)
+        actual = frame.targets[anchors].astype(np.float64)  # [W, H]
+        seen = np.isfinite(actual)
+        if not seen.any():
+            return
+        pred = log_return.astype(np.float64)[seen]  # [n, Q]
+        y = actual[seen][:, None]  # [n, 1]
+        diff = y - pred
+        self.loss_sum += float(np.maximum(self.q * diff, (self.q - 1) * diff).mean(axis=1).sum())
+        self.inside += int(((y[:, 0] >= pred[:, 0]) & (y[:, 0] <= pred[:, -1])).sum())
+        self.scored += int(y.shape[0])
+
+    def lines(self) -> list[str]:
+        out = [f"windows: {sum(self.windows.values()):,} ({', '.join(f'{s} {n:,}' for s, n in self.windows.items())})"]
+        if self.scored:
+            nominal = self.q[-1] - self.q[0]
+            band = f"[q{self.q[0]:g}, q{self.q[-1]:g}]"
+            out.append(f"where the future is in the file ({self.scored:,} forecasts): mean pinball loss of the "
+                       f"log return {self.loss_sum / self.scored:.6g}; realised return inside {band} "
+                       f"{self.inside / self.scored:.1%} of the time (nominal {nominal:.0%})")
+        return out
+
+
+def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], start_ns: int | None,
+          end_ns: int | None, batch: int) -> Summary:
+    """Write the forecasts of every origin to `out` (atomically); returns the summary."""
+    meta: ModelMeta = model.meta
+    frame = build_frame(only_symbols(bars, symbols), meta.feature_config, list(meta.symbols), meta.bar_interval_ns)
+    anchors = origins(frame, meta.encoder_length, start_ns, end_ns)
+    if anchors.size == 0:
+        raise ScoreError(f"no forecast origin: each needs {meta.bars_required} bars of its symbol up to it "
+                         f"({meta.feature_config.warmup_bars} warm-up + {meta.encoder_length} encoder bars)"
+                         + (" inside --start/--end" if start_ns is not None or end_ns is not None else ""))
+    summary = Summary(meta.quantiles)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        writer: pq.ParquetWriter | None = None
+        try:
+            for chunk in batches(anchors, batch):
+                q = model.run(model_inputs(frame, chunk, meta.encoder_length))[QUANTILES]  # [B, H, Q]
+                table = forecast_table(frame, chunk, q, meta.quantiles)
+                writer = writer or pq.ParquetWriter(tmp, table.schema)
+                writer.write_table(table)
+                summary.add(frame, chunk, q)
+        finally:
+            if writer is not None:
+                writer.close()
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m serving.score", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, required=True, help="ONNX model from `python -m export`")
+    p.add_argument("--parquet", type=Path, required=True, help="bars: a parquet file or a directory of them")
+    p.add_argument("--out", type=Path, required=True, help="parquet file of forecasts to write")
+    p.add_argument("--symbols", help="comma-separated symbols to forecast (default: the model's symbols in the file)")
+    p.add_argument("--start", help="first forecast origin, ISO 8601 UTC (e.g. 2024-01-02)")
+    p.add_argument("--end", help="origins before this time only, ISO 8601 UTC")
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="cpu (default); cuda: the CUDA provider or refuse; auto: CUDA, else the CPU with a warning")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1)),
+                   help="ONNX Runtime intra-op threads (default: every CPU)")
+    p.add_argument("--batch", type=int, default=256, help="windows per ONNX Runtime run (default 256)")
+    ColumnMap.add_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.batch < 1 or args.threads < 1:
+        p.error("--batch and --threads must be at least 1")
+    try:
+        start_ns = parse_time(args.start, "--start") if args.start else None
+        end_ns = parse_time(args.end, "--end") if args.end else None
+        if start_ns is not None and end_ns is not None and end_ns <= start_ns:
+            raise ScoreError(f"--end {args.end} is not after --start {args.start}")
+        if args.out.suffix not in (".parquet", ".parq", ".pq"):
+            raise ScoreError(f"--out {args.out}: name a .parquet file")
+        if args.out.is_dir():
+            raise ScoreError(f"--out {args.out} is a directory; name a .parquet file")
+        model = load_model(args.model, args.device, args.threads, max_batch=args.batch)
+        meta = model.meta
+        columns = ColumnMap.from_args(args, meta.column_map or None)
+        bars = read_bars(args.parquet, columns, tuple(meta.feature_config.user_columns))
+        present = set(bars.series_slices())
+        if args.symbols:
+            wanted = [s.strip() for s in args.symbols.split(",") if s.strip()]
+            unknown = [s for s in wanted if s not in meta.symbols]
+            absent = [s for s in wanted if s in meta.symbols and s not in present]
+            if unknown or absent:
+                raise ScoreError("; ".join(
+                    ([f"--symbols {', '.join(unknown)}: not the model's (it knows {', '.join(meta.symbols)})"]
+                     if unknown else [])
+                    + ([f"--symbols {', '.join(absent)}: no bars of it in {args.parquet}"] if absent else [])))
+        else:
+            wanted = [s for s in meta.symbols if s in present]
+            if not wanted:
+                raise ScoreError(f"{args.parquet} holds none of the model's symbols ({', '.join(meta.symbols)}); "
+                                 f"it holds {', '.join(sorted(present)) or 'no bars'}")
+        summary = score(model, bars, args.out, wanted, start_ns, end_ns, args.batch)
+    except (ScoreError, ModelLoadError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except BarDataError as exc:
+        shown = "\n  ".join(str(problem) for problem in exc.problems[:10])
+        print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars:\n  {shown}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    for line in summary.lines():
+        log.info("%s", line)
+    log.info("wrote %s", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""`python -m serving.score`: forecasts for every bar of a history, run as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from serving.client import series_from_bars
+from serving.model import load_model
+from serving.preprocess import prepare
+from serving.validation import columns_from_proto
+from tests.artifacts import REPO
+from tests.live_server import Model, tiny_model  # noqa: F401  (the shared fixture)
+
+pytestmark = pytest.mark.slow
+
+
+def score(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "serving.score", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def scored(tiny_model: Model, tmp_path_factory: pytest.TempPathFactory) -> pa.Table:  # noqa: F811
+    out = tmp_path_factory.mktemp("score") / "forecasts.parquet"
+    done = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", out, "--threads", "1",
+                 "--batch", "100")
+    assert done.returncode == 0, done.stderr
+    assert "windows: " in done.stderr and "realised return inside [q0.1, q0.9]" in done.stderr
+    return pq.read_table(out)
+
+
+def test_every_bar_with_its_warm_up_is_an_origin_with_one_row_per_horizon_step(tiny_model: Model,  # noqa: F811
+                                                                              scored: pa.Table) -> None:
+    meta, bars = tiny_model.meta, tiny_model.bars
+    h = meta.horizon
+    for symbol, rows in bars.series_slices().items():
+        mine = scored.filter(pa.compute.equal(scored["symbol"].cast(pa.string()), symbol))
+        origins = bars.timestamp_ns[rows][meta.bars_required - 1:]  # the first origin has bars_required bars
+        assert mine.num_rows == origins.size * h
+        got = mine["origin"].cast(pa.int64()).to_numpy()
+        np.testing.assert_array_equal(got, origins.repeat(h))
+        np.testing.assert_array_equal(mine["h"].to_numpy(), np.tile(np.arange(1, h + 1), origins.size))
+        np.testing.assert_array_equal(mine["time"].cast(pa.int64()).to_numpy(),
+                                      got + mine["h"].to_numpy().astype(np.int64) * meta.bar_interval_ns)
+        close = bars.close[rows][meta.bars_required - 1:]
+        np.testing.assert_array_equal(mine["close"].to_numpy(), close.repeat(h))
+        # the realised return to the h-th next bar of the file, NaN past its end
+        later = np.concatenate([bars.close[rows], np.full(h, np.nan)])[meta.bars_required - 1:]
+        want = np.log(np.stack([later[k:k + origins.size] for k in range(1, h + 1)], axis=1) / close[:, None])
+        np.testing.assert_allclose(mine["actual_ret"].to_numpy(), want.ravel(), rtol=1e-6, atol=1e-7)
+        assert np.isnan(mine["actual_ret"].to_numpy()[-1]) and np.isfinite(mine["actual_ret"].to_numpy()[0])
+        for q in meta.quantiles:
+            np.testing.assert_allclose(mine[f"price_q{q:g}"].to_numpy(),
+                                       mine["close"].to_numpy() * np.exp(mine[f"ret_q{q:g}"].to_numpy()), rtol=1e-12)
+
+
+def test_the_forecast_at_each_last_bar_is_the_servers(tiny_model: Model, scored: pa.Table) -> None:  # noqa: F811
+    """Two paths to one window: the server's (request columns, latest_windows) and the scorer's (build_frame,
+    gather_windows) give one forecast; batches of other sizes may differ in float32's last bits."""
+    meta = tiny_model.meta
+    model = load_model(tiny_model.model, "cpu", 1, max_batch=64)
+    levels = [f"ret_q{q:g}" for q in meta.quantiles]
+    for symbol in meta.symbols:
+        series = columns_from_proto(series_from_bars(tiny_model.bars, symbol, meta.bars_required))
+        server = model.run(prepare([series], meta).inputs)["quantiles"][0]  # [H, Q]
+        mine = scored.filter(pa.compute.equal(scored["symbol"].cast(pa.string()), symbol))
+        last = mine.slice(mine.num_rows - meta.horizon)
+        got = np.stack([last[c].to_numpy() for c in levels], axis=1)  # [H, Q]
+        np.testing.assert_allclose(got, server, rtol=1e-5, atol=1e-7)
+
+
+def test_symbols_and_a_time_range_choose_the_origins(tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
+    bars, meta = tiny_model.bars, tiny_model.meta
+    nq = bars.timestamp_ns[bars.series_slices()["NQ"]]
+    start, end = nq[meta.bars_required + 10], nq[meta.bars_required + 30]
+    iso = [np.datetime_as_string(np.datetime64(int(t), "ns"), unit="m") for t in (start, end)]
+    out = tmp_path / "nq.parquet"
+    done = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", out, "--symbols", "NQ",
+                 "--start", iso[0], "--end", iso[1])
+    assert done.returncode == 0, done.stderr
+    t = pq.read_table(out)
+    origins = np.unique(t["origin"].cast(pa.int64()).to_numpy())
+    assert set(t["symbol"].cast(pa.string()).to_pylist()) == {"NQ"}
+    np.testing.assert_array_equal(origins, nq[(nq >= start) & (nq < end)])
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--symbols", "CL"), "--symbols CL: not the model's (it knows ES, NQ)"),
+    (("--start", "2024-02-01", "--end", "2024-01-01"), "--end 2024-01-01 is not after --start 2024-02-01"),
+    (("--start", "yesterday"), "--start 'yesterday': give an ISO 8601 UTC date or time"),
+    (("--start", "2030-01-01"), "no forecast origin: each needs 40 bars of its symbol up to it"),
+])
+def test_a_bad_choice_is_named_and_nothing_is_written(flags: tuple[str, ...], message: str,
+                                                      tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
+    out = tmp_path / "f.parquet"
+    done = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", out, *flags)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []  # no output, no temporary file
+
+
+def test_the_scorer_never_imports_torch() -> None:
+    r = subprocess.run([sys.executable, "-c", "import sys, serving.score; print('torch' in sys.modules)"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
