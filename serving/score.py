@@ -17,13 +17,19 @@ The output is one row per origin and horizon step, in series and time order:
     close       float64              the origin's close
     ret_q<q>    float64              quantile q of the cumulative log return from `close` to bar h
     price_q<q>  float64              the same quantile as a price (close * exp(ret)), in the file's units
-    actual_ret  float64              the realised log return to the h-th next bar of the file (NaN past its end)
+    actual_ret  float64              the realised log return to the h-th next bar of the file (NaN past its end),
+                                     as training's targets count bars
+    actual_time timestamp[ns, UTC]   the time of that bar (null past the end): later than `time` where the
+                                     file has a gap or a session close within h bars
 
 A summary follows on stderr: windows per symbol, and where the future is in the file, the
 pinball loss and how often the realised return fell inside the outer quantiles.
 
-The file is written beside `--out` under a temporary name and renamed when complete: an error or
-Ctrl-C leaves no partial file. Exit status: 0 done, 1 the output could not be written, 2 bad
+Symbols the model does not know, and symbols with too few bars, are skipped with a warning.
+`--start` and `--end` are ISO 8601 dates or times, UTC unless they carry an offset.
+
+The file is written beside `--out` under a temporary name and renamed when complete: an error,
+Ctrl-C or SIGTERM leaves no partial file. Exit status: 0 done, 1 the output could not be written, 2 bad
 arguments, bars, or a model that fails its checks, 130 interrupted.
 """
 
@@ -32,9 +38,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -51,19 +59,31 @@ from serving.model import DEVICES, LoadedModel, load_model
 from serving.postprocess import price_quantiles
 
 log = logging.getLogger("serving.score")
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+ROWS_PER_GROUP = 1 << 16  # parquet rows written at once: whatever --batch is, row groups stay this large
 
 
 class ScoreError(Exception):
     """What the user must fix, in one message (exit 2)."""
 
 
+FIRST_NS_DATE, LAST_NS_DATE = datetime(1678, 1, 1, tzinfo=UTC), datetime(2262, 1, 1, tzinfo=UTC)  # int64 ns
+
+
 def parse_time(text: str, flag: str) -> int:
-    """An ISO 8601 date or time, UTC (`2024-01-02`, `2024-01-02T14:30`), as int64 nanoseconds."""
+    """An ISO 8601 date or time (`2024-01-02`, `2024-01-02T14:30`, `...Z`, `...+01:00`; UTC without an
+    offset) as int64 nanoseconds since the Unix epoch."""
     try:
-        return int(np.datetime64(text.removesuffix("Z"), "ns").astype(np.int64))
+        when = datetime.fromisoformat(text.strip())
     except ValueError:
-        raise ScoreError(f"{flag} {text!r}: give an ISO 8601 UTC date or time, e.g. 2024-01-02 or "
-                         "2024-01-02T14:30") from None
+        raise ScoreError(f"{flag} {text!r}: give an ISO 8601 date or time, e.g. 2024-01-02 or 2024-01-02T14:30 "
+                         "(UTC unless it ends in Z or an offset such as +01:00)") from None
+    when = when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
+    if not FIRST_NS_DATE <= when < LAST_NS_DATE:
+        raise ScoreError(f"{flag} {text!r}: bar times are int64 nanoseconds, which hold 1678 to 2261; give a "
+                         "time in that range")
+    delta = when - EPOCH  # exact: days, seconds and microseconds
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1_000
 
 
 def only_symbols(bars: Bars, symbols: Sequence[str]) -> Bars:
@@ -108,7 +128,7 @@ def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndar
     utc = pa.timestamp("ns", tz="UTC")
     columns: dict[str, pa.Array] = {
         "symbol": pa.array(np.asarray(frame.symbols, dtype=object)[frame.series_id[anchors]].repeat(h),
-                           type=pa.string()).dictionary_encode(),
+                           type=pa.string()),
         "origin": pa.array(frame.timestamp_ns[anchors].repeat(h), type=utc),
         "h": pa.array(np.tile(np.arange(1, h + 1, dtype=np.int16), w)),
         "time": pa.array(future.ravel(), type=utc),
@@ -119,6 +139,13 @@ def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndar
     for j, level in enumerate(quantiles):
         columns[f"price_q{level:g}"] = pa.array(price[:, :, j].ravel())
     columns["actual_ret"] = pa.array(frame.targets[anchors].astype(np.float64).ravel())  # NaN past the file
+    # the bar actual_ret reaches: the h-th next bar of the file, which across a gap or a session close is later
+    # than `time` (training's targets count bars the same way); null past the series' end
+    later = anchors[:, None] + np.arange(1, h + 1)  # [W, H] rows
+    ends = frame.series_bounds[np.searchsorted(frame.series_bounds[:, 0], anchors, side="right") - 1, 1]  # [W]
+    inside = later < ends[:, None]
+    reached = frame.timestamp_ns[np.where(inside, later, anchors[:, None])]
+    columns["actual_time"] = pa.array(reached.ravel(), type=utc, mask=~inside.ravel())
     return pa.table(columns)
 
 
@@ -178,21 +205,32 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
     os.close(fd)
     try:
         writer: pq.ParquetWriter | None = None
+        pending: list[pa.Table] = []
         try:
-            for chunk in batches(anchors, batch):
+            for i, chunk in enumerate(batches(anchors, batch)):
                 q = model.run(model_inputs(frame, chunk, meta.encoder_length))[QUANTILES]  # [B, H, Q]
-                table = forecast_table(frame, chunk, q, meta.quantiles)
-                writer = writer or pq.ParquetWriter(tmp, table.schema)
-                writer.write_table(table)
+                pending.append(forecast_table(frame, chunk, q, meta.quantiles))
                 summary.add(frame, chunk, q)
+                if sum(t.num_rows for t in pending) >= ROWS_PER_GROUP or (i + 1) * batch >= anchors.size:
+                    table = pa.concat_tables(pending)
+                    writer = writer or pq.ParquetWriter(tmp, table.schema)
+                    writer.write_table(table, row_group_size=table.num_rows)
+                    pending = []
         finally:
             if writer is not None:
                 writer.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as any file the user writes (mkstemp made it private)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return summary
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,10 +246,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="cpu (default); cuda: the CUDA provider or refuse; auto: CUDA, else the CPU with a warning")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1)),
                    help="ONNX Runtime intra-op threads (default: every CPU)")
-    p.add_argument("--batch", type=int, default=256, help="windows per ONNX Runtime run (default 256)")
+    p.add_argument("--batch", type=int, default=64,
+                   help="windows per ONNX Runtime run (default 64; on CUDA, 1024 or more)")
     ColumnMap.add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGTERM, _interrupted)  # as Ctrl-C: the partial file is removed
     if args.batch < 1 or args.threads < 1:
         p.error("--batch and --threads must be at least 1")
     try:
@@ -219,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         end_ns = parse_time(args.end, "--end") if args.end else None
         if start_ns is not None and end_ns is not None and end_ns <= start_ns:
             raise ScoreError(f"--end {args.end} is not after --start {args.start}")
-        if args.out.suffix not in (".parquet", ".parq", ".pq"):
+        if args.out.suffix.lower() not in (".parquet", ".parq", ".pq"):
             raise ScoreError(f"--out {args.out}: name a .parquet file")
         if args.out.is_dir():
             raise ScoreError(f"--out {args.out} is a directory; name a .parquet file")
@@ -227,9 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         meta = model.meta
         columns = ColumnMap.from_args(args, meta.column_map or None)
         bars = read_bars(args.parquet, columns, tuple(meta.feature_config.user_columns))
-        present = set(bars.series_slices())
+        slices = bars.series_slices()
+        present = set(slices)
         if args.symbols:
-            wanted = [s.strip() for s in args.symbols.split(",") if s.strip()]
+            wanted = list(dict.fromkeys(s.strip() for s in args.symbols.split(",") if s.strip()))  # each once
+            if not wanted:
+                raise ScoreError(f"--symbols {args.symbols!r} names no symbol; give e.g. {','.join(meta.symbols)}")
             unknown = [s for s in wanted if s not in meta.symbols]
             absent = [s for s in wanted if s in meta.symbols and s not in present]
             if unknown or absent:
@@ -242,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
             if not wanted:
                 raise ScoreError(f"{args.parquet} holds none of the model's symbols ({', '.join(meta.symbols)}); "
                                  f"it holds {', '.join(sorted(present)) or 'no bars'}")
+            for s in sorted(present - set(meta.symbols)):
+                log.warning("skipped %s: not one of the model's symbols (%s)", s, ", ".join(meta.symbols))
+        for s in wanted:
+            if (rows := slices[s].stop - slices[s].start) < meta.bars_required:
+                log.warning("skipped %s: %d bars, a forecast needs %d (%d warm-up + %d encoder)", s, rows,
+                            meta.bars_required, meta.feature_config.warmup_bars, meta.encoder_length)
         summary = score(model, bars, args.out, wanted, start_ns, end_ns, args.batch)
     except (ScoreError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)

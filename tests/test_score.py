@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +44,7 @@ def test_every_bar_with_its_warm_up_is_an_origin_with_one_row_per_horizon_step(t
     meta, bars = tiny_model.meta, tiny_model.bars
     h = meta.horizon
     for symbol, rows in bars.series_slices().items():
-        mine = scored.filter(pa.compute.equal(scored["symbol"].cast(pa.string()), symbol))
+        mine = scored.filter(pa.compute.equal(scored["symbol"], symbol))
         origins = bars.timestamp_ns[rows][meta.bars_required - 1:]  # the first origin has bars_required bars
         assert mine.num_rows == origins.size * h
         got = mine["origin"].cast(pa.int64()).to_numpy()
@@ -56,6 +59,16 @@ def test_every_bar_with_its_warm_up_is_an_origin_with_one_row_per_horizon_step(t
         want = np.log(np.stack([later[k:k + origins.size] for k in range(1, h + 1)], axis=1) / close[:, None])
         np.testing.assert_allclose(mine["actual_ret"].to_numpy(), want.ravel(), rtol=1e-6, atol=1e-7)
         assert np.isnan(mine["actual_ret"].to_numpy()[-1]) and np.isfinite(mine["actual_ret"].to_numpy()[0])
+        # the bar actual_ret reaches, null past the end; across a session close later than the nominal `time`
+        stamps = np.concatenate([bars.timestamp_ns[rows], np.zeros(h, np.int64)])[meta.bars_required - 1:]
+        reached = np.stack([stamps[k:k + origins.size] for k in range(1, h + 1)], axis=1).ravel()
+        actual_time = mine["actual_time"]
+        assert actual_time.null_count == h * (h + 1) // 2  # the last h origins lack 1..h future bars
+        valid = ~np.isnan(want.ravel())
+        np.testing.assert_array_equal(actual_time.cast(pa.int64()).to_numpy(zero_copy_only=False)[valid],
+                                      reached[valid])
+        nominal = mine["time"].cast(pa.int64()).to_numpy()
+        assert (reached[valid] >= nominal[valid]).all() and (reached[valid] > nominal[valid]).any()  # sessions
         for q in meta.quantiles:
             np.testing.assert_allclose(mine[f"price_q{q:g}"].to_numpy(),
                                        mine["close"].to_numpy() * np.exp(mine[f"ret_q{q:g}"].to_numpy()), rtol=1e-12)
@@ -70,7 +83,7 @@ def test_the_forecast_at_each_last_bar_is_the_servers(tiny_model: Model, scored:
     for symbol in meta.symbols:
         series = columns_from_proto(series_from_bars(tiny_model.bars, symbol, meta.bars_required))
         server = model.run(prepare([series], meta).inputs)["quantiles"][0]  # [H, Q]
-        mine = scored.filter(pa.compute.equal(scored["symbol"].cast(pa.string()), symbol))
+        mine = scored.filter(pa.compute.equal(scored["symbol"], symbol))
         last = mine.slice(mine.num_rows - meta.horizon)
         got = np.stack([last[c].to_numpy() for c in levels], axis=1)  # [H, Q]
         np.testing.assert_allclose(got, server, rtol=1e-5, atol=1e-7)
@@ -87,14 +100,17 @@ def test_symbols_and_a_time_range_choose_the_origins(tiny_model: Model, tmp_path
     assert done.returncode == 0, done.stderr
     t = pq.read_table(out)
     origins = np.unique(t["origin"].cast(pa.int64()).to_numpy())
-    assert set(t["symbol"].cast(pa.string()).to_pylist()) == {"NQ"}
+    assert set(t["symbol"].to_pylist()) == {"NQ"}
     np.testing.assert_array_equal(origins, nq[(nq >= start) & (nq < end)])
 
 
 @pytest.mark.parametrize(("flags", "message"), [
     (("--symbols", "CL"), "--symbols CL: not the model's (it knows ES, NQ)"),
+    (("--symbols", " , "), "--symbols ' , ' names no symbol"),
     (("--start", "2024-02-01", "--end", "2024-01-01"), "--end 2024-01-01 is not after --start 2024-02-01"),
-    (("--start", "yesterday"), "--start 'yesterday': give an ISO 8601 UTC date or time"),
+    (("--start", "yesterday"), "--start 'yesterday': give an ISO 8601 date or time"),
+    (("--start", "2300-01-01"), "--start '2300-01-01': bar times are int64 nanoseconds, which hold 1678 to 2261"),
+    (("--end", "1600-01-01"), "--end '1600-01-01': bar times are int64 nanoseconds"),
     (("--start", "2030-01-01"), "no forecast origin: each needs 40 bars of its symbol up to it"),
 ])
 def test_a_bad_choice_is_named_and_nothing_is_written(flags: tuple[str, ...], message: str,
@@ -109,3 +125,63 @@ def test_the_scorer_never_imports_torch() -> None:
     r = subprocess.run([sys.executable, "-c", "import sys, serving.score; print('torch' in sys.modules)"], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+def test_a_symbol_named_twice_is_scored_once_and_an_offset_is_read_as_such(tiny_model: Model,  # noqa: F811
+                                                                          tmp_path: Path) -> None:
+    es = tiny_model.bars.timestamp_ns[tiny_model.bars.series_slices()["ES"]]
+    start = es[tiny_model.meta.bars_required + 5]
+    local = np.datetime64(int(start) + 3_600_000_000_000, "ns").astype("datetime64[s]").item()  # 1 h ahead
+    out = tmp_path / "es.PARQUET"
+    done = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", out, "--symbols", "ES,ES",
+                 "--start", local.isoformat() + "+01:00")
+    assert done.returncode == 0, done.stderr
+    origins = pq.read_table(out)["origin"].cast(pa.int64()).to_numpy()
+    assert origins[0] == start and (np.diff(origins) >= 0).all()  # one series, in time order
+    assert np.unique(origins).size == es[es >= start].size
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~current_umask())  # as any file the user writes
+
+
+def test_symbols_the_model_cannot_forecast_are_skipped_with_a_warning(tiny_model: Model,  # noqa: F811
+                                                                       tmp_path: Path) -> None:
+    bars = pq.read_table(tiny_model.bars_path)
+    sym = bars["symbol"].to_numpy(zero_copy_only=False)
+    es, nq = np.flatnonzero(sym == "ES"), np.flatnonzero(sym == "NQ")
+    cl = bars.take(pa.array(es[:50])).set_column(bars.schema.get_field_index("symbol"), "symbol",
+                                                 pa.array(["CL"] * 50))
+    mixed = pa.concat_tables([bars.take(pa.array(es)), bars.take(pa.array(nq[-30:])), cl])
+    pq.write_table(mixed, tmp_path / "mixed.parquet")
+    done = score("--model", tiny_model.model, "--parquet", tmp_path / "mixed.parquet", "--out", tmp_path / "f.parquet")
+    assert done.returncode == 0, done.stderr
+    assert "skipped CL: not one of the model's symbols (ES, NQ)" in done.stderr
+    assert "skipped NQ: 30 bars, a forecast needs 40" in done.stderr
+    assert set(pq.read_table(tmp_path / "f.parquet")["symbol"].to_pylist()) == {"ES"}
+
+
+def test_sigterm_leaves_no_partial_file(tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
+    out = tmp_path / "f.parquet"
+    proc = subprocess.Popen([sys.executable, "-m", "serving.score", "--model", str(tiny_model.model), "--parquet",
+                             str(tiny_model.bars_path), "--out", str(out), "--batch", "1", "--threads", "1"],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".f.parquet.*.tmp")) and time.monotonic() < deadline:  # writing has begun
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_the_throughput_benchmark_runs_both_paths(tiny_model: Model) -> None:  # noqa: F811
+    r = subprocess.run([sys.executable, "-m", "benchmarks.score_throughput", "--model", str(tiny_model.model),
+                        "--parquet", str(tiny_model.bars_path), "--sample", "20"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| `serving.score` (batch 64, parquet written) | 2,922 |" in r.stdout  # every origin of both symbols
+    assert "| per bar: prepare + run of one | 20 |" in r.stdout and "score / per bar: " in r.stdout
