@@ -35,7 +35,7 @@ from export.windows import saved_windows, windows_from_bars
 from features import package_version
 from features.compute import FeatureConfig
 from features.file_kind import hint
-from features.model_meta import ModelMeta
+from features.model_meta import ModelMeta, training_span
 from features.schema import MODEL_INPUTS, FeatureSchema
 from trainer.checkpoint import CheckpointError, file_sha256, load_checkpoint, model_from_checkpoint
 from trainer.model_config import ModelConfig
@@ -127,6 +127,7 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
             explain=opts.explain,
             precision=opts.precision,
             column_map=dict(ckpt.get("column_map") or {}),
+            training=training_span(ckpt),
             exporter={
                 "tool": "python -m export",
                 "foxhunt_tft": package_version(),

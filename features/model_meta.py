@@ -45,6 +45,8 @@ class ModelMeta:
     exporter: dict[str, Any] = field(default_factory=dict)  # library versions, opset
     parity: dict[str, Any] = field(default_factory=dict)  # the parity report export proved
     placement: dict[str, Any] = field(default_factory=dict)  # the placement gate's report
+    # the training run's bars in time (`training_span`): absent from models exported before it was recorded
+    training: dict[str, Any] = field(default_factory=dict)
 
     @functools.cached_property
     def symbol_index(self) -> dict[str, int]:
@@ -76,6 +78,7 @@ class ModelMeta:
             "exporter": self.exporter,
             "parity": self.parity,
             "placement": self.placement,
+            **({"training": self.training} if self.training else {}),
         }
         return {PREFIX + k: v if isinstance(v, str) else json.dumps(v) for k, v in values.items()}
 
@@ -114,6 +117,7 @@ class ModelMeta:
                 exporter=dict(get("exporter")),
                 parity=dict(get("parity")),
                 placement=dict(get("placement")),
+                training=dict(get("training")) if PREFIX + "training" in props else {},
             )
         except ModelMetaError:
             raise
@@ -145,3 +149,19 @@ class ModelMeta:
             problems.append(f"precision {self.precision!r} is not fp32 or fp16")
         if problems:
             raise ModelMetaError("model metadata is inconsistent: " + "; ".join(problems))
+
+
+def training_span(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """When the checkpoint's run trained, validated and tested, as UTC nanoseconds: `first_bar_ns`,
+    `validation_from_ns`, `test_from_ns` (None without a test split) and `last_bar_ns`. Empty for a
+    checkpoint that did not record its split."""
+    split, span = ckpt.get("split_times_ns"), ckpt.get("data_span_ns")
+    if not split or len(split) != 2:
+        return {}
+    test_fraction = float((ckpt.get("train_config") or {}).get("test_fraction", 0.0))
+    val_from, test_from = int(split[0]), int(split[1])
+    first, last = (int(span[0]), int(span[1])) if span and len(span) == 2 else (None, None)
+    if last is None and not test_fraction > 0:
+        last = test_from - 1  # without a test split the run's cut after its last bar
+    return {"first_bar_ns": first, "validation_from_ns": val_from,
+            "test_from_ns": test_from if test_fraction > 0 else None, "last_bar_ns": last}

@@ -1,6 +1,7 @@
 """`make demo`: the whole path on built-in sample data, each stage by its real command.
 
-sample bars -> check -> train (bounded) -> export (all gates) -> serve -> Predict -> stop.
+sample bars -> check -> train (bounded) -> export (all gates) -> serve -> Predict -> stop ->
+forecasts of every bar, offline.
 Everything lands in ./demo_out (or --out). Exits non-zero at the first stage that fails.
 """
 
@@ -88,18 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     bars, ckpt, model = out / "bars.parquet", out / "ckpt.pt", out / "model.onnx"
     t0 = time.monotonic()
 
-    step("1/6 sample bars (ES, NQ; 1-minute RTH sessions; planted volatility clustering and momentum)")
+    step("1/7 sample bars (ES, NQ; 1-minute RTH sessions; planted volatility clustering and momentum)")
     sh(["-m", "features.synth", "--out", str(bars), "--symbols", "ES,NQ", "--bars", str(args.bars), "--seed", "7"])
-    step("2/6 check the bars")
+    step("2/7 check the bars")
     sh(["-m", "features.check", str(bars)])
-    step("3/6 train a small TFT (bounded steps)")
+    step("3/7 train a small TFT (bounded steps)")
     sh(["-m", "trainer", "--parquet", str(bars), "--out", str(ckpt), *(TINY_FLAGS if args.tiny else TRAIN_FLAGS)])
-    step("4/6 export to ONNX (checker, names, parity at batch 1/7/64 and on real windows, placement)")
+    step("4/7 export to ONNX (checker, names, parity at batch 1/7/64 and on real windows, placement)")
     sh(["-m", "export", str(ckpt), str(model)])
-    step("5/6 serve it over gRPC on 127.0.0.1")
+    step("5/7 serve it over gRPC on 127.0.0.1")
     server, target = start_server(model)
     try:
-        step("6/6 Predict with the client: the latest bars of ES")
+        step("6/7 Predict with the client: the latest bars of ES")
         sh(["-m", "serving.client", "--target", target, "--parquet", str(bars), "--symbol", "ES"])
     finally:
         server.send_signal(signal.SIGTERM)
@@ -110,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             server.wait()
         time.sleep(0.1)  # the echo thread prints the server's last lines
         print(f"server stopped (exit status {server.returncode})")
+    step("7/7 forecasts for every bar of the sample, offline (serving.score: for backtests)")
+    sh(["-m", "serving.score", "--model", str(model), "--parquet", str(bars), "--out", str(out / "forecasts.parquet"),
+        "--threads", "1"])
     print(f"\ndone in {time.monotonic() - t0:.0f} s. Files in {out}:")
     for f in sorted(out.iterdir()):
         print(f"  {f.name:24s} {f.stat().st_size / 1024:9.1f} KiB")

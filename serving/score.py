@@ -21,9 +21,13 @@ The output is one row per origin and horizon step, in series and time order:
                                      as training's targets count bars
     actual_time timestamp[ns, UTC]   the time of that bar (null past the end): later than `time` where the
                                      file has a gap or a session close within h bars
+    split       string               where the origin falls in the model's training run: before, train,
+                                     validation, test or after its bars (null for a model exported before
+                                     the run's span was recorded). Train and validation origins are in-sample.
 
-A summary follows on stderr: windows per symbol, and where the future is in the file, the
-pinball loss and how often the realised return fell inside the outer quantiles.
+A summary follows on stderr: windows per symbol, and per split, where the future is in the file,
+the pinball loss and how often the realised return fell inside the outer quantiles; a warning
+names the in-sample origins and the `--start` that leaves them out.
 
 Symbols the model does not know, and symbols with too few bars, are skipped with a warning.
 `--start` and `--end` are ISO 8601 dates or times, UTC unless they carry an offset.
@@ -44,6 +48,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -118,7 +123,7 @@ def model_inputs(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int) 
 
 
 def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndarray,
-                   quantiles: Sequence[float]) -> pa.Table:
+                   quantiles: Sequence[float], training: dict[str, Any] | None = None) -> pa.Table:
     """One row per anchor and horizon step. log_return: [W, H, Q] float32 from the model."""
     w, h = log_return.shape[:2]
     close = frame.close[anchors]  # [W]
@@ -146,7 +151,31 @@ def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndar
     inside = later < ends[:, None]
     reached = frame.timestamp_ns[np.where(inside, later, anchors[:, None])]
     columns["actual_time"] = pa.array(reached.ravel(), type=utc, mask=~inside.ravel())
+    split = split_of(frame.timestamp_ns[anchors], training or {}).repeat(h)
+    columns["split"] = pa.array(np.asarray(SPLITS, dtype=object)[split], type=pa.string(), mask=split < 0)
     return pa.table(columns)
+
+
+SPLITS = ("before", "train", "validation", "test", "after")
+
+
+def split_of(origin_ns: np.ndarray, training: dict[str, Any]) -> np.ndarray:
+    """Which part of the model's training run each origin falls in (an index into SPLITS; -1 unknown):
+    before its first bar, train, validation, test, or after its last bar. By the origin's time."""
+    out = np.full(origin_ns.shape, -1, dtype=np.int8)
+    val_from = training.get("validation_from_ns")
+    if val_from is None:
+        return out
+    first, test_from, last = (training.get(k) for k in ("first_bar_ns", "test_from_ns", "last_bar_ns"))
+    out[:] = 1
+    out[origin_ns >= val_from] = 2
+    if test_from is not None:
+        out[origin_ns >= test_from] = 3
+    if last is not None:
+        out[origin_ns > last] = 4
+    if first is not None:
+        out[origin_ns < first] = 0
+    return out
 
 
 def batches(anchors: np.ndarray, size: int) -> Iterator[np.ndarray]:
@@ -155,38 +184,60 @@ def batches(anchors: np.ndarray, size: int) -> Iterator[np.ndarray]:
 
 
 class Summary:
-    """Pinball loss and outer-band coverage where the realised return is in the file, and windows per symbol."""
+    """Windows per symbol and per part of the training run, and, where the realised return is in the file, the
+    pinball loss and outer-band coverage per part."""
 
-    def __init__(self, quantiles: Sequence[float]) -> None:
+    def __init__(self, quantiles: Sequence[float], training: dict[str, Any]) -> None:
         self.q = np.asarray(quantiles, dtype=np.float64)
-        self.loss_sum = 0.0
-        self.inside = self.scored = 0
+        self.training = training
         self.windows: dict[str, int] = {}
+        self.origins = np.zeros(len(SPLITS) + 1, dtype=np.int64)  # per split; the last: unknown
+        self.loss = np.zeros(len(SPLITS) + 1)
+        self.inside = np.zeros(len(SPLITS) + 1, dtype=np.int64)
+        self.scored = np.zeros(len(SPLITS) + 1, dtype=np.int64)
 
     def add(self, frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndarray) -> None:
         for sid, count in zip(*np.unique(frame.series_id[anchors], return_counts=True), strict=True):
             name = frame.symbols[int(sid)]
             self.windows[name] = self.windows.get(name, 0) + int(count)
+        split = split_of(frame.timestamp_ns[anchors], self.training)  # [W], -1 -> the last slot
+        np.add.at(self.origins, split, 1)
         actual = frame.targets[anchors].astype(np.float64)  # [W, H]
         seen = np.isfinite(actual)
         if not seen.any():
             return
         pred = log_return.astype(np.float64)[seen]  # [n, Q]
         y = actual[seen][:, None]  # [n, 1]
+        where = np.broadcast_to(split[:, None], seen.shape)[seen]  # [n]
         diff = y - pred
-        self.loss_sum += float(np.maximum(self.q * diff, (self.q - 1) * diff).mean(axis=1).sum())
-        self.inside += int(((y[:, 0] >= pred[:, 0]) & (y[:, 0] <= pred[:, -1])).sum())
-        self.scored += int(y.shape[0])
+        np.add.at(self.loss, where, np.maximum(self.q * diff, (self.q - 1) * diff).mean(axis=1))
+        np.add.at(self.inside, where, ((y[:, 0] >= pred[:, 0]) & (y[:, 0] <= pred[:, -1])).astype(np.int64))
+        np.add.at(self.scored, where, 1)
 
     def lines(self) -> list[str]:
         out = [f"windows: {sum(self.windows.values()):,} ({', '.join(f'{s} {n:,}' for s, n in self.windows.items())})"]
-        if self.scored:
-            nominal = self.q[-1] - self.q[0]
-            band = f"[q{self.q[0]:g}, q{self.q[-1]:g}]"
-            out.append(f"where the future is in the file ({self.scored:,} forecasts): mean pinball loss of the "
-                       f"log return {self.loss_sum / self.scored:.6g}; realised return inside {band} "
-                       f"{self.inside / self.scored:.1%} of the time (nominal {nominal:.0%})")
+        nominal, band = self.q[-1] - self.q[0], f"[q{self.q[0]:g}, q{self.q[-1]:g}]"
+        known = bool(self.training.get("validation_from_ns") is not None)
+        for i, name in enumerate((*SPLITS, "all") if known else ("all",)):
+            slot = slice(None) if name == "all" else i
+            n = int(np.sum(self.scored[slot]))
+            if name != "all" and not self.origins[i]:
+                continue
+            label = "all origins" if name == "all" else f"{name} origins ({int(self.origins[i]):,})"
+            if n:
+                out.append(f"{label}: {n:,} forecasts with their future in the file: mean pinball loss of the log "
+                           f"return {float(np.sum(self.loss[slot])) / n:.6g}; realised return inside {band} "
+                           f"{int(np.sum(self.inside[slot])) / n:.1%} of the time (nominal {nominal:.0%})")
+            else:
+                out.append(f"{label}: no forecast with its future in the file")
+        if not known:
+            out.append("the model does not record its training run's bars (exported before that was recorded): "
+                       "origins in them are in-sample")
         return out
+
+    def in_sample(self) -> int:
+        """Origins in the bars the model was trained on or chosen on (train, validation)."""
+        return int(self.origins[1] + self.origins[2])
 
 
 def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], start_ns: int | None,
@@ -199,7 +250,7 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
         raise ScoreError(f"no forecast origin: each needs {meta.bars_required} bars of its symbol up to it "
                          f"({meta.feature_config.warmup_bars} warm-up + {meta.encoder_length} encoder bars)"
                          + (" inside --start/--end" if start_ns is not None or end_ns is not None else ""))
-    summary = Summary(meta.quantiles)
+    summary = Summary(meta.quantiles, meta.training)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
@@ -209,7 +260,7 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
         try:
             for i, chunk in enumerate(batches(anchors, batch)):
                 q = model.run(model_inputs(frame, chunk, meta.encoder_length))[QUANTILES]  # [B, H, Q]
-                pending.append(forecast_table(frame, chunk, q, meta.quantiles))
+                pending.append(forecast_table(frame, chunk, q, meta.quantiles, meta.training))
                 summary.add(frame, chunk, q)
                 if sum(t.num_rows for t in pending) >= ROWS_PER_GROUP or (i + 1) * batch >= anchors.size:
                     table = pa.concat_tables(pending)
@@ -306,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     for line in summary.lines():
         log.info("%s", line)
+    if inside := summary.in_sample():
+        after = meta.training.get("last_bar_ns")
+        start = f" --start {np.datetime64(after // 1_000_000_000 + 1, 's')}Z" if after is not None else ""
+        log.warning("%s origin(s) lie in the bars the model was trained or chosen on (split train or validation): "
+                    "in-sample, not a backtest;%s keeps only origins after them", f"{inside:,}",
+                    start or " the split column marks them; --start")
     log.info("wrote %s", args.out)
     return 0
 

@@ -20,7 +20,7 @@ def test_demo_runs_every_stage_and_prints_a_forecast_from_the_live_server(tmp_pa
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = r.stdout
-    for stage in ("1/6", "2/6", "3/6", "4/6", "5/6", "6/6"):
+    for stage in ("1/7", "2/7", "3/7", "4/7", "5/7", "6/7", "7/7"):
         assert f"==> {stage}" in text
     meta = ModelMeta.from_props({p.key: p.value for p in onnx.load(out / "model.onnx").metadata_props})
     # the client's table names the model version the server answered with, and has one row per horizon step
@@ -32,9 +32,11 @@ def test_demo_runs_every_stage_and_prints_a_forecast_from_the_live_server(tmp_pa
         assert float(lo) <= float(mid) <= float(hi)
     assert "health: SERVING" in text and "drained" in text and "server stopped (exit status 0)" in text
     # the server's warm-up is reported before the forecast it made possible, and the demo ends with what to run
-    assert text.index("health: SERVING") < text.index("==> 6/6") and "warmed up" in text[:text.index("==> 6/6")]
+    assert text.index("health: SERVING") < text.index("==> 6/7") and "warmed up" in text[:text.index("==> 6/7")]
     assert "python -m serving --model" in text.splitlines()[-2] and "serving.client" in text.splitlines()[-1]
-    for name in ("bars.parquet", "ckpt.pt", "ckpt.last.pt", "ckpt.metrics.jsonl", "ckpt.report.png", "model.onnx"):
+    assert "realised return inside [q0.1, q0.9]" in r.stderr  # the offline forecasts' summary
+    for name in ("bars.parquet", "ckpt.pt", "ckpt.last.pt", "ckpt.metrics.jsonl", "ckpt.report.png", "model.onnx",
+                 "forecasts.parquet"):
         assert (out / name).is_file(), name
 
 

@@ -117,6 +117,8 @@ def test_metadata_round_trip_equals_the_checkpoint(exported: Path, ckpt: Path) -
         explain=True,
         precision="fp32",
         column_map=c["column_map"],
+        training={"first_bar_ns": c["data_span_ns"][0], "validation_from_ns": c["split_times_ns"][0],
+                  "test_from_ns": None, "last_bar_ns": c["data_span_ns"][1]},  # no test split in this run
     )
     assert dataclasses.replace(meta, exporter={}, parity={}, placement={}) == expected
     assert meta.exporter["opset"] == 18 and meta.exporter["torch"] == torch.__version__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -185,3 +187,75 @@ def test_the_throughput_benchmark_runs_both_paths(tiny_model: Model) -> None:  #
     assert r.returncode == 0, r.stderr
     assert "| `serving.score` (batch 64, parquet written) | 2,922 |" in r.stdout  # every origin of both symbols
     assert "| per bar: prepare + run of one | 20 |" in r.stdout and "score / per bar: " in r.stdout
+
+
+def test_each_origin_is_placed_in_the_models_training_run_and_in_sample_ones_are_named(
+        tiny_model: Model, scored: pa.Table, tmp_path: Path) -> None:  # noqa: F811
+    import torch
+
+    meta, bars = tiny_model.meta, tiny_model.bars
+    ckpt = torch.load(tiny_model.model.parent / "ckpt.pt", weights_only=True)
+    assert meta.training == {"first_bar_ns": int(bars.timestamp_ns.min()), "last_bar_ns": int(bars.timestamp_ns.max()),
+                             "validation_from_ns": int(ckpt["split_times_ns"][0]), "test_from_ns": None}
+    origin = scored["origin"].cast(pa.int64()).to_numpy()
+    want = np.where(origin >= meta.training["validation_from_ns"], "validation", "train")
+    assert scored["split"].to_pylist() == want.tolist()
+    # the warning names the in-sample origins and a --start that leaves them all out
+    done = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", tmp_path / "f.parquet",
+                 "--symbols", "ES")
+    m = re.search(r"([\d,]+) origin\(s\) lie in the bars the model was trained or chosen on .* "
+                  r"--start (\S+) keeps only", done.stderr)
+    assert done.returncode == 0 and m, done.stderr
+    assert int(m.group(1).replace(",", "")) == scored.num_rows // meta.horizon // 2  # every ES origin
+    refused = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", tmp_path / "g.parquet",
+                    "--start", m.group(2))
+    assert refused.returncode == 2 and "no forecast origin" in refused.stderr  # no origin after the training bars
+    # the same bars moved past the training run: every origin is "after", and nothing is called in-sample
+    table = pq.read_table(tiny_model.bars_path)
+    shift = (int(bars.timestamp_ns.max()) - int(bars.timestamp_ns.min())) // 86_400_000_000_000 + 7  # whole days
+    ts = table.column("timestamp")
+    moved = pc.add(ts.cast(pa.int64()), shift * 86_400_000_000_000).cast(ts.type)
+    pq.write_table(table.set_column(table.schema.get_field_index("timestamp"), "timestamp", moved),
+                   tmp_path / "later.parquet")
+    done = score("--model", tiny_model.model, "--parquet", tmp_path / "later.parquet", "--out", tmp_path / "h.parquet")
+    assert done.returncode == 0 and "in-sample" not in done.stderr, done.stderr
+    assert set(pq.read_table(tmp_path / "h.parquet")["split"].to_pylist()) == {"after"}
+    assert "after origins (2,922)" in done.stderr
+
+
+def test_a_model_without_its_training_span_still_scores_and_says_so(tiny_model: Model,  # noqa: F811
+                                                                     tmp_path: Path) -> None:
+    import onnx
+
+    proto = onnx.load(str(tiny_model.model))
+    kept = [(p.key, p.value) for p in proto.metadata_props if p.key != "foxhunt.training"]
+    assert len(kept) == len(proto.metadata_props) - 1
+    del proto.metadata_props[:]
+    for k, v in kept:
+        proto.metadata_props.add(key=k, value=v)
+    old = tmp_path / "old.onnx"
+    onnx.save(proto, str(old))
+    done = score("--model", old, "--parquet", tiny_model.bars_path, "--out", tmp_path / "f.parquet", "--threads", "1")
+    assert done.returncode == 0, done.stderr
+    assert "does not record its training run's bars" in done.stderr and "in-sample" in done.stderr
+    split = pq.read_table(tmp_path / "f.parquet")["split"]
+    assert split.null_count == len(split) > 0
+
+
+def test_the_training_span_of_old_and_new_checkpoints_places_origins() -> None:
+    from features.model_meta import training_span
+    from serving.score import SPLITS, split_of
+
+    assert training_span({}) == {}  # a checkpoint that did not record its split
+    new = training_span({"split_times_ns": [10, 20], "data_span_ns": [1, 30], "train_config": {"test_fraction": 0.1}})
+    assert new == {"first_bar_ns": 1, "validation_from_ns": 10, "test_from_ns": 20, "last_bar_ns": 30}
+    origins = np.array([0, 1, 9, 10, 19, 20, 30, 31])
+    assert [SPLITS[i] for i in split_of(origins, new)] == ["before", "train", "train", "validation", "validation",
+                                                            "test", "test", "after"]
+    # without the span: no test split means the run cut after its last bar; with one, "after" is unknown
+    old = training_span({"split_times_ns": [10, 31], "train_config": {"test_fraction": 0.0}})
+    assert old == {"first_bar_ns": None, "validation_from_ns": 10, "test_from_ns": None, "last_bar_ns": 30}
+    assert [SPLITS[i] for i in split_of(origins, old)][-2:] == ["validation", "after"]
+    tested = training_span({"split_times_ns": [10, 20], "train_config": {"test_fraction": 0.2}})
+    assert [SPLITS[i] for i in split_of(origins, tested)] == ["train"] * 3 + ["validation"] * 2 + ["test"] * 3
+    assert (split_of(origins, {}) == -1).all()

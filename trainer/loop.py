@@ -413,6 +413,7 @@ class Trainer:
             "column_map": self.columns.to_dict(),
             "data_source": self.parquet,
             "split_times_ns": list(self.data.split_times_ns),
+            "data_span_ns": [int(frame.timestamp_ns.min()), int(frame.timestamp_ns.max())],  # the bars trained on
             "climatology": torch.from_numpy(self.data.climatology.copy()),
             "model_state": (weights := {k: v.detach().cpu() for k, v in self.model.state_dict().items()}),
             "model_state_sha256": state_digest(weights),
