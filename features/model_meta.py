@@ -21,6 +21,7 @@ FORMAT = "foxhunt-tft-onnx/1"
 FORMAT_ZONED = "foxhunt-tft-onnx/2"
 FORMATS = (FORMAT, FORMAT_ZONED)
 PREFIX = "foxhunt."
+TRAINING_KEYS = ("first_bar_ns", "validation_from_ns", "test_from_ns", "last_bar_ns")  # ModelMeta.training
 
 
 class ModelMetaError(ValueError):
@@ -117,7 +118,7 @@ class ModelMeta:
                 exporter=dict(get("exporter")),
                 parity=dict(get("parity")),
                 placement=dict(get("placement")),
-                training=dict(get("training")) if PREFIX + "training" in props else {},
+                training=_training(get("training")) if PREFIX + "training" in props else {},
             )
         except ModelMetaError:
             raise
@@ -147,8 +148,19 @@ class ModelMeta:
             problems.append("bar_interval_ns must be > 0")
         if self.precision not in ("fp32", "fp16"):
             problems.append(f"precision {self.precision!r} is not fp32 or fp16")
+        if self.training and (set(self.training) != set(TRAINING_KEYS) or self.training["validation_from_ns"] is None
+                              or any(v is not None and type(v) is not int for v in self.training.values())):
+            problems.append(f"training must map {', '.join(TRAINING_KEYS)} to integer nanoseconds (or null), not "
+                            f"{self.training!r}")
         if problems:
             raise ModelMetaError("model metadata is inconsistent: " + "; ".join(problems))
+
+
+def _training(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ModelMetaError(f"model metadata '{PREFIX}training' must be a JSON object of {', '.join(TRAINING_KEYS)}, "
+                             f"not {type(value).__name__}; re-export the model")
+    return value
 
 
 def training_span(ckpt: dict[str, Any]) -> dict[str, Any]:

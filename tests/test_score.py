@@ -259,3 +259,21 @@ def test_the_training_span_of_old_and_new_checkpoints_places_origins() -> None:
     tested = training_span({"split_times_ns": [10, 20], "train_config": {"test_fraction": 0.2}})
     assert [SPLITS[i] for i in split_of(origins, tested)] == ["train"] * 3 + ["validation"] * 2 + ["test"] * 3
     assert (split_of(origins, {}) == -1).all()
+
+
+@pytest.mark.parametrize("value", ['{"validation_from_ns": "2024"}', "[1, 2]", "not json",
+                                   '{"first_bar_ns": 1, "validation_from_ns": 2.5, "test_from_ns": null, '
+                                   '"last_bar_ns": 3}'])
+def test_a_tampered_training_span_is_refused_by_name(value: str, tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
+    import onnx
+
+    proto = onnx.load(str(tiny_model.model))
+    for p in proto.metadata_props:
+        if p.key == "foxhunt.training":
+            p.value = value
+    bad = tmp_path / "bad.onnx"
+    onnx.save(proto, str(bad))
+    done = score("--model", bad, "--parquet", tiny_model.bars_path, "--out", tmp_path / "f.parquet")
+    assert done.returncode == 2, done.stderr
+    assert "'foxhunt.training'" in done.stderr or "training must map" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "f.parquet").exists()
