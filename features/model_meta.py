@@ -148,12 +148,22 @@ class ModelMeta:
             problems.append("bar_interval_ns must be > 0")
         if self.precision not in ("fp32", "fp16"):
             problems.append(f"precision {self.precision!r} is not fp32 or fp16")
-        if self.training and (set(self.training) != set(TRAINING_KEYS) or self.training["validation_from_ns"] is None
-                              or any(v is not None and type(v) is not int for v in self.training.values())):
-            problems.append(f"training must map {', '.join(TRAINING_KEYS)} to integer nanoseconds (or null), not "
-                            f"{self.training!r}")
+        if self.training and not _span_ok(self.training):
+            problems.append(f"training must map {', '.join(TRAINING_KEYS)} to int64 nanoseconds (or null; "
+                            f"validation_from_ns set) in time order, not {self.training!r}")
         if problems:
             raise ModelMetaError("model metadata is inconsistent: " + "; ".join(problems))
+
+
+def _span_ok(training: dict[str, Any]) -> bool:
+    """The four keys, each an int64 (never a bool) or null, validation_from_ns set, in time order."""
+    if set(training) != set(TRAINING_KEYS) or training["validation_from_ns"] is None:
+        return False
+    if any(v is not None and (type(v) is not int or not -(2**63) <= v < 2**63) for v in training.values()):
+        return False
+    first, val, test, last = (training[k] for k in TRAINING_KEYS)
+    times = [t for t in (first, val, test) if t is not None]
+    return times == sorted(times) and (last is None or last + 1 >= times[-1])
 
 
 def _training(value: Any) -> dict[str, Any]:

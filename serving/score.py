@@ -280,6 +280,17 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
     return summary
 
 
+def out_of_sample_hint(training: dict[str, Any]) -> str:
+    """The --start that keeps only origins the run did not train or choose on: its test split's first bar, else
+    just after its last bar (rounded up to a microsecond, what --start reads)."""
+    test_from, last = training.get("test_from_ns"), training.get("last_bar_ns")
+    cut = test_from if test_from is not None else None if last is None else last + 1
+    if cut is None:
+        return "the split column marks them"
+    which = "test and after" if test_from is not None else "after"
+    return f"--start {np.datetime64(-(-cut // 1_000), 'us')}Z keeps only the {which} origins"
+
+
 def _interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -358,11 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in summary.lines():
         log.info("%s", line)
     if inside := summary.in_sample():
-        after = meta.training.get("last_bar_ns")
-        start = f" --start {np.datetime64(after // 1_000_000_000 + 1, 's')}Z" if after is not None else ""
         log.warning("%s origin(s) lie in the bars the model was trained or chosen on (split train or validation): "
-                    "in-sample, not a backtest;%s keeps only origins after them", f"{inside:,}",
-                    start or " the split column marks them; --start")
+                    "in-sample, not a backtest; %s", f"{inside:,}", out_of_sample_hint(meta.training))
     log.info("wrote %s", args.out)
     return 0
 

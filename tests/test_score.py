@@ -277,3 +277,23 @@ def test_a_tampered_training_span_is_refused_by_name(value: str, tiny_model: Mod
     assert done.returncode == 2, done.stderr
     assert "'foxhunt.training'" in done.stderr or "training must map" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "f.parquet").exists()
+
+
+def test_the_hint_keeps_a_test_split_and_the_span_is_checked_value_by_value() -> None:
+    from features.model_meta import _span_ok
+    from serving.score import out_of_sample_hint, parse_time
+
+    tested = {"first_bar_ns": 1, "validation_from_ns": 10, "test_from_ns": 1_704_873_000_000_000_500,
+              "last_bar_ns": 1_704_999_999_000_000_000}
+    hint = out_of_sample_hint(tested)  # the test split is out of sample: the hint starts there, not after the data
+    assert hint == "--start 2024-01-10T07:50:00.000001Z keeps only the test and after origins"
+    assert parse_time(hint.split()[1], "--start") == 1_704_873_000_000_001_000  # the first µs at or after it
+    untested = dict(tested, test_from_ns=None)
+    assert out_of_sample_hint(untested) == "--start 2024-01-11T19:06:39.000001Z keeps only the after origins"
+    assert out_of_sample_hint(dict(untested, last_bar_ns=None)) == "the split column marks them"
+    assert _span_ok(tested) and _span_ok(untested)
+    changes: list[dict[str, object]] = [
+        {"validation_from_ns": "10"}, {"last_bar_ns": 1.5e18}, {"first_bar_ns": True}, {"validation_from_ns": [10]},
+        {"last_bar_ns": 2**70}, {"first_bar_ns": 11}, {"validation_from_ns": None}]
+    for bad in [{**tested, **c} for c in changes] + [{k: v for k, v in tested.items() if k != "first_bar_ns"}]:
+        assert not _span_ok(bad), bad
