@@ -119,7 +119,7 @@ def train_config(args: argparse.Namespace) -> Any:
 
 def h1_metrics(pred: np.ndarray, target: np.ndarray) -> dict[str, Any]:
     """Pinball per quantile and mean, coverage; pred [W, Q], target [W], raw return units."""
-    from trainer.metrics import forecast_metrics
+    from features.metrics import forecast_metrics
 
     return forecast_metrics(pred[:, None, :], target[:, None], QUANTILES)
 
@@ -144,8 +144,8 @@ def n_parameters(model: Any) -> int:
 def run_ours(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import torch
 
+    from features.metrics import climatology_forecast, forecast_metrics
     from trainer.loop import Trainer
-    from trainer.metrics import climatology_forecast, forecast_metrics
 
     torch.set_num_threads(args.threads)
     cfg = train_config(args)

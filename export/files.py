@@ -18,11 +18,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+from features.files import umask
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
@@ -99,7 +95,7 @@ class Staging:
         self._files: list[tuple[Path, Path]] = []  # (staged, target)
         self._dirs: list[tuple[Path, Path]] = []
         self._created_parents: list[Path] = []
-        self._mode = 0o666 & ~_umask()
+        self._mode = 0o666 & ~umask()
         self.interrupted: list[int] = []  # signals that arrived while commit() published
 
     def __enter__(self) -> Staging:
@@ -124,7 +120,7 @@ class Staging:
             self._created_parents.extend(missing)  # deepest first
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         self._dirs.append((tmp, target))
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, 0o777 & ~umask())
         for rel, data in files.items():
             path = tmp / rel
             path.parent.mkdir(parents=True, exist_ok=True)

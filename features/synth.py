@@ -19,9 +19,7 @@ What is planted (and measured by tests/test_synth.py from the generator's output
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from features.compute import NS_PER_DAY, NS_PER_SECOND
+from features.files import atomic_output
 
 SESSION_OPEN_NS = (14 * 3600 + 30 * 60) * NS_PER_SECOND  # 14:30 UTC
 SESSION_BARS = 390  # one-minute bars to 21:00 UTC
@@ -147,15 +146,8 @@ def _ar1(shocks: np.ndarray, reset: np.ndarray) -> np.ndarray:
 
 def write_parquet_atomic(table: pa.Table, out: Path) -> None:
     """Write to a temporary file beside `out`, then rename: no half-written file on failure."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
+    with atomic_output(out) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def main(argv: list[str] | None = None) -> int:

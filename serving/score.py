@@ -44,7 +44,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -56,6 +55,8 @@ import pyarrow.parquet as pq
 
 from features.bars import BarDataError, Bars, ColumnMap, read_bars
 from features.compute import FeatureFrame, build_frame, future_timestamps
+from features.files import atomic_output
+from features.metrics import pinball
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, QUANTILES, STATIC_CATEGORICAL
 from features.windows import anchor_rows, gather_windows
@@ -123,8 +124,8 @@ def model_inputs(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int) 
 
 
 def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndarray,
-                   quantiles: Sequence[float], training: dict[str, Any] | None = None) -> pa.Table:
-    """One row per anchor and horizon step. log_return: [W, H, Q] float32 from the model."""
+                   quantiles: Sequence[float], split: np.ndarray) -> pa.Table:
+    """One row per anchor and horizon step. log_return: [W, H, Q] float32 from the model; split: [W] (split_of)."""
     w, h = log_return.shape[:2]
     close = frame.close[anchors]  # [W]
     ret = log_return.astype(np.float64)
@@ -151,8 +152,8 @@ def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndar
     inside = later < ends[:, None]
     reached = frame.timestamp_ns[np.where(inside, later, anchors[:, None])]
     columns["actual_time"] = pa.array(reached.ravel(), type=utc, mask=~inside.ravel())
-    split = split_of(frame.timestamp_ns[anchors], training or {}).repeat(h)
-    columns["split"] = pa.array(np.asarray(SPLITS, dtype=object)[split], type=pa.string(), mask=split < 0)
+    rows = split.repeat(h)
+    columns["split"] = pa.array(np.asarray(SPLITS, dtype=object)[rows], type=pa.string(), mask=rows < 0)
     return pa.table(columns)
 
 
@@ -196,22 +197,20 @@ class Summary:
         self.inside = np.zeros(len(SPLITS) + 1, dtype=np.int64)
         self.scored = np.zeros(len(SPLITS) + 1, dtype=np.int64)
 
-    def add(self, frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndarray) -> None:
+    def add(self, frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndarray, split: np.ndarray) -> None:
+        """log_return: [W, H, Q]; split: [W] (split_of; -1, unknown, counts in the last slot)."""
         for sid, count in zip(*np.unique(frame.series_id[anchors], return_counts=True), strict=True):
             name = frame.symbols[int(sid)]
             self.windows[name] = self.windows.get(name, 0) + int(count)
-        split = split_of(frame.timestamp_ns[anchors], self.training)  # [W], -1 -> the last slot
         np.add.at(self.origins, split, 1)
-        actual = frame.targets[anchors].astype(np.float64)  # [W, H]
+        actual = frame.targets[anchors].astype(np.float64)  # [W, H], NaN past the file
         seen = np.isfinite(actual)
-        if not seen.any():
-            return
-        pred = log_return.astype(np.float64)[seen]  # [n, Q]
-        y = actual[seen][:, None]  # [n, 1]
+        pred = log_return.astype(np.float64)
+        loss = pinball(pred, np.where(seen, actual, 0.0), self.q).mean(axis=-1)  # [W, H]
+        inside = (actual >= pred[..., 0]) & (actual <= pred[..., -1])  # [W, H]
         where = np.broadcast_to(split[:, None], seen.shape)[seen]  # [n]
-        diff = y - pred
-        np.add.at(self.loss, where, np.maximum(self.q * diff, (self.q - 1) * diff).mean(axis=1))
-        np.add.at(self.inside, where, ((y[:, 0] >= pred[:, 0]) & (y[:, 0] <= pred[:, -1])).astype(np.int64))
+        np.add.at(self.loss, where, loss[seen])
+        np.add.at(self.inside, where, inside[seen].astype(np.int64))
         np.add.at(self.scored, where, 1)
 
     def lines(self) -> list[str]:
@@ -251,17 +250,15 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
                          f"({meta.feature_config.warmup_bars} warm-up + {meta.encoder_length} encoder bars)"
                          + (" inside --start/--end" if start_ns is not None or end_ns is not None else ""))
     summary = Summary(meta.quantiles, meta.training)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
+    with atomic_output(out) as tmp:
         writer: pq.ParquetWriter | None = None
         pending: list[pa.Table] = []
         try:
             for i, chunk in enumerate(batches(anchors, batch)):
                 q = model.run(model_inputs(frame, chunk, meta.encoder_length))[QUANTILES]  # [B, H, Q]
-                pending.append(forecast_table(frame, chunk, q, meta.quantiles, meta.training))
-                summary.add(frame, chunk, q)
+                split = split_of(frame.timestamp_ns[chunk], meta.training)  # [B]
+                pending.append(forecast_table(frame, chunk, q, meta.quantiles, split))
+                summary.add(frame, chunk, q, split)
                 if sum(t.num_rows for t in pending) >= ROWS_PER_GROUP or (i + 1) * batch >= anchors.size:
                     table = pa.concat_tables(pending)
                     writer = writer or pq.ParquetWriter(tmp, table.schema)
@@ -270,13 +267,6 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
         finally:
             if writer is not None:
                 writer.close()
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as any file the user writes (mkstemp made it private)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return summary
 
 

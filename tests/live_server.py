@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +155,17 @@ class LiveServer:
             self.proc.wait(timeout=10)
         if hasattr(self, "channel"):
             self.channel.close()
+
+
+def serving(model: Path, log: Path, *flags: str) -> Iterator[LiveServer]:
+    """A LiveServer that is SERVING for as long as the caller holds it, killed after (a server fixture's body:
+    `yield from serving(...)`)."""
+    s = LiveServer(model, log, *flags)
+    try:
+        s.wait_serving()
+        yield s
+    finally:
+        s.kill()
 
 
 def metric(text: str, name: str, **labels: str) -> float:

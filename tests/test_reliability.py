@@ -45,7 +45,7 @@ from serving.errors import RequestError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from tests.artifacts import REPO
-from tests.live_server import SERVICE, LiveServer, Model, request_for, tiny_model  # noqa: F401  (fixture)
+from tests.live_server import SERVICE, LiveServer, Model, request_for, serving, tiny_model  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -79,12 +79,7 @@ def overflowing_feature(m: Model) -> pb.PredictRequest:
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:  # noqa: F811
-    s = LiveServer(tiny_model.model, tmp_path_factory.mktemp("reliability") / "server.log")
-    try:
-        s.wait_serving()
-        yield s
-    finally:
-        s.kill()
+    yield from serving(tiny_model.model, tmp_path_factory.mktemp("reliability") / "server.log")
 
 
 # ---- load ----------------------------------------------------------------------------------------------

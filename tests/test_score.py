@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -16,6 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from features.files import umask
 from serving.client import series_from_bars
 from serving.model import load_model
 from serving.preprocess import prepare
@@ -141,7 +141,7 @@ def test_a_symbol_named_twice_is_scored_once_and_an_offset_is_read_as_such(tiny_
     origins = pq.read_table(out)["origin"].cast(pa.int64()).to_numpy()
     assert origins[0] == start and (np.diff(origins) >= 0).all()  # one series, in time order
     assert np.unique(origins).size == es[es >= start].size
-    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~current_umask())  # as any file the user writes
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~umask())  # as any file the user writes
 
 
 def test_symbols_the_model_cannot_forecast_are_skipped_with_a_warning(tiny_model: Model,  # noqa: F811
@@ -172,12 +172,6 @@ def test_sigterm_leaves_no_partial_file(tiny_model: Model, tmp_path: Path) -> No
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert list(tmp_path.iterdir()) == []
-
-
-def current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def test_the_throughput_benchmark_runs_both_paths(tiny_model: Model) -> None:  # noqa: F811

@@ -364,8 +364,8 @@ READERS = {"open", "read_bytes", "read_text", "read_bars", "InferenceSession", "
 def test_the_server_opens_only_its_own_files() -> None:
     """Every call in the server's modules that touches the filesystem, and where it is: the model file
     (load_model, from --model), the TLS and token files (read_file), a temporary file capturing ONNX
-    Runtime's log, the client's --parquet, and the offline scorer's own files. None takes a value from a
-    request."""
+    Runtime's log, the client's --parquet, and the offline scorer's --model and --parquet. None takes a value
+    from a request."""
     found = set()
     for path in sorted((REPO / "serving").glob("*.py")):
         tree = ast.parse(path.read_text())
@@ -389,9 +389,9 @@ def test_the_server_opens_only_its_own_files() -> None:
         "server.serve:load_model",  # --model
         "security.read_file:read_bytes",  # --tls-*, --auth-token-file (server and clients)
         "client._forecast:read_bars",  # the client's own --parquet
-        # the offline scorer (python -m serving.score, no server): its --model, --parquet and --out
+        # the offline scorer (python -m serving.score, no server): its --model and --parquet (--out is written by
+        # features.files.atomic_output)
         "score.main:load_model", "score.main:read_bars",
-        "score.score:mkdir", "score.score:replace", "score.score:unlink",  # --out's folder; the temporary file
         "score.parse_time:replace",  # datetime.replace(tzinfo=UTC): no file
     }, sorted(found)
 

@@ -40,7 +40,7 @@ from features.windows import gather_windows
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from tests.artifacts import REPO
-from tests.live_server import SERVICE, LiveServer, Model, metric, request_for, tiny_model  # noqa: F401  (fixture)
+from tests.live_server import SERVICE, LiveServer, Model, metric, request_for, serving, tiny_model  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -60,12 +60,8 @@ def serve(model: Path, log: Path, *flags: str) -> LiveServer:
 
 @pytest.fixture(scope="module")
 def server(art: Model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    s = serve(art.model, tmp_path_factory.mktemp("log") / "server.log", "--device", "cpu")
-    try:
-        s.wait_serving()
-        yield s
-    finally:
-        s.kill()
+    yield from serving(art.model, tmp_path_factory.mktemp("log") / "server.log", "--metrics-port", "0",
+                       "--device", "cpu")
 
 
 def quantiles_of(f: pb.Forecast) -> np.ndarray:

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from features.metrics import forecast_metrics
 from features.normalize import NormStats
 from features.schema import (
     DECODER_KNOWN,
@@ -40,7 +41,6 @@ from trainer.data import (
     prepare,
 )
 from trainer.loop import Trainer, TrainingDiverged
-from trainer.metrics import forecast_metrics
 from trainer.modeling import TemporalFusionTransformer
 
 # Enough training for the model to learn the planted volatility clustering (about 20 s on one thread).
@@ -726,7 +726,7 @@ def test_a_training_split_whose_price_never_moves_is_refused_and_q_risk_is_undef
     """Bars whose close never changes (an illiquid contract's carried price) leave every training target 0: the
     model would forecast in a made-up unit of a 100% move. Refused, naming why; and q-risk (over sum |y|) is
     reported as undefined, not as 1e14, where every target is 0."""
-    from trainer.metrics import forecast_metrics, format_q_risk
+    from features.metrics import forecast_metrics, format_q_risk
 
     table = pq.read_table(bars)
     flat = {name: pa.array(np.full(table.num_rows, 100.0)) for name in ("open", "high", "low", "close")}

@@ -14,7 +14,7 @@ from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.validation import parse_request
 from serving.wire import forecast_arrays, make_series
 from tests.artifacts import REPO
-from tests.live_server import LiveServer, Model, tiny_model  # noqa: F401  (the shared fixture)
+from tests.live_server import LiveServer, Model, serving, tiny_model  # noqa: F401  (the shared fixture)
 from tests.test_serving_units import META, NEED
 
 
@@ -91,12 +91,7 @@ def readme_example() -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:  # noqa: F811
-    s = LiveServer(tiny_model.model, tmp_path_factory.mktemp("log") / "server.log")
-    try:
-        s.wait_serving()
-        yield s
-    finally:
-        s.kill()
+    yield from serving(tiny_model.model, tmp_path_factory.mktemp("log") / "server.log")
 
 
 @pytest.mark.slow

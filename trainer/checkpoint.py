@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 import torch
 
 from features.file_kind import hint
+from features.files import umask
 from trainer.model_config import ModelConfig
 from trainer.modeling import TemporalFusionTransformer
 
@@ -64,9 +65,7 @@ def _write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
             code = cause.errno if isinstance(cause, OSError) and cause.errno else errno.EIO
             raise OSError(code, f"cannot write {path} ({os.strerror(code)}); the previous file, if any, is "
                                 "intact. Free disk space or choose another --out") from None
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

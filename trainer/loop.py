@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from features import package_version
 from features.bars import ColumnMap
+from features.metrics import climatology_forecast, forecast_metrics, format_q_risk, pinball
 from features.schema import MODEL_OUTPUTS, QUANTILES, TARGET
 from trainer.checkpoint import (
     FORMAT,
@@ -41,7 +42,6 @@ from trainer.data import ROW_INPUTS, Normalization, PreparedData, check_resumed_
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
 from trainer.distributed import init_from_env
 from trainer.loss import pinball_loss
-from trainer.metrics import climatology_forecast, forecast_metrics, format_q_risk, pinball
 from trainer.modeling import RowsForward, TemporalFusionTransformer, TFTOutput
 from trainer.plan import TrainPlan, literal_plan
 

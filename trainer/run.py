@@ -16,12 +16,12 @@ from typing import Any, TextIO
 import torch
 
 from features.bars import ColumnMap
+from features.metrics import format_q_risk
 from trainer.checkpoint import load_checkpoint
 from trainer.config import TrainConfig, given_fields, resumed_config
 from trainer.data import PreparedData, prepare
 from trainer.device import resolve_device, resolve_precision
 from trainer.loop import Trainer
-from trainer.metrics import format_q_risk
 from trainer.modeling import TemporalFusionTransformer
 from trainer.plan import TrainPlan, literal_plan
 from trainer.planner import (
