@@ -3,7 +3,7 @@
     python -m benchmarks.serving_load --model model.onnx --parquet bars.parquet \
         [--concurrency 1,8,64] [--duration 10] [--device cpu] [--threads 1] [--channels 1]
         [--server-arg=--workers=2] [--server-cpus 0-3] [--packed] [--client sync] [--no-floor] [--idle 5]
-        [--rate 10,100,300]
+        [--rate 10,100,300] [--stream]
         [--json out.json]
 
 1. Starts the real server (`python -m serving --port 0 --device cpu|cuda`) on 127.0.0.1 and
@@ -43,6 +43,9 @@
    first rate's empty call (health Check) paced alike, unless `--no-floor`.
 7. With `--idle S` (a server this script started): the server's CPU time over S seconds with no
    call, after the levels, as a share of one core (what `--busy-poll` costs an idle server).
+8. With `--stream`, every concurrency level again with each client on one open PredictStream
+   instead of a call per request (send a request, wait for its answer, send the next): what a
+   strategy that keeps a stream open gets. An answer carrying an error counts as an error.
 
 Targets (issue 6): p50 at concurrency 1 within 1 ms of bare ONNX Runtime; throughput at 64
 at least 4x that at 1; zero errors.
@@ -94,6 +97,7 @@ REPO = Path(__file__).resolve().parents[1]
 IDLE_SETTLE_S = 0.5  # --idle: the wait after the last level before the idle clock starts
 IDLE_GAP_S = 0.001  # the diagnostic bare row: runs this far apart, about a concurrency-1 client's round trip
 PREDICT = "/foxhunt.tft.v1.Forecaster/Predict"
+PREDICT_STREAM = "/foxhunt.tft.v1.Forecaster/PredictStream"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # the floor rows' method; b"" is its request (the whole server)
 
 
@@ -281,6 +285,8 @@ SERVER_SERIES: dict[str, tuple[str, str]] = {
     "batch_s": ("foxhunt_inference_seconds_sum", "foxhunt_inference_seconds_count"),
     "handler_s": ('foxhunt_request_latency_seconds_sum{method="Predict"}',
                   'foxhunt_request_latency_seconds_count{method="Predict"}'),
+    "stream_handler_s": ('foxhunt_request_latency_seconds_sum{method="PredictStream"}',
+                         'foxhunt_request_latency_seconds_count{method="PredictStream"}'),  # per request
 } | {f"{step}_s": (f'foxhunt_step_seconds_total{{step="{step}"}}', f'foxhunt_steps_total{{step="{step}"}}')
      for step in STEPS}
 
@@ -318,13 +324,17 @@ async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, 
     opened = [aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
               for _ in range(max(1, min(channels, concurrency)))]  # a connection of its own each
     try:
-        predicts = [ch.unary_unary(method, request_serializer=None, response_deserializer=None)
-                    for ch in opened]  # bytes in, bytes out
+        predicts = [ch.unary_unary(PREDICT if method == PREDICT_STREAM else method, request_serializer=None,
+                                   response_deserializer=None) for ch in opened]  # bytes in, bytes out
         for predict in predicts:  # connect and warm
             for r in pool[:10]:
                 await predict(r, timeout=timeout)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         stop_at = time.perf_counter() + duration
+        if method == PREDICT_STREAM:
+            await asyncio.gather(*(_stream_worker(opened[k % len(opened)], pool, offset + k, stop_at, duration,
+                                                  latencies, errors) for k in range(concurrency)))
+            return latencies, dict(errors)
 
         async def worker(k: int) -> None:
             i = offset + k
@@ -350,6 +360,31 @@ async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, 
         for ch in opened:
             await ch.close(None)
     return latencies, dict(errors)
+
+
+async def _stream_worker(channel: aio.Channel, pool: list[bytes], i: int, stop_at: float, duration: float,
+                         latencies: list[float], errors: Counter[str]) -> None:
+    """One closed-loop client on one open PredictStream: a request, its answer, the next request."""
+    open_stream = channel.stream_stream(PREDICT_STREAM, request_serializer=None, response_deserializer=None)
+    call = open_stream(timeout=duration + 60)  # type: ignore[call-arg]  # written to, not fed an iterator
+    try:
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            await call.write(pool[i % len(pool)])
+            answer = await call.read()
+            if not isinstance(answer, bytes):  # grpc.aio.EOF: the server ended the stream
+                errors[(await call.code()).name] += 1
+                return
+            # the pool's requests carry no request_id, so an answer's first field is its response (tag 0x12) or
+            # its error (0x1a): protobuf writes fields in number order, and the answer stays unparsed, as Predict's
+            if answer[:1] == b"\x1a":
+                errors[pb.PredictStreamResponse.FromString(answer).error.code_name] += 1
+            else:
+                latencies.append(time.perf_counter() - t0)
+            i += 7919
+        await call.done_writing()
+    except grpc.RpcError as exc:
+        errors[exc.code().name] += 1
 
 
 def _drive_sync(target: str, pool: list[bytes], concurrency: int, offset: int, start_at: float, duration: float,
@@ -424,7 +459,7 @@ def server_cpu_s(pid: int | None) -> float:
 
 def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], concurrency: int, duration: float,
               timeout: float, procs: int, channels: int = 1, floor: bool = False, server_pid: int | None = None,
-              client: str = "aio", rate: float = 0.0) -> Level:
+              client: str = "aio", rate: float = 0.0, stream: bool = False) -> Level:
     """One level: `concurrency` clients spread over up to `procs` client processes; with `floor`, calling
     the health Check instead of Predict; with `rate`, one client paced at that many calls a second. With
     the server's pid, also its CPU time per answered call: a figure that noise on a shared machine moves
@@ -432,7 +467,7 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
     if rate:
         concurrency, procs = 1, 1
     raw = [b""] if floor else [r.SerializeToString() for r in pool]
-    method = HEALTH_CHECK if floor else PREDICT
+    method = HEALTH_CHECK if floor else PREDICT_STREAM if stream else PREDICT
     procs = max(1, min(procs, concurrency))
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     start_at = time.time() + 3.0  # every process connected and warm before the clock starts
@@ -454,9 +489,11 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
     name = ("gRPC floor: health Check, " if floor else "server, ") + (
         f"paced {rate:g}/s" if rate else f"conc. {concurrency}" if floor else f"concurrency {concurrency}")
     name += ", sync client" if client == "sync" else ""
+    name += ", stream" if stream else ""
+    handler = "stream_handler_s" if stream else "handler_s"
     return Level(name, concurrency, len(latencies), duration, p50, p90, p99,
                  dict(errors), _mean(before["windows"], after["windows"]),
-                 1e3 * _mean(before["handler_s"], after["handler_s"]), 1e3 * _mean(before["batch_s"], after["batch_s"]),
+                 1e3 * _mean(before[handler], after[handler]), 1e3 * _mean(before["batch_s"], after["batch_s"]),
                  1e3 * cpu / len(latencies) if latencies else 0.0,
                  {} if floor else {step: 1e6 * _mean(before[f"{step}_s"], after[f"{step}_s"]) for step in STEPS},
                  100 * cpu / duration, rate)
@@ -568,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated paced levels after the others: one client calling this many times a "
                         "second, with the server's CPU as a share of a core (only for a server this script "
                         "starts)")
+    p.add_argument("--stream", action="store_true",
+                   help="also run every concurrency level on PredictStream, one open stream per client")
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = p.parse_args(argv)
     try:
@@ -590,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rate {args.rate!r}: give calls per second separated by commas, e.g. 10,100")
     if any(not 0 < r <= 100_000 for r in rates):
         p.error(f"--rate {args.rate!r}: each rate must be in (0, 100000] calls a second")
+    if args.stream and args.client == "sync":
+        p.error("--stream drives PredictStream with grpc.aio clients; leave out --client sync")
     if rates and args.target:
         p.error("--rate measures the CPU of a server this script starts; a --target server is not one")
     loaded, bars = model_and_bars(p, args.model, args.parquet)
@@ -628,6 +669,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs,
                                      args.channels, server_pid=proc.pid if proc else None, client=args.client))
             print(f"  concurrency {c}: {results[-1].throughput:.0f} req/s", flush=True)
+        for c in levels_c if args.stream else []:
+            results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs,
+                                     args.channels, server_pid=proc.pid if proc else None, stream=True))
+            print(f"  concurrency {c}, stream: {results[-1].throughput:.0f} req/s", flush=True)
         for c in sorted({min(levels_c), max(levels_c)}) if levels_c and not args.no_floor else []:
             results.append(run_level(target, metrics, pool, c, args.duration, args.timeout, args.client_procs,
                                      args.channels, floor=True, server_pid=proc.pid if proc else None,
@@ -654,13 +699,19 @@ def main(argv: list[str] | None = None) -> int:
     for extra in (steps_table(results), paced_table(results)):
         if extra:
             print(extra)
-    by_c = {lv.concurrency: lv for lv in results if lv.name.startswith("server") and not lv.rate}
+    by_c = {lv.concurrency: lv for lv in results
+            if lv.name.startswith("server") and not lv.rate and not lv.name.endswith(", stream")}
+    by_stream = {lv.concurrency: lv for lv in results if lv.name.endswith(", stream")}
     bare = results[0]  # the peer of the targets: session.run in a hot loop
     summary: dict[str, Any] = {"errors": sum(sum(lv.errors.values()) for lv in results)}
     if 1 in by_c:
         summary["p50_overhead_ms_at_1"] = round(by_c[1].p50_ms - bare.p50_ms, 3)
     if 1 in by_c and 64 in by_c and by_c[1].throughput:
         summary["throughput_64_over_1"] = round(by_c[64].throughput / by_c[1].throughput, 2)
+    if 1 in by_stream:
+        summary["stream_p50_overhead_ms_at_1"] = round(by_stream[1].p50_ms - bare.p50_ms, 3)
+    if 1 in by_stream and 64 in by_stream and by_stream[1].throughput:
+        summary["stream_throughput_64_over_1"] = round(by_stream[64].throughput / by_stream[1].throughput, 2)
     floor = {lv.concurrency: lv for lv in results if lv.name.startswith("gRPC floor") and not lv.rate}
     if 1 in floor:
         summary["floor_p50_ms_at_1"] = round(floor[1].p50_ms, 3)

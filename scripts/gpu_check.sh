@@ -25,12 +25,13 @@
 #   export       python -m export --require-device cuda (the placement gate), if ORT has CUDA
 #   serving      benchmarks/serving_load.py: python -m serving --device cuda with the preset's model
 #                against bare ONNX Runtime on CUDA, at 1, 8 and 64 concurrent clients
-#   serving_packed   the same with the user columns sent packed (user_features_raw)
+#   serving_packed   the same with the user columns sent packed (user_features_raw), then on PredictStream
 #   serving_workers  packed, with --workers 4 (four server processes on one port)
 #   serving_busy_poll  packed, with the server's --busy-poll (the concurrency-1 target's configuration)
 #   gpu_tests    pytest -m gpu: export --require-device cuda in fp32 and fp16 (parity and placement on
 #                CUDA: fp16's Clip and Cast nodes included) and a tiny CUDA run under a 256 MiB budget
-#   serving_cpu  the same with the tiny test model on the CPU provider (an uncontended machine's figure)
+#   serving_cpu  the same with the tiny test model on the CPU provider (an uncontended machine's figure), and
+#                on PredictStream
 #   serving_cpu_busy_poll  serving_cpu's model and clients with the server's --busy-poll
 #   serving_cpu_pinned  serving_cpu's model and clients with the server on two CPUs only (--server-cpus)
 #
@@ -452,9 +453,9 @@ elif ! time_for 90; then
 else
   serving_load serving "$MODEL" cuda "the preset model on the CUDA provider" 1 "--rate 20"
   # the floor rows measure the machine: `serving` has them, the variants skip them (time)
-  if time_for 70; then
+  if time_for 90; then  # and each level again on PredictStream, one open stream per client
     serving_load serving_packed "$MODEL" cuda "the preset model on the CUDA provider, user columns packed" 1 \
-      "--packed --no-floor"
+      "--packed --no-floor --stream"
   else
     record serving_packed skipped 0 "out of time"
   fi
@@ -512,7 +513,7 @@ else
        --threads 1 --device cpu --no-progress --no-report >>"$OUT/export_serving.log" 2>&1 \
      && timeout 120 "$PY" -m export "$TINY/ckpt.pt" "$TINY/model.onnx" --threads 1 >>"$OUT/export_serving.log" 2>&1; then
     serving_load serving_cpu "$TINY/model.onnx" cpu "the tiny test model (hidden 8, encoder 20) on the CPU provider, 1 thread" 1 \
-      "--rate 20"
+      "--rate 20 --stream"
     if time_for 60; then
       serving_load serving_cpu_busy_poll "$TINY/model.onnx" cpu "serving_cpu with the server's --busy-poll" 1 \
         "--no-floor" --busy-poll

@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "idle server never waits), unless calls have been arriving faster than batches finish; "
                         "fixed: always wait --max-delay-ms unless the batch fills (default adaptive)")
     p.add_argument("--max-concurrent", type=int, default=d.max_concurrent,
-                   help=f"Predict calls in flight before RESOURCE_EXHAUSTED (default {d.max_concurrent})")
+                   help=f"Predict calls and PredictStream requests in flight before RESOURCE_EXHAUSTED "
+                        f"(default {d.max_concurrent})")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help=f"request and response size limit in bytes (default {d.max_message_bytes // MiB} MiB)")
     p.add_argument("--metrics-port", type=int, default=None,

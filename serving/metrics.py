@@ -1,9 +1,13 @@
 """Prometheus metrics of the server, in their own registry, served on --metrics-port.
 
     foxhunt_requests_total{method,code}          RPCs answered, by gRPC status code (method: Predict,
-                                                 GetModelInfo, or `other` for refusals of other services
-                                                 and calls to methods the server does not have)
-    foxhunt_request_latency_seconds{method}      time in the handler, histogram
+                                                 GetModelInfo, PredictStream: each request on a stream,
+                                                 and a stream ended by shutdown, or `other` for refusals
+                                                 of other services and calls to methods the server does
+                                                 not have)
+    foxhunt_request_latency_seconds{method}      time in the handler, histogram (PredictStream: per request,
+                                                 from its arrival to its answer)
+    foxhunt_open_streams                         PredictStreams open now
     foxhunt_queue_seconds                        time a call's windows waited for their batch
     foxhunt_inference_seconds                    wall time per batch: features, ONNX Runtime run, checks
     foxhunt_step_seconds_total{step}             time in each step, summed: parse and response (per call),
@@ -12,7 +16,7 @@
     foxhunt_batch_windows                        windows per ONNX Runtime run (before padding)
     foxhunt_batch_calls                          calls sharing one run
     foxhunt_queue_expired_total                  calls whose deadline passed while queued (not run)
-    foxhunt_inflight_requests                    Predict calls being served now
+    foxhunt_inflight_requests                    Predict calls and PredictStream requests being served now
     foxhunt_ready                                1 when warmed up and serving
     foxhunt_model_info{version,...,provider}     1, labelled with the model and where it runs
     foxhunt_reloads_total{result}                SIGHUP reloads: ok | refused
@@ -50,7 +54,7 @@ from features import package_version
 from serving.model import LoadedModel
 
 FORECASTER = "/foxhunt.tft.v1.Forecaster/"
-FORECASTER_METHODS = ("Predict", "GetModelInfo")
+FORECASTER_METHODS = ("Predict", "PredictStream", "GetModelInfo")
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
                    0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 USUAL_CODES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED",
@@ -112,13 +116,16 @@ class Metrics:
                                      buckets=BATCH_BUCKETS, registry=r)
         self.expired = Counter("foxhunt_queue_expired", "Calls whose deadline passed while queued (not run)",
                                registry=r)
-        self.inflight = Gauge("foxhunt_inflight_requests", "Predict calls being served", registry=r)
+        self.inflight = Gauge("foxhunt_inflight_requests", "Predict calls and PredictStream requests being served",
+                              registry=r)
+        self.open_streams = Gauge("foxhunt_open_streams", "PredictStreams open now", registry=r)
         self.ready = Gauge("foxhunt_ready", "1 when the model is warmed up and serving", registry=r)
         self.model = Info("foxhunt_model", "The model being served and where it runs", registry=r)
         self.reloads = Counter("foxhunt_reloads", "SIGHUP model reloads by result", ["result"], registry=r)
         Info("foxhunt_build", "The server's package version", registry=r).info({"version": package_version()})
         for code in USUAL_CODES:  # at zero from the start: a first refusal is an increase, not a new series
             self.requests.labels("Predict", code)
+            self.requests.labels("PredictStream", code)
         for result in ("ok", "refused"):
             self.reloads.labels(result)
         for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):  # the default registry's, here too

@@ -284,27 +284,41 @@ def _guard_unary(behavior: Behavior, on_malformed: OnMalformed) -> Behavior:
     return unary_in
 
 
+class MalformedRequest(Exception):
+    """Raised from a guarded request stream at an undecodable message. The guard answers INVALID_ARGUMENT
+    once the behaviour has let it through, so a stream's answers to the messages before it go out first."""
+
+
 def _guard_stream(behavior: Behavior, on_malformed: OnMalformed) -> Behavior:
-    def checked(requests: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+    def checked(requests: Any) -> AsyncIterator[Any]:
         async def gen() -> AsyncIterator[Any]:
             async for request in requests:
                 if isinstance(request, Malformed):
-                    on_malformed()
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                    raise MalformedRequest(request.message)
                 yield request
 
         return gen()
 
+    async def refuse(exc: MalformedRequest, context: aio.ServicerContext[Any, Any]) -> None:
+        on_malformed()
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
     if inspect.isasyncgenfunction(behavior):
         async def stream_out(requests: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            async for response in behavior(checked(requests, context), context):
-                yield response
+            try:
+                async for response in behavior(checked(requests), context):
+                    yield response
+            except MalformedRequest as exc:
+                await refuse(exc, context)
 
         return stream_out
 
     async def unary_out(requests: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-        result = behavior(checked(requests, context), context)
-        return await result if inspect.isawaitable(result) else result
+        try:
+            result = behavior(checked(requests), context)
+            return await result if inspect.isawaitable(result) else result
+        except MalformedRequest as exc:
+            await refuse(exc, context)
 
     return unary_out
 

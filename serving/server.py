@@ -88,7 +88,7 @@ class ServerConfig:
     max_batch: int = 64  # windows per ONNX Runtime run
     max_delay_ms: float = 2.0  # longest a call waits for others to join its batch
     batch_wait: str = "adaptive"  # adaptive: close a batch when no other call is ready; fixed: wait the delay
-    max_concurrent: int = 256  # Predict calls in flight; beyond: RESOURCE_EXHAUSTED
+    max_concurrent: int = 256  # Predict calls and stream requests in flight; beyond: RESOURCE_EXHAUSTED
     max_message_bytes: int = 4 * MiB  # request and response size limit (gRPC's own default is 4 MiB too)
     metrics_port: int | None = None  # Prometheus /metrics port; None: off, 0: pick a free one
     grace_s: float = 10.0  # SIGTERM: time in-flight calls get to finish
@@ -289,6 +289,11 @@ class ForecastServer:
         while (elapsed := time.monotonic() - started) < grace_s and (self.servicer.admission.active
                                                                      or elapsed < settle):
             await asyncio.sleep(DRAIN_POLL_S)
+        # open PredictStreams: each answers the requests it has read, then ends UNAVAILABLE (reconnect), rather
+        # than being held open until the grace runs out and then cancelled
+        if self.servicer.end_streams():
+            while time.monotonic() - started < grace_s and self.servicer.open_streams:
+                await asyncio.sleep(DRAIN_POLL_S)
         await self.grpc.stop(max(0.0, grace_s - (time.monotonic() - started)))
         await self.batcher.close()
         log.info("drained in %.3f s", time.monotonic() - started)

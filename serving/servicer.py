@@ -11,7 +11,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,7 +50,7 @@ class Limits:
 
 
 class Admission:
-    """At most `limit` Predict calls in flight; the next one is refused, not queued."""
+    """At most `limit` Predict calls and PredictStream requests in flight; the next one is refused, not queued."""
 
     def __init__(self, limit: int, metrics: Metrics) -> None:
         self.limit = limit
@@ -139,10 +139,17 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         self.admission = Admission(limits.max_concurrent, metrics)
         self.ready = False  # set once the model is warmed up
         self.draining = False  # set on SIGTERM: new calls are refused while in-flight ones finish
+        self._stream_readers: set[asyncio.Future[None]] = set()  # one per open PredictStream
 
     @rpc("Predict")
     async def Predict(self, request: pb.PredictRequest,
                       context: aio.ServicerContext[pb.PredictRequest, pb.PredictResponse]) -> pb.PredictResponse:
+        return await self._predict(request, context)
+
+    async def _predict(self, request: pb.PredictRequest, context: aio.ServicerContext[Any, Any],
+                       wrapper_bytes: int = 0) -> pb.PredictResponse:
+        """One request's forecasts, for Predict and for each message of PredictStream alike (whose answer
+        wraps the response in `wrapper_bytes` more)."""
         with self.admission.admit():
             if self.draining:
                 raise NotReady("the server is shutting down; retry on another replica")
@@ -161,10 +168,10 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             result = await self.batcher.submit(model, series, len(series), deadline)
             start = time.perf_counter()
             response = build_response(result.prepared, result.outputs, model.meta, model.version, request.explain)
-            size = response.ByteSize()
+            size = response.ByteSize() + wrapper_bytes
             steps.add("response", time.perf_counter() - start)
             if size > self.limits.max_message_bytes:  # else gRPC fails the send with a status the caller can't act on
-                fits = series_that_fit(response, self.limits.max_message_bytes)
+                fits = series_that_fit(response, self.limits.max_message_bytes - wrapper_bytes)
                 fixes = [f"send at most {fits} series per request"] if 1 <= fits < len(series) else []
                 fixes += ["set explain=false"] if request.explain else []
                 fixes = fixes or ["the server's --max-message-bytes must be raised for one series' answer"]
@@ -172,6 +179,79 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
                     f"the response would be {size} bytes, over the server's limit of {self.limits.max_message_bytes} "
                     f"(--max-message-bytes); {' or '.join(fixes)}")
             return response
+
+    async def PredictStream(self, requests: AsyncIterator[pb.PredictRequest],
+                            context: aio.ServicerContext[pb.PredictRequest, pb.PredictStreamResponse]
+                            ) -> AsyncIterator[pb.PredictStreamResponse]:
+        """Each request as Predict answers it, in request order; a failed request's error travels in its
+        answer. Requests read ahead of their answers run concurrently (and batch together), at most
+        --max-concurrent of them per stream: past that the stream is not read, and HTTP/2 flow control holds
+        the caller. On shutdown (end_streams) the requests read are answered, then the stream ends UNAVAILABLE."""
+        pending: asyncio.Queue[asyncio.Future[pb.PredictStreamResponse] | None] = asyncio.Queue()
+        window = asyncio.Semaphore(self.limits.max_concurrent)
+
+        async def read() -> None:
+            try:  # a slot first, then the next request: a request read is a request answered, even on shutdown
+                while await window.acquire() and (request := await anext(requests, None)) is not None:
+                    pending.put_nowait(asyncio.ensure_future(self._stream_answer(request, context)))
+            finally:
+                pending.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        self._stream_readers.add(reader)
+        self.metrics.open_streams.inc()
+        try:
+            while (answer := await pending.get()) is not None:
+                yield await answer
+                window.release()
+            if reader.cancelled():  # end_streams: the server is shutting down
+                self.metrics.requests.labels("PredictStream", grpc.StatusCode.UNAVAILABLE.name).inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    "the server is shutting down; every request read was answered: reconnect "
+                                    "(to another replica) and send the rest")
+            reader.result()  # the stream's own failure (an undecodable message), if any
+        finally:
+            self._stream_readers.discard(reader)
+            self.metrics.open_streams.dec()
+            reader.cancel()
+            if reader.done() and not reader.cancelled():
+                reader.exception()  # retrieved: a stream that ended early has already failed for its own reason
+            while not pending.empty():
+                if (left := pending.get_nowait()) is not None:
+                    left.cancel()
+
+    async def _stream_answer(self, request: pb.PredictRequest,
+                             context: aio.ServicerContext[Any, Any]) -> pb.PredictStreamResponse:
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            # the answer adds the request_id and the response's tag and length (at most 5 bytes) to the response
+            wrapper = pb.PredictStreamResponse(request_id=request.request_id).ByteSize() + 6
+            return pb.PredictStreamResponse(request_id=request.request_id,
+                                            response=await self._predict(request, context, wrapper))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if caller_gone(context) else grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            code, message = status_of(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("PredictStream request failed")
+            return pb.PredictStreamResponse(request_id=request.request_id, error=pb.StreamError(
+                code=code.value[0], code_name=code.name, message=message))
+        finally:
+            self.metrics.requests.labels("PredictStream", code.name).inc()
+            self.metrics.latency.labels("PredictStream").observe(time.perf_counter() - start)
+
+    def end_streams(self) -> int:
+        """Stop reading every open PredictStream (shutdown): each answers what it has read, then ends
+        UNAVAILABLE. Returns how many were open."""
+        for reader in self._stream_readers:
+            reader.cancel()
+        return len(self._stream_readers)
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._stream_readers)
 
     @rpc("GetModelInfo")
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,

@@ -323,19 +323,25 @@ def test_random_bytes_on_the_wire(fuzz: Fuzz) -> None:
 
 
 def test_random_bytes_to_every_service(fuzz: Fuzz) -> None:
-    """GetModelInfo, health and reflection (a stream) get the same treatment: INVALID_ARGUMENT or an answer."""
+    """GetModelInfo, health, reflection and PredictStream (streams) get the same treatment: INVALID_ARGUMENT or
+    an answer (on PredictStream, a request that parses but breaks the contract gets its error in its answer)."""
     unary = {m: fuzz.channel.unary_unary(m, request_serializer=None, response_deserializer=None)
              for m in (f"/{SERVICE}/GetModelInfo", "/grpc.health.v1.Health/Check")}
-    reflection = fuzz.channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-                                            request_serializer=None, response_deserializer=None)
+    streams = {name: fuzz.channel.stream_stream(m, request_serializer=None, response_deserializer=None)
+               for name, m in (("reflection", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"),
+                               ("stream", f"/{SERVICE}/PredictStream"))}
 
     @settings(SETTINGS, max_examples=EXAMPLES["services"])
-    @given(st.sampled_from([*unary, "reflection"]), st.binary(max_size=512))
+    @given(st.sampled_from([*unary, *streams]), st.binary(max_size=512))
     def one(method: str, data: bytes) -> None:
         fuzz.sent["services"] += 1
         try:
-            if method == "reflection":
-                list(reflection(iter([data]), timeout=TIMEOUT))
+            if method in streams:
+                answers = list(streams[method](iter([data]), timeout=TIMEOUT))
+                if method == "stream":  # one answer: the forecasts, or what to fix in the request
+                    answer = pb.PredictStreamResponse.FromString(answers[0])
+                    assert len(answers) == 1 and answer.HasField("response") != answer.HasField("error"), answers
+                    assert not answer.HasField("error") or answer.error.code_name == "INVALID_ARGUMENT", answer
             else:
                 unary[method](data, timeout=TIMEOUT)
             code = "OK"

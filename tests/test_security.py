@@ -236,6 +236,7 @@ def test_token_needed_for_everything_but_health(tiny_model: Model, pki: Pki,  # 
         }
         for case, metadata in refused.items():
             for name, call, arg in (("Predict", stub.Predict, request),
+                                    ("PredictStream", stub.PredictStream, iter([request])),
                                     ("GetModelInfo", stub.GetModelInfo, pb.GetModelInfoRequest()),
                                     ("reflection", reflect.ServerReflectionInfo, iter(reflect_request)),
                                     ("unknown method", unknown, b"")):
@@ -245,7 +246,8 @@ def test_token_needed_for_everything_but_health(tiny_model: Model, pki: Pki,  # 
         # each refusal is counted once, as what the caller got: an unknown method refused for its token is
         # UNAUTHENTICATED, not also UNIMPLEMENTED
         text = s.scrape()
-        for method, calls in (("Predict", 1), ("GetModelInfo", 1), ("other", 2)):  # other: reflection, unknown
+        for method, calls in (("Predict", 1), ("PredictStream", 1), ("GetModelInfo", 1),
+                              ("other", 2)):  # other: reflection, unknown
             assert metric(text, "foxhunt_requests_total", method=method, code="UNAUTHENTICATED") == \
                 calls * len(refused), method
         assert metric(text, "foxhunt_requests_total", method="other", code="UNIMPLEMENTED") == 0
@@ -253,6 +255,7 @@ def test_token_needed_for_everything_but_health(tiny_model: Model, pki: Pki,  # 
         assert huge[0] == "RESOURCE_EXHAUSTED", huge  # gRPC's own metadata limit (16 KiB), before any of our code
         for token in (TOKEN, OTHER_TOKEN):  # every token of the file works
             assert stub.Predict(request, timeout=10, metadata=_bearer(token)).forecasts
+            assert next(stub.PredictStream(iter([request]), timeout=10, metadata=_bearer(token))).response.forecasts
             assert _code(reflect.ServerReflectionInfo, iter(reflect_request), timeout=5,
                          metadata=_bearer(token)) == ("OK", "")
         assert _code(unknown, b"", timeout=5, metadata=_bearer(TOKEN))[0] == "UNIMPLEMENTED"
@@ -333,8 +336,9 @@ PATHLIKE = ("path", "file", "dir", "url", "uri", "location", "filename")
 
 
 def test_requests_carry_no_paths() -> None:
-    """Every string a request can carry is a symbol or a user-feature column name, and its one bytes field
-    is the packed block of user-feature values (decoded as float64 only); none names a file."""
+    """Every string a request can carry is a symbol, a user-feature column name or the request_id a stream
+    only echoes back, and its one bytes field is the packed block of user-feature values (decoded as float64
+    only); none names a file."""
     service = pb.DESCRIPTOR.services_by_name["Forecaster"]
     strings: set[str] = set()
     seen: set[str] = set()
@@ -354,7 +358,8 @@ def test_requests_carry_no_paths() -> None:
     for method in service.methods:
         walk(method.input_type)
     assert strings == {"foxhunt.tft.v1.Series.symbol", "foxhunt.tft.v1.Column.name",
-                       "foxhunt.tft.v1.Series.user_feature_names", "foxhunt.tft.v1.Series.user_features_raw"}
+                       "foxhunt.tft.v1.Series.user_feature_names", "foxhunt.tft.v1.Series.user_features_raw",
+                       "foxhunt.tft.v1.PredictRequest.request_id"}
 
 
 READERS = {"open", "read_bytes", "read_text", "read_bars", "InferenceSession", "load", "load_model",

@@ -955,7 +955,7 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
     out = tmp_path / "load.json"
     cmd = [sys.executable, "-m", "benchmarks.serving_load", "--model", str(art.model), "--parquet",
            str(art.bars_path), "--duration", "1", "--pool", "16", "--client-procs", "1"]
-    done = subprocess.run([*cmd, "--concurrency", "1,4", "--rate", "30", "--json", str(out)], cwd=REPO,
+    done = subprocess.run([*cmd, "--concurrency", "1,4", "--rate", "30", "--stream", "--json", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -976,6 +976,11 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
     expected = rows[("server, concurrency 1", 1)]["p50_ms"] - bare["p50_ms"]
     assert summary["p50_overhead_ms_at_1"] == pytest.approx(expected, abs=1e-3)
     assert "| server, concurrency 4" in done.stdout and report["client"] == "aio"
+    for c in (1, 4):  # --stream: each client on one open PredictStream, timed by the server per request
+        row = rows[(f"server, concurrency {c}, stream", c)]
+        assert row["requests"] > 10 and not row["errors"] and row["handler_ms"] > 0 and row["mean_batch"] >= 1, row
+    expected = rows[("server, concurrency 1, stream", 1)]["p50_ms"] - bare["p50_ms"]
+    assert summary["stream_p50_overhead_ms_at_1"] == pytest.approx(expected, abs=1e-3)
     assert_paced(rows[("server, paced 30/s", 1)], rows[("bare ORT: session.run, 33.3333 ms apart", 1)], 30, summary)
     empty = rows[("gRPC floor: health Check, paced 30/s", 1)]  # an empty call after the same pause
     assert empty["rate"] == 30 and 0 < empty["requests"] <= 31 and not empty["errors"], empty
@@ -1001,6 +1006,7 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
     for bad, message in ((["--model", str(tmp_path / "none.onnx")], "cannot read the model file"),
                          (["--concurrency", "1,x"], "give whole numbers separated by commas"),
                          (["--rate", "0"], "each rate must be in (0, 100000]"),
+                         (["--stream", "--client", "sync"], "leave out --client sync"),
                          (["--rate", "10", "--target", "127.0.0.1:1"], "a server this script starts")):
         refused = subprocess.run([*cmd, *bad], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]

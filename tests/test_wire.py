@@ -80,12 +80,12 @@ def test_a_forecast_reads_back_as_horizon_by_quantile_arrays() -> None:
         a.quantile(0.25)
 
 
-def readme_example() -> str:
-    """The Python block under README's "Calling Predict from your own code"."""
+def readme_example(heading: str = "**Calling Predict from your own code.**") -> str:
+    """The Python block under one of README's headings."""
     text = (REPO / "README.md").read_text()
-    start = text.index("**Calling Predict from your own code.**")
+    start = text.index(heading)
     m = re.search(r"```python\n(.*?)```", text[start:], re.S)
-    assert m, "the README's example block is missing"
+    assert m, f"the README's example block under {heading} is missing"
     return m.group(1)
 
 
@@ -105,7 +105,10 @@ def test_the_readme_example_runs_as_it_stands_against_a_real_server(tiny_model: 
              "c": b.close[rows], "v": b.volume[rows], "user": {u: b.user[u][rows] for u in b.user}}
     scope = dict(names)
     exec(compile(code.replace("127.0.0.1:50051", server.target), "README.md", "exec"), scope)
+    exec(compile(readme_example("**Calling PredictStream from your own code.**"), "README.md", "exec"), scope)
+    assert list(scope["answers"]) == []  # the None ended the stream, with OK
     scope["channel"].close()
+    np.testing.assert_allclose(scope["streamed"].price, scope["f"].price, rtol=1e-12)  # the stream's = Predict's
     # the same forecast as the request the CLI client builds from the file
     want = server.stub.Predict(pb.PredictRequest(series=[series_from_bars(b, "ES", tiny_model.meta.bars_required)]),
                                timeout=10).forecasts[0]

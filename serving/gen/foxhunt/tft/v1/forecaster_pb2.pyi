@@ -51,12 +51,14 @@ class Series(_message.Message):
     def __init__(self, symbol: _Optional[str] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., open: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ..., low: _Optional[_Iterable[float]] = ..., close: _Optional[_Iterable[float]] = ..., volume: _Optional[_Iterable[float]] = ..., user_features: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., user_feature_names: _Optional[_Iterable[str]] = ..., user_features_raw: _Optional[bytes] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
-    __slots__ = ("series", "explain")
+    __slots__ = ("series", "explain", "request_id")
     SERIES_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     series: _containers.RepeatedCompositeFieldContainer[Series]
     explain: bool
-    def __init__(self, series: _Optional[_Iterable[_Union[Series, _Mapping]]] = ..., explain: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, series: _Optional[_Iterable[_Union[Series, _Mapping]]] = ..., explain: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class VariableWeights(_message.Message):
     __slots__ = ("variables", "steps", "weights")
@@ -117,6 +119,26 @@ class PredictResponse(_message.Message):
     forecasts: _containers.RepeatedCompositeFieldContainer[Forecast]
     model_version: str
     def __init__(self, forecasts: _Optional[_Iterable[_Union[Forecast, _Mapping]]] = ..., model_version: _Optional[str] = ...) -> None: ...
+
+class PredictStreamResponse(_message.Message):
+    __slots__ = ("request_id", "response", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: PredictResponse
+    error: StreamError
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[PredictResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "code_name", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    CODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    code_name: str
+    message: str
+    def __init__(self, code: _Optional[int] = ..., code_name: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

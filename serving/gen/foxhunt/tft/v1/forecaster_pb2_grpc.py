@@ -40,6 +40,11 @@ class ForecasterStub:
                 request_serializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictRequest.SerializeToString,
                 response_deserializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictResponse.FromString,
                 _registered_method=True)
+        self.PredictStream = channel.stream_stream(
+                '/foxhunt.tft.v1.Forecaster/PredictStream',
+                request_serializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictRequest.SerializeToString,
+                response_deserializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictStreamResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/foxhunt.tft.v1.Forecaster/GetModelInfo',
                 request_serializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.GetModelInfoRequest.SerializeToString,
@@ -53,6 +58,19 @@ class ForecasterServicer:
 
     def Predict(self, request, context):
         """Quantile forecasts for one or more series, one forecast per series in request order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PredictStream(self, request_iterator, context):
+        """The same forecasts over one long-lived stream, for a caller that asks every bar: a message on
+        an open stream costs about half the round trip of a call (no call set-up, headers or status).
+        Requests may be sent without waiting for answers; answers come in request order, each with
+        its request's request_id. A request that fails gets its error in its answer and the stream
+        goes on. The stream ends with UNAVAILABLE when the server shuts down (reconnect), after the
+        answers to the requests it has read; an undecodable message ends it with INVALID_ARGUMENT.
+        Each request in flight counts against the server's limit of concurrent calls.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -72,6 +90,11 @@ def add_ForecasterServicer_to_server(servicer, server):
                     servicer.Predict,
                     request_deserializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictRequest.FromString,
                     response_serializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictResponse.SerializeToString,
+            ),
+            'PredictStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PredictStream,
+                    request_deserializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictRequest.FromString,
+                    response_serializer=foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictStreamResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -107,6 +130,33 @@ class Forecaster:
             '/foxhunt.tft.v1.Forecaster/Predict',
             foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictRequest.SerializeToString,
             foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PredictStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/foxhunt.tft.v1.Forecaster/PredictStream',
+            foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictRequest.SerializeToString,
+            foxhunt_dot_tft_dot_v1_dot_forecaster__pb2.PredictStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,183 @@
+"""PredictStream end to end: the real `python -m serving` as a subprocess on 127.0.0.1, driven over one open
+stream at a time, against the same server's unary Predict."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from tests.live_server import LiveServer, Model, metric, request_for, serving, tiny_model  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+RTOL, ATOL = 1e-5, 1e-7  # ORT's float32 kernels may differ in the last bits between batch sizes
+PREDICT_STREAM = "/foxhunt.tft.v1.Forecaster/PredictStream"
+
+
+@pytest.fixture(scope="module")
+def art(tiny_model: Model) -> Model:  # noqa: F811  (the shared fixture, under this module's name)
+    return tiny_model
+
+
+@pytest.fixture(scope="module")
+def server(art: Model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    yield from serving(art.model, tmp_path_factory.mktemp("log") / "server.log", "--metrics-port", "0")
+
+
+def with_id(request: pb.PredictRequest, request_id: str) -> pb.PredictRequest:
+    out = pb.PredictRequest()
+    out.CopyFrom(request)
+    out.request_id = request_id
+    return out
+
+
+def assert_same_forecasts(got: pb.PredictResponse, want: pb.PredictResponse) -> None:
+    assert got.model_version == want.model_version and len(got.forecasts) == len(want.forecasts)
+    for g, w in zip(got.forecasts, want.forecasts, strict=True):
+        assert (g.symbol, g.last_timestamp_ns, g.last_close) == (w.symbol, w.last_timestamp_ns, w.last_close)
+        assert list(g.timestamp_ns) == list(w.timestamp_ns) and list(g.quantile_levels) == list(w.quantile_levels)
+        np.testing.assert_allclose(g.log_return, w.log_return, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(g.price, w.price, rtol=RTOL, atol=ATOL)
+        assert g.HasField("explanation") == w.HasField("explanation")
+        if w.HasField("explanation"):
+            np.testing.assert_allclose(g.explanation.attention, w.explanation.attention, rtol=RTOL, atol=1e-6)
+            assert list(g.explanation.attention_timestamp_ns) == list(w.explanation.attention_timestamp_ns)
+
+
+class OpenStream:
+    """A PredictStream on grpc's blocking stub, written to one request at a time (as a strategy's loop does)."""
+
+    def __init__(self, s: LiveServer, timeout: float = 30) -> None:
+        self._requests: queue.Queue[pb.PredictRequest | None] = queue.Queue()
+        self.answers = s.stub.PredictStream(iter(self._requests.get, None), timeout=timeout)
+
+    def send(self, request: pb.PredictRequest) -> None:
+        self._requests.put(request)
+
+    def ask(self, request: pb.PredictRequest) -> pb.PredictStreamResponse:
+        self.send(request)
+        return next(self.answers)
+
+    def close(self) -> None:
+        self._requests.put(None)
+
+
+def test_a_stream_answers_each_request_as_predict_does_in_request_order(art: Model, server: LiveServer) -> None:
+    """Requests sent without waiting (they batch together) are answered in order, each with its request_id;
+    a bad one gets its error in its answer and the stream goes on; explain works as on Predict."""
+    meta = art.meta
+    good = [request_for(art, sym, end=end) for sym in meta.symbols for end in (300, 301, 450, 500, 620)]
+    good.append(request_for(art, meta.symbols[1], explain=True))
+    bad = {3: (request_for(art, meta.symbols[0], n=3), "3 bars sent"),
+           9: (pb.PredictRequest(series=[pb.Series(symbol="NOPE")]), "'NOPE'")}
+    requests: list[pb.PredictRequest] = []
+    for r in good:
+        while len(requests) in bad:
+            requests.append(bad[len(requests)][0])
+        requests.append(r)
+    requests = [with_id(r, f"req-{i}") for i, r in enumerate(requests)]
+    before = server.scrape()
+
+    answers = list(server.stub.PredictStream(iter(requests), timeout=60))  # all sent at once, then half-closed
+
+    assert [a.request_id for a in answers] == [f"req-{i}" for i in range(len(requests))]
+    for i, (request, answer) in enumerate(zip(requests, answers, strict=True)):
+        if i in bad:
+            assert not answer.HasField("response") and answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert answer.error.code_name == "INVALID_ARGUMENT" and bad[i][1] in answer.error.message, answer.error
+            continue
+        assert not answer.HasField("error"), answer.error
+        assert_same_forecasts(answer.response, server.stub.Predict(request, timeout=10))
+    after = server.scrape()
+    for code, n in (("OK", len(good)), ("INVALID_ARGUMENT", len(bad))):
+        assert metric(after, "foxhunt_requests_total", method="PredictStream", code=code) - \
+            metric(before, "foxhunt_requests_total", method="PredictStream", code=code) == n, code
+    assert metric(after, "foxhunt_open_streams") == 0
+
+    stream = OpenStream(server)  # one at a time on an open stream, as a strategy calling every bar does
+    try:
+        for i, r in enumerate(good[:3]):
+            answer = stream.ask(with_id(r, str(i)))
+            assert answer.request_id == str(i)
+            assert_same_forecasts(answer.response, server.stub.Predict(r, timeout=10))
+        assert metric(server.scrape(), "foxhunt_open_streams") == 1
+    finally:
+        stream.close()
+    assert list(stream.answers) == []  # the client's half-close ends the stream with OK
+
+
+def test_an_undecodable_message_ends_the_stream_invalid_argument_and_the_server_stays_up(
+        art: Model, server: LiveServer) -> None:
+    request = request_for(art, art.meta.symbols[0]).SerializeToString()
+    raw = server.channel.stream_stream(PREDICT_STREAM, request_serializer=None, response_deserializer=None)
+    answers = raw(iter([request, b"\xff\xff\xff\xff"]), timeout=30)
+    first = pb.PredictStreamResponse.FromString(next(answers))
+    assert first.response.forecasts and not first.HasField("error")
+    with pytest.raises(grpc.RpcError) as info:
+        next(answers)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid foxhunt.tft.v1.PredictRequest message" in (info.value.details() or "")
+    assert server.stub.Predict(pb.PredictRequest.FromString(request), timeout=10).forecasts
+    assert server.alive()
+
+
+def test_stream_requests_count_against_max_concurrent_and_the_stream_goes_on(art: Model, tmp_path: Path) -> None:
+    s = LiveServer(art.model, tmp_path / "server.log", "--max-concurrent", "1", "--batch-wait", "fixed",
+                   "--max-delay-ms", "1000")
+    try:
+        s.wait_serving()
+        request = request_for(art, art.meta.symbols[0])
+        unary: list[pb.PredictResponse] = []
+        held = threading.Thread(target=lambda: unary.append(s.stub.Predict(request, timeout=20)))
+        held.start()
+        time.sleep(0.4)  # the unary call holds the one slot, waiting 1 s for its batch
+        stream = OpenStream(s)
+        try:
+            refused = stream.ask(with_id(request, "a"))
+            assert refused.request_id == "a" and refused.error.code_name == "RESOURCE_EXHAUSTED"
+            assert "--max-concurrent 1" in refused.error.message, refused.error
+            held.join(timeout=20)
+            assert unary and unary[0].forecasts
+            answered = stream.ask(with_id(request, "b"))  # the same stream, once the slot is free
+            assert answered.request_id == "b" and answered.response.forecasts, answered.error
+        finally:
+            stream.close()
+        assert s.alive()
+    finally:
+        s.kill()
+
+
+def test_sigterm_answers_what_a_stream_has_read_then_ends_it_unavailable(art: Model, tmp_path: Path) -> None:
+    """An open stream is not held until the grace runs out: its request in flight is answered, then the
+    stream ends UNAVAILABLE (reconnect), and the server exits 0 well within its grace."""
+    s = LiveServer(art.model, tmp_path / "server.log", "--batch-wait", "fixed", "--max-delay-ms", "1000",
+                   "--grace", "20")
+    try:
+        s.wait_serving()
+        stream = OpenStream(s, timeout=60)
+        stream.send(with_id(request_for(art, art.meta.symbols[0]), "in flight"))
+        time.sleep(0.4)  # read by the server, waiting for its batch
+        started = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        answer = next(stream.answers)
+        assert answer.request_id == "in flight" and answer.response.forecasts, answer.error
+        with pytest.raises(grpc.RpcError) as info:
+            next(stream.answers)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in (info.value.details() or "")
+        assert s.proc.wait(timeout=20) == 0, s.log_text()
+        assert time.monotonic() - started < 10, "the stream held the server until its grace ran out"
+        log = s.log_text()
+        assert "drained" in log and "Traceback" not in log and "ERROR" not in log, log[-3000:]
+        stream.close()
+    finally:
+        s.kill()
