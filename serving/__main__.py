@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "follow each other (default off)")
     p.add_argument("--max-connection-age", type=float, default=d.max_connection_age_s, metavar="S",
                    help="seconds after which a client connection is closed gracefully (in-flight calls finish, "
-                        "the client reconnects without an error), so that an L4 load balancer spreads "
+                        "the client reconnects without an error; a PredictStream ends itself at 80-100%% of "
+                        "this age, its requests read all answered), so that an L4 load balancer spreads "
                         f"long-lived clients over replicas (default {d.max_connection_age_s:g}; 0: never)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     a = p.add_argument_group("access")

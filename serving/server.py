@@ -59,7 +59,7 @@ INT32_MAX = 2**31 - 1  # gRPC's channel arguments are C ints
 DRAIN_POLL_S = 0.005  # how often a SIGTERM drain looks whether the in-flight calls have finished
 DRAIN_SETTLE_S = 0.1  # the least time a SIGTERM drain lets the calls on their way at the signal arrive
 CLIENT_PING_MIN_MS = 1000  # the shortest keepalive interval accepted from clients
-CONNECTION_AGE_GRACE_S = 30.0  # calls in flight on a connection past its --max-connection-age get this long
+CONNECTION_AGE_GRACE_S = 30.0  # calls in flight on a connection past its --max-connection-age get the age and this
 
 
 def bind_failure_reason(line: str) -> str:
@@ -109,11 +109,15 @@ def connection_age_options(age_s: float) -> list[tuple[str, int]]:
     """gRPC's connection age (gRFC A9): after about `age_s` (gRPC adds ±10% jitter) a connection is told to go
     away, its calls in flight get CONNECTION_AGE_GRACE_S to finish, and the client reconnects on its next
     call without an error. Behind an L4 balancer (a Kubernetes Service, SO_REUSEPORT across --workers) that
-    is what spreads long-lived clients over new replicas, and it bounds what any one connection can hold."""
+    is what spreads long-lived clients over new replicas, and it bounds what any one connection can hold.
+
+    The grace is the age longer still: a PredictStream ends itself, gracefully, once it is about `age_s` old
+    (ForecasterServicer.PredictStream), which a stream opened before the connection was told to go away
+    reaches within that grace; so no stream is cut with requests in flight."""
     if not age_s:
         return []
     return [("grpc.max_connection_age_ms", math.ceil(age_s * 1000)),
-            ("grpc.max_connection_age_grace_ms", math.ceil(CONNECTION_AGE_GRACE_S * 1000))]
+            ("grpc.max_connection_age_grace_ms", min(math.ceil((age_s + CONNECTION_AGE_GRACE_S) * 1000), INT32_MAX))]
 
 
 def host_port(host: str, port: int) -> str:
@@ -148,7 +152,8 @@ class ForecastServer:
         self.batcher: Batcher = MicroBatcher(process, config.max_batch, config.max_delay_s, config.batch_wait,
                                              self.metrics, busy_poll_s=config.busy_poll_ms / 1000.0)
         limits = Limits(config.max_batch, config.max_message_bytes, config.max_concurrent)
-        self.servicer = ForecasterServicer(self.holder, self.batcher, self.metrics, limits)
+        self.servicer = ForecasterServicer(self.holder, self.batcher, self.metrics, limits,
+                                           stream_max_age_s=config.max_connection_age_s)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs lacks health.aio
         access = access or read_access(config)
         self.credentials = access.credentials

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import random
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -22,7 +23,7 @@ from grpc import aio
 from features import package_version
 from features.schema import Role
 from serving.batcher import MicroBatcher
-from serving.errors import ExplainUnavailable, NotReady, Overloaded, ResponseTooLarge, status_of
+from serving.errors import ExplainUnavailable, NotReady, Overloaded, RequestError, ResponseTooLarge, status_of
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.inference import Result
@@ -57,18 +58,25 @@ class Admission:
         self.active = 0
         self._metrics = metrics
 
-    @contextmanager
-    def admit(self) -> Iterator[None]:
+    def take(self) -> None:
+        """A slot, or Overloaded; each take is matched by one give_back."""
         if self.active >= self.limit:
-            raise Overloaded(f"server busy: {self.limit} Predict calls already in flight (--max-concurrent "
-                             f"{self.limit}); retry with backoff")
+            raise Overloaded(f"server busy: {self.limit} Predict calls and stream requests already in flight "
+                             f"(--max-concurrent {self.limit}); retry with backoff")
         self.active += 1
         self._metrics.inflight.inc()
+
+    def give_back(self) -> None:
+        self.active -= 1
+        self._metrics.inflight.dec()
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        self.take()
         try:
             yield
         finally:
-            self.active -= 1
-            self._metrics.inflight.dec()
+            self.give_back()
 
 
 def series_that_fit(response: pb.PredictResponse, limit: int) -> int:
@@ -128,10 +136,12 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
 
 
 Batcher = MicroBatcher[LoadedModel, list[SeriesColumns], Result]
+MAX_REQUEST_ID_CHARS = 1024  # a request_id is echoed in its answer, error answers included: it must stay small
 
 
 class ForecasterServicer(pb_grpc.ForecasterServicer):
-    def __init__(self, holder: ModelHolder, batcher: Batcher, metrics: Metrics, limits: Limits) -> None:
+    def __init__(self, holder: ModelHolder, batcher: Batcher, metrics: Metrics, limits: Limits,
+                 stream_max_age_s: float = 0.0) -> None:
         self.holder = holder
         self.batcher = batcher
         self.metrics = metrics
@@ -140,104 +150,152 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         self.ready = False  # set once the model is warmed up
         self.draining = False  # set on SIGTERM: new calls are refused while in-flight ones finish
         self._stream_readers: set[asyncio.Future[None]] = set()  # one per open PredictStream
+        self.stream_max_age_s = stream_max_age_s  # a stream stops reading about this old (--max-connection-age)
 
     @rpc("Predict")
     async def Predict(self, request: pb.PredictRequest,
                       context: aio.ServicerContext[pb.PredictRequest, pb.PredictResponse]) -> pb.PredictResponse:
-        return await self._predict(request, context)
+        with self.admission.admit():
+            return await self._predict(request, context)
 
     async def _predict(self, request: pb.PredictRequest, context: aio.ServicerContext[Any, Any],
                        wrapper_bytes: int = 0) -> pb.PredictResponse:
-        """One request's forecasts, for Predict and for each message of PredictStream alike (whose answer
-        wraps the response in `wrapper_bytes` more)."""
-        with self.admission.admit():
-            if self.draining:
-                raise NotReady("the server is shutting down; retry on another replica")
-            if not self.ready:
-                raise NotReady("the model is warming up; wait for health SERVING")
-            model = self.holder.current  # one snapshot for the whole call
-            if request.explain and not model.explain_available:
-                raise ExplainUnavailable(f"model {model.version} was exported without explain outputs; "
-                                         "send explain=false (GetModelInfo.explain_available)")
-            steps = self.metrics.steps
-            start = time.perf_counter()
-            series = parse_request(request, model.meta)
-            steps.add("parse", time.perf_counter() - start)
-            remaining = context.time_remaining()
-            deadline = None if remaining is None else time.monotonic() + remaining
-            result = await self.batcher.submit(model, series, len(series), deadline)
-            start = time.perf_counter()
-            response = build_response(result.prepared, result.outputs, model.meta, model.version, request.explain)
-            size = response.ByteSize() + wrapper_bytes
-            steps.add("response", time.perf_counter() - start)
-            if size > self.limits.max_message_bytes:  # else gRPC fails the send with a status the caller can't act on
-                fits = series_that_fit(response, self.limits.max_message_bytes - wrapper_bytes)
-                fixes = [f"send at most {fits} series per request"] if 1 <= fits < len(series) else []
-                fixes += ["set explain=false"] if request.explain else []
-                fixes = fixes or ["the server's --max-message-bytes must be raised for one series' answer"]
-                raise ResponseTooLarge(
-                    f"the response would be {size} bytes, over the server's limit of {self.limits.max_message_bytes} "
-                    f"(--max-message-bytes); {' or '.join(fixes)}")
-            return response
+        """One request's forecasts, for Predict and for each request of PredictStream alike (whose answer
+        wraps the response in `wrapper_bytes` more). The caller holds the request's admission slot."""
+        if self.draining:
+            raise NotReady("the server is shutting down; retry on another replica")
+        if not self.ready:
+            raise NotReady("the model is warming up; wait for health SERVING")
+        model = self.holder.current  # one snapshot for the whole call
+        if request.explain and not model.explain_available:
+            raise ExplainUnavailable(f"model {model.version} was exported without explain outputs; "
+                                     "send explain=false (GetModelInfo.explain_available)")
+        steps = self.metrics.steps
+        start = time.perf_counter()
+        series = parse_request(request, model.meta)
+        steps.add("parse", time.perf_counter() - start)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        result = await self.batcher.submit(model, series, len(series), deadline)
+        start = time.perf_counter()
+        response = build_response(result.prepared, result.outputs, model.meta, model.version, request.explain)
+        size = response.ByteSize() + wrapper_bytes
+        steps.add("response", time.perf_counter() - start)
+        if size > self.limits.max_message_bytes:  # else gRPC fails the send with a status the caller can't act on
+            fits = series_that_fit(response, self.limits.max_message_bytes - wrapper_bytes)
+            fixes = [f"send at most {fits} series per request"] if 1 <= fits < len(series) else []
+            fixes += ["set explain=false"] if request.explain else []
+            fixes = fixes or ["the server's --max-message-bytes must be raised for one series' answer"]
+            raise ResponseTooLarge(
+                f"the response would be {size} bytes, over the server's limit of {self.limits.max_message_bytes} "
+                f"(--max-message-bytes); {' or '.join(fixes)}")
+        return response
 
     async def PredictStream(self, requests: AsyncIterator[pb.PredictRequest],
-                            context: aio.ServicerContext[pb.PredictRequest, pb.PredictStreamResponse]
-                            ) -> AsyncIterator[pb.PredictStreamResponse]:
+                            context: aio.ServicerContext[pb.PredictRequest, pb.PredictStreamResponse]) -> None:
         """Each request as Predict answers it, in request order; a failed request's error travels in its
-        answer. Requests read ahead of their answers run concurrently (and batch together), at most
-        --max-concurrent of them per stream: past that the stream is not read, and HTTP/2 flow control holds
-        the caller. On shutdown (end_streams) the requests read are answered, then the stream ends UNAVAILABLE."""
-        pending: asyncio.Queue[asyncio.Future[pb.PredictStreamResponse] | None] = asyncio.Queue()
-        window = asyncio.Semaphore(self.limits.max_concurrent)
+        answer.
+
+        Requests read ahead of their answers run concurrently (and batch together), at most --max-batch of
+        them per stream: past that the stream is not read, and HTTP/2 flow control holds the caller. A
+        request holds its admission slot (--max-concurrent) until its answer is sent, so answers a caller
+        does not read stay bounded across all streams. The stream stops reading on shutdown (end_streams) and
+        once it is --max-connection-age old (its connection is at least that old, and gRPC would cut it
+        after the age's grace, requests in flight and all): it answers the requests it has read, then ends
+        UNAVAILABLE. The answers are sent with context.write, whose failure (the caller gone) ends the
+        handler quietly, where an async generator's failed send is logged by grpc as an error."""
+        if self.draining:
+            self.metrics.requests.labels("PredictStream", grpc.StatusCode.UNAVAILABLE.name).inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; open the stream on "
+                                                             "another replica")
+        pending: asyncio.Queue[asyncio.Future[tuple[pb.PredictStreamResponse, bool]] | None] = asyncio.Queue()
+        window = asyncio.Semaphore(min(self.limits.max_concurrent, self.limits.max_batch))
+        aged = False
 
         async def read() -> None:
-            try:  # a slot first, then the next request: a request read is a request answered, even on shutdown
+            try:  # a slot first, then the next request: a request read is a request answered
                 while await window.acquire() and (request := await anext(requests, None)) is not None:
                     pending.put_nowait(asyncio.ensure_future(self._stream_answer(request, context)))
             finally:
                 pending.put_nowait(None)
 
+        def age_out() -> None:
+            nonlocal aged
+            aged = True
+            reader.cancel()
+
         reader = asyncio.ensure_future(read())
+        timer = (asyncio.get_running_loop().call_later(self.stream_max_age_s * random.uniform(0.8, 1.0), age_out)
+                 if self.stream_max_age_s else None)
         self._stream_readers.add(reader)
         self.metrics.open_streams.inc()
         try:
-            while (answer := await pending.get()) is not None:
-                yield await answer
+            while (answering := await pending.get()) is not None:
+                answer, held = await answering
+                try:
+                    await context.write(answer)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # the caller is gone (cancelled, past its deadline, disconnected): nothing to send
+                    return
+                finally:
+                    if held:
+                        self.admission.give_back()
                 window.release()
-            if reader.cancelled():  # end_streams: the server is shutting down
+            if reader.cancelled():  # shutdown, or the stream's age
                 self.metrics.requests.labels("PredictStream", grpc.StatusCode.UNAVAILABLE.name).inc()
+                why = (f"the stream is --max-connection-age ({self.stream_max_age_s:g} s) old" if aged
+                       else "the server is shutting down")
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    "the server is shutting down; every request read was answered: reconnect "
-                                    "(to another replica) and send the rest")
+                                    f"{why}: every request read was answered; open a new stream (it may reach "
+                                    "another replica) and resend each request not answered OK")
             reader.result()  # the stream's own failure (an undecodable message), if any
         finally:
+            if timer is not None:
+                timer.cancel()
             self._stream_readers.discard(reader)
             self.metrics.open_streams.dec()
             reader.cancel()
             if reader.done() and not reader.cancelled():
                 reader.exception()  # retrieved: a stream that ended early has already failed for its own reason
             while not pending.empty():
-                if (left := pending.get_nowait()) is not None:
-                    left.cancel()
+                if (left := pending.get_nowait()) is None:
+                    continue
+                if not left.done():
+                    left.cancel()  # gives its slot back itself
+                elif not left.cancelled() and left.exception() is None and left.result()[1]:
+                    self.admission.give_back()
 
-    async def _stream_answer(self, request: pb.PredictRequest,
-                             context: aio.ServicerContext[Any, Any]) -> pb.PredictStreamResponse:
+    async def _stream_answer(self, request: pb.PredictRequest, context: aio.ServicerContext[Any, Any]
+                             ) -> tuple[pb.PredictStreamResponse, bool]:
+        """The answer to one request of a stream, and whether it holds an admission slot (given back once the
+        answer is sent)."""
         start = time.perf_counter()
-        code = grpc.StatusCode.OK
+        code, held = grpc.StatusCode.OK, False
         try:
+            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+                raise RequestError(f"request_id is {len(request.request_id)} characters; send at most "
+                                   f"{MAX_REQUEST_ID_CHARS} (it is echoed in the answer)")
+            self.admission.take()
+            held = True
             # the answer adds the request_id and the response's tag and length (at most 5 bytes) to the response
             wrapper = pb.PredictStreamResponse(request_id=request.request_id).ByteSize() + 6
-            return pb.PredictStreamResponse(request_id=request.request_id,
-                                            response=await self._predict(request, context, wrapper))
+            response = await self._predict(request, context, wrapper)
+            return pb.PredictStreamResponse(request_id=request.request_id, response=response), True
         except asyncio.CancelledError:
             code = grpc.StatusCode.DEADLINE_EXCEEDED if caller_gone(context) else grpc.StatusCode.CANCELLED
+            if held:
+                self.admission.give_back()
             raise
         except Exception as exc:
+            if held:
+                self.admission.give_back()
             code, message = status_of(exc)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("PredictStream request failed")
-            return pb.PredictStreamResponse(request_id=request.request_id, error=pb.StreamError(
-                code=code.value[0], code_name=code.name, message=message))
+            echo = request.request_id if len(request.request_id) <= MAX_REQUEST_ID_CHARS else ""
+            return pb.PredictStreamResponse(request_id=echo, error=pb.StreamError(
+                code=code.value[0], code_name=code.name, message=message)), False
         finally:
             self.metrics.requests.labels("PredictStream", code.name).inc()
             self.metrics.latency.labels("PredictStream").observe(time.perf_counter() - start)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from tests.live_server import LiveServer, Model, metric, request_for, serving, tiny_model  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -56,9 +57,9 @@ def assert_same_forecasts(got: pb.PredictResponse, want: pb.PredictResponse) -> 
 class OpenStream:
     """A PredictStream on grpc's blocking stub, written to one request at a time (as a strategy's loop does)."""
 
-    def __init__(self, s: LiveServer, timeout: float = 30) -> None:
+    def __init__(self, s: LiveServer, timeout: float = 30, stub: pb_grpc.ForecasterStub | None = None) -> None:
         self._requests: queue.Queue[pb.PredictRequest | None] = queue.Queue()
-        self.answers = s.stub.PredictStream(iter(self._requests.get, None), timeout=timeout)
+        self.answers = (stub or s.stub).PredictStream(iter(self._requests.get, None), timeout=timeout)
 
     def send(self, request: pb.PredictRequest) -> None:
         self._requests.put(request)
@@ -174,10 +175,96 @@ def test_sigterm_answers_what_a_stream_has_read_then_ends_it_unavailable(art: Mo
             next(stream.answers)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "shutting down" in (info.value.details() or "")
+        with pytest.raises(grpc.RpcError) as late:  # a stream opened during the drain, as told: refused at once
+            next(s.stub.PredictStream(iter([request_for(art, art.meta.symbols[0])]), timeout=20))
+        assert late.value.code() == grpc.StatusCode.UNAVAILABLE
         assert s.proc.wait(timeout=20) == 0, s.log_text()
-        assert time.monotonic() - started < 10, "the stream held the server until its grace ran out"
+        assert time.monotonic() - started < 10, "a stream held the server until its grace ran out"
         log = s.log_text()
         assert "drained" in log and "Traceback" not in log and "ERROR" not in log, log[-3000:]
         stream.close()
     finally:
         s.kill()
+
+
+def test_a_stream_as_old_as_max_connection_age_ends_itself_with_every_request_read_answered(
+        art: Model, tmp_path: Path) -> None:
+    """gRPC cuts a connection's streams after its age and grace, requests in flight and all; a PredictStream
+    stops reading first (at 80-100% of --max-connection-age), answers what it read, then ends UNAVAILABLE."""
+    s = LiveServer(art.model, tmp_path / "server.log", "--metrics-port", "0", "--max-connection-age", "1.5")
+    try:
+        s.wait_serving()
+        request = request_for(art, art.meta.symbols[0])
+        outstanding = threading.Semaphore(8)  # keep up to 8 requests in flight, never waiting for each answer
+        stop = threading.Event()
+
+        def requests() -> Iterator[pb.PredictRequest]:
+            i = 0
+            while not stop.is_set():
+                if outstanding.acquire(timeout=0.1):
+                    yield with_id(request, str(i))
+                    i += 1
+
+        started = time.monotonic()
+        answers = s.stub.PredictStream(requests(), timeout=30)
+        got = 0
+        with pytest.raises(grpc.RpcError) as ended:
+            for answer in answers:
+                assert answer.request_id == str(got) and answer.response.forecasts, answer.error
+                got += 1
+                outstanding.release()
+        stop.set()
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "--max-connection-age (1.5 s) old" in (ended.value.details() or ""), ended.value.details()
+        assert 1.0 < time.monotonic() - started < 10
+        assert got > 10 and metric(s.scrape(), "foxhunt_requests_total", method="PredictStream", code="OK") == got
+        log = s.log_text()
+        assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    finally:
+        s.kill()
+
+
+def test_a_caller_that_stops_reading_then_cancels_leaves_nothing_held_and_nothing_logged(
+        art: Model, tmp_path: Path) -> None:
+    """Answers wait on HTTP/2 flow control while the caller does not read; each holds its --max-concurrent
+    slot (so unread answers stay bounded) until the cancel, which ends the stream quietly."""
+    s = LiveServer(art.model, tmp_path / "server.log", "--metrics-port", "0")
+    try:
+        s.wait_serving()
+        request = pb.PredictRequest(series=[request_for(art, sym).series[0] for sym in art.meta.symbols],
+                                    explain=True)  # a few kB an answer: the caller's window fills
+        # a small receive window that does not grow: the server's writes wait after a few answers
+        channel = grpc.insecure_channel(s.target, options=[("grpc.http2.bdp_probe", 0),
+                                                           ("grpc.http2.lookahead_bytes", 16384)])
+        stream = OpenStream(s, timeout=60, stub=pb_grpc.ForecasterStub(channel))
+        for _ in range(400):
+            stream.send(request)
+        deadline = time.monotonic() + 20
+        while metric(s.scrape(), "foxhunt_inflight_requests") < 64 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        text = s.scrape()  # the stream's read-ahead (--max-batch), each answer holding its slot until sent
+        assert metric(text, "foxhunt_inflight_requests") == 64
+        assert metric(text, "foxhunt_requests_total", method="PredictStream", code="OK") < 200
+        stream.answers.cancel()
+        deadline = time.monotonic() + 10
+        while (metric(text := s.scrape(), "foxhunt_open_streams") or metric(text, "foxhunt_inflight_requests")) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(text, "foxhunt_open_streams") == 0 and metric(text, "foxhunt_inflight_requests") == 0
+        assert s.stub.Predict(request, timeout=10).forecasts
+        log = s.log_text()
+        assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+        stream.close()
+        channel.close()
+    finally:
+        s.kill()
+
+
+def test_a_request_id_too_long_to_echo_is_refused_in_its_answer(art: Model, server: LiveServer) -> None:
+    request = request_for(art, art.meta.symbols[0])
+    answers = list(server.stub.PredictStream(iter([with_id(request, "x" * 1025), with_id(request, "y" * 1024)]),
+                                             timeout=30))
+    assert answers[0].error.code_name == "INVALID_ARGUMENT" and answers[0].request_id == ""
+    assert "request_id is 1025 characters; send at most 1024" in answers[0].error.message
+    assert answers[1].request_id == "y" * 1024 and answers[1].response.forecasts

@@ -898,6 +898,9 @@ def test_connection_age_flag_takes_what_grpc_can(capsys: pytest.CaptureFixture[s
     assert age("0") == 0.0 and connection_age_options(0.0) == []
     assert dict(connection_age_options(age("0.0015")))["grpc.max_connection_age_ms"] == 2  # rounded up
     assert dict(connection_age_options(age("2147483")))["grpc.max_connection_age_ms"] <= 2**31 - 1
+    assert dict(connection_age_options(age("2147483")))["grpc.max_connection_age_grace_ms"] == 2**31 - 1
+    # the grace outlasts the age itself: a PredictStream, which ends itself by then, is never cut by gRPC
+    assert dict(connection_age_options(age("1800")))["grpc.max_connection_age_grace_ms"] == 1_830_000
     for bad in ("0.0004", "3000000", "-1", "nan", "inf"):
         with pytest.raises(SystemExit) as exc:
             age(bad)

@@ -68,9 +68,10 @@ class ForecasterServicer:
         an open stream costs about half the round trip of a call (no call set-up, headers or status).
         Requests may be sent without waiting for answers; answers come in request order, each with
         its request's request_id. A request that fails gets its error in its answer and the stream
-        goes on. The stream ends with UNAVAILABLE when the server shuts down (reconnect), after the
-        answers to the requests it has read; an undecodable message ends it with INVALID_ARGUMENT.
-        Each request in flight counts against the server's limit of concurrent calls.
+        goes on. The stream ends with UNAVAILABLE when the server shuts down or the stream reaches
+        the server's --max-connection-age, after the answers to the requests it has read: open a new
+        one and resend what was not answered. An undecodable message ends it with INVALID_ARGUMENT.
+        Each request counts against the server's limit of concurrent calls until its answer is sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
