@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -647,7 +648,8 @@ def test_a_sighup_while_the_server_starts_neither_kills_it_nor_is_lost(art: Mode
     log = tmp_path / "server.log"
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "serving", "--model", str(served), "--port", "0", "--device",
-                                 "cpu", "--workers", workers], cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+                                 "cpu", "--workers", workers, "--metrics-port", "0"], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=err, text=True)
     try:
         deadline = time.monotonic() + 60
         while not _catches_sighup(proc.pid):  # held from the top of `python -m serving`, before its imports
@@ -665,6 +667,7 @@ def test_a_sighup_while_the_server_starts_neither_kills_it_nor_is_lost(art: Mode
         line = proc.stdout.readline()
         assert line.startswith("listening on "), log.read_text()
         target = line.split()[-1]
+        endpoints = [proc.stdout.readline().removeprefix("metrics on ").strip() for _ in range(int(workers))]
 
         def version() -> str:
             with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
@@ -675,11 +678,12 @@ def test_a_sighup_while_the_server_starts_neither_kills_it_nor_is_lost(art: Mode
                     time.sleep(0.05)  # still warming up
                     return ""
 
-        versions: list[str] = []
-        while len(versions) < 8 or set(versions[-8:]) != {"v2-while-starting"}:  # the reloads are done ...
-            assert proc.poll() is None and time.monotonic() < deadline, (versions[-8:], log.read_text())
-            versions.append(version())
-        assert [version() for _ in range(16)] == ["v2-while-starting"] * 16, log.read_text()  # ... in every worker
+        for endpoint in endpoints:  # every worker's own metrics say it serves the file as replaced ...
+            while not metric(urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode(),
+                             "foxhunt_model_info", version="v2-while-starting"):
+                assert proc.poll() is None and time.monotonic() < deadline, (endpoint, log.read_text())
+                time.sleep(0.02)
+        assert [version() for _ in range(16)] == ["v2-while-starting"] * 16, log.read_text()  # ... and answers so
         assert "reloading it once warm" in log.read_text() or "SIGHUP: reloading" in log.read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()
