@@ -6,7 +6,7 @@
                                                  of other services and calls to methods the server does
                                                  not have)
     foxhunt_request_latency_seconds{method}      time in the handler, histogram (PredictStream: per request,
-                                                 from its arrival to its answer)
+                                                 from its arrival until its answer is sent)
     foxhunt_open_streams                         PredictStreams open now
     foxhunt_queue_seconds                        time a call's windows waited for their batch
     foxhunt_inference_seconds                    wall time per batch: features, ONNX Runtime run, checks

@@ -139,6 +139,16 @@ Batcher = MicroBatcher[LoadedModel, list[SeriesColumns], Result]
 MAX_REQUEST_ID_CHARS = 1024  # a request_id is echoed in its answer, error answers included: it must stay small
 
 
+@dataclass
+class StreamAnswer:
+    """One PredictStream request's answer, on its way to the caller."""
+
+    message: pb.PredictStreamResponse
+    code: grpc.StatusCode  # what the caller gets once it is sent
+    held: bool  # it holds an admission slot until sent
+    start: float  # time.perf_counter() at the request's arrival
+
+
 class ForecasterServicer(pb_grpc.ForecasterServicer):
     def __init__(self, holder: ModelHolder, batcher: Batcher, metrics: Metrics, limits: Limits,
                  stream_max_age_s: float = 0.0) -> None:
@@ -208,7 +218,7 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             self.metrics.requests.labels("PredictStream", grpc.StatusCode.UNAVAILABLE.name).inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; open the stream on "
                                                              "another replica")
-        pending: asyncio.Queue[asyncio.Future[tuple[pb.PredictStreamResponse, bool]] | None] = asyncio.Queue()
+        pending: asyncio.Queue[asyncio.Future[StreamAnswer] | None] = asyncio.Queue()
         window = asyncio.Semaphore(min(self.limits.max_concurrent, self.limits.max_batch))
         aged = False
 
@@ -231,16 +241,16 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         self.metrics.open_streams.inc()
         try:
             while (answering := await pending.get()) is not None:
-                answer, held = await answering
+                answer, sent = await answering, False
                 try:
-                    await context.write(answer)
+                    await context.write(answer.message)
+                    sent = True
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # the caller is gone (cancelled, past its deadline, disconnected): nothing to send
                     return
                 finally:
-                    if held:
-                        self.admission.give_back()
+                    self._settle(answer, context, sent)
                 window.release()
             if reader.cancelled():  # shutdown, or the stream's age
                 self.metrics.requests.labels("PredictStream", grpc.StatusCode.UNAVAILABLE.name).inc()
@@ -262,16 +272,16 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
                 if (left := pending.get_nowait()) is None:
                     continue
                 if not left.done():
-                    left.cancel()  # gives its slot back itself
-                elif not left.cancelled() and left.exception() is None and left.result()[1]:
-                    self.admission.give_back()
+                    left.cancel()  # counts itself and gives its slot back
+                elif not left.cancelled() and left.exception() is None:
+                    self._settle(left.result(), context, sent=False)
 
     async def _stream_answer(self, request: pb.PredictRequest, context: aio.ServicerContext[Any, Any]
-                             ) -> tuple[pb.PredictStreamResponse, bool]:
-        """The answer to one request of a stream, and whether it holds an admission slot (given back once the
-        answer is sent)."""
+                             ) -> StreamAnswer:
+        """The answer to one request of a stream; counted, and its admission slot given back, by `_settle` once
+        it is sent or will never be (or here, when the request is cancelled before it has an answer)."""
         start = time.perf_counter()
-        code, held = grpc.StatusCode.OK, False
+        held = False
         try:
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise RequestError(f"request_id is {len(request.request_id)} characters; send at most "
@@ -281,11 +291,11 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             # the answer adds the request_id and the response's tag and length (at most 5 bytes) to the response
             wrapper = pb.PredictStreamResponse(request_id=request.request_id).ByteSize() + 6
             response = await self._predict(request, context, wrapper)
-            return pb.PredictStreamResponse(request_id=request.request_id, response=response), True
+            return StreamAnswer(pb.PredictStreamResponse(request_id=request.request_id, response=response),
+                                grpc.StatusCode.OK, held, start)
         except asyncio.CancelledError:
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if caller_gone(context) else grpc.StatusCode.CANCELLED
-            if held:
-                self.admission.give_back()
+            self._settle(StreamAnswer(pb.PredictStreamResponse(), grpc.StatusCode.CANCELLED, held, start), context,
+                         sent=False)
             raise
         except Exception as exc:
             if held:
@@ -294,11 +304,18 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("PredictStream request failed")
             echo = request.request_id if len(request.request_id) <= MAX_REQUEST_ID_CHARS else ""
-            return pb.PredictStreamResponse(request_id=echo, error=pb.StreamError(
-                code=code.value[0], code_name=code.name, message=message)), False
-        finally:
-            self.metrics.requests.labels("PredictStream", code.name).inc()
-            self.metrics.latency.labels("PredictStream").observe(time.perf_counter() - start)
+            return StreamAnswer(pb.PredictStreamResponse(request_id=echo, error=pb.StreamError(
+                code=code.value[0], code_name=code.name, message=message)), code, False, start)
+
+    def _settle(self, answer: StreamAnswer, context: aio.ServicerContext[Any, Any], sent: bool) -> None:
+        """Count what the caller got for one request (its answer's code, or, unsent, the deadline or the
+        cancel), time it from the request's arrival, and give back its admission slot."""
+        code = answer.code if sent else (grpc.StatusCode.DEADLINE_EXCEEDED if caller_gone(context)
+                                         else grpc.StatusCode.CANCELLED)
+        self.metrics.requests.labels("PredictStream", code.name).inc()
+        self.metrics.latency.labels("PredictStream").observe(time.perf_counter() - answer.start)
+        if answer.held:
+            self.admission.give_back()
 
     def end_streams(self) -> int:
         """Stop reading every open PredictStream (shutdown): each answers what it has read, then ends
