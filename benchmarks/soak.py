@@ -1,7 +1,7 @@
 """Soak test of `python -m serving`: many clients for a long time; errors, wrong answers, latency and memory over time.
 
     python -m benchmarks.soak --model model.onnx --parquet bars.parquet [--duration 600] [--clients 64] \
-        [--poison-clients 2] [--interval 30] [--warmup 10] [--threads 1] [--device cpu] [--json out.json]
+        [--poison-clients 2] [--interval 30] [--warmup 10] [--threads 1] [--device cpu] [--stream] [--json out.json]
 
 1. Starts the real server (`python -m serving --port 0`, loopback) and waits for health SERVING
    (or drives `--target HOST:PORT --pid PID`, a server already running on this machine).
@@ -12,6 +12,11 @@
    reference (rtol 1e-5: batching may change float32 rounding); every error is counted by
    status code. `--poison-clients` more clients send requests that must be refused
    (a feature that overflows inside a batch, undecodable bytes), so the error paths soak too.
+   With `--stream` every client keeps one PredictStream open instead (a request, its answer, the
+   next): a refused request's error comes in its answer, and undecodable bytes end the poison
+   client's stream, which it opens again. A good client's stream that the server ends (at
+   `--max-connection-age`) is opened again and counted apart (`stream_ends`, by the status the
+   client saw: a grpc.aio client that writes after the end sees INTERNAL, grpc/grpc#36066).
 4. Every `--interval` seconds: throughput, p50/p99 of that interval, and the server's VmRSS,
    open file descriptors and threads (from /proc/PID). At the end: the totals; RSS after
    warm-up, after the clients left, and at most; its growth, and its slope (least squares,
@@ -73,6 +78,7 @@ class Report:
     p99_ms: float
     max_ms: float
     errors: dict[str, int]
+    stream_ends: dict[str, int]  # --stream: the good clients' streams the server ended (each opened again)
     wrong_answers: int
     poison: dict[str, int]
     rss_mib_after_warmup: float
@@ -98,16 +104,51 @@ def proc_status(pid: int) -> tuple[float, int, int]:
 
 # ---- clients (in worker processes) ------------------------------------------------------------------------
 Answers = list[list[list[float]]]  # per request: per forecast, its log-return quantiles
-Job = tuple[str, list[bytes], Answers, list[bytes], int, int, int, float, float, float, float]
+Job = tuple[str, list[bytes], Answers, list[bytes], int, int, int, float, float, float, float, bool]
+PREDICT_STREAM = "/foxhunt.tft.v1.Forecaster/PredictStream"
+
+
+class StreamEnded(Exception):
+    """The server ended a PredictStream instead of answering: its status code and details."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class Stream:
+    """One open PredictStream, asked one request at a time; opened again when the server ends it."""
+
+    def __init__(self, channel: aio.Channel) -> None:
+        self._open = channel.stream_stream(PREDICT_STREAM, request_serializer=None, response_deserializer=None)
+        self._call = self._open()  # type: ignore[call-arg]  # written to, not fed an iterator
+        self.reopened = 0
+
+    async def ask(self, request: bytes) -> pb.PredictStreamResponse:
+        """The answer, or StreamEnded with the server's status (the stream is open again for the next ask)."""
+        raw: object = None
+        try:
+            await self._call.write(request)
+            raw = await self._call.read()
+        except grpc.RpcError:  # a write after the server ended the call fails on its own (grpc/grpc#36066) ...
+            pass
+        if isinstance(raw, bytes):
+            return pb.PredictStreamResponse.FromString(raw)
+        ended = StreamEnded(await self._call.code(), await self._call.details() or "")  # ... the call's status
+        self._call = self._open()  # type: ignore[call-arg]
+        self.reopened += 1
+        raise ended
 
 
 async def _drive(target: str, pool: list[bytes], expected: Answers, poison: list[bytes], clients: int,
                  poison_clients: int, offset: int, start_at: float, warmup: float, duration: float,
-                 interval: float) -> dict[str, Any]:
+                 interval: float, stream: bool = False) -> dict[str, Any]:
     """Closed-loop clients from start_at (time.time()): warm up, then measure `duration` seconds."""
     latencies: dict[int, list[float]] = defaultdict(list)  # interval index -> seconds
     errors: Counter[str] = Counter()
     poison_codes: Counter[str] = Counter()
+    stream_ends: Counter[str] = Counter()
     wrong = 0
     reference = [np.asarray(e) for e in expected]
     await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -118,14 +159,25 @@ async def _drive(target: str, pool: list[bytes], expected: Answers, poison: list
         nonlocal wrong
         async with aio.insecure_channel(target) as channel:
             predict = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=None)
+            open_stream = Stream(channel) if stream else None
             i = offset + k
             while (now := time.perf_counter()) < stop_at:
                 j = i % len(pool)
                 i += 7919  # a prime stride: clients walk the pool in different orders
                 try:
-                    answer = pb.PredictResponse.FromString(await predict(pool[j], timeout=30))
+                    if open_stream is None:
+                        answer = pb.PredictResponse.FromString(await predict(pool[j], timeout=30))
+                    else:
+                        streamed = await open_stream.ask(pool[j])
+                        if streamed.HasField("error"):
+                            errors[streamed.error.code_name] += 1
+                            continue
+                        answer = streamed.response
                 except grpc.RpcError as exc:
                     errors[exc.code().name] += 1
+                    continue
+                except StreamEnded as ended:  # opened again; counted apart from the requests' errors
+                    stream_ends[f"{ended.code.name}: {ended.details[:60]}"] += 1
                     continue
                 done = time.perf_counter()
                 if now >= measure_from:
@@ -137,18 +189,26 @@ async def _drive(target: str, pool: list[bytes], expected: Answers, poison: list
     async def bad_client(k: int) -> None:
         async with aio.insecure_channel(target) as channel:
             predict = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=None)
+            open_stream = Stream(channel) if stream else None
             i = k
             while time.perf_counter() < stop_at:
                 try:
-                    await predict(poison[i % len(poison)], timeout=30)
-                    poison_codes["OK"] += 1
+                    if open_stream is None:
+                        await predict(poison[i % len(poison)], timeout=30)
+                        poison_codes["OK"] += 1
+                    else:
+                        streamed = await open_stream.ask(poison[i % len(poison)])
+                        poison_codes[streamed.error.code_name if streamed.HasField("error") else "OK"] += 1
                 except grpc.RpcError as exc:
                     poison_codes[exc.code().name] += 1
+                except StreamEnded as ended:
+                    poison_codes[ended.code.name] += 1
                 i += 1
                 await asyncio.sleep(0.01)
 
     await asyncio.gather(*(client(k) for k in range(clients)), *(bad_client(k) for k in range(poison_clients)))
-    return {"latencies": dict(latencies), "errors": dict(errors), "poison": dict(poison_codes), "wrong": wrong}
+    return {"latencies": dict(latencies), "errors": dict(errors), "poison": dict(poison_codes), "wrong": wrong,
+            "stream_ends": dict(stream_ends)}
 
 
 def _client_process(job: Job) -> dict[str, Any]:
@@ -186,7 +246,7 @@ def soak(target: str, pid: int, pool: list[pb.PredictRequest], args: argparse.Na
     bad = [args.poison_clients // procs + (1 if i < args.poison_clients % procs else 0) for i in range(procs)]
     start_at = time.time() + 3.0  # every process started before the clock starts
     jobs: list[Job] = [(target, raw, expected, poison, n, b, 101 * i, start_at, args.warmup, args.duration,
-                        args.interval) for i, (n, b) in enumerate(zip(shares, bad, strict=True))]
+                        args.interval, args.stream) for i, (n, b) in enumerate(zip(shares, bad, strict=True))]
 
     samples: list[tuple[float, float, int, int]] = []  # (t since measuring began, rss MiB, fds, threads)
     done = threading.Event()
@@ -213,12 +273,14 @@ def soak(target: str, pid: int, pool: list[pb.PredictRequest], args: argparse.Na
     per_interval: dict[int, list[float]] = defaultdict(list)
     errors: Counter[str] = Counter()
     poison_codes: Counter[str] = Counter()
+    stream_ends: Counter[str] = Counter()
     wrong = 0
     for r in results:
         for k, lat in r["latencies"].items():
             per_interval[int(k)].extend(lat)
         errors.update(r["errors"])
         poison_codes.update(r["poison"])
+        stream_ends.update(r["stream_ends"])
         wrong += r["wrong"]
     every = np.asarray([x for lat in per_interval.values() for x in lat]) * 1e3
     rows = []
@@ -238,7 +300,8 @@ def soak(target: str, pid: int, pool: list[pb.PredictRequest], args: argparse.Na
     return Report(
         clients=args.clients, poison_clients=args.poison_clients, seconds=args.duration, requests=int(every.size),
         req_per_s=round(every.size / args.duration, 1), p50_ms=round(float(p50), 2), p99_ms=round(float(p99), 2),
-        max_ms=round(float(pmax), 2), errors=dict(errors), wrong_answers=wrong, poison=dict(poison_codes),
+        max_ms=round(float(pmax), 2), errors=dict(errors), stream_ends=dict(stream_ends), wrong_answers=wrong,
+        poison=dict(poison_codes),
         rss_mib_after_warmup=round(float(rss_all[0]), 1), rss_mib_end=round(end[0], 1),
         rss_mib_max=round(float(max(rss_all.max(), end[0])), 1), rss_growth_mib=round(end[0] - float(rss_all[0]), 1),
         rss_slope_mib_per_hour=slope(t_all, rss_all),
@@ -274,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", help="drive a running server at HOST:PORT instead of starting one (needs --pid)")
     p.add_argument("--pid", type=int, help="process id of the --target server, for its memory")
     p.add_argument("--max-rss-growth-mib", type=float, default=50.0, help="pass bound on RSS growth (default 50)")
+    p.add_argument("--stream", action="store_true", help="every client on one open PredictStream, not a call each")
     p.add_argument("--json", type=Path, help="also write the report as JSON here")
     args = p.parse_args(argv)
     if args.target and not args.pid:
@@ -294,8 +358,9 @@ def main(argv: list[str] | None = None) -> int:
             proc, target, _ = start_server(args.model, args.device, args.threads, args.server_arg, log)
             pid = proc.pid
         wait_serving(target)
-        print(f"soak: server {target} (pid {pid}), {args.clients} clients + {args.poison_clients} poison, "
-              f"{args.warmup:g} s warm-up + {args.duration:g} s, model {meta.model_version}", flush=True)
+        print(f"soak: server {target} (pid {pid}), {args.clients} clients + {args.poison_clients} poison"
+              f"{' on PredictStream' if args.stream else ''}, {args.warmup:g} s warm-up + {args.duration:g} s, "
+              f"model {meta.model_version}", flush=True)
         report = soak(target, pid, pool, args)
     finally:
         stop_server(proc)
