@@ -2,9 +2,9 @@
 
     foxhunt_requests_total{method,code}          RPCs answered, by gRPC status code (method: Predict,
                                                  GetModelInfo, PredictStream: each request on a stream,
-                                                 and a stream ended by shutdown, or `other` for refusals
-                                                 of other services and calls to methods the server does
-                                                 not have)
+                                                 and a stream ended by shutdown or its age, or `other`
+                                                 for refusals of other services and calls to methods
+                                                 the server does not have)
     foxhunt_request_latency_seconds{method}      time in the handler, histogram (PredictStream: per request,
                                                  from its arrival until its answer is sent)
     foxhunt_open_streams                         PredictStreams open now
