@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from features.bars import ColumnMap
 from features.compute import FeatureConfig
 from features.schema import FeatureSchema
 
@@ -148,6 +149,10 @@ class ModelMeta:
             problems.append("bar_interval_ns must be > 0")
         if self.precision not in ("fp32", "fp16"):
             problems.append(f"precision {self.precision!r} is not fp32 or fp16")
+        try:  # the training bars' names and time unit: the scorer reads bars with them
+            ColumnMap.from_dict(self.column_map)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"column_map: {exc}")
         if self.training and not _span_ok(self.training):
             problems.append(f"training must map {', '.join(TRAINING_KEYS)} to int64 nanoseconds (or null; "
                             f"validation_from_ns set) in time order, not {self.training!r}")

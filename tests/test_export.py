@@ -377,7 +377,7 @@ class NotAWeight:
     """Pickled into a checkpoint: loading it would need code, so weights_only refuses it."""
 
 
-@pytest.mark.parametrize("kind", ["missing", "corrupt", "truncated", "pickled", "diverged", "flipped", "onnx",
+@pytest.mark.parametrize("kind", ["missing", "corrupt", "truncated", "pickled", "diverged", "flipped", "unit", "onnx",
                                   "parquet"])
 def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -396,6 +396,10 @@ def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
         onnx.save(onnx.helper.make_model(graph), bad)
     elif kind == "parquet":  # the bars given as the checkpoint
         pq.write_table(pa.table({"close": [1.0, 2.0]}), bad)
+    elif kind == "unit":  # the bars' time unit, as stored, is not one
+        state = load_checkpoint(ckpt)
+        state["column_map"]["time_unit"] = "fortnights"
+        torch.save(state, bad)
     elif kind in ("diverged", "flipped"):
         state = load_checkpoint(ckpt)
         name = next(k for k, v in state["model_state"].items() if v.is_floating_point())
@@ -415,6 +419,8 @@ def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
                 "truncated": "not a readable checkpoint", "pickled": "refused",
                 "diverged": "holds NaN or infinite values: the run that wrote it diverged",
                 "flipped": "the weights differ from the digest written with them: the file is corrupted",
+                "unit": "the checkpoint's column_map is not valid (time unit 'fortnights': expected one of s, ms, "
+                        "us, ns)",
                 "onnx": "it is an ONNX model (what `python -m export` writes, for `python -m serving --model`); give "
                         "the checkpoint `python -m trainer` wrote",
                 "parquet": "it is a parquet file, bars for `python -m trainer --parquet`"}[kind]

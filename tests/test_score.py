@@ -255,21 +255,32 @@ def test_the_training_span_of_old_and_new_checkpoints_places_origins() -> None:
     assert (split_of(origins, {}) == -1).all()
 
 
-@pytest.mark.parametrize("value", ['{"validation_from_ns": "2024"}', "[1, 2]", "not json",
-                                   '{"first_bar_ns": 1, "validation_from_ns": 2.5, "test_from_ns": null, '
-                                   '"last_bar_ns": 3}'])
-def test_a_tampered_training_span_is_refused_by_name(value: str, tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
+TRAINING_REFUSED = ("'foxhunt.training'", "training must map")
+
+
+@pytest.mark.parametrize(("key", "value", "messages"), [
+    ("training", '{"validation_from_ns": "2024"}', TRAINING_REFUSED),
+    ("training", "[1, 2]", TRAINING_REFUSED),
+    ("training", "not json", TRAINING_REFUSED),
+    ("training", '{"first_bar_ns": 1, "validation_from_ns": 2.5, "test_from_ns": null, "last_bar_ns": 3}',
+     TRAINING_REFUSED),
+    # the training bars' column names and time unit, which the scorer reads bars with
+    ("column_map", '{"time_unit": "fortnights"}', ("column_map: time unit 'fortnights': expected one of s, ms",)),
+    ("column_map", '{"colour": "red"}', ("column_map: ",)),
+])
+def test_tampered_training_metadata_is_refused_by_name(key: str, value: str, messages: tuple[str, ...],
+                                                         tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
     import onnx
 
     proto = onnx.load(str(tiny_model.model))
     for p in proto.metadata_props:
-        if p.key == "foxhunt.training":
+        if p.key == f"foxhunt.{key}":
             p.value = value
     bad = tmp_path / "bad.onnx"
     onnx.save(proto, str(bad))
     done = score("--model", bad, "--parquet", tiny_model.bars_path, "--out", tmp_path / "f.parquet")
     assert done.returncode == 2, done.stderr
-    assert "'foxhunt.training'" in done.stderr or "training must map" in done.stderr, done.stderr
+    assert any(m in done.stderr for m in messages), done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "f.parquet").exists()
 
 

@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from features.bars import ColumnMap
 from features.file_kind import hint
 from features.files import umask
 from trainer.model_config import ModelConfig
@@ -108,6 +109,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if missing:
         raise CheckpointError(f"{p}: checkpoint lacks {', '.join(missing)}")
     stored = ckpt.get("model_state_sha256")  # checkpoints from before the digest have none
+    try:  # the bars' column names and time unit, which --resume and export read bars with
+        ColumnMap.from_dict(dict(ckpt.get("column_map") or {}))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{p}: the checkpoint's column_map is not valid ({exc}): the file is damaged or was "
+                              "not written by `python -m trainer`") from None
     if stored is not None and not isinstance(ckpt["model_state"], dict):
         raise CheckpointError(f"{p}: checkpoint's model_state is not a dict of tensors")
     if stored is not None and state_digest(ckpt["model_state"]) != stored:
