@@ -279,7 +279,8 @@ class ForecastServer:
     async def stop(self, grace_s: float) -> None:
         """Health NOT_SERVING, refuse new calls, let in-flight ones finish within grace_s, stop the batcher.
 
-        gRPC's own shutdown starts once the in-flight Predict calls have finished, and DRAIN_SETTLE_S after
+        gRPC's own shutdown starts once the in-flight Predict calls have finished and the open PredictStreams
+        (told to stop reading DRAIN_SETTLE_S after the signal) have ended, and DRAIN_SETTLE_S after
         the signal at the earliest (grace_s at the latest): until then gRPC keeps handing the calls it
         receives to the handler, which refuses them with UNAVAILABLE (retriable), the calls on their way at
         the signal included. Calls gRPC holds unhanded when it shuts down are cancelled instead (CANCELLED,
@@ -291,14 +292,13 @@ class ForecastServer:
         await self.health.enter_graceful_shutdown()
         started = time.monotonic()
         settle = min(DRAIN_SETTLE_S, grace_s)
-        while (elapsed := time.monotonic() - started) < grace_s and (self.servicer.admission.active
-                                                                     or elapsed < settle):
+        while time.monotonic() - started < settle:
             await asyncio.sleep(DRAIN_POLL_S)
-        # open PredictStreams: each answers the requests it has read, then ends UNAVAILABLE (reconnect), rather
-        # than being held open until the grace runs out and then cancelled
-        if self.servicer.end_streams():
-            while time.monotonic() - started < grace_s and self.servicer.open_streams:
-                await asyncio.sleep(DRAIN_POLL_S)
+        # open PredictStreams stop reading: each answers the requests it has read, then ends UNAVAILABLE
+        # (reconnect), rather than feeding the drain requests until the grace runs out and being cancelled
+        self.servicer.end_streams()
+        while time.monotonic() - started < grace_s and (self.servicer.admission.active or self.servicer.open_streams):
+            await asyncio.sleep(DRAIN_POLL_S)
         await self.grpc.stop(max(0.0, grace_s - (time.monotonic() - started)))
         await self.batcher.close()
         log.info("drained in %.3f s", time.monotonic() - started)

@@ -317,12 +317,11 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         if answer.held:
             self.admission.give_back()
 
-    def end_streams(self) -> int:
+    def end_streams(self) -> None:
         """Stop reading every open PredictStream (shutdown): each answers what it has read, then ends
-        UNAVAILABLE. Returns how many were open."""
+        UNAVAILABLE."""
         for reader in self._stream_readers:
             reader.cancel()
-        return len(self._stream_readers)
 
     @property
     def open_streams(self) -> int:
