@@ -8,6 +8,7 @@ raise ``BarDataError`` carrying all problems found; command-line tools print the
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -212,6 +213,24 @@ def _list_files(path: Path) -> list[Path]:
     return []
 
 
+def clash_with_bars(out: Path, bars: Path) -> str | None:
+    """Why writing `out` would destroy or join the bars at `bars` (a file or a directory), else None: `out` is
+    the bars file by some path, or a file that the next read of the directory would take as bars. Each command
+    that reads bars and writes a file refuses these before it writes anything."""
+    try:
+        same = out.resolve() == bars.resolve() or (out.exists() and bars.exists() and os.path.samefile(out, bars))
+    except OSError:
+        same = False
+    if same:
+        return f"{out} is the bars file {bars} itself, which writing it would replace"
+    if bars.is_dir():
+        target, root = out.resolve(), bars.resolve()
+        if (target.is_relative_to(root) and target.suffix.lower() in PARQUET_SUFFIXES
+                and not any(part.startswith((".", "_")) for part in target.relative_to(root).parts)):
+            return f"{out} is inside the bars directory {bars}, whose next read would take it as bars"
+    return None
+
+
 def _natural_key(path: Path) -> tuple[tuple[int, int | str], ...]:
     """Path order with numbers compared as numbers: part-2 before part-10, as people number their files."""
     return tuple((0, int(piece)) if piece.isdigit() else (1, piece)
@@ -240,6 +259,8 @@ def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str,
             arr = pc.cast(col, pa.timestamp("ns", tz=t.tz)) if pa.types.is_timestamp(t) and t.unit != "ns" else col
             arr = pc.fill_null(arr.cast(pa.int64()), 0)  # nulls are reported from the null mask
         except pa.ArrowInvalid:  # a time int64 nanoseconds cannot hold: a 9999-12-31 or UINT64_MAX placeholder
+            if integers and unit != "ns" and (coarse := _coarse_unit_problem(col, file, name, unit)):
+                return None, coarse
             return None, _out_of_range_problem(col, file, name)
         ns = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
         if integers and ns.size and 0 < (top := int(ns.max())) < PLAUSIBLE_NS:  # read in the unit given
@@ -283,6 +304,23 @@ F32_MAX = float(np.finfo(np.float32).max)  # features are float32: a user value 
 # Integer timestamps are nanoseconds. Ones that all fall before this (1973-03-03) are another unit: epoch
 # seconds reach 1e11 only in the year 5138, milliseconds 1e14 in 5138, microseconds 1e17 in 5138.
 PLAUSIBLE_NS = 10**17
+
+
+def _coarse_unit_problem(col: pa.ChunkedArray, file: str, name: str, read_as: str) -> Problem | None:
+    """Integer timestamps that all fall after 2262 read in the unit `read_as` (e.g. nanoseconds read as
+    seconds, as a --time-unit or a model's stored unit says), when they look like a finer unit; else None (some
+    rows in range: placeholders, which `_out_of_range_problem` names)."""
+    raw = col.cast(pa.int64()).drop_null().to_numpy(zero_copy_only=False)
+    if not raw.size or int(np.abs(raw).min()) <= np.iinfo(np.int64).max // NS_PER_UNIT[read_as]:
+        return None
+    top = int(raw.max())
+    flag = "s" if top < 10**11 else "ms" if top < 10**14 else "us" if top < 10**17 else "ns"
+    if NS_PER_UNIT[flag] >= NS_PER_UNIT[read_as]:
+        return None
+    unit = UNIT_NAMES[flag]
+    return Problem(file, name, -1, f"integer timestamps (the latest {top}) read as {UNIT_NAMES[read_as]} all "
+                   "fall after 2262, beyond int64 nanoseconds: they look like " f"{unit} since the Unix epoch",
+                   f"give --time-unit {flag} (the unit the column holds)", int(raw.size))
 
 
 def _unit_problem(file: str, name: str, top: int, read_as: str = "ns") -> Problem:

@@ -22,12 +22,26 @@ def format_timestamp(ns: int) -> str:
     return f"{text}{f'.{fraction:09d}'.rstrip('0') if fraction else ''} UTC"
 
 
-def _fmt_duration(ns: int) -> str:
+def format_duration(ns: int) -> str:
+    """A duration in the largest unit it reaches: `5min`, `1h`, `17.5167h`, `30s`."""
     s = ns / 1e9
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if s >= size:
             return f"{s / size:g}{unit}"
     return f"{s:g}s"
+
+
+def spacing_warning(what: str, timestamp_ns: np.ndarray, interval_ns: int) -> str | None:
+    """Why bars mostly further apart than a model's bar interval (5-minute bars to a 1-minute model) make a
+    poor forecast, else None. Served all the same, as a quiet market's bars skip intervals; but the forecast's
+    steps are the model's bars, and it was not trained on bars this far apart."""
+    spacing = infer_bar_interval_ns(timestamp_ns, np.array([[0, timestamp_ns.size]]))
+    if not interval_ns or spacing < 2 * interval_ns:
+        return None
+    step = format_duration(interval_ns)
+    return (f"{what} are mostly {format_duration(spacing)} apart, but the model's bar interval is {step}: its "
+            f"forecast steps are {step} bars, and it was trained on such bars; resample the bars to {step}, or "
+            "use a model trained on this interval")
 
 
 def summarize(bars: Bars) -> str:
@@ -39,13 +53,13 @@ def summarize(bars: Bars) -> str:
         f"files: {len(bars.files)}",
         f"rows: {len(bars)}",
         f"symbols: {len(slices)}",
-        f"bar interval (most common spacing): {_fmt_duration(interval) if interval else 'n/a'}",
+        f"bar interval (most common spacing): {format_duration(interval) if interval else 'n/a'}",
     ]
     for sym, sl in slices.items():
         ts = bars.timestamp_ns[sl]
         gaps = np.diff(ts)
         n_gaps = int(np.sum(gaps > interval)) if interval else 0
-        largest = _fmt_duration(int(gaps.max())) if gaps.size else "n/a"
+        largest = format_duration(int(gaps.max())) if gaps.size else "n/a"
         lines.append(
             f"  {sym}: {sl.stop - sl.start} rows, {format_timestamp(int(ts[0]))} .. {format_timestamp(int(ts[-1]))}, "
             f"{n_gaps} session gaps (largest {largest})"

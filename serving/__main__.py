@@ -35,8 +35,9 @@ that came after the model file was read reloads it once the server is warm (befo
 start reads the file anyway).
 
 Exit status: 0 after a clean drain, 2 for bad arguments, a model that fails its checks,
-unusable TLS or token files, or --device cuda without a usable CUDA provider (one message
-on stderr, no traceback).
+unusable TLS or token files, or --device cuda without a usable CUDA provider (one error line
+on stderr, no traceback; for --device cuda it follows ONNX Runtime's own log of the failed
+attempt, kept in full as the detail for whoever fixes the CUDA install).
 """
 
 from __future__ import annotations

@@ -20,13 +20,15 @@ the h-th next bar, so across a session close they stand for the next session's b
 `--explain` adds each variable's mean selection weight and the bars the attention weighs most.
 
 Exit status: 0 done, 2 bad arguments, bars (missing, unreadable, too few for the model, a symbol
-the model does not know) or TLS/token files, 1 the server answered an error (its status code and
-message are printed), 130 interrupted.
+the model does not know), --explain for a model without explain outputs, or TLS/token files, 1 the
+server answered an error or could not be reached (its status code and message are printed), 130
+interrupted, 141 the reader of the output went away (`| head`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -37,6 +39,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from features.bars import BarDataError, Bars, ColumnMap, read_bars
+from features.check import spacing_warning
 from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
@@ -120,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--info prints the model's information alone: leave out --parquet, --symbol, --explain, "
                     "--packed and the column flags")
         return _interrupted_is_130(_info, args)
-    if not (args.parquet and args.symbol):
-        p.error("the following arguments are required: --parquet, --symbol (or --info for the model alone)")
+    if missing := [flag for flag, given in (("--parquet", args.parquet), ("--symbol", args.symbol)) if not given]:
+        p.error(f"the following arguments are required: {', '.join(missing)} (or --info for the model alone)")
     if not Path(args.parquet).exists():
         print(f"error: --parquet {args.parquet}: no such file or directory", file=sys.stderr)
         return 2
@@ -134,6 +137,9 @@ def _interrupted_is_130(command: Callable[[argparse.Namespace], int], args: argp
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): no traceback, and none at exit's flush either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell reports for a process ended by SIGPIPE
 
 
 def format_model_info(info: pb.ModelInfo) -> str:
@@ -179,9 +185,17 @@ def _model_info(stub: pb_grpc.ForecasterStub, args: argparse.Namespace,
     try:
         info: pb.ModelInfo = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout, metadata=metadata)
     except grpc.RpcError as exc:
-        print(f"error: GetModelInfo: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"error: GetModelInfo: {exc.code().name}: {exc.details()}{_unreachable_hint(exc, args)}",
+              file=sys.stderr)
         return None
     return info
+
+
+def _unreachable_hint(exc: grpc.RpcError, args: argparse.Namespace) -> str:
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return ""
+    return (f" (is a server running at {args.target}? Start one with `python -m serving --model model.onnx "
+            "--port PORT`, and check the port and, with TLS, the flags)")
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -207,28 +221,40 @@ def _forecast(args: argparse.Namespace) -> int:
         info = _model_info(stub, args, metadata)
         if info is None:
             return 1
+        if args.explain and not info.explain_available:
+            print("error: --explain: the server's model was exported without explain outputs (export --no-explain); "
+                  "drop --explain, or serve a model exported with them", file=sys.stderr)
+            return 2
         trained = {k: v for k, v in info.bar_columns.items() if k in ColumnMap.__dataclass_fields__}
+        columns = ColumnMap.from_args(args, trained)
         try:
-            bars = read_bars(args.parquet, ColumnMap.from_args(args, trained), tuple(info.user_feature_columns))
+            bars = read_bars(args.parquet, columns, tuple(info.user_feature_columns))
         except BarDataError as exc:
             print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars:", file=sys.stderr)
             for problem in exc.problems:
                 print(f"  {problem}", file=sys.stderr)
             return 2
         slices = bars.series_slices()
-        if args.symbol not in slices:
-            print(f"error: symbol {args.symbol!r} not in {args.parquet} (it has "
-                  f"{', '.join(bars.symbols) or 'no bars'})", file=sys.stderr)
-            return 2
         if info.symbols and args.symbol not in info.symbols:
             print(f"error: the model does not know symbol {args.symbol!r} (it knows {', '.join(info.symbols)})",
                   file=sys.stderr)
+            return 2
+        if args.symbol not in slices:
+            one_series = list(slices) == [columns.default_symbol]
+            print(f"error: symbol {args.symbol!r} not in {args.parquet} (it has {', '.join(slices) or 'no bars'})"
+                  + (f"; a file without a {columns.symbol!r} column is one series, named by --default-symbol: give "
+                     f"--default-symbol {args.symbol}" if one_series else ""), file=sys.stderr)
             return 2
         have = slices[args.symbol].stop - slices[args.symbol].start
         if have < info.bars_required:
             print(f"error: {args.parquet} has {have} bars of {args.symbol}; the model needs the latest "
                   f"{info.bars_required} (GetModelInfo.bars_required): give more history", file=sys.stderr)
             return 2
+        sent = slices[args.symbol]
+        if warning := spacing_warning(f"the {args.symbol} bars sent",
+                                      bars.timestamp_ns[max(sent.start, sent.stop - info.bars_required):sent.stop],
+                                      info.bar_interval_ns):
+            print(f"warning: {warning}", file=sys.stderr)
         request = pb.PredictRequest(
             series=[series_from_bars(bars, args.symbol, info.bars_required, list(info.user_feature_columns),
                                      packed=args.packed)],
@@ -237,7 +263,8 @@ def _forecast(args: argparse.Namespace) -> int:
         try:
             response = stub.Predict(request, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as exc:
-            print(f"error: Predict: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"error: Predict: {exc.code().name}: {exc.details()}{_unreachable_hint(exc, args)}",
+                  file=sys.stderr)
             return 1
     if args.json:
         print(json_format.MessageToJson(response, preserving_proto_field_name=True))

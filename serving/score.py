@@ -53,7 +53,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from features.bars import BarDataError, Bars, ColumnMap, read_bars
+from features.bars import BarDataError, Bars, ColumnMap, clash_with_bars, read_bars
+from features.check import format_timestamp, spacing_warning
 from features.compute import FeatureFrame, build_frame, future_timestamps
 from features.files import atomic_output
 from features.metrics import pinball
@@ -246,9 +247,13 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
     frame = build_frame(only_symbols(bars, symbols), meta.feature_config, list(meta.symbols), meta.bar_interval_ns)
     anchors = origins(frame, meta.encoder_length, start_ns, end_ns)
     if anchors.size == 0:
-        raise ScoreError(f"no forecast origin: each needs {meta.bars_required} bars of its symbol up to it "
-                         f"({meta.feature_config.warmup_bars} warm-up + {meta.encoder_length} encoder bars)"
-                         + (" inside --start/--end" if start_ns is not None or end_ns is not None else ""))
+        ranged = start_ns is not None or end_ns is not None
+        span = (f" (the bars run from {format_timestamp(int(frame.timestamp_ns.min()))} to "
+                f"{format_timestamp(int(frame.timestamp_ns.max()))})" if ranged and frame.timestamp_ns.size else "")
+        raise ScoreError(f"no forecast origin{' inside --start/--end' if ranged else ''}{span}: each origin needs "
+                         f"{meta.bars_required} bars of its symbol up to it ({meta.feature_config.warmup_bars} "
+                         f"warm-up + {meta.encoder_length} encoder bars)"
+                         + (", which may lie before --start" if start_ns is not None else ""))
     summary = Summary(meta.quantiles, meta.training)
     with atomic_output(out) as tmp:
         writer: pq.ParquetWriter | None = None
@@ -270,15 +275,20 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
     return summary
 
 
-def out_of_sample_hint(training: dict[str, Any]) -> str:
+def out_of_sample_hint(training: dict[str, Any], last_scored_ns: int) -> str:
     """The --start that keeps only origins the run did not train or choose on: its test split's first bar, else
-    just after its last bar (rounded up to a microsecond, what --start reads)."""
+    just after its last bar (rounded up to a microsecond, what --start reads). When the scored bars end before
+    that, no --start helps: later bars do."""
     test_from, last = training.get("test_from_ns"), training.get("last_bar_ns")
     cut = test_from if test_from is not None else None if last is None else last + 1
     if cut is None:
         return "the split column marks them"
+    start = f"{np.datetime64(-(-cut // 1_000), 'us')}Z"
+    if last_scored_ns < cut:
+        return (f"these bars end before {start}, where the bars the run neither trained nor chose on begin: score "
+                "bars that go on past it for forecasts the model has not seen")
     which = "test and after" if test_from is not None else "after"
-    return f"--start {np.datetime64(-(-cut // 1_000), 'us')}Z keeps only the {which} origins"
+    return f"--start {start} keeps only the {which} origins"
 
 
 def _interrupted(signum: int, frame: object) -> None:
@@ -315,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ScoreError(f"--out {args.out}: name a .parquet file")
         if args.out.is_dir():
             raise ScoreError(f"--out {args.out} is a directory; name a .parquet file")
+        if problem := clash_with_bars(args.out, args.parquet):
+            raise ScoreError(f"--out {problem}; name another file")
         model = load_model(args.model, args.device, args.threads, max_batch=args.batch)
         meta = model.meta
         columns = ColumnMap.from_args(args, meta.column_map or None)
@@ -343,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             if (rows := slices[s].stop - slices[s].start) < meta.bars_required:
                 log.warning("skipped %s: %d bars, a forecast needs %d (%d warm-up + %d encoder)", s, rows,
                             meta.bars_required, meta.feature_config.warmup_bars, meta.encoder_length)
+            elif warning := spacing_warning(f"the {s} bars", bars.timestamp_ns[slices[s]], meta.bar_interval_ns):
+                log.warning("%s", warning)
         summary = score(model, bars, args.out, wanted, start_ns, end_ns, args.batch)
     except (ScoreError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -360,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s", line)
     if inside := summary.in_sample():
         log.warning("%s origin(s) lie in the bars the model was trained or chosen on (split train or validation): "
-                    "in-sample, not a backtest; %s", f"{inside:,}", out_of_sample_hint(meta.training))
+                    "in-sample, not a backtest; %s", f"{inside:,}",
+                    out_of_sample_hint(meta.training, max(int(bars.timestamp_ns[slices[s]].max()) for s in wanted)))
     log.info("wrote %s", args.out)
     return 0
 

@@ -34,6 +34,7 @@ import hmac
 import inspect
 import ipaddress
 import logging
+import re
 import ssl
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -403,6 +404,9 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
 MAX_TIMEOUT_S = 1e6  # a gRPC deadline far beyond this overflows its clock and passes at once
 
 
+GRPC_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:", "xds:")
+
+
 def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The TLS flags (and a tool's --timeout) make sense together; p.error names what does not."""
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -412,6 +416,16 @@ def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
     timeout = getattr(args, "timeout", None)
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
         p.error(f"--timeout {timeout:g}: give a deadline in seconds, above 0 and at most {MAX_TIMEOUT_S:g}")
+    target = getattr(args, "target", None)
+    if target and not _wants_tls(args) and not _has_port(target):
+        p.error(f"--target {target} has no port, and gRPC would dial 443 (the TLS port): give HOST:PORT, e.g. "
+                f"{target}:50051 (the server's default --port)")
+
+
+def _has_port(target: str) -> bool:
+    """A plain HOST:PORT (or [IPv6]:PORT) names its port; a target in gRPC's own syntax (unix:/path,
+    dns:///host:port, ipv4:1.2.3.4:5, ...) is passed as written."""
+    return target.startswith(GRPC_SCHEMES) or re.search(r":\d+$", target) is not None
 
 
 def _wants_tls(args: argparse.Namespace) -> bool:

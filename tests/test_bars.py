@@ -602,6 +602,11 @@ def test_integer_timestamps_in_another_unit_are_refused_by_name(tmp_path: Path, 
         p = only_problem(tmp_path / "x.parquet", ColumnMap(time_unit=smaller))
         assert f"read as {({'ms': 'milliseconds', 'us': 'microseconds'})[smaller]} all fall before 1973" in p.rule
         assert f"give --time-unit {flag}," in p.fix
+    if flag != "s":  # a unit too large for the values: past 2262 for every row, refused with the unit they look like
+        larger = {"ms": "s", "us": "ms"}[flag]
+        p = only_problem(tmp_path / "x.parquet", ColumnMap(time_unit=larger))
+        assert f"read as {({'s': 'seconds', 'ms': 'milliseconds'})[larger]} all fall after 2262" in p.rule
+        assert f"look like {unit} since the Unix epoch" in p.rule and p.fix.startswith(f"give --time-unit {flag} ")
 
 
 def test_a_time_unit_whose_values_overflow_nanoseconds_is_a_problem_by_row(tmp_path: Path) -> None:
@@ -610,7 +615,12 @@ def test_a_time_unit_whose_values_overflow_nanoseconds_is_a_problem_by_row(tmp_p
     ms[3] = 2**62  # fine as an integer; past int64 once in nanoseconds
     cols["timestamp"] = pa.array(ms, pa.int64())
     p = only_problem(write_parquet(tmp_path / "x.parquet", cols), ColumnMap(time_unit="ms"))
-    assert p.row == 3 and p.column == "timestamp"
+    assert p.row == 3 and p.column == "timestamp" and "placeholder" in p.fix  # one row: not the unit
+    # nanoseconds read as seconds (a --time-unit s, or a model trained on seconds): every row, so the unit
+    cols = series_columns(0, 5, "ES")
+    p = only_problem(write_parquet(tmp_path / "ns.parquet", cols), ColumnMap(time_unit="s"))
+    assert "read as seconds all fall after 2262" in p.rule and "look like nanoseconds" in p.rule
+    assert p.fix.startswith("give --time-unit ns ") and p.count == 5
     with pytest.raises(ValueError, match="time unit 'minutes': expected one of s, ms, us, ns"):
         ColumnMap(time_unit="minutes")
 

@@ -457,6 +457,14 @@ def test_output_paths_are_checked(ckpt: Path, tmp_path: Path, capsys: pytest.Cap
                  "--triton-name", "tft"]) == 2
     assert "is inside the Triton model directory" in capsys.readouterr().err
     assert listing(tmp_path / "repo") == ["tft", "tft/1"]
+    bars = tmp_path / "data" / "bars.parquet"  # the --bars file, or a parquet name in the --bars directory
+    bars.parent.mkdir()
+    bars.write_bytes(b"PAR1 the user's bars")
+    assert main([str(ckpt), str(bars), "--bars", str(bars)]) == 2
+    assert f"{bars} is the bars file {bars} itself" in capsys.readouterr().err
+    assert main([str(ckpt), str(bars.parent / "model.parquet"), "--bars", str(bars.parent)]) == 2
+    assert "is inside the bars directory" in capsys.readouterr().err
+    assert listing(bars.parent) == ["bars.parquet"] and bars.read_bytes() == b"PAR1 the user's bars"
 
 
 def test_real_command_exit_status_and_help_text(tmp_path: Path) -> None:

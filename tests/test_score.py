@@ -113,7 +113,7 @@ def test_symbols_and_a_time_range_choose_the_origins(tiny_model: Model, tmp_path
     (("--start", "yesterday"), "--start 'yesterday': give an ISO 8601 date or time"),
     (("--start", "2300-01-01"), "--start '2300-01-01': bar times are int64 nanoseconds, which hold 1678 to 2261"),
     (("--end", "1600-01-01"), "--end '1600-01-01': bar times are int64 nanoseconds"),
-    (("--start", "2030-01-01"), "no forecast origin: each needs 40 bars of its symbol up to it"),
+    (("--start", "2030-01-01"), "no forecast origin inside --start/--end (the bars run from 2024-"),
 ])
 def test_a_bad_choice_is_named_and_nothing_is_written(flags: tuple[str, ...], message: str,
                                                       tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
@@ -121,6 +121,28 @@ def test_a_bad_choice_is_named_and_nothing_is_written(flags: tuple[str, ...], me
     done = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", out, *flags)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert list(tmp_path.iterdir()) == []  # no output, no temporary file
+
+
+def test_an_out_that_would_replace_or_join_the_bars_is_refused(tiny_model: Model,  # noqa: F811
+                                                                  tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    bars = data / "bars.parquet"
+    bars.write_bytes(tiny_model.bars_path.read_bytes())
+    done = score("--model", tiny_model.model, "--parquet", bars, "--out", bars)
+    assert done.returncode == 2 and f"--out {bars} is the bars file {bars} itself" in done.stderr, done.stderr
+    done = score("--model", tiny_model.model, "--parquet", data, "--out", data / "forecasts.parquet")
+    assert done.returncode == 2 and "whose next read would take it as bars" in done.stderr, done.stderr
+    assert sorted(p.name for p in data.iterdir()) == ["bars.parquet"]
+    assert bars.read_bytes() == tiny_model.bars_path.read_bytes()
+    # bars further apart than the model's interval are scored, with a warning that says so
+    table = pq.read_table(bars)
+    pq.write_table(table.filter(pc.equal(pc.bit_wise_and(pa.array(np.arange(table.num_rows)), 3), 0)),
+                   tmp_path / "fourth.parquet")
+    done = score("--model", tiny_model.model, "--parquet", tmp_path / "fourth.parquet", "--out", tmp_path / "f.parquet",
+                 "--threads", "1")
+    assert done.returncode == 0, done.stderr
+    assert "the ES bars are mostly 4min apart, but the model's bar interval is 1min" in done.stderr, done.stderr
 
 
 def test_the_scorer_never_imports_torch() -> None:
@@ -194,11 +216,13 @@ def test_each_origin_is_placed_in_the_models_training_run_and_in_sample_ones_are
     origin = scored["origin"].cast(pa.int64()).to_numpy()
     want = np.where(origin >= meta.training["validation_from_ns"], "validation", "train")
     assert scored["split"].to_pylist() == want.tolist()
-    # the warning names the in-sample origins and a --start that leaves them all out
+    # the warning names the in-sample origins; the bars are the run's own, so no --start can leave them out: it
+    # says where bars the model has not seen begin
     done = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", tmp_path / "f.parquet",
                  "--symbols", "ES")
     m = re.search(r"([\d,]+) origin\(s\) lie in the bars the model was trained or chosen on .* "
-                  r"--start (\S+) keeps only", done.stderr)
+                  r"these bars end before (\S+), where the bars the run neither trained nor chose on begin",
+                  done.stderr)
     assert done.returncode == 0 and m, done.stderr
     assert int(m.group(1).replace(",", "")) == scored.num_rows // meta.horizon // 2  # every ES origin
     refused = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", tmp_path / "g.parquet",
@@ -290,12 +314,16 @@ def test_the_hint_keeps_a_test_split_and_the_span_is_checked_value_by_value() ->
 
     tested = {"first_bar_ns": 1, "validation_from_ns": 10, "test_from_ns": 1_704_873_000_000_000_500,
               "last_bar_ns": 1_704_999_999_000_000_000}
-    hint = out_of_sample_hint(tested)  # the test split is out of sample: the hint starts there, not after the data
+    later = 1_705_000_000_000_000_000  # the scored bars go on past the run's
+    hint = out_of_sample_hint(tested, later)  # the test split is out of sample: the hint starts there, not after
     assert hint == "--start 2024-01-10T07:50:00.000001Z keeps only the test and after origins"
     assert parse_time(hint.split()[1], "--start") == 1_704_873_000_000_001_000  # the first µs at or after it
     untested = dict(tested, test_from_ns=None)
-    assert out_of_sample_hint(untested) == "--start 2024-01-11T19:06:39.000001Z keeps only the after origins"
-    assert out_of_sample_hint(dict(untested, last_bar_ns=None)) == "the split column marks them"
+    assert out_of_sample_hint(untested, later) == "--start 2024-01-11T19:06:39.000001Z keeps only the after origins"
+    assert out_of_sample_hint(dict(untested, last_bar_ns=None), later) == "the split column marks them"
+    # the run's own bars scored again: no --start keeps an origin, so none is offered
+    own = out_of_sample_hint(untested, tested["last_bar_ns"])
+    assert "--start" not in own and "these bars end before 2024-01-11T19:06:39.000001Z" in own
     assert _span_ok(tested) and _span_ok(untested)
     changes: list[dict[str, object]] = [
         {"validation_from_ns": "10"}, {"last_bar_ns": 1.5e18}, {"first_bar_ns": True}, {"validation_from_ns": [10]},

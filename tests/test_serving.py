@@ -419,6 +419,48 @@ def test_client_prints_a_forecast_table(art: Model, server: LiveServer, tmp_path
     assert r.returncode == 2 and "the model does not know symbol 'CL'" in r.stderr, r.stderr
     r = client(tmp_path / "missing.parquet", symbol)
     assert r.returncode == 2 and "no such file or directory" in r.stderr and "Traceback" not in r.stderr
+    # a file without a symbol column is one series: the error names the flag that names it
+    pq.write_table(table.take(rows).drop_columns(["symbol"]), tmp_path / "one.parquet")
+    r = client(tmp_path / "one.parquet", symbol)
+    assert r.returncode == 2 and f"not in {tmp_path / 'one.parquet'} (it has SERIES)" in r.stderr, r.stderr
+    assert f"give --default-symbol {symbol}" in r.stderr
+    # bars further apart than the model's interval (every 5th bar) are served, with a warning that says so
+    pq.write_table(table.take(rows[::5]), tmp_path / "five.parquet")
+    r = client(tmp_path / "five.parquet", symbol)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 3 + art.meta.horizon, r.stderr
+    assert (f"warning: the {symbol} bars sent are mostly 5min apart, but the model's bar interval is 1min: its "
+            "forecast steps are 1min bars") in r.stderr
+    assert "warning" not in client(art.bars_path, symbol).stderr
+    # a reader that goes away (`| head`): no traceback, the status a shell gives a process ended by SIGPIPE
+    with subprocess.Popen([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
+                           str(art.bars_path), "--symbol", symbol], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as piped:
+        assert piped.stdout is not None and piped.stderr is not None
+        piped.stdout.close()  # before the client prints anything: it answers only after its calls
+        err = piped.stderr.read()
+    assert piped.returncode == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize(("flags", "code", "message"), [
+    (["--symbol", "ES"], 2, "the following arguments are required: --parquet (or --info for the model alone)"),
+    (["--parquet", "bars.parquet"], 2, "the following arguments are required: --symbol (or --info"),
+    (["--target", "localhost", "--info"], 2, "--target localhost has no port, and gRPC would dial 443 (the TLS port): "
+                                             "give HOST:PORT, e.g. localhost:50051"),
+    (["--target", "127.0.0.1:1", "--info", "--timeout", "5"], 1,
+     "error: GetModelInfo: UNAVAILABLE: "),
+])
+def test_client_usage_and_an_unreachable_server_are_named(flags: list[str], code: int, message: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from serving.client import main
+
+    try:
+        got = main(flags)
+    except SystemExit as exc:  # argparse's usage errors
+        got = exc.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert got == code and message in err, err
+    if code == 1:  # nothing listens there: the error says what to check
+        assert "(is a server running at 127.0.0.1:1? Start one with `python -m serving --model" in err
 
 
 def test_a_models_recorded_layout_client_info_bar_columns_and_calendar_zone(art: Model, tmp_path: Path) -> None:
@@ -911,6 +953,12 @@ def test_not_serving_until_warm_and_explain_needs_explain_outputs(art: Model, tm
                     await stub.Predict(request_for(art, art.meta.symbols[0], explain=True), timeout=10)
                 assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
                 assert "without explain outputs" in (info.value.details() or "")
+                r = await asyncio.to_thread(  # the CLI client asks GetModelInfo first, and says which flag to drop
+                    subprocess.run, [sys.executable, "-m", "serving.client", "--target", f"127.0.0.1:{port}",
+                                     "--parquet", str(art.bars_path), "--symbol", art.meta.symbols[0], "--explain"],
+                    cwd=REPO, capture_output=True, text=True, timeout=60)
+                assert r.returncode == 2 and "exported without explain outputs" in r.stderr, r.stderr
+                assert "drop --explain" in r.stderr
                 (f,) = (await stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10)).forecasts
                 assert len(f.log_return) == art.meta.horizon * len(art.meta.quantiles)
                 assert not f.HasField("explanation")

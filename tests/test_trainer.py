@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -301,6 +302,8 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
     r = run([*resume, str(tmp_path / "a" / "ckpt.last.pt"), "--out", str(tmp_path / "b" / "ckpt.pt")])
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"copied the run's best checkpoint (epoch {a_best})" in r.stderr
+    assert "nothing to train: the run is at epoch 2 of --epochs 2; to train on, resume with --epochs above 2" \
+        in r.stderr
     assert file_sha256(tmp_path / "b" / "ckpt.pt") == file_sha256(tmp_path / "a" / "ckpt.pt")
     assert json.loads((tmp_path / "b" / "ckpt.test.json").read_text())["test_loss"] == a_test["test_loss"]
     assert (tmp_path / "b" / "ckpt.report.png").stat().st_size > 0
@@ -310,19 +313,27 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
     r = run([*resume, str(tmp_path / "e" / "model.last.pt"), "--out", str(tmp_path / "f" / "ckpt.pt"), "--no-report"])
     assert r.returncode == 0 and "copied the run's best checkpoint (epoch 1) from" in r.stderr, r.stderr[-3000:]
     assert file_sha256(tmp_path / "f" / "ckpt.pt") == file_sha256(tmp_path / "e" / "model.ckpt")
-    # a last checkpoint copied alone, its run's best at an earlier epoch: no best to use, and none borrowed
+    # a last checkpoint copied alone, its run's best at an earlier epoch: no best to use, and none borrowed; the
+    # run stopped early (3 epochs without improvement, its --patience), so more --epochs alone train nothing
     last = load_checkpoint(tmp_path / "a" / "ckpt.last.pt")
-    last.update(best_epoch=1, best_val_loss=last["metrics_history"][0]["val_loss"], epochs_without_improvement=1)
+    last.update(best_epoch=1, best_val_loss=last["metrics_history"][0]["val_loss"], epochs_without_improvement=3)
     save_atomic(last, tmp_path / "c" / "saved.pt")
     (tmp_path / "d").mkdir()
     for other in ("ckpt.test.json", "ckpt.report.png"):  # another run's judgments, left in d
         (tmp_path / "d" / other).write_text("another run's")
-    r = run([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "d" / "ckpt.pt")])
+    r = run([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "d" / "ckpt.pt"), "--epochs", "3"])
     assert r.returncode == 0, r.stderr[-3000:]
+    assert ("nothing to train: the run stopped early at epoch 2, after 3 epochs without validation improvement "
+            "(--patience 3); to train on, resume with a --patience above 3 (0: never stop early)") in r.stderr
     assert "is not beside" in r.stderr and "skipped the report and the test split" in r.stderr
     assert "they judge a model that is not this run's best" in r.stderr
     assert not (tmp_path / "d" / "ckpt.pt").exists() and not (tmp_path / "d" / "ckpt.test.json").exists()
     assert not (tmp_path / "d" / "ckpt.report.png").exists()
+    # a stopping rule may change on resume: a higher --patience trains on
+    r = run([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "g" / "ckpt.pt"), "--epochs", "3",
+             "--patience", "5", "--no-report"])
+    assert r.returncode == 0 and "resume: patience 3 -> 5" in r.stderr, r.stderr[-3000:]
+    assert "nothing to train" not in r.stderr and load_checkpoint(tmp_path / "g" / "ckpt.last.pt")["epoch"] == 3
     # a fresh run into b with no report and no test split: the earlier run's report and test scores go
     r = run([*train, "--out", str(tmp_path / "b" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
     assert r.returncode == 0 and "ckpt.test.json" in r.stderr and "from an earlier run" in r.stderr, r.stderr[-3000:]
@@ -370,6 +381,8 @@ def test_a_resumed_run_keeps_its_recipe_and_takes_its_machine_from_the_command()
     assert (resumed.device, resumed.vram_budget) == ("cpu", "")  # this machine's, given or not
     assert resumed.epochs == 3 and resumed.learning_rate == 3e-4  # the run's own, not the defaults
     assert resumed_config(stored, replace(now, epochs=5), {"epochs"}).epochs == 5
+    assert resumed.patience == stored.patience == 3  # the stopping rules: the run's own unless given
+    assert resumed_config(replace(stored, patience=2), replace(now, patience=6), {"patience"}).patience == 6
     with pytest.raises(ConfigError) as info:
         resumed_config(stored, replace(now, hidden_size=16, learning_rate=1.0), {"hidden_size", "learning_rate"})
     assert "hidden_size 16 (the checkpoint's: 8); learning_rate 1.0 (the checkpoint's: 0.0003)" in str(info.value)
@@ -650,6 +663,11 @@ def test_an_unusable_out_is_refused_before_any_training(tmp_path: Path, bars: Pa
     r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "runs" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
     assert r.returncode == 1 and f"{tmp_path / 'runs'} is a link to {tmp_path / 'gone'}, which does not exist" \
         in r.stderr, r.stderr[-2000:]
+    own = tmp_path / "own.parquet"  # --out naming the bars themselves would replace them with the checkpoint
+    shutil.copy(bars, own)
+    r = run(["-m", "trainer", "--parquet", str(own), "--out", str(own), *TINY_TRAIN_FLAGS])
+    assert r.returncode == 2 and f"--out {own}: {own} is the bars file {own} itself" in r.stderr, r.stderr[-2000:]
+    assert own.read_bytes() == bars.read_bytes() and "epoch 1" not in r.stderr
 
 
 def test_symbols_the_model_cannot_learn_or_space_rightly_are_warned_about(tmp_path: Path,

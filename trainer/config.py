@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 
 # What a resumed run takes from its command rather than its checkpoint: the machine it runs on, and how
 # many epochs (when given). Everything else is the run's recipe, kept as the checkpoint holds it.
-RESUME_OVERRIDABLE = ("epochs", "device", "vram_budget", "threads", "grad_checkpointing", "precision")
+STOPPING_RULES = ("epochs", "patience")  # when a run stops: a resumed run takes them when given, else its own
+RESUME_OVERRIDABLE = (*STOPPING_RULES, "device", "vram_budget", "threads", "grad_checkpointing", "precision")
 AUTO_WINDOW_BLOCK = 16  # window_block 0: blocks of 16 consecutive windows ...
 MIN_BLOCKS_PER_BATCH = 8  # ... but at least 8 blocks in a batch
 
@@ -233,17 +234,18 @@ def given_fields(args: argparse.Namespace) -> set[str]:
 
 
 def resumed_config(stored: TrainConfig, now: TrainConfig, given: set[str]) -> TrainConfig:
-    """A resumed run's config: the checkpoint's recipe, the hardware fields of this command, and its epochs
-    when given (else the checkpoint's, so the schedule is the one the run started). ConfigError naming each
-    field of the recipe that this command sets to another value than the checkpoint holds."""
+    """A resumed run's config: the checkpoint's recipe, the hardware fields of this command, and its epochs and
+    patience when given (else the checkpoint's, so the schedule is the one the run started). ConfigError naming
+    each field of the recipe that this command sets to another value than the checkpoint holds."""
     changed = [f"{k} {getattr(now, k)!r} (the checkpoint's: {getattr(stored, k)!r})"
                for k in sorted(given - set(RESUME_OVERRIDABLE)) if getattr(now, k) != getattr(stored, k)]
     if changed:
         raise ConfigError(f"--resume continues the run as its checkpoint configured it, but this command changes "
                           f"{'; '.join(changed)}; drop those settings, or start a new run without --resume "
                           f"(a resumed run may change only {', '.join(RESUME_OVERRIDABLE)})")
-    hardware = {k: getattr(now, k) for k in RESUME_OVERRIDABLE if k != "epochs"}
-    return replace(stored, **hardware, epochs=now.epochs if "epochs" in given else stored.epochs)
+    hardware = {k: getattr(now, k) for k in RESUME_OVERRIDABLE if k not in STOPPING_RULES}
+    stopping = {k: getattr(now if k in given else stored, k) for k in STOPPING_RULES}
+    return replace(stored, **hardware, **stopping)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

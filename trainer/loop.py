@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from features import package_version
-from features.bars import ColumnMap
+from features.bars import ColumnMap, clash_with_bars
 from features.metrics import climatology_forecast, forecast_metrics, format_q_risk, pinball
 from features.schema import MODEL_OUTPUTS, QUANTILES, TARGET
 from trainer.checkpoint import (
@@ -37,7 +37,7 @@ from trainer.checkpoint import (
     save_atomic,
     state_digest,
 )
-from trainer.config import RESUME_OVERRIDABLE, ConfigError, TrainConfig, resumed_config
+from trainer.config import RESUME_OVERRIDABLE, STOPPING_RULES, ConfigError, TrainConfig, resumed_config
 from trainer.data import ROW_INPUTS, Normalization, PreparedData, check_resumed_split, prepare
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
 from trainer.distributed import init_from_env
@@ -129,6 +129,9 @@ class Trainer:
                  | None = None) -> None:
         self.paths = RunPaths.for_out(out)
         check_output(out)
+        for written in astuple(self.paths):
+            if problem := clash_with_bars(written, Path(parquet)):
+                raise ConfigError(f"--out {out}: {problem}; give another --out")
         for stale in (*remove_stale_temp_files(self.paths.best), *remove_stale_temp_files(self.paths.last)):
             log.warning("removed %s, a partial write left by a killed run", stale)
         self.progress = progress
@@ -138,8 +141,9 @@ class Trainer:
         if resume is not None:
             self.resume_state = load_checkpoint(resume)
             stored = TrainConfig.from_checkpoint(self.resume_state["train_config"])
-            if cfg.epochs != stored.epochs:
-                log.info("resume: epochs %d -> %d", stored.epochs, cfg.epochs)
+            for rule in STOPPING_RULES:
+                if getattr(cfg, rule) != getattr(stored, rule):
+                    log.info("resume: %s %d -> %d", rule, getattr(stored, rule), getattr(cfg, rule))
             # the run's recipe comes from the checkpoint; the hardware it runs on and its epochs from `cfg`
             cfg = resumed_config(stored, cfg, set(RESUME_OVERRIDABLE))
             if columns is None:  # else the caller laid its flags over the stored names (ColumnMap.from_args)
@@ -505,6 +509,8 @@ class Trainer:
             torch.from_numpy(self.data.train_anchors[:2]))), self.device)
         if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
             stopped_early = True
+        if self.dist.is_main and (stopped_early or self.epoch >= self.cfg.epochs):
+            log.warning("nothing to train: %s", self._why_finished())
         if self.dist.is_main:  # metrics restart from the checkpoint's history, or afresh: one run per file
             self.paths.metrics.parent.mkdir(parents=True, exist_ok=True)
             self._adopt_best()
@@ -550,6 +556,19 @@ class Trainer:
             if stop_after_epochs is not None and ran >= stop_after_epochs:
                 break
         return TrainResult(self.paths, self.history, self.best_val, ran, stopped_early, self.plan)
+
+    def _why_finished(self) -> str:
+        """Why a resumed run has no epoch left, and the flags that give it more."""
+        more = []
+        if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
+            more.append(f"a --patience above {self.stale_epochs} (0: never stop early)")
+        if self.epoch >= self.cfg.epochs:
+            more.append(f"--epochs above {self.epoch}")
+        why = (f"the run stopped early at epoch {self.epoch}, after {self.stale_epochs} epochs without validation "
+               f"improvement (--patience {self.cfg.patience})" if self.cfg.patience
+               and self.stale_epochs >= self.cfg.patience else f"the run is at epoch {self.epoch} of --epochs "
+               f"{self.cfg.epochs}")
+        return f"{why}; to train on, resume with {' and '.join(more)}"
 
     def _check_finite(self, train_loss: float, val_loss: float) -> None:
         """Diverged: validation (the weights) went non-finite, or every training step did."""
