@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse-port", action="store_true",
                    help="bind with SO_REUSEPORT, sharing the port with other server processes (what --workers does)")
     p.add_argument("--stop-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)  # a --workers worker
+    p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # ... and which: its log lines say so
     p.add_argument("--device", choices=DEVICES, default=d.device,
                    help="cuda: CUDA provider or refuse to start; cpu; auto: CUDA if it works, else CPU with a "
                         f"warning (default {d.device})")
@@ -182,7 +183,8 @@ def raise_open_file_limit() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    worker = "" if args.worker_index is None else f"[worker {args.worker_index}] "  # N workers share one stderr
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s %(name)s {worker}%(message)s",
                         stream=sys.stderr)
     config = config_from_args(p, args)
     raise_open_file_limit()

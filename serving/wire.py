@@ -64,7 +64,10 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
 
 
 def _column(name: str, values: ArrayLike, n: int) -> np.ndarray:
-    col = np.asarray(values, dtype=np.float64)
+    try:
+        col = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as exc:  # text, objects: numpy's message names neither the column nor the fix
+        raise ValueError(f"{name} is not numeric ({exc}); give numbers, one per bar") from None
     if col.ndim != 1 or col.shape[0] != n:
         raise ValueError(f"{name} has shape {col.shape}, timestamp_ns has {n} bars; give one value per bar")
     return col

@@ -162,7 +162,7 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
             mport = config.metrics_port + i if config.metrics_port else config.metrics_port
             worker_config = ServerConfig(**(asdict(config) | {"port": port, "reuse_port": True,
                                                               "metrics_port": mport, "stop_on_stdin_eof": True}))
-            cmd = [sys.executable, "-m", "serving", *server_args(worker_config, log_level)]
+            cmd = [sys.executable, "-m", "serving", *server_args(worker_config, log_level), f"--worker-index={i}"]
             # stdin is the worker's lifeline: when this process dies, however it dies, the pipe closes
             w = Worker(i, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
             workers.append(w)

@@ -56,6 +56,9 @@ def test_a_series_takes_lists_and_float32_and_sends_float64() -> None:
     (lambda b: b.update(timestamp_ns=b["timestamp_ns"].astype("datetime64[ns]")),
      "timestamp_ns has dtype datetime64[ns]; give int64 UTC nanoseconds"),
     (lambda b: b.update(timestamp_ns=b["timestamp_ns"][None, :]), "timestamp_ns has shape (1, 9)"),
+    (lambda b: b.update(close=["x"] * 9), "close is not numeric (could not convert string to float: 'x'); give "
+                                          "numbers, one per bar"),
+    (lambda b: b.update(spread=np.array(["1.5"] * 8 + ["n/a"])), "user feature 'spread' is not numeric"),
 ])
 def test_a_column_that_cannot_be_sent_is_named(change: Callable[[dict[str, np.ndarray]], None], message: str
                                                  ) -> None:
