@@ -547,12 +547,67 @@ def validate(
     cmap: ColumnMap,
     user_columns: tuple[str, ...] = (),
 ) -> list[Problem]:
-    """Check every row rule per file (value rules) and per symbol across files (order rules)."""
+    """Check every row rule per file (value rules) and per symbol across files (order and price-scale rules)."""
     problems: list[Problem] = []
     for part, fname in zip(parts, files, strict=True):
         problems.extend(_value_problems(part, fname, cmap, user_columns))
-    problems.extend(_order_problems(parts, files, cmap))
+    rows = _Rows.of(parts)
+    problems.extend(_order_problems(parts, files, cmap, rows))
+    problems.extend(_scale_problems(parts, files, cmap, rows))
     return problems
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Every row of the parts, in reading order, and the order that groups them by symbol (reading order kept
+    within a symbol): what the cross-file rules share, sorted once."""
+
+    symbol: np.ndarray  # str [N]
+    file_idx: np.ndarray  # int [N]
+    row_in_file: np.ndarray  # int [N]
+    by_symbol: np.ndarray  # int [N], a permutation
+
+    @staticmethod
+    def of(parts: list[dict[str, np.ndarray]]) -> _Rows:
+        sym = np.concatenate([p["symbol"] for p in parts]).astype(str)
+        return _Rows(sym, np.concatenate([np.full(len(p["timestamp"]), i) for i, p in enumerate(parts)]),
+                     np.concatenate([np.arange(len(p["timestamp"])) for p in parts]), np.argsort(sym, kind="stable"))
+
+    def grouped(self, keep: np.ndarray) -> np.ndarray:
+        """The rows where `keep` holds, grouped by symbol."""
+        return self.by_symbol[keep[self.by_symbol]]
+
+
+# A close this many times the previous bar's close of its symbol, or this many times smaller, is a change of price
+# units (1e-9 fixed-point integers in one file, dollars in the next), not a market move: no futures market moves
+# a hundredfold in one bar, and the log returns every feature and the target start from would be off by the factor.
+MAX_BAR_PRICE_RATIO = 100.0
+
+
+def _scale_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap,
+                    rows: _Rows) -> list[Problem]:
+    """Closes that jump by MAX_BAR_PRICE_RATIO or more from the previous bar of the same symbol, in reading order
+    (files in path order): one problem per symbol, at its first jump, naming the earlier bar's file when the
+    jump is between files."""
+    close = np.concatenate([p["close"] for p in parts])
+    file_idx, row_in_file = rows.file_idx, rows.row_in_file
+    order = rows.grouped(np.isfinite(close) & (close > 0))  # bad prices have their own problems
+    c, s = close[order], rows.symbol[order]
+    with np.errstate(over="ignore"):
+        ratio = c[1:] / c[:-1]
+    jump = (s[1:] == s[:-1]) & ((ratio >= MAX_BAR_PRICE_RATIO) | (ratio <= 1 / MAX_BAR_PRICE_RATIO))
+    out: list[Problem] = []
+    for symbol in dict.fromkeys(s[1:][jump]):
+        idx = np.flatnonzero(jump & (s[1:] == symbol))
+        before, bad = order[idx[0]], order[idx[0] + 1]
+        where = "" if file_idx[before] == file_idx[bad] else f" (that bar is in {files[file_idx[before]]})"
+        out.append(Problem(files[file_idx[bad]], cmap.close, int(row_in_file[bad]),
+                           f"close {close[bad]:.10g} is {close[bad] / close[before]:.3g} times the previous bar's "
+                           f"close of {symbol}, {close[before]:.10g}{where}: a change of price units, not a market "
+                           f"move (rule: a close within {MAX_BAR_PRICE_RATIO:g}x of the previous one)",
+                           "give every file's prices in one unit (e.g. 1e-9 fixed-point integers in one file and "
+                           "dollars in another: convert one of them)", int(idx.size)))
+    return out
 
 
 def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
@@ -595,21 +650,19 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
     return out
 
 
-def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap) -> list[Problem]:
+def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap,
+                    rows: _Rows) -> list[Problem]:
     """Timestamps must strictly increase within each symbol, across files in reading order.
 
     Where a file's bars of a symbol start at or before that symbol's last bar in an earlier file, the
     files overlap (each may be in order): one problem per such pair of files, naming both. Otherwise the
     first decrease and the first duplicate. Rows with a null timestamp have their own problem and are
     left out here."""
-    keep = ~np.concatenate([p["timestamp_null"] for p in parts])
-    ts = np.concatenate([p["timestamp"] for p in parts])[keep]
-    sym = np.concatenate([p["symbol"] for p in parts]).astype(str)[keep]
-    absent = np.concatenate([p["symbol_absent"] for p in parts])[keep]
-    file_idx = np.concatenate([np.full(len(p["timestamp"]), i) for i, p in enumerate(parts)])[keep]
-    row_in_file = np.concatenate([np.arange(len(p["timestamp"])) for p in parts])[keep]
-    order = np.argsort(sym, kind="stable")
-    ts_o, sym_o, file_o = ts[order], sym[order], file_idx[order]
+    ts = np.concatenate([p["timestamp"] for p in parts])
+    absent = np.concatenate([p["symbol_absent"] for p in parts])
+    file_idx, row_in_file = rows.file_idx, rows.row_in_file
+    order = rows.grouped(~np.concatenate([p["timestamp_null"] for p in parts]))
+    ts_o, sym_o, file_o = ts[order], rows.symbol[order], file_idx[order]
     prev, cur = ts_o[:-1], ts_o[1:]  # compared, not subtracted: a difference can overflow int64
     back = (sym_o[1:] == sym_o[:-1]) & (cur <= prev)
     across = back & (file_o[1:] != file_o[:-1])

@@ -17,6 +17,7 @@ import numpy as np
 
 from features.bars import (
     F32_MAX,
+    MAX_BAR_PRICE_RATIO,
     NS_PER_UNIT,
     PLAUSIBLE_NS,
     PRICE_COLUMNS,
@@ -247,9 +248,12 @@ def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
     a NaN anywhere fails a comparison.
     """
     o, h, lo, c, v = s.open, s.high, s.low, s.close, s.volume
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         ok = bool((lo > 0).all() and (h < np.inf).all() and (np.minimum(o, c) >= lo).all()
                   and (np.maximum(o, c) <= h).all() and (v >= 0).all() and (v < np.inf).all())
+        if ok:  # prices positive and finite: no close a hundredfold off the one before (a change of units)
+            ratio = c[1:] / c[:-1]
+            ok = bool(((ratio < MAX_BAR_PRICE_RATIO) & (ratio > 1 / MAX_BAR_PRICE_RATIO)).all())
         ts = s.timestamp_ns
         ok = ok and bool((ts[1:] > ts[:-1]).all())  # compared, not differenced: a difference can overflow
         if not ok or not user_columns:
@@ -280,6 +284,9 @@ def _for_the_wire(p: Problem, symbol: str) -> Problem:
     if p.rule.endswith(" is NaN or null"):
         return Problem(p.file, p.column, p.row, p.rule.removesuffix(" or null"),
                        f"send a finite {p.column} for every bar", p.count)
+    if "a change of price units" in p.rule:
+        return Problem(p.file, p.column, p.row, p.rule, "send every bar's prices in one unit, the one the model was "
+                       "trained on", p.count)
     if "is not positive" in p.rule:
         return Problem(p.file, p.column, p.row, p.rule, "send positive prices (back-adjusted continuous contracts "
                        "must be shifted to positive prices)", p.count)

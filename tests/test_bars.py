@@ -321,6 +321,35 @@ def series_columns(bar_from: int, bar_to: int, with_symbol: str | None = None) -
     return cols
 
 
+def test_prices_in_another_unit_in_one_file_are_refused_naming_both_files(tmp_path: Path) -> None:
+    """A vendor's 1e-9 fixed-point integers in most files and dollars in one: each file is consistent, but the
+    log returns at the seams are off by a factor of 1e9 and training would learn from them unwarned."""
+    def part(bar_from: int, bar_to: int, scale: float) -> dict[str, Any]:
+        cols = series_columns(bar_from, bar_to, "ES")
+        for name in ("open", "high", "low", "close"):
+            cols[name] = cols[name] * scale
+        return cols
+
+    write_parquet(tmp_path / "d" / "part-1.parquet", part(0, 5, 1e9))
+    write_parquet(tmp_path / "d" / "part-2.parquet", part(5, 10, 1.0))  # dollars
+    write_parquet(tmp_path / "d" / "part-3.parquet", part(10, 15, 1e9))
+    p = only_problem(tmp_path / "d")
+    assert (p.file, p.column, p.row, p.count) == (str(tmp_path / "d" / "part-2.parquet"), "close", 0, 2)
+    assert p.rule.startswith("close 105 is 1.01e-09 times the previous bar's close of ES, 1.04e+11 (that bar is in "
+                             f"{tmp_path / 'd' / 'part-1.parquet'}): a change of price units, not a market move")
+    assert "give every file's prices in one unit" in p.fix
+    cols = series_columns(0, 10, "ES")  # a fiftyfold move is a market's (however rare), and within one file
+    cols["close"][5:] *= 50
+    cols["open"][5:] *= 50
+    cols["high"][5:] *= 50
+    cols["low"][5:] *= 50
+    assert len(read_bars(write_parquet(tmp_path / "moves.parquet", cols))) == 10
+    cols["close"][7] *= 200  # a close two hundredfold the one before (its high too, to keep the bar consistent)
+    cols["high"][7] *= 200
+    p = only_problem(write_parquet(tmp_path / "jump.parquet", cols))
+    assert (p.row, p.count) == (7, 2)  # up at row 7, down again at row 8
+
+
 def test_hive_partitioned_directory(tmp_path: Path) -> None:
     root = tmp_path / "bars"
     write_parquet(root / "symbol=ES" / "2024-01.parquet", series_columns(0, 5))

@@ -140,6 +140,10 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
                                                                  "NaN. Fix: send a finite close for every bar"),
     ("negative open", lambda: _req(_with("open", 1, -2.0)), "column 'open', row 1: open is not positive (prices must "
                                                             "be > 0). Fix: send positive prices"),
+    ("prices in two units", lambda: _req(_rescaled(6, 1e9)), "is 1e+09 times the previous bar's close of ES, "
+                                                             "100.0565033: a change of price units, not a market "
+                                                             "move (rule: a close within 100x of the previous one). "
+                                                             "Fix: send every bar's prices in one unit"),
     ("seconds sent as nanoseconds", lambda: _req(_spaced(series("NQ"), 1_704_103_200, 60)),
      f"series[0] (NQ): bars are 60 ns apart (the median gap of the last {NEED} bars), but this model's bars are "
      "1 min apart (GetModelInfo.bar_interval_ns = 60000000000); these look like seconds: multiply them by "
@@ -167,6 +171,15 @@ def _swapped(row: int) -> pb.Series:
     ts = list(s.timestamp_ns)
     ts[row], ts[row + 1] = ts[row + 1], ts[row]
     s.timestamp_ns[:] = ts
+    return s
+
+
+def _rescaled(row: int, factor: float) -> pb.Series:
+    """Every price from `row` on in other units (dollars, then 1e-9 fixed point): each bar is consistent."""
+    s = series()
+    for name in ("open", "high", "low", "close"):
+        values = list(getattr(s, name))
+        getattr(s, name)[:] = values[:row] + [x * factor for x in values[row:]]
     return s
 
 
@@ -207,6 +220,10 @@ def test_the_fast_bar_check_agrees_with_the_contract_on_random_breakages() -> No
             target[row] = values[int(rng.integers(len(values)))]
         if rng.random() < 0.1:
             s.timestamp_ns[3] = s.timestamp_ns[2]  # a duplicate timestamp
+        if rng.random() < 0.15:  # prices in other units from some bar on: refused a hundredfold off, served at 50x
+            row, factor = int(rng.integers(1, NEED)), (1e9, 1e-9, 100.0, 50.0)[int(rng.integers(4))]
+            for name in ("open", "high", "low", "close"):
+                getattr(s, name)[row:] *= factor
         fast = _looks_valid(s, ("spread",))
         contract = not (_value_problems(0, s, ("spread",)) or _order_problem(0, s))
         assert fast == contract, (trial, s)
