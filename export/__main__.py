@@ -36,6 +36,7 @@ from export.onnx_export import DEFAULT_OPSET, MIN_OPSET
 from export.pipeline import ExportOptions, Tamper, run_export
 from export.triton import MAX_BATCH_SIZE_LIMIT, check_name
 from features.bars import ColumnMap, clash_with_bars
+from features.file_kind import replace_problem
 
 MAX_OPSET = min(onnx.defs.onnx_opset_version(), 23)  # 23: the newest opset onnxruntime 1.31 runs
 
@@ -101,6 +102,8 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         raise UsageError(f"--bars {args.bars}: no such file or directory")
     if args.bars is not None and (problem := clash_with_bars(out, args.bars)):
         raise UsageError(f"{problem}; choose another output file")
+    if problem := replace_problem(out, "an ONNX model"):
+        raise UsageError(problem)
     if args.bars is None and (given := ColumnMap.given(args)):
         flags = ", ".join("--" + ColumnMap.dest(f).replace("_", "-") for f in given)
         raise UsageError(f"{flags}: column mapping applies to --bars only (the checkpoint's own windows need none)")

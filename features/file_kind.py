@@ -55,3 +55,19 @@ def hint(path: str | Path, expected: str) -> str:
         "an ONNX model": "it is an ONNX model (what `python -m export` writes, for `python -m serving --model`); "
                          "give the checkpoint `python -m trainer` wrote (ckpt.pt, or ckpt.last.pt to resume)",
     }.get(kind, f"it is {kind}")
+
+
+def replace_problem(path: str | Path, writes: str) -> str | None:
+    """Why writing a file of kind `writes` (one of describe's answers) at `path` would destroy something else:
+    a file of another kind, or one whose kind is unknown (notes, a device), is there. None when nothing, a
+    directory (each command names that itself) or a file of that kind is there: an earlier run's output,
+    which a command may replace."""
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()) or path.is_dir():
+        return None
+    kind = describe(path)
+    if kind == writes:
+        return None
+    what = f"is {kind}" if kind else f"is not {writes}"
+    return (f"{path} exists and {what}, which writing {writes} there would replace; choose another name, or remove "
+            "the file first")

@@ -56,6 +56,7 @@ import pyarrow.parquet as pq
 from features.bars import BarDataError, Bars, ColumnMap, clash_with_bars, read_bars
 from features.check import format_timestamp, spacing_warning
 from features.compute import FeatureFrame, build_frame, future_timestamps
+from features.file_kind import replace_problem
 from features.files import atomic_output
 from features.metrics import pinball
 from features.model_meta import ModelMeta
@@ -327,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ScoreError(f"--out {args.out} is a directory; name a .parquet file")
         if problem := clash_with_bars(args.out, args.parquet):
             raise ScoreError(f"--out {problem}; name another file")
+        if problem := replace_problem(args.out, "a parquet file"):
+            raise ScoreError(f"--out {problem}")
         model = load_model(args.model, args.device, args.threads, max_batch=args.batch)
         meta = model.meta
         columns = ColumnMap.from_args(args, meta.column_map or None)

@@ -465,6 +465,13 @@ def test_output_paths_are_checked(ckpt: Path, tmp_path: Path, capsys: pytest.Cap
     assert main([str(ckpt), str(bars.parent / "model.parquet"), "--bars", str(bars.parent)]) == 2
     assert "is inside the bars directory" in capsys.readouterr().err
     assert listing(bars.parent) == ["bars.parquet"] and bars.read_bytes() == b"PAR1 the user's bars"
+    assert main([str(ckpt), str(bars)]) == 2  # a file of another kind is not replaced, bars or not
+    assert f"{bars} exists and is a parquet file, which writing an ONNX model there would replace" \
+        in capsys.readouterr().err
+    last = tmp_path / "data" / "ckpt.last.pt"
+    last.write_bytes(ckpt.read_bytes())
+    assert main([str(ckpt), str(last)]) == 2 and "exists and is a PyTorch checkpoint" in capsys.readouterr().err
+    assert last.read_bytes() == ckpt.read_bytes()
 
 
 def test_real_command_exit_status_and_help_text(tmp_path: Path) -> None:

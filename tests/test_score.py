@@ -133,6 +133,11 @@ def test_an_out_that_would_replace_or_join_the_bars_is_refused(tiny_model: Model
     assert done.returncode == 2 and f"--out {bars} is the bars file {bars} itself" in done.stderr, done.stderr
     done = score("--model", tiny_model.model, "--parquet", data, "--out", data / "forecasts.parquet")
     assert done.returncode == 2 and "whose next read would take it as bars" in done.stderr, done.stderr
+    notes = tmp_path / "notes.parquet"  # named as a parquet file, holding something else
+    notes.write_text("the user's notes")
+    done = score("--model", tiny_model.model, "--parquet", bars, "--out", notes)
+    assert done.returncode == 2 and f"{notes} exists and is not a parquet file" in done.stderr, done.stderr
+    assert notes.read_text() == "the user's notes"
     assert sorted(p.name for p in data.iterdir()) == ["bars.parquet"]
     assert bars.read_bytes() == tiny_model.bars_path.read_bytes()
     # bars further apart than the model's interval are scored, with a warning that says so

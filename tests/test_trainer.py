@@ -334,6 +334,11 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
              "--patience", "5", "--no-report"])
     assert r.returncode == 0 and "resume: patience 3 -> 5" in r.stderr, r.stderr[-3000:]
     assert "nothing to train" not in r.stderr and load_checkpoint(tmp_path / "g" / "ckpt.last.pt")["epoch"] == 3
+    # resumed from an earlier epoch than the run's latest beside --out: said, before that latest is replaced
+    r = run([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "g" / "ckpt.pt"), "--epochs", "3",
+             "--patience", "5", "--no-report"])
+    assert r.returncode == 0 and (f"resuming from epoch 2, but {tmp_path / 'g' / 'ckpt.last.pt'} is at epoch 3: this "
+                                  "run trains from epoch 3 again") in r.stderr, r.stderr[-3000:]
     # a fresh run into b with no report and no test split: the earlier run's report and test scores go
     r = run([*train, "--out", str(tmp_path / "b" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
     assert r.returncode == 0 and "ckpt.test.json" in r.stderr and "from an earlier run" in r.stderr, r.stderr[-3000:]
@@ -357,7 +362,8 @@ def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path,
     finally:
         proc.kill()
     assert proc.returncode == 130, err[-2000:]
-    assert "Traceback" not in err and "--resume" in err
+    assert "Traceback" not in err and "interrupted: the last epoch's checkpoint is intact; continue with `python -m " \
+        f"trainer --parquet {bars} --out {out} --resume {out.with_suffix('.last.pt')}`" in err, err[-2000:]
     last = load_checkpoint(out.with_suffix(".last.pt"))
     assert 1 <= last["epoch"] < 50
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
@@ -371,6 +377,33 @@ def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path,
     assert r.returncode == 0, r.stderr[-2000:]
     assert load_checkpoint(out.with_suffix(".last.pt"))["epoch"] == last["epoch"] + 1
     assert f'"epochs": {last["epoch"] + 1}' in r.stderr and '"hidden_size": 8' in r.stderr  # the config it ran
+
+
+def test_an_interrupted_run_names_the_command_that_continues_it_and_resume_writes_where_its_run_did(
+        tmp_path: Path) -> None:
+    import argparse
+    import os
+
+    from trainer.__main__ import _where_to_continue, default_out
+
+    assert default_out(None) == Path("ckpt.pt")
+    assert default_out(Path("runs/ckpt.last.pt")) == Path("runs/ckpt.pt")  # not ckpt.pt in the working directory
+    assert default_out(Path("runs/model.pt")) == Path("runs/model.pt")
+    out = tmp_path / "ckpt.pt"
+    args = argparse.Namespace(parquet="bars.parquet", out=out, resume=None)
+    started = 1_000_000.0
+    assert _where_to_continue(args, started).startswith("no epoch finished, so nothing was saved (files already")
+    last = tmp_path / "ckpt.last.pt"
+    last.write_bytes(b"an earlier run's")
+    os.utime(last, (started - 5, started - 5))  # from before this run: not one to continue from
+    assert "start again" in _where_to_continue(args, started)
+    resumed = argparse.Namespace(parquet="bars.parquet", out=out, resume=last)
+    assert _where_to_continue(resumed, started) == (
+        f"no epoch finished, so nothing was saved; {last} is as it was: continue with `python -m trainer --parquet "
+        f"bars.parquet --out {out} --resume {last}`")
+    os.utime(last, (started + 5, started + 5))  # this run's
+    assert _where_to_continue(args, started) == ("the last epoch's checkpoint is intact; continue with `python -m "
+                                                 f"trainer --parquet bars.parquet --out {out} --resume {last}`")
 
 
 def test_a_resumed_run_keeps_its_recipe_and_takes_its_machine_from_the_command() -> None:
@@ -625,15 +658,17 @@ def test_a_diverging_run_stops_with_a_message_and_saves_nothing_of_that_epoch(tm
     good = Trainer(bars, tiny_cfg(epochs=1), out, progress=False)
     good.run()
     kept = out.with_suffix(".last.pt").read_bytes()
+    metrics = out.with_suffix(".metrics.jsonl").read_text()
     # a learning rate no model survives: the loss leaves the floats in the first epoch
     t = Trainer(bars, tiny_cfg(epochs=2, learning_rate=1e9, grad_clip=0.0), out, progress=False)
     with pytest.raises(TrainingDiverged) as info:
         t.run()
     message = str(info.value)
     assert "training diverged in epoch 1" in message and "no checkpoint was written" in message
-    assert "--learning-rate (now 1e+09)" in message and "--grad-clip (now 0" in message
-    assert out.with_suffix(".last.pt").read_bytes() == kept  # the earlier run's files are left alone ...
-    assert out.with_suffix(".metrics.jsonl").read_text() == ""  # ... but its metrics are not this run's
+    assert "Lower --learning-rate (now 1e+09) or set --grad-clip (now 0: no clipping; e.g. 1.0), and check" in message
+    assert "--precision" not in message  # fp32 already: not advice
+    assert out.with_suffix(".last.pt").read_bytes() == kept  # the earlier run's files are left alone, and
+    assert out.with_suffix(".metrics.jsonl").read_text() == metrics  # the metrics of its checkpoints with them
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -668,6 +703,15 @@ def test_an_unusable_out_is_refused_before_any_training(tmp_path: Path, bars: Pa
     r = run(["-m", "trainer", "--parquet", str(own), "--out", str(own), *TINY_TRAIN_FLAGS])
     assert r.returncode == 2 and f"--out {own}: {own} is the bars file {own} itself" in r.stderr, r.stderr[-2000:]
     assert own.read_bytes() == bars.read_bytes() and "epoch 1" not in r.stderr
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.last.pt"), *TINY_TRAIN_FLAGS])
+    assert r.returncode == 2 and f"--out {tmp_path / 'ckpt.last.pt'} names the latest epoch's file; give the best " \
+        f"checkpoint's name, {tmp_path / 'ckpt.pt'}" in r.stderr, r.stderr[-2000:]
+    notes = tmp_path / "notes.txt"  # an earlier run's checkpoint may be replaced; a file of anything else may not
+    notes.write_text("the user's notes")
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(notes), *TINY_TRAIN_FLAGS])
+    assert r.returncode == 2 and f"{notes} exists and is not a PyTorch checkpoint, which writing a PyTorch " \
+        "checkpoint there would replace" in r.stderr, r.stderr[-2000:]
+    assert notes.read_text() == "the user's notes"
 
 
 def test_symbols_the_model_cannot_learn_or_space_rightly_are_warned_about(tmp_path: Path,

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -33,7 +34,7 @@ from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, add_config_flags, config_from_args
 from trainer.data import DataError
 from trainer.device import DeviceError
-from trainer.loop import TrainingDiverged
+from trainer.loop import RunPaths, TrainingDiverged
 from trainer.planner import PlanError
 from trainer.run import run_training
 
@@ -44,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m trainer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parquet", required=True, help="bars: a parquet file or a directory of them")
-    p.add_argument("--out", type=Path, default=Path("ckpt.pt"),
-                   help="best checkpoint (default ckpt.pt); beside it: .last.pt, .metrics.jsonl, .report.png")
+    p.add_argument("--out", type=Path,
+                   help="best checkpoint (default ckpt.pt; with --resume the resumed run's own, e.g. runs/ckpt.pt for "
+                        "--resume runs/ckpt.last.pt); beside it: .last.pt, .metrics.jsonl, .report.png")
     p.add_argument("--config", help="TOML file of config fields (flags override it)")
     p.add_argument("--resume", type=Path, help="continue the run saved in this checkpoint (e.g. ckpt.last.pt)")
     p.add_argument("--plan-only", action="store_true",
@@ -62,11 +64,39 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def default_out(resume: Path | None) -> Path:
+    """--out when not given: ckpt.pt, or a resumed run's own best checkpoint (runs/ckpt.pt beside
+    runs/ckpt.last.pt), so that it goes on writing where it did, not in the working directory."""
+    if resume is None:
+        return Path("ckpt.pt")
+    return resume.with_name(resume.name.removesuffix(".last.pt") + ".pt") if resume.name.endswith(".last.pt") \
+        else resume
+
+
+def _where_to_continue(args: argparse.Namespace, started: float) -> str:
+    """After Ctrl-C or SIGTERM: the command that continues, from the last checkpoint this run wrote; else the one
+    it resumed from, which is as it was; else there is none."""
+    last = RunPaths.for_out(args.out).last
+    again = f"python -m trainer --parquet {args.parquet} --out {args.out} --resume"
+    try:
+        ours = last.stat().st_mtime >= started
+    except OSError:
+        ours = False
+    if ours:
+        return f"the last epoch's checkpoint is intact; continue with `{again} {last}`"
+    if args.resume is not None:
+        return f"no epoch finished, so nothing was saved; {args.resume} is as it was: continue with `{again} " \
+               f"{args.resume}`"
+    return "no epoch finished, so nothing was saved (files already beside --out are an earlier run's); start again"
+
+
 def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))  # under torchrun: rank 0 tells the run; the others only what goes wrong
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s " + (f"[rank {rank}] " if rank else "") + "%(message)s")
     args = build_parser().parse_args(argv)
+    args.out = args.out or default_out(args.resume)
+    started = time.time()  # a last checkpoint written since is this run's
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         cfg = config_from_args(args)
@@ -95,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: the last good checkpoint (if any epoch finished) is intact; continue with "
-              f"--resume {Path(str(args.out)).with_suffix('')}.last.pt", file=sys.stderr)
+        print(f"interrupted: {_where_to_continue(args, started)}", file=sys.stderr)
         return 130
 
 

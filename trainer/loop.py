@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from features import package_version
 from features.bars import ColumnMap, clash_with_bars
+from features.file_kind import replace_problem
 from features.metrics import climatology_forecast, forecast_metrics, format_q_risk, pinball
 from features.schema import MODEL_OUTPUTS, QUANTILES, TARGET
 from trainer.checkpoint import (
@@ -132,6 +133,13 @@ class Trainer:
         for written in astuple(self.paths):
             if problem := clash_with_bars(written, Path(parquet)):
                 raise ConfigError(f"--out {out}: {problem}; give another --out")
+        if out.name.endswith(".last.pt"):  # RunPaths would put the latest epoch in x.last.last.pt
+            raise ConfigError(f"--out {out} names the latest epoch's file; give the best checkpoint's name, "
+                              f"{out.with_name(out.name.removesuffix('.last.pt') + '.pt')}, beside which the run "
+                              f"writes {out.name}")
+        for checkpoint in (self.paths.best, self.paths.last):  # an earlier run's may be replaced, nothing else
+            if problem := replace_problem(checkpoint, "a PyTorch checkpoint"):
+                raise ConfigError(f"--out {out}: {problem}")
         for stale in (*remove_stale_temp_files(self.paths.best), *remove_stale_temp_files(self.paths.last)):
             log.warning("removed %s, a partial write left by a killed run", stale)
         self.progress = progress
@@ -238,6 +246,22 @@ class Trainer:
             torch.cuda.set_rng_state_all(list(ckpt["rng"]["cuda"]))
         log.info("resumed from epoch %d, step %d (best validation loss %.5f at epoch %d)", self.epoch, self.step,
                  self.best_val, self.best_epoch)
+        if self.dist.is_main and (later := self._later_last_epoch()):
+            log.warning("resuming from epoch %d, but %s is at epoch %d: this run trains from epoch %d again and "
+                        "replaces it as its epochs finish (resume from %s to go on where the run stopped)", self.epoch,
+                        self.paths.last, later, self.epoch + 1, self.paths.last)
+
+    def _later_last_epoch(self) -> int:
+        """The epoch of a last checkpoint at --out further along than the one resumed (resuming from a run's best
+        checkpoint, say, with its latest beside it), else 0."""
+        last = self.paths.last
+        if self.resume_path is None or not last.is_file() or last.resolve() == self.resume_path.resolve():
+            return 0
+        try:  # the epoch alone: mapped, not read
+            epoch = int(torch.load(last, map_location="cpu", weights_only=True, mmap=True)["epoch"])
+        except Exception:  # not a checkpoint of ours (the run replaces it either way)
+            return 0
+        return epoch if epoch > self.epoch else 0
 
     # ---- one epoch ---------------------------------------------------------------------
     def _epoch_anchors(self) -> torch.Tensor:
@@ -511,10 +535,14 @@ class Trainer:
             stopped_early = True
         if self.dist.is_main and (stopped_early or self.epoch >= self.cfg.epochs):
             log.warning("nothing to train: %s", self._why_finished())
+        metrics_mode = "a"
         if self.dist.is_main:  # metrics restart from the checkpoint's history, or afresh: one run per file
             self.paths.metrics.parent.mkdir(parents=True, exist_ok=True)
             self._adopt_best()
-            self.paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            if self.history:
+                self.paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            else:  # a fresh run replaces an earlier run's file once its first epoch is saved, as its checkpoints
+                metrics_mode = "w"
             if self.resume_state is None and (old := [p for p in (self.paths.best, self.paths.last) if p.exists()]):
                 log.warning("%s: from an earlier run; this run replaces them as its epochs finish",
                             ", ".join(str(p) for p in old))
@@ -547,8 +575,9 @@ class Trainer:
                 save_atomic(state, self.paths.last)
                 if improved:
                     save_atomic(state, self.paths.best)
-                with self.paths.metrics.open("a") as fh:  # after the checkpoint: a logged epoch is a saved epoch
+                with self.paths.metrics.open(metrics_mode) as fh:  # after the checkpoint: a logged epoch is saved
                     fh.write(json.dumps(record) + "\n")
+                metrics_mode = "a"
             if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
                 stopped_early = True
                 log.info("early stopping: no validation improvement for %d epochs (best %.5f at epoch %d)",
@@ -576,11 +605,15 @@ class Trainer:
             return
         kept = (f"the last good checkpoint is intact: {self.paths.last} (epoch {self.epoch})" if self.epoch
                 else "no checkpoint was written")
+        clip = (f"set --grad-clip (now {self.cfg.grad_clip:g})" if self.cfg.grad_clip
+                else "set --grad-clip (now 0: no clipping; e.g. 1.0)")
+        changes = [f"Lower --learning-rate (now {self.cfg.learning_rate:g})", clip]
+        if self.precision.name != "fp32":  # half precision overflows first; fp32 already is the widest
+            changes.append(f"--precision fp32 (now {self.precision.name})")
         raise TrainingDiverged(
             f"training diverged in epoch {self.epoch + 1}: train loss {train_loss}, validation loss {val_loss}; "
-            f"{kept}. Lower --learning-rate (now {self.cfg.learning_rate:g}), set --grad-clip (now "
-            f"{self.cfg.grad_clip:g}; 0 = no clipping) or --precision fp32 (now {self.precision.name}), and check "
-            "the bars and user features for extreme values")
+            f"{kept}. {', '.join(changes[:-1])} or {changes[-1]}, and check the bars and user features "
+            "for extreme values")
 
     def _log_epoch(self, r: dict[str, Any]) -> None:
         v, b = r["val"], r["baseline"]
