@@ -86,6 +86,29 @@ def test_loss_falls_and_model_beats_climatology(learned_run: tuple[Path, subproc
     assert "pinball model/baseline" in r.stderr and "coverage model" in r.stderr
 
 
+@pytest.mark.parametrize(("quantiles", "labels"), [
+    ((0.1, 0.5, 0.9), ["P10-P90", "P50", "realised"]),
+    ((0.05, 0.95), ["P5-P95", "realised"]),  # no centre line: the band's edges are not its centre
+    ((0.02, 0.1, 0.25, 0.5, 0.75, 0.9, 0.98), ["P2-P98", "P50", "realised"]),
+    ((0.1, 0.3, 0.9), ["P10-P90", "P30", "realised"]),  # the inner level nearest the median
+    ((0.5,), ["P50", "realised"]),  # one level: a line, no band
+])
+def test_the_fan_chart_draws_the_band_and_its_centre(quantiles: tuple[float, ...], labels: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trainer.report import _fan_chart
+
+    fig, ax = plt.subplots()
+    rng = np.random.default_rng(0)
+    q = np.sort(rng.normal(size=(30, 2, len(quantiles))), axis=-1)
+    _fan_chart(ax, q, rng.normal(size=(30, 2)), quantiles)
+    assert ax.get_legend_handles_labels()[1] == labels
+    plt.close(fig)
+
+
 def test_run_writes_checkpoints_report_and_nothing_half_written(
         learned_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, _ = learned_run

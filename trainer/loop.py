@@ -619,11 +619,13 @@ class Trainer:
         v, b = r["val"], r["baseline"]
         qs = " ".join(f"q{q}={v['pinball'][q]:.2e}/{b['pinball'][q]:.2e}" for q in v["pinball"])
         rs = format_q_risk(v["q_risk"], b["q_risk"])
+        coverage = (f"coverage model {100 * v['coverage']:.1f}% baseline {100 * b['coverage']:.1f}% (nominal "
+                    f"{100 * v['nominal_coverage']:.0f}%)" if len(self.cfg.quantiles) > 1
+                    else "coverage n/a (one quantile: no interval)")
         log.info(
             "epoch %d/%d  train loss %.4f  val loss %.4f%s  %.0f win/s\n"
             "    pinball model/baseline: %s\n    q-risk  model/baseline: %s\n"
-            "    coverage model %.1f%% baseline %.1f%% (nominal %.0f%%)  peak memory train %.0f MiB val %.0f MiB (%s)",
+            "    %s  peak memory train %.0f MiB val %.0f MiB (%s)",
             r["epoch"], self.cfg.epochs, r["train_loss"], r["val_loss"], "  *best*" if r["best"] else "",
-            r["windows_per_second"], qs, rs, 100 * v["coverage"], 100 * b["coverage"], 100 * v["nominal_coverage"],
-            r["peak_memory"]["train"]["bytes"] / 2**20, r["peak_memory"]["val"]["bytes"] / 2**20,
-            r["peak_memory"]["train"]["kind"])
+            r["windows_per_second"], qs, rs, coverage, r["peak_memory"]["train"]["bytes"] / 2**20,
+            r["peak_memory"]["val"]["bytes"] / 2**20, r["peak_memory"]["train"]["kind"])

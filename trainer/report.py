@@ -46,10 +46,13 @@ def _loss_curves(ax: Any, history: list[dict[str, Any]]) -> None:
 def _fan_chart(ax: Any, q: np.ndarray, target: np.ndarray, quantiles: tuple[float, ...]) -> None:
     n = min(FAN_WINDOWS, q.shape[0])
     x = np.arange(n)
-    ax.fill_between(x, q[:n, 0, 0], q[:n, 0, -1], alpha=0.3,
-                    label=f"P{quantiles[0] * 100:g}-P{quantiles[-1] * 100:g}")
-    mid = len(quantiles) // 2
-    ax.plot(x, q[:n, 0, mid], lw=1, label=f"P{quantiles[mid] * 100:g}")
+    if len(quantiles) > 1:
+        ax.fill_between(x, q[:n, 0, 0], q[:n, 0, -1], alpha=0.3,
+                        label=f"P{quantiles[0] * 100:g}-P{quantiles[-1] * 100:g}")
+    inner = range(1, len(quantiles) - 1) if len(quantiles) > 1 else range(1)  # the band's edges are not its centre
+    if inner:
+        mid = min(inner, key=lambda i: abs(quantiles[i] - 0.5))  # the median, or the level nearest it
+        ax.plot(x, q[:n, 0, mid], lw=1, label=f"P{quantiles[mid] * 100:g}")
     ax.plot(x, target[:n, 0], ".", ms=3, color="black", label="realised")
     ax.set(title="validation: 1-step log return, forecast fan vs realised", xlabel="window")
     ax.legend(loc="upper right")
