@@ -59,7 +59,9 @@ def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column
         frame = build_frame(bars, feature_config, list(ckpt["symbols"]), int(ckpt["bar_interval_ns"]))
     except BarDataError as exc:
         shown = "; ".join(str(p) for p in exc.problems[:5])
-        raise UsageError(f"--bars {path}: {len(exc.problems)} problem(s) in the bars: {shown}") from None
+        more = (f" (the first 5 shown; `python -m features.check {path}` with the training run's column flags lists "
+                "all)" if len(exc.problems) > 5 else "")
+        raise UsageError(f"--bars {path}: {len(exc.problems)} problem(s) in the bars{more}: {shown}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise UsageError(f"--bars {path}: cannot build the model's features: {exc}") from None
     anchors = anchor_rows(frame, cfg.encoder_length, require_targets=False)

@@ -366,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BarDataError as exc:
         shown = "\n  ".join(str(problem) for problem in exc.problems[:10])
-        print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars:\n  {shown}", file=sys.stderr)
+        more = (f" (the first 10 shown; `python -m features.check {args.parquet}` lists all)"
+                if len(exc.problems) > 10 else "")
+        print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars{more}:\n  {shown}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
