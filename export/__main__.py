@@ -79,6 +79,8 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         raise UsageError(f"--threads {args.threads}: must be >= 1")
     if out.is_dir():
         raise UsageError(f"{out} is a directory; give the model's file name, e.g. {out / 'model.onnx'}")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise UsageError(f"{out}: {out.parent} is a file, not a directory; give a path in a directory")
     if not out.parent.is_dir():
         raise UsageError(f"{out}: directory {out.parent} does not exist; create it first")
     if args.checkpoint.exists() and out.resolve() == args.checkpoint.resolve():

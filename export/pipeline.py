@@ -318,6 +318,10 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
     log(f"checkpoint {opts.checkpoint} (sha256 {sha[:12]}): hidden {cfg.hidden_size}, encoder {cfg.encoder_length}, "
         f"horizon {cfg.horizon}, quantiles {list(cfg.quantiles)}, {len(meta.symbols)} symbol(s); "
         f"{windows[MODEL_INPUTS[0]].shape[0]} real windows {source}")
+    epoch, best = int(ckpt.get("epoch", 0)), int(ckpt.get("best_epoch", 0))
+    if best and epoch != best:  # ckpt.last.pt, most likely: exported as asked, but said
+        log(f"note: {opts.checkpoint} holds epoch {epoch}; the run's best validation loss was at epoch {best}, in "
+            "its best checkpoint (ckpt.pt beside ckpt.last.pt): export that one for the best model")
     dev = probe(opts.require_device or "cuda")  # without a requirement: analyse where it would run here
     if opts.require_device and not dev.available:
         log(f"warning: --require-device {opts.require_device}: {dev.reason}; the checks run on the CPU and the "

@@ -249,10 +249,17 @@ def test_triton_repository_matches_the_model(exported: Path) -> None:
 def test_fp16_no_explain_model(ckpt: Path, torch_model: TemporalFusionTransformer, tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "half.onnx"
-    assert main([str(ckpt), str(out), "--fp16", "--no-explain"]) == 0
+    last = tmp_path / "ckpt.last.pt"  # the run's latest epoch, two after its best: exported as asked, and said
+    state = load_checkpoint(ckpt)
+    best = int(state["best_epoch"])
+    state["epoch"] = best + 2
+    torch.save(state, last)
+    assert main([str(last), str(out), "--fp16", "--no-explain"]) == 0
     printed = capsys.readouterr()
     assert "parity passed" in printed.out
-    assert ModelMeta.from_props(props(out)).model_version == file_sha256(ckpt)[:12] + "-fp16-noexplain"  # told apart
+    assert (f"note: {last} holds epoch {best + 2}; the run's best validation loss was at epoch {best}, in its best "
+            "checkpoint") in printed.err
+    assert ModelMeta.from_props(props(out)).model_version == file_sha256(last)[:12] + "-fp16-noexplain"  # told apart
     # ONNX Runtime's CPU provider runs most fp16 nodes in fp32: the check is of the weights' rounding, and says so
     assert "--fp16 parity ran on ONNX Runtime's CPU provider" in printed.err and "--require-device cuda" in printed.err
     model = onnx.load(str(out))
@@ -449,6 +456,10 @@ def test_output_paths_are_checked(ckpt: Path, tmp_path: Path, capsys: pytest.Cap
     assert "does not exist; create it first" in capsys.readouterr().err
     assert main([str(ckpt), str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    assert main([str(ckpt), str(tmp_path / "afile" / "model.onnx")]) == 2
+    assert f"{tmp_path / 'afile'} is a file, not a directory" in capsys.readouterr().err
+    (tmp_path / "afile").unlink()
     assert main([str(ckpt), str(ckpt)]) == 2
     assert "is the checkpoint itself" in capsys.readouterr().err
     inside = tmp_path / "repo" / "tft" / "1"
