@@ -88,6 +88,9 @@ class ColumnMap:
         return ColumnMap.from_dict({**(stored or {}), **ColumnMap.given(args)})
 
 
+WHOLE_FILE = "-"  # a Problem's column when the problem is the file (unreadable, not there), not one column
+
+
 @dataclass(frozen=True)
 class Problem:
     """One broken rule, located well enough for a user to fix it."""
@@ -100,6 +103,8 @@ class Problem:
     count: int = 1  # rows affected
 
     def __str__(self) -> str:
+        if self.column == WHOLE_FILE:
+            return f"{self.file}: {self.rule}. Fix: {self.fix}"
         where = f"row {self.row}" if self.row >= 0 else "all rows"
         more = f" ({self.count} rows affected)" if self.count > 1 else ""
         return f"{self.file}: column '{self.column}', {where}: {self.rule}{more}. Fix: {self.fix}"
@@ -362,7 +367,7 @@ def read_bars(
     files = _list_files(root)
     if not files:
         rule = "no such file or directory" if not root.exists() else "no .parquet, .parq or .pq files found"
-        raise BarDataError([Problem(str(root), "-", -1, rule, "pass a parquet file or a directory of them")])
+        raise BarDataError([Problem(str(root), WHOLE_FILE, -1, rule, "pass a parquet file or a directory of them")])
 
     problems: list[Problem] = []
     parts: list[dict[str, np.ndarray]] = []
@@ -375,7 +380,7 @@ def read_bars(
             # as the table lives: on a wide file of float64 columns, twice the memory of its values
             table = pq.ParquetFile(file, pre_buffer=False).read()
         except (pa.ArrowException, OSError) as exc:
-            problems.append(Problem(fname, "-", -1, f"cannot be read as parquet ({exc})",
+            problems.append(Problem(fname, WHOLE_FILE, -1, f"cannot be read as parquet ({exc})",
                                     "re-write the file, or move it out of the data directory"))
             continue
         for key, value in _hive_partitions(file, root).items():

@@ -280,6 +280,7 @@ def test_corrupt_file(tmp_path: Path) -> None:
     p = only_problem(path)
     assert (p.file, p.column, p.row) == (str(path), "-", -1)
     assert "cannot be read as parquet" in p.rule
+    assert str(p).startswith(f"{path}: cannot be read as parquet (")  # the file is the problem: no column, no row
 
 
 def test_corrupt_file_in_directory_is_named(tmp_path: Path) -> None:
