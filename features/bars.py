@@ -364,6 +364,12 @@ def read_bars(
         raise BarDataError([Problem(str(root), column, -1, f"column {column!r} is mapped to {' and '.join(fields)}",
                                     "map each of these fields to its own column (--time-col, --symbol-col, "
                                     "--volume-col ...)") for column, fields in shared.items()])
+    roles = {cmap.timestamp: "timestamp (--time-col)", cmap.symbol: "symbol (--symbol-col)"}
+    if taken := [u for u in user_columns if u in roles]:
+        raise BarDataError([Problem(str(root), u, -1, f"user feature {u!r} is the bars' {roles[u]} column",
+                                    "user features are further numeric columns of the bars: leave it out of "
+                                    "--features (the time and symbol reach the model as their own features)")
+                            for u in taken])
     files = _list_files(root)
     if not files:
         rule = "no such file or directory" if not root.exists() else "no .parquet, .parq or .pq files found"

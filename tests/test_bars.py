@@ -273,6 +273,13 @@ def test_every_problem_of_a_file_is_reported(tmp_path: Path) -> None:
     assert got == {("open", 3), ("volume", 5), ("timestamp", 12)}
 
 
+@pytest.mark.parametrize(("user", "role"), [("timestamp", "timestamp (--time-col)"), ("sym", "symbol (--symbol-col)")])
+def test_a_user_feature_that_is_the_time_or_symbol_column_is_refused(tmp_path: Path, user: str, role: str) -> None:
+    path = write_parquet(tmp_path / "x.parquet", {**series_columns(0, 5), "sym": ["ES"] * 5})
+    p = only_problem(path, ColumnMap(symbol="sym"), (user,))
+    assert p.rule == f"user feature {user!r} is the bars' {role} column" and "leave it out of --features" in p.fix
+
+
 def test_corrupt_file(tmp_path: Path) -> None:
     path = tmp_path / "corrupt.parquet"
     good = write_parquet(tmp_path / "good.parquet", good_columns()).read_bytes()
