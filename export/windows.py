@@ -58,9 +58,10 @@ def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column
         bars = read_bars(path, columns, tuple(feature_config.user_columns))
         frame = build_frame(bars, feature_config, list(ckpt["symbols"]), int(ckpt["bar_interval_ns"]))
     except BarDataError as exc:
-        shown = "; ".join(str(p) for p in exc.problems[:5])
+        lines = exc.lines()
+        shown = "; ".join(lines[:5])
         more = (f" (the first 5 shown; `python -m features.check {path}` with the training run's column flags lists "
-                "all)" if len(exc.problems) > 5 else "")
+                "all)" if len(lines) > 5 else "")
         raise UsageError(f"--bars {path}: {len(exc.problems)} problem(s) in the bars{more}: {shown}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise UsageError(f"--bars {path}: cannot build the model's features: {exc}") from None

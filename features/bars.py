@@ -117,6 +117,24 @@ class BarDataError(Exception):
         self.problems = problems
         super().__init__("\n".join(str(p) for p in problems))
 
+    def lines(self) -> list[str]:
+        """One line per problem, except that a problem of a whole column or file found alike in several files
+        (a wrong --symbol-col over a directory of daily files) is one line that counts the other files."""
+        first: dict[tuple[str, str, str], int] = {}
+        others: list[int] = []
+        lines: list[str] = []
+        for p in self.problems:
+            key = (p.column, p.rule, p.fix)
+            if p.row < 0 and key in first:
+                others[first[key]] += 1
+                continue
+            if p.row < 0:
+                first[key] = len(lines)
+            lines.append(str(p))
+            others.append(0)
+        return [line + (f" (the same in {n} more file{'s' if n > 1 else ''})" if n else "")
+                for line, n in zip(lines, others, strict=True)]
+
 
 class ColumnBlock(Mapping[str, np.ndarray]):
     """Named columns held as the rows of one `[columns, n]` array: a read-only mapping name -> row.

@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         bars = read_bars(args.path, ColumnMap.from_args(args), user)
     except BarDataError as exc:
         print(f"{args.path}: {len(exc.problems)} problem(s) found", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
+        for line in exc.lines():
+            print(f"  {line}", file=sys.stderr)
         return 2
     print(summarize(bars))
     if len(bars) == 0:

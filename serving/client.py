@@ -231,8 +231,8 @@ def _forecast(args: argparse.Namespace) -> int:
             bars = read_bars(args.parquet, columns, tuple(info.user_feature_columns))
         except BarDataError as exc:
             print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars:", file=sys.stderr)
-            for problem in exc.problems:
-                print(f"  {problem}", file=sys.stderr)
+            for line in exc.lines():
+                print(f"  {line}", file=sys.stderr)
             return 2
         slices = bars.series_slices()
         if info.symbols and args.symbol not in info.symbols:

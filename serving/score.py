@@ -365,9 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BarDataError as exc:
-        shown = "\n  ".join(str(problem) for problem in exc.problems[:10])
-        more = (f" (the first 10 shown; `python -m features.check {args.parquet}` lists all)"
-                if len(exc.problems) > 10 else "")
+        lines = exc.lines()
+        shown = "\n  ".join(lines[:10])
+        more = f" (the first 10 shown; `python -m features.check {args.parquet}` lists all)" if len(lines) > 10 else ""
         print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars{more}:\n  {shown}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -280,6 +280,17 @@ def test_a_user_feature_that_is_the_time_or_symbol_column_is_refused(tmp_path: P
     assert p.rule == f"user feature {user!r} is the bars' {role} column" and "leave it out of --features" in p.fix
 
 
+def test_a_column_missing_from_every_file_of_a_directory_is_one_line(tmp_path: Path) -> None:
+    for day in range(3):  # daily files, each without the symbol column named
+        write_parquet(tmp_path / "d" / f"day-{day}.parquet", series_columns(day * 5, day * 5 + 5, "ES"))
+    with pytest.raises(BarDataError) as info:
+        read_bars(tmp_path / "d", ColumnMap(symbol="raw_symbol"))
+    assert len(info.value.problems) == 3  # each file's, for a program to read
+    [line] = info.value.lines()
+    assert line.startswith(f"{tmp_path / 'd' / 'day-0.parquet'}: column 'raw_symbol'")
+    assert line.endswith("(the same in 2 more files)")
+
+
 def test_corrupt_file(tmp_path: Path) -> None:
     path = tmp_path / "corrupt.parquet"
     good = write_parquet(tmp_path / "good.parquet", good_columns()).read_bytes()

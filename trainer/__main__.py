@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_training(args, cfg)
     except BarDataError as exc:
         print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars:", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
+        for line in exc.lines():
+            print(f"  {line}", file=sys.stderr)
         return 2
     except (ConfigError, DataError, DeviceError, CheckpointError, PlanError, TrainingDiverged) as exc:
         print(f"error: {exc}", file=sys.stderr)
