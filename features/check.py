@@ -23,12 +23,16 @@ def format_timestamp(ns: int) -> str:
 
 
 def format_duration(ns: int) -> str:
-    """A duration in the largest unit it reaches: `5min`, `1h`, `17.5167h`, `30s`."""
+    """A duration as people write one: `30s`, `5min`, `1h`, `17h30min`, `2d17h` (to the minute from an hour on,
+    to the hour from a day on)."""
     s = ns / 1e9
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if s >= size:
-            return f"{s / size:g}{unit}"
-    return f"{s:g}s"
+    if s < 3600:
+        return f"{s / 60:g}min" if s >= 60 else f"{s:g}s"
+    if s < 86400:
+        h, m = divmod(round(s / 60), 60)
+        return f"{h}h{m}min" if m else f"{h}h"
+    d, h = divmod(round(s / 3600), 24)
+    return f"{d}d{h}h" if h else f"{d}d"
 
 
 def spacing_warning(what: str, timestamp_ns: np.ndarray, interval_ns: int) -> str | None:
@@ -42,6 +46,9 @@ def spacing_warning(what: str, timestamp_ns: np.ndarray, interval_ns: int) -> st
     return (f"{what} are mostly {format_duration(spacing)} apart, but the model's bar interval is {step}: its "
             f"forecast steps are {step} bars, and it was trained on such bars; resample the bars to {step}, or "
             "use a model trained on this interval")
+
+
+SESSION_BREAK_NS = 3_600_000_000_000  # a gap longer than an hour is a session's end, not a quiet market's bars
 
 
 def summarize(bars: Bars) -> str:
@@ -59,10 +66,11 @@ def summarize(bars: Bars) -> str:
         ts = bars.timestamp_ns[sl]
         gaps = np.diff(ts)
         n_gaps = int(np.sum(gaps > interval)) if interval else 0
+        n_long = int(np.sum(gaps > SESSION_BREAK_NS))
         largest = format_duration(int(gaps.max())) if gaps.size else "n/a"
         lines.append(
             f"  {sym}: {sl.stop - sl.start} rows, {format_timestamp(int(ts[0]))} .. {format_timestamp(int(ts[-1]))}, "
-            f"{n_gaps} session gaps (largest {largest})"
+            f"{n_gaps} gaps over the bar interval, {n_long} of them over an hour: session breaks (largest {largest})"
         )
     if bars.user:
         lines.append(f"user feature columns: {', '.join(bars.user)}")

@@ -562,7 +562,7 @@ def test_check_cli_on_good_file(sample_bars: Path) -> None:
     # 3000 bars = 7 full sessions of 390 and 270 bars of an eighth (2024-01-02 .. 2024-01-11, no weekend)
     for sym in ("ES", "NQ"):
         assert (f"  {sym}: {SAMPLE_BARS} rows, 2024-01-02 14:30:00 UTC .. 2024-01-11 18:59:00 UTC, "
-                "7 session gaps") in out, out
+                "7 gaps over the bar interval, 7 of them over an hour: session breaks (largest 2d18h)") in out, out
     assert "no problems found" in out
     assert "Traceback" not in res.stderr
 
