@@ -238,19 +238,26 @@ def _list_files(path: Path) -> list[Path]:
 
 def clash_with_bars(out: Path, bars: Path) -> str | None:
     """Why writing `out` would destroy or join the bars at `bars` (a file or a directory), else None: `out` is
-    the bars file by some path, or a file that the next read of the directory would take as bars. Each command
-    that reads bars and writes a file refuses these before it writes anything."""
+    the bars file by some path (a link to it, or the link that names it), or a file that the next read of the
+    directory would take as bars, or one of them by another path. Each command that reads bars and writes a
+    file refuses these before it writes anything."""
     try:
-        same = out.resolve() == bars.resolve() or (out.exists() and bars.exists() and os.path.samefile(out, bars))
-    except OSError:
-        same = False
-    if same:
-        return f"{out} is the bars file {bars} itself, which writing it would replace"
-    if bars.is_dir():
-        target, root = out.resolve(), bars.resolve()
+        target = out.parent.resolve() / out.name  # what a write replaces: a link itself, not what it points to
+        exists = out.exists()
+        same = (target == bars.parent.resolve() / bars.name or out.resolve() == bars.resolve()
+                or (exists and bars.is_file() and os.path.samefile(out, bars)))
+        if same:
+            return f"{out} is the bars file {bars} itself, which writing it would replace"
+        if not bars.is_dir():
+            return None
+        root = bars.resolve()
         if (target.is_relative_to(root) and target.suffix.lower() in PARQUET_SUFFIXES
                 and not any(part.startswith((".", "_")) for part in target.relative_to(root).parts)):
             return f"{out} is inside the bars directory {bars}, whose next read would take it as bars"
+        if exists and any(os.path.samefile(out, f) for f in _list_files(bars)):
+            return f"{out} is one of the bars files in {bars} (by another path), which writing it would replace"
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a loop of symbolic links
+        return f"{out} or the bars path {bars} cannot be resolved ({exc})"
     return None
 
 
@@ -619,23 +626,28 @@ def _scale_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
     (files in path order): one problem per symbol, at its first jump, naming the earlier bar's file when the
     jump is between files."""
     close = np.concatenate([p["close"] for p in parts])
-    file_idx, row_in_file = rows.file_idx, rows.row_in_file
-    order = rows.grouped(np.isfinite(close) & (close > 0))  # bad prices have their own problems
+    timed = ~np.concatenate([p["timestamp_null"] for p in parts])  # rows without a time have their own problem
+    absent = np.concatenate([p["symbol_absent"] for p in parts])
+    order = rows.grouped(timed & np.isfinite(close) & (close > 0))  # bad prices have their own problems
     c, s = close[order], rows.symbol[order]
     with np.errstate(over="ignore"):
         ratio = c[1:] / c[:-1]
-    jump = (s[1:] == s[:-1]) & ((ratio >= MAX_BAR_PRICE_RATIO) | (ratio <= 1 / MAX_BAR_PRICE_RATIO))
+    jumps = np.flatnonzero((s[1:] == s[:-1]) & ((ratio >= MAX_BAR_PRICE_RATIO) | (ratio <= 1 / MAX_BAR_PRICE_RATIO)))
     out: list[Problem] = []
-    for symbol in dict.fromkeys(s[1:][jump]):
-        idx = np.flatnonzero(jump & (s[1:] == symbol))
-        before, bad = order[idx[0]], order[idx[0] + 1]
-        where = "" if file_idx[before] == file_idx[bad] else f" (that bar is in {files[file_idx[before]]})"
-        out.append(Problem(files[file_idx[bad]], cmap.close, int(row_in_file[bad]),
+    symbols, first, count = np.unique(s[1:][jumps], return_index=True, return_counts=True)  # one pass
+    for symbol, i, n in sorted(zip(symbols, first, count, strict=True), key=lambda t: int(t[1])):
+        before, bad = order[jumps[i]], order[jumps[i] + 1]
+        earlier = files[rows.file_idx[before]]
+        where = "" if rows.file_idx[before] == rows.file_idx[bad] else f" (that bar is in {earlier})"
+        fix = ("give every file's prices in one unit (e.g. 1e-9 fixed-point integers in one file and dollars in "
+               "another: convert one of them)")
+        if absent[bad]:  # more likely several symbols' bars read as one series
+            fix += (f"; or, as the file has no '{cmap.symbol}' column, all its rows were read as one series, "
+                    f"{cmap.default_symbol}: if it holds several symbols, map their column with --symbol-col NAME")
+        out.append(Problem(files[rows.file_idx[bad]], cmap.close, int(rows.row_in_file[bad]),
                            f"close {close[bad]:.10g} is {close[bad] / close[before]:.3g} times the previous bar's "
                            f"close of {symbol}, {close[before]:.10g}{where}: a change of price units, not a market "
-                           f"move (rule: a close within {MAX_BAR_PRICE_RATIO:g}x of the previous one)",
-                           "give every file's prices in one unit (e.g. 1e-9 fixed-point integers in one file and "
-                           "dollars in another: convert one of them)", int(idx.size)))
+                           f"move (rule: a close within {MAX_BAR_PRICE_RATIO:g}x of the previous one)", fix, int(n)))
     return out
 
 

@@ -23,11 +23,14 @@ def format_timestamp(ns: int) -> str:
 
 
 def format_duration(ns: int) -> str:
-    """A duration as people write one: `30s`, `5min`, `1h`, `17h30min`, `2d17h` (to the minute from an hour on,
-    to the hour from a day on)."""
+    """A duration as people write one: `30s`, `5min`, `59min59s`, `1h`, `17h30min`, `2d17h` (to the second from a
+    minute on, to the minute from an hour on, to the hour from a day on)."""
     s = ns / 1e9
+    if s < 60:
+        return f"{s:g}s"
     if s < 3600:
-        return f"{s / 60:g}min" if s >= 60 else f"{s:g}s"
+        m, sec = divmod(round(s), 60)
+        return f"{m}min{sec}s" if sec else f"{m}min"
     if s < 86400:
         h, m = divmod(round(s / 60), 60)
         return f"{h}h{m}min" if m else f"{h}h"
@@ -66,7 +69,7 @@ def summarize(bars: Bars) -> str:
         ts = bars.timestamp_ns[sl]
         gaps = np.diff(ts)
         n_gaps = int(np.sum(gaps > interval)) if interval else 0
-        n_long = int(np.sum(gaps > SESSION_BREAK_NS))
+        n_long = int(np.sum(gaps > max(interval, SESSION_BREAK_NS))) if interval else 0
         largest = format_duration(int(gaps.max())) if gaps.size else "n/a"
         lines.append(
             f"  {sym}: {sl.stop - sl.start} rows, {format_timestamp(int(ts[0]))} .. {format_timestamp(int(ts[-1]))}, "

@@ -192,6 +192,8 @@ def _model_info(stub: pb_grpc.ForecasterStub, args: argparse.Namespace,
 
 
 def _unreachable_hint(exc: grpc.RpcError, args: argparse.Namespace) -> str:
+    """For the first call only: once the server has answered, its UNAVAILABLE (warming up, shutting down) says
+    why itself."""
     if exc.code() != grpc.StatusCode.UNAVAILABLE:
         return ""
     return (f" (is a server running at {args.target}? Start one with `python -m serving --model model.onnx "
@@ -263,8 +265,7 @@ def _forecast(args: argparse.Namespace) -> int:
         try:
             response = stub.Predict(request, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as exc:
-            print(f"error: Predict: {exc.code().name}: {exc.details()}{_unreachable_hint(exc, args)}",
-                  file=sys.stderr)
+            print(f"error: Predict: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     if args.json:
         print(json_format.MessageToJson(response, preserving_proto_field_name=True))

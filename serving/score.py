@@ -367,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     except BarDataError as exc:
         lines = exc.lines()
         shown = "\n  ".join(lines[:10])
-        more = f" (the first 10 shown; `python -m features.check {args.parquet}` lists all)" if len(lines) > 10 else ""
+        more = (f" (the first 10 shown; `python -m features.check {args.parquet}` with the model's column flags "
+                "lists all)" if len(lines) > 10 else "")
         print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars{more}:\n  {shown}", file=sys.stderr)
         return 2
     except OSError as exc:

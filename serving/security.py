@@ -404,7 +404,7 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
 MAX_TIMEOUT_S = 1e6  # a gRPC deadline far beyond this overflows its clock and passes at once
 
 
-GRPC_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:", "xds:")
+PORTLESS_SCHEMES = ("unix:", "unix-abstract:", "vsock:", "xds:")  # gRPC targets that take no port
 
 
 def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -423,9 +423,17 @@ def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
 
 
 def _has_port(target: str) -> bool:
-    """A plain HOST:PORT (or [IPv6]:PORT) names its port; a target in gRPC's own syntax (unix:/path,
-    dns:///host:port, ipv4:1.2.3.4:5, ...) is passed as written."""
-    return target.startswith(GRPC_SCHEMES) or re.search(r":\d+$", target) is not None
+    """A target names its port: HOST:PORT, [IPv6]:PORT, or gRPC's own syntax with one (dns:///host:port,
+    ipv4:1.2.3.4:5, ipv6:[::1]:5); unix: and the like need none. A bare IPv6 address (::1) has no port."""
+    if target.startswith(PORTLESS_SCHEMES):
+        return True
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target[len(scheme):].rsplit("/", 1)[-1].split(",")[0]  # dns://authority/host:port; a list
+            break
+    if target.startswith("["):
+        return re.fullmatch(r"\[[^\]]+\]:\d+", target) is not None
+    return target.count(":") == 1 and re.search(r":\d+$", target) is not None
 
 
 def _wants_tls(args: argparse.Namespace) -> bool:

@@ -367,6 +367,28 @@ def test_prices_in_another_unit_in_one_file_are_refused_naming_both_files(tmp_pa
     cols["high"][7] *= 200
     p = only_problem(write_parquet(tmp_path / "jump.parquet", cols))
     assert (p.row, p.count) == (7, 2)  # up at row 7, down again at row 8
+    # two symbols read as one series (no symbol column): the jump may be that, and the fix says so too
+    one = series_columns(0, 6)
+    for name in ("open", "high", "low", "close"):
+        one[name][1::2] *= 300
+    p = next(q for q in problems_of(write_parquet(tmp_path / "one.parquet", one)) if q.column == "close")
+    assert "map their column with --symbol-col NAME" in p.fix and p.count == 5
+
+
+def test_an_output_over_the_bars_by_any_path_is_named(tmp_path: Path) -> None:
+    from features.bars import clash_with_bars
+
+    store = write_parquet(tmp_path / "store" / "a.parquet", series_columns(0, 5, "ES"))
+    (tmp_path / "bars").mkdir()
+    (tmp_path / "bars" / "a.parquet").symlink_to(store)  # a directory of links to the files
+    assert "is inside the bars directory" in str(clash_with_bars(tmp_path / "bars" / "a.parquet", tmp_path / "bars"))
+    assert "is one of the bars files in" in str(clash_with_bars(store, tmp_path / "bars"))
+    assert clash_with_bars(tmp_path / "store" / "b.parquet", tmp_path / "bars") is None
+    (tmp_path / "link.parquet").symlink_to(store)  # the bars through a link, and the link itself
+    assert "is the bars file" in str(clash_with_bars(store, tmp_path / "link.parquet"))
+    assert "is the bars file" in str(clash_with_bars(tmp_path / "link.parquet", store))
+    (tmp_path / "loop.parquet").symlink_to(tmp_path / "loop.parquet")
+    assert "cannot be resolved" in str(clash_with_bars(tmp_path / "loop.parquet", store))
 
 
 def test_hive_partitioned_directory(tmp_path: Path) -> None:
@@ -550,6 +572,18 @@ def test_timestamp_types_read_to_the_same_ns(tmp_path: Path, arrow_type: pa.Data
 def run_check(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "features.check", *args], capture_output=True, text=True,
                           timeout=60, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_check_counts_session_breaks_among_the_gaps_over_the_interval(tmp_path: Path) -> None:
+    from features.check import format_duration, summarize
+
+    cols = series_columns(0, 6, "ES")
+    cols["timestamp"] = T0 + np.array([0, 1, 2, 5, 6, 7]) * 86_400 * 10**9  # daily bars, a weekend gap
+    text = summarize(read_bars(write_parquet(tmp_path / "daily.parquet", cols)))
+    assert "bar interval (most common spacing): 1d" in text
+    assert "1 gaps over the bar interval, 1 of them over an hour: session breaks (largest 3d)" in text
+    assert [format_duration(s * 10**9) for s in (30, 60, 3599, 3600, 63_000, 86_400, 235_800)] == [
+        "30s", "1min", "59min59s", "1h", "17h30min", "1d", "2d18h"]
 
 
 def test_check_cli_on_good_file(sample_bars: Path) -> None:

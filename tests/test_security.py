@@ -425,3 +425,16 @@ def test_a_weak_but_matching_tls_pair_is_left_to_grpc(tmp_path: Path) -> None:
              "-subj", "/CN=weak", cwd=tmp_path)
     check_tls_files(tmp_path / "c.pem", tmp_path / "k.pem")
     grpc.ssl_server_credentials([((tmp_path / "k.pem").read_bytes(), (tmp_path / "c.pem").read_bytes())])
+
+
+@pytest.mark.parametrize(("target", "named"), [
+    ("localhost:50051", True), ("10.0.0.5:7000", True), ("[::1]:50051", True), ("dns:///host:5", True),
+    ("dns://8.8.8.8/host:5", True), ("ipv4:1.2.3.4:5", True), ("ipv6:[::1]:5", True), ("unix:/run/tft.sock", True),
+    ("localhost", False), ("::1", False), ("[::1]", False), ("2001:db8::1", False), ("dns:///host", False),
+    ("ipv4:1.2.3.4", False),
+])
+def test_a_plaintext_target_must_name_its_port(target: str, named: bool) -> None:
+    """gRPC dials 443 for a target without a port: a plaintext client refuses it rather than fail to connect."""
+    from serving.security import _has_port
+
+    assert _has_port(target) is named

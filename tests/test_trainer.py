@@ -386,7 +386,8 @@ def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path,
         proc.kill()
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and "interrupted: the last epoch's checkpoint is intact; continue with `python -m " \
-        f"trainer --parquet {bars} --out {out} --resume {out.with_suffix('.last.pt')}`" in err, err[-2000:]
+        f"trainer --parquet {bars} --out {out} {' '.join(flags)} --resume {out.with_suffix('.last.pt')}`" in err, \
+        err[-2000:]
     last = load_checkpoint(out.with_suffix(".last.pt"))
     assert 1 <= last["epoch"] < 50
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
@@ -403,30 +404,35 @@ def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path,
 
 
 def test_an_interrupted_run_names_the_command_that_continues_it_and_resume_writes_where_its_run_did(
-        tmp_path: Path) -> None:
+        tmp_path: Path, bars: Path) -> None:
     import argparse
-    import os
 
-    from trainer.__main__ import _where_to_continue, default_out
+    from trainer.__main__ import _stat, _where_to_continue, continue_command, default_out
 
     assert default_out(None) == Path("ckpt.pt")
     assert default_out(Path("runs/ckpt.last.pt")) == Path("runs/ckpt.pt")  # not ckpt.pt in the working directory
-    assert default_out(Path("runs/model.pt")) == Path("runs/model.pt")
-    out = tmp_path / "ckpt.pt"
-    args = argparse.Namespace(parquet="bars.parquet", out=out, resume=None)
-    started = 1_000_000.0
-    assert _where_to_continue(args, started).startswith("no epoch finished, so nothing was saved (files already")
-    last = tmp_path / "ckpt.last.pt"
+    assert default_out(Path("runs/model.pt")) is None  # a copy's run is unknown: --out must say, not the copy
+    r = run(["-m", "trainer", "--parquet", str(bars), "--resume", str(tmp_path / "keep-epoch3.pt")])
+    assert r.returncode == 2 and "--resume " in r.stderr and ": give --out" in r.stderr, r.stderr[-2000:]
+    # the run's own command, machine flags and all, from the last checkpoint it wrote; quoted for a shell
+    command = ["python", "-m", "trainer", "--parquet", "my bars.parquet", "--out", "r/ckpt.pt", "--device", "cpu",
+               "--resume=old.pt", "--threads", "1"]
+    assert continue_command(command, Path("r/ckpt.last.pt")) == (
+        "python -m trainer --parquet 'my bars.parquet' --out r/ckpt.pt --device cpu --threads 1 --resume "
+        "r/ckpt.last.pt")
+    out, last = tmp_path / "ckpt.pt", tmp_path / "ckpt.last.pt"
+    args = argparse.Namespace(out=out, resume=None, command=["python", "-m", "trainer", "--out", str(out)])
+    assert _where_to_continue(args, None).startswith("no epoch finished, so nothing was saved (files already")
     last.write_bytes(b"an earlier run's")
-    os.utime(last, (started - 5, started - 5))  # from before this run: not one to continue from
-    assert "start again" in _where_to_continue(args, started)
-    resumed = argparse.Namespace(parquet="bars.parquet", out=out, resume=last)
-    assert _where_to_continue(resumed, started) == (
-        f"no epoch finished, so nothing was saved; {last} is as it was: continue with `python -m trainer --parquet "
-        f"bars.parquet --out {out} --resume {last}`")
-    os.utime(last, (started + 5, started + 5))  # this run's
-    assert _where_to_continue(args, started) == ("the last epoch's checkpoint is intact; continue with `python -m "
-                                                 f"trainer --parquet bars.parquet --out {out} --resume {last}`")
+    before = _stat(last)
+    assert "start again" in _where_to_continue(args, before)  # there before this run: not one to continue from
+    resumed = argparse.Namespace(out=out, resume=last, command=[*args.command, "--resume", str(last)])
+    assert _where_to_continue(resumed, before) == (
+        f"no epoch finished, so nothing was saved; {last} is as it was: continue with `python -m trainer --out {out} "
+        f"--resume {last}`")
+    last.write_bytes(b"this run's first epoch")  # replaced, as save_atomic does
+    assert _where_to_continue(args, before) == ("the last epoch's checkpoint is intact; continue with `python -m "
+                                                f"trainer --out {out} --resume {last}`")
 
 
 def test_a_resumed_run_keeps_its_recipe_and_takes_its_machine_from_the_command() -> None:

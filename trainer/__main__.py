@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import sys
-import time
 from pathlib import Path
 from types import FrameType
 
@@ -64,29 +64,51 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def default_out(resume: Path | None) -> Path:
+def default_out(resume: Path | None) -> Path | None:
     """--out when not given: ckpt.pt, or a resumed run's own best checkpoint (runs/ckpt.pt beside
-    runs/ckpt.last.pt), so that it goes on writing where it did, not in the working directory."""
+    runs/ckpt.last.pt), so that it goes on writing where it did, not in the working directory. None for a
+    resumed file of another name (a copy, a link): where its run wrote is unknown, and --out must say."""
     if resume is None:
         return Path("ckpt.pt")
-    return resume.with_name(resume.name.removesuffix(".last.pt") + ".pt") if resume.name.endswith(".last.pt") \
-        else resume
+    if resume.name.endswith(".last.pt") and not resume.is_symlink():
+        return resume.with_name(resume.name.removesuffix(".last.pt") + ".pt")
+    return None
 
 
-def _where_to_continue(args: argparse.Namespace, started: float) -> str:
+def _stat(path: Path) -> tuple[int, int, int] | None:
+    """What tells one version of a file from another: inode, size and modification time (None: no file)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def continue_command(command: list[str], last: Path) -> str:
+    """`command` (the run's own, flags and all: the recipe flags equal the checkpoint's, and the machine flags
+    are what a resume takes from its command) resuming from `last`, quoted for a shell."""
+    kept: list[str] = []
+    skip = False
+    for arg in command:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume="):
+            kept.append(arg)
+    return shlex.join([*kept, "--resume", str(last)])
+
+
+def _where_to_continue(args: argparse.Namespace, before: tuple[int, int, int] | None) -> str:
     """After Ctrl-C or SIGTERM: the command that continues, from the last checkpoint this run wrote; else the one
     it resumed from, which is as it was; else there is none."""
     last = RunPaths.for_out(args.out).last
-    again = f"python -m trainer --parquet {args.parquet} --out {args.out} --resume"
-    try:
-        ours = last.stat().st_mtime >= started
-    except OSError:
-        ours = False
-    if ours:
-        return f"the last epoch's checkpoint is intact; continue with `{again} {last}`"
+    now = _stat(last)
+    if now is not None and now != before:
+        return f"the last epoch's checkpoint is intact; continue with `{continue_command(args.command, last)}`"
     if args.resume is not None:
-        return f"no epoch finished, so nothing was saved; {args.resume} is as it was: continue with `{again} " \
-               f"{args.resume}`"
+        return (f"no epoch finished, so nothing was saved; {args.resume} is as it was: continue with "
+                f"`{continue_command(args.command, args.resume)}`")
     return "no epoch finished, so nothing was saved (files already beside --out are an earlier run's); start again"
 
 
@@ -94,9 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))  # under torchrun: rank 0 tells the run; the others only what goes wrong
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s " + (f"[rank {rank}] " if rank else "") + "%(message)s")
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
     args.out = args.out or default_out(args.resume)
-    started = time.time()  # a last checkpoint written since is this run's
+    if args.out is None:
+        p.error(f"--resume {args.resume}: give --out (where the run's best checkpoint goes; its latest goes beside "
+                f"it as .last.pt): the resumed file is not a run's own ckpt.last.pt, so where its run wrote is "
+                "unknown, and writing over the file itself would lose it")
+    args.command = ["python", "-m", "trainer", *(sys.argv[1:] if argv is None else argv)]
+    before = _stat(RunPaths.for_out(args.out).last)  # a last checkpoint that differs from this at the end is ours
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         cfg = config_from_args(args)
@@ -125,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"interrupted: {_where_to_continue(args, started)}", file=sys.stderr)
+        print(f"interrupted: {_where_to_continue(args, before)}", file=sys.stderr)
         return 130
 
 
