@@ -468,7 +468,8 @@ def _columns_of(
         if uc not in names:
             problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' is missing",
                                     "add the column or drop it from the feature list"))
-        elif not (pa.types.is_integer(utype := table.schema.field(uc).type) or pa.types.is_floating(utype)):
+        elif not (pa.types.is_integer(utype := table.schema.field(uc).type) or pa.types.is_floating(utype)
+                  or pa.types.is_decimal(utype)):  # decimals as the prices take them
             problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' has type {utype}, not numeric",
                                     "choose a numeric column"))
     if problems:

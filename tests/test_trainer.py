@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -844,6 +845,20 @@ def test_an_observed_feature_that_never_changes_in_training_is_warned_about(
         prepare(tmp_path / "bars.parquet", tiny_cfg(features=["const", "noisy"]))
     flagged = [r.getMessage() for r in caplog.records if "never change over the training bars" in r.getMessage()]
     assert len(flagged) == 1 and "const" in flagged[0] and "noisy" not in flagged[0], caplog.text
+    assert flagged[0].startswith("user feature(s) const never change") and "drop them from --features" in flagged[0]
+    # close-only bars (open, high and low mapped to the close): built-in features, not --features, never change;
+    # a decimal user column is read as the prices are
+    close = table.column("close")
+    for name in ("open", "high", "low"):
+        table = table.set_column(table.column_names.index(name), name, close)
+    table = table.append_column("dec", pc.cast(table.column("noisy"), pa.decimal128(12, 6)))
+    pq.write_table(table, tmp_path / "close_only.parquet")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainer"):
+        prepare(tmp_path / "close_only.parquet", tiny_cfg(features=["dec"]))
+    flagged = [r.getMessage() for r in caplog.records if "never change over the training bars" in r.getMessage()]
+    assert len(flagged) == 1 and flagged[0].startswith("built-in feature(s) log_range, log_body never change")
+    assert "close-only data" in flagged[0] and "--features" not in flagged[0], caplog.text
 
 
 def test_train_memory_benchmark_runs_two_checkouts_and_compares_their_peaks(tmp_path: Path) -> None:

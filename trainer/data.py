@@ -196,9 +196,14 @@ def warn_about_constant_features(frame: FeatureFrame, train_rows: np.ndarray) ->
     except ValueError:  # a column without a value: the normalisation's fit says which
         return
     flat = [name for name, sd in zip(frame.schema.observed, spread, strict=True) if not sd >= MIN_STD]
-    if flat:
-        log.warning("observed feature(s) %s never change over the training bars: the model learns nothing from "
-                    "them; check the column(s) or drop them from --features", ", ".join(flat))
+    user = set(frame.schema.user_columns)
+    if flat_user := [name for name in flat if name in user]:
+        log.warning("user feature(s) %s never change over the training bars: the model learns nothing from them; "
+                    "check the column(s) or drop them from --features", ", ".join(flat_user))
+    if flat_builtin := [name for name in flat if name not in user]:
+        log.warning("built-in feature(s) %s never change over the training bars: the model learns nothing from "
+                    "them (harmless). Bars whose open, high and low equal their close (close-only data) do this; "
+                    "check the price columns and their mapping flags", ", ".join(flat_builtin))
 
 
 def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int) -> None:
