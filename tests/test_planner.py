@@ -281,6 +281,12 @@ def test_vram_budget_without_cuda_is_refused_for_training(bars: Path, tmp_path: 
     assert "--vram-budget 4GiB caps CUDA device memory, but CUDA is not available here" in r.stderr
     assert "--plan-only" in r.stderr and "--device cpu" in r.stderr
     assert not (tmp_path / "ckpt.pt").exists()
+    if device == "cuda":  # a budget from a config file (a preset's) is named as such, not as a flag never given
+        (tmp_path / "preset.toml").write_text('vram_budget = "4GiB"\n')
+        r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
+                 "--device", device, "--config", str(tmp_path / "preset.toml")])
+        assert r.returncode == 2 and (f"vram_budget = '4GiB' (from --config {tmp_path / 'preset.toml'}) caps CUDA "
+                                      "device memory") in r.stderr, r.stderr[-3000:]
 
 
 def test_bad_budget_is_a_clear_error(bars: Path, tmp_path: Path) -> None:

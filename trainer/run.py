@@ -50,8 +50,9 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     budget = parse_budget(cfg.vram_budget) if cfg.vram_budget else 0
     if args.plan_only:
         return plan_only(args, cfg, budget)
+    plan_fn = budget_plan_fn(cfg, budget, _budget_label(args, cfg)) if budget else None
     trainer = Trainer(args.parquet, cfg, args.out, _columns(args), resume=args.resume,
-                      progress=not args.no_progress, plan_fn=budget_plan_fn(cfg, budget) if budget else None)
+                      progress=not args.no_progress, plan_fn=plan_fn)
     result = trainer.run()
     wanted = [what for what, on in (("the report", not args.no_report),
                                     ("the test split", trainer.data.test_anchors.size > 0)) if on]
@@ -99,11 +100,19 @@ def _no_cuda_reason() -> str:
             else "no CUDA device is visible (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES)")
 
 
-def budget_plan_fn(cfg: TrainConfig, budget: int) -> PlanFn:
-    """The Trainer's plan_fn for a run with --vram-budget (PlanError if the budget cannot apply)."""
+def _budget_label(args: argparse.Namespace, cfg: TrainConfig) -> str:
+    """How the budget was set, for messages: the flag, or the --config file that holds it."""
+    if getattr(args, "cfg_vram_budget", None) is None and getattr(args, "config", None):
+        return f"vram_budget = {cfg.vram_budget!r} (from --config {args.config})"
+    return f"--vram-budget {cfg.vram_budget}"
+
+
+def budget_plan_fn(cfg: TrainConfig, budget: int, label: str = "") -> PlanFn:
+    """The Trainer's plan_fn for a run with --vram-budget (PlanError if the budget cannot apply); `label` says
+    how the budget was set."""
+    label = label or f"--vram-budget {cfg.vram_budget}"
     if cfg.device == "cpu":
-        log.warning("--vram-budget %s is not applicable on the CPU (it caps CUDA device memory): training runs "
-                    "without it", cfg.vram_budget)
+        log.warning("%s is not applicable on the CPU (it caps CUDA device memory): training runs without it", label)
 
         def not_applicable(model: TemporalFusionTransformer, data: PreparedData, device: torch.device,
                            precision: str) -> TrainPlan:
@@ -112,9 +121,9 @@ def budget_plan_fn(cfg: TrainConfig, budget: int) -> PlanFn:
 
         return not_applicable
     if not torch.cuda.is_available():
-        raise PlanError(f"--vram-budget {cfg.vram_budget} caps CUDA device memory, but CUDA is not available here "
-                        f"({_no_cuda_reason()}), so the budget cannot be kept. Use --plan-only to see the plan for a "
-                        "CUDA card, or --device cpu to train on the CPU without a budget")
+        raise PlanError(f"{label} caps CUDA device memory, but CUDA is not available here ({_no_cuda_reason()}), so "
+                        "the budget cannot be kept. Use --plan-only to see the plan for a CUDA card, or --device cpu "
+                        "to train on the CPU without a budget")
 
     def plan_on_cuda(model: TemporalFusionTransformer, data: PreparedData, device: torch.device,
                      precision: str) -> TrainPlan:
