@@ -545,7 +545,7 @@ def test_unknown_config_key_and_bad_bars_exit_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and "no bars (the file holds no rows)" in r.stderr and "Traceback" not in r.stderr
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"not a checkpoint")
-    r = run(["-m", "trainer", "--parquet", str(bars), "--resume", str(corrupt)])
+    r = run(["-m", "trainer", "--parquet", str(bars), "--resume", str(corrupt), "--out", str(tmp_path / "r.pt")])
     assert r.returncode == 2 and "not a readable checkpoint" in r.stderr
 
 
