@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default off)")
     p.add_argument("--grace", type=float, default=d.grace_s,
                    help=f"seconds in-flight calls get to finish on SIGTERM (default {d.grace_s:g})")
+    p.add_argument("--drain-delay", type=float, default=d.drain_delay_s, metavar="S",
+                   help="on SIGTERM, report health NOT_SERVING and keep serving for S seconds before the drain, so "
+                        "that a load balancer polling health stops routing here first (default "
+                        f"{d.drain_delay_s:g}: drain at once)")
     p.add_argument("--event-loop", choices=EVENT_LOOPS, default=d.event_loop,
                    help="uvloop: libuv's event loop, less interpreter time per call; asyncio: the standard "
                         f"library's (default {d.event_loop})")
@@ -131,18 +135,22 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         (not args.metrics_port or args.metrics_port + args.workers - 1 <= 65535,
          "--metrics-port M with --workers N needs M + N - 1 <= 65535 (workers take M, M+1, ...)"),
         (args.metrics_port is None or 0 <= args.metrics_port <= 65535, "--metrics-port must be in 0..65535"),
-        (args.threads >= 1, "--threads must be >= 1"),
-        (args.max_batch >= 1, "--max-batch must be >= 1"),
-        (args.max_delay_ms >= 0, "--max-delay-ms must be >= 0"),
+        (1 <= args.threads <= MAX_THREADS, f"--threads must be in 1..{MAX_THREADS}"),
+        (1 <= args.max_batch <= MAX_BATCH, f"--max-batch must be in 1..{MAX_BATCH} (the warm-up runs every padded "
+                                           "batch size up to it; the CPU provider gains little past 64 windows a "
+                                           "run, a GPU past about 1024)"),
+        (0 <= args.max_delay_ms <= MAX_DELAY_MS, f"--max-delay-ms must be in 0..{MAX_DELAY_MS:g} (a call waits "
+                                                 "up to this long for company)"),
         (1 <= args.max_concurrent <= INT32_MAX, f"--max-concurrent must be in 1..{INT32_MAX}"),
         (1024 <= args.max_message_bytes <= INT32_MAX,
          f"--max-message-bytes must be in 1024..{INT32_MAX} (gRPC counts it in an int32)"),
-        (args.grace >= 0, "--grace must be >= 0"),
+        (0 <= args.grace <= MAX_GRACE_S, f"--grace must be in 0..{MAX_GRACE_S:g} seconds"),
+        (0 <= args.drain_delay <= MAX_GRACE_S, f"--drain-delay must be in 0..{MAX_GRACE_S:g} seconds"),
         (args.device_id >= 0, "--device-id must be >= 0"),
         (args.busy_poll >= 0, "--busy-poll MS must be >= 0 (0: off; without MS: always)"),
-        (args.max_connection_age == 0 or 0.001 <= args.max_connection_age <= MAX_CONNECTION_AGE_S,
-         f"--max-connection-age must be 0 (never) or 0.001..{MAX_CONNECTION_AGE_S} seconds (gRPC counts it in "
-         "int32 milliseconds)"),
+        (args.max_connection_age == 0 or MIN_CONNECTION_AGE_S <= args.max_connection_age <= MAX_CONNECTION_AGE_S,
+         f"--max-connection-age must be 0 (never) or {MIN_CONNECTION_AGE_S:g}..{MAX_CONNECTION_AGE_S} seconds (a "
+         "connection needs time to carry calls; gRPC counts the age in int32 milliseconds)"),
         ((args.tls_cert is None) == (args.tls_key is None), "--tls-cert and --tls-key go together"),
         (args.tls_client_ca is None or args.tls_cert is not None, "--tls-client-ca needs --tls-cert/--tls-key"),
     )
@@ -154,13 +162,19 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         stop_on_stdin_eof=args.stop_on_stdin_eof, device=args.device, device_id=args.device_id,
         threads=args.threads, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms, batch_wait=args.batch_wait,
         max_concurrent=args.max_concurrent, max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
-        grace_s=args.grace, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+        grace_s=args.grace, drain_delay_s=args.drain_delay, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
         auth_token_file=args.auth_token_file, event_loop=args.event_loop, busy_poll_ms=args.busy_poll,
         max_connection_age_s=args.max_connection_age,
     )
 
 
 MAX_CONNECTION_AGE_S = INT32_MAX // 1000  # gRPC's connection age is an int32 of milliseconds
+MIN_CONNECTION_AGE_S = 0.1  # below this a connection is told to go away before it has carried much
+MAX_BATCH = 4096  # windows a run; the warm-up runs every padded size up to --max-batch (memory, start time)
+MAX_DELAY_MS = 1000.0  # a batch wait past a second is a stalled call, not a batching choice
+MAX_THREADS = 1024
+MAX_GRACE_S = 3600.0
 FD_LIMIT_CAP = 1 << 20  # Linux's default ceiling (fs.nr_open), for a hard limit of "unlimited"
 
 

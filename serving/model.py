@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import stat
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -147,10 +148,14 @@ class LoadedModel:
         self.session.run_with_iobinding(binding)
         return list(binding.copy_outputs_to_cpu())
 
-    def warm_up(self) -> float:
-        """Run once at every bucket size (first runs allocate and tune); check the outputs. Returns seconds."""
+    def warm_up(self, stop: threading.Event | None = None) -> float:
+        """Run once at every bucket size (first runs allocate and tune); check the outputs. Returns seconds.
+        WarmUpStopped once `stop` is set (SIGTERM): a thread cannot be cancelled, so it looks between runs, and
+        a drain waits for one run at most."""
         start = time.perf_counter()
         for size in self.buckets:
+            if stop is not None and stop.is_set():
+                raise WarmUpStopped(f"warm-up of {self.path} stopped before batch size {size}")
             outs = self.run(dummy_inputs(self.meta, size))
             q = outs[QUANTILES]
             expected = (size, self.meta.horizon, len(self.meta.quantiles))
@@ -353,11 +358,16 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
     )
 
 
-def load_and_warm(path: str | Path, device: str, threads: int, max_batch: int, device_id: int = 0) -> LoadedModel:
+def load_and_warm(path: str | Path, device: str, threads: int, max_batch: int, device_id: int = 0,
+                  stop: threading.Event | None = None) -> LoadedModel:
     """load_model + warm_up: what a SIGHUP reload does before it swaps the model in."""
     model = load_model(path, device, threads, max_batch, device_id)
-    model.warm_up()
+    model.warm_up(stop)
     return model
+
+
+class WarmUpStopped(Exception):
+    """SIGTERM came while a model warmed up: the warm-up ends between two runs."""
 
 
 class ModelHolder:

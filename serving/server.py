@@ -46,7 +46,7 @@ from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.inference import run_batch
 from serving.metrics import Metrics
-from serving.model import LoadedModel, ModelHolder, load_and_warm, load_model
+from serving.model import LoadedModel, ModelHolder, WarmUpStopped, load_and_warm, load_model
 from serving.native_log import native_stderr
 from serving.security import MessageGuard, TokenAuth, UnknownMethods, is_loopback, read_tokens, server_credentials
 from serving.servicer import Batcher, ForecasterServicer, Limits
@@ -58,6 +58,7 @@ MiB = 1 << 20
 INT32_MAX = 2**31 - 1  # gRPC's channel arguments are C ints
 DRAIN_POLL_S = 0.005  # how often a SIGTERM drain looks whether the in-flight calls have finished
 DRAIN_SETTLE_S = 0.1  # the least time a SIGTERM drain lets the calls on their way at the signal arrive
+FINAL_GRACE_S = 0.5  # once no Predict or stream is in flight: what gRPC gives the rest (a health Watch never ends)
 CLIENT_PING_MIN_MS = 1000  # the shortest keepalive interval accepted from clients
 CONNECTION_AGE_GRACE_S = 30.0  # calls in flight on a connection past its --max-connection-age get the age and this
 
@@ -92,6 +93,7 @@ class ServerConfig:
     max_message_bytes: int = 4 * MiB  # request and response size limit (gRPC's own default is 4 MiB too)
     metrics_port: int | None = None  # Prometheus /metrics port; None: off, 0: pick a free one
     grace_s: float = 10.0  # SIGTERM: time in-flight calls get to finish
+    drain_delay_s: float = 0.0  # SIGTERM: health NOT_SERVING this long before the drain, calls still served
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key: serve TLS only
     tls_key: Path | None = None  # PEM private key of tls_cert
     tls_client_ca: Path | None = None  # PEM CA: clients must present a certificate it signed (mutual TLS)
@@ -148,6 +150,7 @@ class ForecastServer:
         self.config = config
         self.metrics = metrics or Metrics()
         self.holder = ModelHolder(model)
+        self.stopping = threading.Event()  # SIGTERM: a warm-up running in a thread ends between two runs
         process = functools.partial(run_batch, steps=self.metrics.steps)  # features and run timed per batch
         self.batcher: Batcher = MicroBatcher(process, config.max_batch, config.max_delay_s, config.batch_wait,
                                              self.metrics, busy_poll_s=config.busy_poll_ms / 1000.0)
@@ -220,7 +223,7 @@ class ForecastServer:
         """Run the model at every padded batch size, then report SERVING."""
         model = self.holder.current
         with self.batcher.spin_paused():  # --busy-poll: the warm-up thread needs the interpreter lock
-            seconds = await asyncio.get_running_loop().run_in_executor(None, model.warm_up)
+            seconds = await asyncio.get_running_loop().run_in_executor(None, model.warm_up, self.stopping)
         self.servicer.ready = True
         self.metrics.ready.set(1)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -259,7 +262,10 @@ class ForecastServer:
         try:
             with self.batcher.spin_paused():  # --busy-poll: the loading thread needs the interpreter lock
                 new = await asyncio.to_thread(load_and_warm, c.model_path, c.device, c.threads, c.max_batch,
-                                              c.device_id)
+                                              c.device_id, self.stopping)
+        except WarmUpStopped:
+            log.info("reload stopped by SIGTERM; the drain goes on with model %s", old.version)
+            return
         except ModelLoadError as exc:
             self.metrics.reloads.labels("refused").inc()
             log.error("reload refused, still serving model %s: %s", old.version, exc)
@@ -286,6 +292,11 @@ class ForecastServer:
         the signal included. Calls gRPC holds unhanded when it shuts down are cancelled instead (CANCELLED,
         grpc/grpc#41785); this leaves only calls that arrive in the last instant.
         """
+        self.stopping.set()
+        if self.config.drain_delay_s > 0:  # a balancer that polls health sees NOT_SERVING while calls still work
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            log.info("health NOT_SERVING; serving on for --drain-delay %g s, then draining", self.config.drain_delay_s)
+            await asyncio.sleep(self.config.drain_delay_s)
         self.servicer.ready = False
         self.servicer.draining = True
         self.metrics.ready.set(0)
@@ -299,7 +310,9 @@ class ForecastServer:
         self.servicer.end_streams()
         while time.monotonic() - started < grace_s and (self.servicer.admission.active or self.servicer.open_streams):
             await asyncio.sleep(DRAIN_POLL_S)
-        await self.grpc.stop(max(0.0, grace_s - (time.monotonic() - started)))
+        # gRPC's own grace is for what is left: calls it handed over in the last instant (answered UNAVAILABLE at
+        # once) and health Watch streams, which never end by themselves and would hold the drain for all of it
+        await self.grpc.stop(min(FINAL_GRACE_S, max(0.0, grace_s - (time.monotonic() - started))))
         await self.batcher.close()
         log.info("drained in %.3f s", time.monotonic() - started)
 
@@ -442,6 +455,7 @@ async def serve(config: ServerConfig) -> int:
         raise failure
     await stopping
     log.info("SIGTERM: draining (grace %g s)", config.grace_s)
+    server.stopping.set()  # a warm-up or reload in its thread ends between two runs, not after all of them
     for task in (warm, *reloads):
         task.cancel()
     await server.stop(config.grace_s)

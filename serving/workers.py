@@ -46,6 +46,7 @@ def server_args(config: ServerConfig, log_level: str) -> list[str]:
         ("--max-batch", config.max_batch), ("--max-delay-ms", repr(config.max_delay_ms)),
         ("--batch-wait", config.batch_wait), ("--max-concurrent", config.max_concurrent),
         ("--max-message-bytes", config.max_message_bytes), ("--grace", repr(config.grace_s)),
+        ("--drain-delay", repr(config.drain_delay_s)),
         ("--log-level", log_level), ("--metrics-port", config.metrics_port), ("--tls-cert", config.tls_cert),
         ("--tls-key", config.tls_key), ("--tls-client-ca", config.tls_client_ca),
         ("--auth-token-file", config.auth_token_file), ("--event-loop", config.event_loop),

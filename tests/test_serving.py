@@ -754,6 +754,44 @@ def test_sigterm_drains_in_flight_calls_and_exits_0(art: Model, tmp_path: Path) 
         s.kill()
 
 
+def test_drain_delay_reports_not_serving_while_calls_still_work_and_a_health_watch_holds_no_drain(
+        art: Model, tmp_path: Path) -> None:
+    """--drain-delay: on SIGTERM health turns NOT_SERVING first (a balancer polling it stops routing here) while
+    Predict still answers; then the drain, which an open health Watch (gRPC's client-side health checking) does
+    not hold for the whole --grace."""
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--drain-delay", "1.5", "--grace", "60")
+    try:
+        s.wait_serving()
+        health = health_pb2_grpc.HealthStub(s.channel)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE), timeout=120)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        started = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert time.monotonic() - started < 1.5  # seen before the delay ends ...
+        assert s.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10).forecasts  # ... and still served
+        assert s.proc.wait(timeout=30) == 0, s.log_text()  # not the 60 s grace the Watch would have held
+        log = s.log_text()
+        assert "health NOT_SERVING; serving on for --drain-delay 1.5 s, then draining" in log
+        assert float(re.findall(r"drained in ([\d.]+) s", log)[0]) < 30, log[-2000:]
+    finally:
+        s.kill()
+
+
+def test_a_sigterm_during_the_warm_up_stops_it_between_two_runs(art: Model) -> None:
+    import threading
+
+    from serving.model import WarmUpStopped, load_model
+
+    model = load_model(art.model, "cpu", threads=1, max_batch=64)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(WarmUpStopped, match="stopped before batch size 1"):
+        model.warm_up(stop)
+    assert not model.warmed
+    assert model.warm_up(threading.Event()) > 0 and model.warmed
+
+
 def test_the_standard_asyncio_loop_serves_too_and_uvloop_is_never_swapped_quietly(
         art: Model, server: LiveServer, tmp_path: Path) -> None:
     """--event-loop asyncio gives the default (uvloop) server's answers and drains on SIGTERM; without the

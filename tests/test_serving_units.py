@@ -871,8 +871,8 @@ def test_a_worker_gets_every_setting_of_its_supervisor() -> None:
     config = ServerConfig(
         model_path=Path("-odd name.onnx"), host="::1", port=50123, reuse_port=True, stop_on_stdin_eof=True,
         device="cpu", device_id=2, threads=3, max_batch=48, max_delay_ms=1.5, batch_wait="fixed",
-        max_concurrent=99, max_message_bytes=65536, metrics_port=9470, grace_s=2.5, tls_cert=Path("c.pem"),
-        tls_key=Path("k.pem"), tls_client_ca=Path("ca.pem"), auth_token_file=Path("tokens"),
+        max_concurrent=99, max_message_bytes=65536, metrics_port=9470, grace_s=2.5, drain_delay_s=1.5,
+        tls_cert=Path("c.pem"), tls_key=Path("k.pem"), tls_client_ca=Path("ca.pem"), auth_token_file=Path("tokens"),
         event_loop="asyncio", busy_poll_ms=2.5, max_connection_age_s=120.0)
     parser = build_parser()
     args = parser.parse_args(server_args(config, "WARNING"))
@@ -913,16 +913,37 @@ def test_connection_age_flag_takes_what_grpc_can(capsys: pytest.CaptureFixture[s
                                 ).max_connection_age_s
 
     assert age("0") == 0.0 and connection_age_options(0.0) == []
-    assert dict(connection_age_options(age("0.0015")))["grpc.max_connection_age_ms"] == 2  # rounded up
+    assert dict(connection_age_options(age("0.1005")))["grpc.max_connection_age_ms"] == 101  # rounded up
     assert dict(connection_age_options(age("2147483")))["grpc.max_connection_age_ms"] <= 2**31 - 1
     assert dict(connection_age_options(age("2147483")))["grpc.max_connection_age_grace_ms"] == 2**31 - 1
     # the grace outlasts the age itself: a PredictStream, which ends itself by then, is never cut by gRPC
     assert dict(connection_age_options(age("1800")))["grpc.max_connection_age_grace_ms"] == 1_830_000
-    for bad in ("0.0004", "3000000", "-1", "nan", "inf"):
+    for bad in ("0.0004", "0.05", "3000000", "-1", "nan", "inf"):
         with pytest.raises(SystemExit) as exc:
             age(bad)
-        assert exc.value.code == 2 and "--max-connection-age must be 0 (never) or 0.001.." in capsys.readouterr().err
+        assert exc.value.code == 2 and "--max-connection-age must be 0 (never) or 0.1.." in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--max-batch", "4097", "--max-batch must be in 1..4096 (the warm-up runs every padded batch size up to it"),
+    ("--max-batch", "0", "--max-batch must be in 1..4096"),
+    ("--max-delay-ms", "1e9", "--max-delay-ms must be in 0..1000"),
+    ("--max-delay-ms", "inf", "--max-delay-ms must be in 0..1000"),
+    ("--threads", "100000", "--threads must be in 1..1024"),
+    ("--grace", "inf", "--grace must be in 0..3600 seconds"),
+    ("--grace", "-1", "--grace must be in 0..3600 seconds"),
+])
+def test_a_flag_value_that_would_stall_or_exhaust_the_server_is_refused(
+        flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Values that start a server that cannot serve (a warm-up of a hundred million windows, a batch wait of
+    days, a hundred thousand threads, a drain that never ends) exit 2 naming the bound."""
+    from serving.__main__ import build_parser, config_from_args
+
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exc:
+        config_from_args(parser, parser.parse_args(["--model", "m.onnx", f"{flag}={value}"]))
+    assert exc.value.code == 2 and message in capsys.readouterr().err
 
 def test_bars_with_wider_gaps_or_a_few_short_ones_are_served() -> None:
     """Only bars mostly much closer than the model's, or mostly a day and 20 intervals apart, are refused: a
