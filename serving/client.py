@@ -194,8 +194,9 @@ def _model_info(stub: pb_grpc.ForecasterStub, args: argparse.Namespace,
 def _unreachable_hint(exc: grpc.RpcError, args: argparse.Namespace) -> str:
     """For the first call only: once the server has answered, its UNAVAILABLE (warming up, shutting down) says
     why itself."""
-    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-        return ""
+    details = (exc.details() or "").lower()
+    if exc.code() != grpc.StatusCode.UNAVAILABLE or any(w in details for w in ("certificate", "handshake", "ssl")):
+        return ""  # a TLS failure names itself: the server is there
     return (f" (is a server running at {args.target}? Start one with `python -m serving --model model.onnx "
             "--port PORT`, and check the port and, with TLS, the flags)")
 

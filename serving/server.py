@@ -434,8 +434,14 @@ async def serve(config: ServerConfig) -> int:
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
+    received: list[str] = []  # which signal stopped it, for the log
+
+    def on_stop(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop, sig)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     hup_while_starting = sighup.arrived()  # after the files were read, before the handler above
     if config.stop_on_stdin_eof:
@@ -454,7 +460,7 @@ async def serve(config: ServerConfig) -> int:
         await server.stop(0)
         raise failure
     await stopping
-    log.info("SIGTERM: draining (grace %g s)", config.grace_s)
+    log.info("%s: draining (grace %g s)", received[0] if received else "stdin closed", config.grace_s)
     server.stopping.set()  # a warm-up or reload in its thread ends between two runs, not after all of them
     for task in (warm, *reloads):
         task.cancel()

@@ -803,8 +803,9 @@ def test_the_standard_asyncio_loop_serves_too_and_uvloop_is_never_swapped_quietl
         mine, default = s.stub.Predict(request, timeout=10), server.stub.Predict(request, timeout=10)
         np.testing.assert_array_equal(quantiles_of(mine.forecasts[0]), quantiles_of(default.forecasts[0]))
         assert "asyncio event loop" in s.log_text() and "uvloop event loop" in server.log_text()
-        s.proc.send_signal(signal.SIGTERM)
+        s.proc.send_signal(signal.SIGINT)  # Ctrl-C drains as SIGTERM does, and the log says which came
         assert s.proc.wait(timeout=15) == 0, s.log_text()
+        assert "SIGINT: draining" in s.log_text()
     finally:
         s.kill()
     no_uvloop = "import sys; sys.modules['uvloop'] = None; from serving.__main__ import main; raise SystemExit(main())"
