@@ -37,6 +37,7 @@ import logging
 import re
 import ssl
 import stat
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,7 @@ def check_tls_files(cert: Path, key: Path, client_ca: Path | None = None) -> Non
     except ssl.SSLError as exc:
         raise ConfigError(f"--tls-cert {cert} with --tls-key {key}: OpenSSL refuses the pair ({exc.reason or exc}); "
                           "give the certificate chain and its own unencrypted private key") from None
+    _check_dates(cert)
     if client_ca is not None:
         try:
             context.load_verify_locations(cafile=client_ca)
@@ -141,6 +143,34 @@ def check_tls_files(cert: Path, key: Path, client_ca: Path | None = None) -> Non
             raise ConfigError(f"--tls-client-ca {client_ca}: OpenSSL cannot read a CA certificate from it "
                               f"({exc.reason or exc}); give the PEM certificate(s) of the CA that signs client "
                               "certificates") from None
+
+
+CERT_RENEW_WARNING_S = 7 * 86_400  # a certificate that expires sooner is named in a warning at start
+
+
+def _check_dates(cert: Path, now: float | None = None) -> None:
+    """ConfigError for a certificate that has expired or is not valid yet (every client would refuse the
+    handshake, while the server looked healthy); a warning when it expires within a week. Certificates are
+    read at start only: renewing one takes a restart. Read with CPython's own certificate decoder; where that
+    is missing the dates go unchecked."""
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:
+        return
+    try:
+        info = decode(str(cert))
+        not_before, not_after = (ssl.cert_time_to_seconds(info[k]) for k in ("notBefore", "notAfter"))
+    except (ssl.SSLError, OSError, KeyError, ValueError):
+        return  # the pair check above judged the file readable; the dates are a courtesy
+    now = time.time() if now is None else now
+    if now >= not_after:
+        raise ConfigError(f"--tls-cert {cert}: the certificate expired on {info['notAfter']}; every client would "
+                          "refuse the handshake: renew it")
+    if now < not_before:
+        raise ConfigError(f"--tls-cert {cert}: the certificate is valid only from {info['notBefore']} (check this "
+                          "machine's clock, or the certificate)")
+    if not_after - now < CERT_RENEW_WARNING_S:
+        log.warning("--tls-cert %s expires on %s (in %.1f days): renew it and restart the server", cert,
+                    info["notAfter"], (not_after - now) / 86_400)
 
 
 def is_loopback(host: str) -> bool:

@@ -427,6 +427,34 @@ def test_a_weak_but_matching_tls_pair_is_left_to_grpc(tmp_path: Path) -> None:
     grpc.ssl_server_credentials([((tmp_path / "k.pem").read_bytes(), (tmp_path / "c.pem").read_bytes())])
 
 
+def test_an_expired_or_not_yet_valid_certificate_is_refused_and_a_soon_expiring_one_warned(
+        pki: Pki, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """gRPC serves an expired certificate, and every client then fails its handshake while health looks
+    fine: the start refuses it, naming the date; one that expires within a week is a warning."""
+    from serving.errors import ConfigError
+    from serving.security import _check_dates, check_tls_files
+
+    d = pki.ca.parent
+    db = tmp_path / "db"
+    (db / "new").mkdir(parents=True)
+    (db / "index.txt").write_text("")
+    (db / "serial").write_text("1000\n")
+    (tmp_path / "ca.cnf").write_text(f"[ca]\ndefault_ca = c\n[c]\ndir = {db}\ndatabase = $dir/index.txt\n"
+                                     "new_certs_dir = $dir/new\nserial = $dir/serial\ndefault_md = sha256\n"
+                                     "policy = p\n[p]\ncommonName = supplied\n")
+    _openssl("ca", "-batch", "-config", str(tmp_path / "ca.cnf"), "-cert", str(pki.ca), "-keyfile", str(d / "ca.key"),
+             "-in", str(d / "server.csr"), "-out", str(tmp_path / "expired.pem"), "-startdate", "20200101000000Z",
+             "-enddate", "20200102000000Z", cwd=tmp_path)
+    with pytest.raises(ConfigError, match="the certificate expired on Jan  2 00:00:00 2020 GMT"):
+        check_tls_files(tmp_path / "expired.pem", pki.server_key)
+    start = 1_577_836_800.0  # 2020-01-01T00:00:00Z, the certificate's first second
+    with pytest.raises(ConfigError, match="valid only from Jan  1 00:00:00 2020 GMT"):
+        _check_dates(tmp_path / "expired.pem", now=start - 60)
+    with caplog.at_level("WARNING", logger="serving"):
+        _check_dates(tmp_path / "expired.pem", now=start + 3600)
+    assert "expires on Jan  2 00:00:00 2020 GMT (in 1.0 days): renew it and restart the server" in caplog.text
+
+
 @pytest.mark.parametrize(("target", "named"), [
     ("localhost:50051", True), ("10.0.0.5:7000", True), ("[::1]:50051", True), ("dns:///host:5", True),
     ("dns://8.8.8.8/host:5", True), ("ipv4:1.2.3.4:5", True), ("ipv6:[::1]:5", True), ("unix:/run/tft.sock", True),
