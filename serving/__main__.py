@@ -135,6 +135,9 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         (not args.metrics_port or args.metrics_port + args.workers - 1 <= 65535,
          "--metrics-port M with --workers N needs M + N - 1 <= 65535 (workers take M, M+1, ...)"),
         (args.metrics_port is None or 0 <= args.metrics_port <= 65535, "--metrics-port must be in 0..65535"),
+        (not (args.port and args.metrics_port and args.metrics_port <= args.port < args.metrics_port + args.workers),
+         f"--metrics-port {args.metrics_port} would take --port {args.port} (workers serve metrics on M, M+1, ...): "
+         "give the metrics another port"),
         (1 <= args.threads <= MAX_THREADS, f"--threads must be in 1..{MAX_THREADS}"),
         (1 <= args.max_batch <= MAX_BATCH, f"--max-batch must be in 1..{MAX_BATCH} (the warm-up runs every padded "
                                            "batch size up to it; the CPU provider gains little past 64 windows a "

@@ -397,9 +397,9 @@ async def serve(config: ServerConfig) -> int:
     access = read_access(config)  # unusable TLS or token files stop the start before the model loads
     model = await asyncio.to_thread(load_model, config.model_path, config.device, config.threads,
                                     config.max_batch, config.device_id)
-    log.info("model %s from %s: provider %s, bars_required %d, horizon %d, quantiles %s, symbols %s",
-             model.version, model.path, model.provider, model.meta.bars_required, model.meta.horizon,
-             list(model.meta.quantiles), ",".join(model.meta.symbols))
+    log.info("model %s (sha256 %s) from %s: provider %s, bars_required %d, horizon %d, quantiles %s, symbols %s",
+             model.version, model.sha256[:12], model.path, model.provider, model.meta.bars_required,
+             model.meta.horizon, list(model.meta.quantiles), ",".join(model.meta.symbols))
     server = build_server(config, model, access)
     log.info("access: %s", access_summary(config))
     mport = None
@@ -416,10 +416,12 @@ async def serve(config: ServerConfig) -> int:
         server.metrics.stop_http()  # for a caller that goes on (the command itself exits)
         raise
     print(f"listening on {host_port(config.host, port)}", flush=True)
-    log.info("listening on %s (max message %d bytes, max batch %d, max delay %g ms, %s wait, max concurrent %d, "
-             "%s event loop%s)", host_port(config.host, port), config.max_message_bytes, config.max_batch,
-             config.max_delay_ms, config.batch_wait, config.max_concurrent, config.event_loop,
-             busy_poll_text(config.busy_poll_ms))
+    log.info("listening on %s, pid %d (max message %d bytes, max batch %d, max delay %g ms, %s wait, max concurrent "
+             "%d, %d thread(s), grace %g s, drain delay %g s, connection age %s, %s event loop%s)",
+             host_port(config.host, port), os.getpid(), config.max_message_bytes, config.max_batch,
+             config.max_delay_ms, config.batch_wait, config.max_concurrent, config.threads, config.grace_s,
+             config.drain_delay_s, f"{config.max_connection_age_s:g} s" if config.max_connection_age_s else "unlimited",
+             config.event_loop, busy_poll_text(config.busy_poll_ms))
     if mport is not None:
         print(f"metrics on {host_port(config.host, mport)}", flush=True)
         log.info("metrics on http://%s/metrics", host_port(config.host, mport))

@@ -945,6 +945,19 @@ def test_a_flag_value_that_would_stall_or_exhaust_the_server_is_refused(
         config_from_args(parser, parser.parse_args(["--model", "m.onnx", f"{flag}={value}"]))
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
+
+def test_a_metrics_port_that_would_take_the_grpc_port_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from serving.__main__ import build_parser, config_from_args
+
+    parser = build_parser()
+    for flags in (["--port", "50100", "--metrics-port", "50100"],
+                  ["--port", "50101", "--metrics-port", "50100", "--workers", "2"]):
+        with pytest.raises(SystemExit) as exc:
+            config_from_args(parser, parser.parse_args(["--model", "m.onnx", *flags]))
+        assert exc.value.code == 2 and "--metrics-port 50100 would take --port 5010" in capsys.readouterr().err
+    ok = ["--model", "m.onnx", "--port", "50102", "--metrics-port", "50100", "--workers", "2"]
+    assert config_from_args(parser, parser.parse_args(ok)).metrics_port == 50100
+
 def test_bars_with_wider_gaps_or_a_few_short_ones_are_served() -> None:
     """Only bars mostly much closer than the model's, or mostly a day and 20 intervals apart, are refused: a
     quiet market's bars skip intervals (a training symbol may be mostly a few apart), a few short gaps (a
