@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"long-lived clients over replicas (default {d.max_connection_age_s:g}; 0: never)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     a = p.add_argument_group("access")
-    a.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only (with --tls-key)")
+    a.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only (with --tls-key); SIGHUP "
+                                                 "re-reads the TLS files for new connections (renewal)")
     a.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     a.add_argument("--tls-client-ca", type=Path,
                    help="PEM CA certificate(s): require client certificates signed by it (mutual TLS)")

@@ -1,8 +1,8 @@
 """Who may call the server, and what reaches its code: TLS, bearer tokens, undecodable messages.
 
 Server side
-    server_credentials(cert, key, client_ca)   TLS (and, with a client CA, required and verified
-                                               client certificates: mutual TLS)
+    ReloadableTls(cert, key, client_ca)        TLS (and, with a client CA, required and verified
+                                               client certificates: mutual TLS); SIGHUP re-reads it
     read_tokens(path) / TokenAuth              `--auth-token-file`: every RPC but the health
                                                service needs `authorization: Bearer <token>`;
                                                anything else is UNAUTHENTICATED
@@ -37,6 +37,7 @@ import logging
 import re
 import ssl
 import stat
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
@@ -115,12 +116,41 @@ def read_client_token(path: Path, flag: str = "--auth-token-file") -> str:
     return lines[0][1]
 
 
-def server_credentials(cert: Path, key: Path, client_ca: Path | None = None) -> grpc.ServerCredentials:
-    """TLS with this certificate chain and key; with `client_ca`, clients must present a certificate it signed."""
-    pair = (read_pem(key, "private key", "--tls-key"), read_pem(cert, "certificate", "--tls-cert"))
-    ca = read_pem(client_ca, "client CA certificate", "--tls-client-ca") if client_ca else None
-    check_tls_files(cert, key, client_ca)
-    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+class ReloadableTls:
+    """Server TLS whose certificate, key and client CA a SIGHUP re-reads: a renewed certificate without a
+    restart. gRPC asks `_fetch` before each new connection's handshake; a re-read file that fails its checks
+    keeps the current ones (as a token file does). Connections already open keep theirs."""
+
+    def __init__(self, cert: Path, key: Path, client_ca: Path | None = None) -> None:
+        self.cert, self.key, self.client_ca = cert, key, client_ca
+        self._pending: Any = None  # a grpc ServerCertificateConfiguration, once re-read
+        self._lock = threading.Lock()  # _fetch runs on gRPC's threads
+        self.credentials = grpc.dynamic_ssl_server_credentials(
+            self._configuration(), self._fetch, require_client_authentication=client_ca is not None)
+
+    def _configuration(self) -> Any:
+        """The files, read and checked (ConfigError names the flag and what is wrong)."""
+        pair = (read_pem(self.key, "private key", "--tls-key"), read_pem(self.cert, "certificate", "--tls-cert"))
+        ca = read_pem(self.client_ca, "client CA certificate", "--tls-client-ca") if self.client_ca else None
+        check_tls_files(self.cert, self.key, self.client_ca)
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
+
+    def reload(self) -> bool:
+        """SIGHUP: re-read the files for new connections; False (and the current files kept) when they fail."""
+        try:
+            configuration = self._configuration()
+        except ConfigError as exc:
+            log.error("TLS reload refused, the current certificate stays: %s", exc)
+            return False
+        with self._lock:
+            self._pending = configuration
+        log.info("TLS files re-read: new connections get the certificate in %s", self.cert)
+        return True
+
+    def _fetch(self) -> Any:
+        with self._lock:
+            configuration, self._pending = self._pending, None
+        return configuration
 
 
 def check_tls_files(cert: Path, key: Path, client_ca: Path | None = None) -> None:

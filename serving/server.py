@@ -48,7 +48,7 @@ from serving.inference import run_batch
 from serving.metrics import Metrics
 from serving.model import LoadedModel, ModelHolder, WarmUpStopped, load_and_warm, load_model
 from serving.native_log import native_stderr
-from serving.security import MessageGuard, TokenAuth, UnknownMethods, is_loopback, read_tokens, server_credentials
+from serving.security import MessageGuard, ReloadableTls, TokenAuth, UnknownMethods, is_loopback, read_tokens
 from serving.servicer import Batcher, ForecasterServicer, Limits
 
 log = logging.getLogger("serving")
@@ -132,14 +132,15 @@ class Access:
 
     credentials: grpc.ServerCredentials | None  # None: plaintext
     tokens: tuple[str, ...]  # empty: no token check
+    tls: ReloadableTls | None = None  # what SIGHUP re-reads the TLS files with
 
 
 def read_access(config: ServerConfig) -> Access:
     """Read the TLS and token files; ConfigError names the flag and what is wrong (never a token)."""
-    credentials = (server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-                   if config.tls_cert is not None and config.tls_key is not None else None)
+    tls = (ReloadableTls(config.tls_cert, config.tls_key, config.tls_client_ca)
+           if config.tls_cert is not None and config.tls_key is not None else None)
     tokens = tuple(read_tokens(config.auth_token_file)) if config.auth_token_file is not None else ()
-    return Access(credentials, tokens)
+    return Access(tls.credentials if tls else None, tokens, tls)
 
 
 class ForecastServer:
@@ -160,6 +161,7 @@ class ForecastServer:
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs lacks health.aio
         access = access or read_access(config)
         self.credentials = access.credentials
+        self.tls = access.tls
         self.auth = TokenAuth(access.tokens, count=self.metrics.count) if access.tokens else None
         interceptors = [i for i in (UnknownMethods(self.metrics.count), self.auth, MessageGuard(self.metrics.count))
                         if i is not None]
@@ -228,6 +230,11 @@ class ForecastServer:
         self.metrics.ready.set(1)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("warmed up at batch sizes %s in %.3f s; health SERVING", list(model.buckets), seconds)
+
+    def reload_tls(self) -> None:
+        """SIGHUP: re-read the TLS files for new connections (certificate renewal); unusable ones are refused."""
+        if self.tls is not None:
+            self.tls.reload()
 
     def reload_tokens(self) -> None:
         """SIGHUP: re-read --auth-token-file (token rotation); an unusable file keeps the current tokens."""
@@ -431,6 +438,7 @@ async def serve(config: ServerConfig) -> int:
     reloads: set[asyncio.Task[None]] = set()
 
     def on_hup() -> None:
+        server.reload_tls()
         server.reload_tokens()
         task = loop.create_task(server.reload())
         reloads.add(task)

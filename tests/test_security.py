@@ -164,6 +164,43 @@ def test_tls_serves_only_tls_and_the_cli_tools_speak_it(tiny_model: Model, pki: 
         s.kill()
 
 
+def test_sighup_rereads_the_tls_files_for_new_connections_and_refuses_unusable_ones(
+        tiny_model: Model, pki: Pki, tmp_path: Path) -> None:  # noqa: F811
+    """A renewed certificate without a restart: the files replaced, SIGHUP, and new connections get it (here one
+    from another CA, so that which certificate a client met shows); an unusable replacement keeps the current."""
+    d = pki.ca.parent
+    _leaf(d, "renewed", "rogue_ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"
+                                    "basicConstraints=CA:FALSE\n")
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    cert.write_bytes(pki.server_cert.read_bytes())
+    key.write_bytes(pki.server_key.read_bytes())
+    key.chmod(0o600)
+    s = LiveServer(tiny_model.model, tmp_path / "server.log", "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        with tls_channel(s.target, pki.ca) as channel:
+            s.wait_serving(channel)
+        cert.write_bytes(b"-----BEGIN CERTIFICATE-----\nnot one\n-----END CERTIFICATE-----\n")  # half renewed
+        s.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while "TLS reload refused, the current certificate stays" not in s.log_text():
+            assert time.monotonic() < deadline and s.alive(), s.log_text()[-2000:]
+            time.sleep(0.05)
+        with tls_channel(s.target, pki.ca) as channel:
+            assert health_code(channel) == "SERVING"
+        cert.write_bytes((d / "renewed.pem").read_bytes())
+        key.write_bytes((d / "renewed.key").read_bytes())
+        s.proc.send_signal(signal.SIGHUP)
+        while "TLS files re-read" not in s.log_text():
+            assert time.monotonic() < deadline and s.alive(), s.log_text()[-2000:]
+            time.sleep(0.05)
+        with tls_channel(s.target, pki.rogue_ca) as renewed:  # the new certificate, signed by the other CA
+            assert health_code(renewed) == "SERVING"
+        with tls_channel(s.target, pki.ca) as old:
+            assert health_code(old) == "UNAVAILABLE"
+    finally:
+        s.kill()
+
+
 def test_mutual_tls_requires_a_client_certificate_from_the_ca(tiny_model: Model, pki: Pki,  # noqa: F811
                                                                tmp_path: Path) -> None:
     s = LiveServer(tiny_model.model, tmp_path / "server.log", "--tls-cert", str(pki.server_cert),
