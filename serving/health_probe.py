@@ -58,6 +58,9 @@ def probe(target: str, args: argparse.Namespace) -> tuple[int, str]:
             answer = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout,
                                 metadata=metadata)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # the health service answers that with no detail
+                return UNHEALTHY, (f"{target}: NOT_FOUND: no health status for --service {args.service!r}; this "
+                                   "server reports '' (the whole server) and foxhunt.tft.v1.Forecaster")
             return UNHEALTHY, f"{target}: {exc.code().name}: {exc.details()}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
     return (HEALTHY if answer.status == health_pb2.HealthCheckResponse.SERVING else UNHEALTHY), f"{target}: {status}"

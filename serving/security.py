@@ -29,6 +29,7 @@ Reflection needs the token like any other service (it describes the whole API); 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import hmac
 import inspect
@@ -133,6 +134,10 @@ class ReloadableTls:
         pair = (read_pem(self.key, "private key", "--tls-key"), read_pem(self.cert, "certificate", "--tls-cert"))
         ca = read_pem(self.client_ca, "client CA certificate", "--tls-client-ca") if self.client_ca else None
         check_tls_files(self.cert, self.key, self.client_ca)
+        with contextlib.suppress(OSError):  # read above: a stat that fails now only skips the warning
+            if (mode := self.key.stat().st_mode) & (stat.S_IRWXG | stat.S_IRWXO):
+                log.warning("--tls-key %s is readable by other users (mode %o); chmod 600 it", self.key,
+                            stat.S_IMODE(mode))
         return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
 
     def reload(self) -> bool:

@@ -58,6 +58,7 @@ MiB = 1 << 20
 INT32_MAX = 2**31 - 1  # gRPC's channel arguments are C ints
 DRAIN_POLL_S = 0.005  # how often a SIGTERM drain looks whether the in-flight calls have finished
 DRAIN_SETTLE_S = 0.1  # the least time a SIGTERM drain lets the calls on their way at the signal arrive
+BAR_BYTES = 49  # a bar on the wire: a 9-byte varint timestamp and 5 doubles (the proto's size note)
 FINAL_GRACE_S = 0.5  # once no Predict or stream is in flight: what gRPC gives the rest (a health Watch never ends)
 CLIENT_PING_MIN_MS = 1000  # the shortest keepalive interval accepted from clients
 CONNECTION_AGE_GRACE_S = 30.0  # calls in flight on a connection past its --max-connection-age get the age and this
@@ -407,6 +408,10 @@ async def serve(config: ServerConfig) -> int:
     log.info("model %s (sha256 %s) from %s: provider %s, bars_required %d, horizon %d, quantiles %s, symbols %s",
              model.version, model.sha256[:12], model.path, model.provider, model.meta.bars_required,
              model.meta.horizon, list(model.meta.quantiles), ",".join(model.meta.symbols))
+    one_series = model.meta.bars_required * (BAR_BYTES + 8 * len(model.meta.feature_schema.user_columns))
+    if one_series > config.max_message_bytes:  # the proto's estimate: about 49 bytes a bar, 8 per user column
+        log.warning("--max-message-bytes %d: a request of one series (%d bars) takes about %d bytes, so every Predict "
+                    "would be refused; raise it", config.max_message_bytes, model.meta.bars_required, one_series)
     server = build_server(config, model, access)
     log.info("access: %s", access_summary(config))
     mport = None

@@ -414,7 +414,8 @@ def test_health_probe_exit_status(tiny_model: Model, server: LiveServer) -> None
     assert r.returncode == 0 and r.stdout.strip() == f"{server.target}: SERVING", r.stderr
     assert _probe("--target", server.target, "--service", SERVICE).returncode == 0
     unknown = _probe("--target", server.target, "--service", "no.such.Service")
-    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+    assert unknown.returncode == 1 and "NOT_FOUND: no health status for --service 'no.such.Service'; this server " \
+        "reports '' (the whole server) and foxhunt.tft.v1.Forecaster" in unknown.stderr, unknown.stderr
     closed = _probe("--target", "127.0.0.1:1", "--timeout", "2")
     assert closed.returncode == 1 and "UNAVAILABLE" in closed.stderr
     assert _probe("--no-such-flag").returncode == 1  # Docker reserves exit status 2

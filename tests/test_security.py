@@ -492,6 +492,22 @@ def test_an_expired_or_not_yet_valid_certificate_is_refused_and_a_soon_expiring_
     assert "expires on Jan  2 00:00:00 2020 GMT (in 1.0 days): renew it and restart the server" in caplog.text
 
 
+def test_a_tls_key_readable_by_others_is_warned_about(pki: Pki, tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    from serving.security import ReloadableTls
+
+    key = tmp_path / "server.key"
+    key.write_bytes(pki.server_key.read_bytes())
+    key.chmod(0o600)
+    with caplog.at_level("WARNING", logger="serving"):
+        ReloadableTls(pki.server_cert, key)
+    assert "readable by other users" not in caplog.text
+    key.chmod(0o644)
+    with caplog.at_level("WARNING", logger="serving"):
+        ReloadableTls(pki.server_cert, key)
+    assert f"--tls-key {key} is readable by other users (mode 644); chmod 600 it" in caplog.text
+
+
 @pytest.mark.parametrize(("target", "named"), [
     ("localhost:50051", True), ("10.0.0.5:7000", True), ("[::1]:50051", True), ("dns:///host:5", True),
     ("dns://8.8.8.8/host:5", True), ("ipv4:1.2.3.4:5", True), ("ipv6:[::1]:5", True), ("unix:/run/tft.sock", True),

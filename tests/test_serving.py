@@ -268,6 +268,20 @@ def test_limits_at_grpcs_int32_bounds_start_and_beyond_them_are_refused(art: Mod
         assert "Traceback" not in refused.stderr
 
 
+def test_a_message_limit_below_one_request_is_warned_about_at_start(art: Model, tmp_path: Path) -> None:
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--max-message-bytes", "1024")
+    try:
+        s.wait_serving()
+        need = art.meta.bars_required * 49
+        assert (f"--max-message-bytes 1024: a request of one series ({art.meta.bars_required} bars) takes about "
+                f"{need} bytes, so every Predict would be refused; raise it") in s.log_text()
+        with pytest.raises(grpc.RpcError) as info:
+            s.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        s.kill()
+
+
 def test_the_server_raises_its_open_file_limit(art: Model) -> None:
     """Each connection is a file: a server started under a soft limit of 256 (a shell's 1,024 alike) raises it
     to the hard limit, so a burst of idle connections does not lock new callers out."""
