@@ -23,6 +23,7 @@ COPY features ./features
 COPY serving ./serving
 # --no-deps: the package's own dependency list includes torch, which the server never imports.
 RUN pip install --no-deps . \
+    && python -m compileall -q /app/features /app/serving \
     && useradd --create-home --uid 10001 foxhunt
 USER 10001
 EXPOSE 50051 9464

@@ -136,7 +136,7 @@ class ReloadableTls:
         check_tls_files(self.cert, self.key, self.client_ca)
         with contextlib.suppress(OSError):  # read above: a stat that fails now only skips the warning
             if (mode := self.key.stat().st_mode) & (stat.S_IRWXG | stat.S_IRWXO):
-                log.warning("--tls-key %s is readable by other users (mode %o); chmod 600 it", self.key,
+                log.warning("--tls-key %s is readable by its group or other users (mode %o); chmod 600 it", self.key,
                             stat.S_IMODE(mode))
         return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
 
@@ -167,6 +167,9 @@ def check_tls_files(cert: Path, key: Path, client_ca: Path | None = None) -> Non
     context.set_ciphers("DEFAULT:@SECLEVEL=0")  # judge the pair, not its strength: gRPC takes keys OpenSSL calls weak
     try:  # an encrypted key gets an empty password (never a prompt): gRPC cannot use one either
         context.load_cert_chain(cert, key, password=lambda: b"")
+    except OSError as exc:  # a file gone since it was read (a renewal in progress)
+        raise ConfigError(f"--tls-cert {cert} with --tls-key {key}: cannot read them ({exc.strerror or exc})") \
+            from None
     except ssl.SSLError as exc:
         raise ConfigError(f"--tls-cert {cert} with --tls-key {key}: OpenSSL refuses the pair ({exc.reason or exc}); "
                           "give the certificate chain and its own unencrypted private key") from None
@@ -185,9 +188,9 @@ CERT_RENEW_WARNING_S = 7 * 86_400  # a certificate that expires sooner is named 
 
 def _check_dates(cert: Path, now: float | None = None) -> None:
     """ConfigError for a certificate that has expired or is not valid yet (every client would refuse the
-    handshake, while the server looked healthy); a warning when it expires within a week. Certificates are
-    read at start only: renewing one takes a restart. Read with CPython's own certificate decoder; where that
-    is missing the dates go unchecked."""
+    handshake, while the server looked healthy); a warning when it expires within a week (at start, and at each
+    SIGHUP, which re-reads it). Read with CPython's own certificate decoder; where that is missing the dates go
+    unchecked."""
     decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
     if decode is None:
         return
@@ -204,7 +207,7 @@ def _check_dates(cert: Path, now: float | None = None) -> None:
         raise ConfigError(f"--tls-cert {cert}: the certificate is valid only from {info['notBefore']} (check this "
                           "machine's clock, or the certificate)")
     if not_after - now < CERT_RENEW_WARNING_S:
-        log.warning("--tls-cert %s expires on %s (in %.1f days): renew it and restart the server", cert,
+        log.warning("--tls-cert %s expires on %s (in %.1f days): renew it, then SIGHUP the server", cert,
                     info["notAfter"], (not_after - now) / 86_400)
 
 

@@ -59,7 +59,6 @@ INT32_MAX = 2**31 - 1  # gRPC's channel arguments are C ints
 DRAIN_POLL_S = 0.005  # how often a SIGTERM drain looks whether the in-flight calls have finished
 DRAIN_SETTLE_S = 0.1  # the least time a SIGTERM drain lets the calls on their way at the signal arrive
 BAR_BYTES = 49  # a bar on the wire: a 9-byte varint timestamp and 5 doubles (the proto's size note)
-FINAL_GRACE_S = 0.5  # once no Predict or stream is in flight: what gRPC gives the rest (a health Watch never ends)
 CLIENT_PING_MIN_MS = 1000  # the shortest keepalive interval accepted from clients
 CONNECTION_AGE_GRACE_S = 30.0  # calls in flight on a connection past its --max-connection-age get the age and this
 
@@ -144,6 +143,34 @@ def read_access(config: ServerConfig) -> Access:
     return Access(tls.credentials if tls else None, tokens, tls)
 
 
+class DrainingHealth(health.aio.HealthServicer):  # type: ignore[name-defined]  # grpc-stubs lacks health.aio
+    """The standard health service, whose Watch streams end (UNAVAILABLE) once a drain has told them
+    NOT_SERVING: a Watch never ends by itself, and gRPC's shutdown would wait the whole grace for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ended = asyncio.Event()
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: aio.ServicerContext[Any, Any]) -> None:
+        watch = asyncio.ensure_future(super().Watch(request, context))
+        ended = asyncio.ensure_future(self._ended.wait())
+        try:
+            await asyncio.wait({watch, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # a caller that went away cancels this task: both go with it
+            ended.cancel()
+            if not watch.done():
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+        if not watch.cancelled():
+            watch.result()  # its own end (an error) as it was
+            return
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; watch another replica")
+
+    def end_watches(self) -> None:
+        self._ended.set()
+
+
 class ForecastServer:
     """The gRPC server with its model holder, batcher, health, reflection and metrics."""
 
@@ -159,7 +186,7 @@ class ForecastServer:
         limits = Limits(config.max_batch, config.max_message_bytes, config.max_concurrent)
         self.servicer = ForecasterServicer(self.holder, self.batcher, self.metrics, limits,
                                            stream_max_age_s=config.max_connection_age_s)
-        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs lacks health.aio
+        self.health = DrainingHealth()
         access = access or read_access(config)
         self.credentials = access.credentials
         self.tls = access.tls
@@ -301,7 +328,8 @@ class ForecastServer:
         grpc/grpc#41785); this leaves only calls that arrive in the last instant.
         """
         self.stopping.set()
-        if self.config.drain_delay_s > 0:  # a balancer that polls health sees NOT_SERVING while calls still work
+        if self.config.drain_delay_s > 0 and self.servicer.ready:  # a balancer polling health sees NOT_SERVING
+            # while calls still work (not for a server that never reported SERVING: nothing routes to it)
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             log.info("health NOT_SERVING; serving on for --drain-delay %g s, then draining", self.config.drain_delay_s)
             await asyncio.sleep(self.config.drain_delay_s)
@@ -318,9 +346,8 @@ class ForecastServer:
         self.servicer.end_streams()
         while time.monotonic() - started < grace_s and (self.servicer.admission.active or self.servicer.open_streams):
             await asyncio.sleep(DRAIN_POLL_S)
-        # gRPC's own grace is for what is left: calls it handed over in the last instant (answered UNAVAILABLE at
-        # once) and health Watch streams, which never end by themselves and would hold the drain for all of it
-        await self.grpc.stop(min(FINAL_GRACE_S, max(0.0, grace_s - (time.monotonic() - started))))
+        self.health.end_watches()  # they never end by themselves, and would hold gRPC's shutdown for the grace
+        await self.grpc.stop(max(0.0, grace_s - (time.monotonic() - started)))
         await self.batcher.close()
         log.info("drained in %.3f s", time.monotonic() - started)
 
@@ -443,6 +470,9 @@ async def serve(config: ServerConfig) -> int:
     reloads: set[asyncio.Task[None]] = set()
 
     def on_hup() -> None:
+        if server.stopping.is_set():  # draining: a model load cannot be interrupted, and would hold the exit
+            log.info("SIGHUP while draining: ignored")
+            return
         server.reload_tls()
         server.reload_tokens()
         task = loop.create_task(server.reload())

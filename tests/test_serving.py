@@ -784,12 +784,31 @@ def test_drain_delay_reports_not_serving_while_calls_still_work_and_a_health_wat
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert time.monotonic() - started < 1.5  # seen before the delay ends ...
         assert s.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10).forecasts  # ... and still served
+        with pytest.raises(grpc.RpcError) as ended:  # the drain ends the Watch itself, rather than wait for it
+            next(watch)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in (ended.value.details() or "")
         assert s.proc.wait(timeout=30) == 0, s.log_text()  # not the 60 s grace the Watch would have held
         log = s.log_text()
         assert "health NOT_SERVING; serving on for --drain-delay 1.5 s, then draining" in log
         assert float(re.findall(r"drained in ([\d.]+) s", log)[0]) < 30, log[-2000:]
     finally:
         s.kill()
+
+
+def test_a_server_that_never_reported_serving_stops_without_its_drain_delay(art: Model) -> None:
+    """No balancer routes to a server still warming up (or whose warm-up failed): its stop skips the delay."""
+    from serving.model import load_model
+    from serving.server import ServerConfig, build_server
+
+    async def main() -> float:
+        config = ServerConfig(model_path=art.model, port=0, device="cpu", drain_delay_s=60.0)
+        server = build_server(config, load_model(art.model, "cpu", threads=1))
+        await server.start()
+        started = time.monotonic()
+        await server.stop(1.0)
+        return time.monotonic() - started
+
+    assert asyncio.run(main()) < 30  # not the 60 s delay
 
 
 def test_a_sigterm_during_the_warm_up_stops_it_between_two_runs(art: Model) -> None:
