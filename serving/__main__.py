@@ -176,7 +176,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
 MAX_CONNECTION_AGE_S = INT32_MAX // 1000  # gRPC's connection age is an int32 of milliseconds
 MIN_CONNECTION_AGE_S = 0.1  # below this a connection is told to go away before it has carried much
 MAX_BATCH = 4096  # windows a run; the warm-up runs every padded size up to --max-batch (memory, start time)
-MAX_DELAY_MS = 1000.0  # a batch wait past a second is a stalled call, not a batching choice
+MAX_DELAY_MS = 10_000.0  # a batch wait past seconds is a stalled call, not a batching choice
 MAX_THREADS = 1024
 MAX_GRACE_S = 3600.0
 FD_LIMIT_CAP = 1 << 20  # Linux's default ceiling (fs.nr_open), for a hard limit of "unlimited"

@@ -711,7 +711,7 @@ def test_a_sighup_while_the_server_starts_neither_kills_it_nor_is_lost(art: Mode
         while not _catches_sighup(proc.pid):  # held from the top of `python -m serving`, before its imports
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.005)
-        read = f"model {art.meta.model_version} from"
+        read = f"model {art.meta.model_version} (sha256 "
         assert read not in log.read_text()  # caught from the start, not only once the event loop handles it
         proc.send_signal(signal.SIGHUP)  # during the imports: before any file is read, so nothing to reload
         while log.read_text().count(read) < int(workers):  # every worker has read the file (the last still starting)
