@@ -167,12 +167,12 @@ def check_tls_files(cert: Path, key: Path, client_ca: Path | None = None) -> Non
     context.set_ciphers("DEFAULT:@SECLEVEL=0")  # judge the pair, not its strength: gRPC takes keys OpenSSL calls weak
     try:  # an encrypted key gets an empty password (never a prompt): gRPC cannot use one either
         context.load_cert_chain(cert, key, password=lambda: b"")
-    except OSError as exc:  # a file gone since it was read (a renewal in progress)
-        raise ConfigError(f"--tls-cert {cert} with --tls-key {key}: cannot read them ({exc.strerror or exc})") \
-            from None
     except ssl.SSLError as exc:
         raise ConfigError(f"--tls-cert {cert} with --tls-key {key}: OpenSSL refuses the pair ({exc.reason or exc}); "
                           "give the certificate chain and its own unencrypted private key") from None
+    except OSError as exc:  # after SSLError, which is one: a file gone since it was read (a renewal in progress)
+        raise ConfigError(f"--tls-cert {cert} with --tls-key {key}: cannot read them ({exc.strerror or exc})") \
+            from None
     _check_dates(cert)
     if client_ca is not None:
         try:

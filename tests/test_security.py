@@ -506,6 +506,13 @@ def test_a_tls_key_readable_by_others_is_warned_about(pki: Pki, tmp_path: Path,
     with caplog.at_level("WARNING", logger="serving"):
         ReloadableTls(pki.server_cert, key)
     assert f"--tls-key {key} is readable by its group or other users (mode 644); chmod 600 it" in caplog.text
+    from serving.errors import ConfigError
+    from serving.security import check_tls_files
+
+    with pytest.raises(ConfigError, match="cannot read them"):  # gone since it was read: a renewal in progress
+        check_tls_files(pki.server_cert, tmp_path / "gone.key")
+    with pytest.raises(ConfigError, match="OpenSSL refuses the pair"):  # an SSLError is an OSError: told apart
+        check_tls_files(pki.server_cert, pki.client_key)
 
 
 @pytest.mark.parametrize(("target", "named"), [
