@@ -455,6 +455,30 @@ def test_client_prints_a_forecast_table(art: Model, server: LiveServer, tmp_path
     assert piped.returncode == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+def test_the_unreachable_hint_is_for_a_server_not_found_not_for_one_that_answered() -> None:
+    import argparse
+
+    from serving.client import _unreachable_hint
+
+    class Failed(grpc.RpcError):
+        def __init__(self, code: grpc.StatusCode, details: str) -> None:
+            self._code, self._details = code, details
+
+        def code(self) -> grpc.StatusCode:
+            return self._code
+
+        def details(self) -> str:
+            return self._details
+
+    args = argparse.Namespace(target="10.0.0.5:50051")
+    refused = Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; Connection refused")
+    assert _unreachable_hint(refused, args).startswith(" (is a server running at 10.0.0.5:50051?")
+    for answered in (Failed(grpc.StatusCode.UNAVAILABLE, "Ssl handshake failed: CERTIFICATE_VERIFY_FAILED: "
+                                                         "certificate has expired"),
+                     Failed(grpc.StatusCode.INVALID_ARGUMENT, "series[0] (ES): too few bars")):
+        assert _unreachable_hint(answered, args) == ""
+
+
 @pytest.mark.parametrize(("flags", "code", "message"), [
     (["--symbol", "ES"], 2, "the following arguments are required: --parquet (or --info for the model alone)"),
     (["--parquet", "bars.parquet"], 2, "the following arguments are required: --symbol (or --info"),
