@@ -336,6 +336,12 @@ F32_MAX = float(np.finfo(np.float32).max)  # features are float32: a user value 
 PLAUSIBLE_NS = 10**17
 
 
+def _unit_of(top: int) -> str:
+    """The --time-unit whose epoch values a latest timestamp of `top` looks like (each reaches the year 5138 at
+    its bound)."""
+    return "s" if top < 10**11 else "ms" if top < 10**14 else "us" if top < 10**17 else "ns"
+
+
 def _coarse_unit_problem(col: pa.ChunkedArray, file: str, name: str, read_as: str) -> Problem | None:
     """Integer timestamps that all fall after 2262 read in the unit `read_as` (e.g. nanoseconds read as
     seconds, as a --time-unit or a model's stored unit says), when they look like a finer unit; else None (some
@@ -344,7 +350,7 @@ def _coarse_unit_problem(col: pa.ChunkedArray, file: str, name: str, read_as: st
     if not raw.size or int(np.abs(raw).min()) <= np.iinfo(np.int64).max // NS_PER_UNIT[read_as]:
         return None
     top = int(raw.max())
-    flag = "s" if top < 10**11 else "ms" if top < 10**14 else "us" if top < 10**17 else "ns"
+    flag = _unit_of(top)
     if NS_PER_UNIT[flag] >= NS_PER_UNIT[read_as]:
         return None
     unit = UNIT_NAMES[flag]
@@ -355,7 +361,7 @@ def _coarse_unit_problem(col: pa.ChunkedArray, file: str, name: str, read_as: st
 
 def _unit_problem(file: str, name: str, top: int, read_as: str = "ns") -> Problem:
     """Integer timestamps whose latest (`top`, as stored) falls before 1973 read in the unit `read_as`."""
-    flag = "s" if top < 10**11 else "ms" if top < 10**14 else "us" if top < 10**17 else "ns"
+    flag = _unit_of(top)
     unit, factor = UNIT_NAMES[flag], NS_PER_UNIT[flag]
     return Problem(file, name, -1, f"integer timestamps (the latest {top}) read as {UNIT_NAMES[read_as]} all "
                    f"fall before 1973-03-03: they look like {unit} since the Unix epoch",

@@ -100,13 +100,15 @@ def read_tokens(path: Path, flag: str = "--auth-token-file") -> list[str]:
         if len(token) < MIN_TOKEN_CHARS:
             raise ConfigError(f"{flag} {path}, line {n}: the token is shorter than {MIN_TOKEN_CHARS} characters; "
                               "use a random one, e.g. `openssl rand -hex 32`")
-    try:
-        mode = Path(path).stat().st_mode
-    except OSError:
-        mode = 0
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("%s %s is readable by other users (mode %o); chmod 600 it", flag, path, stat.S_IMODE(mode))
+    warn_if_readable(Path(path), flag, "other users")
     return [token for _, token in lines]
+
+
+def warn_if_readable(path: Path, flag: str, who: str) -> None:
+    """A secret file (tokens, a TLS key) that users other than its owner may read: a warning naming the fix."""
+    with contextlib.suppress(OSError):  # the file was just read: a stat that fails now only skips the warning
+        if (mode := path.stat().st_mode) & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("%s %s is readable by %s (mode %o); chmod 600 it", flag, path, who, stat.S_IMODE(mode))
 
 
 def read_client_token(path: Path, flag: str = "--auth-token-file") -> str:
@@ -134,10 +136,7 @@ class ReloadableTls:
         pair = (read_pem(self.key, "private key", "--tls-key"), read_pem(self.cert, "certificate", "--tls-cert"))
         ca = read_pem(self.client_ca, "client CA certificate", "--tls-client-ca") if self.client_ca else None
         check_tls_files(self.cert, self.key, self.client_ca)
-        with contextlib.suppress(OSError):  # read above: a stat that fails now only skips the warning
-            if (mode := self.key.stat().st_mode) & (stat.S_IRWXG | stat.S_IRWXO):
-                log.warning("--tls-key %s is readable by its group or other users (mode %o); chmod 600 it", self.key,
-                            stat.S_IMODE(mode))
+        warn_if_readable(self.key, "--tls-key", "its group or other users")
         return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
 
     def reload(self) -> bool:

@@ -531,7 +531,7 @@ class Trainer:
                  "on" if self.plan.grad_checkpointing else "off", self.plan.precision)
         check_placement(self.model, self._to_device(self.data.tensors.batch(
             torch.from_numpy(self.data.train_anchors[:2]))), self.device)
-        if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
+        if self._patience_spent():
             stopped_early = True
         if self.dist.is_main and (stopped_early or self.epoch >= self.cfg.epochs):
             log.warning("nothing to train: %s", self._why_finished())
@@ -578,7 +578,7 @@ class Trainer:
                 with self.paths.metrics.open(metrics_mode) as fh:  # after the checkpoint: a logged epoch is saved
                     fh.write(json.dumps(record) + "\n")
                 metrics_mode = "a"
-            if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
+            if self._patience_spent():
                 stopped_early = True
                 log.info("early stopping: no validation improvement for %d epochs (best %.5f at epoch %d)",
                          self.stale_epochs, self.best_val, self.best_epoch)
@@ -586,17 +586,20 @@ class Trainer:
                 break
         return TrainResult(self.paths, self.history, self.best_val, ran, stopped_early, self.plan)
 
+    def _patience_spent(self) -> bool:
+        """Early stopping: --patience epochs in a row without validation improvement (0: never)."""
+        return bool(self.cfg.patience) and self.stale_epochs >= self.cfg.patience
+
     def _why_finished(self) -> str:
         """Why a resumed run has no epoch left, and the flags that give it more."""
         more = []
-        if self.cfg.patience and self.stale_epochs >= self.cfg.patience:
+        if self._patience_spent():
             more.append(f"a --patience above {self.stale_epochs} (0: never stop early)")
         if self.epoch >= self.cfg.epochs:
             more.append(f"--epochs above {self.epoch}")
         why = (f"the run stopped early at epoch {self.epoch}, after {self.stale_epochs} epochs without validation "
-               f"improvement (--patience {self.cfg.patience})" if self.cfg.patience
-               and self.stale_epochs >= self.cfg.patience else f"the run is at epoch {self.epoch} of --epochs "
-               f"{self.cfg.epochs}")
+               f"improvement (--patience {self.cfg.patience})" if self._patience_spent()
+               else f"the run is at epoch {self.epoch} of --epochs {self.cfg.epochs}")
         return f"{why}; to train on, resume with {' and '.join(more)}"
 
     def _check_finite(self, train_loss: float, val_loss: float) -> None:
