@@ -19,7 +19,8 @@
     foxhunt_inflight_requests                    Predict calls and PredictStream requests being served now
     foxhunt_ready                                1 when warmed up and serving
     foxhunt_model_info{version,...,provider}     1, labelled with the model and where it runs
-    foxhunt_reloads_total{result}                SIGHUP reloads: ok | refused
+    foxhunt_reloads_total{file,result}           SIGHUP reloads of each file (model | tls | tokens):
+                                                 ok | refused (the current one stays)
     foxhunt_build_info{version}                  1, labelled with the server's package version
     process_*, python_gc_*, python_info          prometheus_client's process, GC and platform collectors
 
@@ -57,6 +58,7 @@ FORECASTER = "/foxhunt.tft.v1.Forecaster/"
 FORECASTER_METHODS = ("Predict", "PredictStream", "GetModelInfo")
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
                    0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+RELOADED_FILES = ("model", "tls", "tokens")  # what a SIGHUP re-reads (tls and tokens when the server uses them)
 USUAL_CODES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED",
                "INTERNAL")
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
@@ -121,13 +123,15 @@ class Metrics:
         self.open_streams = Gauge("foxhunt_open_streams", "PredictStreams open now", registry=r)
         self.ready = Gauge("foxhunt_ready", "1 when the model is warmed up and serving", registry=r)
         self.model = Info("foxhunt_model", "The model being served and where it runs", registry=r)
-        self.reloads = Counter("foxhunt_reloads", "SIGHUP model reloads by result", ["result"], registry=r)
+        self.reloads = Counter("foxhunt_reloads", "SIGHUP reloads by file (model, tls, tokens) and result",
+                               ["file", "result"], registry=r)
         Info("foxhunt_build", "The server's package version", registry=r).info({"version": package_version()})
         for code in USUAL_CODES:  # at zero from the start: a first refusal is an increase, not a new series
             self.requests.labels("Predict", code)
             self.requests.labels("PredictStream", code)
-        for result in ("ok", "refused"):
-            self.reloads.labels(result)
+        for file in RELOADED_FILES:
+            for result in ("ok", "refused"):
+                self.reloads.labels(file, result)
         for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):  # the default registry's, here too
             r.register(collector)
         self.steps = StepTimes()

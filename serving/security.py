@@ -229,13 +229,19 @@ def _digest(token: str | bytes) -> bytes:
     return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
 
 
-def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that answers `code` without reading the request."""
+def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str,
+             on_refuse: Callable[[str], None] | None = None) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that answers `code` without reading the request;
+    `on_refuse` is told the caller's address (known to the handler, not to an interceptor)."""
 
     async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        if on_refuse is not None:
+            on_refuse(context.peer())
         await context.abort(code, message)
 
     async def streaming(request_or_iterator: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        if on_refuse is not None:
+            on_refuse(context.peer())
         await context.abort(code, message)
 
     if handler is None or not (handler.request_streaming or handler.response_streaming):
@@ -245,6 +251,30 @@ def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, messa
     if handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(streaming)
     return grpc.unary_stream_rpc_method_handler(streaming)
+
+
+class RefusalLog:
+    """Token refusals at WARNING, with the caller's address: the first at once, then at most one line every
+    `every_s`, which counts the refusals it held back. A client with a stale token calling in a loop shows in
+    the log without flooding it; every refusal is also counted in the metrics, and logged at DEBUG."""
+
+    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self._clock = clock
+        self._last: float | None = None  # when the last WARNING line was written
+        self._held = 0  # refusals since then, not written at WARNING
+
+    def __call__(self, method: str, peer: str, problem: str) -> None:
+        now = self._clock()
+        what = f"refused {bounded(method, 120)} from {peer}: {problem}"
+        if self._last is not None and now - self._last < self.every_s:
+            self._held += 1
+            log.debug("%s", what)
+            return
+        held = (f" ({self._held} more refused in the {now - self._last:.0f} s since the last such line)"
+                if self._held and self._last is not None else "")
+        self._last, self._held = now, 0
+        log.warning("%s%s", what, held)
 
 
 class TokenAuth(aio.ServerInterceptor):
@@ -261,6 +291,7 @@ class TokenAuth(aio.ServerInterceptor):
         self.set_tokens(tokens)
         self.open_services = frozenset(open_services)
         self._count = count
+        self.refusals = RefusalLog()
 
     def set_tokens(self, tokens: Sequence[str]) -> None:
         if not tokens:
@@ -297,9 +328,9 @@ class TokenAuth(aio.ServerInterceptor):
             return await continuation(handler_call_details)
         if self._count is not None:
             self._count(method, grpc.StatusCode.UNAUTHENTICATED)
-        log.debug("refused %s: %s", bounded(method, 120), problem)
         handler = await continuation(handler_call_details)
-        return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, problem)
+        return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, problem,
+                        lambda peer: self.refusals(method, peer, problem))
 
 
 class Malformed:

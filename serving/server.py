@@ -262,7 +262,7 @@ class ForecastServer:
     def reload_tls(self) -> None:
         """SIGHUP: re-read the TLS files for new connections (certificate renewal); unusable ones are refused."""
         if self.tls is not None:
-            self.tls.reload()
+            self.metrics.reloads.labels("tls", "ok" if self.tls.reload() else "refused").inc()
 
     def reload_tokens(self) -> None:
         """SIGHUP: re-read --auth-token-file (token rotation); an unusable file keeps the current tokens."""
@@ -271,9 +271,11 @@ class ForecastServer:
         try:
             tokens = read_tokens(self.config.auth_token_file)
         except ConfigError as exc:
+            self.metrics.reloads.labels("tokens", "refused").inc()
             log.error("token reload refused, the current tokens stay: %s", exc)
             return
         self.auth.set_tokens(tokens)
+        self.metrics.reloads.labels("tokens", "ok").inc()
         log.info("token file re-read: %d token(s) accepted", len(tokens))
 
     async def reload(self) -> None:
@@ -302,16 +304,16 @@ class ForecastServer:
             log.info("reload stopped by SIGTERM; the drain goes on with model %s", old.version)
             return
         except ModelLoadError as exc:
-            self.metrics.reloads.labels("refused").inc()
+            self.metrics.reloads.labels("model", "refused").inc()
             log.error("reload refused, still serving model %s: %s", old.version, exc)
             return
         except Exception:  # an unexpected failure must not take the server down either
-            self.metrics.reloads.labels("refused").inc()
+            self.metrics.reloads.labels("model", "refused").inc()
             log.exception("reload refused, still serving model %s", old.version)
             return
         self.holder.swap(new)
         self.metrics.set_model(new)
-        self.metrics.reloads.labels("ok").inc()
+        self.metrics.reloads.labels("model", "ok").inc()
         log.info("reloaded: serving model %s (sha256 %s, provider %s); was %s (sha256 %s)", new.version,
                  new.sha256[:12], new.provider, old.version, old.sha256[:12])
         if changed := contract_changes(old.meta, new.meta):  # what callers build requests from (GetModelInfo)

@@ -175,7 +175,8 @@ def test_sighup_rereads_the_tls_files_for_new_connections_and_refuses_unusable_o
     cert.write_bytes(pki.server_cert.read_bytes())
     key.write_bytes(pki.server_key.read_bytes())
     key.chmod(0o600)
-    s = LiveServer(tiny_model.model, tmp_path / "server.log", "--tls-cert", str(cert), "--tls-key", str(key))
+    s = LiveServer(tiny_model.model, tmp_path / "server.log", "--tls-cert", str(cert), "--tls-key", str(key),
+                   "--metrics-port", "0")
     try:
         with tls_channel(s.target, pki.ca) as channel:
             s.wait_serving(channel)
@@ -197,6 +198,10 @@ def test_sighup_rereads_the_tls_files_for_new_connections_and_refuses_unusable_o
             assert health_code(renewed) == "SERVING"
         with tls_channel(s.target, pki.ca) as old:
             assert health_code(old) == "UNAVAILABLE"
+        text = s.scrape()  # an operator alerts on refused reloads: the log line alone is easy to miss
+        assert metric(text, "foxhunt_reloads_total", file="tls", result="refused") == 1
+        assert metric(text, "foxhunt_reloads_total", file="tls", result="ok") == 1
+        assert metric(text, "foxhunt_reloads_total", file="tokens", result="ok") == 0  # no token file in use
     finally:
         s.kill()
 
@@ -321,10 +326,20 @@ def test_token_needed_for_everything_but_health(tiny_model: Model, pki: Pki,  # 
         assert _code(stub.GetModelInfo, pb.GetModelInfoRequest(), timeout=5, metadata=_bearer(TOKEN))[0] == \
             "UNAUTHENTICATED"
         assert stub.Predict(request, timeout=10, metadata=_bearer(OTHER_TOKEN)).forecasts
+        assert metric(s.scrape(), "foxhunt_reloads_total", file="tokens", result="ok") == 1
+        tokens.write_text("# every token removed by mistake\n")  # refused: the current tokens stay
+        s.proc.send_signal(signal.SIGHUP)
+        while metric(s.scrape(), "foxhunt_reloads_total", file="tokens", result="refused") == 0:
+            assert time.monotonic() < deadline and s.alive(), s.log_text()[-2000:]
+            time.sleep(0.1)
+        assert stub.Predict(request, timeout=10, metadata=_bearer(OTHER_TOKEN)).forecasts
         assert s.alive()
 
     log = s.log_text()
-    assert "DEBUG" in log and "refused" in log  # the refusals were logged (at DEBUG) ...
+    # the first refusal at WARNING with the caller's address; the rest of this burst (within a minute) at DEBUG
+    warned = [line for line in log.splitlines() if "WARNING" in line and " refused " in line]
+    assert len(warned) == 1 and " from ipv4:127.0.0.1:" in warned[0] and "missing credentials" in warned[0], warned
+    assert log.count(" refused '/") > 30  # every refusal logged (at DEBUG) ...
     for secret in (TOKEN, OTHER_TOKEN, WRONG_TOKEN, TOKEN[:-1], TOKEN[4:20], WRONG_TOKEN[4:20]):
         assert secret not in log  # ... and no token, nor a piece of one, ever was
 
@@ -437,6 +452,28 @@ def test_the_server_opens_only_its_own_files() -> None:
         "score.main:load_model", "score.main:read_bars",
         "score.parse_time:replace",  # datetime.replace(tzinfo=UTC): no file
     }, sorted(found)
+
+
+def test_token_refusals_are_warned_about_once_a_minute_with_a_count_of_those_held_back(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from serving.security import RefusalLog
+
+    now = [100.0]
+    refusals = RefusalLog(every_s=60.0, clock=lambda: now[0])
+    with caplog.at_level("DEBUG", logger="serving"):
+        for t, peer in ((100.0, "ipv4:10.0.0.7:4242"), (110.0, "ipv4:10.0.0.7:4243"), (159.0, "ipv6:[::1]:5"),
+                        (161.0, "ipv4:10.0.0.8:1"), (300.0, "ipv4:10.0.0.9:2")):
+            now[0] = t
+            refusals("/foxhunt.tft.v1.Forecaster/Predict", peer, "invalid token")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [
+        "refused '/foxhunt.tft.v1.Forecaster/Predict' from ipv4:10.0.0.7:4242: invalid token",
+        "refused '/foxhunt.tft.v1.Forecaster/Predict' from ipv4:10.0.0.8:1: invalid token "
+        "(2 more refused in the 61 s since the last such line)",
+        "refused '/foxhunt.tft.v1.Forecaster/Predict' from ipv4:10.0.0.9:2: invalid token",
+    ]
+    held = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG"]
+    assert [m.split(" from ")[1].split(":")[0:2] for m in held] == [["ipv4", "10.0.0.7"], ["ipv6", "["]]
 
 
 def test_token_file_permissions_are_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

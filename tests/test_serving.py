@@ -346,7 +346,7 @@ def test_metrics(art: Model, server: LiveServer) -> None:
     first = server.scrape()  # the usual answers' counters exist from the start (at zero until one happens)
     for code in ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"):
         assert f'foxhunt_requests_total{{code="{code}",method="Predict"}}' in first, code
-    assert 'foxhunt_reloads_total{result="refused"}' in first and "_created" not in first
+    assert 'foxhunt_reloads_total{file="model",result="refused"}' in first and "_created" not in first
     assert metric(first, "process_resident_memory_bytes") > 0 and metric(first, "process_open_fds") > 0
     assert 'foxhunt_build_info{version="' in first and "python_gc_collections_total" in first
     server.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10)
@@ -654,10 +654,10 @@ def test_sighup_reloads_a_good_model_and_refuses_broken_ones(art: Model, tmp_pat
         os.replace(tmp, served)
 
     def reload_and_wait(result: str) -> str:
-        before = metric(s.scrape(), "foxhunt_reloads_total", result=result)
+        before = metric(s.scrape(), "foxhunt_reloads_total", file="model", result=result)
         s.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 30
-        while metric(s.scrape(), "foxhunt_reloads_total", result=result) == before:
+        while metric(s.scrape(), "foxhunt_reloads_total", file="model", result=result) == before:
             assert time.monotonic() < deadline, s.log_text()
             time.sleep(0.05)
         return s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).model_version
@@ -902,7 +902,7 @@ def test_workers_share_one_port_reload_together_and_drain(art: Model, tmp_path: 
         assert sum(served) == 16 and min(served) > 0, served  # both workers answered
         s.proc.send_signal(signal.SIGHUP)  # forwarded: each worker reloads the model file
         for endpoint in s.metrics_all:
-            _wait_metric(s, endpoint, "foxhunt_reloads_total", 1, result="ok")
+            _wait_metric(s, endpoint, "foxhunt_reloads_total", 1, file="model", result="ok")
         # a second set on the same port is refused, not let in to share it (SO_REUSEPORT would allow that)
         port = s.target.rsplit(":", 1)[1]
         other = subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), "--port", port,
