@@ -309,6 +309,29 @@ def test_resume_after_interruption_gives_the_same_weights(tmp_path: Path, bars: 
     assert not (tmp_path / "c" / "ckpt.pt").exists() and not (tmp_path / "c" / "ckpt.last.pt").exists()
 
 
+def test_a_resume_with_more_epochs_keeps_the_runs_schedule_and_trains_on_at_its_floor(
+        tmp_path: Path, bars: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """--epochs raised on resume must not stretch the cosine over the new length: that would put the learning
+    rate back up towards its peak in the middle of a run whose weights had settled at the floor."""
+    torch.set_num_threads(1)
+    cfg = tiny_cfg(epochs=2, warmup_steps=2, learning_rate=1e-3)
+    Trainer(bars, cfg, tmp_path / "ckpt.pt", progress=False).run()
+    with caplog.at_level("WARNING", logger="trainer"):
+        longer = Trainer(bars, replace(cfg, epochs=4), tmp_path / "ckpt.pt", resume=tmp_path / "ckpt.last.pt",
+                         progress=False)
+    assert "--epochs 4 goes past the resumed run's learning-rate schedule (8 optimizer steps, about 2 epochs)" \
+        in caplog.text and "0.0001 (10% of the peak)" in caplog.text
+    longer.run()
+    lrs = [r["lr"] for r in longer.history]  # the rate each epoch ended at
+    # 4 steps an epoch, the schedule over 8: epoch 2 ended on its last step, at 10% of the peak, and so on after
+    assert lrs[1] == pytest.approx(1e-4) and lrs[2] == pytest.approx(1e-4) and lrs[3] == pytest.approx(1e-4), lrs
+    assert max(lrs[2:]) <= lrs[1] * (1 + 1e-9)
+    assert torch.load(tmp_path / "ckpt.last.pt", weights_only=True)["schedule_steps"] == 8
+    again = Trainer(bars, replace(cfg, epochs=6), tmp_path / "ckpt.pt", resume=tmp_path / "ckpt.last.pt",
+                    progress=False)  # the schedule stays the first run's through any number of resumes
+    assert again.schedule_steps == 8 and again.scheduler.get_last_lr()[0] == pytest.approx(1e-4)
+
+
 def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path, bars: Path) -> None:
     """--resume into a directory other than the run's: the run's best checkpoint is copied there from beside the
     resumed file, so the report, the test split and export take this run's model, never another run's file

@@ -207,11 +207,12 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
                                            weight_decay=cfg.weight_decay, fused=True)
         self.steps_per_epoch = self._steps_per_epoch()
+        self.schedule_steps = self._schedule_steps()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda_factory(cfg.warmup_steps, cfg.epochs * self.steps_per_epoch))
-        if cfg.warmup_steps >= cfg.epochs * self.steps_per_epoch and self.dist.is_main:
+            self.optimizer, lr_lambda_factory(cfg.warmup_steps, self.schedule_steps))
+        if cfg.warmup_steps >= self.schedule_steps and self.dist.is_main and self.resume_state is None:
             log.warning("warmup_steps %d >= the run's %d optimizer steps: the learning rate never reaches its peak "
-                        "(%g) nor decays; lower --warmup-steps", cfg.warmup_steps, cfg.epochs * self.steps_per_epoch,
+                        "(%g) nor decays; lower --warmup-steps", cfg.warmup_steps, self.schedule_steps,
                         cfg.learning_rate)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.needs_scaler)
         self.memory = PeakMemory(self.device)
@@ -231,6 +232,24 @@ class Trainer:
         # a last step too small to give each rank a window is dropped (_epoch_anchors cuts the epoch to these steps)
         full = n // b + (n % b >= self.dist.world_size)
         return min(full, self.cfg.max_steps_per_epoch) if self.cfg.max_steps_per_epoch else full
+
+    def _schedule_steps(self) -> int:
+        """The optimizer steps that the warm-up + cosine schedule spans: `epochs` of this run, and on resume the
+        resumed run's own, whatever --epochs says now. A resume that trains past them does so at the schedule's
+        floor instead of stretching the cosine, which would jump the learning rate back up mid-run."""
+        planned = self.cfg.epochs * self.steps_per_epoch
+        if self.resume_state is None:
+            return planned
+        stored = self.resume_state.get("schedule_steps")
+        if stored is None:  # a checkpoint from before the schedule's length was saved: its run's epochs
+            stored = TrainConfig.from_checkpoint(self.resume_state["train_config"]).epochs * self.steps_per_epoch
+        stored = int(stored)
+        if planned > stored and self.dist.is_main:
+            log.warning("--epochs %d goes past the resumed run's learning-rate schedule (%d optimizer steps, about "
+                        "%d epochs): the schedule is kept, so the steps after it train at its floor, %.3g (10%% of "
+                        "the peak); for a longer cosine, start a new run with --epochs %d", self.cfg.epochs, stored,
+                        round(stored / max(1, self.steps_per_epoch)), 0.1 * self.cfg.learning_rate, self.cfg.epochs)
+        return stored
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         self.model.load_state_dict(ckpt["model_state"])
@@ -447,6 +466,7 @@ class Trainer:
             "model_state_sha256": state_digest(weights),
             "optimizer_state": self.optimizer.state_dict(),
             "scheduler_state": self.scheduler.state_dict(),
+            "schedule_steps": self.schedule_steps,  # the schedule's length, kept by a resume with other --epochs
             "scaler_state": self.scaler.state_dict(),
             "epoch": self.epoch,
             "step": self.step,
