@@ -132,8 +132,8 @@ class BatchedLinear(nn.Module):
 class VariableGRNs(nn.Module):
     """V separate GRNs (E -> D, no context) evaluated together, variable dimension leading.
 
-    The inner width is E, the per-variable embedding size (as pytorch-forecasting sizes it by
-    hidden_continuous_size); with E = D this is the paper's GRN of width d_model.
+    The inner width is min(E, D), E being the per-variable embedding size (as pytorch-forecasting sizes
+    it by hidden_continuous_size); with E = D this is the paper's GRN of width d_model.
     """
 
     def __init__(self, n_vars: int, input_size: int, hidden_size: int, dropout: float) -> None:
@@ -314,7 +314,7 @@ class TemporalFusionTransformer(nn.Module):
         self.enrichment = GatedResidualNetwork(d, d, d, p, context_size=d)
         self.attention_block = AttentionBlock(cfg)
         self.positionwise_grn = GatedResidualNetwork(d, d, d, p)
-        self.output_gate = GateAddNorm(d, p)
+        self.output_gate = GateAddNorm(d, 0.0)  # no dropout this late, as in the paper's code and pytorch-forecasting
         self.head = QuantileHead(d, cfg.n_quantiles)
 
     # ---- normalisation ---------------------------------------------------------------------
