@@ -10,6 +10,7 @@ Checks, in order; the first failure raises CheckFailed and nothing is written:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import sys
 from collections import OrderedDict
@@ -35,7 +36,7 @@ from export.windows import saved_windows, windows_from_bars
 from features import package_version
 from features.compute import FeatureConfig
 from features.file_kind import hint
-from features.model_meta import ModelMeta, training_span
+from features.model_meta import ModelMeta, graph_digest, training_span
 from features.schema import MODEL_INPUTS, FeatureSchema
 from trainer.checkpoint import CheckpointError, file_sha256, load_checkpoint, model_from_checkpoint
 from trainer.model_config import ModelConfig
@@ -187,6 +188,22 @@ def with_meta(proto: onnx.ModelProto, meta: ModelMeta) -> onnx.ModelProto:
     out.doc_string = (f"foxhunt-tft Temporal Fusion Transformer ({meta.precision}), checkpoint sha256 "
                       f"{meta.checkpoint_sha256}; inputs {', '.join(MODEL_INPUTS)}; see metadata_props foxhunt.*")
     return out
+
+
+def with_digest(proto: onnx.ModelProto, meta: ModelMeta) -> tuple[ModelMeta, bytes, onnx.ModelProto]:
+    """The final model: `meta` plus the graph's digest (`graph_sha256`, which the server checks on load), its
+    bytes and proto. CheckFailed if the digest does not survive adding it (the graph would serialize
+    differently from one call to the next)."""
+    digest = graph_digest(with_meta(proto, meta).SerializeToString())
+    meta = dataclasses.replace(meta, graph_sha256=digest)
+    final = with_meta(proto, meta)
+    onnx.checker.check_model(final)  # the metadata changed nothing else; cheap insurance
+    data = final.SerializeToString()
+    if graph_digest(data) != digest:
+        raise CheckFailed("graph digest", "the graph serialized differently once its digest was added to the "
+                                          "metadata, so the server could not check it; report this with the "
+                                          "library versions above")
+    return meta, data, final
 
 
 def _placement(model: bytes, opts: ExportOptions, dev: Probe, feeds: dict[str, np.ndarray]) -> PlacementReport:
@@ -349,13 +366,11 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
     log(f"[4/4] placement gate: {placement.gate}")
 
     meta = dataclasses.replace(meta, parity=parity.to_dict(), placement=placement.to_dict())
-    final = with_meta(proto, meta)
-    onnx.checker.check_model(final)  # the metadata changed nothing else; cheap insurance
-    data = final.SerializeToString()
+    meta, data, final = with_digest(proto, meta)
     triton_dir = write_outputs(data, opts, meta, final, log, published)
     with interrupts_deferred() as late:  # once published, Ctrl-C has nothing left to stop: finish the report
-        log(f"wrote {opts.output} ({len(data) / 2**20:.2f} MiB, {meta.precision}, opset {opts.opset})"
-            + (f" and Triton model {triton_dir}" if triton_dir else ""))
+        log(f"wrote {opts.output} ({len(data) / 2**20:.2f} MiB, {meta.precision}, opset {opts.opset}, sha256 "
+            f"{hashlib.sha256(data).hexdigest()})" + (f" and Triton model {triton_dir}" if triton_dir else ""))
         if triton_dir is not None and (later := newer_versions(triton_dir)):
             log(f"note: {triton_dir} also holds version(s) {', '.join(later)}, kept as they were; the config.pbtxt "
                 f"written serves version {TRITON_VERSION} alone (version_policy), the model just exported")

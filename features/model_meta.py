@@ -7,6 +7,7 @@ Every value is a string; structured values are JSON.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -25,8 +26,55 @@ PREFIX = "foxhunt."
 TRAINING_KEYS = ("first_bar_ns", "validation_from_ns", "test_from_ns", "last_bar_ns")  # ModelMeta.training
 
 
+METADATA_PROPS_FIELD = 14  # ModelProto.metadata_props, in onnx.proto
+
+
 class ModelMetaError(ValueError):
     """An ONNX model whose metadata is missing or inconsistent; the server refuses it."""
+
+
+def graph_digest(model_bytes: bytes) -> str:
+    """sha256 of a serialized ONNX model without its `metadata_props`: the graph, its weights, opsets and
+    header, as the file stores them. Export records it in the metadata (which it cannot cover); a loader
+    that computes another knows the graph changed after export's checks (a flipped bit in a weight still
+    parses). The top-level fields are walked in the protobuf wire format, so the digest is of the stored
+    bytes, whatever protobuf library reads them; ValueError for bytes that are not a protobuf message."""
+    data = memoryview(model_bytes)
+    digest, i, n = hashlib.sha256(), 0, len(data)
+    while i < n:
+        start = i
+        key, i = _varint(data, i)
+        wire = key & 7
+        if wire == 0:
+            i = _varint(data, i)[1]
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            length, i = _varint(data, i)
+            i += length
+        elif wire == 5:
+            i += 4
+        else:
+            raise ValueError(f"protobuf wire type {wire} at byte {start}: not an ONNX model")
+        if i > n:
+            raise ValueError(f"a field at byte {start} runs past the end of the file: truncated")
+        if key >> 3 != METADATA_PROPS_FIELD:
+            digest.update(data[start:i])
+    return digest.hexdigest()
+
+
+def _varint(data: memoryview, i: int) -> tuple[int, int]:
+    """The protobuf varint at byte i, and the index after it."""
+    value = shift = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError(f"a malformed varint at byte {i}: not an ONNX model")
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
 
 
 @dataclass(frozen=True)
@@ -49,6 +97,7 @@ class ModelMeta:
     placement: dict[str, Any] = field(default_factory=dict)  # the placement gate's report
     # the training run's bars in time (`training_span`): absent from models exported before it was recorded
     training: dict[str, Any] = field(default_factory=dict)
+    graph_sha256: str = ""  # graph_digest of the model file as exported ('' before it was recorded)
 
     @functools.cached_property
     def symbol_index(self) -> dict[str, int]:
@@ -81,6 +130,7 @@ class ModelMeta:
             "parity": self.parity,
             "placement": self.placement,
             **({"training": self.training} if self.training else {}),
+            **({"graph_sha256": self.graph_sha256} if self.graph_sha256 else {}),
         }
         return {PREFIX + k: v if isinstance(v, str) else json.dumps(v) for k, v in values.items()}
 
@@ -120,6 +170,7 @@ class ModelMeta:
                 parity=dict(get("parity")),
                 placement=dict(get("placement")),
                 training=_training(get("training")) if PREFIX + "training" in props else {},
+                graph_sha256=str(get("graph_sha256", json_value=False)) if PREFIX + "graph_sha256" in props else "",
             )
         except ModelMetaError:
             raise

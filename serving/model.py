@@ -35,7 +35,7 @@ import numpy as np
 import onnxruntime as ort
 
 from features.file_kind import hint
-from features.model_meta import ModelMeta, ModelMetaError
+from features.model_meta import ModelMeta, ModelMetaError, graph_digest
 from features.schema import (
     DECODER_KNOWN,
     ENCODER_KNOWN,
@@ -321,6 +321,23 @@ def _check_meta(meta: ModelMeta, path: str) -> None:
         raise ModelLoadError(f"{path}: model metadata is unusable: " + "; ".join(problems) + "; re-export the model")
 
 
+def _check_graph(meta: ModelMeta, model_bytes: bytes, path: str) -> None:
+    """The graph must be the one export checked: a bit flipped in a weight (disk, copy, transfer) still parses
+    and runs, and would serve other forecasts under the same version and parity report."""
+    if not meta.graph_sha256:
+        log.warning("%s: exported before models recorded their graph's digest, so a change to it since the export "
+                    "cannot be detected; export it again to have it checked", path)
+        return
+    try:
+        digest = graph_digest(model_bytes)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    if digest != meta.graph_sha256:
+        raise ModelLoadError(f"{path}: the model's graph is not the one export checked (graph sha256 {digest[:12]}, "
+                             f"export recorded {meta.graph_sha256[:12]}): the file was damaged or changed after "
+                             "export; copy it again, or export it again from its checkpoint")
+
+
 def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batch: int = 64,
                device_id: int = 0) -> LoadedModel:
     """Read, check and place a model; ModelLoadError (or DeviceUnavailable) says what is wrong."""
@@ -342,6 +359,7 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
     except ModelMetaError as exc:
         raise ModelLoadError(f"{p}: {exc}") from None
     _check_meta(meta, p)
+    _check_graph(meta, model_bytes, p)
     output_names = _check_signature(session, meta, p)
     _check_placement(meta, placement, device, p)
     return LoadedModel(

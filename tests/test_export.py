@@ -8,6 +8,7 @@ checked to leave nothing behind.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 import shutil
@@ -120,7 +121,11 @@ def test_metadata_round_trip_equals_the_checkpoint(exported: Path, ckpt: Path) -
         training={"first_bar_ns": c["data_span_ns"][0], "validation_from_ns": c["split_times_ns"][0],
                   "test_from_ns": None, "last_bar_ns": c["data_span_ns"][1]},  # no test split in this run
     )
-    assert dataclasses.replace(meta, exporter={}, parity={}, placement={}) == expected
+    assert dataclasses.replace(meta, exporter={}, parity={}, placement={}, graph_sha256="") == expected
+    # the graph's digest, derived independently: the model re-serialized by protobuf without its metadata
+    bare = onnx.load(str(exported))
+    del bare.metadata_props[:]
+    assert meta.graph_sha256 == hashlib.sha256(bare.SerializeToString()).hexdigest()
     assert meta.exporter["opset"] == 18 and meta.exporter["torch"] == torch.__version__
     assert meta.exporter["onnxruntime"] == ort.__version__
     assert meta.parity["passed"] is True and meta.parity["tolerance"] == 1e-4
@@ -588,6 +593,8 @@ def test_ctrl_c_after_the_files_are_published_lets_the_export_finish(ckpt: Path,
 
     result = run_export(options_from_args(build_parser().parse_args([str(ckpt), str(out)])), log)
     assert result.output == out and out.exists()
+    wrote = next(line for line in lines if line.startswith("wrote "))  # the file's sha256, as sha256sum gives it
+    assert f"sha256 {hashlib.sha256(out.read_bytes()).hexdigest()})" in wrote, wrote
     assert lines[-1] == "interrupted after the files were published: they are complete"
 
 

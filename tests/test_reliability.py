@@ -354,6 +354,38 @@ def _with_meta(model: Path, out: Path, **changes: str | None) -> Path:
     return out
 
 
+def _flipped(model: Path, out: Path) -> Path:
+    """The model with one bit of one weight flipped, as a bad disk or copy leaves it: it parses and runs."""
+    proto = onnx.load(str(model))
+    weight = next(t for t in proto.graph.initializer if len(t.raw_data) >= 64)
+    data = bytearray(weight.raw_data)
+    data[len(data) // 2] ^= 0x10
+    weight.raw_data = bytes(data)
+    onnx.save(proto, str(out))
+    return out
+
+
+def test_a_model_whose_graph_changed_after_export_is_refused_and_one_without_a_digest_warned_about(
+        tiny_model: Model, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    from features.model_meta import graph_digest
+    from serving.model import ModelLoadError, load_model
+
+    flipped = _flipped(tiny_model.model, tmp_path / "flipped.onnx")
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(flipped, "cpu", threads=1)
+    assert f"{flipped}: the model's graph is not the one export checked" in str(refused.value)
+    assert "copy it again, or export it again" in str(refused.value)
+    # the digest covers the graph, not the metadata: a metadata edit alone keeps it (the reload tests rely on it)
+    relabelled = _with_meta(tiny_model.model, tmp_path / "relabelled.onnx", model_version="v2")
+    assert load_model(relabelled, "cpu", threads=1).version == "v2"
+    assert graph_digest(relabelled.read_bytes()) == graph_digest(tiny_model.model.read_bytes()) != \
+        graph_digest(flipped.read_bytes())
+    undigested = _with_meta(flipped, tmp_path / "old_export.onnx", graph_sha256=None)  # exported before digests
+    with caplog.at_level("WARNING", logger="serving"):
+        assert load_model(undigested, "cpu", threads=1).version == tiny_model.meta.model_version
+    assert "exported before models recorded their graph's digest" in caplog.text
+
+
 def test_a_corrupted_onnx_file_stops_the_start_with_a_message(tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
     """The real command, as an operator runs it: exit 2, one line, no traceback, never `listening`."""
     data = tiny_model.model.read_bytes()
@@ -394,6 +426,7 @@ def test_bad_model_files_are_refused_with_clear_messages(tiny_model: Model, tmp_
         (_with_meta(m, tmp_path / "dup.onnx", symbols='["ES", "ES"]'), "symbols must be unique"),
         (_with_meta(m, tmp_path / "horizon.onnx", horizon=str(horizon + 2)), "horizon"),
         (_with_meta(m, tmp_path / "types.onnx", encoder_length='"long"'), "inconsistent"),
+        (_flipped(m, tmp_path / "flipped.onnx"), "the model's graph is not the one export checked"),
     ]
     for path, message in cases:
         assert serve_main(["--model", str(path), "--port", "0", "--device", "cpu"]) == 2, path

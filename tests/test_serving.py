@@ -1011,14 +1011,20 @@ def test_device_auto_falls_back_loudly_and_cuda_refuses(art: Model, tmp_path: Pa
 
 # ---- in process: readiness and a model without explain outputs ----------------------------------------
 def _quantiles_only(model: Path, out: Path) -> Path:
-    """The same model with its explain outputs dropped and its metadata saying so."""
+    """The same model with its explain outputs dropped and its metadata saying so (and the new graph's digest,
+    as export records it)."""
+    from features.model_meta import graph_digest
+
     proto = onnx.load(str(model))
     keep = [o for o in proto.graph.output if o.name == QUANTILES]
     del proto.graph.output[:]
     proto.graph.output.extend(keep)
+    digest = graph_digest(proto.SerializeToString())
     for p in proto.metadata_props:
         if p.key == "foxhunt.explain":
             p.value = "false"
+        if p.key == "foxhunt.graph_sha256":
+            p.value = digest
     onnx.save(proto, str(out))
     return out
 
