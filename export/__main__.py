@@ -15,9 +15,10 @@ only when every check passed: they are written beside their targets and renamed 
 
 exit status:
   0  the model (and the Triton repository entry) was written
-  1  a check failed, or torch could not export the model; nothing was written
-  2  bad arguments or unusable input (missing, corrupt or pickled checkpoint, bad paths,
-     unusable --bars); nothing was written
+  1  a check failed, torch could not export the model, or the files could not be written
+     (disk full); nothing was written
+  2  bad arguments or unusable input (missing, corrupt or pickled checkpoint, bad or
+     unwritable paths, unusable --bars); nothing was written
   130  interrupted; nothing was written
 """
 
@@ -31,12 +32,13 @@ from types import FrameType
 
 import onnx
 
-from export.errors import ExportError, UsageError
+from export.errors import CheckFailed, ExportError, UsageError
 from export.onnx_export import DEFAULT_OPSET, MIN_OPSET
 from export.pipeline import ExportOptions, Tamper, run_export
 from export.triton import MAX_BATCH_SIZE_LIMIT, check_name
 from features.bars import ColumnMap, clash_with_bars
 from features.file_kind import replace_problem
+from features.files import unwritable
 
 MAX_OPSET = min(onnx.defs.onnx_opset_version(), 23)  # 23: the newest opset onnxruntime 1.31 runs
 
@@ -65,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of the checkpoint's saved validation sample")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for PyTorch and ONNX Runtime during the checks (default 1)")
-    ColumnMap.add_arguments(p)  # for --bars; names not given are the training run's
+    ColumnMap.add_arguments(p, "with --bars only; a name not given is the training run's")
     return p
 
 
@@ -83,6 +85,11 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         raise UsageError(f"{out}: {out.parent} is a file, not a directory; give a path in a directory")
     if not out.parent.is_dir():
         raise UsageError(f"{out}: directory {out.parent} does not exist; create it first")
+    if args.checkpoint.is_dir():
+        inside = next((args.checkpoint / n for n in ("ckpt.pt", "ckpt.last.pt") if (args.checkpoint / n).is_file()),
+                      None)
+        raise UsageError(f"{args.checkpoint} is a directory; give the checkpoint file in it"
+                         + (f", e.g. {inside}" if inside else " (the trainer's --out, ckpt.pt by default)"))
     if args.checkpoint.exists() and out.resolve() == args.checkpoint.resolve():
         raise UsageError(f"{out} is the checkpoint itself; choose another output file")
     if args.triton_repo is None and (args.triton_name or args.triton_max_batch_size != 256):
@@ -96,7 +103,11 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         if not 1 <= args.triton_max_batch_size <= MAX_BATCH_SIZE_LIMIT:
             raise UsageError(f"--triton-max-batch-size {args.triton_max_batch_size}: must be 1..{MAX_BATCH_SIZE_LIMIT} "
                              "(Triton's max_batch_size is an int32)")
-        model_dir = (args.triton_repo / (args.triton_name or out.stem)).resolve()
+        entry = args.triton_repo / (args.triton_name or out.stem)
+        if (entry.exists() or entry.is_symlink()) and not entry.is_dir():
+            raise UsageError(f"--triton-repo: {entry} exists and is not a directory; the Triton model directory "
+                             "would replace it: remove it, or pass --triton-name NAME")
+        model_dir = entry.resolve()
         if out.resolve().is_relative_to(model_dir):
             raise UsageError(f"{out} is inside the Triton model directory {model_dir}, which export replaces as a "
                              "whole; write the model file elsewhere (the repository gets its own copy)")
@@ -106,6 +117,10 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         raise UsageError(f"{problem}; choose another output file")
     if problem := replace_problem(out, "an ONNX model"):
         raise UsageError(problem)
+    for target, what in ((out, "the output"), (args.triton_repo and args.triton_repo / "entry", "--triton-repo")):
+        if target is not None and (blocked := unwritable(target)):  # found now, not after minutes of checks
+            raise UsageError(f"{what}: cannot write in {blocked[0]} ({blocked[1]}); choose a directory this user "
+                             "can write to")
     if args.bars is None and (given := ColumnMap.given(args)):
         flags = ", ".join("--" + ColumnMap.dest(f).replace("_", "-") for f in given)
         raise UsageError(f"{flags}: column mapping applies to --bars only (the checkpoint's own windows need none)")
@@ -119,14 +134,16 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int:
-    """Run the export; returns the exit status. `_tamper` is a test hook (see pipeline.run_export)."""
+def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None, published: list[Path] | None = None
+         ) -> int:
+    """Run the export; returns the exit status. `published` receives the files once they are in place (for a
+    signal that comes as main returns). `_tamper` is a test hook (see pipeline.run_export)."""
     args = build_parser().parse_args(argv)
-    published: list[Path] = []
+    published = [] if published is None else published
     try:
         run_export(options_from_args(args), published=published, _tamper=_tamper)
     except ExportError as exc:
-        verdict = "error" if isinstance(exc, UsageError) else "export refused"
+        verdict = "export refused" if isinstance(exc, CheckFailed) else "error"
         print(f"{verdict}: {exc}\nnothing was written.", file=sys.stderr, flush=True)
         return exc.exit_status
     except KeyboardInterrupt:
@@ -141,7 +158,11 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends it as Ctrl-C does: exit 130, nothing written
-    status = main()
+    done: list[Path] = []
+    try:
+        status = main(published=done)
+    except KeyboardInterrupt:  # in the instant main returned: the files, if published, are whole
+        status = 0 if done else 130
     for s in (signal.SIGINT, signal.SIGTERM):  # done: a signal during the interpreter's shutdown stops nothing
         signal.signal(s, signal.SIG_IGN)
     sys.exit(status)

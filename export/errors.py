@@ -1,4 +1,4 @@
-"""The two ways an export ends without a model, each mapped to one exit status in __main__."""
+"""The ways an export ends without a model, each mapped to one exit status in __main__."""
 
 from __future__ import annotations
 
@@ -23,3 +23,9 @@ class CheckFailed(ExportError):
     def __init__(self, check: str, message: str) -> None:
         super().__init__(f"{check} check failed: {message}")
         self.check = check
+
+
+class WriteFailed(ExportError):
+    """Every check passed but the files could not be written (disk full, say): exit 1, as the trainer's."""
+
+    exit_status = 1

@@ -10,6 +10,7 @@ Checks, in order; the first failure raises CheckFailed and nothing is written:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import importlib.metadata
 import sys
@@ -24,7 +25,7 @@ import onnx
 import torch
 
 from export import fp16 as fp16_mod
-from export.errors import CheckFailed, UsageError
+from export.errors import CheckFailed, UsageError, WriteFailed
 from export.files import Staging, interrupts_deferred, leftovers, remove
 from export.onnx_export import check_interface, export_model, output_names, run_checker, signature
 from export.parity import ParityReport, check_parity, make_cases
@@ -311,8 +312,10 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
             if staging.interrupted:
                 log("interrupted while the files were being published: they were published whole first")
     except OSError as exc:
-        raise UsageError(f"cannot write the output: {exc}. Check the path and its permissions; nothing was "
-                         "written") from None
+        where = Path(exc.filename).parent if exc.filename else opts.output.parent
+        advice = ("free space on that file system, or write elsewhere" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                  else "check the path and its permissions")
+        raise WriteFailed(f"cannot write in {where}: {exc.strerror or exc}; {advice}") from None
     return triton_dir
 
 
@@ -329,9 +332,10 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
     cfg = model.cfg
     meta = base_meta(ckpt, cfg, sha, opts)
     if opts.bars is not None:
-        windows, source = windows_from_bars(opts.bars, ckpt, cfg, opts.column_flags), f"rebuilt from {opts.bars}"
+        windows = windows_from_bars(opts.bars, ckpt, cfg, opts.column_flags, log=log)
+        source = f"rebuilt from {opts.bars}"
     else:
-        windows, source = saved_windows(ckpt, cfg), "from the checkpoint's validation sample"
+        windows, source = saved_windows(ckpt, cfg, opts.checkpoint), "from the checkpoint's validation sample"
     log(f"checkpoint {opts.checkpoint} (sha256 {sha[:12]}): hidden {cfg.hidden_size}, encoder {cfg.encoder_length}, "
         f"horizon {cfg.horizon}, quantiles {list(cfg.quantiles)}, {len(meta.symbols)} symbol(s); "
         f"{windows[MODEL_INPUTS[0]].shape[0]} real windows {source}")

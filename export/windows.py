@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -9,13 +10,22 @@ import numpy as np
 
 from export.errors import UsageError
 from export.onnx_export import expected_shapes
-from features.bars import BarDataError, ColumnMap, read_bars
+from features.bars import BarDataError, Bars, ColumnMap, read_bars
 from features.compute import FeatureConfig, build_frame
+from features.file_kind import describe
 from features.schema import MODEL_INPUTS, STATIC_CATEGORICAL
 from features.windows import anchor_rows, gather_windows
 from trainer.model_config import ModelConfig
 
 MAX_WINDOWS = 256
+
+
+def only_symbols(bars: Bars, keep: list[str]) -> Bars:
+    """The rows of `bars` whose symbol is in `keep` (still grouped by symbol, in time order)."""
+    rows = np.isin(bars.symbol, np.array(keep, dtype=object))
+    return Bars(timestamp_ns=bars.timestamp_ns[rows], symbol=bars.symbol[rows], open=bars.open[rows],
+                high=bars.high[rows], low=bars.low[rows], close=bars.close[rows], volume=bars.volume[rows],
+                user={name: column[rows] for name, column in bars.user.items()}, files=bars.files, notes=bars.notes)
 
 
 def _checked(windows: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> dict[str, np.ndarray]:
@@ -38,25 +48,40 @@ def _checked(windows: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> d
     return out
 
 
-def saved_windows(ckpt: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The checkpoint's `validation_sample` (real validation windows written by the trainer)."""
+def saved_windows(ckpt: dict[str, Any], cfg: ModelConfig, source: str | Path = "the checkpoint"
+                  ) -> dict[str, np.ndarray]:
+    """The checkpoint's `validation_sample` (real validation windows written by the trainer); `source` names the
+    checkpoint in errors."""
     sample = ckpt.get("validation_sample")
     if not isinstance(sample, dict) or any(name not in sample for name in MODEL_INPUTS):
-        raise UsageError("the checkpoint has no validation_sample of real windows (written by `python -m trainer` "
-                         "since the first release); pass --bars PATH to rebuild windows from the bars")
+        raise UsageError(f"{source}: the checkpoint has no validation_sample of real windows (written by `python -m "
+                         "trainer` since the first release); pass --bars PATH to rebuild windows from the bars")
     return _checked({name: np.asarray(sample[name].numpy() if hasattr(sample[name], "numpy") else sample[name])
                      for name in MODEL_INPUTS}, cfg, "the checkpoint's validation_sample")
 
 
 def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column_flags: dict[str, str] | None = None,
-                      limit: int = MAX_WINDOWS) -> dict[str, np.ndarray]:
+                      limit: int = MAX_WINDOWS, log: Callable[[str], None] | None = None) -> dict[str, np.ndarray]:
     """Up to `limit` windows, evenly spread over the bars, built exactly as training and serving build them.
-    Column names: the training run's, with `column_flags` (field -> column, the flags given) over them."""
+    Column names: the training run's, with `column_flags` (field -> column, the flags given) over them. Symbols
+    the model does not know are skipped, and `log` told so."""
+    if path.is_file() and (kind := describe(path)) not in (None, "a parquet file"):
+        raise UsageError(f"--bars {path} is {kind}, not bars: give the parquet file (or directory) of bars the "
+                         "model was trained on, or leave --bars out to check parity on the checkpoint's own windows")
     try:
         feature_config = FeatureConfig.from_dict(ckpt["feature_config"])
         columns = ColumnMap.from_dict({**(ckpt.get("column_map") or {}), **(column_flags or {})})
         bars = read_bars(path, columns, tuple(feature_config.user_columns))
-        frame = build_frame(bars, feature_config, list(ckpt["symbols"]), int(ckpt["bar_interval_ns"]))
+        symbols = [str(s) for s in ckpt["symbols"]]
+        if unknown := [s for s in bars.series_slices() if s not in symbols]:
+            known = [s for s in bars.series_slices() if s in symbols]
+            if not known:
+                raise UsageError(f"--bars {path} holds none of the model's symbols ({', '.join(symbols)}); it holds "
+                                 f"{', '.join(unknown)}")
+            if log is not None:
+                log(f"--bars: skipped {', '.join(unknown)}: not the model's symbols ({', '.join(symbols)})")
+            bars = only_symbols(bars, known)
+        frame = build_frame(bars, feature_config, symbols, int(ckpt["bar_interval_ns"]))
     except BarDataError as exc:
         lines = exc.lines()
         shown = "; ".join(lines[:5])

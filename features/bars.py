@@ -57,17 +57,25 @@ class ColumnMap:
         return ColumnMap(**d)
 
     @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """The column-mapping flags shared by every command that reads bars."""
-        g = parser.add_argument_group("column mapping (for parquet layouts other than the default)")
-        g.add_argument("--time-col", help="timestamp column (default timestamp; e.g. ts_event)")
-        g.add_argument("--symbol-col", help="symbol column (default symbol); absent means one series")
+    def add_arguments(parser: argparse.ArgumentParser, defaults: str = "") -> None:
+        """The column-mapping flags shared by every command that reads bars. `defaults` says where the names not
+        given come from when not from the default layout (export and the scorer: the training run's)."""
+        title = f"column mapping ({defaults})" if defaults else \
+            "column mapping (for parquet layouts other than the default)"
+        g = parser.add_argument_group(title)
+
+        def default(name: str) -> str:
+            return "the training run's" if defaults else name
+
+        g.add_argument("--time-col", help=f"timestamp column (default {default('timestamp')}; e.g. ts_event)")
+        g.add_argument("--symbol-col", help=f"symbol column (default {default('symbol')}); absent means one series")
         for name in ("open", "high", "low", "close", "volume"):
-            g.add_argument(f"--{name}-col", help=f"{name} column (default {name})")
-        g.add_argument("--default-symbol", help="symbol name when there is no symbol column (default SERIES)")
+            g.add_argument(f"--{name}-col", help=f"{name} column (default {default(name)})")
+        g.add_argument("--default-symbol",
+                       help=f"symbol name when there is no symbol column (default {default('SERIES')})")
         g.add_argument("--time-unit", choices=tuple(NS_PER_UNIT),
-                       help="unit of an integer timestamp column (default ns; e.g. ms for milliseconds since the "
-                            "Unix epoch); arrow timestamp columns carry their own")
+                       help=f"unit of an integer timestamp column (default {default('ns')}; e.g. ms for "
+                            "milliseconds since the Unix epoch); arrow timestamp columns carry their own")
 
     @staticmethod
     def given(args: argparse.Namespace) -> dict[str, str]:

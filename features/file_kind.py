@@ -7,6 +7,7 @@ refusal then says what the file is and which command takes it. A guess, used onl
 
 from __future__ import annotations
 
+import os
 import zipfile
 from pathlib import Path
 
@@ -65,6 +66,9 @@ def replace_problem(path: str | Path, writes: str) -> str | None:
     path = Path(path)
     if not (path.exists() or path.is_symlink()) or path.is_dir():
         return None
+    if not path.exists():  # a link to nothing: writing would replace the link, which someone made for a reason
+        return (f"{path} is a link to {os.readlink(path)}, which does not exist; writing {writes} would replace the "
+                "link: remove it, or choose another name")
     kind = describe(path)
     if kind == writes:
         return None

@@ -16,6 +16,24 @@ def umask() -> int:
     return mask
 
 
+def unwritable(target: Path) -> tuple[Path, str] | None:
+    """Whether a file can be made at `target`, found before any long work and creating nothing: the nearest
+    existing directory on its way (the command makes the rest when it writes) must take a file. None when it
+    does, else (that directory, why not). A real file is made and removed, since permission bits do not tell
+    (root, read-only mounts, immutable directories)."""
+    existing = next(p for p in (target.parent, *target.parent.parents) if p.exists() or p.is_symlink())
+    try:
+        if not existing.exists():
+            raise FileNotFoundError(f"it is a link to {os.readlink(existing)}, which does not exist")
+        if not existing.is_dir():
+            raise NotADirectoryError("it is a file")
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        return existing, str(exc.strerror or exc)
+    return None
+
+
 @contextmanager
 def atomic_output(out: Path) -> Iterator[str]:
     """A temporary file beside `out` to write; when the block completes it becomes `out` (mode 0o666 less the

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=10.0, help="deadline per call in seconds (default 10)")
     p.add_argument("--packed", action="store_true",
                    help="send the user feature columns as one packed float64 block (user_features_raw)")
-    ColumnMap.add_arguments(p)
+    ColumnMap.add_arguments(p, "a name not given is the served model's training run's, from GetModelInfo")
     add_client_arguments(p)
     args = p.parse_args(argv)
     check_client_arguments(p, args)  # --timeout too

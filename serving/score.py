@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="ONNX Runtime intra-op threads (default: every CPU)")
     p.add_argument("--batch", type=int, default=64,
                    help="windows per ONNX Runtime run (default 64; on CUDA, 1024 or more)")
-    ColumnMap.add_arguments(p)
+    ColumnMap.add_arguments(p, "a name not given is the model's training run's")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     signal.signal(signal.SIGTERM, _interrupted)  # as Ctrl-C: the partial file is removed

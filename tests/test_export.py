@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -488,6 +490,49 @@ def test_output_paths_are_checked(ckpt: Path, tmp_path: Path, capsys: pytest.Cap
     last.write_bytes(ckpt.read_bytes())
     assert main([str(ckpt), str(last)]) == 2 and "exists and is a PyTorch checkpoint" in capsys.readouterr().err
     assert last.read_bytes() == ckpt.read_bytes()
+    dangling = tmp_path / "data" / "served.onnx"
+    dangling.symlink_to(tmp_path / "releases" / "v7.onnx")  # a deployment link whose target is not there yet
+    assert main([str(ckpt), str(dangling)]) == 2
+    assert f"{dangling} is a link to {tmp_path / 'releases' / 'v7.onnx'}, which does not exist" \
+        in capsys.readouterr().err and dangling.is_symlink()
+    # the checkpoint named by its run's directory
+    assert main([str(ckpt.parent), str(tmp_path / "m.onnx")]) == 2
+    assert f"{ckpt.parent} is a directory; give the checkpoint file in it, e.g. {ckpt.parent / 'ckpt.pt'}" \
+        in capsys.readouterr().err
+    # a file where the Triton model directory goes is not replaced
+    notes = tmp_path / "triton" / "tft"
+    notes.parent.mkdir()
+    notes.write_text("my notes")
+    assert main([str(ckpt), str(tmp_path / "m.onnx"), "--triton-repo", str(notes.parent), "--triton-name",
+                 "tft"]) == 2
+    assert f"--triton-repo: {notes} exists and is not a directory" in capsys.readouterr().err
+    assert notes.read_text() == "my notes"
+    # a directory that takes no file is found before the export's minutes of work, for either output
+    started = time.monotonic()
+    assert main([str(ckpt), "/proc/model.onnx"]) == 2
+    assert "the output: cannot write in /proc" in capsys.readouterr().err
+    assert main([str(ckpt), str(tmp_path / "m.onnx"), "--triton-repo", "/sys/foxhunt/repo"]) == 2
+    assert "--triton-repo: cannot write in /sys" in capsys.readouterr().err
+    assert time.monotonic() - started < 5  # refused before loading the checkpoint, not after the checks
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_a_full_disk_exits_1_naming_the_directory_and_the_fix(
+        ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every check passed, and then the write fails: the trainer's status for it (1), not a usage error."""
+    import errno
+
+    import export.files
+
+    def full(self: object, target: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(target.parent / f".{target.name}.x1.tmp"))
+
+    monkeypatch.setattr(export.files.Staging, "file", full)
+    assert main([str(ckpt), str(tmp_path / "model.onnx")]) == 1
+    err = capsys.readouterr().err
+    assert f"error: cannot write in {tmp_path}: No space left on device; free space on that file system, or write " \
+        "elsewhere" in err and "nothing was written" in err, err
+    assert listing(tmp_path) == []
 
 
 def test_real_command_exit_status_and_help_text(tmp_path: Path) -> None:
@@ -518,6 +563,21 @@ def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransf
     renamed = windows_from_bars(tmp_path / "renamed.parquet", c, torch_model.cfg, {"timestamp": "ts_event"})
     for name in MODEL_INPUTS:
         np.testing.assert_array_equal(renamed[name], rebuilt[name])
+    # a symbol the model does not know is skipped, and said so; the model's own give the same windows
+    other = table.filter(pc.equal(table["symbol"], c["symbols"][0]))
+    cl = pa.array(["CL"] * other.num_rows, type=table.schema.field("symbol").type)
+    other = other.set_column(other.column_names.index("symbol"), "symbol", cl)
+    pq.write_table(pa.concat_tables([table, other]), tmp_path / "more.parquet")
+    said: list[str] = []
+    more = windows_from_bars(tmp_path / "more.parquet", c, torch_model.cfg, log=said.append)
+    assert said == [f"--bars: skipped CL: not the model's symbols ({', '.join(c['symbols'])})"]
+    for name in MODEL_INPUTS:
+        np.testing.assert_array_equal(more[name], rebuilt[name])
+    pq.write_table(other, tmp_path / "cl.parquet")
+    with pytest.raises(UsageError, match="holds none of the model's symbols"):
+        windows_from_bars(tmp_path / "cl.parquet", c, torch_model.cfg)
+    with pytest.raises(UsageError, match=r"is a PyTorch checkpoint, not bars: give the parquet file"):
+        windows_from_bars(ckpt, c, torch_model.cfg)
     assert "--time-col" in build_parser().format_help()
     with pytest.raises(UsageError, match=r"--time-col, --open-col: column mapping applies to --bars only"):
         options_from_args(build_parser().parse_args([str(ckpt), str(tmp_path / "m.onnx"), "--time-col", "ts_event",

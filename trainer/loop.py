@@ -11,8 +11,6 @@ import glob
 import json
 import logging
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
@@ -27,6 +25,7 @@ from tqdm import tqdm
 from features import package_version
 from features.bars import ColumnMap, clash_with_bars
 from features.file_kind import replace_problem
+from features.files import unwritable
 from features.metrics import climatology_forecast, forecast_metrics, format_q_risk, pinball
 from features.schema import MODEL_OUTPUTS, QUANTILES, TARGET
 from trainer.checkpoint import (
@@ -108,17 +107,9 @@ def check_output(out: Path) -> None:
     directory when it starts writing; here its nearest existing ancestor must take a file."""
     if out.is_dir():
         raise OSError(f"--out {out} is a directory; give the checkpoint's file name, e.g. {out / 'ckpt.pt'}")
-    existing = next(p for p in (out.parent, *out.parent.parents) if p.exists() or p.is_symlink())
-    try:
-        if not existing.exists():
-            raise FileNotFoundError(f"{existing} is a link to {os.readlink(existing)}, which does not exist")
-        if not existing.is_dir():
-            raise NotADirectoryError(f"{existing} is a file")
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as exc:
-        raise OSError(f"--out {out}: cannot write in {existing} ({exc.strerror or exc}); give a directory "
-                      "this user can write to") from None
+    if problem := unwritable(out):
+        raise OSError(f"--out {out}: cannot write in {problem[0]} ({problem[1]}); give a directory this user can "
+                      "write to")
 
 
 class Trainer:
