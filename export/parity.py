@@ -67,6 +67,7 @@ class ParityReport:
     tolerance: float
     rows: list[Row] = field(default_factory=list)
     provider_options: dict[str, str] = field(default_factory=dict)  # what the checked session was given
+    real_windows: str = ""  # where the "real windows" case came from: the checkpoint's sample, or --bars
 
     @property
     def passed(self) -> bool:
@@ -79,6 +80,7 @@ class ParityReport:
         worst = max((r.scaled for r in self.rows), default=float("nan"))
         return {"passed": self.passed, "precision": self.precision, "provider": self.provider,
                 "provider_options": self.provider_options, "tolerance": self.tolerance, "max_scaled_error": worst,
+                "real_windows": self.real_windows,
                 "scaled_error": "quantiles: |onnx - torch| / target_scale[h]; weights: |onnx - torch|",
                 "rows": [asdict(r) for r in self.rows]}
 

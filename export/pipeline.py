@@ -358,6 +358,7 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
         "names, dtypes, dynamic batch axis ok")
     model_bytes = proto.SerializeToString()
     parity, feeds = check_parity_gate(model_bytes, model, windows, opts, dev.device if dev.available else "cpu")
+    parity.real_windows = f"{windows[MODEL_INPUTS[0]].shape[0]} {source}"
     log(f"[3/4] parity: ok (max scaled error {max(r.scaled for r in parity.rows):.2e} <= {parity.tolerance:g})")
     if opts.precision == "fp16" and parity.provider == "CPUExecutionProvider":
         log("warning: --fp16 parity ran on ONNX Runtime's CPU provider, which computes most fp16 nodes in fp32 "

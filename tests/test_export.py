@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -133,6 +134,8 @@ def test_metadata_round_trip_equals_the_checkpoint(exported: Path, ckpt: Path) -
     assert meta.parity["passed"] is True and meta.parity["tolerance"] == 1e-4
     assert {r["batch"] for r in meta.parity["rows"]} >= {1, 7, 64}
     assert any(r["case"] == "real windows" for r in meta.parity["rows"])
+    n = c["validation_sample"][MODEL_INPUTS[0]].shape[0]
+    assert meta.parity["real_windows"] == f"{n} from the checkpoint's validation sample"
     assert meta.placement["gate"] == "not run"  # never "passed" without --require-device
 
 
@@ -546,7 +549,8 @@ def test_real_command_exit_status_and_help_text(tmp_path: Path) -> None:
 # ---- pieces ---------------------------------------------------------------------------------------
 
 
-def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransformer, tmp_path: Path) -> None:
+def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransformer, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
     c = load_checkpoint(ckpt)
     rebuilt = windows_from_bars(ckpt.parent / "bars.parquet", c, torch_model.cfg)
     saved = saved_windows(c, torch_model.cfg)
@@ -578,6 +582,13 @@ def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransf
         windows_from_bars(tmp_path / "cl.parquet", c, torch_model.cfg)
     with pytest.raises(UsageError, match=r"is a PyTorch checkpoint, not bars: give the parquet file"):
         windows_from_bars(ckpt, c, torch_model.cfg)
+    # the whole export on them: the note, and the metadata says which windows parity was proved on
+    out = tmp_path / "model.onnx"
+    assert main([str(ckpt), str(out), "--bars", str(tmp_path / "more.parquet")]) == 0
+    assert said[0] in capsys.readouterr().err
+    parity = json.loads(props(out)["foxhunt.parity"])
+    assert parity["passed"] and parity["real_windows"] == \
+        f"{more[MODEL_INPUTS[0]].shape[0]} rebuilt from {tmp_path / 'more.parquet'}"
     assert "--time-col" in build_parser().format_help()
     with pytest.raises(UsageError, match=r"--time-col, --open-col: column mapping applies to --bars only"):
         options_from_args(build_parser().parse_args([str(ckpt), str(tmp_path / "m.onnx"), "--time-col", "ts_event",
