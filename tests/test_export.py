@@ -605,7 +605,10 @@ def test_an_interrupt_wrapped_by_the_exporter_is_an_interrupt_not_a_failed_check
         except KeyboardInterrupt as exc:
             raise RuntimeError("Failed to export the model with torch.export") from exc
 
+    import export.pipeline
+
     monkeypatch.setattr(torch.onnx, "export", wrapped)
+    monkeypatch.setattr(export.pipeline, "_EXPORTS", type(export.pipeline._EXPORTS)())  # no graph traced before
     assert main([str(ckpt), str(tmp_path / "model.onnx")]) == 130
     err = capsys.readouterr().err
     assert "interrupted; nothing was written" in err and "export refused" not in err
