@@ -811,3 +811,13 @@ def test_one_column_mapped_to_two_fields_is_refused_but_prices_may_share_one(tmp
     assert [(p.column, p.rule) for p in problems] == [("close", "column 'close' is mapped to close and volume")]
     bars = read_bars(path, ColumnMap(open="close", high="close", low="close"))
     assert np.array_equal(bars.open, bars.close) and np.array_equal(bars.high, bars.low)
+
+
+def test_an_int64_min_placeholder_in_a_user_column_is_refused_by_row(tmp_path: Path) -> None:
+    cols = good_columns()
+    values = np.arange(2 * N_PER_SYMBOL, dtype=np.int64)
+    values[4] = -(2**63)  # a feed's "no value" for a signed integer column
+    cols["imbalance"] = pa.array(values, pa.int64())
+    problems = problems_of(write_parquet(tmp_path / "min.parquet", cols), user=("imbalance",))
+    assert [(p.column, p.row, p.count) for p in problems] == [("imbalance", 4, 1)], problems
+    assert "INT64_MIN" in problems[0].rule

@@ -33,7 +33,7 @@ from onnx import numpy_helper
 from export.__main__ import build_parser, main, options_from_args
 from export.errors import UsageError
 from export.files import Staging, leftovers
-from export.parity import make_cases
+from export.parity import TOLERANCE, Case, ParityReport, compare, make_cases
 from export.pipeline import run_export
 from export.placement import PlacementReport, evaluate, is_shape_computation, profile_placement
 from export.runtime import CPU, probe
@@ -41,7 +41,7 @@ from export.triton import newer_versions
 from export.windows import saved_windows, windows_from_bars
 from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
-from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, FeatureSchema
+from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, STATIC_CATEGORICAL, FeatureSchema
 from serving.native_log import provider_failure_reason
 from tests.artifacts import REPO, make_checkpoint, make_onnx, run
 from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, model_from_checkpoint, state_digest
@@ -830,3 +830,23 @@ def test_a_tensor_going_to_half_saturates_instead_of_overflowing() -> None:
     session = ort.InferenceSession(half.SerializeToString(), providers=["CPUExecutionProvider"])
     got = session.run(None, {"x": np.array([1e6, -1e9, 3.0], dtype=np.float32)})[0]
     assert np.array_equal(got, [0.0, 0.0, 0.0]), got
+
+
+# ---- the parity gate's arithmetic: |onnx - torch| / target_scale[h] <= tolerance ---------------------------
+def test_parity_gate_is_in_units_of_each_horizons_target_scale() -> None:
+    scale = np.array([0.01, 0.02, 0.04])  # target std of each horizon step
+    tol = TOLERANCE["fp32"]  # 1e-4 target stds
+    case = Case("c", {STATIC_CATEGORICAL: np.zeros((2, 1), np.int64)})
+    torch_out = np.zeros((2, 3, 3), np.float32)  # [B, H, Q]
+    within = torch_out + (0.5 * tol * scale)[None, :, None].astype(np.float32)  # half a tolerance everywhere
+    beyond = torch_out.copy()
+    beyond[0, 0, 1] = 2 * tol * scale[0]  # 2e-6 in return units: tiny in absolute terms, 2 tolerances scaled
+    [ok] = compare(case, [QUANTILES], [torch_out], [within], scale, tol)
+    [bad] = compare(case, [QUANTILES], [torch_out], [beyond], scale, tol)
+    assert ok.passed and ok.scaled == pytest.approx(0.5 * tol, rel=1e-3)
+    assert not bad.passed and bad.scaled == pytest.approx(2 * tol, rel=1e-3)
+    assert bad.max_abs == pytest.approx(2e-6, rel=1e-3)
+
+
+def test_a_parity_report_with_no_rows_has_not_passed() -> None:
+    assert not ParityReport("fp32", "CPUExecutionProvider", TOLERANCE["fp32"]).passed

@@ -388,3 +388,28 @@ def test_cuda_run_stays_under_its_budget(bars: Path, tmp_path: Path) -> None:
         assert peak["train"]["kind"] == "cuda_max_allocated"
         assert 0 < peak["train"]["bytes"] <= budget and 0 < peak["val"]["bytes"] <= budget
         assert peak["train"]["bytes"] <= peak["train"]["reserved_bytes"] <= budget  # the cap bounds reserved
+
+
+# ---- the memory model's arithmetic, on known terms ------------------------------------------------------
+def synthetic_memory() -> MemoryModel:
+    return MemoryModel(parameters=25, weight_bytes=100, grad_bytes=100, optimizer_bytes=200, cast_bytes=0,
+                       step_temp_bytes=1000, resident_bytes=0, train=StepMeasure(Affine(10.0, 0.0), Affine(5.0, 0.0)),
+                       train_ckpt=None, val=Affine(1.0, 0.0), trial_sizes=(2, 4), measured_on="synthetic")
+
+
+def test_the_training_peak_is_persistent_memory_plus_the_larger_of_activations_and_the_optimizer_step() -> None:
+    mem = synthetic_memory()
+    # persistent 100 + 100 + 200 = 400; 5 windows' activations (50) < AdamW's step temporaries (1000)
+    assert mem.train_bytes(5, False) == 400 + 1000
+    assert mem.train_bytes(200, False) == 400 + 2000  # activations (2000) above the step's 1000
+
+
+def test_the_validation_peak_keeps_weights_and_adamw_state_but_no_gradients() -> None:
+    assert synthetic_memory().val_bytes(7) == 100 + 200 + 7  # weights + AdamW state + 7 windows' forward
+
+
+def test_the_affine_fit_passes_through_both_trial_points() -> None:
+    line = Affine.through([(2, 100), (4, 160)])
+    assert (line.per_window, line.fixed) == (30.0, 40.0) and line.at(2) == 100 and line.at(4) == 160
+    steeper = Affine.through([(2, 100), (4, 160)], min_slope=35.0)  # raised slope: still through the second
+    assert (steeper.per_window, steeper.fixed) == (35.0, 20.0) and steeper.at(4) == 160

@@ -1073,3 +1073,24 @@ def test_the_series_advice_of_a_response_too_large_always_fits() -> None:
             assert pb.PredictResponse(forecasts=largest[:k], model_version="abc123def456").ByteSize() <= limit, limit
     assert series_that_fit(response, response.ByteSize()) >= 3  # the advice is not needlessly small
     assert series_that_fit(pb.PredictResponse(), 100) == 0
+
+
+# ---- rules at their boundaries: a close just below its low, forecast times just past int64 ---------------
+def test_a_close_below_the_low_is_refused() -> None:
+    s = series()
+    s.close[5] = s.low[5] * 0.999  # within 100x of its neighbours: only the range rule is broken
+    with pytest.raises(RequestError, match=r"column 'low', row 5: open or close below low"):
+        parse_request(_req(s), META)
+
+
+def test_a_series_whose_forecast_times_would_pass_int64_is_refused() -> None:
+    step, h = META.bar_interval_ns, META.horizon  # 60 s, 3 steps
+    for last, refused in ((2**63 - 1 - h * step, False), (2**63 - 1 - (h - 1) * step, True)):
+        s = series()
+        n = len(s.timestamp_ns)
+        s.timestamp_ns[:] = [last - (n - 1 - i) * step for i in range(n)]
+        if refused:  # last + step fits in int64, last + 3 steps does not
+            with pytest.raises(RequestError, match="past the last time this model can forecast from"):
+                parse_request(_req(s), META)
+        else:  # last + 3 steps is exactly int64's largest value: it fits
+            assert parse_request(_req(s), META)[0].timestamp_ns[-1] == last

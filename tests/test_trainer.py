@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -42,7 +44,7 @@ from trainer.data import (
     PreparedData,
     prepare,
 )
-from trainer.loop import Trainer, TrainingDiverged
+from trainer.loop import Trainer, TrainingDiverged, lr_lambda_factory
 from trainer.modeling import TemporalFusionTransformer
 
 # Enough training for the model to learn the planted volatility clustering (about 20 s on one thread).
@@ -896,3 +898,31 @@ def test_train_memory_benchmark_runs_two_checkouts_and_compares_their_peaks(tmp_
     assert "| peak RSS, MiB (whole child) |" in done.stdout and "(differ" not in done.stdout, done.stdout
     refused = subprocess.run([*cmd[:4], str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "not a checkout holding trainer/__main__.py" in refused.stderr
+
+
+# ---- the learning-rate schedule and early stopping of a fresh run ---------------------------------------
+def test_warm_up_then_cosine_decay_to_a_tenth_of_the_peak() -> None:
+    f = lr_lambda_factory(10, 110)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)  # linear warm-up over 10 steps
+    assert f(10) == pytest.approx(1.0)  # the peak, then the cosine
+    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))  # half way: 0.55
+    assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)  # the floor, held
+
+
+def test_a_run_stops_after_patience_epochs_without_improvement(tmp_path: Path, bars: Path) -> None:
+    cfg = tiny_cfg(epochs=8, max_steps_per_epoch=2, max_val_windows=50, patience=2)
+    t = Trainer(bars, cfg, tmp_path / "ckpt.pt", progress=False)
+    losses = iter([1.0, 0.9, 0.95, 0.9, 0.5, 0.4, 0.3, 0.2])
+    real = t.validate
+
+    def scripted() -> dict[str, Any]:
+        stats = real()
+        stats["val_loss"] = next(losses)
+        return stats
+
+    t.validate = scripted  # type: ignore[method-assign]
+    result = t.run()
+    # epochs 1 and 2 improve; 3 (0.95) and 4 (0.9, a tie: not an improvement) do not: patience 2 is spent
+    assert (result.epochs_run, result.stopped_early) == (4, True)
+    assert load_checkpoint(tmp_path / "ckpt.pt")["epoch"] == 2  # the best checkpoint is epoch 2's
+    assert load_checkpoint(tmp_path / "ckpt.last.pt")["epoch"] == 4
