@@ -218,6 +218,9 @@ def test_the_fast_bar_check_agrees_with_the_contract_on_random_breakages() -> No
             col, row = columns[int(rng.integers(len(columns)))], int(rng.integers(NEED))
             target = s.user["spread"] if col == "spread" else getattr(s, col)
             target[row] = values[int(rng.integers(len(values)))]
+        if rng.random() < 0.2:  # a price just outside its bar's range, which breaks no other rule
+            row, col = int(rng.integers(NEED)), ("open", "close")[int(rng.integers(2))]
+            getattr(s, col)[row] = s.low[row] * (1 - 1e-3) if rng.random() < 0.5 else s.high[row] * (1 + 1e-3)
         if rng.random() < 0.1:
             s.timestamp_ns[3] = s.timestamp_ns[2]  # a duplicate timestamp
         if rng.random() < 0.15:  # prices in other units from some bar on: refused a hundredfold off, served at 50x
