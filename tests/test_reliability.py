@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -384,6 +385,29 @@ def test_a_model_whose_graph_changed_after_export_is_refused_and_one_without_a_d
     with caplog.at_level("WARNING", logger="serving"):
         assert load_model(undigested, "cpu", threads=1).version == tiny_model.meta.model_version
     assert "exported before models recorded their graph's digest" in caplog.text
+
+
+def test_the_graph_digest_is_of_the_stored_bytes_without_the_metadata_and_its_benchmark_runs(
+        tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
+    """graph_digest walks the file's top-level fields; derived independently here by protobuf re-serializing
+    the model without its metadata, on a graph of another shape than export's (made by onnx.helper)."""
+    import hashlib
+
+    from benchmarks.model_load import synthetic_model
+    from features.model_meta import graph_digest
+
+    for path in (tiny_model.model, synthetic_model(tmp_path / "synthetic.onnx", 1)):
+        proto = onnx.load(str(path))
+        assert proto.metadata_props
+        del proto.metadata_props[:]
+        assert graph_digest(path.read_bytes()) == hashlib.sha256(proto.SerializeToString()).hexdigest(), path
+    with pytest.raises(ValueError, match="truncated"):
+        graph_digest(tiny_model.model.read_bytes()[:-10])
+    done = subprocess.run([sys.executable, "-m", "benchmarks.model_load", "--synthetic-mib", "1", "--repeats", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = dict(re.findall(r"^(graph_digest|file sha256|session) +([\d.]+)", done.stdout, re.M))
+    assert set(rows) == {"graph_digest", "file sha256", "session"} and "1.0 MiB" in done.stdout, done.stdout
 
 
 def test_a_corrupted_onnx_file_stops_the_start_with_a_message(tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
