@@ -16,7 +16,7 @@ only when every check passed: they are written beside their targets and renamed 
 exit status:
   0  the model (and the Triton repository entry) was written
   1  a check failed, torch could not export the model, or the files could not be written
-     (disk full); nothing was written
+     when the checks were done (disk full, a path that became unwritable); nothing was written
   2  bad arguments or unusable input (missing, corrupt or pickled checkpoint, bad or
      unwritable paths, unusable --bars); nothing was written
   130  interrupted; nothing was written
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -117,8 +118,11 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         raise UsageError(f"{problem}; choose another output file")
     if problem := replace_problem(out, "an ONNX model"):
         raise UsageError(problem)
-    for target, what in ((out, "the output"), (args.triton_repo and args.triton_repo / "entry", "--triton-repo")):
-        if target is not None and (blocked := unwritable(target)):  # found now, not after minutes of checks
+    targets = [(out, "the output")]
+    if args.triton_repo is not None:
+        targets.append((args.triton_repo / (args.triton_name or out.stem), "--triton-repo"))
+    for target, what in targets:
+        if blocked := unwritable(target):  # found now, not after minutes of checks
             raise UsageError(f"{what}: cannot write in {blocked[0]} ({blocked[1]}); choose a directory this user "
                              "can write to")
     if args.bars is None and (given := ColumnMap.given(args)):
@@ -130,18 +134,28 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
                          bars=args.bars, column_flags=ColumnMap.given(args), threads=args.threads)
 
 
+def _block_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None, published: list[Path] | None = None
-         ) -> int:
-    """Run the export; returns the exit status. `published` receives the files once they are in place (for a
-    signal that comes as main returns). `_tamper` is a test hook (see pipeline.run_export)."""
+def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None,
+         finished: Callable[[], None] | None = None) -> int:
+    """Run the export; returns the exit status. `finished` is called once the export has succeeded, before main
+    returns (the command blocks Ctrl-C and SIGTERM there: nothing is left to stop). `_tamper` is a test hook
+    (see pipeline.run_export)."""
     args = build_parser().parse_args(argv)
-    published = [] if published is None else published
+    published: list[Path] = []
     try:
         run_export(options_from_args(args), published=published, _tamper=_tamper)
+        if finished is not None:
+            finished()
+    except OSError as exc:  # a path that cannot even be looked at (a directory on the way that cannot be searched)
+        print(f"error: {exc}\nnothing was written.", file=sys.stderr, flush=True)
+        return 2
     except ExportError as exc:
         verdict = "export refused" if isinstance(exc, CheckFailed) else "error"
         print(f"{verdict}: {exc}\nnothing was written.", file=sys.stderr, flush=True)
@@ -158,11 +172,9 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None, publis
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends it as Ctrl-C does: exit 130, nothing written
-    done: list[Path] = []
-    try:
-        status = main(published=done)
-    except KeyboardInterrupt:  # in the instant main returned: the files, if published, are whole
-        status = 0 if done else 130
-    for s in (signal.SIGINT, signal.SIGTERM):  # done: a signal during the interpreter's shutdown stops nothing
+    # once the export succeeded, a signal has nothing left to stop: blocked (and dropped at exit) from inside main,
+    # so none can turn a written model into a traceback on the way out
+    status = main(finished=_block_stop_signals)
+    for s in (signal.SIGINT, signal.SIGTERM):  # a failed export: a signal during the interpreter's shutdown
         signal.signal(s, signal.SIG_IGN)
     sys.exit(status)

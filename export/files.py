@@ -81,6 +81,16 @@ def leftovers(target: Path) -> tuple[list[Path], list[Path]]:
             [p for p in entries if backup_name.fullmatch(p.name) and p.is_dir()])
 
 
+@contextlib.contextmanager
+def _naming(target: Path) -> Iterator[None]:
+    """An OSError inside names `target`, what was being written, rather than a staged path or nothing (a full
+    disk's write() gives no file name): the message then points at the right directory and file system."""
+    try:
+        yield
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror or str(exc), str(target)) from exc
+
+
 def remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -105,15 +115,20 @@ class Staging:
         self.discard()
 
     def file(self, target: Path, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        os.close(fd)
-        self._files.append((Path(tmp), target))
-        _write(Path(tmp), data, self._mode)
+        with _naming(target):
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+            os.close(fd)
+            self._files.append((Path(tmp), target))
+            _write(Path(tmp), data, self._mode)
 
     def directory(self, target: Path, files: dict[str, bytes], keep_others: bool = False) -> None:
         """Stage `target` holding `files` (relative path -> content). With `keep_others`, what an existing
         `target` holds besides the top-level entries of `files` (other Triton versions, labels) is
         carried into the staged copy as hard links (copies where links fail), so the swap keeps it."""
+        with _naming(target):
+            self._directory(target, files, keep_others)
+
+    def _directory(self, target: Path, files: dict[str, bytes], keep_others: bool) -> None:
         if not target.parent.exists():
             missing = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
             target.parent.mkdir(parents=True)
@@ -150,16 +165,18 @@ class Staging:
         swapped: list[tuple[Path, Path, Path | None]] = []  # (staged, target, backup)
         try:
             for staged, target in self._dirs:
-                backup = None
-                if target.exists():
-                    backup = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-                    os.rename(target, backup)
-                swapped.append((staged, target, backup))
-                os.rename(staged, target)
-                _fsync_dir(target.parent)
+                with _naming(target):
+                    backup = None
+                    if target.exists():
+                        backup = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+                        os.rename(target, backup)
+                    swapped.append((staged, target, backup))
+                    os.rename(staged, target)
+                    _fsync_dir(target.parent)
             for staged, target in self._files:
-                os.replace(staged, target)
-                _fsync_dir(target.parent)
+                with _naming(target):
+                    os.replace(staged, target)
+                    _fsync_dir(target.parent)
         except BaseException:
             for staged, target, backup in reversed(swapped):
                 if not staged.exists() and target.exists():

@@ -288,6 +288,9 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
                 remove(path)
                 log(f"removed {path}, a partial write left by a killed export")
             staging.file(opts.output, data)
+            if opts.output.is_symlink():
+                log(f"note: {opts.output} was a link to {opts.output.readlink()}; it becomes a file of its own, the "
+                    "new model (what it linked to is left as it was)")
             if opts.triton_repo is not None:
                 triton_dir = opts.triton_repo / opts.model_name
                 staged, backups = leftovers(triton_dir)
@@ -311,11 +314,11 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
             staging.commit(published)
             if staging.interrupted:
                 log("interrupted while the files were being published: they were published whole first")
-    except OSError as exc:
-        where = Path(exc.filename).parent if exc.filename else opts.output.parent
-        advice = ("free space on that file system, or write elsewhere" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                  else "check the path and its permissions")
-        raise WriteFailed(f"cannot write in {where}: {exc.strerror or exc}; {advice}") from None
+    except OSError as exc:  # Staging names the target it was writing
+        target = Path(exc.filename) if exc.filename else opts.output
+        advice = (f"free space on the file system of {target.parent}, or write elsewhere"
+                  if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "check the path and its permissions")
+        raise WriteFailed(f"cannot write {target}: {exc.strerror or exc}; {advice}") from None
     return triton_dir
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,15 @@ from trainer.model_config import ModelConfig
 MAX_WINDOWS = 256
 
 
-def only_symbols(bars: Bars, keep: list[str]) -> Bars:
-    """The rows of `bars` whose symbol is in `keep` (still grouped by symbol, in time order)."""
-    rows = np.isin(bars.symbol, np.array(keep, dtype=object))
-    return Bars(timestamp_ns=bars.timestamp_ns[rows], symbol=bars.symbol[rows], open=bars.open[rows],
-                high=bars.high[rows], low=bars.low[rows], close=bars.close[rows], volume=bars.volume[rows],
-                user={name: column[rows] for name, column in bars.user.items()}, files=bars.files, notes=bars.notes)
+def only_symbols(bars: Bars, slices: dict[str, slice], keep: list[str]) -> Bars:
+    """The rows of `bars` whose symbol is in `keep`, from its `series_slices()` (still grouped by symbol, in time
+    order)."""
+    rows = np.concatenate([np.arange(slices[s].start, slices[s].stop) for s in keep])
+    return dataclasses.replace(
+        bars, timestamp_ns=bars.timestamp_ns[rows], symbol=bars.symbol[rows], open=bars.open[rows],
+        high=bars.high[rows], low=bars.low[rows], close=bars.close[rows], volume=bars.volume[rows],
+        user={name: column[rows] for name, column in bars.user.items()}, files=list(bars.files),
+        notes=list(bars.notes))
 
 
 def _checked(windows: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> dict[str, np.ndarray]:
@@ -73,14 +77,15 @@ def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column
         columns = ColumnMap.from_dict({**(ckpt.get("column_map") or {}), **(column_flags or {})})
         bars = read_bars(path, columns, tuple(feature_config.user_columns))
         symbols = [str(s) for s in ckpt["symbols"]]
-        if unknown := [s for s in bars.series_slices() if s not in symbols]:
-            known = [s for s in bars.series_slices() if s in symbols]
+        slices = bars.series_slices()
+        if unknown := [s for s in slices if s not in symbols]:
+            known = [s for s in slices if s in symbols]
             if not known:
                 raise UsageError(f"--bars {path} holds none of the model's symbols ({', '.join(symbols)}); it holds "
                                  f"{', '.join(unknown)}")
             if log is not None:
                 log(f"--bars: skipped {', '.join(unknown)}: not the model's symbols ({', '.join(symbols)})")
-            bars = only_symbols(bars, known)
+            bars = only_symbols(bars, slices, known)
         frame = build_frame(bars, feature_config, symbols, int(ckpt["bar_interval_ns"]))
     except BarDataError as exc:
         lines = exc.lines()

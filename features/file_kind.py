@@ -7,7 +7,6 @@ refusal then says what the file is and which command takes it. A guess, used onl
 
 from __future__ import annotations
 
-import os
 import zipfile
 from pathlib import Path
 
@@ -60,15 +59,15 @@ def hint(path: str | Path, expected: str) -> str:
 
 def replace_problem(path: str | Path, writes: str) -> str | None:
     """Why writing a file of kind `writes` (one of describe's answers) at `path` would destroy something else:
-    a file of another kind, or one whose kind is unknown (notes, a device), is there. None when nothing, a
-    directory (each command names that itself) or a file of that kind is there: an earlier run's output,
-    which a command may replace."""
+    a file of another kind, or one whose kind is unknown (notes, a device), is there (through a link: the
+    commands replace the link, not what it names). None when nothing, a link to nothing, a directory (each
+    command names that itself) or a file of that kind is there: an earlier run's output, which a command may
+    replace."""
     path = Path(path)
     if not (path.exists() or path.is_symlink()) or path.is_dir():
         return None
-    if not path.exists():  # a link to nothing: writing would replace the link, which someone made for a reason
-        return (f"{path} is a link to {os.readlink(path)}, which does not exist; writing {writes} would replace the "
-                "link: remove it, or choose another name")
+    if not path.exists():  # a link to nothing: the file written replaces the link, and nothing is lost
+        return None
     kind = describe(path)
     if kind == writes:
         return None

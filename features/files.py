@@ -21,15 +21,19 @@ def unwritable(target: Path) -> tuple[Path, str] | None:
     existing directory on its way (the command makes the rest when it writes) must take a file. None when it
     does, else (that directory, why not). A real file is made and removed, since permission bits do not tell
     (root, read-only mounts, immutable directories)."""
-    existing = next(p for p in (target.parent, *target.parent.parents) if p.exists() or p.is_symlink())
+    existing = target.parent
     try:
+        existing = next(p for p in (target.parent, *target.parent.parents) if p.exists() or p.is_symlink())
         if not existing.exists():
-            raise FileNotFoundError(f"it is a link to {os.readlink(existing)}, which does not exist")
+            return existing, f"{existing} is a link to {os.readlink(existing)}, which does not exist"
         if not existing.is_dir():
-            raise NotADirectoryError("it is a file")
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as exc:
+            return existing, f"{existing} is a file"
+        # a name the commands' clean-up knows (.NAME.XXXXXXXX.tmp), should a kill leave it where the file system
+        # cannot make an anonymous one (NFS, FUSE)
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:  # a directory on the way that cannot be searched, a read-only file system ...
         return existing, str(exc.strerror or exc)
     return None
 

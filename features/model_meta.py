@@ -10,6 +10,7 @@ import functools
 import hashlib
 import itertools
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,6 +177,9 @@ class ModelMeta:
             raise
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelMetaError(f"model metadata is inconsistent: {exc}") from None
+        if PREFIX + "graph_sha256" in props and re.fullmatch(r"[0-9a-f]{64}", meta.graph_sha256) is None:
+            raise ModelMetaError(f"model metadata '{PREFIX}graph_sha256' is not a sha256 (64 hex digits): the file "
+                                 "was damaged or edited after export; re-export the model")
         if props[PREFIX + "format"] == FORMAT and meta.feature_config.calendar_tz != "UTC":
             raise ModelMetaError(f"model metadata is inconsistent: calendar time zone "
                                  f"{meta.feature_config.calendar_tz!r} in a {FORMAT} model (a zone needs "

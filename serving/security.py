@@ -29,6 +29,7 @@ Reflection needs the token like any other service (it describes the whole API); 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -41,6 +42,7 @@ import stat
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -254,27 +256,73 @@ def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, messa
 
 
 class RefusalLog:
-    """Token refusals at WARNING, with the caller's address: the first at once, then at most one line every
-    `every_s`, which counts the refusals it held back. A client with a stale token calling in a loop shows in
-    the log without flooding it; every refusal is also counted in the metrics, and logged at DEBUG."""
+    """Token refusals at WARNING, with the caller's address and reason, at most one line a minute per caller
+    host (per server process: each --workers process logs its own): the first at once, and the refusals held
+    back meanwhile counted in one line when the minute ends. A client with a stale token calling in a loop
+    shows without flooding the log or hiding other callers; every refusal is also logged at DEBUG and counted
+    in the metrics. `schedule(delay, fn)` runs fn later (the event loop's call_later by default)."""
 
-    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    MAX_HOSTS = 1024  # hosts remembered; the oldest is reported and forgotten beyond it
+
+    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 schedule: Callable[[float, Callable[[], None]], object] | None = None) -> None:
         self.every_s = every_s
         self._clock = clock
-        self._last: float | None = None  # when the last WARNING line was written
-        self._held = 0  # refusals since then, not written at WARNING
+        self._schedule = schedule or (lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn))
+        self._hosts: dict[str, _Held] = {}  # host -> when its last line was written, and what came since
 
     def __call__(self, method: str, peer: str, problem: str) -> None:
-        now = self._clock()
+        now, host = self._clock(), peer_host(peer)
         what = f"refused {bounded(method, 120)} from {peer}: {problem}"
-        if self._last is not None and now - self._last < self.every_s:
-            self._held += 1
+        held = self._hosts.get(host)
+        if held is not None and now - held.since < self.every_s:
             log.debug("%s", what)
+            held.count, held.last = held.count + 1, what
+            if not held.scheduled:
+                held.scheduled = True
+                self._schedule(held.since + self.every_s - now, lambda: self._report(host))
             return
-        held = (f" ({self._held} more refused in the {now - self._last:.0f} s since the last such line)"
-                if self._held and self._last is not None else "")
-        self._last, self._held = now, 0
-        log.warning("%s%s", what, held)
+        earlier = (f" (and {held.count} more in the {now - held.since:.0f} s before)" if held is not None and held.count
+                   else "")  # held back, their report not run yet
+        log.warning("%s%s", what, earlier)
+        self._hosts.pop(host, None)
+        self._hosts[host] = _Held(now)
+        while len(self._hosts) > self.MAX_HOSTS:
+            oldest = next(iter(self._hosts))
+            self._report(oldest)
+            self._hosts.pop(oldest, None)
+
+    def flush(self) -> None:
+        """Report every host's held refusals now (the server stops)."""
+        for host in list(self._hosts):
+            self._report(host)
+
+    def _report(self, host: str) -> None:
+        """The refusals held back for `host`, in one line; its next minute starts now."""
+        held = self._hosts.get(host)
+        if held is None or not held.count:
+            return
+        now = self._clock()
+        log.warning("refused %d more call(s) from %s in the %.0f s since its last such line (the last: %s)",
+                    held.count, host, now - held.since, held.last)
+        self._hosts[host] = _Held(now)
+
+
+@dataclass
+class _Held:
+    since: float  # when the host's last WARNING line was written
+    count: int = 0  # refusals since, at DEBUG only
+    last: str = ""  # the latest of them
+    scheduled: bool = False  # a report of them is due
+
+
+def peer_host(peer: str) -> str:
+    """gRPC's peer string without its port: 'ipv4:10.0.0.7:4242' -> 'ipv4:10.0.0.7', 'ipv6:[::1]:5' ->
+    'ipv6:[::1]'; others (unix:...) as they are."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in rest:
+        return f"{kind}:{rest.rsplit(':', 1)[0]}"
+    return peer
 
 
 class TokenAuth(aio.ServerInterceptor):

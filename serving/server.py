@@ -349,6 +349,8 @@ class ForecastServer:
         while time.monotonic() - started < grace_s and (self.servicer.admission.active or self.servicer.open_streams):
             await asyncio.sleep(DRAIN_POLL_S)
         self.health.end_watches()  # they never end by themselves, and would hold gRPC's shutdown for the grace
+        if self.auth is not None:
+            self.auth.refusals.flush()
         await self.grpc.stop(max(0.0, grace_s - (time.monotonic() - started)))
         await self.batcher.close()
         log.info("drained in %.3f s", time.monotonic() - started)

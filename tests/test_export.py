@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -493,11 +494,6 @@ def test_output_paths_are_checked(ckpt: Path, tmp_path: Path, capsys: pytest.Cap
     last.write_bytes(ckpt.read_bytes())
     assert main([str(ckpt), str(last)]) == 2 and "exists and is a PyTorch checkpoint" in capsys.readouterr().err
     assert last.read_bytes() == ckpt.read_bytes()
-    dangling = tmp_path / "data" / "served.onnx"
-    dangling.symlink_to(tmp_path / "releases" / "v7.onnx")  # a deployment link whose target is not there yet
-    assert main([str(ckpt), str(dangling)]) == 2
-    assert f"{dangling} is a link to {tmp_path / 'releases' / 'v7.onnx'}, which does not exist" \
-        in capsys.readouterr().err and dangling.is_symlink()
     # the checkpoint named by its run's directory
     assert main([str(ckpt.parent), str(tmp_path / "m.onnx")]) == 2
     assert f"{ckpt.parent} is a directory; give the checkpoint file in it, e.g. {ckpt.parent / 'ckpt.pt'}" \
@@ -520,22 +516,54 @@ def test_output_paths_are_checked(ckpt: Path, tmp_path: Path, capsys: pytest.Cap
     assert not (tmp_path / "m.onnx").exists()
 
 
+def test_an_output_that_is_a_link_becomes_a_file_and_what_it_named_is_kept(
+        ckpt: Path, exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A deployment link (served.onnx -> releases/v7.onnx) exported over: the release stays as it was, the new
+    model takes the link's place, and the export says so; a link to nothing is replaced alike."""
+    release = tmp_path / "releases" / "v7.onnx"
+    release.parent.mkdir()
+    shutil.copy(exported, release)
+    served, dangling = tmp_path / "served.onnx", tmp_path / "next.onnx"
+    served.symlink_to(release)
+    dangling.symlink_to(tmp_path / "releases" / "v8.onnx")
+    for link, target in ((served, release), (dangling, tmp_path / "releases" / "v8.onnx")):
+        assert main([str(ckpt), str(link)]) == 0
+        assert f"note: {link} was a link to {target}; it becomes a file of its own" in capsys.readouterr().err
+        assert not link.is_symlink() and ModelMeta.from_props(props(link)).graph_sha256
+    assert release.read_bytes() == exported.read_bytes() and not (tmp_path / "releases" / "v8.onnx").exists()
+
+
 def test_a_full_disk_exits_1_naming_the_directory_and_the_fix(
         ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Every check passed, and then the write fails: the trainer's status for it (1), not a usage error."""
-    import errno
-
     import export.files
 
-    def full(self: object, target: Path, data: bytes) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device", str(target.parent / f".{target.name}.x1.tmp"))
+    real_write = export.files._write
 
-    monkeypatch.setattr(export.files.Staging, "file", full)
+    def full_in(where: Path) -> Callable[[Path, bytes, int], None]:
+        def write(path: Path, data: bytes, mode: int) -> None:
+            if path.is_relative_to(where):  # as a full disk fails: at write(), with no file name
+                with open("/dev/full", "wb") as f:
+                    f.write(data)
+                    f.flush()
+            real_write(path, data, mode)
+        return write
+
+    monkeypatch.setattr(export.files, "_write", full_in(tmp_path))
     assert main([str(ckpt), str(tmp_path / "model.onnx")]) == 1
     err = capsys.readouterr().err
-    assert f"error: cannot write in {tmp_path}: No space left on device; free space on that file system, or write " \
-        "elsewhere" in err and "nothing was written" in err, err
+    assert f"error: cannot write {tmp_path / 'model.onnx'}: No space left on device; free space on the file system " \
+        f"of {tmp_path}, or write elsewhere" in err and "nothing was written" in err, err
     assert listing(tmp_path) == []
+    # the Triton repository on another (full) file system: named, not the model file's directory
+    out, repo = tmp_path / "out", tmp_path / "other_disk" / "repo"
+    out.mkdir()
+    monkeypatch.setattr(export.files, "_write", full_in(tmp_path / "other_disk"))
+    assert main([str(ckpt), str(out / "model.onnx"), "--triton-repo", str(repo)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: cannot write {repo / 'model'}: No space left on device; free space on the file system of " \
+        f"{repo}" in err, err
+    assert listing(tmp_path) == ["out"]
 
 
 def test_real_command_exit_status_and_help_text(tmp_path: Path) -> None:
@@ -613,6 +641,15 @@ def test_an_interrupt_wrapped_by_the_exporter_is_an_interrupt_not_a_failed_check
     err = capsys.readouterr().err
     assert "interrupted; nothing was written" in err and "export refused" not in err
     assert listing(tmp_path) == []
+
+
+def test_the_command_is_told_when_the_export_succeeded_and_only_then(ckpt: Path, tmp_path: Path) -> None:
+    """`python -m export` blocks Ctrl-C and SIGTERM from that moment: nothing is left for them to stop."""
+    calls: list[str] = []
+    assert main([str(ckpt), str(tmp_path / "model.onnx")], finished=lambda: calls.append("done")) == 0
+    assert calls == ["done"]
+    assert main([str(ckpt), str(tmp_path / "nope" / "model.onnx")], finished=lambda: calls.append("done")) == 2
+    assert calls == ["done"]
 
 
 def test_sigterm_interrupts_the_export_as_ctrl_c_does(ckpt: Path, tmp_path: Path) -> None:

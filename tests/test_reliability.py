@@ -451,6 +451,7 @@ def test_bad_model_files_are_refused_with_clear_messages(tiny_model: Model, tmp_
         (_with_meta(m, tmp_path / "horizon.onnx", horizon=str(horizon + 2)), "horizon"),
         (_with_meta(m, tmp_path / "types.onnx", encoder_length='"long"'), "inconsistent"),
         (_flipped(m, tmp_path / "flipped.onnx"), "the model's graph is not the one export checked"),
+        (_with_meta(m, tmp_path / "nodigest.onnx", graph_sha256=""), "'foxhunt.graph_sha256' is not a sha256"),
     ]
     for path, message in cases:
         assert serve_main(["--model", str(path), "--port", "0", "--device", "cpu"]) == 2, path

@@ -336,9 +336,11 @@ def test_token_needed_for_everything_but_health(tiny_model: Model, pki: Pki,  # 
         assert s.alive()
 
     log = s.log_text()
-    # the first refusal at WARNING with the caller's address; the rest of this burst (within a minute) at DEBUG
+    # the first refusal at WARNING with the caller's address; the rest of the minute's at DEBUG, counted in a line
+    # when the minute ends (or at the stop)
     warned = [line for line in log.splitlines() if "WARNING" in line and " refused " in line]
-    assert len(warned) == 1 and " from ipv4:127.0.0.1:" in warned[0] and "missing credentials" in warned[0], warned
+    assert " from ipv4:127.0.0.1:" in warned[0] and "missing credentials" in warned[0], warned
+    assert all(" more call(s) from ipv4:127.0.0.1 in the " in line for line in warned[1:]), warned
     assert log.count(" refused '/") > 30  # every refusal logged (at DEBUG) ...
     for secret in (TOKEN, OTHER_TOKEN, WRONG_TOKEN, TOKEN[:-1], TOKEN[4:20], WRONG_TOKEN[4:20]):
         assert secret not in log  # ... and no token, nor a piece of one, ever was
@@ -454,26 +456,39 @@ def test_the_server_opens_only_its_own_files() -> None:
     }, sorted(found)
 
 
-def test_token_refusals_are_warned_about_once_a_minute_with_a_count_of_those_held_back(
+def test_token_refusals_are_warned_about_once_a_minute_per_host_with_a_count_of_those_held_back(
         caplog: pytest.LogCaptureFixture) -> None:
-    from serving.security import RefusalLog
+    from serving.security import RefusalLog, peer_host
 
-    now = [100.0]
-    refusals = RefusalLog(every_s=60.0, clock=lambda: now[0])
+    assert [peer_host(p) for p in ("ipv4:10.0.0.7:4242", "ipv6:[::1]:5", "unix:/run/x.sock")] == \
+        ["ipv4:10.0.0.7", "ipv6:[::1]", "unix:/run/x.sock"]
+    now, due = [100.0], []
+    refusals = RefusalLog(every_s=60.0, clock=lambda: now[0], schedule=lambda delay, fn: due.append((delay, fn)))
+    method = "/foxhunt.tft.v1.Forecaster/Predict"
     with caplog.at_level("DEBUG", logger="serving"):
-        for t, peer in ((100.0, "ipv4:10.0.0.7:4242"), (110.0, "ipv4:10.0.0.7:4243"), (159.0, "ipv6:[::1]:5"),
-                        (161.0, "ipv4:10.0.0.8:1"), (300.0, "ipv4:10.0.0.9:2")):
+        for t, peer, problem in ((100.0, "ipv4:10.0.0.7:4242", "invalid token"),  # warned at once
+                                 (110.0, "ipv4:10.0.0.7:4243", "invalid token"),  # same host: held
+                                 (120.0, "ipv4:10.0.0.8:1", "missing credentials"),  # another host: warned
+                                 (130.0, "ipv4:10.0.0.7:4244", "invalid token")):  # held
             now[0] = t
-            refusals("/foxhunt.tft.v1.Forecaster/Predict", peer, "invalid token")
+            refusals(method, peer, problem)
+        assert [d for d, _ in due] == [50.0]  # one report, due when 10.0.0.7's minute ends
+        now[0] = 160.0
+        due.pop()[1]()
+        now[0] = 170.0
+        refusals(method, "ipv4:10.0.0.7:9", "invalid token")  # within the new minute the report started: held
+        now[0] = 230.0
+        refusals.flush()  # the server stops: what is held is reported
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warned == [
-        "refused '/foxhunt.tft.v1.Forecaster/Predict' from ipv4:10.0.0.7:4242: invalid token",
-        "refused '/foxhunt.tft.v1.Forecaster/Predict' from ipv4:10.0.0.8:1: invalid token "
-        "(2 more refused in the 61 s since the last such line)",
-        "refused '/foxhunt.tft.v1.Forecaster/Predict' from ipv4:10.0.0.9:2: invalid token",
+        f"refused '{method}' from ipv4:10.0.0.7:4242: invalid token",
+        f"refused '{method}' from ipv4:10.0.0.8:1: missing credentials",
+        f"refused 2 more call(s) from ipv4:10.0.0.7 in the 60 s since its last such line (the last: refused "
+        f"'{method}' from ipv4:10.0.0.7:4244: invalid token)",
+        f"refused 1 more call(s) from ipv4:10.0.0.7 in the 70 s since its last such line (the last: refused "
+        f"'{method}' from ipv4:10.0.0.7:9: invalid token)",
     ]
-    held = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG"]
-    assert [m.split(" from ")[1].split(":")[0:2] for m in held] == [["ipv4", "10.0.0.7"], ["ipv6", "["]]
+    assert len([r for r in caplog.records if r.levelname == "DEBUG"]) == 3  # each held one, at DEBUG
 
 
 def test_token_file_permissions_are_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

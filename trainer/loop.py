@@ -235,11 +235,12 @@ class Trainer:
         if stored is None:  # a checkpoint from before the schedule's length was saved: its run's epochs
             stored = TrainConfig.from_checkpoint(self.resume_state["train_config"]).epochs * self.steps_per_epoch
         stored = int(stored)
-        if planned > stored and self.dist.is_main:
+        # in epochs: another number of processes than the run's may change an epoch's steps by one
+        if self.cfg.epochs > (scheduled := round(stored / max(1, self.steps_per_epoch))) and self.dist.is_main:
             log.warning("--epochs %d goes past the resumed run's learning-rate schedule (%d optimizer steps, about "
                         "%d epochs): the schedule is kept, so the steps after it train at its floor, %.3g (10%% of "
                         "the peak); for a longer cosine, start a new run with --epochs %d", self.cfg.epochs, stored,
-                        round(stored / max(1, self.steps_per_epoch)), 0.1 * self.cfg.learning_rate, self.cfg.epochs)
+                        scheduled, 0.1 * self.cfg.learning_rate, self.cfg.epochs)
         return stored
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
