@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,27 +42,49 @@ def graph_digest(model_bytes: bytes) -> str:
     parses). The top-level fields are walked in the protobuf wire format, so the digest is of the stored
     bytes, whatever protobuf library reads them; ValueError for bytes that are not a protobuf message."""
     data = memoryview(model_bytes)
-    digest, i, n = hashlib.sha256(), 0, len(data)
+    digest = hashlib.sha256()
+    for number, start, _, end in _fields(data):
+        if number != METADATA_PROPS_FIELD:
+            digest.update(data[start:end])
+    return digest.hexdigest()
+
+
+def stored_props(model_bytes: bytes) -> dict[str, str]:
+    """The model's `metadata_props` as the file stores them, read without a runtime session (ValueError for
+    bytes that are not a protobuf message): a loader checks them, and the graph digest, before it builds one."""
+    data = memoryview(model_bytes)
+    props = {}
+    for number, _, payload, end in _fields(data):
+        if number == METADATA_PROPS_FIELD:  # StringStringEntryProto: key = 1, value = 2
+            record = data[payload:end]
+            entry = {n: bytes(record[p:e]).decode("utf-8", errors="replace")
+                     for n, _, p, e in _fields(record) if n in (1, 2)}
+            props[entry.get(1, "")] = entry.get(2, "")
+    return props
+
+
+def _fields(data: memoryview) -> Iterator[tuple[int, int, int, int]]:
+    """The top-level fields of a protobuf message: (field number, start of its key, start of its payload
+    (a length-delimited field's bytes), end)."""
+    i, n = 0, len(data)
     while i < n:
         start = i
         key, i = _varint(data, i)
-        wire = key & 7
+        wire, payload = key & 7, i
         if wire == 0:
             i = _varint(data, i)[1]
         elif wire == 1:
             i += 8
         elif wire == 2:
-            length, i = _varint(data, i)
-            i += length
+            length, payload = _varint(data, i)
+            i = payload + length
         elif wire == 5:
             i += 4
         else:
             raise ValueError(f"protobuf wire type {wire} at byte {start}: not an ONNX model")
         if i > n:
             raise ValueError(f"a field at byte {start} runs past the end of the file: truncated")
-        if key >> 3 != METADATA_PROPS_FIELD:
-            digest.update(data[start:i])
-    return digest.hexdigest()
+        yield key >> 3, start, payload, i
 
 
 def _varint(data: memoryview, i: int) -> tuple[int, int]:

@@ -35,7 +35,7 @@ import numpy as np
 import onnxruntime as ort
 
 from features.file_kind import hint
-from features.model_meta import ModelMeta, ModelMetaError, graph_digest
+from features.model_meta import PREFIX, ModelMeta, ModelMetaError, graph_digest, stored_props
 from features.schema import (
     DECODER_KNOWN,
     ENCODER_KNOWN,
@@ -321,6 +321,25 @@ def _check_meta(meta: ModelMeta, path: str) -> None:
         raise ModelLoadError(f"{path}: model metadata is unusable: " + "; ".join(problems) + "; re-export the model")
 
 
+def _check_before_session(model_bytes: bytes, path: str) -> ModelMeta | None:
+    """A model of ours is refused for its metadata or a changed graph before ONNX Runtime builds a session of it
+    (on CUDA, seconds of device work, and a damaged graph never reaches ONNX Runtime's parser). Bytes that do not
+    hold our metadata are left to the session, whose error says what they are (None)."""
+    try:
+        props = stored_props(model_bytes)
+    except ValueError:
+        return None
+    if PREFIX + "format" not in props:
+        return None
+    try:
+        meta = ModelMeta.from_props(props)
+    except ModelMetaError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    _check_meta(meta, path)
+    _check_graph(meta, model_bytes, path)
+    return meta
+
+
 def _check_graph(meta: ModelMeta, model_bytes: bytes, path: str) -> None:
     """The graph must be the one export checked: a bit flipped in a weight (disk, copy, transfer) still parses
     and runs, and would serve other forecasts under the same version and parity report."""
@@ -352,14 +371,18 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
         raise ModelLoadError(f"{p}: cannot read the model file: {exc.strerror or exc}") from None
     if not model_bytes:
         raise ModelLoadError(f"{p}: the model file is empty")
+    checked = _check_before_session(model_bytes, p)
     placement = _create_session(model_bytes, p, device, device_id, threads)
     session = placement.session
-    try:
-        meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
-    except ModelMetaError as exc:
-        raise ModelLoadError(f"{p}: {exc}") from None
-    _check_meta(meta, p)
-    _check_graph(meta, model_bytes, p)
+    if checked is not None:
+        meta = checked
+    else:  # not readable without a session (nor refused by ONNX Runtime): its metadata as the session reads it
+        try:
+            meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
+        except ModelMetaError as exc:
+            raise ModelLoadError(f"{p}: {exc}") from None
+        _check_meta(meta, p)
+        _check_graph(meta, model_bytes, p)
     output_names = _check_signature(session, meta, p)
     _check_placement(meta, placement, device, p)
     return LoadedModel(

@@ -368,11 +368,17 @@ def _flipped(model: Path, out: Path) -> Path:
 
 def test_a_model_whose_graph_changed_after_export_is_refused_and_one_without_a_digest_warned_about(
         tiny_model: Model, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    import serving.model
     from features.model_meta import graph_digest
     from serving.model import ModelLoadError, load_model
 
     flipped = _flipped(tiny_model.model, tmp_path / "flipped.onnx")
-    with pytest.raises(ModelLoadError) as refused:
+
+    def no_session(*args: object) -> None:
+        raise AssertionError("a session was built of a model that is refused")
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(ModelLoadError) as refused:
+        patch.setattr(serving.model, "_create_session", no_session)  # refused before ONNX Runtime sees the graph
         load_model(flipped, "cpu", threads=1)
     assert f"{flipped}: the model's graph is not the one export checked" in str(refused.value)
     assert "copy it again, or export it again" in str(refused.value)
@@ -394,11 +400,12 @@ def test_the_graph_digest_is_of_the_stored_bytes_without_the_metadata_and_its_be
     import hashlib
 
     from benchmarks.model_load import synthetic_model
-    from features.model_meta import graph_digest
+    from features.model_meta import graph_digest, stored_props
 
     for path in (tiny_model.model, synthetic_model(tmp_path / "synthetic.onnx", 1)):
         proto = onnx.load(str(path))
         assert proto.metadata_props
+        assert stored_props(path.read_bytes()) == {p.key: p.value for p in proto.metadata_props}
         del proto.metadata_props[:]
         assert graph_digest(path.read_bytes()) == hashlib.sha256(proto.SerializeToString()).hexdigest(), path
     with pytest.raises(ValueError, match="truncated"):
