@@ -134,8 +134,10 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
                          bars=args.bars, column_flags=ColumnMap.given(args), threads=args.threads)
 
 
-def _block_stop_signals() -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+def _ignore_stop_signals() -> None:
+    """Ctrl-C and SIGTERM ignored from now on (a handler, unlike a thread's signal mask, covers every thread)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -150,12 +152,17 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None,
     args = build_parser().parse_args(argv)
     published: list[Path] = []
     try:
-        run_export(options_from_args(args), published=published, _tamper=_tamper)
+        try:
+            opts = options_from_args(args)
+        except OSError as exc:  # a path that cannot even be looked at (a directory on the way cannot be searched)
+            raise UsageError(str(exc)) from None
+        run_export(opts, published=published, _tamper=_tamper)
         if finished is not None:
             finished()
-    except OSError as exc:  # a path that cannot even be looked at (a directory on the way that cannot be searched)
-        print(f"error: {exc}\nnothing was written.", file=sys.stderr, flush=True)
-        return 2
+    except OSError as exc:  # what Staging does not cover: a temporary file of the checks, say
+        print(f"error: {exc}\n" + (f"{', '.join(map(str, published))} had been written whole." if published
+                                   else "nothing was written."), file=sys.stderr, flush=True)
+        return 0 if published else 1
     except ExportError as exc:
         verdict = "export refused" if isinstance(exc, CheckFailed) else "error"
         print(f"{verdict}: {exc}\nnothing was written.", file=sys.stderr, flush=True)
@@ -172,9 +179,11 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None,
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends it as Ctrl-C does: exit 130, nothing written
-    # once the export succeeded, a signal has nothing left to stop: blocked (and dropped at exit) from inside main,
-    # so none can turn a written model into a traceback on the way out
-    status = main(finished=_block_stop_signals)
-    for s in (signal.SIGINT, signal.SIGTERM):  # a failed export: a signal during the interpreter's shutdown
-        signal.signal(s, signal.SIG_IGN)
+    # once the export succeeded, a signal has nothing left to stop: ignored from inside main, so none can turn a
+    # written model into a traceback on the way out
+    try:
+        status = main(finished=_ignore_stop_signals)
+    except KeyboardInterrupt:  # before main's own handling began (while the arguments were read)
+        status = 130
+    _ignore_stop_signals()  # a failed export: a signal during the interpreter's shutdown stops nothing
     sys.exit(status)

@@ -316,7 +316,7 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
                 log("interrupted while the files were being published: they were published whole first")
     except OSError as exc:  # Staging names the target it was writing
         target = Path(exc.filename) if exc.filename else opts.output
-        advice = (f"free space on the file system of {target.parent}, or write elsewhere"
+        advice = (f"free space on the file system of {target.parent.resolve()}, or write elsewhere"
                   if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "check the path and its permissions")
         raise WriteFailed(f"cannot write {target}: {exc.strerror or exc}; {advice}") from None
     return triton_dir

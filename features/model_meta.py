@@ -57,8 +57,11 @@ def stored_props(model_bytes: bytes) -> dict[str, str]:
     for number, _, payload, end in _fields(data):
         if number == METADATA_PROPS_FIELD:  # StringStringEntryProto: key = 1, value = 2
             record = data[payload:end]
-            entry = {n: bytes(record[p:e]).decode("utf-8", errors="replace")
-                     for n, _, p, e in _fields(record) if n in (1, 2)}
+            try:
+                entry = {n: bytes(record[p:e]).decode("utf-8") for n, _, p, e in _fields(record) if n in (1, 2)}
+            except UnicodeDecodeError:  # protobuf strings are UTF-8: a byte of this one was damaged
+                raise ModelMetaError(f"a metadata record at byte {payload} is not UTF-8 text: the file was damaged "
+                                     "after export; copy it again, or re-export the model") from None
             props[entry.get(1, "")] = entry.get(2, "")
     return props
 

@@ -327,7 +327,9 @@ def _check_before_session(model_bytes: bytes, path: str) -> ModelMeta | None:
     hold our metadata are left to the session, whose error says what they are (None)."""
     try:
         props = stored_props(model_bytes)
-    except ValueError:
+    except ModelMetaError as exc:  # our metadata, damaged
+        raise ModelLoadError(f"{path}: {exc}") from None
+    except ValueError:  # not a protobuf message at all: ONNX Runtime's error names it
         return None
     if PREFIX + "format" not in props:
         return None
@@ -379,7 +381,7 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
     else:  # not readable without a session (nor refused by ONNX Runtime): its metadata as the session reads it
         try:
             meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
-        except ModelMetaError as exc:
+        except (ModelMetaError, UnicodeDecodeError) as exc:
             raise ModelLoadError(f"{p}: {exc}") from None
         _check_meta(meta, p)
         _check_graph(meta, model_bytes, p)

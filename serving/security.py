@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -258,54 +259,78 @@ def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, messa
 class RefusalLog:
     """Token refusals at WARNING, with the caller's address and reason, at most one line a minute per caller
     host (per server process: each --workers process logs its own): the first at once, and the refusals held
-    back meanwhile counted in one line when the minute ends. A client with a stale token calling in a loop
-    shows without flooding the log or hiding other callers; every refusal is also logged at DEBUG and counted
-    in the metrics. `schedule(delay, fn)` runs fn later (the event loop's call_later by default)."""
+    back meanwhile counted in one line when the minute ends. Beyond `max_hosts_a_minute` hosts' first lines in
+    a minute (callers rotating addresses), further hosts are counted together as "other hosts". A client with
+    a stale token calling in a loop shows without flooding the log or hiding other callers; every refusal is
+    also logged at DEBUG and counted in the metrics. `schedule(delay, fn)` runs fn later (the running event
+    loop's call_later by default; without one, held refusals wait for the next line or `flush`)."""
 
     MAX_HOSTS = 1024  # hosts remembered; the oldest is reported and forgotten beyond it
+    OTHERS = "other hosts"
 
     def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 schedule: Callable[[float, Callable[[], None]], object] | None = None) -> None:
+                 schedule: Callable[[float, Callable[[], None]], object] | None = None,
+                 max_hosts_a_minute: int = 20) -> None:
         self.every_s = every_s
+        self.max_hosts_a_minute = max_hosts_a_minute
         self._clock = clock
-        self._schedule = schedule or (lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn))
+        self._schedule = schedule or _later
         self._hosts: dict[str, _Held] = {}  # host -> when its last line was written, and what came since
+        self._lines: collections.deque[float] = collections.deque()  # when hosts' first lines were written
 
     def __call__(self, method: str, peer: str, problem: str) -> None:
         now, host = self._clock(), peer_host(peer)
         what = f"refused {bounded(method, 120)} from {peer}: {problem}"
         held = self._hosts.get(host)
-        if held is not None and now - held.since < self.every_s:
-            log.debug("%s", what)
-            held.count, held.last = held.count + 1, what
-            if not held.scheduled:
-                held.scheduled = True
-                self._schedule(held.since + self.every_s - now, lambda: self._report(host))
-            return
-        earlier = (f" (and {held.count} more in the {now - held.since:.0f} s before)" if held is not None and held.count
-                   else "")  # held back, their report not run yet
-        log.warning("%s%s", what, earlier)
-        self._hosts.pop(host, None)
-        self._hosts[host] = _Held(now)
-        while len(self._hosts) > self.MAX_HOSTS:
-            oldest = next(iter(self._hosts))
-            self._report(oldest)
-            self._hosts.pop(oldest, None)
+        if held is None or now - held.since >= self.every_s:
+            while self._lines and now - self._lines[0] >= self.every_s:
+                self._lines.popleft()
+            if len(self._lines) < self.max_hosts_a_minute:
+                self._lines.append(now)
+                earlier = (f" (and {held.count} more in the {now - held.since:.0f} s before)"
+                           if held is not None and held.count else "")  # their report has not run yet
+                log.warning("%s%s", what, earlier)
+                self._remember(host, _Held(now))
+                return
+            host, held = self.OTHERS, self._hosts.get(self.OTHERS)
+            if held is None or now - held.since >= self.every_s:
+                if held is not None and held.count:
+                    self._report(self.OTHERS, held)
+                held = self._remember(self.OTHERS, _Held(now))
+        log.debug("%s", what)
+        held.count, held.last = held.count + 1, what
+        if not held.scheduled:
+            held.scheduled = True
+            self._schedule(held.since + self.every_s - now, lambda: self._report(host, held))
 
     def flush(self) -> None:
         """Report every host's held refusals now (the server stops)."""
-        for host in list(self._hosts):
-            self._report(host)
+        for host, held in list(self._hosts.items()):
+            self._report(host, held)
 
-    def _report(self, host: str) -> None:
-        """The refusals held back for `host`, in one line; its next minute starts now."""
-        held = self._hosts.get(host)
-        if held is None or not held.count:
+    def _remember(self, host: str, held: _Held) -> _Held:
+        self._hosts.pop(host, None)
+        self._hosts[host] = held
+        while len(self._hosts) > self.MAX_HOSTS:
+            oldest = next(iter(self._hosts))
+            self._report(oldest, self._hosts[oldest])
+            self._hosts.pop(oldest, None)
+        return held
+
+    def _report(self, host: str, held: _Held) -> None:
+        """The refusals held back for `host` since `held` began, in one line (unless a newer line took over)."""
+        if self._hosts.get(host) is not held or not held.count:
             return
         now = self._clock()
         log.warning("refused %d more call(s) from %s in the %.0f s since its last such line (the last: %s)",
                     held.count, host, now - held.since, held.last)
         self._hosts[host] = _Held(now)
+
+
+def _later(delay: float, fn: Callable[[], None]) -> None:
+    """fn after `delay` seconds on the running event loop; without one, not at all."""
+    with contextlib.suppress(RuntimeError):
+        asyncio.get_running_loop().call_later(delay, fn)
 
 
 @dataclass

@@ -349,9 +349,9 @@ class ForecastServer:
         while time.monotonic() - started < grace_s and (self.servicer.admission.active or self.servicer.open_streams):
             await asyncio.sleep(DRAIN_POLL_S)
         self.health.end_watches()  # they never end by themselves, and would hold gRPC's shutdown for the grace
-        if self.auth is not None:
-            self.auth.refusals.flush()
         await self.grpc.stop(max(0.0, grace_s - (time.monotonic() - started)))
+        if self.auth is not None:  # the refusals held back for their minute's line, now that no call comes
+            self.auth.refusals.flush()
         await self.batcher.close()
         log.info("drained in %.3f s", time.monotonic() - started)
 

@@ -355,6 +355,16 @@ def _with_meta(model: Path, out: Path, **changes: str | None) -> Path:
     return out
 
 
+def _damaged_symbol(model: Path, out: Path) -> Path:
+    """The model with the top bit of one symbol's first byte flipped in its metadata (not covered by the graph
+    digest): no longer UTF-8, so it cannot be served as another symbol."""
+    data = bytearray(model.read_bytes())
+    at = data.index(b'["ES"')
+    data[at + 2] ^= 0x80
+    out.write_bytes(bytes(data))
+    return out
+
+
 def _flipped(model: Path, out: Path) -> Path:
     """The model with one bit of one weight flipped, as a bad disk or copy leaves it: it parses and runs."""
     proto = onnx.load(str(model))
@@ -459,6 +469,7 @@ def test_bad_model_files_are_refused_with_clear_messages(tiny_model: Model, tmp_
         (_with_meta(m, tmp_path / "types.onnx", encoder_length='"long"'), "inconsistent"),
         (_flipped(m, tmp_path / "flipped.onnx"), "the model's graph is not the one export checked"),
         (_with_meta(m, tmp_path / "nodigest.onnx", graph_sha256=""), "'foxhunt.graph_sha256' is not a sha256"),
+        (_damaged_symbol(m, tmp_path / "damaged.onnx"), "is not UTF-8 text: the file was damaged after export"),
     ]
     for path, message in cases:
         assert serve_main(["--model", str(path), "--port", "0", "--device", "cpu"]) == 2, path

@@ -491,6 +491,46 @@ def test_token_refusals_are_warned_about_once_a_minute_per_host_with_a_count_of_
     assert len([r for r in caplog.records if r.levelname == "DEBUG"]) == 3  # each held one, at DEBUG
 
 
+def test_callers_rotating_addresses_are_counted_together_past_a_few_hosts_a_minute(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from serving.security import RefusalLog
+
+    now, due = [0.0], []
+    refusals = RefusalLog(every_s=60.0, clock=lambda: now[0], schedule=lambda delay, fn: due.append((delay, fn)),
+                          max_hosts_a_minute=3)
+    with caplog.at_level("WARNING", logger="serving"):
+        for i in range(50):  # 50 addresses in a minute: 3 first lines, then one count of the rest
+            now[0] = float(i)
+            refusals("/m", f"ipv6:[2001:db8::{i:x}]:443", "invalid token")
+        assert len(due) == 1
+        now[0] = 60.0
+        due.pop()[1]()
+        now[0] = 61.0
+        refusals("/m", "ipv6:[2001:db8::99]:443", "invalid token")  # a new minute: a line of its own again
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 5, warned
+    assert [m.split(" from ")[1].split(":")[0:2] for m in warned[:3]] == [["ipv6", "[2001"]] * 3
+    assert warned[3] == ("refused 47 more call(s) from other hosts in the 57 s since its last such line (the last: "
+                         "refused '/m' from ipv6:[2001:db8::31]:443: invalid token)")
+    assert "ipv6:[2001:db8::99]:443" in warned[4]
+
+
+def test_a_report_due_for_an_earlier_minute_does_not_report_a_later_ones_refusals(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from serving.security import RefusalLog
+
+    now, due = [0.0], []
+    refusals = RefusalLog(every_s=60.0, clock=lambda: now[0], schedule=lambda delay, fn: due.append((delay, fn)))
+    with caplog.at_level("WARNING", logger="serving"):
+        for t in (0.0, 10.0, 61.0, 70.0):  # line, held (report due at 60), line (its minute), held
+            now[0] = t
+            refusals("/m", "ipv4:10.0.0.7:1", "invalid token")
+        now[0] = 75.0
+        due[0][1]()  # the first minute's report runs late: its count went into the line at 61 s
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and warned[1].endswith("invalid token (and 1 more in the 61 s before)"), warned
+
+
 def test_token_file_permissions_are_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from serving.security import read_tokens
 

@@ -321,14 +321,15 @@ def test_a_resume_with_more_epochs_keeps_the_runs_schedule_and_trains_on_at_its_
     with caplog.at_level("WARNING", logger="trainer"):
         longer = Trainer(bars, replace(cfg, epochs=4), tmp_path / "ckpt.pt", resume=tmp_path / "ckpt.last.pt",
                          progress=False)
-    assert "--epochs 4 goes past the resumed run's learning-rate schedule (8 optimizer steps, about 2 epochs)" \
+    assert "--epochs 4 goes past the resumed run's learning-rate schedule (2 epochs, 8 optimizer steps)" \
         in caplog.text and "0.0001 (10% of the peak)" in caplog.text
     longer.run()
     lrs = [r["lr"] for r in longer.history]  # the rate each epoch ended at
     # 4 steps an epoch, the schedule over 8: epoch 2 ended on its last step, at 10% of the peak, and so on after
     assert lrs[1] == pytest.approx(1e-4) and lrs[2] == pytest.approx(1e-4) and lrs[3] == pytest.approx(1e-4), lrs
     assert max(lrs[2:]) <= lrs[1] * (1 + 1e-9)
-    assert torch.load(tmp_path / "ckpt.last.pt", weights_only=True)["schedule_steps"] == 8
+    saved = torch.load(tmp_path / "ckpt.last.pt", weights_only=True)
+    assert (saved["schedule_steps"], saved["schedule_epochs"]) == (8, 2)
     again = Trainer(bars, replace(cfg, epochs=6), tmp_path / "ckpt.pt", resume=tmp_path / "ckpt.last.pt",
                     progress=False)  # the schedule stays the first run's through any number of resumes
     assert again.schedule_steps == 8 and again.scheduler.get_last_lr()[0] == pytest.approx(1e-4)

@@ -198,7 +198,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
                                            weight_decay=cfg.weight_decay, fused=True)
         self.steps_per_epoch = self._steps_per_epoch()
-        self.schedule_steps = self._schedule_steps()
+        self.schedule_steps, self.schedule_epochs = self._schedule()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda_factory(cfg.warmup_steps, self.schedule_steps))
         if cfg.warmup_steps >= self.schedule_steps and self.dist.is_main and self.resume_state is None:
@@ -224,24 +224,22 @@ class Trainer:
         full = n // b + (n % b >= self.dist.world_size)
         return min(full, self.cfg.max_steps_per_epoch) if self.cfg.max_steps_per_epoch else full
 
-    def _schedule_steps(self) -> int:
-        """The optimizer steps that the warm-up + cosine schedule spans: `epochs` of this run, and on resume the
-        resumed run's own, whatever --epochs says now. A resume that trains past them does so at the schedule's
-        floor instead of stretching the cosine, which would jump the learning rate back up mid-run."""
-        planned = self.cfg.epochs * self.steps_per_epoch
+    def _schedule(self) -> tuple[int, int]:
+        """The optimizer steps and the epochs that the warm-up + cosine schedule spans: this run's `epochs`, and on
+        resume the resumed run's own, whatever --epochs says now. A resume that trains past them does so at the
+        schedule's floor instead of stretching the cosine, which would jump the learning rate back up mid-run."""
         if self.resume_state is None:
-            return planned
-        stored = self.resume_state.get("schedule_steps")
-        if stored is None:  # a checkpoint from before the schedule's length was saved: its run's epochs
-            stored = TrainConfig.from_checkpoint(self.resume_state["train_config"]).epochs * self.steps_per_epoch
-        stored = int(stored)
-        # in epochs: another number of processes than the run's may change an epoch's steps by one
-        if self.cfg.epochs > (scheduled := round(stored / max(1, self.steps_per_epoch))) and self.dist.is_main:
-            log.warning("--epochs %d goes past the resumed run's learning-rate schedule (%d optimizer steps, about "
-                        "%d epochs): the schedule is kept, so the steps after it train at its floor, %.3g (10%% of "
-                        "the peak); for a longer cosine, start a new run with --epochs %d", self.cfg.epochs, stored,
-                        scheduled, 0.1 * self.cfg.learning_rate, self.cfg.epochs)
-        return stored
+            return self.cfg.epochs * self.steps_per_epoch, self.cfg.epochs
+        epochs = self.resume_state.get("schedule_epochs")
+        if epochs is None:  # a checkpoint from before the schedule was saved: its run's epochs
+            epochs = TrainConfig.from_checkpoint(self.resume_state["train_config"]).epochs
+        steps = int(self.resume_state.get("schedule_steps") or int(epochs) * self.steps_per_epoch)
+        if self.cfg.epochs > int(epochs) and self.dist.is_main:
+            log.warning("--epochs %d goes past the resumed run's learning-rate schedule (%d epochs, %d optimizer "
+                        "steps): the schedule is kept, so the steps after it train at its floor, %.3g (10%% of the "
+                        "peak); for a longer cosine, start a new run with --epochs %d", self.cfg.epochs, int(epochs),
+                        steps, 0.1 * self.cfg.learning_rate, self.cfg.epochs)
+        return steps, int(epochs)
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         self.model.load_state_dict(ckpt["model_state"])
@@ -459,6 +457,7 @@ class Trainer:
             "optimizer_state": self.optimizer.state_dict(),
             "scheduler_state": self.scheduler.state_dict(),
             "schedule_steps": self.schedule_steps,  # the schedule's length, kept by a resume with other --epochs
+            "schedule_epochs": self.schedule_epochs,
             "scaler_state": self.scaler.state_dict(),
             "epoch": self.epoch,
             "step": self.step,
