@@ -15,8 +15,8 @@ only when every check passed: they are written beside their targets and renamed 
 
 exit status:
   0  the model (and the Triton repository entry) was written
-  1  a check failed, torch could not export the model, or the files could not be written
-     when the checks were done (disk full, a path that became unwritable); nothing was written
+  1  a check failed, torch could not export the model, a file could not be written (disk
+     full, a path that became unwritable, a temporary file of the checks); nothing was written
   2  bad arguments or unusable input (missing, corrupt or pickled checkpoint, bad or
      unwritable paths, unusable --bars); nothing was written
   130  interrupted; nothing was written
@@ -25,6 +25,7 @@ exit status:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 from collections.abc import Callable
@@ -147,7 +148,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None,
          finished: Callable[[], None] | None = None) -> int:
     """Run the export; returns the exit status. `finished` is called once the export has succeeded, before main
-    returns (the command blocks Ctrl-C and SIGTERM there: nothing is left to stop). `_tamper` is a test hook
+    returns (the command ignores Ctrl-C and SIGTERM from there: nothing is left to stop). `_tamper` is a test hook
     (see pipeline.run_export)."""
     args = build_parser().parse_args(argv)
     published: list[Path] = []
@@ -155,14 +156,19 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None,
         try:
             opts = options_from_args(args)
         except OSError as exc:  # a path that cannot even be looked at (a directory on the way cannot be searched)
-            raise UsageError(str(exc)) from None
+            raise UsageError(f"{exc.filename or exc}: {exc.strerror or exc}; check the permissions of the "
+                             "directories on its way") from None
         run_export(opts, published=published, _tamper=_tamper)
         if finished is not None:
             finished()
-    except OSError as exc:  # what Staging does not cover: a temporary file of the checks, say
-        print(f"error: {exc}\n" + (f"{', '.join(map(str, published))} had been written whole." if published
-                                   else "nothing was written."), file=sys.stderr, flush=True)
-        return 0 if published else 1
+    except OSError as exc:  # what Staging does not cover: a temporary file of the checks, or stderr closed
+        if published:  # the export is complete; the report of it failed (a closed pipe, most likely)
+            with contextlib.suppress(OSError):
+                print(f"warning: {exc}, after {', '.join(map(str, published))} had been written whole",
+                      file=sys.stderr, flush=True)
+            return 0
+        print(f"error: {exc}\nnothing was written.", file=sys.stderr, flush=True)
+        return 1
     except ExportError as exc:
         verdict = "export refused" if isinstance(exc, CheckFailed) else "error"
         print(f"{verdict}: {exc}\nnothing was written.", file=sys.stderr, flush=True)

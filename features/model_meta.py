@@ -60,6 +60,8 @@ def stored_props(model_bytes: bytes) -> dict[str, str]:
             try:
                 entry = {n: bytes(record[p:e]).decode("utf-8") for n, _, p, e in _fields(record) if n in (1, 2)}
             except UnicodeDecodeError:  # protobuf strings are UTF-8: a byte of this one was damaged
+                if PREFIX.encode() not in bytes(record):
+                    continue  # not ours: a loader leaves the file to ONNX Runtime, whose error says what it is
                 raise ModelMetaError(f"a metadata record at byte {payload} is not UTF-8 text: the file was damaged "
                                      "after export; copy it again, or re-export the model") from None
             props[entry.get(1, "")] = entry.get(2, "")

@@ -43,7 +43,6 @@ import stat
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -257,88 +256,71 @@ def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, messa
 
 
 class RefusalLog:
-    """Token refusals at WARNING, with the caller's address and reason, at most one line a minute per caller
-    host (per server process: each --workers process logs its own): the first at once, and the refusals held
-    back meanwhile counted in one line when the minute ends. Beyond `max_hosts_a_minute` hosts' first lines in
-    a minute (callers rotating addresses), further hosts are counted together as "other hosts". A client with
-    a stale token calling in a loop shows without flooding the log or hiding other callers; every refusal is
-    also logged at DEBUG and counted in the metrics. `schedule(delay, fn)` runs fn later (the running event
-    loop's call_later by default; without one, held refusals wait for the next line or `flush`)."""
+    """Token refusals at WARNING, bounded: a caller host's first refusal in a minute gets a line of its own, with
+    its address and reason (at most `max_lines` such lines a minute in all, per server process: each --workers
+    process logs its own), and the refusals held back meanwhile are counted, by host, in one summary line a
+    minute later. A client with a stale token calling in a loop shows once a minute; callers rotating
+    addresses cannot flood the log. Every held refusal is logged at DEBUG, and every refusal is counted in the
+    metrics. `schedule(delay, fn)` runs fn later (the running event loop's call_later by default; without one,
+    the summary waits for `flush`)."""
 
-    MAX_HOSTS = 1024  # hosts remembered; the oldest is reported and forgotten beyond it
-    OTHERS = "other hosts"
+    MAX_HOSTS = 1024  # hosts remembered; beyond, the oldest are forgotten (summary counts go to "other hosts")
+    SHOWN = 5  # hosts named in a summary, most refused first
 
     def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 schedule: Callable[[float, Callable[[], None]], object] | None = None,
-                 max_hosts_a_minute: int = 20) -> None:
+                 schedule: Callable[[float, Callable[[], None]], object] | None = None, max_lines: int = 20) -> None:
         self.every_s = every_s
-        self.max_hosts_a_minute = max_hosts_a_minute
+        self.max_lines = max_lines
         self._clock = clock
         self._schedule = schedule or _later
-        self._hosts: dict[str, _Held] = {}  # host -> when its last line was written, and what came since
-        self._lines: collections.deque[float] = collections.deque()  # when hosts' first lines were written
+        self._lined: dict[str, float] = {}  # host -> when it last appeared in a WARNING line
+        self._lines: collections.deque[float] = collections.deque()  # when hosts' own lines were written
+        self._held: collections.Counter[str] = collections.Counter()  # host -> refusals held back since the summary
+        self._held_since: float | None = None  # when the first of them came (a summary is due every_s later)
 
     def __call__(self, method: str, peer: str, problem: str) -> None:
         now, host = self._clock(), peer_host(peer)
         what = f"refused {bounded(method, 120)} from {peer}: {problem}"
-        held = self._hosts.get(host)
-        if held is None or now - held.since >= self.every_s:
-            while self._lines and now - self._lines[0] >= self.every_s:
-                self._lines.popleft()
-            if len(self._lines) < self.max_hosts_a_minute:
-                self._lines.append(now)
-                earlier = (f" (and {held.count} more in the {now - held.since:.0f} s before)"
-                           if held is not None and held.count else "")  # their report has not run yet
-                log.warning("%s%s", what, earlier)
-                self._remember(host, _Held(now))
-                return
-            host, held = self.OTHERS, self._hosts.get(self.OTHERS)
-            if held is None or now - held.since >= self.every_s:
-                if held is not None and held.count:
-                    self._report(self.OTHERS, held)
-                held = self._remember(self.OTHERS, _Held(now))
+        while self._lines and now - self._lines[0] >= self.every_s:
+            self._lines.popleft()
+        seen = self._lined.get(host)
+        due = host not in self._held and (seen is None or now - seen >= self.every_s)  # held ones wait their summary
+        if due and len(self._lines) < self.max_lines:
+            log.warning("%s", what)
+            self._lines.append(now)
+            self._remember(host, now)
+            return
         log.debug("%s", what)
-        held.count, held.last = held.count + 1, what
-        if not held.scheduled:
-            held.scheduled = True
-            self._schedule(held.since + self.every_s - now, lambda: self._report(host, held))
+        self._held["other hosts" if host not in self._held and len(self._held) >= self.MAX_HOSTS else host] += 1
+        if self._held_since is None:
+            self._held_since = now
+            self._schedule(self.every_s, self.flush)
 
     def flush(self) -> None:
-        """Report every host's held refusals now (the server stops)."""
-        for host, held in list(self._hosts.items()):
-            self._report(host, held)
-
-    def _remember(self, host: str, held: _Held) -> _Held:
-        self._hosts.pop(host, None)
-        self._hosts[host] = held
-        while len(self._hosts) > self.MAX_HOSTS:
-            oldest = next(iter(self._hosts))
-            self._report(oldest, self._hosts[oldest])
-            self._hosts.pop(oldest, None)
-        return held
-
-    def _report(self, host: str, held: _Held) -> None:
-        """The refusals held back for `host` since `held` began, in one line (unless a newer line took over)."""
-        if self._hosts.get(host) is not held or not held.count:
+        """The summary of the refusals held back (when its minute ends, and when the server stops)."""
+        if not self._held or self._held_since is None:
             return
-        now = self._clock()
-        log.warning("refused %d more call(s) from %s in the %.0f s since its last such line (the last: %s)",
-                    held.count, host, now - held.since, held.last)
-        self._hosts[host] = _Held(now)
+        now, held, since = self._clock(), self._held, self._held_since
+        self._held, self._held_since = collections.Counter(), None
+        shown = held.most_common(self.SHOWN)
+        rest = sum(held.values()) - sum(n for _, n in shown)
+        others = f", and {rest} from {len(held) - len(shown)} other host(s)" if rest else ""
+        log.warning("refused %d more call(s) in the last %.0f s, held back from this log; by caller host: %s%s",
+                    sum(held.values()), now - since, ", ".join(f"{h} {n}" for h, n in shown), others)
+        for host in held:  # named here: their next line of their own is a minute away
+            self._remember(host, now)
+
+    def _remember(self, host: str, when: float) -> None:
+        self._lined.pop(host, None)
+        self._lined[host] = when
+        while len(self._lined) > self.MAX_HOSTS:
+            self._lined.pop(next(iter(self._lined)))
 
 
 def _later(delay: float, fn: Callable[[], None]) -> None:
     """fn after `delay` seconds on the running event loop; without one, not at all."""
     with contextlib.suppress(RuntimeError):
         asyncio.get_running_loop().call_later(delay, fn)
-
-
-@dataclass
-class _Held:
-    since: float  # when the host's last WARNING line was written
-    count: int = 0  # refusals since, at DEBUG only
-    last: str = ""  # the latest of them
-    scheduled: bool = False  # a report of them is due
 
 
 def peer_host(peer: str) -> str:

@@ -644,7 +644,7 @@ def test_an_interrupt_wrapped_by_the_exporter_is_an_interrupt_not_a_failed_check
 
 
 def test_the_command_is_told_when_the_export_succeeded_and_only_then(ckpt: Path, tmp_path: Path) -> None:
-    """`python -m export` blocks Ctrl-C and SIGTERM from that moment: nothing is left for them to stop."""
+    """`python -m export` ignores Ctrl-C and SIGTERM from that moment: nothing is left for them to stop."""
     calls: list[str] = []
     assert main([str(ckpt), str(tmp_path / "model.onnx")], finished=lambda: calls.append("done")) == 0
     assert calls == ["done"]

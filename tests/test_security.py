@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -340,7 +340,7 @@ def test_token_needed_for_everything_but_health(tiny_model: Model, pki: Pki,  # 
     # when the minute ends (or at the stop)
     warned = [line for line in log.splitlines() if "WARNING" in line and " refused " in line]
     assert " from ipv4:127.0.0.1:" in warned[0] and "missing credentials" in warned[0], warned
-    assert all(" more call(s) from ipv4:127.0.0.1 in the " in line for line in warned[1:]), warned
+    assert all("held back from this log; by caller host: ipv4:127.0.0.1 " in line for line in warned[1:]), warned
     assert log.count(" refused '/") > 30  # every refusal logged (at DEBUG) ...
     for secret in (TOKEN, OTHER_TOKEN, WRONG_TOKEN, TOKEN[:-1], TOKEN[4:20], WRONG_TOKEN[4:20]):
         assert secret not in log  # ... and no token, nor a piece of one, ever was
@@ -466,69 +466,75 @@ def test_token_refusals_are_warned_about_once_a_minute_per_host_with_a_count_of_
     refusals = RefusalLog(every_s=60.0, clock=lambda: now[0], schedule=lambda delay, fn: due.append((delay, fn)))
     method = "/foxhunt.tft.v1.Forecaster/Predict"
     with caplog.at_level("DEBUG", logger="serving"):
-        for t, peer, problem in ((100.0, "ipv4:10.0.0.7:4242", "invalid token"),  # warned at once
-                                 (110.0, "ipv4:10.0.0.7:4243", "invalid token"),  # same host: held
-                                 (120.0, "ipv4:10.0.0.8:1", "missing credentials"),  # another host: warned
+        for t, peer, problem in ((100.0, "ipv4:10.0.0.7:4242", "invalid token"),  # a line at once
+                                 (110.0, "ipv4:10.0.0.7:4243", "invalid token"),  # same host, same minute: held
+                                 (120.0, "ipv4:10.0.0.8:1", "missing credentials"),  # another host: a line
                                  (130.0, "ipv4:10.0.0.7:4244", "invalid token")):  # held
             now[0] = t
             refusals(method, peer, problem)
-        assert [d for d, _ in due] == [50.0]  # one report, due when 10.0.0.7's minute ends
-        now[0] = 160.0
-        due.pop()[1]()
+        assert [d for d, _ in due] == [60.0]  # one summary, a minute after the first refusal held back
         now[0] = 170.0
-        refusals(method, "ipv4:10.0.0.7:9", "invalid token")  # within the new minute the report started: held
-        now[0] = 230.0
-        refusals.flush()  # the server stops: what is held is reported
+        due.pop()[1]()
+        now[0] = 175.0  # named in the summary: its next line of its own is a minute away
+        refusals(method, "ipv4:10.0.0.7:9", "invalid token")
+        now[0] = 200.0
+        refusals.flush()  # the server stops: what is held is summed up
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warned == [
         f"refused '{method}' from ipv4:10.0.0.7:4242: invalid token",
         f"refused '{method}' from ipv4:10.0.0.8:1: missing credentials",
-        f"refused 2 more call(s) from ipv4:10.0.0.7 in the 60 s since its last such line (the last: refused "
-        f"'{method}' from ipv4:10.0.0.7:4244: invalid token)",
-        f"refused 1 more call(s) from ipv4:10.0.0.7 in the 70 s since its last such line (the last: refused "
-        f"'{method}' from ipv4:10.0.0.7:9: invalid token)",
+        "refused 2 more call(s) in the last 60 s, held back from this log; by caller host: ipv4:10.0.0.7 2",
+        "refused 1 more call(s) in the last 25 s, held back from this log; by caller host: ipv4:10.0.0.7 1",
     ]
     assert len([r for r in caplog.records if r.levelname == "DEBUG"]) == 3  # each held one, at DEBUG
 
 
-def test_callers_rotating_addresses_are_counted_together_past_a_few_hosts_a_minute(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_callers_rotating_addresses_cannot_flood_the_log() -> None:
+    """2,000 addresses, each refused every 30 s for ten minutes: at most max_lines lines of their own and one
+    summary in any minute (on a simulated clock); and one stale client in a loop gets one line a minute."""
+    import heapq
+    import itertools
+    import logging
+
     from serving.security import RefusalLog
 
-    now, due = [0.0], []
-    refusals = RefusalLog(every_s=60.0, clock=lambda: now[0], schedule=lambda delay, fn: due.append((delay, fn)),
-                          max_hosts_a_minute=3)
-    with caplog.at_level("WARNING", logger="serving"):
-        for i in range(50):  # 50 addresses in a minute: 3 first lines, then one count of the rest
-            now[0] = float(i)
-            refusals("/m", f"ipv6:[2001:db8::{i:x}]:443", "invalid token")
-        assert len(due) == 1
-        now[0] = 60.0
-        due.pop()[1]()
-        now[0] = 61.0
-        refusals("/m", "ipv6:[2001:db8::99]:443", "invalid token")  # a new minute: a line of its own again
-    warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 5, warned
-    assert [m.split(" from ")[1].split(":")[0:2] for m in warned[:3]] == [["ipv6", "[2001"]] * 3
-    assert warned[3] == ("refused 47 more call(s) from other hosts in the 57 s since its last such line (the last: "
-                         "refused '/m' from ipv6:[2001:db8::31]:443: invalid token)")
-    assert "ipv6:[2001:db8::99]:443" in warned[4]
+    now = [0.0]
+    timers: list[tuple[float, int, Callable[[], None]]] = []
+    order = itertools.count()
+    written: list[tuple[float, str]] = []  # (simulated time, message) of each WARNING line
 
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                written.append((now[0], record.getMessage()))
 
-def test_a_report_due_for_an_earlier_minute_does_not_report_a_later_ones_refusals(
-        caplog: pytest.LogCaptureFixture) -> None:
-    from serving.security import RefusalLog
-
-    now, due = [0.0], []
-    refusals = RefusalLog(every_s=60.0, clock=lambda: now[0], schedule=lambda delay, fn: due.append((delay, fn)))
-    with caplog.at_level("WARNING", logger="serving"):
-        for t in (0.0, 10.0, 61.0, 70.0):  # line, held (report due at 60), line (its minute), held
+    def run(calls: list[tuple[float, str]]) -> list[tuple[float, str]]:
+        written.clear()
+        refusals = RefusalLog(clock=lambda: now[0], max_lines=20,
+                              schedule=lambda d, fn: heapq.heappush(timers, (now[0] + d, next(order), fn)))
+        for t, peer in [*calls, (calls[-1][0] + 120, "")]:
+            while timers and timers[0][0] <= t:  # the timers due by then, each at its own time
+                now[0], _, fn = heapq.heappop(timers)
+                fn()
             now[0] = t
-            refusals("/m", "ipv4:10.0.0.7:1", "invalid token")
-        now[0] = 75.0
-        due[0][1]()  # the first minute's report runs late: its count went into the line at 61 s
-    warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 2 and warned[1].endswith("invalid token (and 1 more in the 61 s before)"), warned
+            if peer:
+                refusals("/m", peer, "invalid token")
+        return list(written)
+
+    logger, handler = logging.getLogger("serving"), Lines()
+    logger.addHandler(handler)
+    try:
+        rotating = run([(k * 30 + j * 30 / 2000, f"ipv6:[2001:db8::{j:x}]:443")
+                        for k in range(20) for j in range(2000)])
+        looping = run([(10_000.0 + i, "ipv4:10.0.0.7:1") for i in range(600)])
+    finally:
+        logger.removeHandler(handler)
+    for start in range(0, 600, 10):  # every minute-long window
+        assert sum(start <= t < start + 60 for t, _ in rotating) <= 21, start
+    summaries = [m for _, m in rotating if "held back from this log" in m]
+    assert summaries and summaries[0].endswith("other host(s)"), summaries[:1]
+    assert 10 <= len(looping) <= 11, looping  # the first line, then a summary a minute
+    assert all("ipv4:10.0.0.7 " in m for _, m in looping[1:])
 
 
 def test_token_file_permissions_are_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

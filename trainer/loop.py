@@ -230,10 +230,12 @@ class Trainer:
         schedule's floor instead of stretching the cosine, which would jump the learning rate back up mid-run."""
         if self.resume_state is None:
             return self.cfg.epochs * self.steps_per_epoch, self.cfg.epochs
-        epochs = self.resume_state.get("schedule_epochs")
+        steps, epochs = self.resume_state.get("schedule_steps"), self.resume_state.get("schedule_epochs")
+        if epochs is None and steps is not None:  # saved with its steps only
+            epochs = round(int(steps) / max(1, self.steps_per_epoch))
         if epochs is None:  # a checkpoint from before the schedule was saved: its run's epochs
             epochs = TrainConfig.from_checkpoint(self.resume_state["train_config"]).epochs
-        steps = int(self.resume_state.get("schedule_steps") or int(epochs) * self.steps_per_epoch)
+        steps = int(steps if steps is not None else int(epochs) * self.steps_per_epoch)
         if self.cfg.epochs > int(epochs) and self.dist.is_main:
             log.warning("--epochs %d goes past the resumed run's learning-rate schedule (%d epochs, %d optimizer "
                         "steps): the schedule is kept, so the steps after it train at its floor, %.3g (10%% of the "
