@@ -121,7 +121,7 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         raise UsageError(problem)
     targets = [(out, "the output")]
     if args.triton_repo is not None:
-        targets.append((args.triton_repo / (args.triton_name or out.stem), "--triton-repo"))
+        targets.append((entry, "--triton-repo"))
     for target, what in targets:
         if blocked := unwritable(target):  # found now, not after minutes of checks
             raise UsageError(f"{what}: cannot write in {blocked[0]} ({blocked[1]}); choose a directory this user "

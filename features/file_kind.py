@@ -64,9 +64,7 @@ def replace_problem(path: str | Path, writes: str) -> str | None:
     command names that itself) or a file of that kind is there: an earlier run's output, which a command may
     replace."""
     path = Path(path)
-    if not (path.exists() or path.is_symlink()) or path.is_dir():
-        return None
-    if not path.exists():  # a link to nothing: the file written replaces the link, and nothing is lost
+    if not path.exists() or path.is_dir():  # nothing, a link to nothing (the write replaces the link), a directory
         return None
     kind = describe(path)
     if kind == writes:
