@@ -236,23 +236,18 @@ def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, messa
     """A handler of the same shape as `handler` that answers `code` without reading the request;
     `on_refuse` is told the caller's address (known to the handler, not to an interceptor)."""
 
-    async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-        if on_refuse is not None:
-            on_refuse(context.peer())
-        await context.abort(code, message)
-
-    async def streaming(request_or_iterator: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+    async def refuse(request_or_iterator: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         if on_refuse is not None:
             on_refuse(context.peer())
         await context.abort(code, message)
 
     if handler is None or not (handler.request_streaming or handler.response_streaming):
-        return grpc.unary_unary_rpc_method_handler(unary)
+        return grpc.unary_unary_rpc_method_handler(refuse)
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming)
+        return grpc.stream_stream_rpc_method_handler(refuse)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(streaming)
-    return grpc.unary_stream_rpc_method_handler(streaming)
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    return grpc.unary_stream_rpc_method_handler(refuse)
 
 
 class RefusalLog:
