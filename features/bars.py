@@ -531,6 +531,16 @@ def _columns_of(
 
 EXACT_INT = 2**53  # float64 holds every integer up to this, and not all beyond
 PLACEHOLDERS = {2**63 - 1: "INT64_MAX", -(2**63): "INT64_MIN", 2**64 - 1: "UINT64_MAX"}
+# A price or volume past 2^53 (9.0e15) in a float column or a request is a placeholder that went through a float
+# (INT64_MAX is 9.2e18), not data: a fixed-point price of 1e-9 units stays below it up to 9 million.
+PLACEHOLDER_RULE = "a feed's placeholder for a missing value (INT64_MAX or UINT64_MAX as a float), not data"
+PLACEHOLDER_FIX = "drop or repair those rows; fixed-point prices are fine below 2^53 (9.0e15)"
+
+
+def valid_price(x: np.ndarray) -> np.ndarray:
+    """Where x holds a price: finite, positive and not a placeholder."""
+    with np.errstate(invalid="ignore"):
+        return (x > 0) & (x <= EXACT_INT)  # NaN fails both
 
 
 def _as_float64(col: pa.ChunkedArray, fname: str, name: str) -> tuple[np.ndarray | None, Problem | None]:
@@ -643,7 +653,7 @@ def _scale_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
     close = np.concatenate([p["close"] for p in parts])
     timed = ~np.concatenate([p["timestamp_null"] for p in parts])  # rows without a time have their own problem
     absent = np.concatenate([p["symbol_absent"] for p in parts])
-    order = rows.grouped(timed & np.isfinite(close) & (close > 0))  # bad prices have their own problems
+    order = rows.grouped(timed & valid_price(close))  # bad prices have their own problems
     c, s = close[order], rows.symbol[order]
     with np.errstate(over="ignore"):
         ratio = c[1:] / c[:-1]
@@ -683,11 +693,13 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
         check(~np.isnan(v) & ~np.isfinite(v), cmap.source(fld), f"{fld} is infinite", "repair the price")
         check(np.isfinite(v) & (v <= 0), cmap.source(fld), f"{fld} is not positive (prices must be > 0)",
               "drop or repair the row; back-adjusted continuous contracts must be shifted to positive prices")
+        check(np.isfinite(v) & (v > EXACT_INT), cmap.source(fld), f"{fld} is beyond 2^53, {PLACEHOLDER_RULE}",
+              PLACEHOLDER_FIX)
     o, h, lo, c = part["open"], part["high"], part["low"], part["close"]
     with np.errstate(invalid="ignore"):
         # the range rules apply to rows whose prices are valid numbers, one problem per broken rule:
         # a row with a bad price, or with high < low, is reported once, not again as a range breach
-        priced = np.all([np.isfinite(x) & (x > 0) for x in (o, h, lo, c)], axis=0)
+        priced = np.all([valid_price(x) for x in (o, h, lo, c)], axis=0)
         check(priced & (h < lo), cmap.high, "high < low (rule: low <= high)", "swap or repair high and low")
         ranged = priced & (h >= lo)
         check(ranged & ((o > h) | (c > h)), cmap.high, "open or close above high (rule: open, close <= high)",
@@ -697,6 +709,8 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
         v = part["volume"]
         check(~np.isnan(v) & ~np.isfinite(v), cmap.volume, "volume is infinite", "repair the volume")
         check(v < 0, cmap.volume, "volume is negative (rule: volume >= 0)", "repair the volume")
+        check(np.isfinite(v) & (v > EXACT_INT), cmap.volume, f"volume is beyond 2^53, {PLACEHOLDER_RULE}",
+              PLACEHOLDER_FIX)
     for uc in user_columns:
         x = part[f"user:{uc}"]
         check(~np.isfinite(x), uc, f"user feature '{uc}' is NaN or infinite",

@@ -16,9 +16,11 @@ from typing import NoReturn
 import numpy as np
 
 from features.bars import (
+    EXACT_INT,
     F32_MAX,
     MAX_BAR_PRICE_RATIO,
     NS_PER_UNIT,
+    PLACEHOLDER_RULE,
     PLAUSIBLE_NS,
     PRICE_COLUMNS,
     UNIT_NAMES,
@@ -243,14 +245,14 @@ def _span(ns: int) -> str:
 def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
     """Every value and order rule holds (a fast conjunction of the rules `features.bars.validate` checks).
 
-    low <= min(open, close) and max(open, close) <= high, with low > 0 and high < inf, is the
-    same rule set as "every price finite and > 0, low <= open, close <= high" in fewer passes;
-    a NaN anywhere fails a comparison.
+    low <= min(open, close) and max(open, close) <= high, with low > 0 and high <= 2^53, is the
+    same rule set as "every price finite, > 0 and no placeholder, low <= open, close <= high" in fewer
+    passes; a NaN anywhere fails a comparison.
     """
     o, h, lo, c, v = s.open, s.high, s.low, s.close, s.volume
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        ok = bool((lo > 0).all() and (h < np.inf).all() and (np.minimum(o, c) >= lo).all()
-                  and (np.maximum(o, c) <= h).all() and (v >= 0).all() and (v < np.inf).all())
+        ok = bool((lo > 0).all() and (h <= EXACT_INT).all() and (np.minimum(o, c) >= lo).all()
+                  and (np.maximum(o, c) <= h).all() and (v >= 0).all() and (v <= EXACT_INT).all())
         if ok:  # prices positive and finite: no close a hundredfold off the one before (a change of units)
             ratio = c[1:] / c[:-1]
             ok = bool(((ratio < MAX_BAR_PRICE_RATIO) & (ratio > 1 / MAX_BAR_PRICE_RATIO)).all())
@@ -287,6 +289,8 @@ def _for_the_wire(p: Problem, symbol: str) -> Problem:
     if "a change of price units" in p.rule:
         return Problem(p.file, p.column, p.row, p.rule, "send every bar's prices in one unit, the one the model was "
                        "trained on", p.count)
+    if PLACEHOLDER_RULE in p.rule:
+        return Problem(p.file, p.column, p.row, p.rule, f"send the bar's real {p.column}", p.count)
     if "is not positive" in p.rule:
         return Problem(p.file, p.column, p.row, p.rule, "send positive prices (back-adjusted continuous contracts "
                        "must be shifted to positive prices)", p.count)

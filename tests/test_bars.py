@@ -737,6 +737,21 @@ def test_integers_too_large_for_float64_are_refused_by_row_not_crashed_on(tmp_pa
     assert (p.column, p.row) == ("volume", 2 * N_PER_SYMBOL - 1) and "UINT64_MAX" in p.rule
 
 
+def test_a_placeholder_that_went_through_a_float_is_refused_once_by_row(tmp_path: Path) -> None:
+    """INT64_MAX read into a float column (9.2e18) is a placeholder too, in prices and volume alike: one problem
+    per column at its row, not also a range breach or a change of price units."""
+    cols = good_columns()
+    close = np.asarray(cols["close"], dtype=np.float64).copy()
+    close[3] = float(2**63 - 1)
+    volume = np.asarray(cols["volume"], dtype=np.float64).copy()
+    volume[5] = float(2**64 - 1)
+    problems = problems_of(write_parquet(tmp_path / "f.parquet", cols | {"close": close, "volume": volume}))
+    assert [(p.column, p.row, p.count) for p in problems] == [("close", 3, 1), ("volume", 5, 1)], problems
+    assert all("beyond 2^53" in p.rule and "placeholder" in p.rule for p in problems)
+    scaled = {name: np.asarray(cols[name], dtype=np.float64) * 1e9 for name in ("open", "high", "low", "close")}
+    assert len(read_bars(write_parquet(tmp_path / "fp.parquet", cols | scaled))) == len(close)  # 1e-9 units read
+
+
 def test_parq_and_pq_files_in_a_directory_are_read(tmp_path: Path) -> None:
     root = tmp_path / "bars"
     write_parquet(root / "part-1.parq", series_columns(0, 5, "ES"))

@@ -136,6 +136,11 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
     ("swapped timestamps", lambda: _req(_swapped(3)), "series[0] (ES): column 'timestamp_ns', row 4: timestamps "
                                                       "decrease (rule: strictly increasing). Fix: send the bars "
                                                       "oldest first, one per timestamp"),
+    ("placeholder close", lambda: _req(_with("close", 5, float(2**63 - 1))),
+     "series[0] (ES): column 'close', row 5: close is beyond 2^53, a feed's placeholder for a missing value "
+     "(INT64_MAX or UINT64_MAX as a float), not data. Fix: send the bar's real close"),
+    ("placeholder volume", lambda: _req(_with("volume", 2, float(2**64 - 1))),
+     "column 'volume', row 2: volume is beyond 2^53"),
     ("NaN close", lambda: _req(_with("close", 4, float("nan"))), "series[0] (ES): column 'close', row 4: close is "
                                                                  "NaN. Fix: send a finite close for every bar"),
     ("negative open", lambda: _req(_with("open", 1, -2.0)), "column 'open', row 1: open is not positive (prices must "
@@ -210,7 +215,7 @@ def test_the_fast_bar_check_agrees_with_the_contract_on_random_breakages() -> No
 
     rng = np.random.default_rng(7)
     columns = ("open", "high", "low", "close", "volume", "spread")
-    values = (np.nan, np.inf, -np.inf, 0.0, -0.0, 5e-324, -1.0, 1e-9, 1e9)
+    values = (np.nan, np.inf, -np.inf, 0.0, -0.0, 5e-324, -1.0, 1e-9, 1e9, float(2**53), float(2**63 - 1))
     verdicts = set()
     for trial in range(400):
         s = columns_from_proto(series(seed=trial))
