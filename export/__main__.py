@@ -40,7 +40,7 @@ from export.pipeline import ExportOptions, Tamper, run_export
 from export.triton import MAX_BATCH_SIZE_LIMIT, check_name
 from features.bars import ColumnMap, clash_with_bars
 from features.file_kind import replace_problem
-from features.files import unwritable
+from features.files import file_argument, unwritable
 
 MAX_OPSET = min(onnx.defs.onnx_opset_version(), 23)  # 23: the newest opset onnxruntime 1.31 runs
 
@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", type=Path, help="checkpoint written by `python -m trainer` (loaded weights-only)")
-    p.add_argument("output", type=Path, help="the ONNX model to write, e.g. model.onnx (its directory must exist)")
+    p.add_argument("output", type=file_argument("model.onnx", {".pt": "a checkpoint, which the trainer writes"}),
+                   help="the ONNX model to write, e.g. model.onnx (its directory must exist)")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET,
                    help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
     p.add_argument("--fp16", action="store_true",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -395,8 +395,11 @@ def read_bars(
     path: str | Path,
     columns: ColumnMap | None = None,
     user_columns: tuple[str, ...] = (),
+    symbols: Collection[str] | None = None,
 ) -> Bars:
-    """Read and validate bars; raise BarDataError listing every problem found."""
+    """Read and validate bars; raise BarDataError listing every problem found. With `symbols`, only those
+    symbols' rows are read and checked (a client forecasting ES is not stopped by a bad NQ bar); problems
+    still name their rows as the files number them."""
     cmap = columns or ColumnMap()
     root = Path(path)
     if shared := _shared_sources(cmap):
@@ -418,6 +421,7 @@ def read_bars(
     parts: list[dict[str, np.ndarray]] = []
     file_of_part: list[str] = []
     naive: list[str] = []  # files whose arrow timestamps carry no time zone
+    file_rows: dict[str, np.ndarray] = {}  # a file read in part: the file's row number of each row read
     for file in files:  # one file at a time, so that a problem always names its file
         fname = str(file)
         try:
@@ -431,6 +435,10 @@ def read_bars(
         for key, value in _hive_partitions(file, root).items():
             if key not in table.column_names:  # a column in the file wins over its directory name
                 table = table.append_column(key, pa.repeat(pa.scalar(value, pa.string()), table.num_rows))
+        if symbols is not None:
+            table, kept = _only_symbols(table, cmap, symbols)
+            if kept is not None:
+                file_rows[fname] = kept
         part, file_problems = _columns_of(table, fname, cmap, user_columns)
         problems.extend(file_problems)
         if part is not None:  # its columns were found, once each
@@ -441,10 +449,10 @@ def read_bars(
                 naive.append(fname)
         del table  # the part keeps the buffers it views; the file's other columns go now
     if problems:
-        raise BarDataError(problems)
+        raise BarDataError(_in_file_rows(problems, file_rows))
     problems = validate(parts, file_of_part, cmap, user_columns)
     if problems:
-        raise BarDataError(problems)
+        raise BarDataError(_in_file_rows(problems, file_rows))
     bars = _assemble(parts, file_of_part, user_columns)
     if naive:
         where = naive[0] + (f" and {len(naive) - 1} more file(s)" if len(naive) > 1 else "")
@@ -452,6 +460,30 @@ def read_bars(
                           "holds exchange local times, store it with its zone (timestamp[ns, tz=America/Chicago]) "
                           "or convert it to UTC; the server takes UTC, and --calendar-tz sets the calendar's zone")
     return bars
+
+
+def _only_symbols(table: pa.Table, cmap: ColumnMap, symbols: Collection[str]) -> tuple[pa.Table, np.ndarray | None]:
+    """The rows of `symbols` and their row numbers in the file (None: every row, or a symbol column that is
+    not text, whose problem the checks name)."""
+    if cmap.symbol not in table.column_names:  # the file is one series, named by the default symbol
+        return (table, None) if cmap.default_symbol in symbols else (table.slice(0, 0), np.zeros(0, np.int64))
+    try:
+        text = pc.cast(table.column(cmap.symbol), pa.string())
+        keep = pc.fill_null(pc.is_in(text, value_set=pa.array(sorted(symbols), pa.string())), False)
+    except pa.ArrowException:
+        return table, None
+    kept = np.flatnonzero(np.asarray(keep.to_numpy(zero_copy_only=False), dtype=bool))
+    if kept.size == table.num_rows:
+        return table, None
+    return table.take(pa.array(kept)), kept
+
+
+def _in_file_rows(problems: list[Problem], file_rows: dict[str, np.ndarray]) -> list[Problem]:
+    """Problems found in files read in part, with their rows numbered as in the file."""
+    def fix(p: Problem) -> Problem:
+        rows = file_rows.get(p.file)
+        return p if rows is None or not 0 <= p.row < rows.size else replace(p, row=int(rows[p.row]))
+    return [fix(p) for p in problems]
 
 
 def _columns_of(

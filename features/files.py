@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,6 +15,22 @@ def umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def file_argument(example: str, wrong_suffixes: dict[str, str] | None = None) -> Callable[[str], Path]:
+    """An argparse `type` for a file to write: refuses a name that ends with '/' (a directory, which the
+    command would otherwise create as a file of that name) and, from `wrong_suffixes` (suffix: what writes
+    such a file), a name for another command's kind of file."""
+    def parse(text: str) -> Path:
+        if text.endswith(("/", os.sep)):
+            raise argparse.ArgumentTypeError(f"{text!r} ends with '/', a directory: give the file's name, e.g. "
+                                             f"{text}{example}")
+        path = Path(text)
+        if why := (wrong_suffixes or {}).get(path.suffix.lower()):
+            raise argparse.ArgumentTypeError(f"{text!r} names {why}; give the file's name, e.g. "
+                                             f"{path.with_name(example)}")
+        return path
+    return parse
 
 
 def unwritable(target: Path) -> tuple[Path, str] | None:

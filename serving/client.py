@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT (default 127.0.0.1:50051)")
     p.add_argument("--parquet", help="bars: a parquet file or a directory of them (required unless --info)")
-    p.add_argument("--symbol", help="symbol to forecast (one of the model's symbols; required unless --info)")
+    p.add_argument("--symbol", help="symbol to forecast (one of the model's symbols; needed unless the model knows "
+                                    "only one, or --info)")
     p.add_argument("--info", action="store_true",
                    help="print what the server's model needs and where it runs (GetModelInfo), and nothing else")
     p.add_argument("--explain", action="store_true",
@@ -123,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--info prints the model's information alone: leave out --parquet, --symbol, --explain, "
                     "--packed and the column flags")
         return _interrupted_is_130(_info, args)
-    if missing := [flag for flag, given in (("--parquet", args.parquet), ("--symbol", args.symbol)) if not given]:
-        p.error(f"the following arguments are required: {', '.join(missing)} (or --info for the model alone)")
+    if not args.parquet:
+        p.error("the following arguments are required: --parquet (or --info for the model alone)")
     if not Path(args.parquet).exists():
         print(f"error: --parquet {args.parquet}: no such file or directory", file=sys.stderr)
         return 2
@@ -228,23 +229,34 @@ def _forecast(args: argparse.Namespace) -> int:
             print("error: --explain: the server's model was exported without explain outputs (export --no-explain); "
                   "drop --explain, or serve a model exported with them", file=sys.stderr)
             return 2
-        trained = {k: v for k, v in info.bar_columns.items() if k in ColumnMap.__dataclass_fields__}
-        columns = ColumnMap.from_args(args, trained)
-        try:
-            bars = read_bars(args.parquet, columns, tuple(info.user_feature_columns))
-        except BarDataError as exc:
-            print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars:", file=sys.stderr)
-            for line in exc.lines():
-                print(f"  {line}", file=sys.stderr)
-            return 2
-        slices = bars.series_slices()
+        if args.symbol is None:
+            if len(info.symbols) != 1:
+                print(f"error: --symbol: the model knows {', '.join(info.symbols)}; name the one to forecast",
+                      file=sys.stderr)
+                return 2
+            args.symbol = info.symbols[0]
         if info.symbols and args.symbol not in info.symbols:
             print(f"error: the model does not know symbol {args.symbol!r} (it knows {', '.join(info.symbols)})",
                   file=sys.stderr)
             return 2
+        trained = {k: v for k, v in info.bar_columns.items() if k in ColumnMap.__dataclass_fields__}
+        columns = ColumnMap.from_args(args, trained)
+        try:  # this symbol's bars only: a bad bar of another symbol does not stop its forecast
+            bars = read_bars(args.parquet, columns, tuple(info.user_feature_columns), symbols=[args.symbol])
+        except BarDataError as exc:
+            print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the {args.symbol} bars:", file=sys.stderr)
+            for line in exc.lines():
+                print(f"  {line}", file=sys.stderr)
+            return 2
+        slices = bars.series_slices()
         if args.symbol not in slices:
-            one_series = list(slices) == [columns.default_symbol]
-            print(f"error: symbol {args.symbol!r} not in {args.parquet} (it has {', '.join(slices) or 'no bars'})"
+            try:  # which symbols the file has, for the message
+                present = list(read_bars(args.parquet, columns, tuple(info.user_feature_columns)).series_slices())
+            except BarDataError:
+                present = []
+            one_series = present == [columns.default_symbol]
+            print(f"error: symbol {args.symbol!r} not in {args.parquet}"
+                  + (f" (it has {', '.join(present)})" if present else "")
                   + (f"; a file without a {columns.symbol!r} column is one series, named by --default-symbol: give "
                      f"--default-symbol {args.symbol}" if one_series else ""), file=sys.stderr)
             return 2

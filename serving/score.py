@@ -29,7 +29,8 @@ A summary follows on stderr: windows per symbol, and per split, where the future
 the pinball loss and how often the realised return fell inside the outer quantiles; a warning
 names the in-sample origins and the `--start` that leaves them out.
 
-Symbols the model does not know, and symbols with too few bars, are skipped with a warning.
+Symbols the model does not know, symbols with too few bars, and symbols whose bars are mostly closer
+than half the model's bar interval (finer bars, which the server refuses) are skipped with a warning.
 `--start` and `--end` are ISO 8601 dates or times, UTC unless they carry an offset.
 
 The file is written beside `--out` under a temporary name and renamed when complete: an error,
@@ -54,10 +55,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from features.bars import BarDataError, Bars, ColumnMap, clash_with_bars, read_bars
-from features.check import format_timestamp, spacing_warning
+from features.check import finer_bars, format_timestamp, spacing_warning
 from features.compute import FeatureFrame, build_frame, future_timestamps
 from features.file_kind import replace_problem
-from features.files import atomic_output
+from features.files import atomic_output, file_argument
 from features.metrics import pinball
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, QUANTILES, STATIC_CATEGORICAL
@@ -301,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="ONNX model from `python -m export`")
     p.add_argument("--parquet", type=Path, required=True, help="bars: a parquet file or a directory of them")
-    p.add_argument("--out", type=Path, required=True, help="parquet file of forecasts to write")
+    p.add_argument("--out", type=file_argument("forecasts.parquet"), required=True,
+                   help="parquet file of forecasts to write")
     p.add_argument("--symbols", help="comma-separated symbols to forecast (default: the model's symbols in the file)")
     p.add_argument("--start", help="first forecast origin, ISO 8601 UTC (e.g. 2024-01-02)")
     p.add_argument("--end", help="origins before this time only, ISO 8601 UTC")
@@ -333,13 +335,15 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args.model, args.device, args.threads, max_batch=args.batch)
         meta = model.meta
         columns = ColumnMap.from_args(args, meta.column_map or None)
-        bars = read_bars(args.parquet, columns, tuple(meta.feature_config.user_columns))
+        asked = list(dict.fromkeys(s.strip() for s in (args.symbols or "").split(",") if s.strip()))  # each once
+        if args.symbols is not None and not asked:
+            raise ScoreError(f"--symbols {args.symbols!r} names no symbol; give e.g. {','.join(meta.symbols)}")
+        # with --symbols, only their bars are read and checked: a bad bar of another symbol stops nothing
+        bars = read_bars(args.parquet, columns, tuple(meta.feature_config.user_columns), symbols=asked or None)
         slices = bars.series_slices()
         present = set(slices)
-        if args.symbols:
-            wanted = list(dict.fromkeys(s.strip() for s in args.symbols.split(",") if s.strip()))  # each once
-            if not wanted:
-                raise ScoreError(f"--symbols {args.symbols!r} names no symbol; give e.g. {','.join(meta.symbols)}")
+        if asked:
+            wanted = asked
             unknown = [s for s in wanted if s not in meta.symbols]
             absent = [s for s in wanted if s in meta.symbols and s not in present]
             if unknown or absent:
@@ -354,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
                                  f"it holds {', '.join(sorted(present)) or 'no bars'}")
             for s in sorted(present - set(meta.symbols)):
                 log.warning("skipped %s: not one of the model's symbols (%s)", s, ", ".join(meta.symbols))
+        finer = {s: why for s in wanted if (why := finer_bars(f"the {s} bars", bars.timestamp_ns[slices[s]],
+                                                               meta.bar_interval_ns))}
+        for s, why in finer.items():
+            log.warning("skipped %s: %s", s, why)
+        if finer and len(finer) == len(wanted):
+            raise ScoreError(f"no symbol left to forecast: {'; '.join(finer.values())}")
+        wanted = [s for s in wanted if s not in finer]
         for s in wanted:
             if (rows := slices[s].stop - slices[s].start) < meta.bars_required:
                 log.warning("skipped %s: %d bars, a forecast needs %d (%d warm-up + %d encoder)", s, rows,

@@ -752,6 +752,33 @@ def test_a_placeholder_that_went_through_a_float_is_refused_once_by_row(tmp_path
     assert len(read_bars(write_parquet(tmp_path / "fp.parquet", cols | scaled))) == len(close)  # 1e-9 units read
 
 
+def test_reading_some_symbols_checks_only_theirs_and_names_file_rows(tmp_path: Path) -> None:
+    """A client forecasting ES is not stopped by a bad NQ bar; an ES problem still names its row in the file
+    (interleaved here: file row 2*i is ES bar i), for value, order and placeholder rules alike."""
+    cols = good_columns()
+    cols["close"] = cols["close"].copy()
+    cols["close"][7] = np.nan  # NQ bar 3
+    path = write_parquet(tmp_path / "mixed.parquet", cols)
+    bars = read_bars(path, symbols=["ES"], user_columns=("imbalance",))
+    assert bars.symbols == ["ES"] and len(bars) == N_PER_SYMBOL
+    np.testing.assert_array_equal(bars.close, good_columns()["close"][0::2])
+    with pytest.raises(BarDataError) as info:
+        read_bars(path, symbols=["NQ"])
+    assert [(p.column, p.row) for p in info.value.problems] == [("close", 7)]
+    cols = good_columns()
+    cols["timestamp"] = cols["timestamp"].copy()
+    cols["timestamp"][10] = cols["timestamp"][8]  # ES bar 5 repeats bar 4's time
+    cols["volume"] = cols["volume"].copy()
+    cols["volume"][12] = float(2**63)  # ES bar 6: a placeholder
+    with pytest.raises(BarDataError) as info:
+        read_bars(write_parquet(tmp_path / "dup.parquet", cols), symbols=["ES"])
+    assert sorted((p.column, p.row) for p in info.value.problems) == [("timestamp", 10), ("volume", 12)]
+    assert len(read_bars(write_parquet(tmp_path / "dup.parquet", cols), symbols=["NQ"])) == N_PER_SYMBOL
+    one = {k: v[0::2] for k, v in good_columns().items() if k != "symbol"}  # no symbol column: one series
+    path = write_parquet(tmp_path / "one.parquet", one)
+    assert len(read_bars(path, symbols=["SERIES"])) == N_PER_SYMBOL and len(read_bars(path, symbols=["ES"])) == 0
+
+
 def test_parq_and_pq_files_in_a_directory_are_read(tmp_path: Path) -> None:
     root = tmp_path / "bars"
     write_parquet(root / "part-1.parq", series_columns(0, 5, "ES"))

@@ -887,3 +887,25 @@ def test_parity_gate_is_in_units_of_each_horizons_target_scale() -> None:
 
 def test_a_parity_report_with_no_rows_has_not_passed() -> None:
     assert not ParityReport("fp32", "CPUExecutionProvider", TOLERANCE["fp32"]).passed
+
+
+@pytest.mark.parametrize(("command", "argv", "message"), [
+    ("export", ["ckpt.pt", "OUT/"], "argument output: 'OUT/' ends with '/', a directory: give the file's name, "
+                                    "e.g. OUT/model.onnx"),
+    ("export", ["ckpt.pt", "OUT/ckpt.pt"], "'OUT/ckpt.pt' names a checkpoint, which the trainer writes"),
+    ("trainer", ["--parquet", "bars.parquet", "--out", "OUT/"], "e.g. OUT/ckpt.pt"),
+    ("trainer", ["--parquet", "bars.parquet", "--out", "OUT/m.ONNX"], "names an ONNX model, which `python -m export` "
+                                                                      "makes"),
+    ("serving.score", ["--model", "m.onnx", "--parquet", "bars.parquet", "--out", "OUT/"],
+     "e.g. OUT/forecasts.parquet"),
+])
+def test_an_output_named_as_a_directory_or_another_commands_file_is_refused(
+        command: str, argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--out runs/new/` would otherwise be written as a file named `runs/new` (and its `.last.pt` beside it)."""
+    import importlib
+
+    argv = [a.replace("OUT", str(tmp_path / "new")) for a in argv]
+    with pytest.raises(SystemExit) as info:
+        importlib.import_module(f"{command}.__main__" if "." not in command else command).main(argv)
+    assert info.value.code == 2 and message.replace("OUT", str(tmp_path / "new")) in capsys.readouterr().err
+    assert listing(tmp_path) == []

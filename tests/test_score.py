@@ -185,6 +185,38 @@ def test_symbols_the_model_cannot_forecast_are_skipped_with_a_warning(tiny_model
     assert "skipped CL: not one of the model's symbols (ES, NQ)" in done.stderr
     assert "skipped NQ: 30 bars, a forecast needs 40" in done.stderr
     assert set(pq.read_table(tmp_path / "f.parquet")["symbol"].to_pylist()) == {"ES"}
+    close = bars["close"].to_numpy().copy()
+    close[nq[5]] = np.nan  # a bad NQ bar stops a backtest of NQ, not one of ES alone
+    pq.write_table(bars.set_column(bars.schema.get_field_index("close"), "close", pa.array(close)),
+                   tmp_path / "nan.parquet")
+    done = score("--model", tiny_model.model, "--parquet", tmp_path / "nan.parquet", "--out", tmp_path / "es.parquet",
+                 "--symbols", "ES")
+    assert done.returncode == 0 and set(pq.read_table(tmp_path / "es.parquet")["symbol"].to_pylist()) == {"ES"}
+    done = score("--model", tiny_model.model, "--parquet", tmp_path / "nan.parquet", "--out", tmp_path / "all.parquet")
+    assert done.returncode == 2 and f"column 'close', row {nq[5]}: close is NaN" in done.stderr, done.stderr
+
+
+def test_bars_finer_than_the_models_are_skipped_as_the_server_refuses_them(tiny_model: Model,  # noqa: F811
+                                                                           tmp_path: Path) -> None:
+    """1-minute bars to a 5-minute model would be read as the model's bars: the server refuses them, so a
+    backtest must not forecast them either."""
+    bars = pq.read_table(tiny_model.bars_path)
+    sym = bars["symbol"].to_numpy(zero_copy_only=False)
+    nq = bars.take(pa.array(np.flatnonzero(sym == "NQ")))
+    start = int(nq["timestamp"].cast(pa.int64())[0].as_py())
+    fine = nq.set_column(nq.schema.get_field_index("timestamp"), "timestamp",
+                         pa.array(start + 20 * 10**9 * np.arange(nq.num_rows), pa.int64()))  # 20 s bars, 1 min model
+    pq.write_table(pa.concat_tables([bars.take(pa.array(np.flatnonzero(sym == "ES"))), fine.cast(bars.schema)]),
+                   tmp_path / "mixed.parquet")
+    done = score("--model", tiny_model.model, "--parquet", tmp_path / "mixed.parquet", "--out", tmp_path / "f.parquet")
+    assert done.returncode == 0, done.stderr
+    assert ("skipped NQ: the NQ bars are mostly 20s apart, finer than the model's bar interval of 1min: the server "
+            "refuses such bars") in done.stderr, done.stderr
+    assert set(pq.read_table(tmp_path / "f.parquet")["symbol"].to_pylist()) == {"ES"}
+    pq.write_table(fine.cast(bars.schema), tmp_path / "fine.parquet")
+    done = score("--model", tiny_model.model, "--parquet", tmp_path / "fine.parquet", "--out", tmp_path / "g.parquet")
+    assert done.returncode == 2 and "error: no symbol left to forecast: the NQ bars are mostly 20s" in done.stderr
+    assert not (tmp_path / "g.parquet").exists()
 
 
 def test_sigterm_leaves_no_partial_file(tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811

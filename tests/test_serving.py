@@ -445,6 +445,19 @@ def test_client_prints_a_forecast_table(art: Model, server: LiveServer, tmp_path
     assert (f"warning: the {symbol} bars sent are mostly 5min apart, but the model's bar interval is 1min: its "
             "forecast steps are 1min bars") in r.stderr
     assert "warning" not in client(art.bars_path, symbol).stderr
+    # a bad bar of another symbol does not stop this one's forecast; one of its own is named by its file row
+    other = next(i for i, s in enumerate(table.column("symbol").to_pylist()) if s != symbol)
+    close = table.column("close").to_numpy().copy()
+    close[other] = np.nan
+    pq.write_table(table.set_column(table.schema.get_field_index("close"), "close", pa.array(close)),
+                   tmp_path / "nan.parquet")
+    r = client(tmp_path / "nan.parquet", symbol)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 3 + art.meta.horizon, r.stderr
+    r = client(tmp_path / "nan.parquet", table.column("symbol")[other].as_py())
+    assert r.returncode == 2 and f"column 'close', row {other}: close is NaN or null" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
+                        str(art.bars_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"--symbol: the model knows {', '.join(art.meta.symbols)}; name the one" in r.stderr
     # a reader that goes away (`| head`): no traceback, the status a shell gives a process ended by SIGPIPE
     with subprocess.Popen([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
                            str(art.bars_path), "--symbol", symbol], cwd=REPO, stdout=subprocess.PIPE,
@@ -481,7 +494,6 @@ def test_the_unreachable_hint_is_for_a_server_not_found_not_for_one_that_answere
 
 @pytest.mark.parametrize(("flags", "code", "message"), [
     (["--symbol", "ES"], 2, "the following arguments are required: --parquet (or --info for the model alone)"),
-    (["--parquet", "bars.parquet"], 2, "the following arguments are required: --symbol (or --info"),
     (["--target", "localhost", "--info"], 2, "--target localhost has no port, and gRPC would dial 443 (the TLS port): "
                                              "give HOST:PORT, e.g. localhost:50051"),
     (["--target", "127.0.0.1:1", "--info", "--timeout", "5"], 1,

@@ -30,6 +30,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch
 
 from features.bars import BarDataError, ColumnMap
+from features.files import file_argument
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, add_config_flags, config_from_args
 from trainer.data import DataError
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m trainer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parquet", required=True, help="bars: a parquet file or a directory of them")
-    p.add_argument("--out", type=Path,
+    p.add_argument("--out", type=file_argument("ckpt.pt", {".onnx": "an ONNX model, which `python -m export` makes "
+                                                                "from the checkpoint the trainer writes"}),
                    help="best checkpoint (default ckpt.pt; with --resume the resumed run's own, e.g. runs/ckpt.pt for "
                         "--resume runs/ckpt.last.pt); beside it: .last.pt, .metrics.jsonl, .report.png")
     p.add_argument("--config", help="TOML file of config fields (flags override it)")
