@@ -234,7 +234,7 @@ class Bars:
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 
 
-def _list_files(path: Path) -> list[Path]:
+def list_parquet_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():  # hidden and temporary files (".x", "_x") are skipped, as pyarrow's datasets do
@@ -262,7 +262,7 @@ def clash_with_bars(out: Path, bars: Path) -> str | None:
         if (target.is_relative_to(root) and target.suffix.lower() in PARQUET_SUFFIXES
                 and not any(part.startswith((".", "_")) for part in target.relative_to(root).parts)):
             return f"{out} is inside the bars directory {bars}, whose next read would take it as bars"
-        if exists and any(os.path.samefile(out, f) for f in _list_files(bars)):
+        if exists and any(os.path.samefile(out, f) for f in list_parquet_files(bars)):
             return f"{out} is one of the bars files in {bars} (by another path), which writing it would replace"
     except (OSError, RuntimeError) as exc:  # RuntimeError: a loop of symbolic links
         return f"{out} or the bars path {bars} cannot be resolved ({exc})"
@@ -412,7 +412,7 @@ def read_bars(
                                     "user features are further numeric columns of the bars: leave it out of "
                                     "--features (the time and symbol reach the model as their own features)")
                             for u in taken])
-    files = _list_files(root)
+    files = list_parquet_files(root)
     if not files:
         rule = "no such file or directory" if not root.exists() else "no .parquet, .parq or .pq files found"
         raise BarDataError([Problem(str(root), WHOLE_FILE, -1, rule, "pass a parquet file or a directory of them")])

@@ -8,10 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-from features.bars import BarDataError, Bars, ColumnMap, read_bars
+from features.bars import REQUIRED_COLUMNS, BarDataError, Bars, ColumnMap, list_parquet_files, read_bars
 from features.compute import infer_bar_interval_ns
 
 
@@ -78,6 +81,7 @@ def summarize(bars: Bars) -> str:
         f"symbols: {len(slices)}",
         f"bar interval (most common spacing): {format_duration(interval) if interval else 'n/a'}",
     ]
+    spaced: list[str] = []
     for sym, sl in slices.items():
         ts = bars.timestamp_ns[sl]
         gaps = np.diff(ts)
@@ -88,10 +92,34 @@ def summarize(bars: Bars) -> str:
             f"  {sym}: {sl.stop - sl.start} rows, {format_timestamp(int(ts[0]))} .. {format_timestamp(int(ts[-1]))}, "
             f"{n_gaps} gaps over the bar interval, {n_long} of them over an hour: session breaks (largest {largest})"
         )
+        own = infer_bar_interval_ns(ts, np.array([[0, ts.size]]))
+        if own and interval and own != interval:
+            step = format_duration(interval)
+            refused = " (the server would refuse these finer ones)" if 2 * own < interval else ""
+            spaced.append(f"{sym}'s bars are mostly {format_duration(own)} apart, the file's most common spacing is "
+                          f"{step}: a model trained on all of them takes {step} bars{refused}; train bars of "
+                          "different sizes separately")
     if bars.user:
         lines.append(f"user feature columns: {', '.join(bars.user)}")
-    lines += [f"note: {note}" for note in bars.notes]
+    lines += [f"note: {note}" for note in (*spaced, *bars.notes)]
     return "\n".join(lines)
+
+
+MAX_LISTED = 8  # column names a note lists before it counts the rest
+
+
+def other_numeric_columns(path: Path, cmap: ColumnMap) -> list[str]:
+    """The files' numeric columns that are no bar field: what --features could name."""
+    bar_fields = {cmap.source(f) for f in (*REQUIRED_COLUMNS, "symbol")}
+    names: dict[str, None] = {}
+    for file in list_parquet_files(path):
+        try:
+            schema = pq.read_schema(file)
+        except (pa.ArrowException, OSError):  # read_bars named it already
+            continue
+        names |= {f.name: None for f in schema if f.name not in bar_fields
+                  and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type) or pa.types.is_decimal(f.type))}
+    return list(names)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {line}", file=sys.stderr)
         return 2
     print(summarize(bars))
+    if not user and (others := other_numeric_columns(Path(args.path), ColumnMap.from_args(args))):
+        shown = ", ".join(others[:MAX_LISTED]) + (f" ... ({len(others)} in all)" if len(others) > MAX_LISTED else "")
+        how = f"add --features {','.join(others)}" if len(others) <= MAX_LISTED else "name those to use in --features"
+        print(f"note: columns not checked as features: {shown}; the trainer checks the ones its --features names "
+              f"(NaN, inf, beyond float32): {how} to check them here")
     if len(bars) == 0:
         print(f"{args.path}: no bars (the files hold no rows): nothing to train on", file=sys.stderr)
         return 2

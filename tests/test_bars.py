@@ -601,6 +601,27 @@ def test_check_cli_on_good_file(sample_bars: Path) -> None:
     assert "Traceback" not in res.stderr
 
 
+def test_check_names_unchecked_feature_columns_and_symbols_of_another_bar_size(tmp_path: Path) -> None:
+    """What the trainer would refuse or warn about later: a numeric column `--features` would name (checked only
+    when named), and a symbol whose bars are of another size than the file's."""
+    path = write_parquet(tmp_path / "bars.parquet", good_columns())
+    res = run_check(str(path))
+    assert res.returncode == 0 and ("note: columns not checked as features: imbalance; the trainer checks the ones its "
+                                    "--features names") in res.stdout, res.stdout
+    assert "add --features imbalance to check them here" in res.stdout
+    assert "not checked" not in run_check(str(path), "--features", "imbalance").stdout
+    es, nq, cl = series_columns(0, 60, "ES"), series_columns(0, 20, "NQ"), series_columns(0, 20, "CL")
+    nq["timestamp"] = T0 + np.arange(20) * 5 * MINUTE
+    cl["timestamp"] = T0 + np.arange(20) * MINUTE // 3
+    res = run_check(str(write_parquet(tmp_path / "mixed.parquet", {k: np.concatenate([es[k], nq[k], cl[k]])
+                                                                    for k in es})))
+    assert res.returncode == 0, res.stderr
+    assert ("note: NQ's bars are mostly 5min apart, the file's most common spacing is 1min: a model trained on all of "
+            "them takes 1min bars; train bars of different sizes separately") in res.stdout, res.stdout
+    assert "note: CL's bars are mostly 20s apart" in res.stdout and "(the server would refuse these finer ones)" \
+        in res.stdout
+
+
 def test_check_cli_on_bad_file(tmp_path: Path) -> None:
     cols = good_columns()
     cols["open"][3] = np.nan
