@@ -436,7 +436,7 @@ def read_bars(
             if key not in table.column_names:  # a column in the file wins over its directory name
                 table = table.append_column(key, pa.repeat(pa.scalar(value, pa.string()), table.num_rows))
         if symbols is not None:
-            table, kept = _only_symbols(table, cmap, symbols)
+            table, kept = _only_symbols(table, cmap, symbols, user_columns)
             if kept is not None:
                 file_rows[fname] = kept
         part, file_problems = _columns_of(table, fname, cmap, user_columns)
@@ -462,20 +462,29 @@ def read_bars(
     return bars
 
 
-def _only_symbols(table: pa.Table, cmap: ColumnMap, symbols: Collection[str]) -> tuple[pa.Table, np.ndarray | None]:
+def _only_symbols(table: pa.Table, cmap: ColumnMap, symbols: Collection[str],
+                  user_columns: tuple[str, ...]) -> tuple[pa.Table, np.ndarray | None]:
     """The rows of `symbols` and their row numbers in the file (None: every row, or a symbol column that is
     not text, whose problem the checks name)."""
-    if cmap.symbol not in table.column_names:  # the file is one series, named by the default symbol
+    count = table.column_names.count(cmap.symbol)
+    if count == 0:  # the file is one series, named by the default symbol
         return (table, None) if cmap.default_symbol in symbols else (table.slice(0, 0), np.zeros(0, np.int64))
+    if count > 1:  # which one? _columns_of names the problem
+        return table, None
     try:
         text = pc.cast(table.column(cmap.symbol), pa.string())
         keep = pc.fill_null(pc.is_in(text, value_set=pa.array(sorted(symbols), pa.string())), False)
-    except pa.ArrowException:
+        kept = np.flatnonzero(np.asarray(keep.to_numpy(zero_copy_only=False), dtype=bool))
+        if kept.size == table.num_rows:
+            return table, None
+        # only the columns a read uses are taken (a wide file's other columns, or a type without a take kernel,
+        # such as string_view, cost nothing)
+        used = {cmap.source(f) for f in (*REQUIRED_COLUMNS, "symbol")} | set(user_columns)
+        if used <= set(table.column_names):  # else the missing column's problem lists the file's columns
+            table = table.select([i for i, name in enumerate(table.column_names) if name in used])
+        return table.take(pa.array(kept)), kept
+    except pa.ArrowException:  # a column type pyarrow cannot filter: every row is read and checked
         return table, None
-    kept = np.flatnonzero(np.asarray(keep.to_numpy(zero_copy_only=False), dtype=bool))
-    if kept.size == table.num_rows:
-        return table, None
-    return table.take(pa.array(kept)), kept
 
 
 def _in_file_rows(problems: list[Problem], file_rows: dict[str, np.ndarray]) -> list[Problem]:
@@ -565,7 +574,7 @@ EXACT_INT = 2**53  # float64 holds every integer up to this, and not all beyond
 PLACEHOLDERS = {2**63 - 1: "INT64_MAX", -(2**63): "INT64_MIN", 2**64 - 1: "UINT64_MAX"}
 # A price or volume past 2^53 (9.0e15) in a float column or a request is a placeholder that went through a float
 # (INT64_MAX is 9.2e18), not data: a fixed-point price of 1e-9 units stays below it up to 9 million.
-PLACEHOLDER_RULE = "a feed's placeholder for a missing value (INT64_MAX or UINT64_MAX as a float), not data"
+PLACEHOLDER_RULE = "most likely a feed's placeholder for a missing value (INT64_MAX or UINT64_MAX as a float)"
 PLACEHOLDER_FIX = "drop or repair those rows; fixed-point prices are fine below 2^53 (9.0e15)"
 
 

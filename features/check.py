@@ -97,8 +97,8 @@ def summarize(bars: Bars) -> str:
             step = format_duration(interval)
             refused = " (the server would refuse these finer ones)" if 2 * own < interval else ""
             spaced.append(f"{sym}'s bars are mostly {format_duration(own)} apart, the file's most common spacing is "
-                          f"{step}: a model trained on all of them takes {step} bars{refused}; train bars of "
-                          "different sizes separately")
+                          f"{step}: a model trained on all of them takes {step} bars{refused}; if they are bars of "
+                          "another size, train them separately (a thin market's bars that skip intervals are fine)")
     if bars.user:
         lines.append(f"user feature columns: {', '.join(bars.user)}")
     lines += [f"note: {note}" for note in (*spaced, *bars.notes)]

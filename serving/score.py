@@ -29,8 +29,9 @@ A summary follows on stderr: windows per symbol, and per split, where the future
 the pinball loss and how often the realised return fell inside the outer quantiles; a warning
 names the in-sample origins and the `--start` that leaves them out.
 
-Symbols the model does not know, symbols with too few bars, and symbols whose bars are mostly closer
-than half the model's bar interval (finer bars, which the server refuses) are skipped with a warning.
+Symbols the model does not know, symbols with too few bars, and symbols whose bars in the file are mostly
+closer than half the model's bar interval (finer bars, which the server refuses by the same rule over a
+request's bars) are skipped with a warning. `--symbols` reads and checks only those symbols' bars.
 `--start` and `--end` are ISO 8601 dates or times, UTC unless they carry an offset.
 
 The file is written beside `--out` under a temporary name and renamed when complete: an error,

@@ -617,7 +617,7 @@ def test_check_names_unchecked_feature_columns_and_symbols_of_another_bar_size(t
                                                                     for k in es})))
     assert res.returncode == 0, res.stderr
     assert ("note: NQ's bars are mostly 5min apart, the file's most common spacing is 1min: a model trained on all of "
-            "them takes 1min bars; train bars of different sizes separately") in res.stdout, res.stdout
+            "them takes 1min bars; if they are bars of another size, train them separately") in res.stdout, res.stdout
     assert "note: CL's bars are mostly 20s apart" in res.stdout and "(the server would refuse these finer ones)" \
         in res.stdout
 
@@ -795,6 +795,20 @@ def test_reading_some_symbols_checks_only_theirs_and_names_file_rows(tmp_path: P
         read_bars(write_parquet(tmp_path / "dup.parquet", cols), symbols=["ES"])
     assert sorted((p.column, p.row) for p in info.value.problems) == [("timestamp", 10), ("volume", 12)]
     assert len(read_bars(write_parquet(tmp_path / "dup.parquet", cols), symbols=["NQ"])) == N_PER_SYMBOL
+    # a directory of files, one of them with a dictionary symbol and a string_view column nothing reads
+    root = tmp_path / "parts"
+    write_parquet(root / "part-1.parquet", {k: v[:8] for k, v in good_columns().items()})
+    later = {k: v[8:] for k, v in good_columns().items()}
+    later["close"] = later["close"].copy()
+    later["close"][5] = -1.0  # file row 5: NQ bar 6
+    table = pa.table({k: v for k, v in later.items() if k not in ("symbol", "note")})
+    table = table.append_column("symbol", pa.array(later["symbol"], pa.string()).dictionary_encode())
+    table = table.append_column("note", pa.array(later["note"], pa.string()).cast(pa.string_view()))
+    pq.write_table(table, root / "part-2.parquet")
+    assert len(read_bars(root, symbols=["ES"])) == N_PER_SYMBOL
+    with pytest.raises(BarDataError) as info:
+        read_bars(root, symbols=["NQ"])
+    assert [(Path(p.file).name, p.column, p.row) for p in info.value.problems] == [("part-2.parquet", "close", 5)]
     one = {k: v[0::2] for k, v in good_columns().items() if k != "symbol"}  # no symbol column: one series
     path = write_parquet(tmp_path / "one.parquet", one)
     assert len(read_bars(path, symbols=["SERIES"])) == N_PER_SYMBOL and len(read_bars(path, symbols=["ES"])) == 0

@@ -137,8 +137,8 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
                                                       "decrease (rule: strictly increasing). Fix: send the bars "
                                                       "oldest first, one per timestamp"),
     ("placeholder close", lambda: _req(_with("close", 5, float(2**63 - 1))),
-     "series[0] (ES): column 'close', row 5: close is beyond 2^53, a feed's placeholder for a missing value "
-     "(INT64_MAX or UINT64_MAX as a float), not data. Fix: send the bar's real close"),
+     "series[0] (ES): column 'close', row 5: close is beyond 2^53, most likely a feed's placeholder for a missing "
+     "value (INT64_MAX or UINT64_MAX as a float). Fix: send the bar's real close"),
     ("placeholder volume", lambda: _req(_with("volume", 2, float(2**64 - 1))),
      "column 'volume', row 2: volume is beyond 2^53"),
     ("NaN close", lambda: _req(_with("close", 4, float("nan"))), "series[0] (ES): column 'close', row 4: close is "
