@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", type=Path, help="checkpoint written by `python -m trainer` (loaded weights-only)")
-    p.add_argument("output", type=file_argument("model.onnx", {".pt": "a checkpoint, which the trainer writes"}),
+    p.add_argument("output", type=file_argument("model.onnx"),
                    help="the ONNX model to write, e.g. model.onnx (its directory must exist)")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET,
                    help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")

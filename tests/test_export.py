@@ -892,7 +892,6 @@ def test_a_parity_report_with_no_rows_has_not_passed() -> None:
 @pytest.mark.parametrize(("command", "argv", "message"), [
     ("export", ["ckpt.pt", "OUT/"], "argument output: 'OUT/' ends with '/', a directory: give the file's name, "
                                     "e.g. OUT/model.onnx"),
-    ("export", ["ckpt.pt", "OUT/ckpt.pt"], "'OUT/ckpt.pt' names a checkpoint, which the trainer writes"),
     ("trainer", ["--parquet", "bars.parquet", "--out", "OUT/"], "e.g. OUT/ckpt.pt"),
     ("trainer", ["--parquet", "bars.parquet", "--out", "OUT/m.ONNX"], "names an ONNX model, which `python -m export` "
                                                                       "makes"),

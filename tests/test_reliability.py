@@ -73,7 +73,7 @@ def overflowing_feature(m: Model) -> pb.PredictRequest:
     r = request_for(m, m.meta.symbols[0])
     s = r.series[0]
     i = len(s.close) - 3
-    s.low[i], s.high[i] = 1e-300, 1e300  # open and close as they were: no jump in the closes
+    s.low[i], s.high[i] = 1e-300, 1e15  # open and close as they were: no jump in the closes; 1e315 overflows
     return r
 
 
