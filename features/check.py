@@ -54,19 +54,6 @@ def spacing_warning(what: str, timestamp_ns: np.ndarray, interval_ns: int) -> st
             "use a model trained on this interval")
 
 
-def finer_bars(what: str, timestamp_ns: np.ndarray, interval_ns: int) -> str | None:
-    """Why bars mostly closer than half a model's bar interval (1-minute bars to a 5-minute model, or
-    timestamps in another unit) are refused, by the server's rule (most gaps under half the interval),
-    else None: the model would read each bar as one of its own."""
-    gaps = np.diff(timestamp_ns)
-    if not interval_ns or not gaps.size or 2 * int(np.count_nonzero(gaps < interval_ns // 2)) <= gaps.size:
-        return None
-    return (f"{what} are mostly {format_duration(int(np.median(gaps)))} apart, finer than the model's bar interval "
-            f"of {format_duration(interval_ns)}: the server refuses such bars, as the model would read each as one "
-            f"of its {format_duration(interval_ns)} bars; resample them to {format_duration(interval_ns)}, or use a "
-            "model trained on this interval")
-
-
 SESSION_BREAK_NS = 3_600_000_000_000  # a gap longer than an hour is a session's end, not a quiet market's bars
 
 

@@ -29,9 +29,9 @@ A summary follows on stderr: windows per symbol, and per split, where the future
 the pinball loss and how often the realised return fell inside the outer quantiles; a warning
 names the in-sample origins and the `--start` that leaves them out.
 
-Symbols the model does not know, symbols with too few bars, and symbols whose bars in the file are mostly
-closer than half the model's bar interval (finer bars, which the server refuses by the same rule over a
-request's bars) are skipped with a warning. `--symbols` reads and checks only those symbols' bars.
+Symbols the model does not know and symbols with too few bars are skipped with a warning, and so are the
+origins whose window's bars are mostly closer than half the model's bar interval (finer bars, which the
+server refuses by the same rule). `--symbols` reads and checks only those symbols' bars.
 `--start` and `--end` are ISO 8601 dates or times, UTC unless they carry an offset.
 
 The file is written beside `--out` under a temporary name and renamed when complete: an error,
@@ -56,7 +56,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from features.bars import BarDataError, Bars, ColumnMap, clash_with_bars, read_bars
-from features.check import finer_bars, format_timestamp, spacing_warning
+from features.check import format_duration, format_timestamp, spacing_warning
 from features.compute import FeatureFrame, build_frame, future_timestamps
 from features.file_kind import replace_problem
 from features.files import atomic_output, file_argument
@@ -118,6 +118,20 @@ def origins(frame: FeatureFrame, encoder_length: int, start_ns: int | None, end_
     if end_ns is not None:
         keep &= ts < end_ns
     return anchors[keep]
+
+
+def finer_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int, interval_ns: int) -> np.ndarray:
+    """Which windows the server would refuse as finer bars than the model's: most of the gaps between the
+    `bars_required` bars ending at each anchor (the bars a request sends) under half the bar interval, the rule
+    of `serving.validation._check_spacing`. bool [W]."""
+    ts = frame.timestamp_ns
+    short = np.zeros(ts.shape[0] + 1, dtype=np.int64)  # short[r + 1]: the gap before row r is short
+    short[2:] = ts[1:] < ts[:-1] + interval_ns // 2
+    count = np.cumsum(short)  # count[r + 1]: short gaps before rows 0..r
+    # a window's bars are rows a - n + 1 .. a of one series; its gaps are those before rows a - n + 2 .. a
+    n = bars_required
+    in_window = count[anchors + 1] - count[anchors - n + 2]
+    return np.asarray(2 * in_window > n - 1, dtype=bool)
 
 
 def model_inputs(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int) -> dict[str, np.ndarray]:
@@ -249,6 +263,16 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
     meta: ModelMeta = model.meta
     frame = build_frame(only_symbols(bars, symbols), meta.feature_config, list(meta.symbols), meta.bar_interval_ns)
     anchors = origins(frame, meta.encoder_length, start_ns, end_ns)
+    finer = finer_windows(frame, anchors, meta.bars_required, meta.bar_interval_ns)
+    for sid, count in zip(*np.unique(frame.series_id[anchors[finer]], return_counts=True), strict=True):
+        log.warning("skipped %s origin(s) of %s: the bars of their windows are mostly closer than half the model's "
+                    "bar interval of %s (finer bars, or another time unit), which the server refuses; resample them "
+                    "to %s, or use a model trained on this interval", f"{count:,}", frame.symbols[int(sid)],
+                    format_duration(meta.bar_interval_ns), format_duration(meta.bar_interval_ns))
+    if finer.any() and finer.all():
+        raise ScoreError("no forecast origin left: every window's bars are mostly closer than half the model's bar "
+                         f"interval of {format_duration(meta.bar_interval_ns)}, which the server refuses")
+    anchors = anchors[~finer]
     if anchors.size == 0:
         ranged = start_ns is not None or end_ns is not None
         span = (f" (the bars run from {format_timestamp(int(frame.timestamp_ns.min()))} to "
@@ -359,13 +383,6 @@ def main(argv: list[str] | None = None) -> int:
                                  f"it holds {', '.join(sorted(present)) or 'no bars'}")
             for s in sorted(present - set(meta.symbols)):
                 log.warning("skipped %s: not one of the model's symbols (%s)", s, ", ".join(meta.symbols))
-        finer = {s: why for s in wanted if (why := finer_bars(f"the {s} bars", bars.timestamp_ns[slices[s]],
-                                                               meta.bar_interval_ns))}
-        for s, why in finer.items():
-            log.warning("skipped %s: %s", s, why)
-        if finer and len(finer) == len(wanted):
-            raise ScoreError(f"no symbol left to forecast: {'; '.join(finer.values())}")
-        wanted = [s for s in wanted if s not in finer]
         for s in wanted:
             if (rows := slices[s].stop - slices[s].start) < meta.bars_required:
                 log.warning("skipped %s: %d bars, a forecast needs %d (%d warm-up + %d encoder)", s, rows,

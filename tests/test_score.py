@@ -196,26 +196,49 @@ def test_symbols_the_model_cannot_forecast_are_skipped_with_a_warning(tiny_model
     assert done.returncode == 2 and f"column 'close', row {nq[5]}: close is NaN" in done.stderr, done.stderr
 
 
-def test_bars_finer_than_the_models_are_skipped_as_the_server_refuses_them(tiny_model: Model,  # noqa: F811
-                                                                           tmp_path: Path) -> None:
-    """1-minute bars to a 5-minute model would be read as the model's bars: the server refuses them, so a
-    backtest must not forecast them either."""
+def test_windows_of_bars_finer_than_the_models_are_skipped_as_the_server_refuses_them(
+        tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
+    """1-minute bars to a 5-minute model would be read as the model's bars: the server refuses a request whose
+    bars are mostly closer than half the model's interval, so a backtest skips the origins whose windows are."""
+    from serving.errors import RequestError
+    from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+    from serving.validation import parse_request
+    from serving.wire import make_series
+
     bars = pq.read_table(tiny_model.bars_path)
     sym = bars["symbol"].to_numpy(zero_copy_only=False)
     nq = bars.take(pa.array(np.flatnonzero(sym == "NQ")))
+    n, need = nq.num_rows, tiny_model.meta.bars_required
     start = int(nq["timestamp"].cast(pa.int64())[0].as_py())
+    gaps = np.where(np.arange(n) < n // 2, 20, 60) * 10**9  # 20 s bars, then the model's 1 min bars
     fine = nq.set_column(nq.schema.get_field_index("timestamp"), "timestamp",
-                         pa.array(start + 20 * 10**9 * np.arange(nq.num_rows), pa.int64()))  # 20 s bars, 1 min model
-    pq.write_table(pa.concat_tables([bars.take(pa.array(np.flatnonzero(sym == "ES"))), fine.cast(bars.schema)]),
+                         pa.array(start + np.concatenate([[0], np.cumsum(gaps[1:])]), pa.int64())).cast(bars.schema)
+    pq.write_table(pa.concat_tables([bars.take(pa.array(np.flatnonzero(sym == "ES"))), fine]),
                    tmp_path / "mixed.parquet")
     done = score("--model", tiny_model.model, "--parquet", tmp_path / "mixed.parquet", "--out", tmp_path / "f.parquet")
     assert done.returncode == 0, done.stderr
-    assert ("skipped NQ: the NQ bars are mostly 20s apart, finer than the model's bar interval of 1min: the server "
-            "refuses such bars") in done.stderr, done.stderr
-    assert set(pq.read_table(tmp_path / "f.parquet")["symbol"].to_pylist()) == {"ES"}
-    pq.write_table(fine.cast(bars.schema), tmp_path / "fine.parquet")
+    assert re.search(r"skipped [\d,]+ origin\(s\) of NQ: the bars of their windows are mostly closer than half the "
+                     r"model's bar interval of 1min \(finer bars, or another time unit\), which the server refuses",
+                     done.stderr), done.stderr
+    table = pq.read_table(tmp_path / "f.parquet")
+    scored = set(table.filter(pc.equal(table["symbol"], "NQ"))["origin"].cast(pa.int64()).to_pylist())
+    assert "ES" in table["symbol"].to_pylist()
+    # exactly the origins the server serves: each NQ origin's last `need` bars, sent as a request
+    cols = {name: fine[name].cast(pa.int64() if name == "timestamp" else pa.float64()).to_numpy()
+            for name in ("timestamp", "open", "high", "low", "close", "volume")}
+    served = set()
+    for end in range(need, n + 1):
+        series = make_series("NQ", *(cols[name][end - need:end] for name in cols))
+        try:
+            parse_request(pb.PredictRequest(series=[series]), tiny_model.meta)
+            served.add(int(cols["timestamp"][end - 1]))
+        except RequestError as exc:
+            assert "apart" in str(exc), exc
+    assert scored == served and 0 < len(served) < n - need + 1
+    pq.write_table(fine.slice(0, n // 2), tmp_path / "fine.parquet")
     done = score("--model", tiny_model.model, "--parquet", tmp_path / "fine.parquet", "--out", tmp_path / "g.parquet")
-    assert done.returncode == 2 and "error: no symbol left to forecast: the NQ bars are mostly 20s" in done.stderr
+    assert done.returncode == 2 and "error: no forecast origin left: every window's bars are mostly closer" \
+        in done.stderr, done.stderr
     assert not (tmp_path / "g.parquet").exists()
 
 
