@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"request and response size limit in bytes (default {d.max_message_bytes // MiB} MiB)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default off)")
+    p.add_argument("--metrics-host", default=None, metavar="HOST",
+                   help="interface the metrics endpoint binds (default: --host's); e.g. 127.0.0.1 keeps it to "
+                        "a scraper on this machine while gRPC listens on 0.0.0.0")
     p.add_argument("--grace", type=float, default=d.grace_s,
                    help=f"seconds in-flight calls get to finish on SIGTERM (default {d.grace_s:g})")
     p.add_argument("--drain-delay", type=float, default=d.drain_delay_s, metavar="S",
@@ -136,6 +139,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         (not args.metrics_port or args.metrics_port + args.workers - 1 <= 65535,
          "--metrics-port M with --workers N needs M + N - 1 <= 65535 (workers take M, M+1, ...)"),
         (args.metrics_port is None or 0 <= args.metrics_port <= 65535, "--metrics-port must be in 0..65535"),
+        (args.metrics_host is None or args.metrics_port is not None, "--metrics-host needs --metrics-port"),
         (not (args.port and args.metrics_port and args.metrics_port <= args.port < args.metrics_port + args.workers),
          f"--metrics-port {args.metrics_port} would take --port {args.port} (workers serve metrics on M, M+1, ...): "
          "give the metrics another port"),
@@ -166,6 +170,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         stop_on_stdin_eof=args.stop_on_stdin_eof, device=args.device, device_id=args.device_id,
         threads=args.threads, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms, batch_wait=args.batch_wait,
         max_concurrent=args.max_concurrent, max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         grace_s=args.grace, drain_delay_s=args.drain_delay, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         auth_token_file=args.auth_token_file, event_loop=args.event_loop, busy_poll_ms=args.busy_poll,

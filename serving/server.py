@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import math
@@ -92,6 +93,7 @@ class ServerConfig:
     max_concurrent: int = 256  # Predict calls and stream requests in flight; beyond: RESOURCE_EXHAUSTED
     max_message_bytes: int = 4 * MiB  # request and response size limit (gRPC's own default is 4 MiB too)
     metrics_port: int | None = None  # Prometheus /metrics port; None: off, 0: pick a free one
+    metrics_host: str | None = None  # interface the /metrics endpoint binds; None: the gRPC host's
     grace_s: float = 10.0  # SIGTERM: time in-flight calls get to finish
     drain_delay_s: float = 0.0  # SIGTERM: health NOT_SERVING this long before the drain, calls still served
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key: serve TLS only
@@ -105,6 +107,11 @@ class ServerConfig:
     @property
     def max_delay_s(self) -> float:
         return self.max_delay_ms / 1000.0
+
+    @property
+    def metrics_bind(self) -> str:
+        """The interface /metrics binds: --metrics-host, else --host."""
+        return self.host if self.metrics_host is None else self.metrics_host
 
 
 def connection_age_options(age_s: float) -> list[tuple[str, int]]:
@@ -448,11 +455,13 @@ async def serve(config: ServerConfig) -> int:
     mport = None
     if config.metrics_port is not None:  # before the gRPC port: "listening on" means the whole server is up
         try:
-            mport = server.metrics.serve_http(config.host, config.metrics_port)
+            mport = server.metrics.serve_http(config.metrics_bind, config.metrics_port)
         except OSError as exc:
+            fix = "pick a free port (0 picks one)" if exc.errno == errno.EADDRINUSE else \
+                "give --metrics-host (default: --host) an address of this machine, or pick another port"
             raise OSError(f"--metrics-port {config.metrics_port}: cannot serve metrics on "
-                          f"{host_port(config.host, config.metrics_port)}: {exc.strerror or exc}; pick a free port "
-                          "(0 picks one)") from None
+                          f"{host_port(config.metrics_bind, config.metrics_port)}: {exc.strerror or exc}; "
+                          f"{fix}") from None
     try:
         port = await server.start()
     except BaseException:
@@ -466,8 +475,8 @@ async def serve(config: ServerConfig) -> int:
              config.drain_delay_s, f"{config.max_connection_age_s:g} s" if config.max_connection_age_s else "unlimited",
              config.event_loop, busy_poll_text(config.busy_poll_ms))
     if mport is not None:
-        print(f"metrics on {host_port(config.host, mport)}", flush=True)
-        log.info("metrics on http://%s/metrics", host_port(config.host, mport))
+        print(f"metrics on {host_port(config.metrics_bind, mport)}", flush=True)
+        log.info("metrics on http://%s/metrics", host_port(config.metrics_bind, mport))
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

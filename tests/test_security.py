@@ -138,6 +138,31 @@ def test_binds_loopback_only_by_default(tiny_model: Model, tmp_path: Path) -> No
         s.kill()
 
 
+def test_metrics_bind_their_own_interface_with_metrics_host(tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
+    """--metrics-host puts /metrics (no TLS, no tokens) on another interface than gRPC: here gRPC on 127.0.0.1
+    and metrics on 127.0.0.2 only; an address this machine does not have stops the start, naming the flag."""
+    s = LiveServer(tiny_model.model, tmp_path / "server.log", "--metrics-port", "0", "--metrics-host", "127.0.0.2")
+    try:
+        s.wait_serving()
+        host, port = s.metrics.rsplit(":", 1)
+        assert host == "127.0.0.2"
+        assert "foxhunt_ready 1.0" in s.scrape()
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", int(port)), timeout=2):
+            pass
+        assert s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).bars_required > 0
+    finally:
+        s.kill()
+    r = subprocess.run([sys.executable, "-m", "serving", "--model", str(tiny_model.model), "--device", "cpu",
+                        "--port", "0", "--metrics-port", "0", "--metrics-host", "192.0.2.1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode == 2 and "listening" not in r.stdout and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(errors) == 1 and "192.0.2.1" in errors[0] and "--metrics-host" in errors[0], errors
+    r = subprocess.run([sys.executable, "-m", "serving", "--model", str(tiny_model.model), "--metrics-host",
+                        "127.0.0.1"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--metrics-host needs --metrics-port" in r.stderr, r.stderr[-2000:]
+
+
 # ---- TLS ---------------------------------------------------------------------------------------------
 def test_tls_serves_only_tls_and_the_cli_tools_speak_it(tiny_model: Model, pki: Pki, tmp_path: Path) -> None:  # noqa: F811
     s = LiveServer(tiny_model.model, tmp_path / "server.log", "--tls-cert", str(pki.server_cert),

@@ -879,7 +879,8 @@ def test_a_worker_gets_every_setting_of_its_supervisor() -> None:
     config = ServerConfig(
         model_path=Path("-odd name.onnx"), host="::1", port=50123, reuse_port=True, stop_on_stdin_eof=True,
         device="cpu", device_id=2, threads=3, max_batch=48, max_delay_ms=1.5, batch_wait="fixed",
-        max_concurrent=99, max_message_bytes=65536, metrics_port=9470, grace_s=2.5, drain_delay_s=1.5,
+        max_concurrent=99, max_message_bytes=65536, metrics_port=9470, metrics_host="0.0.0.0", grace_s=2.5,
+        drain_delay_s=1.5,
         tls_cert=Path("c.pem"), tls_key=Path("k.pem"), tls_client_ca=Path("ca.pem"), auth_token_file=Path("tokens"),
         event_loop="asyncio", busy_poll_ms=2.5, max_connection_age_s=120.0)
     parser = build_parser()
