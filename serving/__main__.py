@@ -42,16 +42,18 @@ attempt, kept in full as the detail for whoever fixes the CUDA install).
 
 from __future__ import annotations
 
-from serving import sighup
+import sys
+
+from serving import native_log, sighup
 
 if __name__ == "__main__":  # before the imports below (the better part of a second): SIGHUP's default action kills
     sighup.hold()
+    native_log.quiet_grpc_core(sys.argv[1:])  # gRPC reads its log level as it is imported
 
 import argparse
 import logging
 import math
 import resource
-import sys
 from pathlib import Path
 
 from serving.batcher import WAIT_POLICIES

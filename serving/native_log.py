@@ -11,10 +11,11 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ORT_LINE = re.compile(r"\[[VIWEF]:onnxruntime:")
+QUIET_LEVELS = ("WARNING", "ERROR")  # --log-level values that also quiet gRPC's core below its errors
 
 
 @contextlib.contextmanager
@@ -65,3 +66,22 @@ def provider_failure_reason(lines: list[str]) -> str:
         elif re.search(r"CUDA failure|cudaError|no CUDA-capable device|CUDNN failure", line):
             found.append(line.split("] ", 1)[-1])
     return "; ".join(dict.fromkeys(found))
+
+
+def quiet_grpc_core(argv: Sequence[str]) -> None:
+    """Match gRPC's own logger to the command's --log-level before grpc is imported.
+
+    gRPC's C core logs on fd 2 in its own format (`I1201 12:00:00.000 ... ssl_transport_security.cc:2563]
+    Handshake failed ...`: one line per failed TLS handshake, so a scanner's every connection), at INFO unless
+    GRPC_VERBOSITY says otherwise, and reads that variable once, as grpc is imported. At --log-level WARNING
+    or ERROR it is set to ERROR, so the core's INFO lines go as the server's own do; a GRPC_VERBOSITY already
+    in the environment (the operator's) is left as it is, and so is the core once grpc is imported.
+    """
+    level = None
+    for i, arg in enumerate(argv):  # the last --log-level wins, as in argparse
+        if arg == "--log-level" and i + 1 < len(argv):
+            level = argv[i + 1]
+        elif arg.startswith("--log-level="):
+            level = arg.partition("=")[2]
+    if level in QUIET_LEVELS and "grpc" not in sys.modules:
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import ipaddress
 import os
+import re
 import shutil
 import signal
 import socket
@@ -187,6 +188,34 @@ def test_tls_serves_only_tls_and_the_cli_tools_speak_it(tiny_model: Model, pki: 
         assert s.alive()
     finally:
         s.kill()
+
+
+def test_log_level_warning_quiets_grpcs_handshake_lines_unless_grpc_verbosity_says_otherwise(
+        tiny_model: Model, pki: Pki, tmp_path: Path) -> None:  # noqa: F811
+    """gRPC's core logs each failed TLS handshake (a scanner's every connection) in its own format, at INFO; at
+    --log-level WARNING those lines go as the server's own INFO lines do, for `python -m serving` and the
+    installed `foxhunt-serve` alike, while an operator's own GRPC_VERBOSITY wins over the flag."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    module = [sys.executable, "-m", "serving"]
+    script = [str(Path(sys.executable).parent / "foxhunt-serve")]
+    for i, (command, environ, shown) in enumerate(((module, env, False), (script, env, False),
+                                                   (module, {**env, "GRPC_VERBOSITY": "INFO"}, True))):
+        log = tmp_path / f"server{i}.log"
+        s = LiveServer(tiny_model.model, log, "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+                       "--log-level", "WARNING", command=command, env=environ)
+        try:
+            with tls_channel(s.target, pki.ca) as channel:
+                s.wait_serving(channel)
+            with grpc.insecure_channel(s.target) as plain:  # plaintext to a TLS port: a failed handshake
+                assert health_code(plain) == "UNAVAILABLE"
+            s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.wait(timeout=30) == 0, s.log_text()
+        finally:
+            s.kill()
+        text = log.read_text()
+        assert ("Handshake failed" in text) == shown, (command, text[-2000:])
+        own_info = re.search(r"^\S+ \S+ INFO serving ", text, re.M)  # the server's own format
+        assert own_info is None and "Traceback" not in text, text[-2000:]
 
 
 def test_sighup_rereads_the_tls_files_for_new_connections_and_refuses_unusable_ones(
