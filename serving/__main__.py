@@ -44,11 +44,10 @@ from __future__ import annotations
 
 import sys
 
-from serving import native_log, sighup
+from serving import launch
 
-if __name__ == "__main__":  # before the imports below (the better part of a second): SIGHUP's default action kills
-    sighup.hold()
-    native_log.quiet_grpc_core(sys.argv[1:])  # gRPC reads its log level as it is imported
+if __name__ == "__main__":  # before the imports below: SIGHUP held, gRPC's log level set (serving.launch)
+    launch.prepare(sys.argv[1:])
 
 import argparse
 import logging

@@ -1,21 +1,28 @@
-"""The installed `foxhunt-serve` command: `python -m serving` under its script name.
+"""What the server command does before it imports the server, and the installed `foxhunt-serve` script.
 
-`python -m serving` holds SIGHUP and sets gRPC's log level before it imports the server (grpc reads
-its level as it is imported; SIGHUP's default action would kill a process still importing). A script's
-entry point runs only after its module is imported, so this module, which imports neither, does those
-two steps and then imports and runs `serving.__main__.main`.
+Two steps must come before grpc and the server's modules are imported (the better part of a second):
+holding SIGHUP (its default action would kill a process still importing) and setting gRPC's log level
+(grpc reads it as it is imported). `python -m serving` calls `prepare` at the top of its module; a
+script's entry point runs only after its module is imported, so `foxhunt-serve` enters here, in a
+module that imports neither, and imports `serving.__main__` after `prepare`.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 from serving import native_log, sighup
 
 
-def main() -> int:
+def prepare(argv: Sequence[str]) -> None:
+    """Hold SIGHUP until the server handles it, and match gRPC's log level to --log-level in `argv`."""
     sighup.hold()
-    native_log.quiet_grpc_core(sys.argv[1:])
+    native_log.quiet_grpc_core(argv)
+
+
+def main() -> int:
+    prepare(sys.argv[1:])
     from serving.__main__ import main as serve
 
     return serve()
