@@ -7,7 +7,8 @@ every batch size it will see, then SERVING.
 
 Signals: SIGHUP reloads the model file (checked and warmed before the swap; a bad file is
 refused and the old model keeps serving). SIGTERM or SIGINT drains: new calls are refused,
-in-flight ones get --grace seconds, then the process exits 0.
+in-flight ones get --grace seconds, then the process exits 0. With --drain-delay, a second
+SIGTERM or SIGINT skips the rest of the delay (the drain and its grace still run).
 
 Message size: --max-message-bytes bounds requests and responses (default 4 MiB). A bar
 costs about 49 bytes on the wire (a 9-byte varint timestamp + 5 doubles) plus 8 per user
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-delay", type=float, default=d.drain_delay_s, metavar="S",
                    help="on SIGTERM, report health NOT_SERVING and keep serving for S seconds before the drain, so "
                         "that a load balancer polling health stops routing here first (default "
-                        f"{d.drain_delay_s:g}: drain at once)")
+                        f"{d.drain_delay_s:g}: drain at once); a second SIGTERM or SIGINT skips the rest")
     p.add_argument("--event-loop", choices=EVENT_LOOPS, default=d.event_loop,
                    help="uvloop: libuv's event loop, less interpreter time per call; asyncio: the standard "
                         f"library's (default {d.event_loop})")

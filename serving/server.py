@@ -187,6 +187,7 @@ class ForecastServer:
         self.metrics = metrics or Metrics()
         self.holder = ModelHolder(model)
         self.stopping = threading.Event()  # SIGTERM: a warm-up running in a thread ends between two runs
+        self.delay_cut = asyncio.Event()  # a second SIGTERM or SIGINT: the rest of --drain-delay is skipped
         process = functools.partial(run_batch, steps=self.metrics.steps)  # features and run timed per batch
         self.batcher: Batcher = MicroBatcher(process, config.max_batch, config.max_delay_s, config.batch_wait,
                                              self.metrics, busy_poll_s=config.busy_poll_ms / 1000.0)
@@ -341,7 +342,8 @@ class ForecastServer:
             # while calls still work (not for a server that never reported SERVING: nothing routes to it)
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             log.info("health NOT_SERVING; serving on for --drain-delay %g s, then draining", self.config.drain_delay_s)
-            await asyncio.sleep(self.config.drain_delay_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.delay_cut.wait(), self.config.drain_delay_s)
         self.servicer.ready = False
         self.servicer.draining = True
         self.metrics.ready.set(0)
@@ -496,7 +498,15 @@ async def serve(config: ServerConfig) -> int:
 
     def on_stop(sig: signal.Signals) -> None:
         received.append(sig.name)
-        stop.set()
+        if not stop.is_set():
+            stop.set()
+            return
+        server.delay_cut.set()  # an operator who signals again wants the stop now, not after the delay
+        if config.drain_delay_s > 0 and not server.servicer.draining:
+            log.info("%s again: the rest of --drain-delay skipped, draining (grace %g s)", sig.name, config.grace_s)
+        else:
+            log.info("%s again: already draining; in-flight calls have the rest of --grace %g s", sig.name,
+                     config.grace_s)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop, sig)

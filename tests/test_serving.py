@@ -831,6 +831,29 @@ def test_drain_delay_reports_not_serving_while_calls_still_work_and_a_health_wat
         s.kill()
 
 
+def test_a_second_sigterm_skips_the_rest_of_the_drain_delay(art: Model, tmp_path: Path) -> None:
+    """An operator who signals again wants the stop now: the second SIGTERM ends --drain-delay's wait and the
+    drain runs (exit 0), rather than the process serving on for the whole delay."""
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--drain-delay", "120", "--grace", "60")
+    try:
+        s.wait_serving()
+        health = health_pb2_grpc.HealthStub(s.channel)
+        s.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5).status \
+                != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, s.log_text()
+            time.sleep(0.05)
+        assert s.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10).forecasts  # in the delay
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=30) == 0, s.log_text()  # not the 120 s delay
+        log = s.log_text()
+        assert "SIGTERM again: the rest of --drain-delay skipped, draining (grace 60 s)" in log
+        assert "drained in" in log
+    finally:
+        s.kill()
+
+
 def test_a_server_that_never_reported_serving_stops_without_its_drain_delay(art: Model) -> None:
     """No balancer routes to a server still warming up (or whose warm-up failed): its stop skips the delay."""
     from serving.model import load_model
