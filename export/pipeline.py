@@ -37,6 +37,7 @@ from export.windows import saved_windows, windows_from_bars
 from features import package_version
 from features.compute import FeatureConfig
 from features.file_kind import hint
+from features.files import link_note
 from features.model_meta import ModelMeta, graph_digest, training_span
 from features.schema import MODEL_INPUTS, FeatureSchema
 from trainer.checkpoint import CheckpointError, file_sha256, load_checkpoint, model_from_checkpoint
@@ -288,9 +289,8 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
                 remove(path)
                 log(f"removed {path}, a partial write left by a killed export")
             staging.file(opts.output, data)
-            if opts.output.is_symlink():
-                log(f"note: {opts.output} was a link to {opts.output.readlink()}; it becomes a file of its own, the "
-                    "new model (what it linked to is left as it was)")
+            if note := link_note(opts.output):
+                log(note)
             if opts.triton_repo is not None:
                 triton_dir = opts.triton_repo / opts.model_name
                 staged, backups = leftovers(triton_dir)

@@ -55,6 +55,15 @@ def unwritable(target: Path) -> tuple[Path, str] | None:
     return None
 
 
+def link_note(path: Path) -> str | None:
+    """What an atomic write does to `path` when it is a symbolic link: the rename replaces the link itself, so the
+    file it named keeps its old content. None when `path` is no link."""
+    if not path.is_symlink():
+        return None
+    return (f"note: {path} is a link to {os.readlink(path)}; it becomes a file of its own, the new one (what it "
+            "linked to is left as it was)")
+
+
 @contextmanager
 def atomic_output(out: Path) -> Iterator[str]:
     """A temporary file beside `out` to write; when the block completes it becomes `out` (mode 0o666 less the

@@ -59,7 +59,7 @@ from features.bars import BarDataError, Bars, ColumnMap, clash_with_bars, read_b
 from features.check import format_duration, format_timestamp, spacing_warning
 from features.compute import FeatureFrame, build_frame, future_timestamps
 from features.file_kind import replace_problem
-from features.files import atomic_output, file_argument
+from features.files import atomic_output, file_argument, link_note
 from features.metrics import pinball
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, QUANTILES, STATIC_CATEGORICAL
@@ -357,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ScoreError(f"--out {problem}; name another file")
         if problem := replace_problem(args.out, "a parquet file"):
             raise ScoreError(f"--out {problem}")
+        if note := link_note(args.out):
+            log.info("%s", note)
         model = load_model(args.model, args.device, args.threads, max_batch=args.batch)
         meta = model.meta
         columns = ColumnMap.from_args(args, meta.column_map or None)

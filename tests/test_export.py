@@ -528,7 +528,7 @@ def test_an_output_that_is_a_link_becomes_a_file_and_what_it_named_is_kept(
     dangling.symlink_to(tmp_path / "releases" / "v8.onnx")
     for link, target in ((served, release), (dangling, tmp_path / "releases" / "v8.onnx")):
         assert main([str(ckpt), str(link)]) == 0
-        assert f"note: {link} was a link to {target}; it becomes a file of its own" in capsys.readouterr().err
+        assert f"note: {link} is a link to {target}; it becomes a file of its own" in capsys.readouterr().err
         assert not link.is_symlink() and ModelMeta.from_props(props(link)).graph_sha256
     assert release.read_bytes() == exported.read_bytes() and not (tmp_path / "releases" / "v8.onnx").exists()
 

@@ -150,6 +150,27 @@ def test_an_out_that_would_replace_or_join_the_bars_is_refused(tiny_model: Model
     assert "the ES bars are mostly 4min apart, but the model's bar interval is 1min" in done.stderr, done.stderr
 
 
+def test_an_out_that_is_a_link_becomes_a_file_and_what_it_named_is_kept(tiny_model: Model,  # noqa: F811
+                                                                       tmp_path: Path) -> None:
+    """latest.parquet -> runs/monday.parquet scored over: Monday's forecasts stay, and the note says so."""
+    monday = tmp_path / "runs" / "monday.parquet"
+    monday.parent.mkdir()
+    pq.write_table(pa.table({"kept": [1, 2, 3]}), monday)
+    kept = monday.read_bytes()
+    latest = tmp_path / "latest.parquet"
+    latest.symlink_to(monday)
+    done = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", latest, "--threads", "1",
+                 "--symbols", tiny_model.meta.symbols[0], "--start", "2099-01-01T00:00:00")
+    # no origin after --start: nothing is written, and the link is left as it was
+    assert done.returncode == 2 and latest.is_symlink(), done.stderr
+    done = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", latest, "--threads", "1",
+                 "--symbols", tiny_model.meta.symbols[0])
+    assert done.returncode == 0, done.stderr
+    assert f"note: {latest} is a link to {monday}; it becomes a file of its own" in done.stderr, done.stderr
+    assert not latest.is_symlink() and pq.read_table(latest).num_rows > 0
+    assert monday.read_bytes() == kept
+
+
 def test_the_scorer_never_imports_torch() -> None:
     r = subprocess.run([sys.executable, "-c", "import sys, serving.score; print('torch' in sys.modules)"], cwd=REPO,
                        capture_output=True, text=True, timeout=60)

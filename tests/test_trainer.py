@@ -740,6 +740,24 @@ def test_only_the_checkpoint_writers_own_temp_files_are_cleared(tmp_path: Path) 
     assert all(p.exists() for p in others) and (tmp_path / "ckpt.pt").exists()
 
 
+def test_an_out_that_is_a_link_becomes_a_file_and_what_it_named_is_kept(
+        tmp_path: Path, bars: Path, learned_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    """ckpt.pt -> releases/v1.pt trained over: the release stays as it was, the run's checkpoint takes the link's
+    place, and the run says so at its start."""
+    release = tmp_path / "releases" / "v1.pt"
+    release.parent.mkdir()
+    shutil.copy(learned_run[0], release)
+    kept = file_sha256(release)
+    out = tmp_path / "ckpt.pt"
+    out.symlink_to(release)
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"note: {out} is a link to {release}; it becomes a file of its own" in r.stderr, r.stderr[-3000:]
+    assert r.stderr.index("note: ") < r.stderr.index("epoch 1")
+    assert not out.is_symlink() and load_checkpoint(out)["epoch"] == 1
+    assert file_sha256(release) == kept
+
+
 def test_an_unusable_out_is_refused_before_any_training(tmp_path: Path, bars: Path) -> None:
     (tmp_path / "adir").mkdir()
     r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "adir"), *TINY_TRAIN_FLAGS])

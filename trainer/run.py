@@ -16,12 +16,13 @@ from typing import Any, TextIO
 import torch
 
 from features.bars import ColumnMap
+from features.files import link_note
 from features.metrics import format_q_risk
 from trainer.checkpoint import load_checkpoint
 from trainer.config import TrainConfig, given_fields, resumed_config
 from trainer.data import PreparedData, prepare
 from trainer.device import resolve_device, resolve_precision
-from trainer.loop import Trainer
+from trainer.loop import RunPaths, Trainer
 from trainer.modeling import TemporalFusionTransformer
 from trainer.plan import TrainPlan, literal_plan
 from trainer.planner import (
@@ -50,6 +51,10 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     budget = parse_budget(cfg.vram_budget) if cfg.vram_budget else 0
     if args.plan_only:
         return plan_only(args, cfg, budget)
+    if int(os.environ.get("RANK", "0")) == 0:
+        paths = RunPaths.for_out(args.out)
+        for note in filter(None, map(link_note, (paths.best, paths.last, paths.report, paths.test))):
+            log.info("%s", note)  # the metrics file is written through a link, as open() writes
     plan_fn = budget_plan_fn(cfg, budget, _budget_label(args, cfg)) if budget else None
     trainer = Trainer(args.parquet, cfg, args.out, _columns(args), resume=args.resume,
                       progress=not args.no_progress, plan_fn=plan_fn)
