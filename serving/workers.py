@@ -11,10 +11,12 @@ gives workers M, M+1, ...; 0 lets each pick one).
 
 This process prints `listening on HOST:PORT` once every worker listens, and one
 `metrics on HOST:PORT` line per worker; it forwards SIGHUP (reload) and SIGTERM/SIGINT
-(drain) to every worker and exits 0 when all drained cleanly. A worker that exits on its
-own stops the others; the status is that worker's (an orchestrator restarts the set). Each
-worker's stdin is a pipe from this process: if this process dies, even by SIGKILL, the
-pipe closes and the workers drain and exit rather than keep the port.
+(drain) to every worker, each in a process group of its own (a terminal's Ctrl-C, sent to
+the foreground group, reaches a worker once, through this process), and exits 0 when all
+drained cleanly. A worker that exits on its own stops the others; the status is that
+worker's (an orchestrator restarts the set). Each worker's stdin is a pipe from this
+process: if this process dies, even by SIGKILL, the pipe closes and the workers drain and
+exit rather than keep the port.
 """
 
 from __future__ import annotations
@@ -165,8 +167,12 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
             worker_config = ServerConfig(**(asdict(config) | {"port": port, "reuse_port": True,
                                                               "metrics_port": mport, "stop_on_stdin_eof": True}))
             cmd = [sys.executable, "-m", "serving", *server_args(worker_config, log_level), f"--worker-index={i}"]
-            # stdin is the worker's lifeline: when this process dies, however it dies, the pipe closes
-            w = Worker(i, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            # stdin is the worker's lifeline: when this process dies, however it dies, the pipe closes. Each
+            # worker has its own process group, so that a terminal's Ctrl-C or hang-up (sent to the foreground
+            # group) reaches it once, forwarded by this process, not twice (a second SIGINT would cut short
+            # --drain-delay, a second SIGHUP reload the model again)
+            w = Worker(i, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                           process_group=0))
             workers.append(w)
             w.start_reader()
             started = w.wait_listening(config.metrics_port is not None, START_TIMEOUT_S, stopping)

@@ -964,6 +964,31 @@ def test_workers_share_one_port_reload_together_and_drain(art: Model, tmp_path: 
         s.kill()
 
 
+def test_a_terminals_signals_reach_each_worker_once(art: Model, tmp_path: Path) -> None:
+    """Ctrl-C and a hang-up go to the terminal's whole foreground process group, the supervisor's: each worker
+    gets them once, from the supervisor, so a hang-up reloads once and one Ctrl-C keeps --drain-delay (a second
+    signal would skip it)."""
+    s = LiveServer(art.model, tmp_path / "server.log", "--metrics-port", "0", "--workers", "2", "--drain-delay", "1",
+                   new_session=True)
+    try:
+        for endpoint in s.metrics_all:
+            _wait_metric(s, endpoint, "foxhunt_ready", 1)
+        os.killpg(s.proc.pid, signal.SIGHUP)
+        for endpoint in s.metrics_all:
+            _wait_metric(s, endpoint, "foxhunt_reloads_total", 1, file="model", result="ok")
+        time.sleep(2)  # time for a second reload, were there one
+        assert [metric(s.scrape(e), "foxhunt_reloads_total", file="model", result="ok") for e in s.metrics_all] \
+            == [1, 1], s.log_text()
+        os.killpg(s.proc.pid, signal.SIGINT)
+        assert s.proc.wait(timeout=30) == 0, s.log_text()
+        log = s.log_text()
+        assert all(log.count(f"[worker {i}] {what}") == 1 for i in (0, 1)
+                   for what in ("SIGINT: draining", "health NOT_SERVING; serving on for --drain-delay 1 s")), log
+        assert "again" not in log, log
+    finally:
+        s.kill()
+
+
 def test_workers_reserve_the_port_a_single_server_just_left() -> None:
     """A server that drained closed its connections first, leaving its end in TIME_WAIT on the port for a
     minute: a --workers set started there at once reserves the port (as a single server binds it), not
