@@ -18,7 +18,8 @@ exit status:
   1  a check failed, torch could not export the model, a file could not be written (disk
      full, a path that became unwritable, a temporary file of the checks); nothing was written
   2  bad arguments or unusable input (missing, corrupt or pickled checkpoint, bad or
-     unwritable paths, unusable --bars); nothing was written
+     unwritable paths, unusable --bars, --require-device cuda where the CUDA provider does
+     not load); nothing was written
   130  interrupted; nothing was written
 """
 
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the quantiles output: no attention or variable-selection weights")
     p.add_argument("--require-device", choices=["cuda", "cpu"],
                    help="placement gate: every compute node must run on this device's ONNX Runtime provider "
-                        "(cuda fails where the CUDA provider does not load, and says why)")
+                        "(cuda is refused at once, exit 2, where the CUDA provider does not load, saying why)")
     p.add_argument("--triton-repo", type=Path, metavar="DIR",
                    help="also write DIR/<name>/config.pbtxt and DIR/<name>/1/model.onnx for Triton Inference Server")
     p.add_argument("--triton-name", default="", help="Triton model name (default: the output file's stem)")

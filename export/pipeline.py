@@ -216,13 +216,7 @@ def _placement(model: bytes, opts: ExportOptions, dev: Probe, feeds: dict[str, n
         report.reason = ("no --require-device given; the table shows where nodes ran on this machine "
                          "(pass --require-device cuda on a GPU machine to prove placement)")
         return report
-    if not dev.available:
-        report.reason = (f"--require-device {opts.require_device}: {dev.reason}. The analysis ran on the CPU "
-                         f"instead, where all {len(report.cpu_compute)} compute nodes are placed. Export on a "
-                         "machine where onnxruntime-gpu loads CUDA, or drop --require-device to export without "
-                         "the placement gate")
-    else:
-        report.strict_session = strict_session_outcome(model, opts.require_device, opts.threads)
+    report.strict_session = strict_session_outcome(model, opts.require_device, opts.threads)
     return evaluate(report, opts.require_device)
 
 
@@ -331,6 +325,11 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
     exported graph before the checks run.
     """
     torch.set_num_threads(opts.threads)
+    dev = probe(opts.require_device or "cuda")  # without a requirement: analyse where it would run here
+    if opts.require_device and not dev.available:  # the gate cannot pass here: said before minutes of work
+        raise UsageError(f"--require-device {opts.require_device}: {dev.reason}. Export on a machine where "
+                         "onnxruntime-gpu loads CUDA, or drop --require-device to export here without the "
+                         "placement gate (the report then shows where each node runs on this machine)")
     ckpt, model, sha = load(opts)
     cfg = model.cfg
     meta = base_meta(ckpt, cfg, sha, opts)
@@ -346,10 +345,6 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
     if best and epoch != best:  # ckpt.last.pt, most likely: exported as asked, but said
         log(f"note: {opts.checkpoint} holds epoch {epoch}; the run's best validation loss was at epoch {best}, in "
             "its best checkpoint (ckpt.pt beside ckpt.last.pt): export that one for the best model")
-    dev = probe(opts.require_device or "cuda")  # without a requirement: analyse where it would run here
-    if opts.require_device and not dev.available:
-        log(f"warning: --require-device {opts.require_device}: {dev.reason}; the checks run on the CPU and the "
-            "placement gate will fail")
 
     log(f"exporting with torch.onnx.export(dynamo=True), opset {opts.opset}, {opts.precision}"
         f"{'' if opts.explain else ', quantiles only'} ...")

@@ -368,27 +368,27 @@ def test_broken_parity_writes_nothing(ckpt: Path, tmp_path: Path, capsys: pytest
     assert listing(tmp_path) == []  # no model, no temporary, no Triton directory
     assert "parity FAILED" in captured.out and "parity check failed" in captured.err
     assert re.search(r"^random batch 1 +1 +quantiles .* NO$", captured.out, re.M)
+    # the in-process memo of the traced graph keeps the graph as torch exported it, not as tampered
+    assert main([str(ckpt), str(out), "--no-explain"]) == 0, capsys.readouterr().err
+    assert "parity passed" in capsys.readouterr().out
 
 
 def test_require_device_cuda_fails_here_naming_why(ckpt: Path, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """Runs after the broken-parity test on the same in-process memo of the traced graph: its tamper
-    must not leak (parity passes here)."""
+    """Where the CUDA provider does not load the gate cannot pass: refused at once (exit 2, as `--device cuda`
+    is by the trainer and the server), naming why, before the checkpoint is loaded or the model exported."""
     cuda = probe("cuda")
     if cuda.available:
         pytest.skip("the CUDA provider loads on this machine; the GPU check covers it")
     out = tmp_path / "model.onnx"
-    assert main([str(ckpt), str(out), "--require-device", "cuda", "--no-explain"]) == 1
+    assert main([str(ckpt), str(out), "--require-device", "cuda", "--no-explain"]) == 2
     captured = capsys.readouterr()
     assert listing(tmp_path) == []
-    assert "placement check failed" in captured.err and cuda.reason in captured.err
+    assert f"error: --require-device cuda: {cuda.reason}. Export on a machine where onnxruntime-gpu loads CUDA, " \
+        "or drop --require-device" in captured.err, captured.err
     assert re.search(r"does not load|has no CUDAExecutionProvider", cuda.reason)
-    listed = re.search(r"^CPU-placed compute nodes \((\d+)\):\n((?:  .*\n)+)", captured.out, re.M)
-    assert listed, captured.out  # every one, by name and op type
-    rows = listed.group(2).splitlines()
-    assert len(rows) == int(listed.group(1)) > 50
-    assert any(row.split()[-1] == "LSTM" for row in rows) and any(row.split()[-1] == "Softmax" for row in rows)
-    assert "parity passed" in captured.out  # the checks before placement ran (on the CPU)
+    assert "exporting with torch.onnx.export" not in captured.err and "parity" not in captured.out
+    assert captured.err.count(cuda.reason) == 1, captured.err  # said once
 
 
 class NotAWeight:
