@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="parquet file to write")
     p.add_argument("--symbols", default="ES,NQ", help="comma-separated symbols (default ES,NQ)")
     p.add_argument("--bars", type=int, default=20000, help="bars per symbol (default 20000)")
-    p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--start", default="2024-01-02", help="first session date, YYYY-MM-DD (UTC)")
+    p.add_argument("--seed", type=int, default=7, help="random seed: the same seed writes the same bars (default 7)")
+    p.add_argument("--start", default="2024-01-02", help="first session date, YYYY-MM-DD (UTC; default 2024-01-02)")
     p.add_argument("--extra-features", type=int, default=0, metavar="N",
                    help="also write N numeric indicator columns f000..f{N-1} (e.g. 220 for the production preset)")
     args = p.parse_args(argv)

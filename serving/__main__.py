@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port}; 0 picks a free one)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes sharing the port, each with its own model session, batcher and "
-                        "interpreter (default 1); see 'Workers' below")
+                        "interpreter (default 1); see 'Workers' above")
     p.add_argument("--reuse-port", action="store_true",
                    help="bind with SO_REUSEPORT, sharing the port with other server processes (what --workers does)")
     p.add_argument("--stop-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)  # a --workers worker
@@ -121,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the client reconnects without an error; a PredictStream ends itself at 80-100%% of "
                         "this age, its requests read all answered), so that an L4 load balancer spreads "
                         f"long-lived clients over replicas (default {d.max_connection_age_s:g}; 0: never)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="the server's log on stderr (default INFO); WARNING or ERROR also quiets gRPC's own core "
+                        "log, unless GRPC_VERBOSITY is set")
     a = p.add_argument_group("access")
     a.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only (with --tls-key); SIGHUP "
                                                  "re-reads the TLS files for new connections (renewal)")

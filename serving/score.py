@@ -311,9 +311,11 @@ def out_of_sample_hint(training: dict[str, Any], last_scored_ns: int) -> str:
     if cut is None:
         return "the split column marks them"
     start = f"{np.datetime64(-(-cut // 1_000), 'us')}Z"
-    if last_scored_ns < cut:
-        return (f"these bars end before {start}, where the bars the run neither trained nor chose on begin: score "
-                "bars that go on past it for forecasts the model has not seen")
+    if last_scored_ns < cut:  # the bars the run neither trained nor chose on begin later: named, not --start
+        edge = (f"before {format_timestamp(test_from)}, where the run's test split begins" if test_from is not None
+                else f"by {format_timestamp(cut - 1)}, the run's last bar")
+        return (f"these bars end {edge}: score bars that go on past it for forecasts the model has not seen "
+                "(the run neither trained nor chose on those)")
     which = "test and after" if test_from is not None else "after"
     return f"--start {start} keeps only the {which} origins"
 
@@ -381,8 +383,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             wanted = [s for s in meta.symbols if s in present]
             if not wanted:
+                one_series = sorted(present) == [columns.default_symbol]  # no symbol column: one series
                 raise ScoreError(f"{args.parquet} holds none of the model's symbols ({', '.join(meta.symbols)}); "
-                                 f"it holds {', '.join(sorted(present)) or 'no bars'}")
+                                 f"it holds {', '.join(sorted(present)) or 'no bars'}"
+                                 + (f"; a file without a {columns.symbol!r} column is one series, named by "
+                                    f"--default-symbol: give --default-symbol {meta.symbols[0]}"
+                                    + (" (or another of the model's symbols)" if len(meta.symbols) > 1 else "")
+                                    if one_series else ""))
             for s in sorted(present - set(meta.symbols)):
                 log.warning("skipped %s: not one of the model's symbols (%s)", s, ", ".join(meta.symbols))
         for s in wanted:

@@ -75,6 +75,13 @@ def bind_failure_reason(line: str) -> str:
     return text.strip()
 
 
+def bind_advice(reason: str) -> str:
+    """What to do about a port that could not be bound, after its reason ('' when there is nothing to add)."""
+    if "in use" in reason:
+        return "; another process holds it: stop that one, or pass another --port (--port 0 picks a free one)"
+    return ""
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything `python -m serving` takes; one comment per field."""
@@ -252,7 +259,8 @@ class ForecastServer:
                 failed, error = self.port == 0, ""
         if failed:
             reason = next((r for line in native if (r := bind_failure_reason(line))), "")
-            raise OSError(f"cannot bind {address}: {reason or error or 'no address could be added'}")
+            why = reason or error or "no address could be added"
+            raise OSError(f"cannot bind {address}: {why}{bind_advice(why)}")
         self.batcher.start()
         await self.grpc.start()
         return self.port

@@ -582,6 +582,10 @@ def test_check_counts_session_breaks_among_the_gaps_over_the_interval(tmp_path: 
     text = summarize(read_bars(write_parquet(tmp_path / "daily.parquet", cols)))
     assert "bar interval (most common spacing): 1d" in text
     assert "1 gaps over the bar interval, 1 of them over an hour: session breaks (largest 3d)" in text
+    cols["timestamp"] = T0 + np.arange(6) * 60 * 10**9  # six bars a minute apart: nothing to call a break
+    text = summarize(read_bars(write_parquet(tmp_path / "minutes.parquet", cols)))
+    assert "  ES: 6 rows, 2024-01-01 14:30:00 UTC .. 2024-01-01 14:35:00 UTC, no gaps over the bar interval" in text
+    assert "session breaks" not in text
     assert [format_duration(s * 10**9) for s in (30, 60, 3599, 3600, 63_000, 86_400, 235_800)] == [
         "30s", "1min", "59min59s", "1h", "17h30min", "1d", "2d18h"]
 

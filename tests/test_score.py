@@ -215,6 +215,16 @@ def test_symbols_the_model_cannot_forecast_are_skipped_with_a_warning(tiny_model
     assert done.returncode == 0 and set(pq.read_table(tmp_path / "es.parquet")["symbol"].to_pylist()) == {"ES"}
     done = score("--model", tiny_model.model, "--parquet", tmp_path / "nan.parquet", "--out", tmp_path / "all.parquet")
     assert done.returncode == 2 and f"column 'close', row {nq[5]}: close is NaN" in done.stderr, done.stderr
+    # one market's bars without a symbol column: one series, whose name --default-symbol gives
+    one = tmp_path / "es_only.parquet"
+    pq.write_table(bars.take(pa.array(es)).drop_columns(["symbol"]), one)
+    done = score("--model", tiny_model.model, "--parquet", one, "--out", tmp_path / "n.parquet")
+    assert done.returncode == 2 and ("holds none of the model's symbols (ES, NQ); it holds SERIES; a file without a "
+                                     "'symbol' column is one series, named by --default-symbol: give --default-symbol "
+                                     "ES (or another of the model's symbols)") in done.stderr, done.stderr
+    done = score("--model", tiny_model.model, "--parquet", one, "--out", tmp_path / "n.parquet",
+                 "--default-symbol", "ES")
+    assert done.returncode == 0 and set(pq.read_table(tmp_path / "n.parquet")["symbol"].to_pylist()) == {"ES"}
 
 
 def test_windows_of_bars_finer_than_the_models_are_skipped_as_the_server_refuses_them(
@@ -302,12 +312,11 @@ def test_each_origin_is_placed_in_the_models_training_run_and_in_sample_ones_are
     done = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", tmp_path / "f.parquet",
                  "--symbols", "ES")
     m = re.search(r"([\d,]+) origin\(s\) lie in the bars the model was trained or chosen on .* "
-                  r"these bars end before (\S+), where the bars the run neither trained nor chose on begin",
-                  done.stderr)
+                  r"these bars end by (\S+ \S+) UTC, the run's last bar: score bars that go on past it", done.stderr)
     assert done.returncode == 0 and m, done.stderr
     assert int(m.group(1).replace(",", "")) == scored.num_rows // meta.horizon // 2  # every ES origin
     refused = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", tmp_path / "g.parquet",
-                    "--start", m.group(2))
+                    "--start", m.group(2).replace(" ", "T") + ".000001")
     assert refused.returncode == 2 and "no forecast origin" in refused.stderr  # no origin after the training bars
     # the same bars moved past the training run: every origin is "after", and nothing is called in-sample
     table = pq.read_table(tiny_model.bars_path)
@@ -404,7 +413,10 @@ def test_the_hint_keeps_a_test_split_and_the_span_is_checked_value_by_value() ->
     assert out_of_sample_hint(dict(untested, last_bar_ns=None), later) == "the split column marks them"
     # the run's own bars scored again: no --start keeps an origin, so none is offered
     own = out_of_sample_hint(untested, tested["last_bar_ns"])
-    assert "--start" not in own and "these bars end before 2024-01-11T19:06:39.000001Z" in own
+    assert own == ("these bars end by 2024-01-11 19:06:39 UTC, the run's last bar: score bars that go on past it for "
+                   "forecasts the model has not seen (the run neither trained nor chose on those)")
+    assert out_of_sample_hint(tested, tested["test_from_ns"] - 1).startswith(
+        "these bars end before 2024-01-10 07:50:00.0000005 UTC, where the run's test split begins: ")
     assert _span_ok(tested) and _span_ok(untested)
     changes: list[dict[str, object]] = [
         {"validation_from_ns": "10"}, {"last_bar_ns": 1.5e18}, {"first_bar_ns": True}, {"validation_from_ns": [10]},

@@ -943,13 +943,14 @@ def test_workers_share_one_port_reload_together_and_drain(art: Model, tmp_path: 
         other = subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), "--port", port,
                                 "--device", "cpu", "--workers", "2"], cwd=REPO, capture_output=True, text=True,
                                timeout=60)
-        assert other.returncode == 2 and f"cannot bind 127.0.0.1:{port}: Address already in use" in other.stderr, \
-            other.stderr[-2000:]
+        assert other.returncode == 2 and f"cannot bind 127.0.0.1:{port}: Address already in use; another process " \
+            "holds it" in other.stderr, other.stderr[-2000:]
         single = subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), "--port", port,
                                  "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert single.returncode == 2, single.stderr[-2000:]  # gRPC's own log line of the failure folded into one
         assert [ln for ln in single.stderr.splitlines() if "rror" in ln or "add_port" in ln] == [
-            f"error: cannot bind 127.0.0.1:{port}: Address already in use"], single.stderr[-2000:]
+            f"error: cannot bind 127.0.0.1:{port}: Address already in use; another process holds it: stop that one, "
+            "or pass another --port (--port 0 picks a free one)"], single.stderr[-2000:]
         pids = worker_pids(s)
         assert len(pids) == 2
         s.proc.send_signal(signal.SIGTERM)

@@ -518,6 +518,7 @@ def test_a_config_file_that_cannot_be_read_or_holds_a_boolean_for_a_number_is_a_
         (["--val-fraction", "0.001"], "no validation windows"),
         (["--features", "nope"], "user feature column 'nope' is missing"),
         (["--resume", "missing.pt"], "no such checkpoint file"),
+        (["--parquet", "gone/bars.parquet"], "error: --parquet gone/bars.parquet: no such file or directory"),
         (["--precision", "fp16", "--device", "cpu"], "needs CUDA"),
         (["--window-block", "-1"], "window_block must be >= 0"),
         (["--threads", "-2"], "threads must be >= 0"),
@@ -532,6 +533,8 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args
     assert message in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert not out.exists()
+    if "--parquet" in args:  # before the resolved config and the device choice, which would bury it
+        assert r.stderr.startswith("error: --parquet"), r.stderr[-2000:]
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--resume {args.resume}: give --out (where the run's best checkpoint goes; its latest goes beside "
                 f"it as .last.pt): the resumed file is not a run's own ckpt.last.pt, so where its run wrote is "
                 "unknown, and writing over the file itself would lose it")
+    if not Path(args.parquet).exists():  # said first, not under the resolved config and the device choice
+        print(f"error: --parquet {args.parquet}: no such file or directory; pass a parquet file or a directory "
+              "of them", file=sys.stderr)
+        return 2
     args.command = ["python", "-m", "trainer", *(sys.argv[1:] if argv is None else argv)]
     before = _stat(RunPaths.for_out(args.out).last)  # a last checkpoint that differs from this at the end is ours
     signal.signal(signal.SIGTERM, _raise_interrupt)
