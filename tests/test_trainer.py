@@ -503,24 +503,44 @@ def test_a_config_file_that_cannot_be_read_or_holds_a_boolean_for_a_number_is_a_
         assert str(info.value).startswith(f"--config {path}: {message}"), info.value
     for key, value in (("epochs", True), ("learning_rate", False)):
         with pytest.raises(ConfigError) as info:
-            merge(TrainConfig(), {key: value}, "cfg.toml")
-        assert f"{key}: cannot use {value!r}" in str(info.value)
+            merge(TrainConfig(), {key: value}, "--config cfg.toml")
+        assert f"{key} (--config cfg.toml): cannot use {value!r}" in str(info.value)
+
+
+def test_a_bad_setting_is_named_where_it_was_set_with_its_value(tmp_path: Path) -> None:
+    """A flag by its flag, a key of the --config file by its key and file, each with the value it has."""
+    from trainer.__main__ import build_parser
+    from trainer.config import config_from_args
+
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text("[model]\nhidden_size = 10\n[train]\nprecision = 'bf17'\n")
+    for argv, message in (
+            (["--attention-heads", "3", "--precision", "fp32"],
+             f"hidden_size (--config {cfg}) 10 must be divisible by --attention-heads 3"),
+            ([], f"precision (--config {cfg}) must be auto, fp32, bf16 or fp16, got 'bf17'"),
+            (["--precision", "fp32", "--hidden-size", "12", "--dropout", "1"], "--dropout must be in [0, 1), got 1.0")):
+        with pytest.raises(ConfigError) as info:
+            config_from_args(build_parser().parse_args(["--parquet", "b.parquet", "--config", str(cfg), *argv]))
+        assert str(info.value) == message
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--device", "cuda"], "CUDA is not available"),
-        (["--epochs", "abc"], "epochs: cannot use 'abc'"),
-        (["--hidden-size", "10", "--attention-heads", "3"], "divisible"),
-        (["--quantiles", "0.9,0.1"], "quantiles"),
+        (["--epochs", "abc"], "error: --epochs: cannot use 'abc' (expected int)"),
+        (["--hidden-size", "10", "--attention-heads", "3"],
+         "error: --hidden-size 10 must be divisible by --attention-heads 3"),
+        (["--quantiles", "0.9,0.1"],
+         "error: --quantiles must be non-empty, strictly increasing, in (0, 1); got 0.9, 0.1"),
+        (["--device", "gpu"], "error: --device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
         (["--encoder-length", "5000"], "no training windows"),
         (["--val-fraction", "0.001"], "no validation windows"),
         (["--features", "nope"], "user feature column 'nope' is missing"),
         (["--resume", "missing.pt"], "no such checkpoint file"),
         (["--parquet", "gone/bars.parquet"], "error: --parquet gone/bars.parquet: no such file or directory"),
         (["--precision", "fp16", "--device", "cpu"], "needs CUDA"),
-        (["--window-block", "-1"], "window_block must be >= 0"),
+        (["--window-block", "-1"], "--window-block must be >= 0"),
         (["--threads", "-2"], "threads must be >= 0"),
         (["--learning-rate", "1e9", "--grad-clip", "0"], "training diverged"),  # a NaN loss: one message, exit 2
     ],

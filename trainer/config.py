@@ -10,12 +10,13 @@ import argparse
 import inspect
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from features.compute import FeatureConfig, check_time_zone
-from trainer.model_config import ModelConfig
+from trainer.model_config import ModelConfig, check_fields
 
 
 class ConfigError(ValueError):
@@ -66,38 +67,47 @@ class TrainConfig:
     grad_checkpointing: str = "auto"  # auto | on | off
     threads: int = 0  # CPU threads for torch (0 = torch's default)
 
-    def validate(self) -> None:
+    def validate(self, label: Callable[[str], str] = str) -> None:
+        """ConfigError naming the first field that makes no sense, as `label(name)` says it (the trainer's command:
+        the flag, or the key in its --config file), with the value it has."""
+        key = label
         checks = [
-            (self.encoder_length >= 1, "encoder_length must be >= 1"),
-            (self.horizon >= 1, "horizon must be >= 1"),
-            (self.volatility_window >= 2, "volatility_window must be >= 2"),
-            (0.0 < self.val_fraction < 1.0, "val_fraction must be between 0 and 1"),
-            (0.0 <= self.test_fraction < 1.0 - self.val_fraction, "test_fraction must be >= 0 and leave room for "
-             "training (val_fraction + test_fraction < 1)"),
-            (self.epochs >= 1, "epochs must be >= 1"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.window_block >= 0, "window_block must be >= 0 (0 = automatic, 1 = every window shuffled on its "
-             "own)"),
-            (self.learning_rate > 0, "learning_rate must be > 0"),
-            (self.weight_decay >= 0, "weight_decay must be >= 0"),
-            (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
-            (self.grad_clip >= 0, "grad_clip must be >= 0 (0 = no clipping)"),
-            (self.max_steps_per_epoch >= 0, "max_steps_per_epoch must be >= 0 (0 = all)"),
-            (self.max_val_windows >= 0, "max_val_windows must be >= 0 (0 = all)"),
-            (self.threads >= 0, "threads must be >= 0 (0 = torch's default)"),
+            (self.encoder_length >= 1, f"{key('encoder_length')} must be >= 1, got {self.encoder_length}"),
+            (self.horizon >= 1, f"{key('horizon')} must be >= 1, got {self.horizon}"),
+            (self.volatility_window >= 2, f"{key('volatility_window')} must be >= 2, got {self.volatility_window}"),
+            (0.0 < self.val_fraction < 1.0, f"{key('val_fraction')} must be between 0 and 1, got {self.val_fraction}"),
+            (0.0 <= self.test_fraction < 1.0 - self.val_fraction, f"{key('test_fraction')} must be >= 0 and leave "
+             f"room for training ({key('val_fraction')} + {key('test_fraction')} < 1), got {self.test_fraction} with "
+             f"{self.val_fraction}"),
+            (self.epochs >= 1, f"{key('epochs')} must be >= 1, got {self.epochs}"),
+            (self.batch_size >= 1, f"{key('batch_size')} must be >= 1, got {self.batch_size}"),
+            (self.window_block >= 0, f"{key('window_block')} must be >= 0 (0 = automatic, 1 = every window shuffled "
+             f"on its own), got {self.window_block}"),
+            (self.learning_rate > 0, f"{key('learning_rate')} must be > 0, got {self.learning_rate}"),
+            (self.weight_decay >= 0, f"{key('weight_decay')} must be >= 0, got {self.weight_decay}"),
+            (self.warmup_steps >= 0, f"{key('warmup_steps')} must be >= 0, got {self.warmup_steps}"),
+            (self.grad_clip >= 0, f"{key('grad_clip')} must be >= 0 (0 = no clipping), got {self.grad_clip}"),
+            (self.max_steps_per_epoch >= 0, f"{key('max_steps_per_epoch')} must be >= 0 (0 = all), got "
+             f"{self.max_steps_per_epoch}"),
+            (self.max_val_windows >= 0, f"{key('max_val_windows')} must be >= 0 (0 = all), got {self.max_val_windows}"),
+            (self.threads >= 0, f"{key('threads')} must be >= 0 (0 = torch's default), got {self.threads}"),
             (len(set(self.features)) == len(self.features),
-             f"features lists a column more than once ({', '.join(self._repeated_features())}); name each once"),
-            (self.patience >= 0, "patience must be >= 0"),
-            (self.precision in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16"),
-            (self.grad_checkpointing in ("auto", "on", "off"), "grad_checkpointing must be auto, on or off"),
+             f"{key('features')} lists a column more than once ({', '.join(self._repeated_features())}); name each "
+             "once"),
+            (self.patience >= 0, f"{key('patience')} must be >= 0, got {self.patience}"),
+            (self.precision in ("auto", "fp32", "bf16", "fp16"),
+             f"{key('precision')} must be auto, fp32, bf16 or fp16, got {self.precision!r}"),
+            (self.grad_checkpointing in ("auto", "on", "off"),
+             f"{key('grad_checkpointing')} must be auto, on or off, got {self.grad_checkpointing!r}"),
             (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-             "device must be auto, cpu, cuda or cuda:N"),
+             f"{key('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
         try:
-            self.model_config(n_observed=1, n_known=1, n_symbols=1).validate()
+            model = {f.name: getattr(self, f.name) for f in fields(ModelConfig) if hasattr(self, f.name)}
+            check_fields({**model, "n_observed": 1, "n_known": 1, "static_cardinalities": (1,)}, label)
             check_time_zone(self.calendar_tz)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -144,8 +154,8 @@ class TrainConfig:
         return TrainConfig.from_dict({"window_block": 1, **d})
 
 
-def _coerce(name: str, value: Any, default: Any) -> Any:
-    """Convert a TOML or flag value to the field's type, with a clear error."""
+def _coerce(name: str, value: Any, default: Any, label: str) -> Any:
+    """Convert a TOML or flag value to the field's type, with a clear error naming it as `label`."""
     try:
         if isinstance(default, bool):
             if isinstance(value, str) and value.lower() in ("true", "false"):
@@ -168,7 +178,7 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
             return tuple(float(i) for i in items) if name == "quantiles" else tuple(str(i) for i in items)
         return str(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}: cannot use {value!r} (expected {type(default).__name__})") from None
+        raise ConfigError(f"{label}: cannot use {value!r} (expected {type(default).__name__})") from None
 
 
 def merge(base: TrainConfig, values: dict[str, Any], origin: str) -> TrainConfig:
@@ -177,7 +187,8 @@ def merge(base: TrainConfig, values: dict[str, Any], origin: str) -> TrainConfig
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(f"{origin}: unknown config key(s) {', '.join(unknown)}; known keys: {', '.join(known)}")
-    updates = {k: _coerce(k, v, getattr(base, k)) for k, v in values.items()}
+    where = (lambda k: f"--{k.replace('_', '-')}") if origin == "flags" else (lambda k: f"{k} ({origin})")
+    updates = {k: _coerce(k, v, getattr(base, k), where(k)) for k, v in values.items()}
     return replace(base, **updates)
 
 
@@ -255,5 +266,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     flags = {f.name: getattr(args, f"cfg_{f.name}") for f in fields(TrainConfig)
              if getattr(args, f"cfg_{f.name}", None) is not None}
     cfg = merge(cfg, flags, "flags")
-    cfg.validate()
+
+    def label(name: str) -> str:  # where the user set it: a flag, else a key of the config file
+        return f"--{name.replace('_', '-')}" if name in flags or not getattr(args, "config", None) else \
+            f"{name} (--config {args.config})"
+
+    cfg.validate(label)
     return cfg

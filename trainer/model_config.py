@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,36 +53,7 @@ class ModelConfig:
     # ---- checks and (de)serialisation ---------------------------------------------------
     def validate(self) -> None:
         """Raise ValueError naming the first field that makes no sense."""
-        positive = {
-            "n_known": self.n_known,
-            "hidden_size": self.hidden_size,
-            "attention_heads": self.attention_heads,
-            "lstm_layers": self.lstm_layers,
-            "encoder_length": self.encoder_length,
-            "horizon": self.horizon,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise ValueError(f"ModelConfig.{name} must be >= 1, got {value}")
-        if self.n_observed < 0:
-            raise ValueError(f"ModelConfig.n_observed must be >= 0, got {self.n_observed}")
-        if self.variable_hidden_size < 0:
-            raise ValueError(f"ModelConfig.variable_hidden_size must be >= 0, got {self.variable_hidden_size}")
-        if not self.static_cardinalities or min(self.static_cardinalities) < 1:
-            raise ValueError(
-                "ModelConfig.static_cardinalities needs at least one static categorical, each with a "
-                f"vocabulary of >= 1, got {self.static_cardinalities}"
-            )
-        if self.hidden_size % self.attention_heads:
-            raise ValueError(
-                f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
-                f"attention_heads ({self.attention_heads})"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
-        qs = self.quantiles
-        if not qs or any(not 0.0 < q < 1.0 for q in qs) or any(b <= a for a, b in itertools.pairwise(qs)):
-            raise ValueError(f"ModelConfig.quantiles must be non-empty, strictly increasing, in (0, 1); got {qs}")
+        check_fields(vars(self), lambda name: f"ModelConfig.{name}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -100,3 +72,27 @@ class ModelConfig:
         if missing:
             raise ValueError(f"ModelConfig.from_dict: missing keys {missing}")
         return cls(**d)
+
+
+def check_fields(values: Mapping[str, Any], label: Callable[[str], str]) -> None:
+    """ModelConfig's rules on `values` (its fields by name); ValueError naming the first field that breaks one as
+    `label(name)` says it: `ModelConfig.hidden_size` here, the flag `--hidden-size` for the trainer's command."""
+    for name in ("n_known", "hidden_size", "attention_heads", "lstm_layers", "encoder_length", "horizon"):
+        if values[name] < 1:
+            raise ValueError(f"{label(name)} must be >= 1, got {values[name]}")
+    for name in ("n_observed", "variable_hidden_size"):
+        if values[name] < 0:
+            raise ValueError(f"{label(name)} must be >= 0, got {values[name]}")
+    cards = tuple(values["static_cardinalities"])
+    if not cards or min(cards) < 1:
+        raise ValueError(f"{label('static_cardinalities')} needs at least one static categorical, each with a "
+                         f"vocabulary of >= 1, got {cards}")
+    if values["hidden_size"] % values["attention_heads"]:
+        raise ValueError(f"{label('hidden_size')} {values['hidden_size']} must be divisible by "
+                         f"{label('attention_heads')} {values['attention_heads']}")
+    if not 0.0 <= values["dropout"] < 1.0:
+        raise ValueError(f"{label('dropout')} must be in [0, 1), got {values['dropout']}")
+    qs = tuple(values["quantiles"])
+    if not qs or any(not 0.0 < q < 1.0 for q in qs) or any(b <= a for a, b in itertools.pairwise(qs)):
+        raise ValueError(f"{label('quantiles')} must be non-empty, strictly increasing, in (0, 1); got "
+                         f"{', '.join(f'{q:g}' for q in qs) or 'none'}")
