@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", type=Path, help="checkpoint written by `python -m trainer` (loaded weights-only)")
     p.add_argument("output", type=file_argument("model.onnx"),
-                   help="the ONNX model to write, e.g. model.onnx (its directory must exist)")
+                   help="the ONNX model to write, e.g. model.onnx (missing directories are made as it is written)")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET,
                    help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
     p.add_argument("--fp16", action="store_true",
@@ -87,8 +87,6 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         raise UsageError(f"{out} is a directory; give the model's file name, e.g. {out / 'model.onnx'}")
     if out.parent.exists() and not out.parent.is_dir():
         raise UsageError(f"{out}: {out.parent} is a file, not a directory; give a path in a directory")
-    if not out.parent.is_dir():
-        raise UsageError(f"{out}: directory {out.parent} does not exist; create it first")
     if args.checkpoint.is_dir():
         inside = next((args.checkpoint / n for n in ("ckpt.pt", "ckpt.last.pt") if (args.checkpoint / n).is_file()),
                       None)

@@ -114,8 +114,16 @@ class Staging:
     def __exit__(self, *exc: object) -> None:
         self.discard()
 
+    def _parents(self, target: Path) -> None:
+        """`target`'s missing directories made, and noted: discard() removes them again."""
+        if not target.parent.exists():
+            missing = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
+            target.parent.mkdir(parents=True)
+            self._created_parents.extend(missing)  # deepest first
+
     def file(self, target: Path, data: bytes) -> None:
         with _naming(target):
+            self._parents(target)
             fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
             os.close(fd)
             self._files.append((Path(tmp), target))
@@ -129,10 +137,7 @@ class Staging:
             self._directory(target, files, keep_others)
 
     def _directory(self, target: Path, files: dict[str, bytes], keep_others: bool) -> None:
-        if not target.parent.exists():
-            missing = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
-            target.parent.mkdir(parents=True)
-            self._created_parents.extend(missing)  # deepest first
+        self._parents(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         self._dirs.append((tmp, target))
         os.chmod(tmp, 0o777 & ~umask())
