@@ -95,6 +95,19 @@ class ColumnMap:
         """The flags given, over `stored` (a training run's names) or over the defaults."""
         return ColumnMap.from_dict({**(stored or {}), **ColumnMap.given(args)})
 
+    @staticmethod
+    def inherited(args: argparse.Namespace, stored: dict[str, str] | None) -> str | None:
+        """A note naming the columns `from_args` took from `stored` (the training run's names, not the defaults),
+        for an error about a missing column whose name the user never gave; None when it took none."""
+        default, given = ColumnMap(), ColumnMap.given(args)
+        stored = stored or {}
+        taken = [f"--{ColumnMap.dest(f).replace('_', '-')} {stored[f]}" for f in default.__dataclass_fields__
+                 if f in stored and f not in given and stored[f] != default.source(f)]  # in the flags' order
+        if not taken:
+            return None
+        return (f"note: the names not given as flags are the model's training run's ({', '.join(taken)}); "
+                "pass the flags for this file's names")
+
 
 WHOLE_FILE = "-"  # a Problem's column when the problem is the file (unreadable, not there), not one column
 

@@ -247,6 +247,8 @@ def _forecast(args: argparse.Namespace) -> int:
             print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the {args.symbol} bars:", file=sys.stderr)
             for line in exc.lines():
                 print(f"  {line}", file=sys.stderr)
+            if any("is missing" in p.rule for p in exc.problems) and (note := ColumnMap.inherited(args, trained)):
+                print(note, file=sys.stderr)
             return 2
         slices = bars.series_slices()
         if args.symbol not in slices:

@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupted)  # as Ctrl-C: the partial file is removed
     if args.batch < 1 or args.threads < 1:
         p.error("--batch and --threads must be at least 1")
+    stored: dict[str, str] | None = None  # the training run's column names, from the model
     try:
         start_ns = parse_time(args.start, "--start") if args.start else None
         end_ns = parse_time(args.end, "--end") if args.end else None
@@ -363,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s", note)
         model = load_model(args.model, args.device, args.threads, max_batch=args.batch)
         meta = model.meta
-        columns = ColumnMap.from_args(args, meta.column_map or None)
+        stored = meta.column_map or None
+        columns = ColumnMap.from_args(args, stored)
         asked = list(dict.fromkeys(s.strip() for s in (args.symbols or "").split(",") if s.strip()))  # each once
         if args.symbols is not None and not asked:
             raise ScoreError(f"--symbols {args.symbols!r} names no symbol; give e.g. {','.join(meta.symbols)}")
@@ -408,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         more = (f" (the first 10 shown; `python -m features.check {args.parquet}` with the model's column flags "
                 "lists all)" if len(lines) > 10 else "")
         print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars{more}:\n  {shown}", file=sys.stderr)
+        if any("is missing" in p.rule for p in exc.problems) and (note := ColumnMap.inherited(args, stored)):
+            print(note, file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)

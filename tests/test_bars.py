@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -902,3 +903,19 @@ def test_an_int64_min_placeholder_in_a_user_column_is_refused_by_row(tmp_path: P
     problems = problems_of(write_parquet(tmp_path / "min.parquet", cols), user=("imbalance",))
     assert [(p.column, p.row, p.count) for p in problems] == [("imbalance", 4, 1)], problems
     assert "INT64_MIN" in problems[0].rule
+
+
+def test_the_names_taken_from_a_training_run_are_named_for_a_missing_column_error() -> None:
+    """A model trained on ts_event/raw_symbol reads a file of the default layout: the note names the names it
+    took from the run (in the flags' order), not the ones this command gave, nor the run's default names."""
+    parser = argparse.ArgumentParser()
+    ColumnMap.add_arguments(parser, "the training run's")
+    run = {**ColumnMap().to_dict(), "symbol": "raw_symbol", "timestamp": "ts_event"}
+    assert ColumnMap.inherited(parser.parse_args([]), run) == (
+        "note: the names not given as flags are the model's training run's (--time-col ts_event, --symbol-col "
+        "raw_symbol); pass the flags for this file's names")
+    assert ColumnMap.inherited(parser.parse_args(["--time-col", "timestamp"]), run) == (
+        "note: the names not given as flags are the model's training run's (--symbol-col raw_symbol); pass the "
+        "flags for this file's names")
+    assert ColumnMap.inherited(parser.parse_args([]), ColumnMap().to_dict()) is None
+    assert ColumnMap.inherited(parser.parse_args([]), None) is None

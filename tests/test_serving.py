@@ -558,6 +558,8 @@ def test_a_models_recorded_layout_client_info_bar_columns_and_calendar_zone(art:
         assert r.stdout.startswith(f"{symbol}  model ")
         r = client("--parquet", str(art.bars_path), "--symbol", symbol)  # a file of another layout
         assert r.returncode == 2 and "required column 'ts_event' is missing" in r.stderr, r.stderr
+        assert "note: the names not given as flags are the model's training run's (--time-col ts_event, " \
+            "--symbol-col raw_symbol); pass the flags for this file's names" in r.stderr, r.stderr
         r = client("--parquet", str(art.bars_path), "--symbol", symbol, "--time-col", "timestamp", "--symbol-col",
                    "symbol")
         assert r.returncode == 0, r.stderr
