@@ -1,5 +1,7 @@
 # Two commands do all the set-up: `make demo` and `make test`. Both create .venv themselves.
 VENV ?= .venv
+# pytest worker processes (pytest-xdist); each test file runs whole on one of them
+JOBS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -18,7 +20,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py
