@@ -423,7 +423,7 @@ def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path,
     r = run([*resume, "--plan-only", "--device", "cuda", "--vram-budget", "4GiB"])
     assert r.returncode == 0 and "planned for a CUDA card" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     r = run([*resume, "--hidden-size", "16"])
-    assert r.returncode == 2 and "changes hidden_size 16 (the checkpoint's: 8)" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "changes --hidden-size 16 (the checkpoint's: 8)" in r.stderr, r.stderr[-2000:]
     r = run([*resume, "--epochs", str(last["epoch"] + 1), "--no-progress", "--no-report"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert load_checkpoint(out.with_suffix(".last.pt"))["epoch"] == last["epoch"] + 1

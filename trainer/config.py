@@ -244,11 +244,12 @@ def given_fields(args: argparse.Namespace) -> set[str]:
     return given
 
 
-def resumed_config(stored: TrainConfig, now: TrainConfig, given: set[str]) -> TrainConfig:
+def resumed_config(stored: TrainConfig, now: TrainConfig, given: set[str],
+                   label: Callable[[str], str] = str) -> TrainConfig:
     """A resumed run's config: the checkpoint's recipe, the hardware fields of this command, and its epochs and
     patience when given (else the checkpoint's, so the schedule is the one the run started). ConfigError naming
     each field of the recipe that this command sets to another value than the checkpoint holds."""
-    changed = [f"{k} {getattr(now, k)!r} (the checkpoint's: {getattr(stored, k)!r})"
+    changed = [f"{label(k)} {getattr(now, k)!r} (the checkpoint's: {getattr(stored, k)!r})"
                for k in sorted(given - set(RESUME_OVERRIDABLE)) if getattr(now, k) != getattr(stored, k)]
     if changed:
         raise ConfigError(f"--resume continues the run as its checkpoint configured it, but this command changes "
@@ -266,10 +267,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     flags = {f.name: getattr(args, f"cfg_{f.name}") for f in fields(TrainConfig)
              if getattr(args, f"cfg_{f.name}", None) is not None}
     cfg = merge(cfg, flags, "flags")
-
-    def label(name: str) -> str:  # where the user set it: a flag, else a key of the config file
-        return f"--{name.replace('_', '-')}" if name in flags or not getattr(args, "config", None) else \
-            f"{name} (--config {args.config})"
-
-    cfg.validate(label)
+    cfg.validate(setting_label(args))
     return cfg
+
+
+def setting_label(args: argparse.Namespace) -> Callable[[str], str]:
+    """How a message names a field: by where this command set it, its flag, else its key in the --config file."""
+    config = getattr(args, "config", None)
+
+    def label(name: str) -> str:
+        given = getattr(args, f"cfg_{name}", None) is not None
+        return f"--{name.replace('_', '-')}" if given or not config else f"{name} (--config {config})"
+    return label

@@ -19,7 +19,7 @@ from features.bars import ColumnMap
 from features.files import link_note
 from features.metrics import format_q_risk
 from trainer.checkpoint import load_checkpoint
-from trainer.config import TrainConfig, given_fields, resumed_config
+from trainer.config import TrainConfig, given_fields, resumed_config, setting_label
 from trainer.data import PreparedData, prepare
 from trainer.device import resolve_device, resolve_precision
 from trainer.loop import RunPaths, Trainer
@@ -83,7 +83,7 @@ def effective_config(args: argparse.Namespace, cfg: TrainConfig) -> TrainConfig:
     if not getattr(args, "resume", None):
         return cfg
     stored = TrainConfig.from_checkpoint(_resumed(args.resume)["train_config"])
-    return resumed_config(stored, cfg, given_fields(args))
+    return resumed_config(stored, cfg, given_fields(args), setting_label(args))
 
 
 @functools.lru_cache(maxsize=1)
