@@ -199,9 +199,8 @@ class Staging:
             staged.unlink(missing_ok=True)
         for staged, _ in self._dirs:
             shutil.rmtree(staged, ignore_errors=True)
-        for parent in self._created_parents:
-            try:
+        # deepest first over every file's and directory's parents (a file's and a directory's may nest)
+        for parent in sorted(set(self._created_parents), key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):  # one holding something else stays
                 parent.rmdir()
-            except OSError:
-                break
         self._files, self._dirs, self._created_parents = [], [], []

@@ -8,6 +8,7 @@ raise ``BarDataError`` carrying all problems found; command-line tools print the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 from collections.abc import Collection, Iterator, Mapping
@@ -96,17 +97,34 @@ class ColumnMap:
         return ColumnMap.from_dict({**(stored or {}), **ColumnMap.given(args)})
 
     @staticmethod
-    def inherited(args: argparse.Namespace, stored: dict[str, str] | None) -> str | None:
-        """A note naming the columns `from_args` took from `stored` (the training run's names, not the defaults),
-        for an error about a missing column whose name the user never gave; None when it took none."""
+    def inherited(args: argparse.Namespace, stored: dict[str, str] | None, present: set[str]) -> str | None:
+        """For an error about a missing column: a note naming the bar columns whose names `from_args` took from
+        `stored` (the training run's, not the defaults) rather than from a flag, and which are not among the
+        file's columns `present`; None when there are none."""
         default, given = ColumnMap(), ColumnMap.given(args)
         stored = stored or {}
-        taken = [f"--{ColumnMap.dest(f).replace('_', '-')} {stored[f]}" for f in default.__dataclass_fields__
-                 if f in stored and f not in given and stored[f] != default.source(f)]  # in the flags' order
+        taken = [f"--{ColumnMap.dest(f).replace('_', '-')} {stored[f]}" for f in ("timestamp", "symbol", *PRICE_COLUMNS,
+                                                                                  "volume")  # the flags' order
+                 if f in stored and f not in given and stored[f] != default.source(f) and stored[f] not in present]
         if not taken:
             return None
         return (f"note: the names not given as flags are the model's training run's ({', '.join(taken)}); "
                 "pass the flags for this file's names")
+
+
+def lacks_a_column(problems: list[Problem]) -> bool:
+    """Whether `problems` (a BarDataError's) include a required column the file does not have."""
+    return any(p.rule.startswith("required column ") for p in problems)
+
+
+def column_names(path: str | Path) -> set[str]:
+    """Every column name of the parquet file(s) at `path` (a file or a directory of them), from their schemas;
+    empty where none can be read."""
+    names: set[str] = set()
+    for file in list_parquet_files(Path(path)):
+        with contextlib.suppress(OSError, pa.ArrowException):
+            names |= set(pq.read_schema(file).names)
+    return names
 
 
 WHOLE_FILE = "-"  # a Problem's column when the problem is the file (unreadable, not there), not one column

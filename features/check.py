@@ -75,8 +75,13 @@ def summarize(bars: Bars) -> str:
         n_gaps = int(np.sum(gaps > interval)) if interval else 0
         n_long = int(np.sum(gaps > max(interval, SESSION_BREAK_NS))) if interval else 0
         largest = format_duration(int(gaps.max())) if gaps.size else "n/a"
-        spacing = (f"{n_gaps} gaps over the bar interval, {n_long} of them over an hour: session breaks (largest "
-                   f"{largest})" if n_gaps else "no gaps over the bar interval")
+        if not interval:
+            spacing = "no bar interval to measure gaps against"
+        elif n_gaps:
+            spacing = (f"{n_gaps} gaps over the bar interval, {n_long} of them over an hour: session breaks "
+                       f"(largest {largest})")
+        else:
+            spacing = "no gaps over the bar interval"
         lines.append(
             f"  {sym}: {sl.stop - sl.start} rows, {format_timestamp(int(ts[0]))} .. {format_timestamp(int(ts[-1]))}, "
             f"{spacing}"

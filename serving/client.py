@@ -38,7 +38,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from features.bars import BarDataError, Bars, ColumnMap, read_bars
+from features.bars import BarDataError, Bars, ColumnMap, column_names, lacks_a_column, read_bars
 from features.check import spacing_warning
 from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
@@ -247,7 +247,8 @@ def _forecast(args: argparse.Namespace) -> int:
             print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the {args.symbol} bars:", file=sys.stderr)
             for line in exc.lines():
                 print(f"  {line}", file=sys.stderr)
-            if any("is missing" in p.rule for p in exc.problems) and (note := ColumnMap.inherited(args, trained)):
+            names = column_names(args.parquet)
+            if lacks_a_column(exc.problems) and (note := ColumnMap.inherited(args, trained, names)):
                 print(note, file=sys.stderr)
             return 2
         slices = bars.series_slices()
@@ -256,7 +257,7 @@ def _forecast(args: argparse.Namespace) -> int:
                 present = list(read_bars(args.parquet, columns, tuple(info.user_feature_columns)).series_slices())
             except BarDataError:
                 present = []
-            one_series = present == [columns.default_symbol]
+            one_series = bool(present) and columns.symbol not in column_names(args.parquet)
             print(f"error: symbol {args.symbol!r} not in {args.parquet}"
                   + (f" (it has {', '.join(present)})" if present else "")
                   + (f"; a file without a {columns.symbol!r} column is one series, named by --default-symbol: give "

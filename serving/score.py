@@ -55,7 +55,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from features.bars import BarDataError, Bars, ColumnMap, clash_with_bars, read_bars
+from features.bars import BarDataError, Bars, ColumnMap, clash_with_bars, column_names, lacks_a_column, read_bars
 from features.check import format_duration, format_timestamp, spacing_warning
 from features.compute import FeatureFrame, build_frame, future_timestamps
 from features.file_kind import replace_problem
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             wanted = [s for s in meta.symbols if s in present]
             if not wanted:
-                one_series = sorted(present) == [columns.default_symbol]  # no symbol column: one series
+                one_series = columns.symbol not in column_names(args.parquet)  # no symbol column: one series
                 raise ScoreError(f"{args.parquet} holds none of the model's symbols ({', '.join(meta.symbols)}); "
                                  f"it holds {', '.join(sorted(present)) or 'no bars'}"
                                  + (f"; a file without a {columns.symbol!r} column is one series, named by "
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         more = (f" (the first 10 shown; `python -m features.check {args.parquet}` with the model's column flags "
                 "lists all)" if len(lines) > 10 else "")
         print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars{more}:\n  {shown}", file=sys.stderr)
-        if any("is missing" in p.rule for p in exc.problems) and (note := ColumnMap.inherited(args, stored)):
+        if lacks_a_column(exc.problems) and (note := ColumnMap.inherited(args, stored, column_names(args.parquet))):
             print(note, file=sys.stderr)
         return 2
     except OSError as exc:

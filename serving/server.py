@@ -350,8 +350,12 @@ class ForecastServer:
             # while calls still work (not for a server that never reported SERVING: nothing routes to it)
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             log.info("health NOT_SERVING; serving on for --drain-delay %g s, then draining", self.config.drain_delay_s)
+            began = time.monotonic()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.delay_cut.wait(), self.config.drain_delay_s)
+            if self.delay_cut.is_set():
+                log.info("a second stop signal: the rest of --drain-delay skipped after %.1f s, draining",
+                         time.monotonic() - began)
         self.servicer.ready = False
         self.servicer.draining = True
         self.metrics.ready.set(0)
@@ -510,11 +514,7 @@ async def serve(config: ServerConfig) -> int:
             stop.set()
             return
         server.delay_cut.set()  # an operator who signals again wants the stop now, not after the delay
-        if config.drain_delay_s > 0 and not server.servicer.draining:
-            log.info("%s again: the rest of --drain-delay skipped, draining (grace %g s)", sig.name, config.grace_s)
-        else:
-            log.info("%s again: already draining; in-flight calls have the rest of --grace %g s", sig.name,
-                     config.grace_s)
+        log.info("%s while stopping", sig.name)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop, sig)

@@ -151,10 +151,12 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
     listening: set[int] = set()  # workers past start-up
     hup_pending: set[int] = set()  # workers that were starting when a SIGHUP came: they get it once they listen
     stopping = threading.Event()
+    told_to_stop: set[int] = set()  # workers a stop signal was forwarded to: one more would skip --drain-delay
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         if signum != signal.SIGHUP:
             stopping.set()
+            told_to_stop.update(w.index for w in workers)
         else:  # a worker may have read the model file before it changed: it reloads once it listens
             hup_pending.update(w.index for w in workers if w.index not in listening)
         _stop([w for w in workers if signum != signal.SIGHUP or w.index in listening], signum)
@@ -178,7 +180,7 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
             w.start_reader()
             started = w.wait_listening(config.metrics_port is not None, START_TIMEOUT_S, stopping)
             if started is None:  # it failed to start (and said why), or we were told to stop
-                _stop(workers)
+                _stop([other for other in workers if other.index not in told_to_stop])  # each stopped once
                 for other in workers:
                     other.proc.wait()
                 return 0 if stopping.is_set() else exit_status(w.proc.returncode) or 1

@@ -587,6 +587,9 @@ def test_check_counts_session_breaks_among_the_gaps_over_the_interval(tmp_path: 
     text = summarize(read_bars(write_parquet(tmp_path / "minutes.parquet", cols)))
     assert "  ES: 6 rows, 2024-01-01 14:30:00 UTC .. 2024-01-01 14:35:00 UTC, no gaps over the bar interval" in text
     assert "session breaks" not in text
+    text = summarize(read_bars(write_parquet(tmp_path / "one.parquet", series_columns(0, 1, "ES"))))
+    assert "  ES: 1 rows, 2024-01-01 14:30:00 UTC .. 2024-01-01 14:30:00 UTC, no bar interval to measure gaps " \
+        "against" in text
     assert [format_duration(s * 10**9) for s in (30, 60, 3599, 3600, 63_000, 86_400, 235_800)] == [
         "30s", "1min", "59min59s", "1h", "17h30min", "1d", "2d18h"]
 
@@ -905,17 +908,24 @@ def test_an_int64_min_placeholder_in_a_user_column_is_refused_by_row(tmp_path: P
     assert "INT64_MIN" in problems[0].rule
 
 
-def test_the_names_taken_from_a_training_run_are_named_for_a_missing_column_error() -> None:
-    """A model trained on ts_event/raw_symbol reads a file of the default layout: the note names the names it
-    took from the run (in the flags' order), not the ones this command gave, nor the run's default names."""
+def test_the_names_taken_from_a_training_run_are_named_for_a_missing_column_error(tmp_path: Path) -> None:
+    """A model trained on ts_event/raw_symbol (and --time-unit ms) reads a file of the default layout: the note
+    names the bar columns it took from the run that the file lacks (in the flags' order), not the ones this
+    command gave, the run's default names, names the file has, or settings that are no column."""
+    from features.bars import column_names
+
     parser = argparse.ArgumentParser()
     ColumnMap.add_arguments(parser, "the training run's")
-    run = {**ColumnMap().to_dict(), "symbol": "raw_symbol", "timestamp": "ts_event"}
-    assert ColumnMap.inherited(parser.parse_args([]), run) == (
+    run = {**ColumnMap().to_dict(), "symbol": "raw_symbol", "timestamp": "ts_event", "time_unit": "ms",
+           "default_symbol": "ES"}
+    present = column_names(write_parquet(tmp_path / "bars.parquet", series_columns(0, 6, "ES")))
+    assert {"timestamp", "symbol", "close"} <= present and column_names(tmp_path / "none") == set()
+    assert ColumnMap.inherited(parser.parse_args([]), run, present) == (
         "note: the names not given as flags are the model's training run's (--time-col ts_event, --symbol-col "
         "raw_symbol); pass the flags for this file's names")
-    assert ColumnMap.inherited(parser.parse_args(["--time-col", "timestamp"]), run) == (
+    assert ColumnMap.inherited(parser.parse_args(["--time-col", "timestamp"]), run, present) == (
         "note: the names not given as flags are the model's training run's (--symbol-col raw_symbol); pass the "
         "flags for this file's names")
-    assert ColumnMap.inherited(parser.parse_args([]), ColumnMap().to_dict()) is None
-    assert ColumnMap.inherited(parser.parse_args([]), None) is None
+    assert ColumnMap.inherited(parser.parse_args([]), run, present | {"ts_event", "raw_symbol"}) is None
+    assert ColumnMap.inherited(parser.parse_args([]), ColumnMap().to_dict(), set()) is None
+    assert ColumnMap.inherited(parser.parse_args([]), None, set()) is None

@@ -554,15 +554,15 @@ def test_a_full_disk_exits_1_naming_the_directory_and_the_fix(
     assert f"error: cannot write {tmp_path / 'model.onnx'}: No space left on device; free space on the file system " \
         f"of {tmp_path}, or write elsewhere" in err and "nothing was written" in err, err
     assert listing(tmp_path) == []
-    # the Triton repository on another (full) file system: named, not the model file's directory
-    out, repo = tmp_path / "out", tmp_path / "other_disk" / "repo"
-    out.mkdir()
-    monkeypatch.setattr(export.files, "_write", full_in(tmp_path / "other_disk"))
+    # the Triton repository on another (full) file system: named, not the model file's directory; the directories
+    # made for both outputs (the repository's inside the model file's) are removed again
+    out, repo = tmp_path / "new", tmp_path / "new" / "other_disk" / "repo"
+    monkeypatch.setattr(export.files, "_write", full_in(tmp_path / "new" / "other_disk"))
     assert main([str(ckpt), str(out / "model.onnx"), "--triton-repo", str(repo)]) == 1
     err = capsys.readouterr().err
     assert f"error: cannot write {repo / 'model'}: No space left on device; free space on the file system of " \
         f"{repo}" in err, err
-    assert listing(tmp_path) == ["out"]
+    assert listing(tmp_path) == []
 
 
 def test_real_command_exit_status_and_help_text(tmp_path: Path) -> None:

@@ -850,7 +850,7 @@ def test_a_second_sigterm_skips_the_rest_of_the_drain_delay(art: Model, tmp_path
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(timeout=30) == 0, s.log_text()  # not the 120 s delay
         log = s.log_text()
-        assert "SIGTERM again: the rest of --drain-delay skipped, draining (grace 60 s)" in log
+        assert "SIGTERM while stopping" in log and "a second stop signal: the rest of --drain-delay skipped" in log
         assert "drained in" in log
     finally:
         s.kill()
@@ -987,9 +987,32 @@ def test_a_terminals_signals_reach_each_worker_once(art: Model, tmp_path: Path) 
         log = s.log_text()
         assert all(log.count(f"[worker {i}] {what}") == 1 for i in (0, 1)
                    for what in ("SIGINT: draining", "health NOT_SERVING; serving on for --drain-delay 1 s")), log
-        assert "again" not in log, log
+        assert "while stopping" not in log and "second stop signal" not in log, log
     finally:
         s.kill()
+
+
+def test_a_sigterm_while_a_worker_starts_reaches_each_worker_once(art: Model, tmp_path: Path) -> None:
+    """The supervisor stops a set whose start a SIGTERM cut short: the workers it had forwarded the signal to are
+    not signalled again (a second signal would skip the first worker's --drain-delay)."""
+    log = tmp_path / "server.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "serving", "--model", str(art.model), "--port", "0",
+                                 "--device", "cpu", "--threads", "1", "--workers", "2", "--drain-delay", "1"],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "worker 0 (pid" not in log.read_text():  # worker 0 listens; worker 1 is only now being started
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+        text = log.read_text()
+        assert text.count("[worker 0] SIGTERM: draining") == 1, text
+        assert "while stopping" not in text and "second stop signal" not in text, text
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_workers_reserve_the_port_a_single_server_just_left() -> None:

@@ -518,7 +518,9 @@ def test_a_bad_setting_is_named_where_it_was_set_with_its_value(tmp_path: Path) 
             (["--attention-heads", "3", "--precision", "fp32"],
              f"hidden_size (--config {cfg}) 10 must be divisible by --attention-heads 3"),
             ([], f"precision (--config {cfg}) must be auto, fp32, bf16 or fp16, got 'bf17'"),
-            (["--precision", "fp32", "--hidden-size", "12", "--dropout", "1"], "--dropout must be in [0, 1), got 1.0")):
+            (["--precision", "fp32", "--hidden-size", "12", "--dropout", "1"], "--dropout must be in [0, 1), got 1.0"),
+            (["--precision", "fp32"],  # a default the file does not set is named by its flag
+             f"hidden_size (--config {cfg}) 10 must be divisible by --attention-heads 4")):
         with pytest.raises(ConfigError) as info:
             config_from_args(build_parser().parse_args(["--parquet", "b.parquet", "--config", str(cfg), *argv]))
         assert str(info.value) == message
@@ -773,9 +775,11 @@ def test_an_out_that_is_a_link_becomes_a_file_and_what_it_named_is_kept(
     kept = file_sha256(release)
     out = tmp_path / "ckpt.pt"
     out.symlink_to(release)
+    (tmp_path / "ckpt.report.png").symlink_to(release.parent / "v1.png")  # --no-report: never written, not noted
     r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS])
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"note: {out} is a link to {release}; it becomes a file of its own" in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("note: ") == 1 and (tmp_path / "ckpt.report.png").is_symlink(), r.stderr[-3000:]
     assert r.stderr.index("note: ") < r.stderr.index("epoch 1")
     assert not out.is_symlink() and load_checkpoint(out)["epoch"] == 1
     assert file_sha256(release) == kept

@@ -272,10 +272,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def setting_label(args: argparse.Namespace) -> Callable[[str], str]:
-    """How a message names a field: by where this command set it, its flag, else its key in the --config file."""
+    """How a message names a field: its key and file where this command's --config file sets it (and no flag
+    does), else its flag, which sets it or would."""
     config = getattr(args, "config", None)
+    in_file = set(load_toml(Path(config))) if config else set()
 
     def label(name: str) -> str:
-        given = getattr(args, f"cfg_{name}", None) is not None
-        return f"--{name.replace('_', '-')}" if given or not config else f"{name} (--config {config})"
+        flagged = getattr(args, f"cfg_{name}", None) is not None
+        return f"{name} (--config {config})" if name in in_file and not flagged else f"--{name.replace('_', '-')}"
     return label

@@ -51,10 +51,15 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     budget = parse_budget(cfg.vram_budget) if cfg.vram_budget else 0
     if args.plan_only:
         return plan_only(args, cfg, budget)
-    if int(os.environ.get("RANK", "0")) == 0:
-        paths = RunPaths.for_out(args.out)
-        for note in filter(None, map(link_note, (paths.best, paths.last, paths.report, paths.test))):
-            log.info("%s", note)  # the metrics file is written through a link, as open() writes
+    if int(os.environ.get("RANK", "0")) == 0:  # the files this run writes by rename (the metrics file is
+        paths = RunPaths.for_out(args.out)  # written through a link, as open() writes)
+        renamed = [paths.best, paths.last]
+        if not args.no_report:
+            renamed.append(paths.report)
+        if cfg.test_fraction > 0:
+            renamed.append(paths.test)
+        for note in filter(None, map(link_note, renamed)):
+            log.info("%s", note)
     plan_fn = budget_plan_fn(cfg, budget, _budget_label(args, cfg)) if budget else None
     trainer = Trainer(args.parquet, cfg, args.out, _columns(args), resume=args.resume,
                       progress=not args.no_progress, plan_fn=plan_fn)
