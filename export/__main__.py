@@ -127,7 +127,7 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
             raise UsageError(f"{what}: cannot write in {blocked[0]} ({blocked[1]}); choose a directory this user "
                              "can write to")
     if args.bars is None and (given := ColumnMap.given(args)):
-        flags = ", ".join("--" + ColumnMap.dest(f).replace("_", "-") for f in given)
+        flags = ", ".join(ColumnMap.flag(f) for f in given)
         raise UsageError(f"{flags}: column mapping applies to --bars only (the checkpoint's own windows need none)")
     return ExportOptions(checkpoint=args.checkpoint, output=out, opset=args.opset, fp16=args.fp16,
                          explain=args.explain, require_device=args.require_device, triton_repo=args.triton_repo,

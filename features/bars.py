@@ -92,6 +92,19 @@ class ColumnMap:
             field_name, f"{field_name}_col")
 
     @staticmethod
+    def flag(field_name: str) -> str:
+        """A field's flag: timestamp -> --time-col, open -> --open-col."""
+        return "--" + ColumnMap.dest(field_name).replace("_", "-")
+
+    def one_series_hint(self, path: str | Path, symbol: str) -> str:
+        """For an error that a symbol is not in the bars at `path`: when they have no symbol column (one series,
+        named by --default-symbol), the flag that names it `symbol`; else ''."""
+        if self.symbol in column_names(path):
+            return ""
+        return (f"; a file without a {self.symbol!r} column is one series, named by --default-symbol: give "
+                f"--default-symbol {symbol}")
+
+    @staticmethod
     def from_args(args: argparse.Namespace, stored: dict[str, str] | None = None) -> ColumnMap:
         """The flags given, over `stored` (a training run's names) or over the defaults."""
         return ColumnMap.from_dict({**(stored or {}), **ColumnMap.given(args)})
@@ -103,8 +116,7 @@ class ColumnMap:
         file's columns `present`; None when there are none."""
         default, given = ColumnMap(), ColumnMap.given(args)
         stored = stored or {}
-        taken = [f"--{ColumnMap.dest(f).replace('_', '-')} {stored[f]}" for f in ("timestamp", "symbol", *PRICE_COLUMNS,
-                                                                                  "volume")  # the flags' order
+        taken = [f"{ColumnMap.flag(f)} {stored[f]}" for f in (*REQUIRED_COLUMNS, "symbol")
                  if f in stored and f not in given and stored[f] != default.source(f) and stored[f] not in present]
         if not taken:
             return None

@@ -247,8 +247,8 @@ def _forecast(args: argparse.Namespace) -> int:
             print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the {args.symbol} bars:", file=sys.stderr)
             for line in exc.lines():
                 print(f"  {line}", file=sys.stderr)
-            names = column_names(args.parquet)
-            if lacks_a_column(exc.problems) and (note := ColumnMap.inherited(args, trained, names)):
+            if lacks_a_column(exc.problems) and (
+                    note := ColumnMap.inherited(args, trained, column_names(args.parquet))):
                 print(note, file=sys.stderr)
             return 2
         slices = bars.series_slices()
@@ -257,11 +257,9 @@ def _forecast(args: argparse.Namespace) -> int:
                 present = list(read_bars(args.parquet, columns, tuple(info.user_feature_columns)).series_slices())
             except BarDataError:
                 present = []
-            one_series = bool(present) and columns.symbol not in column_names(args.parquet)
             print(f"error: symbol {args.symbol!r} not in {args.parquet}"
                   + (f" (it has {', '.join(present)})" if present else "")
-                  + (f"; a file without a {columns.symbol!r} column is one series, named by --default-symbol: give "
-                     f"--default-symbol {args.symbol}" if one_series else ""), file=sys.stderr)
+                  + (columns.one_series_hint(args.parquet, args.symbol) if present else ""), file=sys.stderr)
             return 2
         have = slices[args.symbol].stop - slices[args.symbol].start
         if have < info.bars_required:

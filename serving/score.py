@@ -385,13 +385,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             wanted = [s for s in meta.symbols if s in present]
             if not wanted:
-                one_series = columns.symbol not in column_names(args.parquet)  # no symbol column: one series
+                hint = columns.one_series_hint(args.parquet, meta.symbols[0])
                 raise ScoreError(f"{args.parquet} holds none of the model's symbols ({', '.join(meta.symbols)}); "
-                                 f"it holds {', '.join(sorted(present)) or 'no bars'}"
-                                 + (f"; a file without a {columns.symbol!r} column is one series, named by "
-                                    f"--default-symbol: give --default-symbol {meta.symbols[0]}"
-                                    + (" (or another of the model's symbols)" if len(meta.symbols) > 1 else "")
-                                    if one_series else ""))
+                                 f"it holds {', '.join(sorted(present)) or 'no bars'}{hint}"
+                                 + (" (or another of the model's symbols)" if hint and len(meta.symbols) > 1 else ""))
             for s in sorted(present - set(meta.symbols)):
                 log.warning("skipped %s: not one of the model's symbols (%s)", s, ", ".join(meta.symbols))
         for s in wanted:

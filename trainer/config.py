@@ -187,7 +187,7 @@ def merge(base: TrainConfig, values: dict[str, Any], origin: str) -> TrainConfig
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(f"{origin}: unknown config key(s) {', '.join(unknown)}; known keys: {', '.join(known)}")
-    where = (lambda k: f"--{k.replace('_', '-')}") if origin == "flags" else (lambda k: f"{k} ({origin})")
+    where = flag_name if origin == "flags" else (lambda k: f"{k} ({origin})")
     updates = {k: _coerce(k, v, getattr(base, k), where(k)) for k, v in values.items()}
     return replace(base, **updates)
 
@@ -223,6 +223,11 @@ def field_comments() -> dict[str, str]:
     return dict(re.findall(r"^    (\w+): [^=]+= .+?  # (.+)$", src, re.M))
 
 
+def flag_name(field_name: str) -> str:
+    """A TrainConfig field's flag: hidden_size -> --hidden-size."""
+    return f"--{field_name.replace('_', '-')}"
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field (`--hidden-size 16`), default None = not given."""
     g = parser.add_argument_group("config fields (each overrides --config; the same names are the TOML keys)")
@@ -231,7 +236,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not MISSING else None
         listed = isinstance(default, tuple)
         shown = ",".join(str(x) for x in default) if isinstance(default, tuple) else repr(default)
-        g.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg_{f.name}", default=None,
+        g.add_argument(flag_name(f.name), dest=f"cfg_{f.name}", default=None,
                        metavar="A,B" if listed else type(default).__name__.upper(),
                        help=f"{comments.get(f.name, '')} (default {shown})")
 
@@ -279,5 +284,5 @@ def setting_label(args: argparse.Namespace) -> Callable[[str], str]:
 
     def label(name: str) -> str:
         flagged = getattr(args, f"cfg_{name}", None) is not None
-        return f"{name} (--config {config})" if name in in_file and not flagged else f"--{name.replace('_', '-')}"
+        return f"{name} (--config {config})" if name in in_file and not flagged else flag_name(name)
     return label
