@@ -3,8 +3,9 @@
     build_server(config, model) -> ForecastServer   everything wired, nothing started
     serve(config) -> exit status                     load, start, run until SIGTERM/SIGINT
 
-Order at start: load and check the model (a bad model or an unavailable --device cuda
-stops here, exit 2), read the TLS and token files (unusable ones stop here too), bind and
+Order at start: read the TLS and token files (unusable ones stop here, exit 2), look whether
+the ports are taken (one in use stops here), load and check the model (a bad model or an
+unavailable --device cuda stops here too), bind and
 start (health NOT_SERVING; Predict answers UNAVAILABLE), print `listening on HOST:PORT`,
 warm up at every padded batch size, then health SERVING.
 
@@ -27,6 +28,7 @@ import math
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -73,6 +75,37 @@ def bind_failure_reason(line: str) -> str:
     if m := re.search(r"Error in bind for address '[^']*': (.*?)(?=Error in bind|\)|$)", text):
         return m.group(1).strip()
     return text.strip()
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether `port` is taken on every address `host` resolves to (gRPC binds what it can of them, and fails
+    only if none is free). Looked at before the model loads, which can take minutes on a large model and a
+    GPU, so that a port in use is named at once rather than after the load. Anything else (an unknown host,
+    an address this machine lacks) is left to the bind itself, which names it; so is a port taken later."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False
+    taken = 0
+    for family, kind, proto, _name, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: old TIME_WAITs are fine
+            try:
+                probe.bind((address[0], port, *address[2:]))  # no SO_REUSEPORT: fails on a port anyone holds
+            except OSError as exc:
+                taken += exc.errno == errno.EADDRINUSE
+    return bool(addresses) and taken == len(addresses)
+
+
+def bind_error(address: str, reason: str) -> str:
+    return f"cannot bind {address}: {reason}{bind_advice(reason)}"
+
+
+def metrics_bind_error(config: ServerConfig, exc: OSError) -> str:
+    fix = "pick a free port (0 picks one)" if exc.errno == errno.EADDRINUSE else \
+        "give --metrics-host (default: --host) an address of this machine, or pick another port"
+    return (f"--metrics-port {config.metrics_port}: cannot serve metrics on "
+            f"{host_port(config.metrics_bind, config.metrics_port or 0)}: {exc.strerror or exc}; {fix}")
 
 
 def bind_advice(reason: str) -> str:
@@ -260,7 +293,7 @@ class ForecastServer:
         if failed:
             reason = next((r for line in native if (r := bind_failure_reason(line))), "")
             why = reason or error or "no address could be added"
-            raise OSError(f"cannot bind {address}: {why}{bind_advice(why)}")
+            raise OSError(bind_error(address, why))
         self.batcher.start()
         await self.grpc.start()
         return self.port
@@ -455,6 +488,11 @@ async def serve(config: ServerConfig) -> int:
     sighup.hold()  # until the loop's handler: a SIGHUP now is recorded (python -m serving held it from its start)
     sighup.forget()  # the token and model files are read below: a reload asked for before then is served by that
     access = read_access(config)  # unusable TLS or token files stop the start before the model loads
+    in_use = os.strerror(errno.EADDRINUSE)  # a port in use is named now, not after the model's load:
+    if config.port and not config.reuse_port and port_taken(config.host, config.port):  # (a --workers
+        raise OSError(bind_error(host_port(config.host, config.port), in_use))  # worker's is held for it)
+    if config.metrics_port and port_taken(config.metrics_bind, config.metrics_port):
+        raise OSError(metrics_bind_error(config, OSError(errno.EADDRINUSE, in_use)))
     model = await asyncio.to_thread(load_model, config.model_path, config.device, config.threads,
                                     config.max_batch, config.device_id)
     log.info("model %s (sha256 %s) from %s: provider %s, bars_required %d, horizon %d, quantiles %s, symbols %s",
@@ -471,11 +509,7 @@ async def serve(config: ServerConfig) -> int:
         try:
             mport = server.metrics.serve_http(config.metrics_bind, config.metrics_port)
         except OSError as exc:
-            fix = "pick a free port (0 picks one)" if exc.errno == errno.EADDRINUSE else \
-                "give --metrics-host (default: --host) an address of this machine, or pick another port"
-            raise OSError(f"--metrics-port {config.metrics_port}: cannot serve metrics on "
-                          f"{host_port(config.metrics_bind, config.metrics_port)}: {exc.strerror or exc}; "
-                          f"{fix}") from None
+            raise OSError(metrics_bind_error(config, exc)) from None
     try:
         port = await server.start()
     except BaseException:

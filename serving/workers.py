@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from types import FrameType
 
-from serving.server import ServerConfig, bind_advice, host_port
+from serving.server import ServerConfig, bind_error, host_port
 
 log = logging.getLogger("serving")
 
@@ -144,7 +144,7 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
         placeholders = reserve_port(config.host, config.port)
     except OSError as exc:
         why = str(exc.strerror or exc)
-        print(f"error: cannot bind {host_port(config.host, config.port)}: {why}{bind_advice(why)}", file=sys.stderr)
+        print(f"error: {bind_error(host_port(config.host, config.port), why)}", file=sys.stderr)
         return 2
     port = int(placeholders[0].getsockname()[1])
     workers: list[Worker] = []

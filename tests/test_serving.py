@@ -1015,6 +1015,26 @@ def test_a_sigterm_while_a_worker_starts_reaches_each_worker_once(art: Model, tm
         proc.wait()
 
 
+def test_a_port_in_use_is_named_before_the_model_loads(art: Model) -> None:
+    """Loading a model can take minutes (a large file, a GPU's warm-up): a gRPC or metrics port that another
+    process listens on stops the start before it, with the one line that says what to do."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        for flags, error in (
+                (["--port", port], f"error: cannot bind 127.0.0.1:{port}: Address already in use; another process "
+                                   "holds it: stop that one, or pass another --port (--port 0 picks a free one)"),
+                (["--port", "0", "--metrics-port", port],
+                 f"error: --metrics-port {port}: cannot serve metrics on 127.0.0.1:{port}: Address already in use; "
+                 "pick a free port (0 picks one)")):
+            r = subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), "--device", "cpu", *flags],
+                               cwd=REPO, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and "listening" not in r.stdout, r.stderr[-2000:]
+            assert [ln for ln in r.stderr.splitlines() if "rror" in ln] == [error], r.stderr[-2000:]
+            assert "(sha256 " not in r.stderr and "provider" not in r.stderr, r.stderr[-2000:]  # no model loaded
+
+
 def test_workers_reserve_the_port_a_single_server_just_left() -> None:
     """A server that drained closed its connections first, leaving its end in TIME_WAIT on the port for a
     minute: a --workers set started there at once reserves the port (as a single server binds it), not
