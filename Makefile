@@ -1,5 +1,7 @@
 # Two commands do all the set-up: `make demo` and `make test`. Both create .venv themselves.
 VENV ?= .venv
+# the interpreter the venv is made from: Python 3.11 (pyproject.toml), e.g. make demo PYTHON=python3.11
+PYTHON ?= python3
 # pytest worker processes (pytest-xdist); each test file runs whole on one of them
 JOBS ?= 2
 PY := $(VENV)/bin/python
@@ -8,7 +10,9 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test lint install clean
 
 $(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(None if v == (3, 11) else "error: $(PYTHON) is \
+	Python %d.%d; this project needs 3.11 (pyproject.toml): make $(MAKECMDGOALS) PYTHON=python3.11" % v)'
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from features.bars import REQUIRED_COLUMNS, BarDataError, Bars, ColumnMap, list_parquet_files, read_bars
 from features.compute import infer_bar_interval_ns
+from features.files import reader_went_away
 
 
 def format_timestamp(ns: int) -> str:
@@ -122,6 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--features", default="", help="comma-separated extra numeric columns to check as features")
     ColumnMap.add_arguments(p)
     args = p.parse_args(argv)
+    try:
+        status = check(args)
+        sys.stdout.flush()  # here, so that a reader gone before the last line is caught too
+        return status
+    except BrokenPipeError:
+        return reader_went_away()
+
+
+def check(args: argparse.Namespace) -> int:
+    """Print the summary of the bars `args` names, or their problems (exit status 2)."""
     user = tuple(c.strip() for c in args.features.split(",") if c.strip())
     try:
         bars = read_bars(args.path, ColumnMap.from_args(args), user)

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+
+def reader_went_away() -> int:
+    """After a BrokenPipeError on stdout (its reader went away: `| head`): stdout goes to /dev/null, so that
+    the flush at exit raises no second error, and the status is 141, what a shell reports for a process that
+    SIGPIPE ended. A command's main returns this instead of a traceback."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 def umask() -> int:

@@ -28,7 +28,6 @@ interrupted, 141 the reader of the output went away (`| head`).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -40,6 +39,7 @@ from google.protobuf import json_format
 
 from features.bars import BarDataError, Bars, ColumnMap, column_names, lacks_a_column, read_bars
 from features.check import spacing_warning
+from features.files import reader_went_away
 from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
@@ -138,9 +138,8 @@ def _interrupted_is_130(command: Callable[[argparse.Namespace], int], args: argp
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader went away (`| head`): no traceback, and none at exit's flush either
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # what a shell reports for a process ended by SIGPIPE
+    except BrokenPipeError:
+        return reader_went_away()
 
 
 def format_model_info(info: pb.ModelInfo) -> str:
@@ -153,6 +152,8 @@ def format_model_info(info: pb.ModelInfo) -> str:
         ("model", f"{info.model_version} ({info.precision}), server {info.server_version}"),
         ("runs on", f"{info.provider} (--device {info.device_requested})"
          + (f"; FALLBACK: {info.fallback_warning}" if info.fallback_warning else "")),
+        ("torch", "IMPORTED by the server process (it never should be)" if info.torch_imported
+         else "not imported by the server process"),
         ("bars required", f"{info.bars_required} per series (encoder {info.encoder_length}), bar interval "
          f"{info.bar_interval_ns / 1e9:g} s"),
         ("forecast", f"{info.horizon} steps, quantiles {', '.join(f'{q:g}' for q in info.quantiles)}"),
@@ -211,7 +212,8 @@ def _info(args: argparse.Namespace) -> int:
         info = _model_info(pb_grpc.ForecasterStub(channel), args, metadata)
     if info is None:
         return 1
-    print(json_format.MessageToJson(info, preserving_proto_field_name=True) if args.json else format_model_info(info))
+    print(json_format.MessageToJson(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+          if args.json else format_model_info(info))  # every field: a false torch_imported, no user columns
     return 0
 
 

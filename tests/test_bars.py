@@ -607,6 +607,14 @@ def test_check_cli_on_good_file(sample_bars: Path) -> None:
                 "7 gaps over the bar interval, 7 of them over an hour: session breaks (largest 2d18h)") in out, out
     assert "no problems found" in out
     assert "Traceback" not in res.stderr
+    # a reader that goes away (`| head`): no traceback, the status a shell gives a process ended by SIGPIPE
+    with subprocess.Popen([sys.executable, "-m", "features.check", str(sample_bars)],
+                          cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as piped:
+        assert piped.stdout is not None and piped.stderr is not None
+        piped.stdout.close()
+        err = piped.stderr.read()
+    assert piped.returncode == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 def test_check_names_unchecked_feature_columns_and_symbols_of_another_bar_size(tmp_path: Path) -> None:

@@ -547,9 +547,12 @@ def test_a_models_recorded_layout_client_info_bar_columns_and_calendar_zone(art:
         assert facts["bars required"].startswith(f"{art.meta.bars_required} per series")
         assert "timestamp=ts_event" in facts["bar columns"] and "symbol=raw_symbol" in facts["bar columns"]
         assert facts["runs on"] == "CPUExecutionProvider (--device cpu)"
+        assert facts["torch"] == "not imported by the server process"
         assert facts["calendar"] == "time of day and day of week in America/Chicago"
         r = client("--info", "--json")
         assert r.returncode == 0 and json.loads(r.stdout)["bar_columns"] == trained, r.stdout
+        info = json.loads(r.stdout)  # every field, those at their defaults too (proto3 JSON leaves them out)
+        assert info["torch_imported"] is False and info["user_feature_columns"] == [] and info["fallback_warning"] == ""
         r = client("--info", "--symbol", "ES")
         assert r.returncode == 2 and "--info prints the model's information alone" in r.stderr
         symbol = art.meta.symbols[0]

@@ -236,6 +236,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not MISSING else None
         listed = isinstance(default, tuple)
         shown = ",".join(str(x) for x in default) if isinstance(default, tuple) else repr(default)
+        shown = shown or "none"  # an empty list (--features): not "(default )"
         g.add_argument(flag_name(f.name), dest=f"cfg_{f.name}", default=None,
                        metavar="A,B" if listed else type(default).__name__.upper(),
                        help=f"{comments.get(f.name, '')} (default {shown})")
