@@ -581,16 +581,27 @@ def _columns_of(
     n = table.num_rows
     if cmap.symbol in names:
         symbol = table.column(cmap.symbol)
-        if symbol.null_count:  # a null would become a series named "None"
-            row, count = _first_bad(np.asarray(symbol.is_null().to_numpy(zero_copy_only=False)))
+        null = np.asarray(symbol.is_null().to_numpy(zero_copy_only=False)) if symbol.null_count else None
+        if null is not None:  # a null would become a series named "None"
+            row, count = _first_bad(null)
             problems.append(Problem(fname, cmap.symbol, row, "symbol is null", "fill in the symbol, or drop those rows",
                                     count))
         # each row a reference to its file's one string of that symbol (not a string object per row)
         codes = pc.dictionary_encode(pc.fill_null(symbol.cast(pa.string()), "")).combine_chunks()
         distinct = np.array(codes.dictionary.to_pylist(), dtype=object)
-        part["symbol"] = distinct[np.asarray(codes.indices.to_numpy(zero_copy_only=False), dtype=np.int64)]
+        indices = np.asarray(codes.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+        for empty in np.flatnonzero(distinct == ""):  # an empty name (nulls, filled with it, are named above)
+            blank = (indices == empty) & (True if null is None else ~null)
+            if blank.any():  # a model's symbols are names a request can send: "" is none
+                row, count = _first_bad(blank)
+                problems.append(Problem(fname, cmap.symbol, row, "symbol is empty",
+                                        "fill in the symbol, or drop those rows", count))
+        part["symbol"] = distinct[indices]
         part["symbol_absent"] = np.zeros(n, dtype=bool)
     else:
+        if not cmap.default_symbol:
+            problems.append(Problem(fname, cmap.symbol, -1, "no such column, so the file is one series, and its "
+                                    "name (--default-symbol) is empty", "name it: --default-symbol ES, say"))
         part["symbol"] = np.full(n, cmap.default_symbol, dtype=object)
         part["symbol_absent"] = np.ones(n, dtype=bool)  # for the hint when such a "series" is out of order
     for fld in (*PRICE_COLUMNS, "volume"):

@@ -228,6 +228,9 @@ class ModelMeta:
             problems.append("symbol vocabulary is empty")
         elif len(set(self.symbols)) != len(self.symbols):
             problems.append("symbols must be unique: the vocabulary has duplicates")
+        elif not all(self.symbols):  # a request names its series: "" is no name (the bars refuse it too)
+            problems.append("symbols must be non-empty names: the training bars named a series ''; retrain with "
+                            "every series named")
         if self.bar_interval_ns <= 0:
             problems.append("bar_interval_ns must be > 0")
         if self.precision not in ("fp32", "fp16"):

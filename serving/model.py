@@ -311,8 +311,6 @@ def _check_signature(session: ort.InferenceSession, meta: ModelMeta, path: str) 
 def _check_meta(meta: ModelMeta, path: str) -> None:
     """What the server relies on beyond `ModelMeta.check`: values it computes with or repeats to callers."""
     problems = []
-    if not all(meta.symbols):
-        problems.append("symbols must be non-empty names")
     if meta.horizon * meta.bar_interval_ns >= 1 << 62:
         problems.append(f"horizon {meta.horizon} x bar_interval_ns {meta.bar_interval_ns} spans centuries")
     if not meta.model_version or len(meta.model_version) > 200 or not meta.model_version.isprintable():

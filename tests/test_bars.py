@@ -754,6 +754,23 @@ def test_a_null_symbol_is_refused_with_its_row(tmp_path: Path) -> None:
     assert (problem.column, problem.row, problem.rule, problem.count) == ("symbol", 2, "symbol is null", 2)
 
 
+def test_an_empty_symbol_is_refused_with_its_row_and_so_is_an_empty_default_symbol(tmp_path: Path) -> None:
+    """A model's symbols are the names a request sends: a series named '' would train and export, then never
+    serve. Empty names in the column, and an empty --default-symbol for a file without one, are refused."""
+    cols = series_columns(0, 8, "ES")
+    cols["symbol"][3] = ""
+    cols["symbol"][5] = None
+    cols["symbol"][6] = ""
+    with pytest.raises(BarDataError) as info:
+        read_bars(write_parquet(tmp_path / "x.parquet", cols))
+    assert [(p.row, p.rule, p.count) for p in info.value.problems] == [
+        (5, "symbol is null", 1), (3, "symbol is empty", 2)], info.value.problems
+    one = {k: v for k, v in series_columns(0, 6).items() if k != "symbol"}
+    p = only_problem(write_parquet(tmp_path / "one.parquet", one), ColumnMap(default_symbol=""))
+    assert (p.column, p.row) == ("symbol", -1) and "--default-symbol" in p.rule and "--default-symbol" in p.fix
+    assert read_bars(tmp_path / "one.parquet", ColumnMap(default_symbol="ES")).symbols == ["ES"]
+
+
 def test_integers_too_large_for_float64_are_refused_by_row_not_crashed_on(tmp_path: Path) -> None:
     """A feed's INT64_MAX placeholder for a missing price (fixed-point prices, as Databento's UNDEF_PRICE), or
     any integer float64 cannot hold exactly, is a problem with its row, in prices, volume and user columns."""

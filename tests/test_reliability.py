@@ -465,6 +465,7 @@ def test_bad_model_files_are_refused_with_clear_messages(tiny_model: Model, tmp_
         (_with_meta(m, tmp_path / "order.onnx", quantiles="[0.9, 0.5, 0.1]"), "quantiles must be"),
         (_with_meta(m, tmp_path / "range.onnx", quantiles="[0.1, 0.5, 1.5]"), "levels in (0, 1)"),
         (_with_meta(m, tmp_path / "dup.onnx", symbols='["ES", "ES"]'), "symbols must be unique"),
+        (_with_meta(m, tmp_path / "blank.onnx", symbols='["ES", ""]'), "symbols must be non-empty names"),
         (_with_meta(m, tmp_path / "horizon.onnx", horizon=str(horizon + 2)), "horizon"),
         (_with_meta(m, tmp_path / "types.onnx", encoder_length='"long"'), "inconsistent"),
         (_flipped(m, tmp_path / "flipped.onnx"), "the model's graph is not the one export checked"),
