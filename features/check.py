@@ -73,8 +73,9 @@ def summarize(bars: Bars) -> str:
     for sym, sl in slices.items():
         ts = bars.timestamp_ns[sl]
         gaps = np.diff(ts)
-        n_gaps = int(np.sum(gaps > interval)) if interval else 0
-        n_long = int(np.sum(gaps > max(interval, SESSION_BREAK_NS))) if interval else 0
+        missed = interval + interval // 2  # a bar left out, even of bars stamped a little off their grid
+        n_gaps = int(np.sum(gaps > missed)) if interval else 0
+        n_long = int(np.sum(gaps > max(missed, SESSION_BREAK_NS))) if interval else 0
         largest = format_duration(int(gaps.max())) if gaps.size else "n/a"
         if not interval:
             spacing = "no bar interval to measure gaps against"

@@ -24,6 +24,7 @@ NS_PER_DAY = 86_400 * NS_PER_SECOND
 # Bars mostly this many bar intervals (and a day) apart or more, at one or two times of day, are daily bars:
 # the server refuses them for an intraday model, and the trainer says so of a symbol whose bars are like that.
 COARSE_INTERVALS = 20
+INTERVAL_TOLERANCE_PARTS = 100  # spacings within 1/100 of each other are one bar interval
 
 BUILTIN_OBSERVED: tuple[str, ...] = ("log_return", "log_range", "log_body", "log_volume", "volatility")
 BUILTIN_KNOWN: tuple[str, ...] = ("tod_sin", "tod_cos", "dow_sin", "dow_cos")
@@ -87,16 +88,35 @@ class FeatureFrame:
 
 
 def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -> int:
-    """Most common positive spacing between consecutive bars of the same series."""
+    """The bar interval: the most common spacing of consecutive bars of the same series, spacings within 1%
+    of each other taken as one (0 when no two bars of a series follow each other).
+
+    Bars on a grid give it exactly: their spacings are whole multiples of the interval, never within 1% of
+    each other. Bars stamped a little off their grid (an aggregator's, a receive or a first trade's time)
+    have spacings that are nearly all distinct, so an exact count would return the smallest of them
+    (59.997 s for 1-minute bars stamped within 5 ms). So the sorted spacings are cut into groups wherever
+    one is more than 1% above the one before; the largest group is the bar size's (the first of equals:
+    the shortest), and unless it holds one spacing alone, its median is rounded to the coarsest of a day,
+    an hour, a minute, a second, a millisecond or a microsecond that stays within 1% of it (60 s)."""
     diffs = [np.diff(timestamp_ns[s:e]) for s, e in series_bounds if e - s > 1]
     if not diffs:
         return 0
     d = np.concatenate(diffs)
-    d = d[d > 0]
+    d = np.sort(d[d > 0])
     if d.size == 0:
         return 0
-    values, counts = np.unique(d, return_counts=True)
-    return int(values[np.argmax(counts)])
+    starts = np.flatnonzero(np.diff(d) > d[:-1] // INTERVAL_TOLERANCE_PARTS) + 1  # where a new group begins
+    edges = np.concatenate([[0], starts, [d.size]])
+    best = int(np.argmax(np.diff(edges)))  # the first of equals: the shortest spacing
+    group = d[edges[best]:edges[best + 1]]
+    if group[0] == group[-1]:  # one spacing alone: bars on a grid
+        return int(group[0])
+    middle = int(np.median(group))
+    for unit in (NS_PER_DAY, 3_600_000_000_000, 60_000_000_000, NS_PER_SECOND, 1_000_000, 1_000):
+        snapped = round(middle / unit) * unit
+        if snapped and abs(snapped - middle) * INTERVAL_TOLERANCE_PARTS <= middle:
+            return snapped
+    return middle
 
 
 def check_time_zone(name: str) -> None:

@@ -15,6 +15,7 @@ import pytest
 from conftest import SAMPLE_BARS, write_parquet
 
 from features.bars import BarDataError, ColumnMap, Problem, read_bars
+from features.compute import infer_bar_interval_ns
 
 T0 = 1_704_119_400 * 10**9  # 2024-01-01 14:30:00 UTC, in ns
 MINUTE = 60 * 10**9
@@ -592,6 +593,30 @@ def test_check_counts_session_breaks_among_the_gaps_over_the_interval(tmp_path: 
         "against" in text
     assert [format_duration(s * 10**9) for s in (30, 60, 3599, 3600, 63_000, 86_400, 235_800)] == [
         "30s", "1min", "59min59s", "1h", "17h30min", "1d", "2d18h"]
+
+
+def test_bars_stamped_a_little_off_their_grid_have_the_grids_interval(tmp_path: Path) -> None:
+    """An aggregator's, a receive or a first trade's time puts each bar a little off its minute: their spacings
+    are nearly all distinct, and the smallest of them (59.997 s) is not the bar interval that a model's future
+    bar times step by, nor is every bar a gap over it."""
+    from features.check import summarize
+
+    rng = np.random.default_rng(3)
+    minute = 60 * 10**9
+    on_grid = np.concatenate([np.arange(390), 1440 + np.arange(390)]) * minute  # two sessions
+    for jitter in (5 * 10**6, 20 * 10**9):  # within 5 ms; a first trade within 20 s of the bar's start
+        cols = {"timestamp": np.concatenate([T0 + on_grid + rng.integers(0, jitter, on_grid.size)] * 2),
+                "symbol": ["ES"] * on_grid.size + ["NQ"] * on_grid.size}
+        cols |= {k: np.tile(v, 2) for k, v in series_columns(0, on_grid.size).items() if k != "timestamp"}
+        text = summarize(read_bars(write_parquet(tmp_path / "jitter.parquet", cols)))
+        assert "bar interval (most common spacing): 1min" in text, text
+        assert "1 gaps over the bar interval, 1 of them over an hour" in text and "note:" not in text, text
+    thin = np.cumsum(rng.choice([1, 1, 2, 3, 5], 500)) * minute  # a thin market's bars skip intervals
+    for ts, interval in ((thin, minute), (thin + rng.integers(0, 3 * 10**9, thin.size), minute),
+                         (np.arange(50) * 61 * 10**9, 61 * 10**9),  # on a grid: the spacing as it is
+                         (np.arange(200) * 2 * 10**8 + rng.integers(0, 10**6, 200), 2 * 10**8),  # 200 ms bars
+                         (np.arange(100) * 90 * 10**9 + rng.integers(0, 10**8, 100), 90 * 10**9)):
+        assert infer_bar_interval_ns(ts, np.array([[0, ts.size]])) == interval
 
 
 def test_check_cli_on_good_file(sample_bars: Path) -> None:
