@@ -30,8 +30,9 @@ the pinball loss and how often the realised return fell inside the outer quantil
 names the in-sample origins and the `--start` that leaves them out.
 
 Symbols the model does not know and symbols with too few bars are skipped with a warning, and so are the
-origins whose window's bars are mostly closer than half the model's bar interval (finer bars, which the
-server refuses by the same rule). `--symbols` reads and checks only those symbols' bars.
+origins whose window's bars the server refuses, by the same rules: bars mostly closer than half the
+model's bar interval (finer bars), and daily bars sent to an intraday model. `--symbols` reads and checks
+only those symbols' bars.
 `--start` and `--end` are ISO 8601 dates or times, UTC unless they carry an offset.
 
 The file is written beside `--out` under a temporary name and renamed when complete: an error,
@@ -57,7 +58,7 @@ import pyarrow.parquet as pq
 
 from features.bars import BarDataError, Bars, ColumnMap, clash_with_bars, column_names, lacks_a_column, read_bars
 from features.check import format_duration, format_timestamp, spacing_warning
-from features.compute import FeatureFrame, build_frame, future_timestamps
+from features.compute import COARSE_INTERVALS, NS_PER_DAY, FeatureFrame, build_frame, future_timestamps
 from features.file_kind import replace_problem
 from features.files import atomic_output, file_argument, link_note
 from features.metrics import pinball
@@ -67,6 +68,7 @@ from features.windows import anchor_rows, gather_windows
 from serving.errors import ModelLoadError
 from serving.model import DEVICES, LoadedModel, load_model
 from serving.postprocess import price_quantiles
+from serving.validation import daily_bars
 
 log = logging.getLogger("serving.score")
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -120,18 +122,33 @@ def origins(frame: FeatureFrame, encoder_length: int, start_ns: int | None, end_
     return anchors[keep]
 
 
-def finer_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int, interval_ns: int) -> np.ndarray:
-    """Which windows the server would refuse as finer bars than the model's: most of the gaps between the
-    `bars_required` bars ending at each anchor (the bars a request sends) under half the bar interval, the rule
-    of `serving.validation._check_spacing`. bool [W]."""
-    ts = frame.timestamp_ns
-    short = np.zeros(ts.shape[0] + 1, dtype=np.int64)  # short[r + 1]: the gap before row r is short
-    short[2:] = ts[1:] < ts[:-1] + interval_ns // 2
-    count = np.cumsum(short)  # count[r + 1]: short gaps before rows 0..r
+def _gaps_in_windows(ts: np.ndarray, gap: np.ndarray, anchors: np.ndarray, bars_required: int) -> np.ndarray:
+    """How many of each window's gaps are flagged: gap[r] flags the gap before row r (r >= 1). int64 [W]."""
+    flagged = np.zeros(ts.shape[0] + 1, dtype=np.int64)  # flagged[r + 1]: the gap before row r is flagged
+    flagged[2:] = gap[1:]
+    count = np.cumsum(flagged)  # count[r + 1]: flagged gaps before rows 0..r
     # a window's bars are rows a - n + 1 .. a of one series; its gaps are those before rows a - n + 2 .. a
-    n = bars_required
-    in_window = count[anchors + 1] - count[anchors - n + 2]
-    return np.asarray(2 * in_window > n - 1, dtype=bool)
+    return np.asarray(count[anchors + 1] - count[anchors - bars_required + 2])
+
+
+def refused_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int,
+                    interval_ns: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which windows the server would refuse, by the rules of `serving.validation._check_spacing`: as finer bars
+    than the model's (most of the gaps between the `bars_required` bars ending at each anchor, the bars a request
+    sends, under half the bar interval), and as daily bars to an intraday model (`daily_bars`, asked only of the
+    windows whose gaps are mostly long enough for it). bool [W] each."""
+    ts, n = frame.timestamp_ns, bars_required
+    gaps = n - 1
+    short = np.zeros(ts.shape[0], dtype=bool)
+    short[1:] = ts[1:] < ts[:-1] + interval_ns // 2
+    finer = 2 * _gaps_in_windows(ts, short, anchors, n) > gaps
+    long = np.zeros(ts.shape[0], dtype=bool)
+    long[1:] = np.diff(ts) >= max(NS_PER_DAY, COARSE_INTERVALS * interval_ns)
+    daily = np.zeros(anchors.shape[0], dtype=bool)
+    for w in np.flatnonzero(~finer & (2 * _gaps_in_windows(ts, long, anchors, n) > gaps)):
+        a = int(anchors[w])
+        daily[w] = daily_bars(ts[a - n + 1:a + 1], interval_ns)
+    return finer, daily
 
 
 def model_inputs(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int) -> dict[str, np.ndarray]:
@@ -242,9 +259,11 @@ class Summary:
                 continue
             label = "all origins" if name == "all" else f"{name} origins ({int(self.origins[i]):,})"
             if n:
+                coverage = (f"realised return inside {band} {int(np.sum(self.inside[slot])) / n:.1%} of the time "
+                            f"(nominal {nominal:.0%})" if self.q.size > 1 else "coverage n/a (one quantile: no "
+                            "interval)")
                 out.append(f"{label}: {n:,} forecasts with their future in the file: mean pinball loss of the log "
-                           f"return {float(np.sum(self.loss[slot])) / n:.6g}; realised return inside {band} "
-                           f"{int(np.sum(self.inside[slot])) / n:.1%} of the time (nominal {nominal:.0%})")
+                           f"return {float(np.sum(self.loss[slot])) / n:.6g}; {coverage}")
             else:
                 out.append(f"{label}: no forecast with its future in the file")
         if not known:
@@ -263,16 +282,23 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
     meta: ModelMeta = model.meta
     frame = build_frame(only_symbols(bars, symbols), meta.feature_config, list(meta.symbols), meta.bar_interval_ns)
     anchors = origins(frame, meta.encoder_length, start_ns, end_ns)
-    finer = finer_windows(frame, anchors, meta.bars_required, meta.bar_interval_ns)
-    for sid, count in zip(*np.unique(frame.series_id[anchors[finer]], return_counts=True), strict=True):
-        log.warning("skipped %s origin(s) of %s: the bars of their windows are mostly closer than half the model's "
-                    "bar interval of %s (finer bars, or another time unit), which the server refuses; resample them "
-                    "to %s, or use a model trained on this interval", f"{count:,}", frame.symbols[int(sid)],
-                    format_duration(meta.bar_interval_ns), format_duration(meta.bar_interval_ns))
-    if finer.any() and finer.all():
-        raise ScoreError("no forecast origin left: every window's bars are mostly closer than half the model's bar "
-                         f"interval of {format_duration(meta.bar_interval_ns)}, which the server refuses")
-    anchors = anchors[~finer]
+    step = format_duration(meta.bar_interval_ns)
+    finer, daily = refused_windows(frame, anchors, meta.bars_required, meta.bar_interval_ns)
+    for refused, why in ((finer, f"mostly closer than half the model's bar interval of {step} (finer bars, or "
+                                 "another time unit)"),
+                         (daily, f"daily bars (mostly a day or more apart, at one or two times of day) and the "
+                                 f"model's are {step} bars")):
+        for sid, count in zip(*np.unique(frame.series_id[anchors[refused]], return_counts=True), strict=True):
+            log.warning("skipped %s origin(s) of %s: the bars of their windows are %s, which the server refuses; "
+                        "resample them to %s, or use a model trained on this interval", f"{count:,}",
+                        frame.symbols[int(sid)], why, step)
+    refused = finer | daily
+    if refused.any() and refused.all():
+        raise ScoreError("no forecast origin left: every window's bars are " + (
+            f"mostly closer than half the model's bar interval of {step}" if finer.all() else
+            f"daily bars, and the model's are {step} bars" if daily.all() else
+            f"finer than the model's {step} bars or daily bars") + ", which the server refuses")
+    anchors = anchors[~refused]
     if anchors.size == 0:
         ranged = start_ns is not None or end_ns is not None
         span = (f" (the bars run from {format_timestamp(int(frame.timestamp_ns.min()))} to "

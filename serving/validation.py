@@ -196,26 +196,32 @@ def _check_time_range(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
                            "the int64 limit in the year 2262); send UTC nanoseconds since the Unix epoch")
 
 
+def daily_bars(ts: np.ndarray, interval_ns: int) -> bool:
+    """Whether bars (timestamps of one window, strictly increasing) are daily bars sent to an intraday model:
+    most gaps a day and COARSE_INTERVALS of the model's intervals or more, over a span long enough for that,
+    with most bars at one or two times of day (two across a daylight-saving change). A thin market's bars, as
+    far apart, fall at any minute, and its model was trained on them as they are. The server refuses such a
+    request and `serving.score` skips such an origin: this one rule decides both."""
+    far, gaps = max(NS_PER_DAY, COARSE_INTERVALS * interval_ns), ts.shape[0] - 1
+    if int(ts[-1]) - int(ts[0]) < (gaps // 2 + 1) * far:  # too short a span for most gaps to be that long
+        return False
+    if 2 * int(np.count_nonzero(np.diff(ts) >= far)) <= gaps:  # a difference that overflows is < 0
+        return False
+    _, at = np.unique(ts % NS_PER_DAY, return_counts=True)
+    return 2 * int(np.sort(at)[-2:].sum()) > ts.shape[0]
+
+
 def _check_spacing(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     """Most gaps between the bars the model reads at least half the model's bar interval: bars much
     closer than the ones it was trained on are timestamps in another unit (seconds, milliseconds,
     microseconds sent as nanoseconds) or bars of a finer size, and would be forecast as if they were
     the model's bars. Wider gaps are left alone (a quiet market's bars skip intervals, and a training
-    symbol may be mostly a few intervals apart), up to bars mostly a day and 20 intervals apart or more at
-    one or two times of day: daily bars sent to an intraday model."""
+    symbol may be mostly a few intervals apart), short of daily bars sent to an intraday model (`daily_bars`)."""
     half = meta.bar_interval_ns // 2
     ts = s.timestamp_ns[-meta.bars_required:]  # strictly increasing (checked), and + half cannot overflow
     short = int(np.count_nonzero(ts[1:] < ts[:-1] + half))  # _check_time_range bounds ts away from int64's max
     if 2 * short <= ts.shape[0] - 1:
-        far, gaps = max(NS_PER_DAY, COARSE_INTERVALS * meta.bar_interval_ns), ts.shape[0] - 1
-        if int(ts[-1]) - int(ts[0]) < (gaps // 2 + 1) * far:  # too short a span for most gaps to be that long
-            return
-        if 2 * int(np.count_nonzero(np.diff(ts) >= far)) <= gaps:  # a difference that overflows is < 0
-            return
-        # daily bars carry one time of day (two, across a daylight-saving change); a thin market's bars, as
-        # far apart, fall at any minute, and its model was trained on them as they are
-        _, at = np.unique(ts % NS_PER_DAY, return_counts=True)
-        if 2 * int(np.sort(at)[-2:].sum()) <= ts.shape[0]:
+        if not daily_bars(ts, meta.bar_interval_ns):
             return
         typical = int(np.median(np.diff(ts)))
         raise RequestError(f"{_label(i, s.symbol)}: bars are {_span(typical)} apart (the median gap of the last "
@@ -223,14 +229,17 @@ def _check_spacing(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
                            f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}); send bars of the model's size: "
                            "forecast steps would be read as the model's bars")
     typical = int(np.median(np.diff(ts)))
-    # times before 1973 spaced as the model's bars in another unit: the usual mistake, named with its factor
-    unit = next((f"; these look like {UNIT_NAMES[u]}: multiply them by {NS_PER_UNIT[u]:,}" for u in ("s", "ms", "us")
-                 if meta.bar_interval_ns <= 2 * typical * NS_PER_UNIT[u] <= 4 * meta.bar_interval_ns), "") \
-        if int(ts[-1]) < PLAUSIBLE_NS else ""
+    if int(ts[-1]) < PLAUSIBLE_NS:  # times before 1973 spaced as the model's bars in another unit: named with it
+        unit = next((f"; these look like {UNIT_NAMES[u]}: multiply them by {NS_PER_UNIT[u]:,}"
+                     for u in ("s", "ms", "us")
+                     if meta.bar_interval_ns <= 2 * typical * NS_PER_UNIT[u] <= 4 * meta.bar_interval_ns), "")
+        fix = f"{unit}; send timestamp_ns in UTC nanoseconds since the Unix epoch (seconds x 1e9), and bars of the " \
+              "model's size"
+    else:  # times of this era: bars of a finer size
+        fix = f"; send bars of the model's size (resample these to {_span(meta.bar_interval_ns)} bars)"
     raise RequestError(f"{_label(i, s.symbol)}: bars are {_span(typical)} apart (the median gap of the last "
                        f"{ts.shape[0]} bars), but this model's bars are {_span(meta.bar_interval_ns)} apart "
-                       f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}){unit}; send timestamp_ns in UTC "
-                       "nanoseconds since the Unix epoch (seconds x 1e9), and bars of the model's size")
+                       f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}){fix}")
 
 
 def _span(ns: int) -> str:

@@ -227,10 +227,17 @@ def test_symbols_the_model_cannot_forecast_are_skipped_with_a_warning(tiny_model
     assert done.returncode == 0 and set(pq.read_table(tmp_path / "n.parquet")["symbol"].to_pylist()) == {"ES"}
 
 
-def test_windows_of_bars_finer_than_the_models_are_skipped_as_the_server_refuses_them(
-        tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
-    """1-minute bars to a 5-minute model would be read as the model's bars: the server refuses a request whose
-    bars are mostly closer than half the model's interval, so a backtest skips the origins whose windows are."""
+@pytest.mark.parametrize(("gap_s", "why", "none_left"), [
+    (20, r"mostly closer than half the model's bar interval of 1min \(finer bars, or another time unit\)",
+     "every window's bars are mostly closer than half the model's bar interval of 1min"),
+    (86_400, r"daily bars \(mostly a day or more apart, at one or two times of day\) and the model's are 1min bars",
+     "every window's bars are daily bars, and the model's are 1min bars"),
+], ids=["finer", "daily"])
+def test_windows_the_server_refuses_for_their_bar_size_are_skipped(
+        tiny_model: Model, tmp_path: Path, gap_s: int, why: str, none_left: str) -> None:  # noqa: F811
+    """20-second bars, or daily bars, to a 1-minute model would be read as the model's bars: the server refuses a
+    request whose bars are mostly closer than half the model's interval, or daily bars to an intraday model, so
+    a backtest skips exactly the origins whose windows are (by the server's own verdict on each window)."""
     from serving.errors import RequestError
     from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
     from serving.validation import parse_request
@@ -241,21 +248,20 @@ def test_windows_of_bars_finer_than_the_models_are_skipped_as_the_server_refuses
     nq = bars.take(pa.array(np.flatnonzero(sym == "NQ")))
     n, need = nq.num_rows, tiny_model.meta.bars_required
     start = int(nq["timestamp"].cast(pa.int64())[0].as_py())
-    gaps = np.where(np.arange(n) < n // 2, 20, 60) * 10**9  # 20 s bars, then the model's 1 min bars
-    fine = nq.set_column(nq.schema.get_field_index("timestamp"), "timestamp",
-                         pa.array(start + np.concatenate([[0], np.cumsum(gaps[1:])]), pa.int64())).cast(bars.schema)
-    pq.write_table(pa.concat_tables([bars.take(pa.array(np.flatnonzero(sym == "ES"))), fine]),
+    gaps = np.where(np.arange(n) < n // 2, gap_s, 60) * 10**9  # other bars, then the model's 1 min bars
+    other = nq.set_column(nq.schema.get_field_index("timestamp"), "timestamp",
+                          pa.array(start + np.concatenate([[0], np.cumsum(gaps[1:])]), pa.int64())).cast(bars.schema)
+    pq.write_table(pa.concat_tables([bars.take(pa.array(np.flatnonzero(sym == "ES"))), other]),
                    tmp_path / "mixed.parquet")
     done = score("--model", tiny_model.model, "--parquet", tmp_path / "mixed.parquet", "--out", tmp_path / "f.parquet")
     assert done.returncode == 0, done.stderr
-    assert re.search(r"skipped [\d,]+ origin\(s\) of NQ: the bars of their windows are mostly closer than half the "
-                     r"model's bar interval of 1min \(finer bars, or another time unit\), which the server refuses",
-                     done.stderr), done.stderr
+    assert re.search(r"skipped [\d,]+ origin\(s\) of NQ: the bars of their windows are " + why
+                     + ", which the server refuses", done.stderr), done.stderr
     table = pq.read_table(tmp_path / "f.parquet")
     scored = set(table.filter(pc.equal(table["symbol"], "NQ"))["origin"].cast(pa.int64()).to_pylist())
     assert "ES" in table["symbol"].to_pylist()
     # exactly the origins the server serves: each NQ origin's last `need` bars, sent as a request
-    cols = {name: fine[name].cast(pa.int64() if name == "timestamp" else pa.float64()).to_numpy()
+    cols = {name: other[name].cast(pa.int64() if name == "timestamp" else pa.float64()).to_numpy()
             for name in ("timestamp", "open", "high", "low", "close", "volume")}
     served = set()
     for end in range(need, n + 1):
@@ -266,10 +272,9 @@ def test_windows_of_bars_finer_than_the_models_are_skipped_as_the_server_refuses
         except RequestError as exc:
             assert "apart" in str(exc), exc
     assert scored == served and 0 < len(served) < n - need + 1
-    pq.write_table(fine.slice(0, n // 2), tmp_path / "fine.parquet")
-    done = score("--model", tiny_model.model, "--parquet", tmp_path / "fine.parquet", "--out", tmp_path / "g.parquet")
-    assert done.returncode == 2 and "error: no forecast origin left: every window's bars are mostly closer" \
-        in done.stderr, done.stderr
+    pq.write_table(other.slice(0, n // 2), tmp_path / "other.parquet")
+    done = score("--model", tiny_model.model, "--parquet", tmp_path / "other.parquet", "--out", tmp_path / "g.parquet")
+    assert done.returncode == 2 and f"error: no forecast origin left: {none_left}" in done.stderr, done.stderr
     assert not (tmp_path / "g.parquet").exists()
 
 
@@ -423,3 +428,25 @@ def test_the_hint_keeps_a_test_split_and_the_span_is_checked_value_by_value() ->
         {"last_bar_ns": 2**70}, {"first_bar_ns": 11}, {"validation_from_ns": None}]
     for bad in [{**tested, **c} for c in changes] + [{k: v for k, v in tested.items() if k != "first_bar_ns"}]:
         assert not _span_ok(bad), bad
+
+
+def test_the_summary_gives_coverage_of_an_interval_and_none_for_one_quantile() -> None:
+    """The outer band [q_first, q_last] of a model with one quantile is a point: its coverage is n/a (as the
+    trainer's epoch log says), not 0% of a nominal 0%."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from features.compute import FeatureFrame
+    from serving.score import Summary
+
+    targets = np.array([[0.0], [0.2], [-0.3], [np.nan]], dtype=np.float32)  # [rows, H=1]; the last past the file
+    frame = cast(FeatureFrame, SimpleNamespace(series_id=np.zeros(4, np.int64), symbols=["ES"], targets=targets))
+    anchors, split = np.arange(4), np.full(4, -1)
+    for quantiles, forecast, expected in (
+            ((0.1, 0.5, 0.9), [-0.25, 0.0, 0.25],
+             "realised return inside [q0.1, q0.9] 66.7% of the time (nominal 80%)"),
+            ((0.5,), [0.0], "coverage n/a (one quantile: no interval)")):
+        summary = Summary(quantiles, {})
+        summary.add(frame, anchors, np.broadcast_to(np.array(forecast), (4, 1, len(quantiles))), split)
+        [line] = [ln for ln in summary.lines() if ln.startswith("all origins")]
+        assert line.startswith("all origins: 3 forecasts with their future in the file") and expected in line, line

@@ -161,7 +161,8 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
      "apart (GetModelInfo.bar_interval_ns = 60000000000); send bars of the model's size"),
     ("bars finer than the model's", lambda: _req(series("NQ"), _spaced(series(), 1_704_103_200 * 10**9, 20 * 10**9)),
      f"series[1] (ES): bars are 20 s apart (the median gap of the last {NEED} bars), but this model's bars are 1 min "
-     "apart (GetModelInfo.bar_interval_ns = 60000000000); send"),  # no unit to blame: bars of another size
+     "apart (GetModelInfo.bar_interval_ns = 60000000000); send bars of the model's size (resample these to 1 min "
+     "bars)"),  # no unit to blame (times of this era): bars of another size
 ]
 
 
