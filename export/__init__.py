@@ -6,3 +6,5 @@ onnx_export (torch -> ONNX, interface checks), fp16 (graph conversion), parity, 
 (ONNX Runtime sessions and the provider probe), placement (per-node providers from the
 profile), triton (model repository), files (all-or-nothing writes), windows (real windows).
 """
+
+import trainer  # noqa: F401  (before torch: its import guards torch against a stray `triton` folder)

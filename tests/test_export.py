@@ -44,7 +44,7 @@ from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, STATIC_CATEGORICAL, FeatureSchema
 from serving.native_log import provider_failure_reason
-from tests.artifacts import REPO, make_checkpoint, make_onnx, run
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_checkpoint, make_onnx, run
 from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, model_from_checkpoint, state_digest
 from trainer.modeling import TemporalFusionTransformer
 
@@ -212,6 +212,21 @@ def parse_pbtxt(text: str) -> dict[str, list[Any]]:
         return fields
 
     return message(None)
+
+
+def test_a_triton_repository_named_triton_in_the_working_directory_is_no_package(
+        ckpt: Path, exported: Path, tmp_path: Path) -> None:
+    """`python -m` puts the working directory first on sys.path: a Triton model repository named `triton` there
+    (`--triton-repo triton`) was imported by torch as the Triton compiler, and training and export failed deep
+    inside torch (module 'triton' has no attribute 'language'). Both run there as anywhere."""
+    shutil.copytree(exported.parent / "repo", tmp_path / "triton")
+    bars = ckpt.parent / "bars.parquet"
+    for cmd in (["-m", "export", str(ckpt), "model.onnx", "--triton-repo", "triton", "--triton-name", "again"],
+                ["-m", "trainer", "--parquet", str(bars), "--out", "ckpt.pt", *TINY_TRAIN_FLAGS]):
+        r = subprocess.run([sys.executable, *cmd], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert (tmp_path / "model.onnx").is_file() and (tmp_path / "triton/again/config.pbtxt").is_file()
+    assert (tmp_path / "ckpt.pt").is_file()
 
 
 def test_triton_repository_matches_the_model(exported: Path) -> None:
