@@ -439,10 +439,14 @@ def read_bars(
     columns: ColumnMap | None = None,
     user_columns: tuple[str, ...] = (),
     symbols: Collection[str] | None = None,
+    check_user_values: bool = True,
 ) -> Bars:
     """Read and validate bars; raise BarDataError listing every problem found. With `symbols`, only those
     symbols' rows are read and checked (a client forecasting ES is not stopped by a bad NQ bar); problems
-    still name their rows as the files number them."""
+    still name their rows as the files number them. With `check_user_values` False the user columns' values
+    are left as they are (NaN, inf, past float32): a reader that forecasts from some windows of the bars checks
+    those windows' rows itself (`unusable_user_rows`), so an indicator's warm-up NaN in the first rows does
+    not stop a forecast from the latest."""
     cmap = columns or ColumnMap()
     root = Path(path)
     if shared := _shared_sources(cmap):
@@ -493,7 +497,7 @@ def read_bars(
         del table  # the part keeps the buffers it views; the file's other columns go now
     if problems:
         raise BarDataError(_in_file_rows(problems, file_rows))
-    problems = validate(parts, file_of_part, cmap, user_columns)
+    problems = validate(parts, file_of_part, cmap, user_columns, check_user_values)
     if problems:
         raise BarDataError(_in_file_rows(problems, file_rows))
     bars = _assemble(parts, file_of_part, user_columns)
@@ -702,11 +706,12 @@ def validate(
     files: list[str],
     cmap: ColumnMap,
     user_columns: tuple[str, ...] = (),
+    check_user_values: bool = True,
 ) -> list[Problem]:
     """Check every row rule per file (value rules) and per symbol across files (order and price-scale rules)."""
     problems: list[Problem] = []
     for part, fname in zip(parts, files, strict=True):
-        problems.extend(_value_problems(part, fname, cmap, user_columns))
+        problems.extend(_value_problems(part, fname, cmap, user_columns if check_user_values else ()))
     rows = _Rows.of(parts)
     problems.extend(_order_problems(parts, files, cmap, rows))
     problems.extend(_scale_problems(parts, files, cmap, rows))
@@ -813,6 +818,16 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
         check(np.isfinite(x) & (np.abs(x) > F32_MAX), uc, f"user feature '{uc}' is beyond float32's range "
               f"(|x| > {F32_MAX:.3g}; the model computes in float32)", "rescale the column, or fill or drop those rows")
     return out
+
+
+def unusable_user_rows(bars: Bars) -> np.ndarray:
+    """Rows where a user column is NaN, infinite or past float32's range (what `read_bars` refuses when it checks
+    user values, and the server refuses in a request): bool [N]."""
+    bad = np.zeros(len(bars), dtype=bool)
+    with np.errstate(invalid="ignore"):
+        for x in bars.user.values():
+            bad |= ~(np.abs(x) <= F32_MAX)  # NaN compares false
+    return bad
 
 
 def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap,

@@ -37,8 +37,17 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from features.bars import BarDataError, Bars, ColumnMap, column_names, lacks_a_column, read_bars
-from features.check import spacing_warning
+from features.bars import (
+    F32_MAX,
+    BarDataError,
+    Bars,
+    ColumnMap,
+    column_names,
+    lacks_a_column,
+    read_bars,
+    unusable_user_rows,
+)
+from features.check import format_timestamp, spacing_warning
 from features.files import reader_went_away
 from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
@@ -243,8 +252,10 @@ def _forecast(args: argparse.Namespace) -> int:
             return 2
         trained = {k: v for k, v in info.bar_columns.items() if k in ColumnMap.__dataclass_fields__}
         columns = ColumnMap.from_args(args, trained)
-        try:  # this symbol's bars only: a bad bar of another symbol does not stop its forecast
-            bars = read_bars(args.parquet, columns, tuple(info.user_feature_columns), symbols=[args.symbol])
+        try:  # this symbol's bars only: a bad bar of another symbol does not stop its forecast; and its user
+            # columns are checked in the bars sent only (below): an indicator's warm-up NaN in its first rows does not
+            bars = read_bars(args.parquet, columns, tuple(info.user_feature_columns), symbols=[args.symbol],
+                             check_user_values=False)
         except BarDataError as exc:
             print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the {args.symbol} bars:", file=sys.stderr)
             for line in exc.lines():
@@ -268,10 +279,15 @@ def _forecast(args: argparse.Namespace) -> int:
             print(f"error: {args.parquet} has {have} bars of {args.symbol}; the model needs the latest "
                   f"{info.bars_required} (GetModelInfo.bars_required): give more history", file=sys.stderr)
             return 2
-        sent = slices[args.symbol]
-        if warning := spacing_warning(f"the {args.symbol} bars sent",
-                                      bars.timestamp_ns[max(sent.start, sent.stop - info.bars_required):sent.stop],
-                                      info.bar_interval_ns):
+        sent = slice(slices[args.symbol].stop - info.bars_required, slices[args.symbol].stop)
+        if (bad := np.flatnonzero(unusable_user_rows(bars)[sent])).size:
+            names = [u for u in info.user_feature_columns if not (np.abs(bars.user[u][sent]) <= F32_MAX).all()]
+            print(f"error: {args.parquet}: user feature column(s) {', '.join(names)} NaN, infinite or past float32's "
+                  f"range in {bad.size} of the latest {info.bars_required} {args.symbol} bars, which a forecast sends "
+                  f"(the first at {format_timestamp(int(bars.timestamp_ns[sent][bad[0]]))}); the model reads "
+                  "finite values in every bar: fill them in", file=sys.stderr)
+            return 2
+        if warning := spacing_warning(f"the {args.symbol} bars sent", bars.timestamp_ns[sent], info.bar_interval_ns):
             print(f"warning: {warning}", file=sys.stderr)
         request = pb.PredictRequest(
             series=[series_from_bars(bars, args.symbol, info.bars_required, list(info.user_feature_columns),

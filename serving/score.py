@@ -56,7 +56,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from features.bars import BarDataError, Bars, ColumnMap, clash_with_bars, column_names, lacks_a_column, read_bars
+from features.bars import (
+    BarDataError,
+    Bars,
+    ColumnMap,
+    clash_with_bars,
+    column_names,
+    lacks_a_column,
+    read_bars,
+    unusable_user_rows,
+)
 from features.check import format_duration, format_timestamp, spacing_warning
 from features.compute import COARSE_INTERVALS, NS_PER_DAY, FeatureFrame, build_frame, future_timestamps
 from features.file_kind import replace_problem
@@ -122,13 +131,17 @@ def origins(frame: FeatureFrame, encoder_length: int, start_ns: int | None, end_
     return anchors[keep]
 
 
+def _flagged_in_windows(flag: np.ndarray, anchors: np.ndarray, rows: int) -> np.ndarray:
+    """How many of the `rows` rows ending at each anchor are flagged (flag: bool [N]). int64 [W]."""
+    count = np.zeros(flag.shape[0] + 1, dtype=np.int64)
+    np.cumsum(flag, out=count[1:])  # count[r + 1]: flagged rows among 0..r
+    return np.asarray(count[anchors + 1] - count[anchors - rows + 1])
+
+
 def _gaps_in_windows(ts: np.ndarray, gap: np.ndarray, anchors: np.ndarray, bars_required: int) -> np.ndarray:
     """How many of each window's gaps are flagged: gap[r] flags the gap before row r (r >= 1). int64 [W]."""
-    flagged = np.zeros(ts.shape[0] + 1, dtype=np.int64)  # flagged[r + 1]: the gap before row r is flagged
-    flagged[2:] = gap[1:]
-    count = np.cumsum(flagged)  # count[r + 1]: flagged gaps before rows 0..r
     # a window's bars are rows a - n + 1 .. a of one series; its gaps are those before rows a - n + 2 .. a
-    return np.asarray(count[anchors + 1] - count[anchors - bars_required + 2])
+    return _flagged_in_windows(gap, anchors, bars_required - 1)
 
 
 def refused_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int,
@@ -280,24 +293,30 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
           end_ns: int | None, batch: int) -> Summary:
     """Write the forecasts of every origin to `out` (atomically); returns the summary."""
     meta: ModelMeta = model.meta
-    frame = build_frame(only_symbols(bars, symbols), meta.feature_config, list(meta.symbols), meta.bar_interval_ns)
+    chosen = only_symbols(bars, symbols)
+    frame = build_frame(chosen, meta.feature_config, list(meta.symbols), meta.bar_interval_ns)
     anchors = origins(frame, meta.encoder_length, start_ns, end_ns)
     step = format_duration(meta.bar_interval_ns)
     finer, daily = refused_windows(frame, anchors, meta.bars_required, meta.bar_interval_ns)
-    for refused, why in ((finer, f"mostly closer than half the model's bar interval of {step} (finer bars, or "
-                                 "another time unit)"),
-                         (daily, f"daily bars (mostly a day or more apart, at one or two times of day) and the "
-                                 f"model's are {step} bars")):
+    unusable = _flagged_in_windows(unusable_user_rows(chosen), anchors, meta.bars_required) > 0
+    fix = f"resample them to {step}, or use a model trained on this interval"
+    for refused, why in ((finer, f"bars are mostly closer than half the model's bar interval of {step} (finer bars, "
+                                 f"or another time unit), which the server refuses; {fix}"),
+                         (daily & ~finer, f"bars are daily bars (mostly a day or more apart, at one or two times of "
+                                          f"day) and the model's are {step} bars, which the server refuses; {fix}"),
+                         (unusable & ~finer & ~daily, "user feature values include NaN, infinite or past float32's "
+                                                      "range, which the server refuses (an indicator's warm-up, say); "
+                                                      "fill them in to forecast from them")):
         for sid, count in zip(*np.unique(frame.series_id[anchors[refused]], return_counts=True), strict=True):
-            log.warning("skipped %s origin(s) of %s: the bars of their windows are %s, which the server refuses; "
-                        "resample them to %s, or use a model trained on this interval", f"{count:,}",
-                        frame.symbols[int(sid)], why, step)
-    refused = finer | daily
+            log.warning("skipped %s origin(s) of %s: their windows' %s", f"{count:,}", frame.symbols[int(sid)], why)
+    refused = finer | daily | unusable
     if refused.any() and refused.all():
-        raise ScoreError("no forecast origin left: every window's bars are " + (
-            f"mostly closer than half the model's bar interval of {step}" if finer.all() else
-            f"daily bars, and the model's are {step} bars" if daily.all() else
-            f"finer than the model's {step} bars or daily bars") + ", which the server refuses")
+        raise ScoreError("no forecast origin left: every window's " + (
+            f"bars are mostly closer than half the model's bar interval of {step}" if finer.all() else
+            f"bars are daily bars, and the model's are {step} bars" if daily.all() else
+            "user feature values include NaN, infinite or past float32's range" if unusable.all() else
+            f"bars are finer than the model's {step} bars or daily bars, or its user feature values are not "
+            "finite") + ", which the server refuses")
     anchors = anchors[~refused]
     if anchors.size == 0:
         ranged = start_ns is not None or end_ns is not None
@@ -396,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.symbols is not None and not asked:
             raise ScoreError(f"--symbols {args.symbols!r} names no symbol; give e.g. {','.join(meta.symbols)}")
         # with --symbols, only their bars are read and checked: a bad bar of another symbol stops nothing
-        bars = read_bars(args.parquet, columns, tuple(meta.feature_config.user_columns), symbols=asked or None)
+        bars = read_bars(args.parquet, columns, tuple(meta.feature_config.user_columns), symbols=asked or None,
+                         check_user_values=False)  # windows with unusable user values are skipped, as refused
         slices = bars.series_slices()
         present = set(slices)
         if asked:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -255,7 +256,7 @@ def test_windows_the_server_refuses_for_their_bar_size_are_skipped(
                    tmp_path / "mixed.parquet")
     done = score("--model", tiny_model.model, "--parquet", tmp_path / "mixed.parquet", "--out", tmp_path / "f.parquet")
     assert done.returncode == 0, done.stderr
-    assert re.search(r"skipped [\d,]+ origin\(s\) of NQ: the bars of their windows are " + why
+    assert re.search(r"skipped [\d,]+ origin\(s\) of NQ: their windows' bars are " + why
                      + ", which the server refuses", done.stderr), done.stderr
     table = pq.read_table(tmp_path / "f.parquet")
     scored = set(table.filter(pc.equal(table["symbol"], "NQ"))["origin"].cast(pa.int64()).to_pylist())
@@ -450,3 +451,62 @@ def test_the_summary_gives_coverage_of_an_interval_and_none_for_one_quantile() -
         summary.add(frame, anchors, np.broadcast_to(np.array(forecast), (4, 1, len(quantiles))), split)
         [line] = [ln for ln in summary.lines() if ln.startswith("all origins")]
         assert line.startswith("all origins: 3 forecasts with their future in the file") and expected in line, line
+
+
+@pytest.fixture(scope="module")
+def indicator_model(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """A tiny model with one user column (f000, an indicator), trained and exported by the real commands."""
+    from features.bars import read_bars
+    from features.model_meta import ModelMeta
+    from tests.artifacts import TINY_TRAIN_FLAGS, make_onnx, run
+
+    work = tmp_path_factory.mktemp("indicator")
+    r = run(["-m", "features.synth", "--out", str(work / "bars.parquet"), "--symbols", "ES,NQ", "--bars", "800",
+             "--seed", "5", "--extra-features", "1"])
+    assert r.returncode == 0, r.stderr
+    r = run(["-m", "trainer", "--parquet", str(work / "bars.parquet"), "--out", str(work / "ckpt.pt"),
+             "--features", "f000", *TINY_TRAIN_FLAGS])
+    assert r.returncode == 0, r.stderr[-3000:]
+    model = make_onnx(work / "ckpt.pt", work / "model.onnx", ("--threads", "1"))
+    meta = ModelMeta.from_props({p.key: p.value for p in onnx.load(str(model)).metadata_props})
+    return Model(work / "bars.parquet", model, meta, read_bars(work / "bars.parquet", user_columns=("f000",)))
+
+
+def test_an_indicators_warm_up_nan_stops_only_the_forecasts_that_read_it(
+        indicator_model: Model, tmp_path: Path) -> None:
+    """An indicator column starts with NaN while it warms up (a 30-bar average's first 29 rows). The server
+    refuses a request whose bars hold one; the client, which sends the latest bars, still forecasts, and
+    serving.score skips exactly the origins whose windows hold one, as the server refuses them."""
+    from tests.live_server import LiveServer
+
+    m = indicator_model
+    table = pq.read_table(m.bars_path)
+    es = np.flatnonzero(table["symbol"].to_numpy(zero_copy_only=False) == "ES")
+    f000 = table["f000"].to_numpy().copy()
+    f000[es[:30]] = np.nan  # ES's first 30 rows
+    warm = tmp_path / "warm.parquet"
+    pq.write_table(table.set_column(table.schema.get_field_index("f000"), "f000", pa.array(f000)), warm)
+    done = score("--model", m.model, "--parquet", warm, "--out", tmp_path / "f.parquet", "--threads", "1")
+    assert done.returncode == 0, done.stderr
+    need = m.meta.bars_required
+    # the origins at ES rows need - 1 .. 28 + need read a NaN (their windows start at rows 0 .. 29): 30 of them
+    assert "skipped 30 origin(s) of ES: their windows' user feature values include NaN" in done.stderr, \
+        done.stderr
+    out = pq.read_table(tmp_path / "f.parquet")
+    origins = np.unique(out.filter(pc.equal(out["symbol"], "ES"))["origin"].cast(pa.int64()).to_numpy())
+    ts = table["timestamp"].cast(pa.int64()).to_numpy()[es]
+    np.testing.assert_array_equal(origins, ts[30 + need - 1:])  # the first window without a NaN ends there
+    server = LiveServer(m.model, tmp_path / "server.log")
+    try:
+        server.wait_serving()
+        r = subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet", str(warm),
+                            "--symbol", "ES"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.startswith("ES  model "), r.stderr
+        f000[es[-5]] = np.inf  # a bar the forecast sends
+        pq.write_table(table.set_column(table.schema.get_field_index("f000"), "f000", pa.array(f000)), warm)
+        r = subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet", str(warm),
+                            "--symbol", "ES"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and (f"user feature column(s) f000 NaN, infinite or past float32's range in 1 of "
+                                      f"the latest {need} ES bars") in r.stderr, r.stderr
+    finally:
+        server.kill()
