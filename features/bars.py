@@ -856,11 +856,15 @@ def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
         a, b = run_of[i], run_of[i + 1]
         last = ts_o[starts[a]:ends[a]].max()
         shared = int(np.count_nonzero(ts_o[starts[b]:ends[b]] <= last))
+        rename = ("name the files so that path order is time order (numbers compare as numbers: part-2 before "
+                  "part-10; files named by a uuid, as pyarrow's write_to_dataset names them, are in no order)")
+        if ts_o[starts[b]:ends[b]].max() < ts_o[starts[a]:ends[a]].min():  # no bar shared: out of order alone
+            rule, fix = f"symbol {symbol}'s bars here all come before its bars in {files[file_idx[before]]}", rename
+        else:
+            rule = f"symbol {symbol}'s bars here start at or before its last bar in {files[file_idx[before]]}"
+            fix = f"drop the bars the files share, or {rename}"
         out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]),
-                           f"symbol {symbol}'s bars here start at or before its last bar in {files[file_idx[before]]} "
-                           "(rule: the files, in path order, hold ever later bars of a symbol)",
-                           "drop the bars the files share, or name the files so that path order is time order "
-                           "(numbers compare as numbers)", shared))
+                           f"{rule} (rule: the files, in path order, hold ever later bars of a symbol)", fix, shared))
     within = back & ~across
     for mask, rule, fix in (
         (within & (cur < prev), "timestamps decrease within a symbol (rule: sorted by time per symbol)",
@@ -875,6 +879,8 @@ def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
                 fix += (f" (the file has no '{cmap.symbol}' column, so all its rows were read as one series, "
                         f"{cmap.default_symbol}: if it holds several symbols, map their column with --symbol-col "
                         "NAME)")
+            others = len(np.unique(sym_o[idx + 1])) - 1  # the count is of every symbol's rows: say whose
+            more = f" (and {others} other symbol{'s' if others > 1 else ''})" if others else ""
             out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]),
-                               f"{rule}; symbol {sym_o[idx[0] + 1]}", fix, int(idx.size)))
+                               f"{rule}; symbol {sym_o[idx[0] + 1]}{more}", fix, int(idx.size)))
     return out

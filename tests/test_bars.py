@@ -443,6 +443,28 @@ def test_duplicate_across_files(tmp_path: Path) -> None:
     assert f"at or before its last bar in {root / 'a.parquet'}" in p.rule and "drop the bars the files share" in p.fix
 
 
+def test_files_out_of_time_order_that_share_no_bar_are_named_so(tmp_path: Path) -> None:
+    """pyarrow's write_to_dataset names its files by uuid: in path order the later bars may come first. Nothing
+    is shared to drop; the fix is the names."""
+    root = tmp_path / "bars"
+    write_parquet(root / "0a1f.parquet", series_columns(5, 9, "ES"))
+    second = write_parquet(root / "9c2e.parquet", series_columns(0, 5, "ES"))
+    p = only_problem(root)
+    assert (p.file, p.row, p.count) == (str(second), 0, 5)
+    assert p.rule.startswith(f"symbol ES's bars here all come before its bars in {root / '0a1f.parquet'}"), p.rule
+    assert p.fix.startswith("name the files so that path order is time order") and "uuid" in p.fix, p.fix
+    assert "drop the bars" not in p.fix
+
+
+def test_duplicates_of_several_symbols_say_so(tmp_path: Path) -> None:
+    es, nq = series_columns(0, 6, "ES"), series_columns(0, 6, "NQ")
+    for cols in (es, nq):
+        cols["timestamp"][3] = cols["timestamp"][2]
+    both = {k: np.concatenate([np.asarray(es[k]), np.asarray(nq[k])]) for k in es}
+    p = only_problem(write_parquet(tmp_path / "dup.parquet", both))
+    assert p.rule.endswith("; symbol ES (and 1 other symbol)") and p.count == 2, p
+
+
 def test_row_numbers_are_within_each_file(tmp_path: Path) -> None:
     root = tmp_path / "bars"
     write_parquet(root / "a.parquet", series_columns(0, 8, "ES"))
