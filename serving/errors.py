@@ -7,7 +7,11 @@ logged with its traceback and answered INTERNAL, and the server keeps serving.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 
 class ServingError(Exception):
@@ -17,9 +21,17 @@ class ServingError(Exception):
 
 
 class RequestError(ServingError):
-    """The request breaks the contract; the message says what to fix."""
+    """The request breaks the contract; the message says what to fix.
+
+    `field` names the request field at fault as google.rpc.BadRequest paths name them (`series[1].close`,
+    `series[0].symbol`, `series`, `request_id`); `violations` gives several (field, what is wrong) pairs
+    instead, one per problem the message lists."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str, field: str = "", violations: Sequence[tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.violations: tuple[tuple[str, str], ...] = tuple(violations) or ((field, message),)
 
 
 class ExplainUnavailable(ServingError):
@@ -90,6 +102,50 @@ def cap_details(message: str) -> str:
     if len(data) <= MAX_DETAILS_BYTES:
         return message
     return data[:MAX_DETAILS_BYTES - 20].decode("utf-8", "ignore") + " ... (message cut)"
+
+
+METADATA_BYTES = 8192 - 512  # a client's default limit on trailing metadata, less room for the other trailers
+VIOLATION_BYTES = 300  # one field violation's description, at most
+
+
+def _cut(text: str, limit: int) -> str:
+    data = text.encode("utf-8", "replace")
+    return text if len(data) <= limit else data[:max(0, limit - 4)].decode("utf-8", "ignore") + " ..."
+
+
+def _header_length(message: str) -> int:
+    """The length of grpc-message on the wire: bytes outside printable ASCII, and '%', percent-encoded."""
+    return sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in message.encode("utf-8", "replace"))
+
+
+def status_details(exc: BaseException, code: grpc.StatusCode,
+                   message: str) -> tuple[tuple[str, str | bytes], ...]:
+    """gRPC's richer error model for a request error: trailing metadata `grpc-status-details-bin` holding a
+    google.rpc.Status whose details hold a google.rpc.BadRequest, one field violation per problem (the field's
+    path, e.g. series[1].close, and what is wrong), so that a client finds the series at fault without parsing
+    the message (Python: grpc_status.rpc_status.from_call; Go: status.FromError(err).Details(); Java:
+    StatusProto.fromThrowable). Other errors carry none: ().
+
+    The trailers must stay within the 8 KiB of metadata a client accepts by default (past it the call fails
+    without its status): beside the message's own header, the details keep what fits, in this order of
+    giving up: the violations' descriptions, then the end of the details' copy of the message."""
+    if not isinstance(exc, RequestError):
+        return ()
+    room = (METADATA_BYTES - _header_length(message)) * 3 // 4  # base64 carries 3 bytes in 4 characters
+    violations = [(f, _cut(d, VIOLATION_BYTES)) for f, d in exc.violations]
+    status = status_pb2.Status(code=code.value[0], message=message)
+    for described in (True, False):
+        bad = error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=f, description=d if described else "")
+            for f, d in violations])
+        del status.details[:]
+        status.details.add().Pack(bad)
+        if status.ByteSize() <= room:
+            break
+    else:  # the fields alone do not fit beside the whole message: the details' copy of it is cut
+        over = status.ByteSize() - room
+        status.message = _cut(message, len(message.encode("utf-8", "replace")) - over - 8)
+    return tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

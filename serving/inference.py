@@ -67,7 +67,7 @@ def _nonfinite_output(outputs: dict[str, np.ndarray], call: Sequence[SeriesColum
             b = int(np.flatnonzero(bad)[0])
             return RequestError(f"series[{b}] ({call[b].symbol}): the model's output {name!r} is not finite for "
                                 "these bars: their features are far outside the range the model was trained on; "
-                                "check the bars for extreme prices, volumes or user-feature values")
+                                "check the bars for extreme prices, volumes or user-feature values", f"series[{b}]")
     return None
 
 

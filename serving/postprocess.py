@@ -49,7 +49,7 @@ def build_response(prepared: Prepared, outputs: dict[str, np.ndarray], meta: Mod
         b = int(np.flatnonzero(overflow)[0])
         raise RequestError(f"series[{b}] ({prepared.symbols[b]}): the price quantiles overflow a double "
                            f"(last close {prepared.last_close[b]:.6g} x exp(forecast return)); send prices in a "
-                           "sensible unit")
+                           "sensible unit", f"series[{b}].close")
     levels = list(meta.quantiles)
     forecasts = []
     for b, symbol in enumerate(prepared.symbols):

@@ -94,5 +94,5 @@ def nonfinite_problem(prepared: Prepared, series: Sequence[SeriesColumns], meta:
         bar = len(series[b]) - meta.encoder_length + t
         return RequestError(f"series[{b}] ({series[b].symbol}): feature {names[v]!r} is not finite at bar {bar} "
                             "of the bars used (the last bars_required): a value beyond float32's range (about "
-                            "3.4e38) or a price jump that overflows; check the bars around it")
+                            "3.4e38) or a price jump that overflows; check the bars around it", f"series[{b}]")
     return None

@@ -23,7 +23,15 @@ from grpc import aio
 from features import package_version
 from features.schema import Role
 from serving.batcher import MicroBatcher
-from serving.errors import ExplainUnavailable, NotReady, Overloaded, RequestError, ResponseTooLarge, status_of
+from serving.errors import (
+    ExplainUnavailable,
+    NotReady,
+    Overloaded,
+    RequestError,
+    ResponseTooLarge,
+    status_details,
+    status_of,
+)
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.inference import Result
@@ -107,7 +115,7 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
         @functools.wraps(fn)
         async def wrapper(self: ForecasterServicer, request: Req, context: aio.ServicerContext[Req, Resp]) -> Resp:
             start = time.perf_counter()
-            code, gone = grpc.StatusCode.OK, False
+            code, gone, error = grpc.StatusCode.OK, False, None
             try:
                 response = await fn(self, request, context)
                 if caller_gone(context):  # an answer no one waits for: counted as the deadline or the cancel
@@ -118,6 +126,7 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
                 raise
             except Exception as exc:
                 code, message = status_of(exc)
+                error = exc
                 if code == grpc.StatusCode.INTERNAL:
                     log.exception("%s failed", method)
                 gone = caller_gone(context)  # no status can reach it: counted as what it is, nothing sent
@@ -127,7 +136,7 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
                 self.metrics.latency.labels(method).observe(time.perf_counter() - start)
             if gone:
                 raise asyncio.CancelledError
-            await context.abort(code, message)  # raises; the server stays up
+            await context.abort(code, message, status_details(error, code, message))  # raises; the server stays up
             raise AssertionError("unreachable")  # pragma: no cover
 
         return wrapper
@@ -285,7 +294,7 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         try:
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise RequestError(f"request_id is {len(request.request_id)} characters; send at most "
-                                   f"{MAX_REQUEST_ID_CHARS} (it is echoed in the answer)")
+                                   f"{MAX_REQUEST_ID_CHARS} (it is echoed in the answer)", "request_id")
             self.admission.take()
             held = True
             # the answer adds the request_id and the response's tag and length (at most 5 bytes) to the response
@@ -304,8 +313,9 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("PredictStream request failed")
             echo = request.request_id if len(request.request_id) <= MAX_REQUEST_ID_CHARS else ""
+            fields = [f for f, _ in exc.violations] if isinstance(exc, RequestError) else []
             return StreamAnswer(pb.PredictStreamResponse(request_id=echo, error=pb.StreamError(
-                code=code.value[0], code_name=code.name, message=message)), code, False, start)
+                code=code.value[0], code_name=code.name, message=message, fields=fields)), code, False, start)
 
     def _settle(self, answer: StreamAnswer, context: aio.ServicerContext[Any, Any], sent: bool) -> None:
         """Count what the caller got for one request (its answer's code, or, unsent, the deadline or the

@@ -92,7 +92,7 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
     if sent > MAX_USER_COLUMNS:
         raise RequestError(f"{_label(index, series.symbol)}: {sent} user feature columns sent, more than the "
                            f"server accepts ({MAX_USER_COLUMNS}); send only the model's columns "
-                           "(GetModelInfo.user_feature_columns)")
+                           "(GetModelInfo.user_feature_columns)", _field(index, "user_features"))
     user: Mapping[str, np.ndarray] = {}
     if series.user_feature_names or series.user_features_raw:
         user = _packed_user_columns(series, index)
@@ -100,7 +100,7 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
     for col in series.user_features:  # the other form (both at once is refused above)
         if col.name in plain:
             raise RequestError(f"{_label(index, series.symbol)}: user feature column {bounded(col.name)} is sent "
-                               "twice; send each column once")
+                               "twice; send each column once", _field(index, "user_features"))
         plain[col.name] = np.asarray(col.values, dtype=np.float64)
     return SeriesColumns(
         symbol=series.symbol,
@@ -120,24 +120,29 @@ def _packed_user_columns(series: pb.Series, index: int) -> ColumnBlock:
     names, raw = tuple(series.user_feature_names), series.user_features_raw
     if series.user_features:
         raise RequestError(f"{label}: sends both user_features and user_feature_names/user_features_raw; send the "
-                           "user features in one form")
+                           "user features in one form", _field(index, "user_features_raw"))
     if not names:
         raise RequestError(f"{label}: user_features_raw has {len(raw)} bytes but user_feature_names is empty; name "
-                           "each row of the block")
+                           "each row of the block", _field(index, "user_feature_names"))
     if len(set(names)) != len(names):  # one pass in C; the loop below only names the first repeat
         seen: set[str] = set()
         for name in names:
             if name in seen:
                 raise RequestError(f"{label}: user feature column {bounded(name)} is named twice in "
-                                   "user_feature_names; send each column once")
+                                   "user_feature_names; send each column once", _field(index, "user_feature_names"))
             seen.add(name)
     bars = len(series.timestamp_ns)
     need = 8 * len(names) * bars
     if len(raw) != need:
         raise RequestError(f"{label}: user_features_raw has {len(raw)} bytes; {len(names)} name(s) x {bars} bars "
                            f"(len(timestamp_ns)) need {need}: little-endian float64, one row per name, oldest "
-                           "bar first")
+                           "bar first", _field(index, "user_features_raw"))
     return ColumnBlock(names, np.frombuffer(raw, dtype="<f8").reshape(len(names), bars))  # [names, bars], no copy
+
+
+def _field(i: int, name: str = "") -> str:
+    """The path of series i's field `name` (or of the series), as google.rpc.BadRequest names fields."""
+    return f"series[{i}].{name}" if name else f"series[{i}]"
 
 
 def _label(i: int, symbol: str) -> str:
@@ -149,41 +154,46 @@ def _label(i: int, symbol: str) -> str:
 def _check_identity(i: int, s: SeriesColumns, meta: ModelMeta, seen: dict[str, int]) -> None:
     known = ", ".join(meta.symbols)
     if not s.symbol:
-        raise RequestError(f"series[{i}]: symbol is empty; set it to one of the model's symbols: {known}")
+        raise RequestError(f"series[{i}]: symbol is empty; set it to one of the model's symbols: {known}",
+                           _field(i, "symbol"))
     if s.symbol not in meta.symbols:
-        raise RequestError(f"series[{i}]: unknown symbol {bounded(s.symbol)}; the model knows {known}")
+        raise RequestError(f"series[{i}]: unknown symbol {bounded(s.symbol)}; the model knows {known}",
+                           _field(i, "symbol"))
     if s.symbol in seen:
         raise RequestError(f"series[{i}]: symbol {bounded(s.symbol)} already appears in series[{seen[s.symbol]}]; "
-                           "send each symbol at most once per request")
+                           "send each symbol at most once per request", _field(i, "symbol"))
     seen[s.symbol] = i
 
 
 def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     label = _label(i, s.symbol)
     if len(s) == 0 and all(getattr(s, c).shape[0] == 0 for c in BAR_COLUMNS):  # a symbol alone: no bars at all
-        _refuse_too_few(label, 0, meta)
+        _refuse_too_few(i, label, 0, meta)
     need = meta.feature_config.user_columns
     block = block_for(s.user, need)  # a block of exactly the model's columns: no column-by-column steps
     missing = [] if block is not None else [u for u in need if u not in s.user]
     if missing:
         raise RequestError(f"{label}: user feature column(s) {', '.join(bounded(m) for m in missing)} missing; this "
-                           f"model needs user_features {', '.join(need)} (see GetModelInfo.user_feature_columns)")
+                           f"model needs user_features {', '.join(need)} (see GetModelInfo.user_feature_columns)",
+                           _field(i, "user_features"))
     n = len(s)
     user_lengths = {block.shape[1]} if block is not None and need else {s.user[u].shape[0] for u in need}
     if {getattr(s, c).shape[0] for c in BAR_COLUMNS} | user_lengths != {n}:
         lengths = {c: int(getattr(s, c).shape[0]) for c in BAR_COLUMNS} | {u: int(s.user[u].shape[0]) for u in need}
         listed = ", ".join(f"{c} {k}" for c, k in lengths.items())
-        raise RequestError(f"{label}: columns have unequal lengths ({listed}); send one value per bar in every column")
+        raise RequestError(f"{label}: columns have unequal lengths ({listed}); send one value per bar in every column",
+                           _field(i))
     if n < meta.bars_required:
-        _refuse_too_few(label, n, meta)
+        _refuse_too_few(i, label, n, meta)
 
 
-def _refuse_too_few(label: str, n: int, meta: ModelMeta) -> NoReturn:
+def _refuse_too_few(i: int, label: str, n: int, meta: ModelMeta) -> NoReturn:
     required = meta.bars_required
     raise RequestError(
         f"{label}: {n} bar{'' if n == 1 else 's'} sent, the model needs at least {required} "
         f"({meta.feature_config.warmup_bars} warm-up bars for the rolling features + {meta.encoder_length} encoder "
-        f"bars); send the most recent {required} bars, oldest first (GetModelInfo.bars_required)")
+        f"bars); send the most recent {required} bars, oldest first (GetModelInfo.bars_required)",
+        _field(i, "timestamp_ns"))
 
 
 def _check_time_range(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
@@ -193,7 +203,8 @@ def _check_time_range(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
         row = int(np.flatnonzero(s.timestamp_ns > latest)[0])
         raise RequestError(f"{_label(i, s.symbol)}: column 'timestamp_ns', row {row}: {int(s.timestamp_ns[row])} is "
                            f"past the last time this model can forecast from ({latest} ns, {meta.horizon} bars before "
-                           "the int64 limit in the year 2262); send UTC nanoseconds since the Unix epoch")
+                           "the int64 limit in the year 2262); send UTC nanoseconds since the Unix epoch",
+                           _field(i, "timestamp_ns"))
 
 
 def daily_bars(ts: np.ndarray, interval_ns: int) -> bool:
@@ -227,7 +238,7 @@ def _check_spacing(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
         raise RequestError(f"{_label(i, s.symbol)}: bars are {_span(typical)} apart (the median gap of the last "
                            f"{ts.shape[0]} bars), but this model's bars are {_span(meta.bar_interval_ns)} apart "
                            f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}); send bars of the model's size: "
-                           "forecast steps would be read as the model's bars")
+                           "forecast steps would be read as the model's bars", _field(i, "timestamp_ns"))
     typical = int(np.median(np.diff(ts)))
     if int(ts[-1]) < PLAUSIBLE_NS:  # times before 1973 spaced as the model's bars in another unit: named with it
         unit = next((f"; these look like {UNIT_NAMES[u]}: multiply them by {NS_PER_UNIT[u]:,}"
@@ -239,7 +250,7 @@ def _check_spacing(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
         fix = f"; send bars of the model's size (resample these to {_span(meta.bar_interval_ns)} bars)"
     raise RequestError(f"{_label(i, s.symbol)}: bars are {_span(typical)} apart (the median gap of the last "
                        f"{ts.shape[0]} bars), but this model's bars are {_span(meta.bar_interval_ns)} apart "
-                       f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}){fix}")
+                       f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}){fix}", _field(i, "timestamp_ns"))
 
 
 def _span(ns: int) -> str:
@@ -323,7 +334,7 @@ def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> None:
     """Raise RequestError naming the first series that breaks the contract and what to fix."""
     if not series:
         raise RequestError(f"empty request: PredictRequest.series is empty; send at least one series with its most "
-                           f"recent {meta.bars_required} bars")
+                           f"recent {meta.bars_required} bars", "series")
     seen: dict[str, int] = {}
     user_columns = tuple(meta.feature_config.user_columns)
     for i, s in enumerate(series):
@@ -334,9 +345,12 @@ def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> None:
             problems = _value_problems(i, s, user_columns) or _order_problem(i, s)
             if not problems:  # the fast check and the contract disagree: still refuse, never guess
                 raise RequestError(f"{_label(i, s.symbol)}: bars break the bar contract (prices finite and > 0, "
-                                   "low <= open, close <= high, volume >= 0, timestamps strictly increasing)")
+                                   "low <= open, close <= high, volume >= 0, timestamps strictly increasing)",
+                                   _field(i))
             more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
-            raise RequestError("; ".join(str(p) for p in problems[:MAX_PROBLEMS]) + more)
+            raise RequestError("; ".join(str(p) for p in problems[:MAX_PROBLEMS]) + more, violations=[
+                (_field(i, p.column if p.column in BAR_COLUMNS else "user_features"), str(p))
+                for p in problems[:MAX_PROBLEMS]])
         _check_spacing(i, s, meta)
 
 

@@ -78,8 +78,8 @@ def test_a_stream_answers_each_request_as_predict_does_in_request_order(art: Mod
     meta = art.meta
     good = [request_for(art, sym, end=end) for sym in meta.symbols for end in (300, 301, 450, 500, 620)]
     good.append(request_for(art, meta.symbols[1], explain=True))
-    bad = {3: (request_for(art, meta.symbols[0], n=3), "3 bars sent"),
-           9: (pb.PredictRequest(series=[pb.Series(symbol="NOPE")]), "'NOPE'")}
+    bad = {3: (request_for(art, meta.symbols[0], n=3), "3 bars sent", "series[0].timestamp_ns"),
+           9: (pb.PredictRequest(series=[pb.Series(symbol="NOPE")]), "'NOPE'", "series[0].symbol")}
     requests: list[pb.PredictRequest] = []
     for r in good:
         while len(requests) in bad:
@@ -95,6 +95,7 @@ def test_a_stream_answers_each_request_as_predict_does_in_request_order(art: Mod
         if i in bad:
             assert not answer.HasField("response") and answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
             assert answer.error.code_name == "INVALID_ARGUMENT" and bad[i][1] in answer.error.message, answer.error
+            assert list(answer.error.fields) == [bad[i][2]], answer.error  # as Predict's BadRequest names it
             continue
         assert not answer.HasField("error"), answer.error
         assert_same_forecasts(answer.response, server.stub.Predict(request, timeout=10))
@@ -272,4 +273,5 @@ def test_a_request_id_too_long_to_echo_is_refused_in_its_answer(art: Model, serv
                                              timeout=30))
     assert answers[0].error.code_name == "INVALID_ARGUMENT" and answers[0].request_id == ""
     assert "request_id is 1025 characters; send at most 1024" in answers[0].error.message
+    assert list(answers[0].error.fields) == ["request_id"]
     assert answers[1].request_id == "y" * 1024 and answers[1].response.forecasts

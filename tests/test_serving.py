@@ -31,8 +31,10 @@ import onnxruntime as ort
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
 
 from features.compute import FeatureConfig, build_frame, future_timestamps
 from features.model_meta import FORMAT_ZONED
@@ -140,30 +142,36 @@ def test_batched_and_concurrent_requests_equal_single_ones(art: Model, server: L
     assert runs < len(requests), "concurrent calls were never batched together"
 
 
-BAD_INPUTS = [
-    ("empty request", lambda r: r.ClearField("series"), "empty request"),
-    ("too few bars", lambda r: _trim(r.series[0], 5), "the model needs at least"),
-    ("unequal columns", lambda r: r.series[0].high.pop(), "columns have unequal lengths"),
-    ("NaN close", lambda r: _set(r.series[0].close, 7, float("nan")), "column 'close', row 7: close is NaN"),
-    ("zero open", lambda r: _set(r.series[0].open, 3, 0.0), "column 'open', row 3: open is not positive"),
-    ("negative low", lambda r: _set(r.series[0].low, 2, -1.0), "column 'low', row 2: low is not positive"),
-    ("high < low", lambda r: _set(r.series[0].high, 4, r.series[0].low[4] * 0.5), "row 4: high < low"),
-    ("close above high", lambda r: _set(r.series[0].close, 6, r.series[0].high[6] * 1.01), "above high"),
-    ("negative volume", lambda r: _set(r.series[0].volume, 1, -5.0), "volume is negative"),
+BAD_INPUTS = [  # (case, change to a good request, what the message says, the field google.rpc.BadRequest names)
+    ("empty request", lambda r: r.ClearField("series"), "empty request", "series"),
+    ("too few bars", lambda r: _trim(r.series[0], 5), "the model needs at least", "series[0].timestamp_ns"),
+    ("unequal columns", lambda r: r.series[0].high.pop(), "columns have unequal lengths", "series[0]"),
+    ("NaN close", lambda r: _set(r.series[0].close, 7, float("nan")), "column 'close', row 7: close is NaN",
+     "series[0].close"),
+    ("zero open", lambda r: _set(r.series[0].open, 3, 0.0), "column 'open', row 3: open is not positive",
+     "series[0].open"),
+    ("negative low", lambda r: _set(r.series[0].low, 2, -1.0), "column 'low', row 2: low is not positive",
+     "series[0].low"),
+    ("high < low", lambda r: _set(r.series[0].high, 4, r.series[0].low[4] * 0.5), "row 4: high < low",
+     "series[0].high"),
+    ("close above high", lambda r: _set(r.series[0].close, 6, r.series[0].high[6] * 1.01), "above high",
+     "series[0].high"),
+    ("negative volume", lambda r: _set(r.series[0].volume, 1, -5.0), "volume is negative", "series[0].volume"),
     ("repeated timestamp", lambda r: _set(r.series[0].timestamp_ns, 9, r.series[0].timestamp_ns[8]),
-     "column 'timestamp_ns', row 9: duplicate timestamp"),
+     "column 'timestamp_ns', row 9: duplicate timestamp", "series[0].timestamp_ns"),
     ("decreasing timestamps", lambda r: _set(r.series[0].timestamp_ns, 9, r.series[0].timestamp_ns[8] - 1),
-     "timestamps decrease"),
-    ("unknown symbol", lambda r: setattr(r.series[0], "symbol", "ZZ"), "unknown symbol 'ZZ'; the model knows"),
-    ("empty symbol", lambda r: setattr(r.series[0], "symbol", ""), "symbol is empty"),
-    ("duplicate symbol", lambda r: r.series.append(r.series[0]), "already appears in series[0]"),
+     "timestamps decrease", "series[0].timestamp_ns"),
+    ("unknown symbol", lambda r: setattr(r.series[0], "symbol", "ZZ"), "unknown symbol 'ZZ'; the model knows",
+     "series[0].symbol"),
+    ("empty symbol", lambda r: setattr(r.series[0], "symbol", ""), "symbol is empty", "series[0].symbol"),
+    ("duplicate symbol", lambda r: r.series.append(r.series[0]), "already appears in series[0]", "series[1].symbol"),
     ("repeated user column", lambda r: r.series[0].user_features.extend([pb.Column(name="x"), pb.Column(name="x")]),
-     "user feature column 'x' is sent twice"),
+     "user feature column 'x' is sent twice", "series[0].user_features"),
     ("packed block of the wrong size", lambda r: _pack(r.series[0], ["x"], b"\0" * 8),
-     "user_features_raw has 8 bytes; 1 name(s) x"),
+     "user_features_raw has 8 bytes; 1 name(s) x", "series[0].user_features_raw"),
     ("packed and plain user features", lambda r: (r.series[0].user_features.add(name="y"),
                                                   _pack(r.series[0], ["x"], b"")),
-     "sends both user_features and user_feature_names"),
+     "sends both user_features and user_feature_names", "series[0].user_features_raw"),
 ]
 
 
@@ -182,15 +190,23 @@ def _set(col: object, i: int, value: float) -> None:
     col[i] = value  # type: ignore[index]
 
 
-@pytest.mark.parametrize(("case", "mutate", "message"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+@pytest.mark.parametrize(("case", "mutate", "message", "field"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_is_invalid_argument_and_the_next_call_succeeds(
-        art: Model, server: LiveServer, case: str, mutate: object, message: str) -> None:
+        art: Model, server: LiveServer, case: str, mutate: object, message: str, field: str) -> None:
     request = request_for(art, art.meta.symbols[0])
     mutate(request)  # type: ignore[operator]
     with pytest.raises(grpc.RpcError) as info:
         server.stub.Predict(request, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert message in (info.value.details() or ""), info.value.details()
+    # gRPC's richer error model: the field at fault, for a caller that drops the series and resends the rest
+    status = rpc_status.from_call(info.value)  # the RpcError of a blocking call is its grpc.Call too
+    assert status is not None and status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert status.message == info.value.details()
+    [detail] = status.details
+    bad = error_details_pb2.BadRequest()
+    assert detail.Unpack(bad) and [v.field for v in bad.field_violations] == [field], bad
+    assert message in bad.field_violations[0].description
     assert server.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10).forecasts
 
 

@@ -1104,3 +1104,38 @@ def test_a_series_whose_forecast_times_would_pass_int64_is_refused() -> None:
                 parse_request(_req(s), META)
         else:  # last + 3 steps is exactly int64's largest value: it fits
             assert parse_request(_req(s), META)[0].timestamp_ns[-1] == last
+
+
+def test_a_request_error_names_each_field_at_fault_and_its_details_fit_a_trailer() -> None:
+    """INVALID_ARGUMENT carries google.rpc.BadRequest in grpc-status-details-bin, one field violation per problem
+    the message lists; however long the message and the problems, the trailer stays within the 8 KiB of
+    metadata a gRPC client accepts by default (past it the call fails with no status at all)."""
+    import base64
+    import urllib.parse
+
+    from google.rpc import error_details_pb2, status_pb2
+
+    from serving.errors import MAX_DETAILS_BYTES, cap_details, status_details
+
+    s = series()
+    s.close[3] = float("nan")
+    s.volume[5] = -1.0
+    s.user_features[0].values[0] = float("inf")
+    with pytest.raises(RequestError) as info:
+        parse_request(_req(series("NQ"), s), META)
+    code, message = status_of(info.value)
+    [(key, value)] = status_details(info.value, code, message)
+    status = status_pb2.Status.FromString(value)
+    bad = error_details_pb2.BadRequest()
+    assert key == "grpc-status-details-bin" and status.code == 3 and status.message == message
+    assert status.details[0].Unpack(bad)
+    assert [v.field for v in bad.field_violations] == ["series[1].close", "series[1].volume",
+                                                      "series[1].user_features"], bad
+    assert all(v.description in message for v in bad.field_violations)
+    assert status_details(NotReady("warming up"), grpc.StatusCode.UNAVAILABLE, "warming up") == ()
+    worst = "é" * MAX_DETAILS_BYTES  # two bytes each, and percent-encoded in the grpc-message header: 6 characters
+    huge = RequestError(worst, violations=[(f"series[{i}].user_features", "x" * 5000) for i in range(5)])
+    code, message = status_of(huge)
+    [(_, value)] = status_details(huge, code, message)
+    header = urllib.parse.quote(cap_details(message), safe="")
+    assert len(header) + len(base64.b64encode(value)) + 64 < 8192, (len(header), len(value))

@@ -131,14 +131,16 @@ class PredictStreamResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[PredictResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
 
 class StreamError(_message.Message):
-    __slots__ = ("code", "code_name", "message")
+    __slots__ = ("code", "code_name", "message", "fields")
     CODE_FIELD_NUMBER: _ClassVar[int]
     CODE_NAME_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
     code: int
     code_name: str
     message: str
-    def __init__(self, code: _Optional[int] = ..., code_name: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, code: _Optional[int] = ..., code_name: _Optional[str] = ..., message: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
