@@ -42,7 +42,8 @@
 # CPU-only onnxruntime reports them as not run. --ort-wheel PATH installs an onnxruntime-gpu
 # wheel into a private --target directory first (nothing is fetched: the wheel must be
 # local); --wheels DIR does the same for every wheel in DIR (e.g. grpcio-health-checking,
-# grpcio-reflection and uvloop for the server, psutil for its benchmark). --parts STAGE joins
+# grpcio-reflection, grpcio-status, googleapis-common-protos and uvloop for the server, psutil for its
+# benchmark). --parts STAGE joins
 # the parts that `scripts/wheel_parts.sh split` made (checking their SHA-256) and installs the
 # onnxruntime-gpu wheel among them as --ort-wheel, the others as --wheels.
 
@@ -416,8 +417,8 @@ fi
 SERVING_OK=1
 if [ ! -f serving/__main__.py ] || [ ! -f benchmarks/serving_load.py ]; then
   SERVING_OK=0; why="python -m serving or benchmarks/serving_load.py does not exist yet"
-elif ! "$PY" -c "import grpc, grpc_health.v1, grpc_reflection.v1alpha, uvloop, psutil" 2>>"$OUT/export_serving.log"; then
-  SERVING_OK=0; why="the server's packages are missing here (grpcio-health-checking, grpcio-reflection, uvloop, psutil): pass --wheels DIR"
+elif ! "$PY" -c "import grpc, grpc_health.v1, grpc_reflection.v1alpha, grpc_status, google.rpc.error_details_pb2, uvloop, psutil" 2>>"$OUT/export_serving.log"; then
+  SERVING_OK=0; why="the server's packages are missing here (grpcio-health-checking, grpcio-reflection, grpcio-status, googleapis-common-protos, uvloop, psutil): pass --wheels DIR"
 fi
 # serving_load starts the server itself (python -m serving on 127.0.0.1, metrics scraped for the batch
 # sizes), measures bare ONNX Runtime on the same provider, then 1, 8 and 64 closed-loop clients (the first

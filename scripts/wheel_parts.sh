@@ -7,7 +7,8 @@
 #
 # fetch  downloads (on a machine that reaches a package registry) the wheels that
 #        scripts/gpu_check.sh needs beyond a CUDA PyTorch image: onnxruntime-gpu (CUDA 13,
-#        cuDNN 9; about 255 MB), grpcio-health-checking and grpcio-reflection, at the versions
+#        cuDNN 9; about 255 MB), grpcio-health-checking, grpcio-reflection, grpcio-status and
+#        googleapis-common-protos, uvloop (the server) and psutil (its benchmark), at the versions
 #        pyproject.toml pins, for CPython --python-version on x86-64 Linux.
 # split  puts every wheel in DIR into one tar and cuts it into STAGE/p1 ... STAGE/pN, each
 #        folder one part of at most --max-mib MiB plus the tar's SHA-256 and the part count,
@@ -42,14 +43,15 @@ fetch() {
       *) die "fetch: unknown argument $1 (see --help)" ;;
     esac
   done
-  local ort health reflection
-  ort=$(pinned onnxruntime-gpu) && health=$(pinned grpcio-health-checking) \
-    && reflection=$(pinned grpcio-reflection) || exit 2
+  local wanted=() name
+  for name in onnxruntime-gpu grpcio-health-checking grpcio-reflection grpcio-status googleapis-common-protos \
+      uvloop psutil; do
+    wanted+=("$(pinned "$name")") || exit 2
+  done
   mkdir -p "$dir"
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$dir" \
-    "$ort" "$health" "$reflection"
+    --platform manylinux2014_x86_64 -d "$dir" "${wanted[@]}"
   ls -l "$dir"/*.whl
 }
 
