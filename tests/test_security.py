@@ -502,7 +502,6 @@ def test_the_server_opens_only_its_own_files() -> None:
         "server.serve:load_model",  # --model
         "security.read_file:read_bytes",  # --tls-*, --auth-token-file (server and clients)
         "client._forecast:read_bars",  # the client's own --parquet
-        "client._interrupted_is_130:open",  # os.devnull, as stdout once the output's reader went away
         # the offline scorer (python -m serving.score, no server): its --model and --parquet (--out is written by
         # features.files.atomic_output)
         "score.main:load_model", "score.main:read_bars",
