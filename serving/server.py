@@ -39,7 +39,6 @@ from typing import Any
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from features.model_meta import ModelMeta
 from serving import sighup
@@ -51,6 +50,7 @@ from serving.inference import run_batch
 from serving.metrics import Metrics
 from serving.model import LoadedModel, ModelHolder, WarmUpStopped, load_and_warm, load_model
 from serving.native_log import native_stderr
+from serving.reflection import enable_server_reflection
 from serving.security import MessageGuard, ReloadableTls, TokenAuth, UnknownMethods, is_loopback, read_tokens
 from serving.servicer import Batcher, ForecasterServicer, Limits
 
@@ -263,7 +263,7 @@ class ForecastServer:
         ])
         pb_grpc.add_ForecasterServicer_to_server(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), self.grpc)
         self.port = 0
         self._reloading = False
         self._reload_again = False

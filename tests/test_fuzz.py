@@ -329,6 +329,7 @@ def test_random_bytes_to_every_service(fuzz: Fuzz) -> None:
              for m in (f"/{SERVICE}/GetModelInfo", "/grpc.health.v1.Health/Check")}
     streams = {name: fuzz.channel.stream_stream(m, request_serializer=None, response_deserializer=None)
                for name, m in (("reflection", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"),
+                               ("reflection v1", "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"),
                                ("stream", f"/{SERVICE}/PredictStream"))}
 
     @settings(SETTINGS, max_examples=EXAMPLES["services"])

@@ -322,6 +322,9 @@ def test_token_needed_for_everything_but_health(tiny_model: Model, pki: Pki,  # 
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
         unknown = channel.unary_unary(f"/{SERVICE}/NoSuchMethod", request_serializer=None,
                                       response_deserializer=None)
+        reflect_v1 = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                           request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                           response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
         refused = {
             "no token": (),
             "wrong token": _bearer(WRONG_TOKEN),
@@ -335,6 +338,7 @@ def test_token_needed_for_everything_but_health(tiny_model: Model, pki: Pki,  # 
                                     ("PredictStream", stub.PredictStream, iter([request])),
                                     ("GetModelInfo", stub.GetModelInfo, pb.GetModelInfoRequest()),
                                     ("reflection", reflect.ServerReflectionInfo, iter(reflect_request)),
+                                    ("reflection v1", reflect_v1, iter(reflect_request)),
                                     ("unknown method", unknown, b"")):
                 code, details = _code(call, arg, timeout=5, metadata=metadata)
                 assert code == "UNAUTHENTICATED", (case, name, code, details)
@@ -343,7 +347,7 @@ def test_token_needed_for_everything_but_health(tiny_model: Model, pki: Pki,  # 
         # UNAUTHENTICATED, not also UNIMPLEMENTED
         text = s.scrape()
         for method, calls in (("Predict", 1), ("PredictStream", 1), ("GetModelInfo", 1),
-                              ("other", 2)):  # other: reflection, unknown
+                              ("other", 3)):  # other: reflection (v1alpha and v1), unknown
             assert metric(text, "foxhunt_requests_total", method=method, code="UNAUTHENTICATED") == \
                 calls * len(refused), method
         assert metric(text, "foxhunt_requests_total", method="other", code="UNIMPLEMENTED") == 0

@@ -31,6 +31,7 @@ import onnxruntime as ort
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -334,6 +335,24 @@ def test_health_reflection_and_model_info(art: Model, server: LiveServer) -> Non
     (answer,) = list(reflect.ServerReflectionInfo(
         iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE)]), timeout=5))
     assert answer.file_descriptor_response.file_descriptor_proto
+    # the protocol's stable name too (clients try it first), listed and described like any service; and a
+    # method is found in its service's file (grpcurl describe foxhunt.tft.v1.Forecaster.Predict)
+    v1 = server.channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                      request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                      response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+    asked = ["grpc.reflection.v1.ServerReflection", f"{SERVICE}.Predict", f"{SERVICE}.Nope"]
+    listed, *found = v1(iter([reflection_pb2.ServerReflectionRequest(list_services=""),
+                              *(reflection_pb2.ServerReflectionRequest(file_containing_symbol=s) for s in asked)]),
+                        timeout=5)
+    assert {s.name for s in listed.list_services_response.service} == names | {"grpc.reflection.v1.ServerReflection"}
+    files = [descriptor_pb2.FileDescriptorProto.FromString(a.file_descriptor_response.file_descriptor_proto[0])
+             for a in found[:2]]
+    assert [(f.name, f.package) for f in files] == [("grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"),
+                                                    ("foxhunt/tft/v1/forecaster.proto", "foxhunt.tft.v1")]
+    assert [m.name for m in files[0].service[0].method] == ["ServerReflectionInfo"]
+    assert files[0].service[0].method[0].input_type == ".grpc.reflection.v1.ServerReflectionRequest"
+    descriptor_pool.DescriptorPool().Add(files[0])  # a whole file: a client can build its messages from it
+    assert found[2].error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
     meta = art.meta
