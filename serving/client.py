@@ -47,7 +47,7 @@ from features.bars import (
     read_bars,
     unusable_user_rows,
 )
-from features.check import format_timestamp, spacing_warning
+from features.check import format_timestamp
 from features.files import reader_went_away
 from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
@@ -287,8 +287,6 @@ def _forecast(args: argparse.Namespace) -> int:
                   f"(the first at {format_timestamp(int(bars.timestamp_ns[sent][bad[0]]))}); the model reads "
                   "finite values in every bar: fill them in", file=sys.stderr)
             return 2
-        if warning := spacing_warning(f"the {args.symbol} bars sent", bars.timestamp_ns[sent], info.bar_interval_ns):
-            print(f"warning: {warning}", file=sys.stderr)
         request = pb.PredictRequest(
             series=[series_from_bars(bars, args.symbol, info.bars_required, list(info.user_feature_columns),
                                      packed=args.packed)],
@@ -299,6 +297,8 @@ def _forecast(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             print(f"error: Predict: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+    for warning in (w for f in response.forecasts for w in f.warnings):  # e.g. bars further apart than the model's
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json:
         print(json_format.MessageToJson(response, preserving_proto_field_name=True))
     else:

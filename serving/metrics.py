@@ -16,6 +16,8 @@
     foxhunt_batch_windows                        windows per ONNX Runtime run (before padding)
     foxhunt_batch_calls                          calls sharing one run
     foxhunt_queue_expired_total                  calls whose deadline passed while queued (not run)
+    foxhunt_forecast_warnings_total              forecasts answered with a warning (Forecast.warnings: bars
+                                                 further apart than the model's, which a caller should fix)
     foxhunt_inflight_requests                    Predict calls and PredictStream requests being served now
     foxhunt_ready                                1 when warmed up and serving
     foxhunt_model_info{version,...,provider}     1, labelled with the model and where it runs
@@ -118,6 +120,8 @@ class Metrics:
                                      buckets=BATCH_BUCKETS, registry=r)
         self.expired = Counter("foxhunt_queue_expired", "Calls whose deadline passed while queued (not run)",
                                registry=r)
+        self.warned = Counter("foxhunt_forecast_warnings", "Forecasts answered with a warning (Forecast.warnings)",
+                              registry=r)
         self.inflight = Gauge("foxhunt_inflight_requests", "Predict calls and PredictStream requests being served",
                               registry=r)
         self.open_streams = Gauge("foxhunt_open_streams", "PredictStreams open now", registry=r)

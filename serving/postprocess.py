@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from features.check import spacing_warning
 from features.model_meta import ModelMeta
 from features.schema import ATTENTION, DECODER_WEIGHTS, ENCODER_WEIGHTS, QUANTILES, STATIC_WEIGHTS
 from serving.errors import RequestError
@@ -38,6 +39,21 @@ def explanation(prepared: Prepared, outputs: dict[str, np.ndarray], meta: ModelM
     )
 
 
+def spacing_warnings(prepared: Prepared, interval_ns: int) -> dict[int, tuple[str, ...]]:
+    """Window b -> its warning when its encoder bars are mostly further apart than the model's bar interval
+    (`features.check.spacing_warning`, as serving.client and serving.score warn). One vectorised pass over the
+    batch finds the windows where most gaps are under 1.5 intervals, which have nothing to warn of."""
+    ts = prepared.encoder_timestamp_ns  # [B, L]
+    gaps = ts.shape[1] - 1
+    near = np.count_nonzero(np.diff(ts, axis=1) < interval_ns + interval_ns // 2, axis=1)  # [B]
+    out: dict[int, tuple[str, ...]] = {}
+    for b in np.flatnonzero(2 * near <= gaps):
+        if warning := spacing_warning(f"series[{b}] ({prepared.symbols[b]}): the bars the model reads",
+                                      ts[b], interval_ns):
+            out[int(b)] = (warning,)
+    return out
+
+
 def build_response(prepared: Prepared, outputs: dict[str, np.ndarray], meta: ModelMeta, version: str,
                    explain: bool) -> pb.PredictResponse:
     """One Forecast per series, in request order. outputs[QUANTILES]: [B, H, Q] float32."""
@@ -51,6 +67,7 @@ def build_response(prepared: Prepared, outputs: dict[str, np.ndarray], meta: Mod
                            f"(last close {prepared.last_close[b]:.6g} x exp(forecast return)); send prices in a "
                            "sensible unit", f"series[{b}].close")
     levels = list(meta.quantiles)
+    warnings = spacing_warnings(prepared, meta.bar_interval_ns)
     forecasts = []
     for b, symbol in enumerate(prepared.symbols):
         f = pb.Forecast(
@@ -63,6 +80,7 @@ def build_response(prepared: Prepared, outputs: dict[str, np.ndarray], meta: Mod
             log_return=q[b].ravel().tolist(),
             price=prices[b].ravel().tolist(),
             model_version=version,
+            warnings=warnings.get(b, ()),
         )
         if explain:
             f.explanation.CopyFrom(explanation(prepared, outputs, meta, b))

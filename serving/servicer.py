@@ -198,6 +198,8 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         result = await self.batcher.submit(model, series, len(series), deadline)
         start = time.perf_counter()
         response = build_response(result.prepared, result.outputs, model.meta, model.version, request.explain)
+        if warned := sum(1 for f in response.forecasts if f.warnings):
+            self.metrics.warned.inc(warned)
         size = response.ByteSize() + wrapper_bytes
         steps.add("response", time.perf_counter() - start)
         if size > self.limits.max_message_bytes:  # else gRPC fails the send with a status the caller can't act on

@@ -37,10 +37,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
+from features.bars import Bars
 from features.compute import FeatureConfig, build_frame, future_timestamps
 from features.model_meta import FORMAT_ZONED
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES
 from features.windows import gather_windows
+from serving.client import series_from_bars
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from tests.artifacts import REPO
@@ -477,9 +479,18 @@ def test_client_prints_a_forecast_table(art: Model, server: LiveServer, tmp_path
     pq.write_table(table.take(rows[::5]), tmp_path / "five.parquet")
     r = client(tmp_path / "five.parquet", symbol)
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 3 + art.meta.horizon, r.stderr
-    assert (f"warning: the {symbol} bars sent are mostly 5min apart, but the model's bar interval is 1min: its "
-            "forecast steps are 1min bars") in r.stderr
+    assert (f"warning: series[0] ({symbol}): the bars the model reads are mostly 5min apart, but the model's bar "
+            "interval is 1min: its forecast steps are 1min bars") in r.stderr  # the server's Forecast.warnings
     assert "warning" not in client(art.bars_path, symbol).stderr
+    # on the wire: each forecast carries its own warnings, whatever client asks; and the metric counts them
+    before = metric(server.scrape(), "foxhunt_forecast_warnings_total")
+    five = Bars(*(np.asarray(c)[::5] for c in (art.bars.timestamp_ns, art.bars.symbol, art.bars.open, art.bars.high,
+                                                art.bars.low, art.bars.close, art.bars.volume)))
+    both = pb.PredictRequest(series=[series_from_bars(five, symbol, art.meta.bars_required),
+                                     request_for(art, art.meta.symbols[1]).series[0]])
+    warned, fine = server.stub.Predict(both, timeout=10).forecasts
+    assert [w.split(":")[0] for w in warned.warnings] == [f"series[0] ({symbol})"] and not fine.warnings
+    assert metric(server.scrape(), "foxhunt_forecast_warnings_total") == before + 1
     # a bad bar of another symbol does not stop this one's forecast; one of its own is named by its file row
     other = next(i for i, s in enumerate(table.column("symbol").to_pylist()) if s != symbol)
     close = table.column("close").to_numpy().copy()

@@ -89,7 +89,7 @@ class Explanation(_message.Message):
     def __init__(self, attention_rows: _Optional[int] = ..., attention_cols: _Optional[int] = ..., attention: _Optional[_Iterable[float]] = ..., attention_timestamp_ns: _Optional[_Iterable[int]] = ..., static_weights: _Optional[_Union[VariableWeights, _Mapping]] = ..., encoder_weights: _Optional[_Union[VariableWeights, _Mapping]] = ..., decoder_weights: _Optional[_Union[VariableWeights, _Mapping]] = ...) -> None: ...
 
 class Forecast(_message.Message):
-    __slots__ = ("symbol", "last_timestamp_ns", "last_close", "timestamp_ns", "quantile_levels", "horizon", "log_return", "price", "explanation", "model_version")
+    __slots__ = ("symbol", "last_timestamp_ns", "last_close", "timestamp_ns", "quantile_levels", "horizon", "log_return", "price", "explanation", "model_version", "warnings")
     SYMBOL_FIELD_NUMBER: _ClassVar[int]
     LAST_TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     LAST_CLOSE_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class Forecast(_message.Message):
     PRICE_FIELD_NUMBER: _ClassVar[int]
     EXPLANATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     symbol: str
     last_timestamp_ns: int
     last_close: float
@@ -110,7 +111,8 @@ class Forecast(_message.Message):
     price: _containers.RepeatedScalarFieldContainer[float]
     explanation: Explanation
     model_version: str
-    def __init__(self, symbol: _Optional[str] = ..., last_timestamp_ns: _Optional[int] = ..., last_close: _Optional[float] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., quantile_levels: _Optional[_Iterable[float]] = ..., horizon: _Optional[int] = ..., log_return: _Optional[_Iterable[float]] = ..., price: _Optional[_Iterable[float]] = ..., explanation: _Optional[_Union[Explanation, _Mapping]] = ..., model_version: _Optional[str] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, symbol: _Optional[str] = ..., last_timestamp_ns: _Optional[int] = ..., last_close: _Optional[float] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., quantile_levels: _Optional[_Iterable[float]] = ..., horizon: _Optional[int] = ..., log_return: _Optional[_Iterable[float]] = ..., price: _Optional[_Iterable[float]] = ..., explanation: _Optional[_Union[Explanation, _Mapping]] = ..., model_version: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
     __slots__ = ("forecasts", "model_version")
