@@ -1139,3 +1139,21 @@ def test_a_request_error_names_each_field_at_fault_and_its_details_fit_a_trailer
     [(_, value)] = status_details(huge, code, message)
     header = urllib.parse.quote(cap_details(message), safe="")
     assert len(header) + len(base64.b64encode(value)) + 64 < 8192, (len(header), len(value))
+
+
+def test_only_windows_of_bars_mostly_further_apart_than_the_models_carry_a_warning() -> None:
+    """A session break inside a window (one long gap) is no reason to warn; bars mostly 5 minutes apart sent to a
+    1-minute model are (served all the same: the steps are still the model's bars)."""
+    from serving.postprocess import spacing_warnings
+
+    regular, broken, sparse = series("ES"), series("NQ"), series("ES")
+    ts = np.asarray(broken.timestamp_ns)
+    broken.timestamp_ns[:] = np.where(np.arange(NEED) >= NEED - 3, ts + 17 * 3_600 * 10**9, ts).tolist()  # overnight
+    sparse.timestamp_ns[:] = (1_704_103_200 * 10**9 + 5 * 60 * 10**9 * np.arange(NEED)).tolist()
+    prepared = prepare(parse_request(_req(regular, broken), META), META)
+    assert spacing_warnings(prepared, META.bar_interval_ns) == {}
+    prepared = prepare(parse_request(_req(broken, sparse), META), META)
+    assert spacing_warnings(prepared, META.bar_interval_ns) == {1: (
+        "series[1] (ES): the bars the model reads are mostly 5min apart, but the model's bar interval is 1min: its "
+        "forecast steps are 1min bars, and it was trained on such bars; resample the bars to 1min, or use a model "
+        "trained on this interval",)}
