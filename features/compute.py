@@ -24,7 +24,9 @@ NS_PER_DAY = 86_400 * NS_PER_SECOND
 # Bars mostly this many bar intervals (and a day) apart or more, at one or two times of day, are daily bars:
 # the server refuses them for an intraday model, and the trainer says so of a symbol whose bars are like that.
 COARSE_INTERVALS = 20
-INTERVAL_TOLERANCE_PARTS = 100  # spacings within 1/100 of each other are one bar interval
+INTERVAL_TOLERANCE_PARTS = 100  # off a grid, spacings within 1/100 of the one before run together
+SNAP_PARTS = 40  # off a grid, the bar interval is the coarsest round duration within 1/40 of the spacings' median
+RECURRING = 3  # a spacing seen this often (and in 2% of the gaps or more) is a grid's
 
 BUILTIN_OBSERVED: tuple[str, ...] = ("log_return", "log_range", "log_body", "log_volume", "volatility")
 BUILTIN_KNOWN: tuple[str, ...] = ("tod_sin", "tod_cos", "dow_sin", "dow_cos")
@@ -88,16 +90,17 @@ class FeatureFrame:
 
 
 def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -> int:
-    """The bar interval: the most common spacing of consecutive bars of the same series, spacings within 1%
-    of each other taken as one (0 when no two bars of a series follow each other).
+    """The bar interval: the most common spacing of consecutive bars of the same series (0 when no two bars of
+    a series follow each other).
 
-    Bars on a grid give it exactly: their spacings are whole multiples of the interval, never within 1% of
-    each other. Bars stamped a little off their grid (an aggregator's, a receive or a first trade's time)
-    have spacings that are nearly all distinct, so an exact count would return the smallest of them
-    (59.997 s for 1-minute bars stamped within 5 ms). So the sorted spacings are cut into groups wherever
-    one is more than 1% above the one before; the largest group is the bar size's (the first of equals:
-    the shortest), and unless it holds one spacing alone, its median is rounded to the coarsest of a day,
-    an hour, a minute, a second, a millisecond or a microsecond that stays within 1% of it (60 s)."""
+    Bars on a grid give it exactly, as their most common spacing. Bars stamped a little off their grid (an
+    aggregator's, a receive or a first trade's time) have spacings that are nearly all distinct, so that the
+    exact count would return the smallest of them (59.997 s for 1-minute bars stamped within 5 ms): where no
+    spacing recurs (the commonest is under 2% of them, or seen fewer than 3 times), the sorted spacings are cut
+    into runs wherever one is more than 1% above the one before, the largest run is the bar size's (the first
+    of equals: the shortest), the spacings within half of its median on either side are that size's, and
+    their median is rounded to the coarsest of a day, an hour, a minute, a second, a millisecond or a
+    microsecond within 2.5% of it (60 s)."""
     diffs = [np.diff(timestamp_ns[s:e]) for s, e in series_bounds if e - s > 1]
     if not diffs:
         return 0
@@ -105,16 +108,21 @@ def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -
     d = np.sort(d[d > 0])
     if d.size == 0:
         return 0
-    starts = np.flatnonzero(np.diff(d) > d[:-1] // INTERVAL_TOLERANCE_PARTS) + 1  # where a new group begins
+    values, counts = np.unique(d, return_counts=True)
+    common = int(np.argmax(counts))  # the first of equals: the shortest spacing
+    if counts[common] >= min(RECURRING, d.size) and counts[common] * 50 >= d.size:  # spacings recur: a grid
+        return int(values[common])
+    starts = np.flatnonzero(np.diff(d) > d[:-1] // INTERVAL_TOLERANCE_PARTS) + 1  # where a new run begins
     edges = np.concatenate([[0], starts, [d.size]])
-    best = int(np.argmax(np.diff(edges)))  # the first of equals: the shortest spacing
-    group = d[edges[best]:edges[best + 1]]
-    if group[0] == group[-1]:  # one spacing alone: bars on a grid
-        return int(group[0])
-    middle = int(np.median(group))
+    best = int(np.argmax(np.diff(edges)))
+    run = d[edges[best]:edges[best + 1]]
+    if run[0] == run[-1]:  # one spacing alone
+        return int(run[0])
+    v = int(np.median(run))
+    middle = int(np.median(d[np.searchsorted(d, v - v // 2, "left"):np.searchsorted(d, v + v // 2, "left")]))
     for unit in (NS_PER_DAY, 3_600_000_000_000, 60_000_000_000, NS_PER_SECOND, 1_000_000, 1_000):
         snapped = round(middle / unit) * unit
-        if snapped and abs(snapped - middle) * INTERVAL_TOLERANCE_PARTS <= middle:
+        if snapped and abs(snapped - middle) * SNAP_PARTS <= middle:
             return snapped
     return middle
 

@@ -119,33 +119,38 @@ def _header_length(message: str) -> int:
 
 
 def status_details(exc: BaseException, code: grpc.StatusCode,
-                   message: str) -> tuple[tuple[str, str | bytes], ...]:
-    """gRPC's richer error model for a request error: trailing metadata `grpc-status-details-bin` holding a
-    google.rpc.Status whose details hold a google.rpc.BadRequest, one field violation per problem (the field's
-    path, e.g. series[1].close, and what is wrong), so that a client finds the series at fault without parsing
-    the message (Python: grpc_status.rpc_status.from_call; Go: status.FromError(err).Details(); Java:
-    StatusProto.fromThrowable). Other errors carry none: ().
+                   message: str) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
+    """The status message and the trailing metadata to end a call with. For a request error, gRPC's richer error
+    model: `grpc-status-details-bin` holding a google.rpc.Status whose details hold a google.rpc.BadRequest, one
+    field violation per problem (the field's path, e.g. series[1].close, and what is wrong), so that a client
+    finds the series at fault without parsing the message (Python: grpc_status.rpc_status.from_call; Go:
+    status.FromError(err).Details(); Java: StatusProto.fromThrowable). Other errors carry none: ().
 
     The trailers must stay within the 8 KiB of metadata a client accepts by default (past it the call fails
-    without its status): beside the message's own header, the details keep what fits, in this order of
-    giving up: the violations' descriptions, then the end of the details' copy of the message."""
+    without its status), and the details' message must be the status message (from_call refuses a call whose
+    two differ). What does not fit is given up in this order: the violations' descriptions, then the end of the
+    message, in both places alike."""
     if not isinstance(exc, RequestError):
-        return ()
-    room = (METADATA_BYTES - _header_length(message)) * 3 // 4  # base64 carries 3 bytes in 4 characters
+        return message, ()
     violations = [(f, _cut(d, VIOLATION_BYTES)) for f, d in exc.violations]
-    status = status_pb2.Status(code=code.value[0], message=message)
     for described in (True, False):
         bad = error_details_pb2.BadRequest(field_violations=[
             error_details_pb2.BadRequest.FieldViolation(field=f, description=d if described else "")
             for f, d in violations])
-        del status.details[:]
-        status.details.add().Pack(bad)
-        if status.ByteSize() <= room:
+        if _trailer_length(message, bad) <= METADATA_BYTES:
             break
-    else:  # the fields alone do not fit beside the whole message: the details' copy of it is cut
-        over = status.ByteSize() - room
-        status.message = _cut(message, len(message.encode("utf-8", "replace")) - over - 8)
-    return tuple(rpc_status.to_status(status).trailing_metadata)
+    while _trailer_length(message, bad) > METADATA_BYTES and len(message) > 8:  # a long non-ASCII message
+        message = _cut(message, len(message.encode("utf-8", "replace")) * 4 // 5)
+    status = status_pb2.Status(code=code.value[0], message=message)
+    status.details.add().Pack(bad)
+    return message, tuple(rpc_status.to_status(status).trailing_metadata)
+
+
+def _trailer_length(message: str, bad: error_details_pb2.BadRequest) -> int:
+    """grpc-message and grpc-status-details-bin on the wire: the message percent-encoded, the details in base64."""
+    status = status_pb2.Status(code=3, message=message)
+    status.details.add().Pack(bad)
+    return _header_length(message) + (status.ByteSize() + 2) // 3 * 4
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

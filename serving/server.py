@@ -78,10 +78,12 @@ def bind_failure_reason(line: str) -> str:
 
 
 def port_taken(host: str, port: int) -> bool:
-    """Whether `port` is taken on every address `host` resolves to (gRPC binds what it can of them, and fails
-    only if none is free). Looked at before the model loads, which can take minutes on a large model and a
-    GPU, so that a port in use is named at once rather than after the load. Anything else (an unknown host,
-    an address this machine lacks) is left to the bind itself, which names it; so is a port taken later."""
+    """Whether `port` is taken on every address the system resolver gives for `host`. Looked at before the
+    model loads, which can take minutes on a large model and a GPU, so that a port in use is named at once
+    rather than after the load. Anything else (an unknown host, an address this machine lacks) is left to
+    the bind itself, which names it; so is a port taken later. (gRPC resolves `localhost` itself, to
+    127.0.0.1 and ::1, and starts on whichever it can bind: where the resolver gives 127.0.0.1 alone and
+    another process holds it, this refuses a server that would have listened on ::1 only.)"""
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError:

@@ -136,7 +136,8 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
                 self.metrics.latency.labels(method).observe(time.perf_counter() - start)
             if gone:
                 raise asyncio.CancelledError
-            await context.abort(code, message, status_details(error, code, message))  # raises; the server stays up
+            message, details = status_details(error, code, message)
+            await context.abort(code, message, details)  # raises; the server stays up
             raise AssertionError("unreachable")  # pragma: no cover
 
         return wrapper

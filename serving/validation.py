@@ -145,6 +145,11 @@ def _field(i: int, name: str = "") -> str:
     return f"series[{i}].{name}" if name else f"series[{i}]"
 
 
+def _user_field(s: SeriesColumns) -> str:
+    """The field a series' user values came in: the packed block, or the columns one by one."""
+    return "user_features_raw" if isinstance(s.user, ColumnBlock) else "user_features"
+
+
 def _label(i: int, symbol: str) -> str:
     """How messages name series i: `series[0] (ES)`; a long or unprintable symbol is quoted and cut."""
     shown = symbol if symbol.isprintable() and len(symbol) <= 48 else bounded(symbol)
@@ -175,7 +180,7 @@ def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     if missing:
         raise RequestError(f"{label}: user feature column(s) {', '.join(bounded(m) for m in missing)} missing; this "
                            f"model needs user_features {', '.join(need)} (see GetModelInfo.user_feature_columns)",
-                           _field(i, "user_features"))
+                           _field(i, "user_feature_names" if isinstance(s.user, ColumnBlock) else "user_features"))
     n = len(s)
     user_lengths = {block.shape[1]} if block is not None and need else {s.user[u].shape[0] for u in need}
     if {getattr(s, c).shape[0] for c in BAR_COLUMNS} | user_lengths != {n}:
@@ -349,7 +354,7 @@ def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> None:
                                    _field(i))
             more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
             raise RequestError("; ".join(str(p) for p in problems[:MAX_PROBLEMS]) + more, violations=[
-                (_field(i, p.column if p.column in BAR_COLUMNS else "user_features"), str(p))
+                (_field(i, p.column if p.column in BAR_COLUMNS else _user_field(s)), str(p))
                 for p in problems[:MAX_PROBLEMS]])
         _check_spacing(i, s, meta)
 

@@ -639,6 +639,17 @@ def test_bars_stamped_a_little_off_their_grid_have_the_grids_interval(tmp_path: 
                          (np.arange(200) * 2 * 10**8 + rng.integers(0, 10**6, 200), 2 * 10**8),  # 200 ms bars
                          (np.arange(100) * 90 * 10**9 + rng.integers(0, 10**8, 100), 90 * 10**9)):
         assert infer_bar_interval_ns(ts, np.array([[0, ts.size]])) == interval
+    # a thin contract on a grid: 12 bars a day at whole minutes of a session. Its nights (17-18 h, all distinct
+    # minutes) are many, and would chain into one long run of spacings: a grid keeps its most common spacing
+    days = [np.sort(rng.choice(np.arange(870, 1260), 12, replace=False)) + 1440 * d for d in range(250)]
+    ts = np.concatenate(days) * minute
+    gaps, counts = np.unique(np.diff(ts), return_counts=True)
+    assert infer_bar_interval_ns(ts, np.array([[0, ts.size]])) == gaps[np.argmax(counts)] < 3600 * 10**9
+    # first-trade stamps up to 20 s late, few bars or many: the minute in (nearly) every draw
+    for n, least in ((100, 95), (780, 100)):
+        found = [infer_bar_interval_ns(ts, np.array([[0, n]])) for seed in range(100)
+                 for ts in [np.arange(n) * minute + np.random.default_rng(seed).integers(0, 20 * 10**9, n)]]
+        assert found.count(minute) >= least, (n, found.count(minute))
 
 
 def test_check_cli_on_good_file(sample_bars: Path) -> None:

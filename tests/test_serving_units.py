@@ -1115,7 +1115,7 @@ def test_a_request_error_names_each_field_at_fault_and_its_details_fit_a_trailer
 
     from google.rpc import error_details_pb2, status_pb2
 
-    from serving.errors import MAX_DETAILS_BYTES, cap_details, status_details
+    from serving.errors import MAX_DETAILS_BYTES, status_details
 
     s = series()
     s.close[3] = float("nan")
@@ -1124,21 +1124,33 @@ def test_a_request_error_names_each_field_at_fault_and_its_details_fit_a_trailer
     with pytest.raises(RequestError) as info:
         parse_request(_req(series("NQ"), s), META)
     code, message = status_of(info.value)
-    [(key, value)] = status_details(info.value, code, message)
+    sent, [(key, value)] = status_details(info.value, code, message)
     status = status_pb2.Status.FromString(value)
     bad = error_details_pb2.BadRequest()
-    assert key == "grpc-status-details-bin" and status.code == 3 and status.message == message
+    assert key == "grpc-status-details-bin" and status.code == 3 and status.message == sent == message
     assert status.details[0].Unpack(bad)
     assert [v.field for v in bad.field_violations] == ["series[1].close", "series[1].volume",
                                                       "series[1].user_features"], bad
     assert all(v.description in message for v in bad.field_violations)
-    assert status_details(NotReady("warming up"), grpc.StatusCode.UNAVAILABLE, "warming up") == ()
-    worst = "é" * MAX_DETAILS_BYTES  # two bytes each, and percent-encoded in the grpc-message header: 6 characters
-    huge = RequestError(worst, violations=[(f"series[{i}].user_features", "x" * 5000) for i in range(5)])
-    code, message = status_of(huge)
-    [(_, value)] = status_details(huge, code, message)
-    header = urllib.parse.quote(cap_details(message), safe="")
-    assert len(header) + len(base64.b64encode(value)) + 64 < 8192, (len(header), len(value))
+    packed = series()  # the same user column sent packed: the field is the block it came in
+    values = np.array(packed.user_features[0].values)
+    values[2] = float("nan")
+    del packed.user_features[:]
+    packed.user_feature_names.append("spread")
+    packed.user_features_raw = values.astype("<f8").tobytes()
+    with pytest.raises(RequestError) as info:
+        parse_request(_req(packed), META)
+    assert [f for f, _ in info.value.violations] == ["series[0].user_features_raw"]
+    assert status_details(NotReady("warming up"), grpc.StatusCode.UNAVAILABLE, "warming up") == ("warming up", ())
+    # the longest messages: ASCII (a byte each on the wire) and non-ASCII (each byte percent-encoded: 3 characters)
+    for text in ("x" * 5000, "é" * MAX_DETAILS_BYTES, "螺纹钢" * MAX_DETAILS_BYTES):
+        huge = RequestError(text, violations=[(f"series[{i}].user_features", "y" * 5000) for i in range(5)])
+        code, message = status_of(huge)
+        sent, [(_, value)] = status_details(huge, code, message)
+        header = urllib.parse.quote(sent, safe="")
+        assert len(header) + len(base64.b64encode(value)) + 64 < 8192, (len(header), len(value))
+        assert status_pb2.Status.FromString(value).message == sent  # one message: from_call checks they agree
+        assert message.startswith(sent.removesuffix(" ...")) and len(sent) > 100, sent
 
 
 def test_only_windows_of_bars_mostly_further_apart_than_the_models_carry_a_warning() -> None:
