@@ -42,8 +42,8 @@
 # CPU-only onnxruntime reports them as not run. --ort-wheel PATH installs an onnxruntime-gpu
 # wheel into a private --target directory first (nothing is fetched: the wheel must be
 # local); --wheels DIR does the same for every wheel in DIR (e.g. grpcio-health-checking,
-# grpcio-reflection, grpcio-status, googleapis-common-protos and uvloop for the server, psutil for its
-# benchmark). --parts STAGE joins
+# grpcio-reflection, grpcio-status and googleapis-common-protos for the server, psutil for its benchmark;
+# without uvloop the servers run on asyncio's loop, and the report says so). --parts STAGE joins
 # the parts that `scripts/wheel_parts.sh split` made (checking their SHA-256) and installs the
 # onnxruntime-gpu wheel among them as --ort-wheel, the others as --wheels.
 
@@ -417,8 +417,13 @@ fi
 SERVING_OK=1
 if [ ! -f serving/__main__.py ] || [ ! -f benchmarks/serving_load.py ]; then
   SERVING_OK=0; why="python -m serving or benchmarks/serving_load.py does not exist yet"
-elif ! "$PY" -c "import grpc, grpc_health.v1, grpc_reflection.v1alpha, grpc_status, google.rpc.error_details_pb2, uvloop, psutil" 2>>"$OUT/export_serving.log"; then
-  SERVING_OK=0; why="the server's packages are missing here (grpcio-health-checking, grpcio-reflection, grpcio-status, googleapis-common-protos, uvloop, psutil): pass --wheels DIR"
+elif ! "$PY" -c "import grpc, grpc_health.v1, grpc_reflection.v1alpha, grpc_status, google.rpc.error_details_pb2, psutil" 2>>"$OUT/export_serving.log"; then
+  SERVING_OK=0; why="the server's packages are missing here (grpcio-health-checking, grpcio-reflection, grpcio-status, googleapis-common-protos, psutil): pass --wheels DIR"
+fi
+LOOP_ARGS=()  # uvloop, the server's default loop, is 4.3 MiB more to carry: without it, asyncio's loop, said so
+if [ $SERVING_OK = 1 ] && ! "$PY" -c "import uvloop" 2>/dev/null; then
+  LOOP_ARGS=(--server-arg=--event-loop=asyncio)
+  log "uvloop is not installed here: the servers run on asyncio's own loop (--event-loop asyncio; about 10% more server CPU per call at 64 clients on the 2-vCPU machine, BENCHMARKS.md)"
 fi
 # serving_load starts the server itself (python -m serving on 127.0.0.1, metrics scraped for the batch
 # sizes), measures bare ONNX Runtime on the same provider, then 1, 8 and 64 closed-loop clients (the first
@@ -426,12 +431,14 @@ fi
 serving_load() {  # serving_load PART MODEL DEVICE WHAT CHANNELS CLIENT_FLAGS [SERVER_ARG...]
   local part=$1 model=$2 device=$3 what=$4 channels=$5 t0=$SECONDS rc
   local -a extra
+  [ ${#LOOP_ARGS[@]} = 0 ] || what="$what; asyncio's event loop (no uvloop here)"
   read -r -a extra <<<"$6"  # serving_load's own flags, e.g. --packed
   shift 6
   for a in "$@"; do extra+=("--server-arg=$a"); done
   echo "== $part: $what" >>"$OUT/export_serving.log"
   timeout 200 "$PY" -m benchmarks.serving_load --model "$model" --parquet "$DATA" --device "$device" \
-    --concurrency 1,8,64 --duration 5 --client-procs 4 --channels "$channels" --server-arg=--max-batch=64 "${extra[@]}" \
+    --concurrency 1,8,64 --duration 5 --client-procs 4 --channels "$channels" --server-arg=--max-batch=64 \
+    ${LOOP_ARGS[@]+"${LOOP_ARGS[@]}"} "${extra[@]}" \
     --json "$WORK/$part.json" >>"$OUT/export_serving.log" 2>&1
   rc=$?
   if [ $rc = 0 ]; then

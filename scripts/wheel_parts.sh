@@ -8,8 +8,10 @@
 # fetch  downloads (on a machine that reaches a package registry) the wheels that
 #        scripts/gpu_check.sh needs beyond a CUDA PyTorch image: onnxruntime-gpu (CUDA 13,
 #        cuDNN 9; about 255 MB), grpcio-health-checking, grpcio-reflection, grpcio-status and
-#        googleapis-common-protos, uvloop (the server) and psutil (its benchmark), at the versions
-#        pyproject.toml pins, for CPython --python-version on x86-64 Linux.
+#        googleapis-common-protos (the server) and psutil (its benchmark), at the versions
+#        pyproject.toml pins, for CPython --python-version on x86-64 Linux: 244.5 MiB, four parts
+#        of 62 MiB (uvloop, 4.3 MiB more, would make a fifth: without it gpu_check.sh runs the
+#        servers on asyncio's loop).
 # split  puts every wheel in DIR into one tar and cuts it into STAGE/p1 ... STAGE/pN, each
 #        folder one part of at most --max-mib MiB plus the tar's SHA-256 and the part count,
 #        so that each folder can travel on its own (one per call, while the machine stays up).
@@ -45,7 +47,7 @@ fetch() {
   done
   local wanted=() name
   for name in onnxruntime-gpu grpcio-health-checking grpcio-reflection grpcio-status googleapis-common-protos \
-      uvloop psutil; do
+      psutil; do
     wanted+=("$(pinned "$name")") || exit 2
   done
   mkdir -p "$dir"
