@@ -108,7 +108,8 @@ def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -
     d = np.sort(d[d > 0])
     if d.size == 0:
         return 0
-    values, counts = np.unique(d, return_counts=True)
+    first = np.concatenate([[0], np.flatnonzero(d[1:] != d[:-1]) + 1])  # each distinct spacing's first place
+    values, counts = d[first], np.diff(np.append(first, d.size))  # (d is sorted: no second sort)
     common = int(np.argmax(counts))  # the first of equals: the shortest spacing
     if counts[common] >= min(RECURRING, d.size) and counts[common] * 50 >= d.size:  # spacings recur: a grid
         return int(values[common])
