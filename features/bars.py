@@ -783,7 +783,7 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
     def check(mask: np.ndarray, column: str, rule: str, fix: str) -> None:
         row, count = _first_bad(mask)
         if count:
-            out.append(Problem(fname, column, row, rule, fix, count))
+            out.append(Problem(fname, column, row, rule + _whose(part["symbol"], mask), fix, count))
 
     check(part["timestamp_null"], cmap.timestamp, "timestamp is null", "drop rows without a timestamp")
     for fld in (*PRICE_COLUMNS, "volume"):
@@ -828,6 +828,19 @@ def unusable_user_rows(bars: Bars) -> np.ndarray:
         for x in bars.user.values():
             bad |= ~(np.abs(x) <= F32_MAX)  # NaN compares false
     return bad
+
+
+def _whose(symbol: np.ndarray, mask: np.ndarray) -> str:
+    """In a file of several symbols, whose rows a problem's are (a calendar spread's negative prices among a
+    futures download's outrights, say): '; symbol ESH4-ESM4', '; symbols ESH4, NQH4 and 2 others'. '' when the
+    file holds one symbol (a request's series, a one-market file), where it would say nothing new."""
+    if symbol.size == 0 or (symbol == symbol[0]).all():
+        return ""
+    names = [str(x) for x in dict.fromkeys(symbol[mask])]  # in row order
+    if len(names) == 1:
+        return f"; symbol {names[0]}"
+    more = f" and {len(names) - 2} other{'s' if len(names) > 3 else ''}" if len(names) > 2 else ""
+    return f"; symbols {names[0]}, {names[1]}{more}" if more else f"; symbols {names[0]} and {names[1]}"
 
 
 def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap,

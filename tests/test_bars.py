@@ -456,6 +456,17 @@ def test_files_out_of_time_order_that_share_no_bar_are_named_so(tmp_path: Path) 
     assert "drop the bars" not in p.fix
 
 
+def test_a_value_problem_in_a_file_of_several_symbols_names_whose_rows(tmp_path: Path) -> None:
+    """A futures download holds calendar spreads beside the outrights, and a spread's price may be negative: the
+    problem says whose rows it found, as its row number alone would not."""
+    es, spread = series_columns(0, 6, "ESH4"), series_columns(0, 6, "ESH4-ESM4")
+    spread["open"] = spread["open"] - 200.0  # a spread trades around zero
+    both = {k: np.concatenate([np.asarray(es[k]), np.asarray(spread[k])]) for k in es}
+    problems = problems_of(write_parquet(tmp_path / "fut.parquet", both))
+    assert problems and all(p.rule.endswith("; symbol ESH4-ESM4") for p in problems), problems
+    assert "; symbol" not in only_problem(write_parquet(tmp_path / "one.parquet", spread)).rule  # one market alone
+
+
 def test_duplicates_of_several_symbols_say_so(tmp_path: Path) -> None:
     es, nq = series_columns(0, 6, "ES"), series_columns(0, 6, "NQ")
     for cols in (es, nq):
