@@ -601,6 +601,7 @@ def _columns_of(
                 problems.append(Problem(fname, cmap.symbol, row, "symbol is empty",
                                         "fill in the symbol, or drop those rows", count))
         part["symbol"] = distinct[indices]
+        part["symbol_names"] = distinct  # the file's symbols (a problem in a file of several names whose rows)
         part["symbol_absent"] = np.zeros(n, dtype=bool)
     else:
         if not cmap.default_symbol:
@@ -783,7 +784,7 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
     def check(mask: np.ndarray, column: str, rule: str, fix: str) -> None:
         row, count = _first_bad(mask)
         if count:
-            out.append(Problem(fname, column, row, rule + _whose(part["symbol"], mask), fix, count))
+            out.append(Problem(fname, column, row, rule + _whose(part, mask), fix, count))
 
     check(part["timestamp_null"], cmap.timestamp, "timestamp is null", "drop rows without a timestamp")
     for fld in (*PRICE_COLUMNS, "volume"):
@@ -830,13 +831,13 @@ def unusable_user_rows(bars: Bars) -> np.ndarray:
     return bad
 
 
-def _whose(symbol: np.ndarray, mask: np.ndarray) -> str:
+def _whose(part: dict[str, np.ndarray], mask: np.ndarray) -> str:
     """In a file of several symbols, whose rows a problem's are (a calendar spread's negative prices among a
     futures download's outrights, say): '; symbol ESH4-ESM4', '; symbols ESH4, NQH4 and 2 others'. '' when the
-    file holds one symbol (a request's series, a one-market file), where it would say nothing new."""
-    if symbol.size == 0 or (symbol == symbol[0]).all():
+    file holds one symbol (a one-market file, a request's series), where it would say nothing new."""
+    if part.get("symbol_names", np.empty(0)).size < 2:  # the file's own dictionary of names: no pass over rows
         return ""
-    names = [str(x) for x in dict.fromkeys(symbol[mask])]  # in row order
+    names = [str(x) for x in dict.fromkeys(part["symbol"][mask])]  # in row order: a pass over the bad rows alone
     if len(names) == 1:
         return f"; symbol {names[0]}"
     more = f" and {len(names) - 2} other{'s' if len(names) > 3 else ''}" if len(names) > 2 else ""

@@ -25,8 +25,7 @@ NS_PER_DAY = 86_400 * NS_PER_SECOND
 # the server refuses them for an intraday model, and the trainer says so of a symbol whose bars are like that.
 COARSE_INTERVALS = 20
 INTERVAL_TOLERANCE_PARTS = 100  # off a grid, spacings within 1/100 of the one before run together
-SNAP_PARTS = 40  # off a grid, the bar interval is the coarsest round duration within 1/40 of the spacings' median
-RECURRING = 3  # a spacing seen this often (and in 2% of the gaps or more) is a grid's
+SNAP_PARTS = 40  # spacings within 1/40 of the commonest are its neighbours; a round duration this near snaps
 
 BUILTIN_OBSERVED: tuple[str, ...] = ("log_return", "log_range", "log_body", "log_volume", "volatility")
 BUILTIN_KNOWN: tuple[str, ...] = ("tod_sin", "tod_cos", "dow_sin", "dow_cos")
@@ -95,12 +94,14 @@ def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -
 
     Bars on a grid give it exactly, as their most common spacing. Bars stamped a little off their grid (an
     aggregator's, a receive or a first trade's time) have spacings that are nearly all distinct, so that the
-    exact count would return the smallest of them (59.997 s for 1-minute bars stamped within 5 ms): where no
-    spacing recurs (the commonest is under 2% of them, or seen fewer than 3 times), the sorted spacings are cut
-    into runs wherever one is more than 1% above the one before, the largest run is the bar size's (the first
-    of equals: the shortest), the spacings within half of its median on either side are that size's, and
-    their median is rounded to the coarsest of a day, an hour, a minute, a second, a millisecond or a
-    microsecond within 2.5% of it (60 s)."""
+    exact count would return the smallest of them (59.997 s for 1-minute bars stamped within 5 ms), or, with
+    times in whole milliseconds, one of its neighbours that recurs by chance (60.002 s). So the commonest
+    spacing is taken as it is only when it recurs, in 2% of the spacings or more (series stamped at the same
+    moments repeat each other's spacings), and is most of the spacings within 2.5% of it (a grid's multiples
+    are further apart); otherwise the sorted spacings are cut into runs wherever one is more than
+    1% above the one before, the largest run is the bar size's (the first of equals: the shortest), the
+    spacings within half of its median on either side are that size's, and their median is rounded to the
+    coarsest of a day, an hour, a minute, a second, a millisecond or a microsecond within 2.5% of it (60 s)."""
     diffs = [np.diff(timestamp_ns[s:e]) for s, e in series_bounds if e - s > 1]
     if not diffs:
         return 0
@@ -111,16 +112,19 @@ def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -
     first = np.concatenate([[0], np.flatnonzero(d[1:] != d[:-1]) + 1])  # each distinct spacing's first place
     values, counts = d[first], np.diff(np.append(first, d.size))  # (d is sorted: no second sort)
     common = int(np.argmax(counts))  # the first of equals: the shortest spacing
-    if counts[common] >= min(RECURRING, d.size) and counts[common] * 50 >= d.size:  # spacings recur: a grid
-        return int(values[common])
+    v = int(values[common])
+    near = np.searchsorted(d, v + v // SNAP_PARTS, "right") - np.searchsorted(d, v - v // SNAP_PARTS, "left")
+    if counts[common] >= min(2, d.size) and 50 * int(counts[common]) >= d.size and 2 * int(counts[common]) >= near:
+        return v  # it recurs, in 2% of the spacings or more, and is most of those near it: a grid's, exactly
     starts = np.flatnonzero(np.diff(d) > d[:-1] // INTERVAL_TOLERANCE_PARTS) + 1  # where a new run begins
     edges = np.concatenate([[0], starts, [d.size]])
     best = int(np.argmax(np.diff(edges)))
     run = d[edges[best]:edges[best + 1]]
     if run[0] == run[-1]:  # one spacing alone
         return int(run[0])
-    v = int(np.median(run))
-    middle = int(np.median(d[np.searchsorted(d, v - v // 2, "left"):np.searchsorted(d, v + v // 2, "left")]))
+    size = int(np.median(run))
+    middle = int(np.median(d[np.searchsorted(d, size - size // 2, "left"):np.searchsorted(d, size + size // 2,
+                                                                                       "left")]))
     for unit in (NS_PER_DAY, 3_600_000_000_000, 60_000_000_000, NS_PER_SECOND, 1_000_000, 1_000):
         snapped = round(middle / unit) * unit
         if snapped and abs(snapped - middle) * SNAP_PARTS <= middle:

@@ -92,7 +92,8 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
     if sent > MAX_USER_COLUMNS:
         raise RequestError(f"{_label(index, series.symbol)}: {sent} user feature columns sent, more than the "
                            f"server accepts ({MAX_USER_COLUMNS}); send only the model's columns "
-                           "(GetModelInfo.user_feature_columns)", _field(index, "user_features"))
+                           "(GetModelInfo.user_feature_columns)",
+                           _field(index, "user_feature_names" if series.user_feature_names else "user_features"))
     user: Mapping[str, np.ndarray] = {}
     if series.user_feature_names or series.user_features_raw:
         user = _packed_user_columns(series, index)

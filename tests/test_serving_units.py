@@ -1141,6 +1141,12 @@ def test_a_request_error_names_each_field_at_fault_and_its_details_fit_a_trailer
     with pytest.raises(RequestError) as info:
         parse_request(_req(packed), META)
     assert [f for f, _ in info.value.violations] == ["series[0].user_features_raw"]
+    from serving.validation import MAX_USER_COLUMNS
+
+    packed.user_feature_names.extend(f"c{k}" for k in range(MAX_USER_COLUMNS))  # one name too many
+    with pytest.raises(RequestError) as info:
+        parse_request(_req(packed), META)
+    assert [f for f, _ in info.value.violations] == ["series[0].user_feature_names"], info.value
     assert status_details(NotReady("warming up"), grpc.StatusCode.UNAVAILABLE, "warming up") == ("warming up", ())
     # the longest messages: ASCII (a byte each on the wire) and non-ASCII (each byte percent-encoded: 3 characters)
     for text in ("x" * 5000, "é" * MAX_DETAILS_BYTES, "螺纹钢" * MAX_DETAILS_BYTES):
