@@ -506,6 +506,22 @@ async def serve(config: ServerConfig) -> int:
                     "would be refused; raise it", config.max_message_bytes, model.meta.bars_required, one_series)
     server = build_server(config, model, access)
     log.info("access: %s", access_summary(config))
+    # a stop signal is taken from here on, before `listening on` is printed: one that a --workers supervisor
+    # forwards the moment it reads that line is a drain, not the default action's death
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    received: list[str] = []  # which signal stopped it, for the log
+
+    def on_stop(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        if not stop.is_set():
+            stop.set()
+            return
+        server.delay_cut.set()  # an operator who signals again wants the stop now, not after the delay
+        log.info("%s while stopping", sig.name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_stop, sig)
     mport = None
     if config.metrics_port is not None:  # before the gRPC port: "listening on" means the whole server is up
         try:
@@ -528,8 +544,6 @@ async def serve(config: ServerConfig) -> int:
         print(f"metrics on {host_port(config.metrics_bind, mport)}", flush=True)
         log.info("metrics on http://%s/metrics", host_port(config.metrics_bind, mport))
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
     reloads: set[asyncio.Task[None]] = set()
 
     def on_hup() -> None:
@@ -542,18 +556,6 @@ async def serve(config: ServerConfig) -> int:
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
-    received: list[str] = []  # which signal stopped it, for the log
-
-    def on_stop(sig: signal.Signals) -> None:
-        received.append(sig.name)
-        if not stop.is_set():
-            stop.set()
-            return
-        server.delay_cut.set()  # an operator who signals again wants the stop now, not after the delay
-        log.info("%s while stopping", sig.name)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_stop, sig)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     hup_while_starting = sighup.arrived()  # after the files were read, before the handler above
     if config.stop_on_stdin_eof:
