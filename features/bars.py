@@ -594,8 +594,8 @@ def _columns_of(
         codes = pc.dictionary_encode(pc.fill_null(symbol.cast(pa.string()), "")).combine_chunks()
         distinct = np.array(codes.dictionary.to_pylist(), dtype=object)
         indices = np.asarray(codes.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-        for empty in np.flatnonzero(distinct == ""):  # an empty name (nulls, filled with it, are named above)
-            blank = (indices == empty) & (True if null is None else ~null)
+        if (empty := np.flatnonzero(distinct == "")).size:  # an empty name (nulls, filled with it, named above)
+            blank = (indices == empty[0]) & (True if null is None else ~null)
             if blank.any():  # a model's symbols are names a request can send: "" is none
                 row, count = _first_bad(blank)
                 problems.append(Problem(fname, cmap.symbol, row, "symbol is empty",
@@ -821,13 +821,18 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
     return out
 
 
-def unusable_user_rows(bars: Bars) -> np.ndarray:
-    """Rows where a user column is NaN, infinite or past float32's range (what `read_bars` refuses when it checks
-    user values, and the server refuses in a request): bool [N]."""
-    bad = np.zeros(len(bars), dtype=bool)
+def unusable_values(x: np.ndarray) -> np.ndarray:
+    """Where user values are NaN, infinite or past float32's range (what `read_bars` refuses when it checks user
+    values, and the server refuses in a request): bool, x's shape."""
     with np.errstate(invalid="ignore"):
-        for x in bars.user.values():
-            bad |= ~(np.abs(x) <= F32_MAX)  # NaN compares false
+        return ~(np.abs(x) <= F32_MAX)  # NaN compares false
+
+
+def unusable_user_rows(bars: Bars) -> np.ndarray:
+    """Rows where any user column holds an unusable value (`unusable_values`): bool [N]."""
+    bad = np.zeros(len(bars), dtype=bool)
+    for x in bars.user.values():
+        bad |= unusable_values(x)
     return bad
 
 

@@ -38,7 +38,6 @@ import numpy as np
 from google.protobuf import json_format
 
 from features.bars import (
-    F32_MAX,
     BarDataError,
     Bars,
     ColumnMap,
@@ -46,6 +45,7 @@ from features.bars import (
     lacks_a_column,
     read_bars,
     unusable_user_rows,
+    unusable_values,
 )
 from features.check import format_timestamp
 from features.files import reader_went_away
@@ -281,7 +281,7 @@ def _forecast(args: argparse.Namespace) -> int:
             return 2
         sent = slice(slices[args.symbol].stop - info.bars_required, slices[args.symbol].stop)
         if (bad := np.flatnonzero(unusable_user_rows(bars)[sent])).size:
-            names = [u for u in info.user_feature_columns if not (np.abs(bars.user[u][sent]) <= F32_MAX).all()]
+            names = [u for u in info.user_feature_columns if unusable_values(bars.user[u][sent]).any()]
             print(f"error: {args.parquet}: user feature column(s) {', '.join(names)} NaN, infinite or past float32's "
                   f"range in {bad.size} of the latest {info.bars_required} {args.symbol} bars, which a forecast sends "
                   f"(the first at {format_timestamp(int(bars.timestamp_ns[sent][bad[0]]))}); the model reads "

@@ -138,7 +138,7 @@ def _flagged_in_windows(flag: np.ndarray, anchors: np.ndarray, rows: int) -> np.
     return np.asarray(count[anchors + 1] - count[anchors - rows + 1])
 
 
-def _gaps_in_windows(ts: np.ndarray, gap: np.ndarray, anchors: np.ndarray, bars_required: int) -> np.ndarray:
+def _gaps_in_windows(gap: np.ndarray, anchors: np.ndarray, bars_required: int) -> np.ndarray:
     """How many of each window's gaps are flagged: gap[r] flags the gap before row r (r >= 1). int64 [W]."""
     # a window's bars are rows a - n + 1 .. a of one series; its gaps are those before rows a - n + 2 .. a
     return _flagged_in_windows(gap, anchors, bars_required - 1)
@@ -154,11 +154,11 @@ def refused_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int
     gaps = n - 1
     short = np.zeros(ts.shape[0], dtype=bool)
     short[1:] = ts[1:] < ts[:-1] + interval_ns // 2
-    finer = 2 * _gaps_in_windows(ts, short, anchors, n) > gaps
+    finer = 2 * _gaps_in_windows(short, anchors, n) > gaps
     long = np.zeros(ts.shape[0], dtype=bool)
     long[1:] = np.diff(ts) >= max(NS_PER_DAY, COARSE_INTERVALS * interval_ns)
     daily = np.zeros(anchors.shape[0], dtype=bool)
-    for w in np.flatnonzero(~finer & (2 * _gaps_in_windows(ts, long, anchors, n) > gaps)):
+    for w in np.flatnonzero(~finer & (2 * _gaps_in_windows(long, anchors, n) > gaps)):
         a = int(anchors[w])
         daily[w] = daily_bars(ts[a - n + 1:a + 1], interval_ns)
     return finer, daily

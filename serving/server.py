@@ -90,13 +90,21 @@ def port_taken(host: str, port: int) -> bool:
         return False
     taken = 0
     for family, kind, proto, _name, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: old TIME_WAITs are fine
-            try:
-                probe.bind((address[0], port, *address[2:]))  # no SO_REUSEPORT: fails on a port anyone holds
-            except OSError as exc:
-                taken += exc.errno == errno.EADDRINUSE
+        try:
+            probe_bind(family, kind, proto, address, port)
+        except OSError as exc:
+            taken += exc.errno == errno.EADDRINUSE
     return bool(addresses) and taken == len(addresses)
+
+
+def probe_bind(family: int, kind: int, proto: int, address: tuple[Any, ...], port: int) -> int:
+    """Bind a throwaway socket to `address` (from getaddrinfo) at `port` as gRPC binds a server's, and close it:
+    SO_REUSEADDR (a server just gone leaves TIME_WAITs, which are no obstacle) and no SO_REUSEPORT (so it fails
+    on a port anyone holds). The port bound: the one the system picked when `port` is 0. OSError if it fails."""
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((address[0], port, *address[2:]))
+        return int(probe.getsockname()[1])
 
 
 def bind_error(address: str, reason: str) -> str:

@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from types import FrameType
 
-from serving.server import ServerConfig, bind_error, host_port
+from serving.server import ServerConfig, bind_error, host_port, probe_bind
 
 log = logging.getLogger("serving")
 
@@ -73,12 +73,9 @@ def reserve_port(host: str, port: int) -> list[socket.socket]:
     error: OSError | None = None
     for family, kind, proto, _name, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                                   flags=socket.AI_PASSIVE):
-        probe, sock = socket.socket(family, kind, proto), socket.socket(family, kind, proto)
+        sock = socket.socket(family, kind, proto)
         try:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: old TIME_WAITs are fine
-            probe.bind((address[0], port, *address[2:]))  # no SO_REUSEPORT: fails on a port anyone holds
-            port = port or int(probe.getsockname()[1])  # the first picks; the others take the same port
-            probe.close()
+            port = probe_bind(family, kind, proto, address, port)  # the first picks; the others take the same port
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the TIME_WAITs of a server just gone
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((address[0], port, *address[2:]))
@@ -86,8 +83,6 @@ def reserve_port(host: str, port: int) -> list[socket.socket]:
             sock.close()
             error = exc
             continue
-        finally:
-            probe.close()
         held.append(sock)
     if not held:
         raise error or OSError(f"{host} resolves to no address")
