@@ -64,12 +64,18 @@ from serving.server import EVENT_LOOPS, INT32_MAX, MiB, ServerConfig, run_server
 log = logging.getLogger("serving")
 
 
+def bare_host(text: str) -> str:
+    """A host as the server binds it: an IPv6 address written as in a URL ([::1]) loses its brackets."""
+    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig(model_path=Path("model.onnx"))
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m serving", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="ONNX model written by `python -m export`")
-    p.add_argument("--host", default=d.host, help=f"interface to bind (default {d.host})")
+    p.add_argument("--host", type=bare_host, default=d.host,
+                   help=f"interface to bind (default {d.host}; an IPv6 address with or without brackets)")
     p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port}; 0 picks a free one)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes sharing the port, each with its own model session, batcher and "
@@ -99,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"request and response size limit in bytes (default {d.max_message_bytes // MiB} MiB)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default off)")
-    p.add_argument("--metrics-host", default=None, metavar="HOST",
+    p.add_argument("--metrics-host", type=bare_host, default=None, metavar="HOST",
                    help="interface the metrics endpoint binds (default: --host's); e.g. 127.0.0.1 keeps it to "
                         "a scraper on this machine while gRPC listens on 0.0.0.0")
     p.add_argument("--grace", type=float, default=d.grace_s,
@@ -221,11 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_workers(config, args.workers, args.log_level)
     try:
         return run_server(config)
-    except (ModelLoadError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ModelLoadError, ConfigError, OSError) as exc:
+        print(f"{worker}error: {exc}", file=sys.stderr)  # a worker's says whose it is
         return 2
 
 

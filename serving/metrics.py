@@ -101,7 +101,8 @@ class StepTimes(Collector):
 class Metrics:
     """All metrics of one server; also the batcher's observer."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, tokens: bool = False) -> None:
+        """`tokens`: calls need a token (--auth-token-file), so UNAUTHENTICATED is a usual code too."""
         disable_created_metrics()  # no `_created` series beside every counter and histogram
         r = self.registry = registry or CollectorRegistry()
         self._httpd: WSGIServer | None = None  # the /metrics endpoint, once serve_http started it
@@ -130,8 +131,8 @@ class Metrics:
         self.reloads = Counter("foxhunt_reloads", "SIGHUP reloads by file (model, tls, tokens) and result",
                                ["file", "result"], registry=r)
         Info("foxhunt_build", "The server's package version", registry=r).info({"version": package_version()})
-        for code in USUAL_CODES:  # at zero from the start: a first refusal is an increase, not a new series
-            self.requests.labels("Predict", code)
+        for code in (*USUAL_CODES, "UNAUTHENTICATED") if tokens else USUAL_CODES:  # at zero from the start: a
+            self.requests.labels("Predict", code)  # first refusal is an increase, not a new series
             self.requests.labels("PredictStream", code)
         for file in RELOADED_FILES:
             for result in ("ok", "refused"):

@@ -565,23 +565,34 @@ def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
         p.error(f"--timeout {timeout:g}: give a deadline in seconds, above 0 and at most {MAX_TIMEOUT_S:g}")
     target = getattr(args, "target", None)
-    if target and not _wants_tls(args) and not _has_port(target):
-        p.error(f"--target {target} has no port, and gRPC would dial 443 (the TLS port): give HOST:PORT, e.g. "
-                f"{target}:50051 (the server's default --port)")
+    if not target:
+        return
+    port = target_port(target)
+    if port is None:
+        if not _wants_tls(args):
+            p.error(f"--target {target} has no port, and gRPC would dial 443 (the TLS port): give HOST:PORT, e.g. "
+                    f"{target}:50051 (the server's default --port)")
+    elif port and not (port.isascii() and port.isdigit()):
+        p.error(f"--target {target}: its port {port!r} is not a number: give HOST:PORT, e.g. 127.0.0.1:50051")
+    elif port and not 1 <= int(port) <= 65535:
+        p.error(f"--target {target}: port {int(port)} is out of range (1 to 65535); gRPC would dial port "
+                f"{int(port) % 65536} instead")
 
 
-def _has_port(target: str) -> bool:
-    """A target names its port: HOST:PORT, [IPv6]:PORT, or gRPC's own syntax with one (dns:///host:port,
-    ipv4:1.2.3.4:5, ipv6:[::1]:5); unix: and the like need none. A bare IPv6 address (::1) has no port."""
+def target_port(target: str) -> str | None:
+    """The port a target names, as written: HOST:PORT, [IPv6]:PORT, or gRPC's own syntax with one
+    (dns:///host:port, ipv4:1.2.3.4:5, ipv6:[::1]:5); "" for unix: and the like, which need none; None when it
+    names none (gRPC then dials 443). A bare IPv6 address (::1) has no port."""
     if target.startswith(PORTLESS_SCHEMES):
-        return True
+        return ""
     for scheme in ("dns:", "ipv4:", "ipv6:"):
         if target.startswith(scheme):
             target = target[len(scheme):].rsplit("/", 1)[-1].split(",")[0]  # dns://authority/host:port; a list
             break
     if target.startswith("["):
-        return re.fullmatch(r"\[[^\]]+\]:\d+", target) is not None
-    return target.count(":") == 1 and re.search(r":\d+$", target) is not None
+        bracketed = re.fullmatch(r"\[[^\]]+\]:(.*)", target)
+        return bracketed.group(1) or None if bracketed else None
+    return target.rsplit(":", 1)[1] or None if target.count(":") == 1 else None
 
 
 def _wants_tls(args: argparse.Namespace) -> bool:

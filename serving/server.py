@@ -52,7 +52,7 @@ from serving.model import LoadedModel, ModelHolder, WarmUpStopped, load_and_warm
 from serving.native_log import native_stderr
 from serving.reflection import enable_server_reflection
 from serving.security import MessageGuard, ReloadableTls, TokenAuth, UnknownMethods, is_loopback, read_tokens
-from serving.servicer import Batcher, ForecasterServicer, Limits
+from serving.servicer import Batcher, ForecasterServicer, Limits, model_info
 
 log = logging.getLogger("serving")
 
@@ -61,7 +61,6 @@ MiB = 1 << 20
 INT32_MAX = 2**31 - 1  # gRPC's channel arguments are C ints
 DRAIN_POLL_S = 0.005  # how often a SIGTERM drain looks whether the in-flight calls have finished
 DRAIN_SETTLE_S = 0.1  # the least time a SIGTERM drain lets the calls on their way at the signal arrive
-BAR_BYTES = 49  # a bar on the wire: a 9-byte varint timestamp and 5 doubles (the proto's size note)
 CLIENT_PING_MIN_MS = 1000  # the shortest keepalive interval accepted from clients
 CONNECTION_AGE_GRACE_S = 30.0  # calls in flight on a connection past its --max-connection-age get the age and this
 
@@ -77,24 +76,26 @@ def bind_failure_reason(line: str) -> str:
     return text.strip()
 
 
-def port_taken(host: str, port: int) -> bool:
-    """Whether `port` is taken on every address the system resolver gives for `host`. Looked at before the
-    model loads, which can take minutes on a large model and a GPU, so that a port in use is named at once
-    rather than after the load. Anything else (an unknown host, an address this machine lacks) is left to
-    the bind itself, which names it; so is a port taken later. (gRPC resolves `localhost` itself, to
-    127.0.0.1 and ::1, and starts on whichever it can bind: where the resolver gives 127.0.0.1 alone and
+def bind_problem(host: str, port: int) -> OSError | None:
+    """Why `port` on `host` cannot be bound, found before the model loads (which can take minutes on a large
+    model and a GPU) rather than after it: the name does not resolve, or every address the system resolver
+    gives for it refuses the port (another process holds it; an address this machine lacks). None when one of
+    them takes it, as gRPC starts on whichever it can bind; a port taken later is left to the bind itself.
+    (gRPC resolves `localhost` itself, to 127.0.0.1 and ::1: where the resolver gives 127.0.0.1 alone and
     another process holds it, this refuses a server that would have listened on ::1 only.)"""
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError:
-        return False
-    taken = 0
+    except OSError as exc:
+        return OSError(exc.errno, f"address lookup failed: {exc.strerror or exc}")
+    failures: list[OSError] = []
     for family, kind, proto, _name, address in addresses:
         try:
             probe_bind(family, kind, proto, address, port)
         except OSError as exc:
-            taken += exc.errno == errno.EADDRINUSE
-    return bool(addresses) and taken == len(addresses)
+            failures.append(exc)
+        else:
+            return None
+    return next((f for f in failures if f.errno == errno.EADDRINUSE), failures[0]) if failures else None
 
 
 def probe_bind(family: int, kind: int, proto: int, address: tuple[Any, ...], port: int) -> int:
@@ -122,6 +123,9 @@ def bind_advice(reason: str) -> str:
     """What to do about a port that could not be bound, after its reason ('' when there is nothing to add)."""
     if "in use" in reason:
         return "; another process holds it: stop that one, or pass another --port (--port 0 picks a free one)"
+    if "lookup failed" in reason or "assign requested address" in reason:
+        return ("; give --host an address or name of this machine (0.0.0.0 or :: for every interface, "
+                "127.0.0.1 for this machine alone)")
     return ""
 
 
@@ -234,7 +238,7 @@ class ForecastServer:
     def __init__(self, config: ServerConfig, model: LoadedModel, metrics: Metrics | None = None,
                  access: Access | None = None) -> None:
         self.config = config
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(tokens=bool(access and access.tokens))
         self.holder = ModelHolder(model)
         self.stopping = threading.Event()  # SIGTERM: a warm-up running in a thread ends between two runs
         self.delay_cut = asyncio.Event()  # a second SIGTERM or SIGINT: the rest of --drain-delay is skipped
@@ -370,6 +374,10 @@ class ForecastServer:
             self.metrics.reloads.labels("model", "refused").inc()
             log.exception("reload refused, still serving model %s", old.version)
             return
+        if problem := message_limit_problem(new, c):
+            self.metrics.reloads.labels("model", "refused").inc()
+            log.error("reload refused, still serving model %s: %s", old.version, problem)
+            return
         self.holder.swap(new)
         self.metrics.set_model(new)
         self.metrics.reloads.labels("model", "ok").inc()
@@ -493,25 +501,48 @@ def run_server(config: ServerConfig) -> int:
     return uvloop.run(serve(config))
 
 
+def one_series_request_bytes(meta: ModelMeta) -> int:
+    """The size on the wire of the smallest useful Predict: one series of the longest symbol, the bars the
+    model needs (timestamps of this era: 9-byte varints) and its user columns."""
+    n = meta.bars_required
+    columns = [pb.Column(name=name, values=[1.0] * n) for name in meta.feature_schema.user_columns]
+    series = pb.Series(symbol=max(meta.symbols, key=len), timestamp_ns=[2**62] * n, open=[1.0] * n, high=[1.0] * n,
+                       low=[1.0] * n, close=[1.0] * n, volume=[1.0] * n, user_features=columns)
+    return pb.PredictRequest(series=[series]).ByteSize()
+
+
+def message_limit_problem(model: LoadedModel, config: ServerConfig) -> str | None:
+    """Why --max-message-bytes leaves this model unusable, if it does: a server that would report SERVING and
+    then refuse every Predict (or fail every GetModelInfo) is refused at start, and such a model on SIGHUP."""
+    limit = config.max_message_bytes
+    request = one_series_request_bytes(model.meta)
+    info = model_info(model, Limits(config.max_batch, limit, config.max_concurrent)).ByteSize()
+    if max(request, info) <= limit:
+        return None
+    what = (f"a request of one series ({model.meta.bars_required} bars) takes {request} bytes, so every Predict "
+            "would be refused" if request > limit else
+            f"GetModelInfo's answer for this model takes {info} bytes, so every caller's first call would fail")
+    return f"--max-message-bytes {limit}: {what}; give at least {max(request, info)} (the default is 4 MiB)"
+
+
 async def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT; 0 after a clean drain. ModelLoadError, ConfigError and OSError propagate."""
     sighup.hold()  # until the loop's handler: a SIGHUP now is recorded (python -m serving held it from its start)
     sighup.forget()  # the token and model files are read below: a reload asked for before then is served by that
     access = read_access(config)  # unusable TLS or token files stop the start before the model loads
-    in_use = os.strerror(errno.EADDRINUSE)  # a port in use is named now, not after the model's load:
-    if config.port and not config.reuse_port and port_taken(config.host, config.port):  # (a --workers
-        raise OSError(bind_error(host_port(config.host, config.port), in_use))  # worker's is held for it)
-    if config.metrics_port and port_taken(config.metrics_bind, config.metrics_port):
-        raise OSError(metrics_bind_error(config, OSError(errno.EADDRINUSE, in_use)))
+    # a port in use or an address not this machine's is named now, not after the model's load (a --workers
+    # worker's port is held for it by the supervisor, which has checked it)
+    if not config.reuse_port and (problem := bind_problem(config.host, config.port)):
+        raise OSError(bind_error(host_port(config.host, config.port), problem.strerror or str(problem)))
+    if config.metrics_port is not None and (problem := bind_problem(config.metrics_bind, config.metrics_port)):
+        raise OSError(metrics_bind_error(config, problem))
     model = await asyncio.to_thread(load_model, config.model_path, config.device, config.threads,
                                     config.max_batch, config.device_id)
     log.info("model %s (sha256 %s) from %s: provider %s, bars_required %d, horizon %d, quantiles %s, symbols %s",
              model.version, model.sha256[:12], model.path, model.provider, model.meta.bars_required,
              model.meta.horizon, list(model.meta.quantiles), ",".join(model.meta.symbols))
-    one_series = model.meta.bars_required * (BAR_BYTES + 8 * len(model.meta.feature_schema.user_columns))
-    if one_series > config.max_message_bytes:  # the proto's estimate: about 49 bytes a bar, 8 per user column
-        log.warning("--max-message-bytes %d: a request of one series (%d bars) takes about %d bytes, so every Predict "
-                    "would be refused; raise it", config.max_message_bytes, model.meta.bars_required, one_series)
+    if too_small := message_limit_problem(model, config):
+        raise ConfigError(too_small)
     server = build_server(config, model, access)
     log.info("access: %s", access_summary(config))
     # a stop signal is taken from here on, before `listening on` is printed: one that a --workers supervisor

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import random
 import sys
 import time
@@ -59,16 +60,25 @@ class Limits:
 
 
 class Admission:
-    """At most `limit` Predict calls and PredictStream requests in flight; the next one is refused, not queued."""
+    """At most `limit` Predict calls and PredictStream requests in flight; the next one is refused, not queued.
 
-    def __init__(self, limit: int, metrics: Metrics) -> None:
+    Refusals are logged at WARNING at most once per `log_every_s`, each line with the count since the last
+    (all of them are counted in the metrics): an operator reading the log sees the overload, not a flood."""
+
+    def __init__(self, limit: int, metrics: Metrics, log_every_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
         self.active = 0
         self._metrics = metrics
+        self._log_every_s = log_every_s
+        self._clock = clock
+        self._logged_at = -math.inf  # when the last refusal line was written
+        self._unlogged = 0  # refusals since then
 
     def take(self) -> None:
         """A slot, or Overloaded; each take is matched by one give_back."""
         if self.active >= self.limit:
+            self._refused()
             raise Overloaded(f"server busy: {self.limit} Predict calls and stream requests already in flight "
                              f"(--max-concurrent {self.limit}); retry with backoff")
         self.active += 1
@@ -77,6 +87,17 @@ class Admission:
     def give_back(self) -> None:
         self.active -= 1
         self._metrics.inflight.dec()
+
+    def _refused(self) -> None:
+        now = self._clock()
+        self._unlogged += 1
+        if now - self._logged_at < self._log_every_s:
+            return
+        since = "" if self._logged_at == -math.inf else f" in the last {now - self._logged_at:.0f} s"
+        log.warning("overloaded: refused %d call(s) RESOURCE_EXHAUSTED%s, --max-concurrent %d in flight; raise "
+                    "--max-concurrent, add --workers or replicas, or have callers back off", self._unlogged, since,
+                    self.limit)
+        self._logged_at, self._unlogged = now, 0
 
     @contextmanager
     def admit(self) -> Iterator[None]:

@@ -29,10 +29,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import FrameType
 
-from serving.server import ServerConfig, bind_error, host_port, probe_bind
+from serving.server import ServerConfig, bind_error, bind_problem, host_port, metrics_bind_error, probe_bind
 
 log = logging.getLogger("serving")
 
@@ -142,6 +142,17 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
         print(f"error: {bind_error(host_port(config.host, config.port), why)}", file=sys.stderr)
         return 2
     port = int(placeholders[0].getsockname()[1])
+    if config.metrics_port is not None:  # every worker's, before the first loads the model (each checks its own)
+        for each in range(config.metrics_port, config.metrics_port + n) if config.metrics_port else [0]:
+            if problem := bind_problem(config.metrics_bind, each):
+                for sock in placeholders:
+                    sock.close()
+                error = metrics_bind_error(replace(config, metrics_port=each), problem)
+                if each > config.metrics_port:  # the user gave M: name the worker that gets M + i
+                    error = error.replace(f"--metrics-port {each}:", f"--metrics-port {config.metrics_port} gives "
+                                          f"worker {each - config.metrics_port} port {each}:", 1)
+                print(f"error: {error}", file=sys.stderr)
+                return 2
     workers: list[Worker] = []
     listening: set[int] = set()  # workers past start-up
     hup_pending: set[int] = set()  # workers that were starting when a SIGHUP came: they get it once they listen
@@ -174,10 +185,16 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
             workers.append(w)
             w.start_reader()
             started = w.wait_listening(config.metrics_port is not None, START_TIMEOUT_S, stopping)
-            if started is None:  # it failed to start (and said why), or we were told to stop
+            if started is None:  # it failed to start (and said why), took too long, or we were told to stop
+                stalled = w.proc.poll() is None and not stopping.is_set()
+                if stalled:
+                    log.error("worker %d (pid %d) did not start listening within %g s (the model's load and "
+                              "warm-up); stopping the workers", i, w.proc.pid, START_TIMEOUT_S)
                 _stop([other for other in workers if other.index not in told_to_stop])  # each stopped once
                 for other in workers:
                     other.proc.wait()
+                if stalled:
+                    return 1
                 return 0 if stopping.is_set() else exit_status(w.proc.returncode) or 1
             listening.add(i)
             log.info("worker %d (pid %d) listening on %s", i, w.proc.pid, started[0])

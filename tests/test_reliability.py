@@ -40,13 +40,14 @@ import numpy as np
 import onnx
 import pytest
 from grpc import aio
+from prometheus_client import generate_latest
 
 from serving.__main__ import main as serve_main
 from serving.errors import RequestError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from tests.artifacts import REPO
-from tests.live_server import SERVICE, LiveServer, Model, request_for, serving, tiny_model  # noqa: F401  (fixture)
+from tests.live_server import SERVICE, LiveServer, Model, metric, request_for, serving, tiny_model  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -326,6 +327,46 @@ def test_a_response_over_the_size_limit_is_resource_exhausted(tiny_model: Model)
     asyncio.run(main())
 
 
+def test_a_reload_the_message_limit_cannot_carry_is_refused(tiny_model: Model, tmp_path: Path,  # noqa: F811
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """SIGHUP to a model whose calls no longer fit --max-message-bytes (here: longer symbol names, in every
+    request and in GetModelInfo) keeps the old model, as a start with it would be refused."""
+    from serving.model import load_model
+    from serving.server import ServerConfig, build_server, message_limit_problem
+
+    served = tmp_path / "model.onnx"
+    served.write_bytes(tiny_model.model.read_bytes())
+    probe = ServerConfig(model_path=served, port=0, device="cpu")
+    model = load_model(served, "cpu", threads=1)
+    need = int(re.search(r"give at least (\d+)", message_limit_problem(  # type: ignore[arg-type, union-attr]
+        model, ServerConfig(model_path=served, port=0, device="cpu", max_message_bytes=1024)) or "").group(1))
+    config = ServerConfig(model_path=served, port=0, device="cpu", max_message_bytes=need)
+    assert message_limit_problem(model, config) is None and message_limit_problem(model, probe) is None
+    proto = onnx.load(str(served))
+    for prop in proto.metadata_props:
+        if prop.key == "foxhunt.symbols":
+            prop.value = json.dumps([s * 200 for s in tiny_model.meta.symbols])
+        if prop.key == "foxhunt.model_version":
+            prop.value = "v2-long-names"
+
+    async def main() -> None:
+        server = build_server(config, model)
+        await server.start()
+        try:
+            onnx.save(proto, str(served))
+            await server.reload()
+            assert server.holder.current.meta.model_version == tiny_model.meta.model_version
+            text = generate_latest(server.metrics.registry).decode()
+            assert metric(text, "foxhunt_reloads_total", file="model", result="refused") == 1
+        finally:
+            await server.stop(0)
+
+    with caplog.at_level("ERROR", logger="serving"):
+        asyncio.run(main())
+    assert f"reload refused, still serving model {tiny_model.meta.model_version}: --max-message-bytes {need}: a " \
+        "request of one series" in caplog.text, caplog.text
+
+
 def test_nonfinite_model_output_is_refused(tiny_model: Model) -> None:  # noqa: F811
     from serving.inference import _nonfinite_output
     from serving.model import load_model
@@ -500,7 +541,9 @@ def test_health_probe_exit_status(tiny_model: Model, server: LiveServer) -> None
     for bad, message in ((("--tls-server-name", "tft.internal"), "--tls-server-name is for a TLS connection"),
                          (("--timeout", "inf"), "--timeout inf: give a deadline in seconds"),
                          (("--timeout", "nan"), "--timeout nan: give a deadline in seconds"),
-                         (("--timeout", "1e10"), "at most 1e+06")):  # a deadline gRPC would find passed at once
+                         (("--timeout", "1e10"), "at most 1e+06"),  # a deadline gRPC would find passed at once
+                         # gRPC would probe port (this one + 65536) % 65536: this very server, a typo reported SERVING
+                         (("--target", f"127.0.0.1:{server.port + 65536}"), "is out of range (1 to 65535)")):
         refused = _probe("--target", server.target, *bad)
         assert refused.returncode == 1 and message in refused.stderr, (bad, refused.stderr[-1000:])
 

@@ -318,6 +318,8 @@ def test_token_needed_for_everything_but_health(tiny_model: Model, pki: Pki,  # 
     reflect_request = [reflection_pb2.ServerReflectionRequest(list_services="")]
     with tls_channel(s.target, pki.ca) as channel:
         s.wait_serving(channel)  # health: no token needed
+        for method in ("Predict", "PredictStream"):  # at zero before the first refusal: increase() sees that one
+            assert f'foxhunt_requests_total{{code="UNAUTHENTICATED",method="{method}"}} 0.0' in s.scrape()
         stub = pb_grpc.ForecasterStub(channel)
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
         unknown = channel.unary_unary(f"/{SERVICE}/NoSuchMethod", request_serializer=None,
@@ -679,6 +681,6 @@ def test_a_tls_key_readable_by_others_is_warned_about(pki: Pki, tmp_path: Path,
 ])
 def test_a_plaintext_target_must_name_its_port(target: str, named: bool) -> None:
     """gRPC dials 443 for a target without a port: a plaintext client refuses it rather than fail to connect."""
-    from serving.security import _has_port
+    from serving.security import target_port
 
-    assert _has_port(target) is named
+    assert (target_port(target) is not None) is named

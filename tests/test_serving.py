@@ -287,19 +287,32 @@ def test_limits_at_grpcs_int32_bounds_start_and_beyond_them_are_refused(art: Mod
         assert "Traceback" not in refused.stderr
 
 
-def test_a_message_limit_below_one_request_is_warned_about_at_start(art: Model, tmp_path: Path) -> None:
-    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--max-message-bytes", "1024")
+def test_a_message_limit_too_small_for_the_model_is_refused_at_start(art: Model, tmp_path: Path) -> None:
+    """A server that would say SERVING and then refuse every call exits 2 instead, naming the size that works;
+    that size starts a server whose GetModelInfo and Predict both answer."""
+    def start(limit: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), "--device", "cpu",
+                               "--port", "0", "--max-message-bytes", str(limit)],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    refused = start(1024)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    m = re.search(r"error: --max-message-bytes 1024: (.*); give at least (\d+) \(the default is 4 MiB\)",
+                  refused.stderr)
+    assert m, refused.stderr[-2000:]
+    assert "every Predict would be refused" in m.group(1) or "GetModelInfo's answer" in m.group(1)
+    need = int(m.group(2))
+    assert need > 1024
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--max-message-bytes", str(need))
     try:
         s.wait_serving()
-        need = art.meta.bars_required * 49
-        assert (f"--max-message-bytes 1024: a request of one series ({art.meta.bars_required} bars) takes about "
-                f"{need} bytes, so every Predict would be refused; raise it") in s.log_text()
-        with pytest.raises(grpc.RpcError) as info:
-            s.stub.Predict(request_for(art, art.meta.symbols[0]), timeout=10)
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).max_message_bytes == need
+        request = request_for(art, max(art.meta.symbols, key=len))
+        assert request.ByteSize() <= need
+        assert s.stub.Predict(request, timeout=10).forecasts
     finally:
         s.kill()
-
+    assert start(need - 1).returncode == 2
 
 def test_the_server_raises_its_open_file_limit(art: Model) -> None:
     """Each connection is a file: a server started under a soft limit of 256 (a shell's 1,024 alike) raises it
@@ -542,6 +555,12 @@ def test_the_unreachable_hint_is_for_a_server_not_found_not_for_one_that_answere
     (["--symbol", "ES"], 2, "the following arguments are required: --parquet (or --info for the model alone)"),
     (["--target", "localhost", "--info"], 2, "--target localhost has no port, and gRPC would dial 443 (the TLS port): "
                                              "give HOST:PORT, e.g. localhost:50051"),
+    # gRPC would dial port 99999 % 65536 = 34463: a typo must not reach (and report on) another server
+    (["--target", "127.0.0.1:99999", "--info"], 2, "--target 127.0.0.1:99999: port 99999 is out of range (1 to "
+                                                   "65535); gRPC would dial port 34463 instead"),
+    (["--target", "[::1]:0", "--info"], 2, "port 0 is out of range"),
+    (["--target", "127.0.0.1:abc", "--info"], 2, "--target 127.0.0.1:abc: its port 'abc' is not a number: give "
+                                                 "HOST:PORT, e.g. 127.0.0.1:50051"),
     (["--target", "127.0.0.1:1", "--info", "--timeout", "5"], 1,
      "error: GetModelInfo: UNAVAILABLE: "),
 ])
@@ -679,6 +698,9 @@ def test_overload_is_resource_exhausted_and_queued_deadlines_are_not_run(art: Mo
         with ThreadPoolExecutor(40) as pool:  # a burst on one connection: every call past the limit is told so
             codes = sorted(pool.map(call, range(40)))  # (RESOURCE_EXHAUSTED, not a refused stream's UNAVAILABLE)
         assert codes == ["OK", "OK"] + ["RESOURCE_EXHAUSTED"] * 38
+        overload = [ln for ln in s.log_text().splitlines() if "overloaded" in ln]  # seen, not flooded: one line
+        assert len(overload) == 1 and "WARNING" in overload[0] and "refused 1 call(s) RESOURCE_EXHAUSTED, " \
+            "--max-concurrent 2 in flight; raise --max-concurrent" in overload[0], overload
 
         runs = metric(s.scrape(), "foxhunt_batch_windows_count")
         with pytest.raises(grpc.RpcError) as info:
@@ -1102,6 +1124,56 @@ def test_a_port_in_use_is_named_before_the_model_loads(art: Model) -> None:
             assert "(sha256 " not in r.stderr and "provider" not in r.stderr, r.stderr[-2000:]  # no model loaded
 
 
+def _free_pair() -> tuple[socket.socket, int]:
+    """A socket listening on port P + 1 where P is free: the second of two --workers metrics ports in use."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+        if port >= 65535:
+            continue
+        busy = socket.socket()
+        try:
+            busy.bind(("127.0.0.1", port + 1))
+        except OSError:
+            busy.close()
+            continue
+        busy.listen()
+        return busy, port
+    raise AssertionError("no two free ports in a row")
+
+
+def test_an_address_not_this_machines_and_a_later_workers_metrics_port_are_named_before_any_load(
+        art: Model) -> None:
+    """An address this machine lacks (for gRPC or the metrics) and, with --workers, a metrics port of a later
+    worker held by another process stop the start before any model loads: one line naming the fix."""
+    busy, m = _free_pair()
+    with busy:
+        for flags, error in (
+                (["--host", "192.0.2.1", "--port", "0"],  # TEST-NET-1: no machine's own address
+                 "error: cannot bind 192.0.2.1:0: Cannot assign requested address; give --host an address or name of "
+                 "this machine (0.0.0.0 or :: for every interface, 127.0.0.1 for this machine alone)"),
+                (["--port", "0", "--metrics-port", "0", "--metrics-host", "192.0.2.1"],
+                 "error: --metrics-port 0: cannot serve metrics on 192.0.2.1:0: Cannot assign requested address; "
+                 "give --metrics-host (default: --host) an address of this machine, or pick another port"),
+                (["--port", "0", "--workers", "2", "--metrics-port", str(m)],
+                 f"error: --metrics-port {m} gives worker 1 port {m + 1}: cannot serve metrics on 127.0.0.1:{m + 1}: "
+                 "Address already in use; pick a free port (0 picks one)")):
+            r = subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), "--device", "cpu", *flags],
+                               cwd=REPO, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and "listening" not in r.stdout, r.stderr[-2000:]
+            assert [ln for ln in r.stderr.splitlines() if "rror" in ln] == [error], r.stderr[-2000:]
+            assert "(sha256 " not in r.stderr and "provider" not in r.stderr, r.stderr[-2000:]  # no model loaded
+
+
+def test_a_bracketed_ipv6_host_is_taken_as_the_address() -> None:
+    from serving.__main__ import bare_host, build_parser
+
+    assert build_parser().parse_args(["--model", "m.onnx", "--host", "[::1]"]).host == "::1"
+    assert build_parser().parse_args(["--model", "m.onnx", "--metrics-host", "[::]"]).metrics_host == "::"
+    assert bare_host("0.0.0.0") == "0.0.0.0" and bare_host("::1") == "::1"
+
+
 def test_workers_reserve_the_port_a_single_server_just_left() -> None:
     """A server that drained closed its connections first, leaving its end in TIME_WAIT on the port for a
     minute: a --workers set started there at once reserves the port (as a single server binds it), not
@@ -1127,6 +1199,19 @@ def test_workers_reserve_the_port_a_single_server_just_left() -> None:
         busy.listen()
         with pytest.raises(OSError):
             reserve_port("127.0.0.1", port)
+
+
+def test_a_worker_that_does_not_start_in_time_is_named_and_the_set_exits_1(art: Model) -> None:
+    """The supervisor waits START_TIMEOUT_S for each worker's `listening on` (here cut to 0.3 s, under any
+    model's load): then it says so and exits 1, not 143 as if it had been sent SIGTERM itself."""
+    code = ("import logging, sys; logging.basicConfig(level='INFO'); import serving.workers as w; "
+            "from pathlib import Path; from serving.server import ServerConfig; w.START_TIMEOUT_S = 0.3; "
+            f"sys.exit(w.run_workers(ServerConfig(model_path=Path({str(art.model)!r}), port=0, device='cpu', "
+            "threads=1), 2, 'INFO'))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert re.search(r"ERROR:serving:worker 0 \(pid \d+\) did not start listening within 0\.3 s \(the "
+                     r"model's load and warm-up\); stopping the workers", r.stderr), r.stderr[-2000:]
 
 
 def test_a_dead_worker_or_supervisor_ends_the_set_and_a_bad_model_stops_the_first(art: Model, tmp_path: Path) -> None:

@@ -1175,3 +1175,31 @@ def test_only_windows_of_bars_mostly_further_apart_than_the_models_carry_a_warni
         "series[1] (ES): the bars the model reads are mostly 5min apart, but the model's bar interval is 1min: its "
         "forecast steps are 1min bars, and it was trained on such bars; resample the bars to 1min, or use a model "
         "trained on this interval",)}
+
+
+def test_overload_refusals_are_logged_once_a_minute_with_their_count(caplog: pytest.LogCaptureFixture) -> None:
+    from serving.errors import Overloaded
+    from serving.metrics import Metrics
+    from serving.servicer import Admission
+
+    now = [100.0]
+    admission = Admission(1, Metrics(), clock=lambda: now[0])
+    admission.take()
+
+    def refuse(times: int) -> None:
+        for _ in range(times):
+            with pytest.raises(Overloaded, match="--max-concurrent 1"):
+                admission.take()
+
+    with caplog.at_level("WARNING", logger="serving"):
+        refuse(5)
+        now[0] += 59.0
+        refuse(3)
+        assert [r.getMessage().split(",")[0] for r in caplog.records] == ["overloaded: refused 1 call(s) "
+                                                                          "RESOURCE_EXHAUSTED"]
+        now[0] += 1.5
+        refuse(1)
+        assert caplog.records[-1].getMessage().startswith("overloaded: refused 8 call(s) RESOURCE_EXHAUSTED in "
+                                                          "the last 60 s, --max-concurrent 1 in flight")
+    admission.give_back()
+    admission.take()  # a slot again once one is given back
