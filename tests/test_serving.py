@@ -1240,6 +1240,7 @@ def test_a_dead_worker_or_supervisor_ends_the_set_and_a_bad_model_stops_the_firs
                         "--workers", "3"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("error:") == 1 and "listening" not in r.stdout  # the first worker's one message
+    assert "[worker 0] error: " in r.stderr, r.stderr[-2000:]  # whose, as its log lines say
 
 
 def test_device_auto_falls_back_loudly_and_cuda_refuses(art: Model, tmp_path: Path) -> None:
