@@ -37,7 +37,7 @@ from export.windows import saved_windows, windows_from_bars
 from features import package_version
 from features.compute import FeatureConfig
 from features.file_kind import hint
-from features.files import link_note
+from features.files import link_note, print_report
 from features.model_meta import ModelMeta, graph_digest, training_span
 from features.schema import MODEL_INPUTS, FeatureSchema
 from trainer.checkpoint import CheckpointError, file_sha256, load_checkpoint, model_from_checkpoint
@@ -46,6 +46,7 @@ from trainer.modeling import TemporalFusionTransformer
 
 # the model's normalisation buffers: kept float32 in --fp16 models (raw features need the digits)
 NORMALIZATION_INITIALIZERS = ("observed_mean", "observed_std", "known_mean", "known_std")
+REPORT_ALSO = "the model's metadata keeps the parity and placement reports"  # when stdout cannot take them
 
 Tamper = Callable[[onnx.ModelProto], None]
 Log = Callable[[str], None]
@@ -262,7 +263,7 @@ def check_parity_gate(model_bytes: bytes, model: TemporalFusionTransformer, wind
     parity = check_parity(model, lambda feeds: session.run(names, feeds), cases, names, opts.precision,
                           session.get_providers()[0])
     parity.provider_options = dict(CUDA_OPTIONS) if device == "cuda" else {}
-    print(parity.table(), flush=True)
+    print_report(parity.table(), REPORT_ALSO)
     if not parity.passed:
         worst = max(parity.failures(), key=lambda r: r.scaled)
         raise CheckFailed("parity", f"{len(parity.failures())} of {len(parity.rows)} comparisons exceed the "
@@ -363,7 +364,7 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
             "(it inserts casts around them): this checked the weights' rounding to fp16, not fp16 arithmetic as a "
             "GPU runs it; export again with --require-device cuda on a CUDA machine before serving it there")
     placement = _placement(model_bytes, opts, dev, feeds)
-    print(placement.table(), flush=True)
+    print_report(placement.table(), REPORT_ALSO)
     if placement.gate == "failed":
         raise CheckFailed("placement", placement.reason)
     log(f"[4/4] placement gate: {placement.gate}")

@@ -7,6 +7,8 @@ refusal then says what the file is and which command takes it. A guess, used onl
 
 from __future__ import annotations
 
+import os
+import stat
 import zipfile
 from pathlib import Path
 
@@ -18,7 +20,16 @@ _ONNX_SECOND_TAGS = frozenset({0x12, 0x1A, 0x22, 0x28, 0x32, 0x3A, 0x42})
 
 def describe(path: str | Path) -> str | None:
     """'a PyTorch checkpoint', 'a parquet file', 'an ONNX model' or 'an empty file'; None when unknown or
-    unreadable."""
+    unreadable; 'a directory' or 'not a regular file (...)' for those, which are never opened (a FIFO would
+    block the open)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if not stat.S_ISREG(mode):
+        return "not a regular file (a device, pipe or socket)"
     try:
         with open(path, "rb") as fh:
             head = fh.read(8)
@@ -70,5 +81,7 @@ def replace_problem(path: str | Path, writes: str) -> str | None:
     if kind == writes:
         return None
     what = f"is {kind}" if kind else f"is not {writes}"
+    if kind and kind.startswith("not "):
+        return f"{path} {what}; give the name of a file to write {writes} to"
     return (f"{path} exists and {what}, which writing {writes} there would replace; choose another name, or remove "
             "the file first")

@@ -19,6 +19,18 @@ def reader_went_away() -> int:
     return 141
 
 
+def print_report(text: str, where: str = "") -> None:
+    """Print `text` to stdout for a command whose work outlives its report: if stdout cannot take it (its reader
+    went away, `| head`; a full disk), the rest of stdout goes to /dev/null, stderr says so once, and the work
+    goes on. `where`: where else the report can be read."""
+    try:
+        print(text, flush=True)
+    except OSError as exc:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # also the buffer's flush at exit
+        print(f"warning: the report could not be written to stdout ({exc.strerror or exc}); carrying on"
+              + (f" ({where})" if where else ""), file=sys.stderr, flush=True)
+
+
 def umask() -> int:
     """The process's file-creation mask (read by setting it, then setting it back)."""
     mask = os.umask(0)

@@ -233,6 +233,11 @@ class ModelMeta:
                             "every series named")
         if self.bar_interval_ns <= 0:
             problems.append("bar_interval_ns must be > 0")
+        if (computed := self.feature_config.schema()).to_list() != self.feature_schema.to_list():
+            problems.append((f"feature_schema's user columns {self.feature_schema.user_columns} are not those "
+                             f"feature_config computes ({computed.user_columns})" if computed.user_columns !=
+                             self.feature_schema.user_columns else "feature_schema is not what feature_config "
+                             "computes") + " (edited after export?); re-export the model")
         if self.precision not in ("fp32", "fp16"):
             problems.append(f"precision {self.precision!r} is not fp32 or fp16")
         try:  # the training bars' names and time unit: the scorer reads bars with them

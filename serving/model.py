@@ -148,6 +148,29 @@ class LoadedModel:
         self.session.run_with_iobinding(binding)
         return list(binding.copy_outputs_to_cpu())
 
+    def check_vocabulary(self) -> None:
+        """Run every symbol id the metadata names (in batches of at most the biggest bucket): each must be one
+        the graph's symbol embedding has, or the model is refused now rather than fail that symbol's calls."""
+        biggest, n = max(self.buckets), len(self.meta.symbols)
+        for first in range(0, n, biggest):
+            self._trial_run(min(biggest, n - first), first)
+
+    def _trial_run(self, size: int, first_id: int = 0) -> np.ndarray:
+        """The quantiles of a valid input of `size` windows (dummy_inputs), their shape checked; ModelLoadError
+        for a graph its metadata does not describe (edited after export)."""
+        try:
+            q = self.run(dummy_inputs(self.meta, size, first_id))[QUANTILES]
+        except Exception as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ModelLoadError(f"{self.path}: the model fails on a valid input (batch {size}): {reason}; its "
+                                 "metadata does not match its graph (edited after export?): re-export the model"
+                                 ) from None
+        expected = (size, self.meta.horizon, len(self.meta.quantiles))
+        if q.shape != expected:
+            raise ModelLoadError(f"{self.path}: output {QUANTILES!r} has shape {q.shape} at batch {size}, "
+                                 f"expected {expected}")
+        return q
+
     def warm_up(self, stop: threading.Event | None = None) -> float:
         """Run once at every bucket size (first runs allocate and tune); check the outputs. Returns seconds.
         WarmUpStopped once `stop` is set (SIGTERM): a thread cannot be cancelled, so it looks between runs, and
@@ -156,12 +179,7 @@ class LoadedModel:
         for size in self.buckets:
             if stop is not None and stop.is_set():
                 raise WarmUpStopped(f"warm-up of {self.path} stopped before batch size {size}")
-            outs = self.run(dummy_inputs(self.meta, size))
-            q = outs[QUANTILES]
-            expected = (size, self.meta.horizon, len(self.meta.quantiles))
-            if q.shape != expected:
-                raise ModelLoadError(f"{self.path}: output {QUANTILES!r} has shape {q.shape} at batch {size}, "
-                                     f"expected {expected}")
+            q = self._trial_run(size)
             if not np.isfinite(q).all():
                 raise ModelLoadError(f"{self.path}: output {QUANTILES!r} is not finite on the warm-up input "
                                      f"(batch {size}); re-export the model")
@@ -169,12 +187,14 @@ class LoadedModel:
         return time.perf_counter() - start
 
 
-def dummy_inputs(meta: ModelMeta, batch: int) -> dict[str, np.ndarray]:
-    """A valid input of `batch` windows: symbol ids cycle through the vocabulary, features are zero."""
+def dummy_inputs(meta: ModelMeta, batch: int, first_id: int = 0) -> dict[str, np.ndarray]:
+    """A valid input of `batch` windows: symbol ids cycle through the vocabulary from `first_id`, features
+    are zero."""
     schema, L, H = meta.feature_schema, meta.encoder_length, meta.horizon
     n_obs, n_known = len(schema.observed), len(schema.known)
+    ids = (first_id + np.arange(batch)) % len(meta.symbols)
     return {
-        STATIC_CATEGORICAL: (np.arange(batch) % len(meta.symbols)).astype(np.int64)[:, None],  # [B, 1]
+        STATIC_CATEGORICAL: ids.astype(np.int64)[:, None],  # [B, 1]
         ENCODER_OBSERVED: np.zeros((batch, L, n_obs), dtype=np.float32),
         ENCODER_KNOWN: np.zeros((batch, L, n_known), dtype=np.float32),
         DECODER_KNOWN: np.zeros((batch, H, n_known), dtype=np.float32),
@@ -385,7 +405,7 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
         _check_graph(meta, model_bytes, p)
     output_names = _check_signature(session, meta, p)
     _check_placement(meta, placement, device, p)
-    return LoadedModel(
+    model = LoadedModel(
         path=p,
         meta=meta,
         session=session,
@@ -397,6 +417,8 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
         output_names=output_names,
         buckets=batch_buckets(max_batch),
     )
+    model.check_vocabulary()
+    return model
 
 
 def load_and_warm(path: str | Path, device: str, threads: int, max_batch: int, device_id: int = 0,

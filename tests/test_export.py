@@ -487,6 +487,15 @@ def test_output_paths_are_checked(ckpt: Path, tmp_path: Path, capsys: pytest.Cap
     (tmp_path / "afile").unlink()
     assert main([str(ckpt), str(ckpt)]) == 2
     assert "is the checkpoint itself" in capsys.readouterr().err
+    fifo = tmp_path / "fifo"  # never opened (that would block): named for what it is, as a device is
+    os.mkfifo(fifo)
+    assert main([str(ckpt), str(fifo)]) == 2
+    assert f"{fifo} is not a regular file (a device, pipe or socket); give the name of a file to write an ONNX " \
+        "model to" in capsys.readouterr().err
+    assert main([str(fifo), str(tmp_path / "model.onnx")]) == 2  # as the checkpoint: it exists, it is no file
+    assert f"{fifo}: not a regular file; give the checkpoint file `python -m trainer` wrote" in \
+        capsys.readouterr().err
+    fifo.unlink()
     inside = tmp_path / "repo" / "tft" / "1"
     inside.mkdir(parents=True)
     assert main([str(ckpt), str(inside / "model.onnx"), "--triton-repo", str(tmp_path / "repo"),
@@ -586,6 +595,22 @@ def test_real_command_exit_status_and_help_text(tmp_path: Path) -> None:
     assert listing(tmp_path) == []
     text = build_parser().format_help()
     assert "exit status" in text and "--require-device" in text and "nothing was written" in text
+
+
+def test_a_report_reader_that_goes_away_does_not_cost_the_export(ckpt: Path, tmp_path: Path) -> None:
+    """`python -m export ... | head -1`: the tables on stdout lose their reader after a line; the export goes on
+    and writes the model whole (exit 0), and stderr says where the report still is."""
+    out = tmp_path / "model.onnx"
+    proc = subprocess.Popen([sys.executable, "-m", "export", str(ckpt), str(out)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first table
+    err = proc.stderr.read()
+    assert proc.wait(timeout=600) == 0, err[-2000:]
+    assert "warning: the report could not be written to stdout (Broken pipe); carrying on (the model's metadata " \
+        "keeps the parity and placement reports)" in err and f"wrote {out}" in err, err[-2000:]
+    assert "Traceback" not in err
+    assert "foxhunt.parity" in props(out)
 
 
 # ---- pieces ---------------------------------------------------------------------------------------

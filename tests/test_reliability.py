@@ -34,6 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -365,6 +366,30 @@ def test_a_reload_the_message_limit_cannot_carry_is_refused(tiny_model: Model, t
         asyncio.run(main())
     assert f"reload refused, still serving model {tiny_model.meta.model_version}: --max-message-bytes {need}: a " \
         "request of one series" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize(("key", "edit", "message"), [
+    ("foxhunt.feature_config", lambda v: {**v, "user_columns": ["x"]},
+     "model metadata is inconsistent: feature_schema's user columns [] are not those feature_config computes (['x'])"),
+    ("foxhunt.symbols", lambda v: [*v, "ZZ"],  # an id the graph's symbol embedding lacks
+     "the model fails on a valid input (batch "),
+])
+def test_metadata_edited_to_disagree_with_the_graph_is_refused_at_load(
+        tiny_model: Model, tmp_path: Path, key: str, edit: Any, message: str) -> None:  # noqa: F811
+    """Metadata is outside the graph's digest: a hand edit that no longer describes the graph is refused when
+    the model loads (so a server never says SERVING and then fails every call), naming the fix."""
+    from serving.errors import ModelLoadError
+    from serving.model import load_and_warm
+
+    proto = onnx.load(str(tiny_model.model))
+    prop = next(p for p in proto.metadata_props if p.key == key)
+    prop.value = json.dumps(edit(json.loads(prop.value)))
+    edited = tmp_path / "edited.onnx"
+    onnx.save(proto, str(edited))
+    for max_batch in (64, 1):  # a vocabulary past the biggest warm-up batch is run in batches of its own
+        with pytest.raises(ModelLoadError) as info:
+            load_and_warm(edited, "cpu", 1, max_batch)
+        assert message in str(info.value) and "re-export the model" in str(info.value), str(info.value)
 
 
 def test_nonfinite_model_output_is_refused(tiny_model: Model) -> None:  # noqa: F811

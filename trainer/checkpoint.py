@@ -86,7 +86,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     """Load with weights_only=True and check the format; CheckpointError otherwise."""
     p = Path(path)
     if not p.is_file():
-        raise CheckpointError(f"{p}: no such checkpoint file")
+        raise CheckpointError(f"{p}: no such checkpoint file" if not p.exists() else
+                              f"{p}: not a regular file; give the checkpoint file `python -m trainer` wrote "
+                              "(ckpt.pt, or ckpt.last.pt to resume)")
     try:
         ckpt = torch.load(p, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
