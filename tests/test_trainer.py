@@ -309,6 +309,15 @@ def test_resume_after_interruption_gives_the_same_weights(tmp_path: Path, bars: 
     assert "--resume: these bars split as validation from" in message and "the checkpoint's run split as" in message
     assert str(bars) in message and "without --resume" in message
     assert not (tmp_path / "c" / "ckpt.pt").exists() and not (tmp_path / "c" / "ckpt.last.pt").exists()
+    # bars that split at the same times but are not the run's: other prices on the same calendar, or one
+    # symbol of the run's file (its validation loss would be compared with the two symbols' best)
+    for other in (make_bars(tmp_path / "reseeded.parquet", bars=4000, seed=8),
+                  make_bars(tmp_path / "es.parquet", bars=4000, symbols="ES")):
+        with pytest.raises(DataError) as info:
+            Trainer(other, cfg, tmp_path / "c" / "ckpt.pt", resume=tmp_path / "b" / "ckpt.last.pt", progress=False)
+        assert f"--resume: these bars are not the ones the checkpoint's run read (its bars: {bars}): they split at " \
+            "the same times, but their symbols, rows or values differ" in str(info.value), str(info.value)
+        assert not (tmp_path / "c" / "ckpt.pt").exists()
 
 
 def test_a_resume_with_more_epochs_keeps_the_runs_schedule_and_trains_on_at_its_floor(

@@ -7,6 +7,7 @@ target of one split overlaps the next. Normalisation is fitted on the training r
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from features.bars import ColumnMap, read_bars
+from features.bars import Bars, ColumnMap, read_bars
 from features.check import format_timestamp
 from features.compute import (
     COARSE_INTERVALS,
@@ -155,6 +156,7 @@ class PreparedData:
     normalization: Normalization
     climatology: np.ndarray  # float32 [H, Q]  train-split target quantiles (the baseline forecast)
     split_times_ns: tuple[int, int]  # first timestamp of validation and of test
+    bars_digest: str  # of the bars read (bars_digest): a resume must read the same ones
 
 
 def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -> tuple[np.ndarray, ...]:
@@ -167,6 +169,30 @@ def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -
     b_val = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_val) for s, e in frame.series_bounds])
     b_test = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_test) for s, e in frame.series_bounds])
     return starts, ends, b_val, b_test, np.array([cut_val, cut_test])
+
+
+def bars_digest(bars: Bars, user_columns: Sequence[str]) -> str:
+    """A digest of the bars a run reads: each symbol's rows, their times, prices and volumes, and the user
+    columns it trains on (the values read, before any feature is computed, so any machine gets the same)."""
+    h = hashlib.blake2b(digest_size=16)
+    for symbol, rows in bars.series_slices().items():
+        h.update(f"{symbol}\0{rows.start}\0{rows.stop}\0".encode())
+    for column in (bars.timestamp_ns, bars.open, bars.high, bars.low, bars.close, bars.volume,
+                   *(bars.user[name] for name in user_columns)):
+        h.update(np.ascontiguousarray(column).tobytes())  # one column at a time: 8 bytes a bar
+    return h.hexdigest()
+
+
+def check_resumed_bars(stored: str | None, now: str, source: str) -> None:
+    """Bars split at the same times may still hold other values (another file of the same calendar, a
+    vendor's corrected history, one symbol of the run's file): a resumed run would pick its best epoch over
+    validation losses of different bars. Checkpoints written before the digest was kept are not checked."""
+    if stored is None or stored == now:
+        return
+    raise DataError(f"--resume: these bars are not the ones the checkpoint's run read (its bars: {source}): they "
+                    "split at the same times, but their symbols, rows or values differ. Resuming would compare "
+                    "validation losses over different bars: resume with the bars the run started with, or start a "
+                    "new run (without --resume) to train on these")
 
 
 def check_resumed_split(stored: Sequence[int] | None, now: tuple[int, int], test_fraction: float,
@@ -240,6 +266,7 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
         log.info("bars: %s", note)
     if len(bars) == 0:
         raise DataError(f"{parquet}: no bars (the file holds no rows); give bars to train on")
+    digest = bars_digest(bars, cfg.features)
     try:
         frame = build_frame(bars, cfg.feature_config(), symbols)
         del bars  # the frame holds what training needs; the bars' columns would double the peak that follows
@@ -284,4 +311,4 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
     warn_about_series(frame, train, cfg.volatility_window + L + h)
     clim = np.quantile(frame.targets[train], cfg.quantiles, axis=0).T.astype(np.float32)  # [H, Q]
     return PreparedData(frame, WindowTensors(frame, L), train, val, test, normalization, clim,
-                        (int(cuts[0]), int(cuts[1])))
+                        (int(cuts[0]), int(cuts[1])), digest)

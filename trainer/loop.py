@@ -38,7 +38,14 @@ from trainer.checkpoint import (
     state_digest,
 )
 from trainer.config import RESUME_OVERRIDABLE, STOPPING_RULES, ConfigError, TrainConfig, resumed_config
-from trainer.data import ROW_INPUTS, Normalization, PreparedData, check_resumed_split, prepare
+from trainer.data import (
+    ROW_INPUTS,
+    Normalization,
+    PreparedData,
+    check_resumed_bars,
+    check_resumed_split,
+    prepare,
+)
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
 from trainer.distributed import init_from_env
 from trainer.loss import pinball_loss
@@ -170,8 +177,10 @@ class Trainer:
             norm = Normalization.from_dict(norm_dict)
         self.data = prepare(parquet, cfg, self.columns, symbols, norm)
         if self.resume_state is not None:
+            source = str(self.resume_state.get("data_source", "not recorded"))
             check_resumed_split(self.resume_state.get("split_times_ns"), self.data.split_times_ns, cfg.test_fraction,
-                                str(self.resume_state.get("data_source", "not recorded")))
+                                source)
+            check_resumed_bars(self.resume_state.get("bars_digest"), self.data.bars_digest, source)
         self.parquet = str(parquet)
         frame = self.data.frame
         self.model_config = cfg.model_config(len(frame.schema.observed), len(frame.schema.known),
@@ -453,6 +462,7 @@ class Trainer:
             "data_source": self.parquet,
             "split_times_ns": list(self.data.split_times_ns),
             "data_span_ns": [int(frame.timestamp_ns.min()), int(frame.timestamp_ns.max())],  # the bars trained on
+            "bars_digest": self.data.bars_digest,  # what a resume must read again
             "climatology": torch.from_numpy(self.data.climatology.copy()),
             "model_state": (weights := {k: v.detach().cpu() for k, v in self.model.state_dict().items()}),
             "model_state_sha256": state_digest(weights),
