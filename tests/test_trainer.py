@@ -822,6 +822,17 @@ def test_an_unusable_out_is_refused_before_any_training(tmp_path: Path, bars: Pa
     assert r.returncode == 2 and f"{notes} exists and is not a PyTorch checkpoint, which writing a PyTorch " \
         "checkpoint there would replace" in r.stderr, r.stderr[-2000:]
     assert notes.read_text() == "the user's notes"
+    # a sweep's lr0.001 and lr0.003 would share lr0.last.pt and lr0.metrics.jsonl: named NAME.pt, or refused
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "sweep" / "lr0.001"), *TINY_TRAIN_FLAGS])
+    assert r.returncode == 2 and f"--out {tmp_path / 'sweep' / 'lr0.001'}: name the checkpoint NAME.pt, e.g. " \
+        f"{tmp_path / 'sweep' / 'lr0.001.pt'} (the run's other files are named from NAME: lr0.last.pt" in r.stderr, \
+        r.stderr[-2000:]
+    assert not (tmp_path / "sweep").exists()
+    (tmp_path / "held" / "ckpt.last.pt").mkdir(parents=True)  # found before training, not after epoch 1
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "held" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
+    assert r.returncode == 1 and f"--out {tmp_path / 'held' / 'ckpt.pt'}: {tmp_path / 'held' / 'ckpt.last.pt'}, " \
+        "where the run writes its latest epoch's checkpoint, is a directory" in r.stderr, r.stderr[-2000:]
+    assert "epoch 1" not in r.stderr and sorted(p.name for p in (tmp_path / "held").iterdir()) == ["ckpt.last.pt"]
 
 
 def test_symbols_the_model_cannot_learn_or_space_rightly_are_warned_about(tmp_path: Path,

@@ -74,6 +74,9 @@ class RunPaths:
                         Path(f"{stem}.test.json"))
 
 
+RUN_FILES = ("best checkpoint", "latest epoch's checkpoint", "metrics", "report", "test scores")  # RunPaths' order
+
+
 @dataclass
 class TrainResult:
     paths: RunPaths
@@ -128,9 +131,12 @@ class Trainer:
                  | None = None) -> None:
         self.paths = RunPaths.for_out(out)
         check_output(out)
-        for written in astuple(self.paths):
+        for role, written in zip(RUN_FILES, astuple(self.paths), strict=True):
             if problem := clash_with_bars(written, Path(parquet)):
                 raise ConfigError(f"--out {out}: {problem}; give another --out")
+            if written.is_dir():  # found now, not when the first epoch's files are written
+                raise OSError(f"--out {out}: {written}, where the run writes its {role}, is a directory; remove it "
+                              "or give another --out")
         if out.name.endswith(".last.pt"):  # RunPaths would put the latest epoch in x.last.last.pt
             raise ConfigError(f"--out {out} names the latest epoch's file; give the best checkpoint's name, "
                               f"{out.with_name(out.name.removesuffix('.last.pt') + '.pt')}, beside which the run "
@@ -138,6 +144,11 @@ class Trainer:
         for checkpoint in (self.paths.best, self.paths.last):  # an earlier run's may be replaced, nothing else
             if problem := replace_problem(checkpoint, "a PyTorch checkpoint"):
                 raise ConfigError(f"--out {out}: {problem}")
+        if out.suffix != ".pt":  # the files beside it are named from out less its suffix: lr0.001 and lr0.003
+            # would share lr0.last.pt, and a resume of X.last.pt writes X.pt
+            raise ConfigError(f"--out {out}: name the checkpoint NAME.pt, e.g. {out.with_name(out.name + '.pt')} (the "
+                              f"run's other files are named from NAME: {out.with_suffix('').name}.last.pt, "
+                              f"{out.with_suffix('').name}.metrics.jsonl, ...)")
         for stale in (*remove_stale_temp_files(self.paths.best), *remove_stale_temp_files(self.paths.last)):
             log.warning("removed %s, a partial write left by a killed run", stale)
         self.progress = progress
