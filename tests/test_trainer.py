@@ -552,7 +552,10 @@ def test_a_bad_setting_is_named_where_it_was_set_with_its_value(tmp_path: Path) 
         (["--parquet", "gone/bars.parquet"], "error: --parquet gone/bars.parquet: no such file or directory"),
         (["--precision", "fp16", "--device", "cpu"], "needs CUDA"),
         (["--window-block", "-1"], "--window-block must be >= 0"),
-        (["--threads", "-2"], "threads must be >= 0"),
+        (["--threads", "-2"], "--threads must be in 0..1024 (0 = torch's default"),
+        (["--threads", "100000"], "--threads must be in 0..1024"),  # not the parquet reader's thread pool failing
+        (["--seed", str(10**15)], "--seed must be in 0..4294967295"),  # not an overflow at the first epoch
+        (["--device", "cudax"], "error: --device must be auto, cpu, cuda or cuda:N, got 'cudax'"),
         (["--learning-rate", "1e9", "--grad-clip", "0"], "training diverged"),  # a NaN loss: one message, exit 2
     ],
 )
@@ -566,6 +569,17 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args
     assert not out.exists()
     if "--parquet" in args:  # before the resolved config and the device choice, which would bury it
         assert r.stderr.startswith("error: --parquet"), r.stderr[-2000:]
+
+
+def test_a_model_too_big_for_the_hosts_memory_exits_3_naming_it(tmp_path: Path, bars: Path) -> None:
+    """16 TB of weights: the host's allocator refuses (no machine has it), and the run says so, exit 3 as for
+    a card's memory, not a traceback."""
+    out = tmp_path / "ckpt.pt"
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--hidden-size", "2000000",
+             "--attention-heads", "1", "--epochs", "1", "--device", "cpu", "--no-progress"])
+    assert r.returncode == 3 and "error: out of host memory: DefaultCPUAllocator: can't allocate memory" in r.stderr \
+        and "Shrink the model" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not out.exists()
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

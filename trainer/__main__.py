@@ -3,8 +3,8 @@
 Exit status: 0 done, 1 an output could not be written (e.g. disk full, or --out not writable,
 found before training; the previous checkpoint is intact), 2 bad arguments, config or data, a
 VRAM budget that cannot hold the run, or a loss that became NaN or infinite (one clear message,
-no traceback; nothing of the diverged epoch is saved), 3 out of device memory with nothing left to halve, 130
-interrupted (the last good checkpoint is intact either way).
+no traceback; nothing of the diverged epoch is saved), 3 out of device memory with nothing left to
+halve (or out of host memory), 130 interrupted (the last good checkpoint is intact either way).
 
 `--vram-budget 4GiB` plans micro-batch, accumulation and gradient checkpointing to fit the
 budget and caps the process's CUDA memory to it; `--plan-only` prints that plan and exits,
@@ -154,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{str(exc).splitlines()[0]}. The last good checkpoint (if any epoch finished) is intact: "
               f"{last}.last.pt. Shrink the model or give the run more memory (--vram-budget, or a card with more free "
               "memory)", file=sys.stderr)
+        return 3
+    except RuntimeError as exc:  # the host's allocator refusing (torch raises it as a plain RuntimeError)
+        if "can't allocate memory" not in str(exc):
+            raise
+        print(f"error: out of host memory: {str(exc).split('. ', 1)[-1].splitlines()[0]}. Shrink the model "
+              "(--hidden-size, --encoder-length) or --batch-size, or give the run more memory", file=sys.stderr)
         return 3
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)

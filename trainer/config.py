@@ -26,6 +26,8 @@ class ConfigError(ValueError):
 # What a resumed run takes from its command rather than its checkpoint: the machine it runs on, and how
 # many epochs (when given). Everything else is the run's recipe, kept as the checkpoint holds it.
 STOPPING_RULES = ("epochs", "patience")  # when a run stops: a resumed run takes them when given, else its own
+MAX_THREADS = 1024  # far past any machine's cores; past this, the thread pools fail to start
+MAX_SEED = 2**32 - 1  # as numpy's; (seed * 1_000_003 + rank) * 1_009 + epoch stays inside torch's 64-bit seed
 RESUME_OVERRIDABLE = (*STOPPING_RULES, "device", "vram_budget", "threads", "grad_checkpointing", "precision")
 AUTO_WINDOW_BLOCK = 16  # window_block 0: blocks of 16 consecutive windows ...
 MIN_BLOCKS_PER_BATCH = 8  # ... but at least 8 blocks in a batch
@@ -90,7 +92,10 @@ class TrainConfig:
             (self.max_steps_per_epoch >= 0, f"{key('max_steps_per_epoch')} must be >= 0 (0 = all), got "
              f"{self.max_steps_per_epoch}"),
             (self.max_val_windows >= 0, f"{key('max_val_windows')} must be >= 0 (0 = all), got {self.max_val_windows}"),
-            (self.threads >= 0, f"{key('threads')} must be >= 0 (0 = torch's default), got {self.threads}"),
+            (0 <= self.threads <= MAX_THREADS, f"{key('threads')} must be in 0..{MAX_THREADS} (0 = torch's default; "
+             f"more threads than cores only slow a run), got {self.threads}"),
+            (0 <= self.seed <= MAX_SEED, f"{key('seed')} must be in 0..{MAX_SEED} (the run derives each epoch's seeds "
+             f"from it in 64 bits), got {self.seed}"),
             (len(set(self.features)) == len(self.features),
              f"{key('features')} lists a column more than once ({', '.join(self._repeated_features())}); name each "
              "once"),
@@ -99,7 +104,7 @@ class TrainConfig:
              f"{key('precision')} must be auto, fp32, bf16 or fp16, got {self.precision!r}"),
             (self.grad_checkpointing in ("auto", "on", "off"),
              f"{key('grad_checkpointing')} must be auto, on or off, got {self.grad_checkpointing!r}"),
-            (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
              f"{key('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
         ]
         for ok, message in checks:
