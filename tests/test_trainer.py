@@ -572,10 +572,10 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args
 
 
 def test_a_model_too_big_for_the_hosts_memory_exits_3_naming_it(tmp_path: Path, bars: Path) -> None:
-    """16 TB of weights: the host's allocator refuses (no machine has it), and the run says so, exit 3 as for
-    a card's memory, not a traceback."""
+    """256 TB for one layer, past the 128 TB a process can address, so no allocator grants it (overcommit or
+    not); the run says so, exit 3 as for a card's memory, not a traceback."""
     out = tmp_path / "ckpt.pt"
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--hidden-size", "2000000",
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--hidden-size", "8000000",
              "--attention-heads", "1", "--epochs", "1", "--device", "cpu", "--no-progress"])
     assert r.returncode == 3 and "error: out of host memory: DefaultCPUAllocator: can't allocate memory" in r.stderr \
         and "Shrink the model" in r.stderr, r.stderr[-2000:]
