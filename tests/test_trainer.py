@@ -589,6 +589,8 @@ def test_a_model_too_big_for_the_hosts_memory_exits_3_naming_it(tmp_path: Path, 
     ("max_steps_per_epoch", -1, "max_steps_per_epoch must be >= 0"),
     ("max_val_windows", -1, "max_val_windows must be >= 0"),
     ("features", ("imbalance", "spread", "imbalance"), "features lists a column more than once (imbalance)"),
+    ("features", ("imbalance", "log_return"), "features names log_return, the name of a built-in feature (built "
+                                              "in: symbol, log_return,"),
     ("calendar_tz", "CST", "calendar time zone 'CST' is not an IANA time zone name (e.g. UTC, America/Chicago"),
 ])
 def test_config_refuses_what_it_cannot_train_with(field: str, value: object, message: str) -> None:
@@ -964,6 +966,19 @@ def test_an_observed_feature_that_never_changes_in_training_is_warned_about(
     flagged = [r.getMessage() for r in caplog.records if "never change over the training bars" in r.getMessage()]
     assert len(flagged) == 1 and flagged[0].startswith("built-in feature(s) log_range, log_body never change")
     assert "close-only data" in flagged[0] and "--features" not in flagged[0], caplog.text
+    assert "volume" not in flagged[0]
+    # a feed without volume: log_volume alone, blamed on the volume, not on close-only prices
+    table = pq.read_table(tmp_path / "bars.parquet")
+    table = table.set_column(table.column_names.index("volume"), "volume", pa.array(np.zeros(table.num_rows)))
+    pq.write_table(table, tmp_path / "no_volume.parquet")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainer"):
+        prepare(tmp_path / "no_volume.parquet", tiny_cfg())
+    flagged = [r.getMessage() for r in caplog.records if "never change over the training bars" in r.getMessage()]
+    assert len(flagged) == 1 and flagged[0].startswith("built-in feature(s) log_volume never change"), caplog.text
+    assert "(harmless). A volume that never changes (a feed without volume, all zero) does it for log_volume" \
+        in flagged[0]
+    assert "close-only" not in flagged[0]
 
 
 def test_train_memory_benchmark_runs_two_checkouts_and_compares_their_peaks(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from features.compute import FeatureConfig, check_time_zone
+from features.compute import BUILTIN_KNOWN, BUILTIN_OBSERVED, STATIC_SYMBOL, FeatureConfig, check_time_zone
 from trainer.model_config import ModelConfig, check_fields
 
 
@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 # What a resumed run takes from its command rather than its checkpoint: the machine it runs on, and how
 # many epochs (when given). Everything else is the run's recipe, kept as the checkpoint holds it.
 STOPPING_RULES = ("epochs", "patience")  # when a run stops: a resumed run takes them when given, else its own
+BUILTIN_NAMES = (STATIC_SYMBOL, *BUILTIN_OBSERVED, *BUILTIN_KNOWN)  # a user column of one of these names is refused
 MAX_THREADS = 1024  # far past any machine's cores; past this, the thread pools fail to start
 MAX_SEED = 2**32 - 1  # as numpy's; (seed * 1_000_003 + rank) * 1_009 + epoch stays inside torch's 64-bit seed
 RESUME_OVERRIDABLE = (*STOPPING_RULES, "device", "vram_budget", "threads", "grad_checkpointing", "precision")
@@ -99,6 +100,10 @@ class TrainConfig:
             (len(set(self.features)) == len(self.features),
              f"{key('features')} lists a column more than once ({', '.join(self._repeated_features())}); name each "
              "once"),
+            (not (named := [f for f in self.features if f in BUILTIN_NAMES]),
+             f"{key('features')} names {', '.join(named)}, the name of a built-in feature (built in: "
+             f"{', '.join(BUILTIN_NAMES)}): the model would hold two features of one name; rename the column, "
+             "e.g. in pyarrow"),
             (self.patience >= 0, f"{key('patience')} must be >= 0, got {self.patience}"),
             (self.precision in ("auto", "fp32", "bf16", "fp16"),
              f"{key('precision')} must be auto, fp32, bf16 or fp16, got {self.precision!r}"),

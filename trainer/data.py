@@ -227,9 +227,15 @@ def warn_about_constant_features(frame: FeatureFrame, train_rows: np.ndarray) ->
         log.warning("user feature(s) %s never change over the training bars: the model learns nothing from them; "
                     "check the column(s) or drop them from --features", ", ".join(flat_user))
     if flat_builtin := [name for name in flat if name not in user]:
+        why = []
+        if set(flat_builtin) - {"log_volume"}:
+            why.append("bars whose open, high and low equal their close (close-only data) do this for the price "
+                       "features")
+        if "log_volume" in flat_builtin:
+            why.append("a volume that never changes (a feed without volume, all zero) does it for log_volume")
         log.warning("built-in feature(s) %s never change over the training bars: the model learns nothing from "
-                    "them (harmless). Bars whose open, high and low equal their close (close-only data) do this; "
-                    "check the price columns and their mapping flags", ", ".join(flat_builtin))
+                    "them (harmless). %s; check the columns and their mapping flags", ", ".join(flat_builtin),
+                    "; ".join(why)[:1].upper() + "; ".join(why)[1:])
 
 
 def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int) -> None:
