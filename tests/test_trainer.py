@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import astuple, replace
 from pathlib import Path
 from typing import Any
 
@@ -402,6 +402,33 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
     r = run([*train, "--out", str(tmp_path / "b" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
     assert r.returncode == 0 and "ckpt.test.json" in r.stderr and "from an earlier run" in r.stderr, r.stderr[-3000:]
     assert not (tmp_path / "b" / "ckpt.test.json").exists() and not (tmp_path / "b" / "ckpt.report.png").exists()
+
+
+def test_the_files_beside_out_are_named_from_it_less_a_checkpoints_suffix_only() -> None:
+    """A sweep's --out lr0.001 and lr0.003 (or run.v2 and run.v3) each get their own files beside them."""
+    from trainer.loop import RunPaths
+
+    def names(out: str) -> list[str]:
+        return [p.name for p in astuple(RunPaths.for_out(Path("runs") / out))]
+
+    assert names("ckpt.pt") == ["ckpt.pt", "ckpt.last.pt", "ckpt.metrics.jsonl", "ckpt.report.png", "ckpt.test.json"]
+    assert names("model.ckpt")[1:3] == ["model.last.pt", "model.metrics.jsonl"]
+    assert names("lr0.001")[1:] == ["lr0.001.last.pt", "lr0.001.metrics.jsonl", "lr0.001.report.png",
+                                    "lr0.001.test.json"]
+    assert set(names("lr0.001")).isdisjoint(names("lr0.003")) and set(names("run.v2")).isdisjoint(names("run.v3"))
+
+
+def test_a_fresh_run_that_saves_no_epoch_leaves_the_earlier_runs_judgments(tmp_path: Path, bars: Path) -> None:
+    """The report and test scores beside --out judge the earlier run's ckpt.pt: they go when this run's first
+    best checkpoint replaces it, not at its start (here its first epoch diverges, and nothing is replaced)."""
+    out = tmp_path / "ckpt.pt"
+    earlier = {name: f"the earlier run's {name}" for name in ("ckpt.test.json", "ckpt.report.png")}
+    for name, text in earlier.items():
+        (tmp_path / name).write_text(text)
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS, "--learning-rate", "1e9",
+             "--grad-clip", "0"])
+    assert r.returncode == 2 and "training diverged" in r.stderr, r.stderr[-2000:]
+    assert {name: (tmp_path / name).read_text() for name in earlier} == earlier and not out.exists()
 
 
 def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path, bars: Path) -> None:
@@ -838,12 +865,6 @@ def test_an_unusable_out_is_refused_before_any_training(tmp_path: Path, bars: Pa
     assert r.returncode == 2 and f"{notes} exists and is not a PyTorch checkpoint, which writing a PyTorch " \
         "checkpoint there would replace" in r.stderr, r.stderr[-2000:]
     assert notes.read_text() == "the user's notes"
-    # a sweep's lr0.001 and lr0.003 would share lr0.last.pt and lr0.metrics.jsonl: named NAME.pt, or refused
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "sweep" / "lr0.001"), *TINY_TRAIN_FLAGS])
-    assert r.returncode == 2 and f"--out {tmp_path / 'sweep' / 'lr0.001'}: name the checkpoint NAME.pt, e.g. " \
-        f"{tmp_path / 'sweep' / 'lr0.001.pt'} (the run's other files are named from NAME: lr0.last.pt" in r.stderr, \
-        r.stderr[-2000:]
-    assert not (tmp_path / "sweep").exists()
     (tmp_path / "held" / "ckpt.last.pt").mkdir(parents=True)  # found before training, not after epoch 1
     r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "held" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
     assert r.returncode == 1 and f"--out {tmp_path / 'held' / 'ckpt.pt'}: {tmp_path / 'held' / 'ckpt.last.pt'}, " \

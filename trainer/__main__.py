@@ -148,11 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except torch.OutOfMemoryError as exc:
-        last = Path(str(args.out)).with_suffix("")
+        last = RunPaths.for_out(Path(str(args.out))).last
         print(f"error: out of device memory with nothing left to halve (a micro-batch of 1 window, under "
               f"torchrun the micro-batch exchanging gradients, or outside a training step): "
               f"{str(exc).splitlines()[0]}. The last good checkpoint (if any epoch finished) is intact: "
-              f"{last}.last.pt. Shrink the model or give the run more memory (--vram-budget, or a card with more free "
+              f"{last}. Shrink the model or give the run more memory (--vram-budget, or a card with more free "
               "memory)", file=sys.stderr)
         return 3
     except RuntimeError as exc:  # the host's allocator refusing (torch raises it as a plain RuntimeError)

@@ -69,9 +69,18 @@ class RunPaths:
 
     @staticmethod
     def for_out(out: Path) -> RunPaths:
-        stem = out.with_suffix("")
+        stem = out.with_name(run_stem(out))
         return RunPaths(out, Path(f"{stem}.last.pt"), Path(f"{stem}.metrics.jsonl"), Path(f"{stem}.report.png"),
                         Path(f"{stem}.test.json"))
+
+
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt")  # dropped from --out to name the files beside it
+
+
+def run_stem(out: Path) -> str:
+    """The name the files beside --out are named from: ckpt.pt -> ckpt (ckpt.last.pt, ckpt.metrics.jsonl, ...).
+    Only a checkpoint's suffix is dropped: lr0.001 and lr0.003, or run.v2 and run.v3, keep their own."""
+    return out.stem if out.suffix in CHECKPOINT_SUFFIXES else out.name
 
 
 RUN_FILES = ("best checkpoint", "latest epoch's checkpoint", "metrics", "report", "test scores")  # RunPaths' order
@@ -144,11 +153,6 @@ class Trainer:
         for checkpoint in (self.paths.best, self.paths.last):  # an earlier run's may be replaced, nothing else
             if problem := replace_problem(checkpoint, "a PyTorch checkpoint"):
                 raise ConfigError(f"--out {out}: {problem}")
-        if out.suffix != ".pt":  # the files beside it are named from out less its suffix: lr0.001 and lr0.003
-            # would share lr0.last.pt, and a resume of X.last.pt writes X.pt
-            raise ConfigError(f"--out {out}: name the checkpoint NAME.pt, e.g. {out.with_name(out.name + '.pt')} (the "
-                              f"run's other files are named from NAME: {out.with_suffix('').name}.last.pt, "
-                              f"{out.with_suffix('').name}.metrics.jsonl, ...)")
         for stale in (*remove_stale_temp_files(self.paths.best), *remove_stale_temp_files(self.paths.last)):
             log.warning("removed %s, a partial write left by a killed run", stale)
         self.progress = progress
@@ -523,10 +527,10 @@ class Trainer:
         if resumed is None or self.best_epoch == 0 or self.runs_best() is not None:
             return
         candidates = [resumed]
-        if resumed.name.endswith(".last.pt"):  # NAME.last.pt beside its best, NAME or NAME.<suffix> (RunPaths)
+        if resumed.name.endswith(".last.pt"):  # NAME.last.pt beside its best, NAME or NAME.pt (RunPaths)
             stem = resumed.name.removesuffix(".last.pt")
             beside = sorted(p for p in resumed.parent.glob(f"{glob.escape(stem)}*")
-                            if p.with_suffix("").name == stem)  # not NAME.last.pt, NAME.metrics.jsonl, ...
+                            if run_stem(p) == stem)  # not NAME.last.pt, NAME.metrics.jsonl, ...
             candidates = [*beside, resumed]
         for src in candidates:
             if not src.is_file() or src.resolve() == self.paths.best.resolve():
@@ -580,8 +584,9 @@ class Trainer:
             if self.resume_state is None and (old := [p for p in (self.paths.best, self.paths.last) if p.exists()]):
                 log.warning("%s: from an earlier run; this run replaces them as its epochs finish",
                             ", ".join(str(p) for p in old))
-            if self.resume_state is None:  # this run writes its own, or none
-                self._remove_judgments("from an earlier run")
+        # a fresh run's report and test scores are its own, or none: an earlier run's go once this run's first
+        # best checkpoint replaces the model they judge (an interrupted first epoch leaves them as they were)
+        judged_elsewhere = self.dist.is_main and self.resume_state is None
         while self.epoch < self.cfg.epochs and not stopped_early:
             self.memory.start()
             train_stats = self.train_epoch()
@@ -609,6 +614,9 @@ class Trainer:
                 save_atomic(state, self.paths.last)
                 if improved:
                     save_atomic(state, self.paths.best)
+                    if judged_elsewhere:
+                        self._remove_judgments("from an earlier run")
+                        judged_elsewhere = False
                 with self.paths.metrics.open(metrics_mode) as fh:  # after the checkpoint: a logged epoch is saved
                     fh.write(json.dumps(record) + "\n")
                 metrics_mode = "a"
