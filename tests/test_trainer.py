@@ -422,6 +422,9 @@ def test_a_fresh_run_that_saves_no_epoch_leaves_the_earlier_runs_judgments(tmp_p
     """The report and test scores beside --out judge the earlier run's ckpt.pt: they go when this run's first
     best checkpoint replaces it, not at its start (here its first epoch diverges, and nothing is replaced)."""
     out = tmp_path / "ckpt.pt"
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "a" / "b" / "ckpt.pt"),
+             *TINY_TRAIN_FLAGS, "--learning-rate", "1e9", "--grad-clip", "0"])
+    assert r.returncode == 2 and not (tmp_path / "a").exists(), r.stderr[-2000:]  # and no empty directories
     earlier = {name: f"the earlier run's {name}" for name in ("ckpt.test.json", "ckpt.report.png")}
     for name, text in earlier.items():
         (tmp_path / name).write_text(text)

@@ -575,9 +575,9 @@ class Trainer:
             log.warning("nothing to train: %s", self._why_finished())
         metrics_mode = "a"
         if self.dist.is_main:  # metrics restart from the checkpoint's history, or afresh: one run per file
-            self.paths.metrics.parent.mkdir(parents=True, exist_ok=True)
             self._adopt_best()
-            if self.history:
+            if self.history:  # (a fresh run makes --out's directory with its first checkpoint: one that saves
+                self.paths.metrics.parent.mkdir(parents=True, exist_ok=True)  # no epoch leaves none behind)
                 self.paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
             else:  # a fresh run replaces an earlier run's file once its first epoch is saved, as its checkpoints
                 metrics_mode = "w"

@@ -11,6 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from features.files import atomic_output
+
 FAN_WINDOWS = 300
 
 
@@ -26,11 +28,11 @@ def write_report(path: Path, history: list[dict[str, Any]], outputs: dict[str, n
     _importances(ax[1, 0], outputs, observed_names, known_names, static_names)
     _attention(ax[1, 1], outputs["attention"], target.shape[1])
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        with atomic_output(path) as tmp:  # whole or not at all, Ctrl-C included
+            fig.savefig(tmp, dpi=90, format="png")
+    finally:
+        plt.close(fig)
 
 
 def _loss_curves(ax: Any, history: list[dict[str, Any]]) -> None:

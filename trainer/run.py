@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import torch
 
 from features.bars import ColumnMap
-from features.files import link_note
+from features.files import atomic_output, link_note
 from features.metrics import format_q_risk
 from trainer.checkpoint import load_checkpoint
 from trainer.config import TrainConfig, given_fields, resumed_config, setting_label
@@ -226,9 +226,8 @@ def test_best(trainer: Trainer, best: dict[str, Any] | None = None) -> dict[str,
     best = best if best is not None else load_checkpoint(trainer.paths.best)
     trainer.model.load_state_dict(best["model_state"])
     result = {"epoch": int(best["epoch"]), **trainer.evaluate(trainer.data.test_anchors, "test")}
-    tmp = trainer.paths.test.with_name(f".{trainer.paths.test.name}.tmp")  # written whole or not at all
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, trainer.paths.test)
+    with atomic_output(trainer.paths.test) as tmp:  # written whole or not at all, Ctrl-C included
+        Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
     t, b = result["test"], result["baseline"]
     log.info("test split, best model (epoch %d), %d windows: loss %.4f; coverage model %.1f%% baseline %.1f%% "
              "(nominal %.0f%%); q-risk model/baseline %s -> %s", result["epoch"], result["test_windows"],
