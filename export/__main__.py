@@ -25,13 +25,25 @@ exit status:
 
 from __future__ import annotations
 
-import argparse
-import contextlib
+import os
 import signal
 import sys
+from types import FrameType
+
+
+def _stopped_while_loading(signum: int, frame: FrameType | None) -> None:
+    os.write(2, b"interrupted; nothing was written.\n")
+    os._exit(130)
+
+
+if __name__ == "__main__":  # a stop signal during the imports below (torch, onnx: seconds) ends the command as
+    for _sig in (signal.SIGINT, signal.SIGTERM):  # one later does (exit 130, one line), not with a traceback
+        signal.signal(_sig, _stopped_while_loading)
+
+import argparse
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 
 import onnx
 
@@ -184,6 +196,7 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None,
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here, KeyboardInterrupt as usual
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends it as Ctrl-C does: exit 130, nothing written
     # once the export succeeded, a signal has nothing left to stop: ignored from inside main, so none can turn a
     # written model into a traceback on the way out
