@@ -1104,6 +1104,15 @@ def test_a_sigterm_while_a_worker_starts_reaches_each_worker_once(art: Model, tm
         proc.wait()
 
 
+def _refused_before_the_load(art: Model, flags: list[str], error: str) -> None:
+    """`python -m serving FLAGS` exits 2 with `error` as its one error line, having loaded no model."""
+    r = subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), "--device", "cpu", *flags],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "listening" not in r.stdout, r.stderr[-2000:]
+    assert [ln for ln in r.stderr.splitlines() if "rror" in ln] == [error], r.stderr[-2000:]
+    assert "(sha256 " not in r.stderr and "provider" not in r.stderr, r.stderr[-2000:]  # no model loaded
+
+
 def test_a_port_in_use_is_named_before_the_model_loads(art: Model) -> None:
     """Loading a model can take minutes (a large file, a GPU's warm-up): a gRPC or metrics port that another
     process listens on stops the start before it, with the one line that says what to do."""
@@ -1117,11 +1126,7 @@ def test_a_port_in_use_is_named_before_the_model_loads(art: Model) -> None:
                 (["--port", "0", "--metrics-port", port],
                  f"error: --metrics-port {port}: cannot serve metrics on 127.0.0.1:{port}: Address already in use; "
                  "pick a free port (0 picks one)")):
-            r = subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), "--device", "cpu", *flags],
-                               cwd=REPO, capture_output=True, text=True, timeout=60)
-            assert r.returncode == 2 and "listening" not in r.stdout, r.stderr[-2000:]
-            assert [ln for ln in r.stderr.splitlines() if "rror" in ln] == [error], r.stderr[-2000:]
-            assert "(sha256 " not in r.stderr and "provider" not in r.stderr, r.stderr[-2000:]  # no model loaded
+            _refused_before_the_load(art, flags, error)
 
 
 def _free_pair() -> tuple[socket.socket, int]:
@@ -1159,11 +1164,7 @@ def test_an_address_not_this_machines_and_a_later_workers_metrics_port_are_named
                 (["--port", "0", "--workers", "2", "--metrics-port", str(m)],
                  f"error: --metrics-port {m} gives worker 1 port {m + 1}: cannot serve metrics on 127.0.0.1:{m + 1}: "
                  "Address already in use; pick a free port (0 picks one)")):
-            r = subprocess.run([sys.executable, "-m", "serving", "--model", str(art.model), "--device", "cpu", *flags],
-                               cwd=REPO, capture_output=True, text=True, timeout=60)
-            assert r.returncode == 2 and "listening" not in r.stdout, r.stderr[-2000:]
-            assert [ln for ln in r.stderr.splitlines() if "rror" in ln] == [error], r.stderr[-2000:]
-            assert "(sha256 " not in r.stderr and "provider" not in r.stderr, r.stderr[-2000:]  # no model loaded
+            _refused_before_the_load(art, flags, error)
 
 
 def test_a_bracketed_ipv6_host_is_taken_as_the_address() -> None:
