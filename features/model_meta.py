@@ -29,6 +29,7 @@ TRAINING_KEYS = ("first_bar_ns", "validation_from_ns", "test_from_ns", "last_bar
 
 
 METADATA_PROPS_FIELD = 14  # ModelProto.metadata_props, in onnx.proto
+GRAPH_FIELD = 7  # ModelProto.graph
 
 
 class ModelMetaError(ValueError):
@@ -66,6 +67,44 @@ def stored_props(model_bytes: bytes) -> dict[str, str]:
                                      "after export; copy it again, or re-export the model") from None
             props[entry.get(1, "")] = entry.get(2, "")
     return props
+
+
+def lookup_rows(model_bytes: bytes, indices: str) -> int | None:
+    """Rows of the table that the graph's first Gather of an initializer by values derived from input
+    `indices` looks up (the symbol embedding, for static_categorical), read from the stored graph without a
+    runtime: a loader checks the vocabulary the metadata names against it on any provider (CUDA's Gather
+    reads an out-of-range id as zeros instead of failing). None when there is no such Gather; ValueError for
+    bytes that are not a protobuf message."""
+    data = memoryview(model_bytes)
+    graph = next((data[p:e] for n, _, p, e in _fields(data) if n == GRAPH_FIELD), None)
+    if graph is None:
+        return None
+    nodes: list[tuple[str, list[str], list[str]]] = []  # (op_type, inputs, outputs), in the graph's order
+    rows: dict[str, int] = {}  # initializer name -> its first dimension
+    for number, _, payload, end in _fields(graph):
+        record = graph[payload:end]
+        if number == 1:  # NodeProto: input = 1, output = 2, op_type = 4
+            fields = [(n, bytes(record[p:e]).decode("utf-8", "replace")) for n, _, p, e in _fields(record)
+                      if n in (1, 2, 4)]
+            nodes.append((next((v for n, v in fields if n == 4), ""), [v for n, v in fields if n == 1],
+                          [v for n, v in fields if n == 2]))
+        elif number == 5:  # TensorProto: dims = 1 (varints, or packed), name = 8
+            name, first = "", None
+            for n, key_at, p, e in _fields(record):
+                if n == 8:
+                    name = bytes(record[p:e]).decode("utf-8", "replace")
+                elif n == 1 and first is None:
+                    first = _varint(record, p)[0] if record[key_at] & 7 == 0 else _varint(record[p:e], 0)[0]
+            if first is not None:
+                rows[name] = first
+    derived = {indices}
+    for op_type, inputs, outputs in nodes:
+        if not derived.intersection(inputs):
+            continue
+        if op_type == "Gather" and len(inputs) > 1 and inputs[1] in derived and inputs[0] in rows:
+            return rows[inputs[0]]
+        derived.update(outputs)
+    return None
 
 
 def _fields(data: memoryview) -> Iterator[tuple[int, int, int, int]]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import stat
 import threading
 import time
@@ -35,7 +36,7 @@ import numpy as np
 import onnxruntime as ort
 
 from features.file_kind import hint
-from features.model_meta import PREFIX, ModelMeta, ModelMetaError, graph_digest, stored_props
+from features.model_meta import PREFIX, ModelMeta, ModelMetaError, graph_digest, lookup_rows, stored_props
 from features.schema import (
     DECODER_KNOWN,
     ENCODER_KNOWN,
@@ -148,23 +149,18 @@ class LoadedModel:
         self.session.run_with_iobinding(binding)
         return list(binding.copy_outputs_to_cpu())
 
-    def check_vocabulary(self) -> None:
-        """Run every symbol id the metadata names (in batches of at most the biggest bucket): each must be one
-        the graph's symbol embedding has, or the model is refused now rather than fail that symbol's calls."""
-        biggest, n = max(self.buckets), len(self.meta.symbols)
-        for first in range(0, n, biggest):
-            self._trial_run(min(biggest, n - first), first)
-
-    def _trial_run(self, size: int, first_id: int = 0) -> np.ndarray:
+    def _trial_run(self, size: int) -> np.ndarray:
         """The quantiles of a valid input of `size` windows (dummy_inputs), their shape checked; ModelLoadError
-        for a graph its metadata does not describe (edited after export)."""
+        when the run fails, saying what may help."""
         try:
-            q = self.run(dummy_inputs(self.meta, size, first_id))[QUANTILES]
+            q = self.run(dummy_inputs(self.meta, size))[QUANTILES]
         except Exception as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ModelLoadError(f"{self.path}: the model fails on a valid input (batch {size}): {reason}; its "
-                                 "metadata does not match its graph (edited after export?): re-export the model"
-                                 ) from None
+            helps = ("lower --max-batch, or run fewer --workers on this device"
+                     if re.search(r"alloc|out of memory", reason, re.IGNORECASE) else
+                     "if its metadata was edited after export, re-export the model")
+            raise ModelLoadError(f"{self.path}: the model fails on the warm-up input (batch {size}): {reason}; "
+                                 f"{helps}") from None
         expected = (size, self.meta.horizon, len(self.meta.quantiles))
         if q.shape != expected:
             raise ModelLoadError(f"{self.path}: output {QUANTILES!r} has shape {q.shape} at batch {size}, "
@@ -187,14 +183,12 @@ class LoadedModel:
         return time.perf_counter() - start
 
 
-def dummy_inputs(meta: ModelMeta, batch: int, first_id: int = 0) -> dict[str, np.ndarray]:
-    """A valid input of `batch` windows: symbol ids cycle through the vocabulary from `first_id`, features
-    are zero."""
+def dummy_inputs(meta: ModelMeta, batch: int) -> dict[str, np.ndarray]:
+    """A valid input of `batch` windows: symbol ids cycle through the vocabulary, features are zero."""
     schema, L, H = meta.feature_schema, meta.encoder_length, meta.horizon
     n_obs, n_known = len(schema.observed), len(schema.known)
-    ids = (first_id + np.arange(batch)) % len(meta.symbols)
     return {
-        STATIC_CATEGORICAL: ids.astype(np.int64)[:, None],  # [B, 1]
+        STATIC_CATEGORICAL: (np.arange(batch) % len(meta.symbols)).astype(np.int64)[:, None],  # [B, 1]
         ENCODER_OBSERVED: np.zeros((batch, L, n_obs), dtype=np.float32),
         ENCODER_KNOWN: np.zeros((batch, L, n_known), dtype=np.float32),
         DECODER_KNOWN: np.zeros((batch, H, n_known), dtype=np.float32),
@@ -357,7 +351,20 @@ def _check_before_session(model_bytes: bytes, path: str) -> ModelMeta | None:
         raise ModelLoadError(f"{path}: {exc}") from None
     _check_meta(meta, path)
     _check_graph(meta, model_bytes, path)
+    _check_vocabulary(meta, model_bytes, path)
     return meta
+
+
+def _check_vocabulary(meta: ModelMeta, model_bytes: bytes, path: str) -> None:
+    """The symbols the metadata names must be the rows of the graph's symbol embedding (export writes them so):
+    an id past its end would fail on the CPU and read zeros on CUDA, and metadata is outside the graph's digest."""
+    try:
+        rows = lookup_rows(model_bytes, STATIC_CATEGORICAL)
+    except ValueError:
+        return  # not a protobuf message: ONNX Runtime's error names it
+    if rows is not None and rows != len(meta.symbols):
+        raise ModelLoadError(f"{path}: the metadata names {len(meta.symbols)} symbol(s), but the graph's symbol "
+                             f"embedding has {rows} rows: the metadata was edited after export; re-export the model")
 
 
 def _check_graph(meta: ModelMeta, model_bytes: bytes, path: str) -> None:
@@ -403,9 +410,10 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
             raise ModelLoadError(f"{p}: {exc}") from None
         _check_meta(meta, p)
         _check_graph(meta, model_bytes, p)
+        _check_vocabulary(meta, model_bytes, p)
     output_names = _check_signature(session, meta, p)
     _check_placement(meta, placement, device, p)
-    model = LoadedModel(
+    return LoadedModel(
         path=p,
         meta=meta,
         session=session,
@@ -417,8 +425,6 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
         output_names=output_names,
         buckets=batch_buckets(max_batch),
     )
-    model.check_vocabulary()
-    return model
 
 
 def load_and_warm(path: str | Path, device: str, threads: int, max_batch: int, device_id: int = 0,
