@@ -95,6 +95,8 @@ def bind_problem(host: str, port: int) -> OSError | None:
             failures.append(exc)
         else:
             return None
+    if host == "::" and all(f.errno == errno.EAFNOSUPPORT for f in failures):
+        return None  # a kernel without IPv6: gRPC listens on 0.0.0.0 for the IPv6 wildcard
     return next((f for f in failures if f.errno == errno.EADDRINUSE), failures[0]) if failures else None
 
 
@@ -112,11 +114,14 @@ def bind_error(address: str, reason: str) -> str:
     return f"cannot bind {address}: {reason}{bind_advice(reason)}"
 
 
-def metrics_bind_error(config: ServerConfig, exc: OSError) -> str:
+def metrics_bind_error(config: ServerConfig, exc: OSError, worker: int = 0) -> str:
+    """Why the metrics endpoint cannot serve, naming the flag; `worker` i > 0 of a --workers set has port M + i."""
     fix = "pick a free port (0 picks one)" if exc.errno == errno.EADDRINUSE else \
         "give --metrics-host (default: --host) an address of this machine, or pick another port"
-    return (f"--metrics-port {config.metrics_port}: cannot serve metrics on "
-            f"{host_port(config.metrics_bind, config.metrics_port or 0)}: {exc.strerror or exc}; {fix}")
+    port = config.metrics_port + worker if config.metrics_port else 0
+    whose = f" gives worker {worker} port {port}" if worker else ""
+    return (f"--metrics-port {config.metrics_port}{whose}: cannot serve metrics on "
+            f"{host_port(config.metrics_bind, port)}: {exc.strerror or exc}; {fix}")
 
 
 def bind_advice(reason: str) -> str:
@@ -238,7 +243,8 @@ class ForecastServer:
     def __init__(self, config: ServerConfig, model: LoadedModel, metrics: Metrics | None = None,
                  access: Access | None = None) -> None:
         self.config = config
-        self.metrics = metrics or Metrics(tokens=bool(access and access.tokens))
+        access = access or read_access(config)
+        self.metrics = metrics or Metrics(tokens=bool(access.tokens))
         self.holder = ModelHolder(model)
         self.stopping = threading.Event()  # SIGTERM: a warm-up running in a thread ends between two runs
         self.delay_cut = asyncio.Event()  # a second SIGTERM or SIGINT: the rest of --drain-delay is skipped
@@ -249,7 +255,6 @@ class ForecastServer:
         self.servicer = ForecasterServicer(self.holder, self.batcher, self.metrics, limits,
                                            stream_max_age_s=config.max_connection_age_s)
         self.health = DrainingHealth()
-        access = access or read_access(config)
         self.credentials = access.credentials
         self.tls = access.tls
         self.auth = TokenAuth(access.tokens, count=self.metrics.count) if access.tokens else None

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from types import FrameType
 
 from serving.server import ServerConfig, bind_error, bind_problem, host_port, metrics_bind_error, probe_bind
@@ -94,6 +94,7 @@ class Worker:
     index: int
     proc: subprocess.Popen[str]
     lines: queue.Queue[str | None] = field(default_factory=queue.Queue)  # stdout lines; None at EOF
+    stalled: bool = False  # it had not printed `listening on` by wait_listening's timeout
 
     def start_reader(self) -> None:
         """Drain the worker's stdout for good (a full pipe would block it); lines go to `lines`."""
@@ -107,12 +108,15 @@ class Worker:
         threading.Thread(target=read, name=f"worker-{self.index}-stdout", daemon=True).start()
 
     def wait_listening(self, want_metrics: bool, timeout: float, stopping: threading.Event) -> tuple[str, str] | None:
-        """(listening address, metrics address or "") once printed; None if the worker exited first, or
-        when `stopping` is set."""
+        """(listening address, metrics address or "") once printed; None if the worker's output ended first (it
+        exited), when `stopping` is set, or after `timeout` (then `stalled` is set)."""
         deadline = time.monotonic() + timeout
         listening = metrics = ""
         while not listening or (want_metrics and not metrics):
-            if stopping.is_set() or time.monotonic() > deadline:
+            if stopping.is_set():
+                return None
+            if time.monotonic() > deadline:
+                self.stalled = True
                 return None
             try:
                 line = self.lines.get(timeout=0.1)
@@ -135,7 +139,10 @@ def _stop(workers: list[Worker], sig: int = signal.SIGTERM) -> None:
 
 def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
     """Start n workers on one port, forward signals, return the exit status (see the module docstring)."""
+    problem = bind_problem(config.host, config.port)  # named as a single server names it: the lookup, the address
     try:
+        if problem is not None:
+            raise problem
         placeholders = reserve_port(config.host, config.port)
     except OSError as exc:
         why = str(exc.strerror or exc)
@@ -143,15 +150,11 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
         return 2
     port = int(placeholders[0].getsockname()[1])
     if config.metrics_port is not None:  # every worker's, before the first loads the model (each checks its own)
-        for each in range(config.metrics_port, config.metrics_port + n) if config.metrics_port else [0]:
-            if problem := bind_problem(config.metrics_bind, each):
+        for i in range(n if config.metrics_port else 1):
+            if problem := bind_problem(config.metrics_bind, config.metrics_port + i if config.metrics_port else 0):
                 for sock in placeholders:
                     sock.close()
-                error = metrics_bind_error(replace(config, metrics_port=each), problem)
-                if each > config.metrics_port:  # the user gave M: name the worker that gets M + i
-                    error = error.replace(f"--metrics-port {each}:", f"--metrics-port {config.metrics_port} gives "
-                                          f"worker {each - config.metrics_port} port {each}:", 1)
-                print(f"error: {error}", file=sys.stderr)
+                print(f"error: {metrics_bind_error(config, problem, worker=i)}", file=sys.stderr)
                 return 2
     workers: list[Worker] = []
     listening: set[int] = set()  # workers past start-up
@@ -186,10 +189,10 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
             w.start_reader()
             started = w.wait_listening(config.metrics_port is not None, START_TIMEOUT_S, stopping)
             if started is None:  # it failed to start (and said why), took too long, or we were told to stop
-                stalled = w.proc.poll() is None and not stopping.is_set()
+                stalled = w.stalled and not stopping.is_set()
                 if stalled:
-                    log.error("worker %d (pid %d) did not start listening within %g s (the model's load and "
-                              "warm-up); stopping the workers", i, w.proc.pid, START_TIMEOUT_S)
+                    log.error("worker %d (pid %d) did not start listening within %g s (loading the model); "
+                              "stopping the workers", i, w.proc.pid, START_TIMEOUT_S)
                 _stop([other for other in workers if other.index not in told_to_stop])  # each stopped once
                 for other in workers:
                     other.proc.wait()

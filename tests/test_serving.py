@@ -1158,6 +1158,9 @@ def test_an_address_not_this_machines_and_a_later_workers_metrics_port_are_named
                 (["--host", "192.0.2.1", "--port", "0"],  # TEST-NET-1: no machine's own address
                  "error: cannot bind 192.0.2.1:0: Cannot assign requested address; give --host an address or name of "
                  "this machine (0.0.0.0 or :: for every interface, 127.0.0.1 for this machine alone)"),
+                (["--host", "192.0.2.1", "--port", "0", "--workers", "2"],  # the supervisor says it alike
+                 "error: cannot bind 192.0.2.1:0: Cannot assign requested address; give --host an address or name of "
+                 "this machine (0.0.0.0 or :: for every interface, 127.0.0.1 for this machine alone)"),
                 (["--port", "0", "--metrics-port", "0", "--metrics-host", "192.0.2.1"],
                  "error: --metrics-port 0: cannot serve metrics on 192.0.2.1:0: Cannot assign requested address; "
                  "give --metrics-host (default: --host) an address of this machine, or pick another port"),
@@ -1211,8 +1214,8 @@ def test_a_worker_that_does_not_start_in_time_is_named_and_the_set_exits_1(art: 
             "threads=1), 2, 'INFO'))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stderr[-2000:]
-    assert re.search(r"ERROR:serving:worker 0 \(pid \d+\) did not start listening within 0\.3 s \(the "
-                     r"model's load and warm-up\); stopping the workers", r.stderr), r.stderr[-2000:]
+    assert re.search(r"ERROR:serving:worker 0 \(pid \d+\) did not start listening within 0\.3 s \(loading "
+                     r"the model\); stopping the workers", r.stderr), r.stderr[-2000:]
 
 
 def test_a_dead_worker_or_supervisor_ends_the_set_and_a_bad_model_stops_the_first(art: Model, tmp_path: Path) -> None:
