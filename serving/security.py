@@ -267,7 +267,7 @@ class RefusalLog:
         self.every_s = every_s
         self.max_lines = max_lines
         self._clock = clock
-        self._schedule = schedule or _later
+        self._schedule = schedule or later
         self._lined: dict[str, float] = {}  # host -> when it last appeared in a WARNING line
         self._lines: collections.deque[float] = collections.deque()  # when hosts' own lines were written
         self._held: collections.Counter[str] = collections.Counter()  # host -> refusals held back since the summary
@@ -312,7 +312,7 @@ class RefusalLog:
             self._lined.pop(next(iter(self._lined)))
 
 
-def _later(delay: float, fn: Callable[[], None]) -> None:
+def later(delay: float, fn: Callable[[], None]) -> None:
     """fn after `delay` seconds on the running event loop; without one, not at all."""
     with contextlib.suppress(RuntimeError):
         asyncio.get_running_loop().call_later(delay, fn)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import random
 import sys
 import time
@@ -39,6 +38,7 @@ from serving.inference import Result
 from serving.metrics import Metrics
 from serving.model import LoadedModel, ModelHolder
 from serving.postprocess import build_response
+from serving.security import later
 from serving.validation import SeriesColumns, parse_request
 
 log = logging.getLogger("serving")
@@ -62,18 +62,20 @@ class Limits:
 class Admission:
     """At most `limit` Predict calls and PredictStream requests in flight; the next one is refused, not queued.
 
-    Refusals are logged at WARNING at most once per `log_every_s`, each line with the count since the last
-    (all of them are counted in the metrics): an operator reading the log sees the overload, not a flood."""
+    Refusals are logged at WARNING, bounded: the first after a quiet spell at once, then, while they go on,
+    one line per `log_every_s` with their count (every one is counted in the metrics too), so an operator
+    reading the log sees the overload and its size, not a flood. `schedule(delay, fn)` runs fn later (the
+    running event loop's call_later by default)."""
 
     def __init__(self, limit: int, metrics: Metrics, log_every_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 schedule: Callable[[float, Callable[[], None]], object] | None = None) -> None:
         self.limit = limit
         self.active = 0
         self._metrics = metrics
         self._log_every_s = log_every_s
-        self._clock = clock
-        self._logged_at = -math.inf  # when the last refusal line was written
-        self._unlogged = 0  # refusals since then
+        self._schedule = schedule or later
+        self._counting = False  # a count's line is due (refusals since the last line are being counted)
+        self._uncounted = 0  # refusals since the last line
 
     def take(self) -> None:
         """A slot, or Overloaded; each take is matched by one give_back."""
@@ -89,15 +91,24 @@ class Admission:
         self._metrics.inflight.dec()
 
     def _refused(self) -> None:
-        now = self._clock()
-        self._unlogged += 1
-        if now - self._logged_at < self._log_every_s:
+        if self._counting:
+            self._uncounted += 1
             return
-        since = "" if self._logged_at == -math.inf else f" in the last {now - self._logged_at:.0f} s"
-        log.warning("overloaded: refused %d call(s) RESOURCE_EXHAUSTED%s, --max-concurrent %d in flight; raise "
-                    "--max-concurrent, add --workers or replicas, or have callers back off", self._unlogged, since,
-                    self.limit)
-        self._logged_at, self._unlogged = now, 0
+        log.warning("overloaded: refusing calls RESOURCE_EXHAUSTED, --max-concurrent %d in flight (a count of them "
+                    "follows every %.0f s while it lasts); raise --max-concurrent, add --workers or replicas, or "
+                    "have callers back off", self.limit, self._log_every_s)
+        self._counting = True
+        self._schedule(self._log_every_s, self._count)
+
+    def _count(self) -> None:
+        """The refusals of the last log_every_s, if any; the count goes on while they do."""
+        if not self._uncounted:
+            self._counting = False  # quiet: the next refusal gets a line at once
+            return
+        log.warning("overloaded: refused %d more call(s) RESOURCE_EXHAUSTED in the last %.0f s, --max-concurrent %d "
+                    "in flight", self._uncounted, self._log_every_s, self.limit)
+        self._uncounted = 0
+        self._schedule(self._log_every_s, self._count)
 
     @contextmanager
     def admit(self) -> Iterator[None]:

@@ -699,8 +699,9 @@ def test_overload_is_resource_exhausted_and_queued_deadlines_are_not_run(art: Mo
             codes = sorted(pool.map(call, range(40)))  # (RESOURCE_EXHAUSTED, not a refused stream's UNAVAILABLE)
         assert codes == ["OK", "OK"] + ["RESOURCE_EXHAUSTED"] * 38
         overload = [ln for ln in s.log_text().splitlines() if "overloaded" in ln]  # seen, not flooded: one line
-        assert len(overload) == 1 and "WARNING" in overload[0] and "refused 1 call(s) RESOURCE_EXHAUSTED, " \
-            "--max-concurrent 2 in flight; raise --max-concurrent" in overload[0], overload
+        assert len(overload) == 1 and "WARNING" in overload[0] and "overloaded: refusing calls RESOURCE_EXHAUSTED, " \
+            "--max-concurrent 2 in flight (a count of them follows every 60 s while it lasts); raise " \
+            "--max-concurrent" in overload[0], overload
 
         runs = metric(s.scrape(), "foxhunt_batch_windows_count")
         with pytest.raises(grpc.RpcError) as info:

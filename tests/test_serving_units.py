@@ -1177,13 +1177,13 @@ def test_only_windows_of_bars_mostly_further_apart_than_the_models_carry_a_warni
         "trained on this interval",)}
 
 
-def test_overload_refusals_are_logged_once_a_minute_with_their_count(caplog: pytest.LogCaptureFixture) -> None:
+def test_overload_refusals_are_logged_at_once_then_counted_each_minute(caplog: pytest.LogCaptureFixture) -> None:
     from serving.errors import Overloaded
     from serving.metrics import Metrics
     from serving.servicer import Admission
 
-    now = [100.0]
-    admission = Admission(1, Metrics(), clock=lambda: now[0])
+    due: list[Callable[[], None]] = []  # what the event loop would run a minute later
+    admission = Admission(1, Metrics(), schedule=lambda delay, fn: due.append(fn))
     admission.take()
 
     def refuse(times: int) -> None:
@@ -1191,15 +1191,21 @@ def test_overload_refusals_are_logged_once_a_minute_with_their_count(caplog: pyt
             with pytest.raises(Overloaded, match="--max-concurrent 1"):
                 admission.take()
 
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records]
+
     with caplog.at_level("WARNING", logger="serving"):
+        refuse(38)  # a burst: one line at once, naming the fix
+        assert len(lines()) == 1 and lines()[0].startswith("overloaded: refusing calls RESOURCE_EXHAUSTED, "
+                                                            "--max-concurrent 1 in flight") and len(due) == 1
+        due.pop()()  # a minute on: the rest of the burst, counted
+        assert lines()[-1].startswith("overloaded: refused 37 more call(s) RESOURCE_EXHAUSTED in the last 60 s")
         refuse(5)
-        now[0] += 59.0
-        refuse(3)
-        assert [r.getMessage().split(",")[0] for r in caplog.records] == ["overloaded: refused 1 call(s) "
-                                                                          "RESOURCE_EXHAUSTED"]
-        now[0] += 1.5
-        refuse(1)
-        assert caplog.records[-1].getMessage().startswith("overloaded: refused 8 call(s) RESOURCE_EXHAUSTED in "
-                                                          "the last 60 s, --max-concurrent 1 in flight")
+        due.pop()()
+        assert lines()[-1].startswith("overloaded: refused 5 more call(s)") and len(lines()) == 3
+        due.pop()()  # a quiet minute: nothing to count, and the count stops
+        assert len(lines()) == 3 and not due
+        refuse(1)  # the next overload is news again
+        assert len(lines()) == 4 and lines()[-1].startswith("overloaded: refusing calls") and len(due) == 1
     admission.give_back()
     admission.take()  # a slot again once one is given back
