@@ -372,6 +372,13 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
     r = run([*resume, str(tmp_path / "e" / "model.last.pt"), "--out", str(tmp_path / "f" / "ckpt.pt"), "--no-report"])
     assert r.returncode == 0 and "copied the run's best checkpoint (epoch 1) from" in r.stderr, r.stderr[-3000:]
     assert file_sha256(tmp_path / "f" / "ckpt.pt") == file_sha256(tmp_path / "e" / "model.ckpt")
+    # a run named lr0.001 before the files beside --out kept its whole name: lr0.last.pt beside its best lr0.001
+    r = run([*train, "--out", str(tmp_path / "h" / "lr0.001"), *TINY_TRAIN_FLAGS, "--no-report"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    (tmp_path / "h" / "lr0.001.last.pt").rename(tmp_path / "h" / "lr0.last.pt")
+    r = run([*resume, str(tmp_path / "h" / "lr0.last.pt"), "--out", str(tmp_path / "i" / "ckpt.pt"), "--no-report"])
+    assert r.returncode == 0 and "copied the run's best checkpoint (epoch 1) from" in r.stderr, r.stderr[-3000:]
+    assert file_sha256(tmp_path / "i" / "ckpt.pt") == file_sha256(tmp_path / "h" / "lr0.001")
     # a last checkpoint copied alone, its run's best at an earlier epoch: no best to use, and none borrowed; the
     # run stopped early (3 epochs without improvement, its --patience), so more --epochs alone train nothing
     last = load_checkpoint(tmp_path / "a" / "ckpt.last.pt")
@@ -584,7 +591,7 @@ def test_a_bad_setting_is_named_where_it_was_set_with_its_value(tmp_path: Path) 
         (["--window-block", "-1"], "--window-block must be >= 0"),
         (["--threads", "-2"], "--threads must be in 0..1024 (0 = torch's default"),
         (["--threads", "100000"], "--threads must be in 0..1024"),  # not the parquet reader's thread pool failing
-        (["--seed", str(10**15)], "--seed must be in 0..4294967295"),  # not an overflow at the first epoch
+        (["--seed", str(10**15)], "--seed must be in -8589934592..17179869184"),  # not an overflow at epoch 1
         (["--device", "cudax"], "error: --device must be auto, cpu, cuda or cuda:N, got 'cudax'"),
         (["--learning-rate", "1e9", "--grad-clip", "0"], "training diverged"),  # a NaN loss: one message, exit 2
     ],
@@ -602,10 +609,10 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args
 
 
 def test_a_model_too_big_for_the_hosts_memory_exits_3_naming_it(tmp_path: Path, bars: Path) -> None:
-    """256 TB for one layer, past the 128 TB a process can address, so no allocator grants it (overcommit or
-    not); the run says so, exit 3 as for a card's memory, not a traceback."""
+    """1 PiB for one layer, past what a process can address (128 TiB on x86-64, 256 TiB on 48-bit arm64), so no
+    allocator grants it, overcommit or not; the run says so, exit 3 as for a card's memory, not a traceback."""
     out = tmp_path / "ckpt.pt"
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--hidden-size", "8000000",
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--hidden-size", "16777216",
              "--attention-heads", "1", "--epochs", "1", "--device", "cpu", "--no-progress"])
     assert r.returncode == 3 and "error: out of host memory: DefaultCPUAllocator: can't allocate memory" in r.stderr \
         and "Shrink the model" in r.stderr, r.stderr[-2000:]

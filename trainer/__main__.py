@@ -155,11 +155,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{last}. Shrink the model or give the run more memory (--vram-budget, or a card with more free "
               "memory)", file=sys.stderr)
         return 3
-    except RuntimeError as exc:  # the host's allocator refusing (torch raises it as a plain RuntimeError)
-        if "can't allocate memory" not in str(exc):
+    except (RuntimeError, MemoryError) as exc:  # the host's memory: torch's allocator (a RuntimeError), numpy's
+        if isinstance(exc, RuntimeError) and "can't allocate memory" not in str(exc):
             raise
-        print(f"error: out of host memory: {str(exc).split('. ', 1)[-1].splitlines()[0]}. Shrink the model "
-              "(--hidden-size, --encoder-length) or --batch-size, or give the run more memory", file=sys.stderr)
+        what = str(exc).split(". ", 1)[-1].splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"error: out of host memory: {what}. Shrink the model (--hidden-size, --encoder-length), "
+              "--batch-size or the bars (fewer symbols or years, --max-val-windows), or give the run more memory",
+              file=sys.stderr)
         return 3
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)

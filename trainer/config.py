@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 STOPPING_RULES = ("epochs", "patience")  # when a run stops: a resumed run takes them when given, else its own
 BUILTIN_NAMES = (STATIC_SYMBOL, *BUILTIN_OBSERVED, *BUILTIN_KNOWN)  # a user column of one of these names is refused
 MAX_THREADS = 1024  # far past any machine's cores; past this, the thread pools fail to start
-MAX_SEED = 2**32 - 1  # as numpy's; (seed * 1_000_003 + rank) * 1_009 + epoch stays inside torch's 64-bit seed
+MAX_SEED = 2**34  # (seed * 1_000_003 + rank) * 1_009 + epoch stays inside torch's seed range, -2^63..2^64-1
 RESUME_OVERRIDABLE = (*STOPPING_RULES, "device", "vram_budget", "threads", "grad_checkpointing", "precision")
 AUTO_WINDOW_BLOCK = 16  # window_block 0: blocks of 16 consecutive windows ...
 MIN_BLOCKS_PER_BATCH = 8  # ... but at least 8 blocks in a batch
@@ -95,8 +95,8 @@ class TrainConfig:
             (self.max_val_windows >= 0, f"{key('max_val_windows')} must be >= 0 (0 = all), got {self.max_val_windows}"),
             (0 <= self.threads <= MAX_THREADS, f"{key('threads')} must be in 0..{MAX_THREADS} (0 = torch's default; "
              f"more threads than cores only slow a run), got {self.threads}"),
-            (0 <= self.seed <= MAX_SEED, f"{key('seed')} must be in 0..{MAX_SEED} (the run derives each epoch's seeds "
-             f"from it in 64 bits), got {self.seed}"),
+            (-MAX_SEED // 2 <= self.seed <= MAX_SEED, f"{key('seed')} must be in {-MAX_SEED // 2}..{MAX_SEED} (the "
+             f"run derives each epoch's seeds from it in 64 bits), got {self.seed}"),
             (len(set(self.features)) == len(self.features),
              f"{key('features')} lists a column more than once ({', '.join(self._repeated_features())}); name each "
              "once"),

@@ -527,10 +527,10 @@ class Trainer:
         if resumed is None or self.best_epoch == 0 or self.runs_best() is not None:
             return
         candidates = [resumed]
-        if resumed.name.endswith(".last.pt"):  # NAME.last.pt beside its best, NAME or NAME.pt (RunPaths)
-            stem = resumed.name.removesuffix(".last.pt")
-            beside = sorted(p for p in resumed.parent.glob(f"{glob.escape(stem)}*")
-                            if run_stem(p) == stem)  # not NAME.last.pt, NAME.metrics.jsonl, ...
+        if resumed.name.endswith(".last.pt"):  # NAME.last.pt beside its best: NAME, NAME.pt, .pth or .ckpt
+            stem = resumed.name.removesuffix(".last.pt")  # (RunPaths), or NAME.<any> as runs named it before
+            beside = sorted(p for p in resumed.parent.glob(f"{glob.escape(stem)}*")  # which is_runs_best tells
+                            if stem in (run_stem(p), p.with_suffix("").name) and p != resumed)
             candidates = [*beside, resumed]
         for src in candidates:
             if not src.is_file() or src.resolve() == self.paths.best.resolve():
