@@ -15,7 +15,7 @@ def reader_went_away() -> int:
     """After a BrokenPipeError on stdout (its reader went away: `| head`): stdout goes to /dev/null, so that
     the flush at exit raises no second error, and the status is 141, what a shell reports for a process that
     SIGPIPE ended. A command's main returns this instead of a traceback."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    _stdout_to_devnull()
     return 141
 
 
@@ -26,9 +26,15 @@ def print_report(text: str, where: str = "") -> None:
     try:
         print(text, flush=True)
     except OSError as exc:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # also the buffer's flush at exit
+        _stdout_to_devnull()  # also the buffer's flush at exit
         print(f"warning: the report could not be written to stdout ({exc.strerror or exc}); carrying on"
               + (f" ({where})" if where else ""), file=sys.stderr, flush=True)
+
+
+def _stdout_to_devnull() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def umask() -> int:

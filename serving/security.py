@@ -572,11 +572,11 @@ def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         if not _wants_tls(args):
             p.error(f"--target {target} has no port, and gRPC would dial 443 (the TLS port): give HOST:PORT, e.g. "
                     f"{target}:50051 (the server's default --port)")
-    elif port and not (port.isascii() and port.isdigit()):
+    elif port and port not in ("http", "https") and not (port.isascii() and port.isdigit()):  # gRPC maps those two
         p.error(f"--target {target}: its port {port!r} is not a number: give HOST:PORT, e.g. 127.0.0.1:50051")
-    elif port and not 1 <= int(port) <= 65535:
-        p.error(f"--target {target}: port {int(port)} is out of range (1 to 65535); gRPC would dial port "
-                f"{int(port) % 65536} instead")
+    elif port and port.isdigit() and not 1 <= int(port) <= 65535:
+        dialled = f"; gRPC would dial port {int(port) % 65536} instead" if int(port) % 65536 else ""
+        p.error(f"--target {target}: port {int(port)} is out of range (1 to 65535){dialled}")
 
 
 def target_port(target: str) -> str | None:

@@ -558,7 +558,9 @@ def test_the_unreachable_hint_is_for_a_server_not_found_not_for_one_that_answere
     # gRPC would dial port 99999 % 65536 = 34463: a typo must not reach (and report on) another server
     (["--target", "127.0.0.1:99999", "--info"], 2, "--target 127.0.0.1:99999: port 99999 is out of range (1 to "
                                                    "65535); gRPC would dial port 34463 instead"),
-    (["--target", "[::1]:0", "--info"], 2, "port 0 is out of range"),
+    (["--target", "[::1]:0", "--info"], 2, "--target [::1]:0: port 0 is out of range (1 to 65535)\n"),
+    (["--target", "127.0.0.1:https", "--info", "--timeout", "5"], 1,  # gRPC's name for 443: taken, and dialled
+     "error: GetModelInfo: UNAVAILABLE: "),
     (["--target", "127.0.0.1:abc", "--info"], 2, "--target 127.0.0.1:abc: its port 'abc' is not a number: give "
                                                  "HOST:PORT, e.g. 127.0.0.1:50051"),
     (["--target", "127.0.0.1:1", "--info", "--timeout", "5"], 1,
@@ -575,7 +577,7 @@ def test_client_usage_and_an_unreachable_server_are_named(flags: list[str], code
     err = capsys.readouterr().err
     assert got == code and message in err, err
     if code == 1:  # nothing listens there: the error says what to check
-        assert "(is a server running at 127.0.0.1:1? Start one with `python -m serving --model" in err
+        assert f"(is a server running at {flags[1]}? Start one with `python -m serving --model" in err
 
 
 def test_a_models_recorded_layout_client_info_bar_columns_and_calendar_zone(art: Model, tmp_path: Path) -> None:
