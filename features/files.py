@@ -33,8 +33,9 @@ def print_report(text: str, where: str = "") -> None:
 
 def _stdout_to_devnull() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
+    if devnull != sys.stdout.fileno():  # (stdout's descriptor closed already: the open took its number)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def umask() -> int:

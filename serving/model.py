@@ -364,7 +364,7 @@ def _check_vocabulary(meta: ModelMeta, model_bytes: bytes, path: str) -> None:
         return  # not a protobuf message: ONNX Runtime's error names it
     if rows is not None and rows != len(meta.symbols):
         raise ModelLoadError(f"{path}: the metadata names {len(meta.symbols)} symbol(s), but the graph's symbol "
-                             f"embedding has {rows} rows: the metadata was edited after export; re-export the model")
+                             f"embedding has {rows} row(s): the metadata was edited after export; re-export the model")
 
 
 def _check_graph(meta: ModelMeta, model_bytes: bytes, path: str) -> None:

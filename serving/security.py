@@ -312,10 +312,13 @@ class RefusalLog:
             self._lined.pop(next(iter(self._lined)))
 
 
-def later(delay: float, fn: Callable[[], None]) -> None:
-    """fn after `delay` seconds on the running event loop; without one, not at all."""
-    with contextlib.suppress(RuntimeError):
+def later(delay: float, fn: Callable[[], None]) -> bool:
+    """fn after `delay` seconds on the running event loop; without one, not at all (False)."""
+    try:
         asyncio.get_running_loop().call_later(delay, fn)
+    except RuntimeError:
+        return False
+    return True
 
 
 def peer_host(peer: str) -> str:
@@ -572,7 +575,8 @@ def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         if not _wants_tls(args):
             p.error(f"--target {target} has no port, and gRPC would dial 443 (the TLS port): give HOST:PORT, e.g. "
                     f"{target}:50051 (the server's default --port)")
-    elif port and port not in ("http", "https") and not (port.isascii() and port.isdigit()):  # gRPC maps those two
+    elif port and not (port.isascii() and port.isdigit()) and (port not in ("http", "https") or  # gRPC's names,
+                                                               target.startswith(("ipv4:", "ipv6:"))):  # for DNS
         p.error(f"--target {target}: its port {port!r} is not a number: give HOST:PORT, e.g. 127.0.0.1:50051")
     elif port and port.isdigit() and not 1 <= int(port) <= 65535:
         dialled = f"; gRPC would dial port {int(port) % 65536} instead" if int(port) % 65536 else ""

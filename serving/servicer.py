@@ -65,10 +65,10 @@ class Admission:
     Refusals are logged at WARNING, bounded: the first after a quiet spell at once, then, while they go on,
     one line per `log_every_s` with their count (every one is counted in the metrics too), so an operator
     reading the log sees the overload and its size, not a flood. `schedule(delay, fn)` runs fn later (the
-    running event loop's call_later by default)."""
+    running event loop's call_later by default; False when it cannot)."""
 
     def __init__(self, limit: int, metrics: Metrics, log_every_s: float = 60.0,
-                 schedule: Callable[[float, Callable[[], None]], object] | None = None) -> None:
+                 schedule: Callable[[float, Callable[[], None]], bool] | None = None) -> None:
         self.limit = limit
         self.active = 0
         self._metrics = metrics
@@ -97,8 +97,7 @@ class Admission:
         log.warning("overloaded: refusing calls RESOURCE_EXHAUSTED, --max-concurrent %d in flight (a count of them "
                     "follows every %.0f s while it lasts); raise --max-concurrent, add --workers or replicas, or "
                     "have callers back off", self.limit, self._log_every_s)
-        self._counting = True
-        self._schedule(self._log_every_s, self._count)
+        self._counting = bool(self._schedule(self._log_every_s, self._count))  # no loop, no count: each a line
 
     def _count(self) -> None:
         """The refusals of the last log_every_s, if any; the count goes on while they do."""
@@ -108,7 +107,7 @@ class Admission:
         log.warning("overloaded: refused %d more call(s) RESOURCE_EXHAUSTED in the last %.0f s, --max-concurrent %d "
                     "in flight", self._uncounted, self._log_every_s, self.limit)
         self._uncounted = 0
-        self._schedule(self._log_every_s, self._count)
+        self._counting = bool(self._schedule(self._log_every_s, self._count))
 
     @contextmanager
     def admit(self) -> Iterator[None]:

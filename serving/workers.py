@@ -21,6 +21,7 @@ exit rather than keep the port.
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import signal
@@ -73,17 +74,21 @@ def reserve_port(host: str, port: int) -> list[socket.socket]:
     error: OSError | None = None
     for family, kind, proto, _name, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                                   flags=socket.AI_PASSIVE):
-        sock = socket.socket(family, kind, proto)
+        sock = None
         try:
+            sock = socket.socket(family, kind, proto)  # (no IPv6 in this kernel: EAFNOSUPPORT)
             port = probe_bind(family, kind, proto, address, port)  # the first picks; the others take the same port
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the TIME_WAITs of a server just gone
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((address[0], port, *address[2:]))
         except OSError as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
             error = exc
             continue
         held.append(sock)
+    if not held and host == "::" and error is not None and error.errno == errno.EAFNOSUPPORT:
+        return reserve_port("0.0.0.0", port)  # where gRPC listens for the IPv6 wildcard without IPv6
     if not held:
         raise error or OSError(f"{host} resolves to no address")
     return held

@@ -622,7 +622,7 @@ def test_a_stop_signal_while_the_command_loads_is_an_interrupt(ckpt: Path, tmp_p
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60  # signalled once the imports have begun: onnx's or torch's library mapped
     while not re.search(r"onnx_cpp2py_export|libtorch", Path(f"/proc/{proc.pid}/maps").read_text()):
-        assert time.monotonic() < deadline and proc.poll() is None
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         time.sleep(0.01)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)

@@ -372,10 +372,10 @@ def test_a_reload_the_message_limit_cannot_carry_is_refused(tiny_model: Model, t
     ("foxhunt.feature_config", lambda v: {**v, "user_columns": ["x"]},
      "model metadata is inconsistent: feature_schema's user columns [] are not those feature_config computes (['x'])"),
     ("foxhunt.symbols", lambda v: [*v, "ZZ"],  # an id the graph's symbol embedding lacks (CUDA would read zeros)
-     "the metadata names 3 symbol(s), but the graph's symbol embedding has 2 rows: the metadata was edited after "
+     "the metadata names 3 symbol(s), but the graph's symbol embedding has 2 row(s): the metadata was edited after "
      "export"),
     ("foxhunt.symbols", lambda v: v[:1],  # one symbol fewer: the others' ids would name other rows
-     "the metadata names 1 symbol(s), but the graph's symbol embedding has 2 rows"),
+     "the metadata names 1 symbol(s), but the graph's symbol embedding has 2 row(s)"),
 ])
 def test_metadata_edited_to_disagree_with_the_graph_is_refused_at_load(
         tiny_model: Model, tmp_path: Path, key: str, edit: Any, message: str) -> None:  # noqa: F811

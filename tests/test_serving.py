@@ -561,6 +561,7 @@ def test_the_unreachable_hint_is_for_a_server_not_found_not_for_one_that_answere
     (["--target", "[::1]:0", "--info"], 2, "--target [::1]:0: port 0 is out of range (1 to 65535)\n"),
     (["--target", "127.0.0.1:https", "--info", "--timeout", "5"], 1,  # gRPC's name for 443: taken, and dialled
      "error: GetModelInfo: UNAVAILABLE: "),
+    (["--target", "ipv4:127.0.0.1:https", "--info"], 2, "its port 'https' is not a number"),  # names are DNS's
     (["--target", "127.0.0.1:abc", "--info"], 2, "--target 127.0.0.1:abc: its port 'abc' is not a number: give "
                                                  "HOST:PORT, e.g. 127.0.0.1:50051"),
     (["--target", "127.0.0.1:1", "--info", "--timeout", "5"], 1,
@@ -1219,6 +1220,32 @@ def test_a_worker_that_does_not_start_in_time_is_named_and_the_set_exits_1(art: 
     assert r.returncode == 1, r.stderr[-2000:]
     assert re.search(r"ERROR:serving:worker 0 \(pid \d+\) did not start listening within 0\.3 s \(loading "
                      r"the model\); stopping the workers", r.stderr), r.stderr[-2000:]
+
+
+def test_the_ipv6_wildcard_on_a_kernel_without_ipv6_is_served_on_ipv4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gRPC listens on 0.0.0.0 for `--host ::` where the kernel has no IPv6 (ipv6.disable=1, simulated here by
+    refusing IPv6 sockets): the start-up check and the --workers reservation take that too, not refuse it."""
+    import errno
+
+    from serving.server import bind_problem
+    from serving.workers import reserve_port
+
+    real = socket.socket
+
+    def no_ipv6(family: int = socket.AF_INET, *args: Any, **kwargs: Any) -> socket.socket:
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
+        return real(family, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    assert bind_problem("::", 0) is None
+    held = reserve_port("::", 0)
+    try:
+        assert [sock.family for sock in held] == [socket.AF_INET] and held[0].getsockname()[0] == "0.0.0.0"
+    finally:
+        for sock in held:
+            sock.close()
+    assert bind_problem("::1", 0) is not None  # an IPv6 address proper is still refused there
 
 
 def test_a_dead_worker_or_supervisor_ends_the_set_and_a_bad_model_stops_the_first(art: Model, tmp_path: Path) -> None:

@@ -1183,7 +1183,7 @@ def test_overload_refusals_are_logged_at_once_then_counted_each_minute(caplog: p
     from serving.servicer import Admission
 
     due: list[Callable[[], None]] = []  # what the event loop would run a minute later
-    admission = Admission(1, Metrics(), schedule=lambda delay, fn: due.append(fn))
+    admission = Admission(1, Metrics(), schedule=lambda delay, fn: due.append(fn) or True)
     admission.take()
 
     def refuse(times: int) -> None:
@@ -1209,3 +1209,11 @@ def test_overload_refusals_are_logged_at_once_then_counted_each_minute(caplog: p
         assert len(lines()) == 4 and lines()[-1].startswith("overloaded: refusing calls") and len(due) == 1
     admission.give_back()
     admission.take()  # a slot again once one is given back
+    alone = Admission(1, Metrics())  # no event loop to count on: each refusal is a line of its own, never silence
+    alone.take()
+    with caplog.at_level("WARNING", logger="serving"):
+        caplog.clear()
+        for _ in range(2):
+            with pytest.raises(Overloaded):
+                alone.take()
+    assert [r.getMessage()[:30] for r in caplog.records] == ["overloaded: refusing calls RES"] * 2
