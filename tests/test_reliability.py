@@ -495,6 +495,28 @@ def test_the_graph_digest_is_of_the_stored_bytes_without_the_metadata_and_its_be
     assert set(rows) == {"graph_digest", "file sha256", "session"} and "1.0 MiB" in done.stdout, done.stdout
 
 
+def test_lookup_rows_reads_the_symbol_embedding_as_onnx_does(tiny_model: Model) -> None:  # noqa: F811
+    """The vocabulary check's reading of the stored graph, against onnx's own: the exported model's symbol
+    embedding, and a hand-made graph whose table has 300 rows (a two-byte varint) behind a Cast."""
+    from onnx import helper, numpy_helper
+
+    from features.model_meta import lookup_rows
+
+    proto = onnx.load(str(tiny_model.model))
+    dims = {i.name: list(i.dims) for i in proto.graph.initializer}
+    tables = [n.input[0] for n in proto.graph.node if n.op_type == "Gather" and n.input[0] in dims]
+    assert lookup_rows(tiny_model.model.read_bytes(), "static_categorical") == dims[tables[0]][0] == \
+        len(tiny_model.meta.symbols)
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["ids"], ["ids64"], to=onnx.TensorProto.INT64),
+         helper.make_node("Gather", ["table", "ids64"], ["rows"])], "g",
+        [helper.make_tensor_value_info("ids", onnx.TensorProto.INT32, ["n"])],
+        [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, ["n", 4])],
+        [numpy_helper.from_array(np.zeros((300, 4), np.float32), "table")])
+    data = helper.make_model(graph).SerializeToString()
+    assert lookup_rows(data, "ids") == 300 and lookup_rows(data, "other") is None
+
+
 def test_a_corrupted_onnx_file_stops_the_start_with_a_message(tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
     """The real command, as an operator runs it: exit 2, one line, no traceback, never `listening`."""
     data = tiny_model.model.read_bytes()
