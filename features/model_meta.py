@@ -30,6 +30,9 @@ TRAINING_KEYS = ("first_bar_ns", "validation_from_ns", "test_from_ns", "last_bar
 
 METADATA_PROPS_FIELD = 14  # ModelProto.metadata_props, in onnx.proto
 GRAPH_FIELD = 7  # ModelProto.graph
+# ops whose first input's values reach their output unchanged (selected or reshaped): lookup_rows follows
+# the symbol ids through these only, so no table indexed by something computed from them is taken for theirs
+VALUE_KEEPING_OPS = frozenset({"Cast", "Flatten", "Gather", "Identity", "Reshape", "Slice", "Squeeze", "Unsqueeze"})
 
 
 class ModelMetaError(ValueError):
@@ -97,13 +100,12 @@ def lookup_rows(model_bytes: bytes, indices: str) -> int | None:
                     first = _varint(record, p)[0] if record[key_at] & 7 == 0 else _varint(record[p:e], 0)[0]
             if first is not None:
                 rows[name] = first
-    derived = {indices}
+    derived = {indices}  # tensors holding the input's values, reshaped or selected, never computed on
     for op_type, inputs, outputs in nodes:
-        if not derived.intersection(inputs):
-            continue
         if op_type == "Gather" and len(inputs) > 1 and inputs[1] in derived and inputs[0] in rows:
             return rows[inputs[0]]
-        derived.update(outputs)
+        if inputs and inputs[0] in derived and op_type in VALUE_KEEPING_OPS:
+            derived.update(outputs)
     return None
 
 

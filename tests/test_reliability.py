@@ -497,7 +497,8 @@ def test_the_graph_digest_is_of_the_stored_bytes_without_the_metadata_and_its_be
 
 def test_lookup_rows_reads_the_symbol_embedding_as_onnx_does(tiny_model: Model) -> None:  # noqa: F811
     """The vocabulary check's reading of the stored graph, against onnx's own: the exported model's symbol
-    embedding, and a hand-made graph whose table has 300 rows (a two-byte varint) behind a Cast."""
+    embedding, and a hand-made graph whose table has 300 rows (a two-byte varint) behind a Cast, after another
+    table indexed by a value computed from the ids (their count), which is not the ids' table."""
     from onnx import helper, numpy_helper
 
     from features.model_meta import lookup_rows
@@ -508,11 +509,15 @@ def test_lookup_rows_reads_the_symbol_embedding_as_onnx_does(tiny_model: Model) 
     assert lookup_rows(tiny_model.model.read_bytes(), "static_categorical") == dims[tables[0]][0] == \
         len(tiny_model.meta.symbols)
     graph = helper.make_graph(
-        [helper.make_node("Cast", ["ids"], ["ids64"], to=onnx.TensorProto.INT64),
+        [helper.make_node("Shape", ["ids"], ["count"]),
+         helper.make_node("Gather", ["sizes", "count"], ["size"]),
+         helper.make_node("Cast", ["ids"], ["ids64"], to=onnx.TensorProto.INT64),
          helper.make_node("Gather", ["table", "ids64"], ["rows"])], "g",
         [helper.make_tensor_value_info("ids", onnx.TensorProto.INT32, ["n"])],
-        [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, ["n", 4])],
-        [numpy_helper.from_array(np.zeros((300, 4), np.float32), "table")])
+        [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, ["n", 4]),
+         helper.make_tensor_value_info("size", onnx.TensorProto.FLOAT, [1])],
+        [numpy_helper.from_array(np.zeros((300, 4), np.float32), "table"),
+         numpy_helper.from_array(np.zeros(7, np.float32), "sizes")])
     data = helper.make_model(graph).SerializeToString()
     assert lookup_rows(data, "ids") == 300 and lookup_rows(data, "other") is None
 
