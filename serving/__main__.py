@@ -58,6 +58,8 @@ from pathlib import Path
 
 from serving.batcher import WAIT_POLICIES
 from serving.errors import ConfigError, ModelLoadError
+from serving.logs import LOG_FORMATS, fatal
+from serving.logs import configure as configure_logging
 from serving.model import DEVICES
 from serving.server import EVENT_LOOPS, INT32_MAX, MiB, ServerConfig, run_server
 
@@ -130,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="the server's log on stderr (default INFO); WARNING or ERROR also quiets gRPC's own core "
                         "log, unless GRPC_VERBOSITY is set")
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="text lines (default), or json: one object a line with time, level, logger, message "
+                        "(and worker, exception); gRPC's and ONNX Runtime's own lines keep their format")
     a = p.add_argument_group("access")
     a.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only (with --tls-key); SIGHUP "
                                                  "re-reads the TLS files for new connections (renewal)")
@@ -216,19 +221,17 @@ def raise_open_file_limit() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    worker = "" if args.worker_index is None else f"[worker {args.worker_index}] "  # N workers share one stderr
-    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s %(name)s {worker}%(message)s",
-                        stream=sys.stderr)
+    configure_logging(args.log_level, args.log_format, args.worker_index)
     config = config_from_args(p, args)
     raise_open_file_limit()
     if args.workers > 1:
         from serving.workers import run_workers
 
-        return run_workers(config, args.workers, args.log_level)
+        return run_workers(config, args.workers, args.log_level, args.log_format)
     try:
         return run_server(config)
     except (ModelLoadError, ConfigError, OSError) as exc:
-        print(f"{worker}error: {exc}", file=sys.stderr)  # a worker's says whose it is
+        fatal(str(exc), args.worker_index)  # a worker's says whose it is
         return 2
 
 

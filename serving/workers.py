@@ -33,6 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from types import FrameType
 
+from serving.logs import fatal
 from serving.server import ServerConfig, bind_error, bind_problem, host_port, metrics_bind_error, probe_bind
 
 log = logging.getLogger("serving")
@@ -40,7 +41,7 @@ log = logging.getLogger("serving")
 START_TIMEOUT_S = 300.0  # a worker must print `listening on` within this (model load, session creation)
 
 
-def server_args(config: ServerConfig, log_level: str) -> list[str]:
+def server_args(config: ServerConfig, log_level: str, log_format: str = "text") -> list[str]:
     """The command line of one worker: every ServerConfig field as its flag (`--flag=value`, so that a
     value starting with '-' stays a value)."""
     values: list[tuple[str, object]] = [
@@ -50,7 +51,7 @@ def server_args(config: ServerConfig, log_level: str) -> list[str]:
         ("--batch-wait", config.batch_wait), ("--max-concurrent", config.max_concurrent),
         ("--max-message-bytes", config.max_message_bytes), ("--grace", repr(config.grace_s)),
         ("--drain-delay", repr(config.drain_delay_s)),
-        ("--log-level", log_level), ("--metrics-port", config.metrics_port),
+        ("--log-level", log_level), ("--log-format", log_format), ("--metrics-port", config.metrics_port),
         ("--metrics-host", config.metrics_host), ("--tls-cert", config.tls_cert),
         ("--tls-key", config.tls_key), ("--tls-client-ca", config.tls_client_ca),
         ("--auth-token-file", config.auth_token_file), ("--event-loop", config.event_loop),
@@ -142,7 +143,7 @@ def _stop(workers: list[Worker], sig: int = signal.SIGTERM) -> None:
             w.proc.send_signal(sig)
 
 
-def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
+def run_workers(config: ServerConfig, n: int, log_level: str, log_format: str = "text") -> int:
     """Start n workers on one port, forward signals, return the exit status (see the module docstring)."""
     problem = bind_problem(config.host, config.port)  # named as a single server names it: the lookup, the address
     try:
@@ -151,7 +152,7 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
         placeholders = reserve_port(config.host, config.port)
     except OSError as exc:
         why = str(exc.strerror or exc)
-        print(f"error: {bind_error(host_port(config.host, config.port), why)}", file=sys.stderr)
+        fatal(bind_error(host_port(config.host, config.port), why))
         return 2
     port = int(placeholders[0].getsockname()[1])
     if config.metrics_port is not None:  # every worker's, before the first loads the model (each checks its own)
@@ -159,7 +160,7 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
             if problem := bind_problem(config.metrics_bind, config.metrics_port + i if config.metrics_port else 0):
                 for sock in placeholders:
                     sock.close()
-                print(f"error: {metrics_bind_error(config, problem, worker=i)}", file=sys.stderr)
+                fatal(metrics_bind_error(config, problem, worker=i))
                 return 2
     workers: list[Worker] = []
     listening: set[int] = set()  # workers past start-up
@@ -183,7 +184,8 @@ def run_workers(config: ServerConfig, n: int, log_level: str) -> int:
             mport = config.metrics_port + i if config.metrics_port else config.metrics_port
             worker_config = ServerConfig(**(asdict(config) | {"port": port, "reuse_port": True,
                                                               "metrics_port": mport, "stop_on_stdin_eof": True}))
-            cmd = [sys.executable, "-m", "serving", *server_args(worker_config, log_level), f"--worker-index={i}"]
+            cmd = [sys.executable, "-m", "serving", *server_args(worker_config, log_level, log_format),
+                   f"--worker-index={i}"]
             # stdin is the worker's lifeline: when this process dies, however it dies, the pipe closes. Each
             # worker has its own process group, so that a terminal's Ctrl-C or hang-up (sent to the foreground
             # group) reaches it once, forwarded by this process, not twice (a second SIGINT would cut short

@@ -1016,6 +1016,38 @@ def worker_pids(s: LiveServer) -> list[int]:
     return [int(pid) for pid in re.findall(r"worker \d+ \(pid (\d+)\) listening", s.log_text())]
 
 
+def _records(text: str) -> list[dict[str, Any]]:
+    """The JSON records of a --log-format json log (native code's own lines, e.g. gRPC's, are left out)."""
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_json_logs_are_one_record_a_line_whoever_writes_them(art: Model, tmp_path: Path) -> None:
+    """--log-format json: the server's records (each worker's, with its index; the supervisor's) and a failed
+    start's last word parse as JSON objects with time, level, logger and message."""
+    s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--workers", "2", "--log-format", "json")
+    try:
+        s.wait_serving()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=60) == 0, s.log_text()[-3000:]
+    finally:
+        s.kill()
+    text = s.log_text()
+    records = _records(text)
+    stray = [ln for ln in text.splitlines() if ln and not ln.startswith("{") and not re.match(r"[IWE]\d{4} ", ln)]
+    assert not stray, stray[:5]  # every line is a record, or gRPC's own (I1202 12:00:00.000000 ...)
+    assert all(set(r) >= {"time", "level", "logger", "message"} and r["time"].endswith("Z") for r in records)
+    listening = [r for r in records if r["message"].startswith("listening on")]
+    assert sorted(r.get("worker") for r in listening) == [0, 1], listening
+    assert any(r["message"].startswith("worker 1 (pid ") and "worker" not in r for r in records)  # the supervisor
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    r = subprocess.run([sys.executable, "-m", "serving", "--model", str(bad), "--port", "0", "--device", "cpu",
+                        "--log-format", "json"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "error:" not in r.stderr, r.stderr[-2000:]
+    last = _records(r.stderr)[-1]
+    assert last["level"] == "ERROR" and last["message"].startswith(f"{bad}: ") and "worker" not in last, last
+
+
 def test_workers_share_one_port_reload_together_and_drain(art: Model, tmp_path: Path) -> None:
     s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--workers", "2")
     try:

@@ -1,0 +1,61 @@
+"""The server's log on stderr: text lines (the default) or one JSON object a line (`--log-format json`), for
+a log pipeline that indexes fields rather than parsing lines.
+
+A JSON record holds `time` (UTC, ISO 8601 with milliseconds), `level`, `logger`, `message`, `worker` (with
+--workers) and `exception` (a traceback, when there is one). Lines that native code writes itself (gRPC's
+C core, ONNX Runtime's logger) keep their own format in either mode.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+
+LOG_FORMATS = ("text", "json")
+log = logging.getLogger("serving")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if self.worker is not None:
+            entry["worker"] = self.worker
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure(level: str, fmt: str = "text", worker: int | None = None) -> None:
+    """The root logger on stderr at `level`, in `fmt`; each line of a --workers worker says whose it is."""
+    handler = logging.StreamHandler(sys.stderr)
+    whose = "" if worker is None else f"[worker {worker}] "  # N workers share one stderr
+    handler.setFormatter(JsonFormatter(worker) if fmt == "json" else
+                         logging.Formatter(f"%(asctime)s %(levelname)s %(name)s {whose}%(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def fatal(message: str, worker: int | None = None) -> None:
+    """The line a failed start ends with: `error: MESSAGE` in text (`[worker N] error: ...` from a worker),
+    an ERROR record in JSON."""
+    if isinstance(logging.getLogger().handlers[0].formatter if logging.getLogger().handlers else None,
+                  JsonFormatter):
+        log.error("%s", message)
+        return
+    whose = "" if worker is None else f"[worker {worker}] "
+    print(f"{whose}error: {message}", file=sys.stderr, flush=True)
