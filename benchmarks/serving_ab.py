@@ -1,6 +1,6 @@
 """Two builds of the server side by side: which answers a lone call faster, on the same machine at once.
 
-    python -m benchmarks.serving_ab --model model.onnx --parquet bars.parquet --a ../other-checkout \
+    python -m benchmarks.serving_ab --model model.onnx --parquet bars.parquet --a ../other-checkout \\
         [--b .] [--duration 20] [--rounds 3] [--packed] [--server-arg=--busy-poll]
 
 A change worth tens of microseconds at concurrency 1 is invisible in `serving_load`'s runs on

@@ -1,6 +1,6 @@
 """Load test of `python -m serving` against bare ONNX Runtime on the same model, in one run.
 
-    python -m benchmarks.serving_load --model model.onnx --parquet bars.parquet \
+    python -m benchmarks.serving_load --model model.onnx --parquet bars.parquet \\
         [--concurrency 1,8,64] [--duration 10] [--device cpu] [--threads 1] [--channels 1]
         [--server-arg=--workers=2] [--server-cpus 0-3] [--packed] [--client sync] [--no-floor] [--idle 5]
         [--rate 10,100,300] [--stream]

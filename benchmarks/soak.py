@@ -1,6 +1,6 @@
 """Soak test of `python -m serving`: many clients for a long time; errors, wrong answers, latency and memory over time.
 
-    python -m benchmarks.soak --model model.onnx --parquet bars.parquet [--duration 600] [--clients 64] \
+    python -m benchmarks.soak --model model.onnx --parquet bars.parquet [--duration 600] [--clients 64] \\
         [--poison-clients 2] [--interval 30] [--warmup 10] [--threads 1] [--device cpu] [--stream] [--json out.json]
 
 1. Starts the real server (`python -m serving --port 0`, loopback) and waits for health SERVING
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -266,6 +267,8 @@ def soak(target: str, pid: int, pool: list[pb.PredictRequest], args: argparse.Na
         results = workers.map(_client_process, jobs)
     done.set()
     watcher.join()
+    if samples and time.time() - measure_from - samples[-1][0] > 0.5:  # the last, shorter interval: closed too
+        samples.append((time.time() - measure_from, *proc_status(pid)))
     end = proc_status(pid)  # the clients are gone: what the server keeps
     if len(samples) < 2:
         raise SystemExit("the run ended before two samples were taken; raise --duration or lower --interval")
@@ -319,6 +322,17 @@ def table(report: Report) -> str:
     return "\n".join(lines)
 
 
+def nan_to_null(value: Any) -> Any:
+    """`value` with every NaN (a figure a short run has no data for) as None: JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: nan_to_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [nan_to_null(v) for v in value]
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -367,11 +381,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print(table(report))
     summary = {k: v for k, v in asdict(report).items() if k != "samples"}
-    print("summary: " + json.dumps(summary))
+    print("summary: " + json.dumps(nan_to_null(summary)))
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, python "
           f"{platform.python_version()}, onnxruntime {ort.__version__}, grpcio {grpc.__version__}")
     if args.json:
-        args.json.write_text(json.dumps(asdict(report), indent=2))
+        args.json.write_text(json.dumps(nan_to_null(asdict(report)), indent=2))
     ok = (not report.errors and report.wrong_answers == 0 and set(report.poison) <= {"INVALID_ARGUMENT"}
           and report.rss_growth_mib < args.max_rss_growth_mib)
     return 0 if ok else 1

@@ -1,6 +1,6 @@
 """Host memory of a training run at scale: two builds of the trainer on the same bars, side by side.
 
-    python -m benchmarks.train_memory --a ../other-checkout [--b .] [--bars 1000000] \
+    python -m benchmarks.train_memory --a ../other-checkout [--b .] [--bars 1000000] \\
         [--symbols ES,NQ,CL,GC] [--extra-features 0] [--repeats 2]
 
 A training run holds every bar's features in host memory (as pytorch-forecasting and NVIDIA's

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 
+import grpc
 import numpy as np
 import pytest
 
@@ -109,8 +110,9 @@ def test_the_readme_example_runs_as_it_stands_against_a_real_server(tiny_model: 
     scope = dict(names)
     exec(compile(code.replace("127.0.0.1:50051", server.target), "README.md", "exec"), scope)
     exec(compile(readme_example("**Calling PredictStream from your own code.**"), "README.md", "exec"), scope)
-    assert list(scope["answers"]) == []  # the None ended the stream, with OK
-    scope["channel"].close()
+    assert scope["answers"].code() == grpc.StatusCode.OK  # the None ended the stream, read to its end; the block
+    with pytest.raises(ValueError):  # closed the channel itself (a script that ends there exits at once)
+        scope["stub"].GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
     np.testing.assert_allclose(scope["streamed"].price, scope["f"].price, rtol=1e-12)  # the stream's = Predict's
     # the same forecast as the request the CLI client builds from the file
     want = server.stub.Predict(pb.PredictRequest(series=[series_from_bars(b, "ES", tiny_model.meta.bars_required)]),
