@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from datetime import UTC, datetime
+import time
 
 LOG_FORMATS = ("text", "json")
 log = logging.getLogger("serving")
+_json = False  # configure() set up JSON records: fatal() writes one too
 
 
 class JsonFormatter(logging.Formatter):
@@ -26,8 +27,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
-            .replace("+00:00", "Z"),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
@@ -40,21 +40,23 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure(level: str, fmt: str = "text", worker: int | None = None) -> None:
-    """The root logger on stderr at `level`, in `fmt`; each line of a --workers worker says whose it is."""
+    """The root logger on stderr at `level`, in `fmt`; each line of a --workers worker says whose it is. As
+    logging.basicConfig, nothing changes where the root logger has handlers already (a host program's)."""
+    global _json
+    if logging.getLogger().handlers:
+        return
     handler = logging.StreamHandler(sys.stderr)
     whose = "" if worker is None else f"[worker {worker}] "  # N workers share one stderr
     handler.setFormatter(JsonFormatter(worker) if fmt == "json" else
                          logging.Formatter(f"%(asctime)s %(levelname)s %(name)s {whose}%(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
+    logging.basicConfig(level=level, handlers=[handler])
+    _json = fmt == "json"
 
 
 def fatal(message: str, worker: int | None = None) -> None:
     """The line a failed start ends with: `error: MESSAGE` in text (`[worker N] error: ...` from a worker),
     an ERROR record in JSON."""
-    if isinstance(logging.getLogger().handlers[0].formatter if logging.getLogger().handlers else None,
-                  JsonFormatter):
+    if _json:
         log.error("%s", message)
         return
     whose = "" if worker is None else f"[worker {worker}] "
