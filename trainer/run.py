@@ -22,6 +22,7 @@ from trainer.checkpoint import load_checkpoint
 from trainer.config import TrainConfig, given_fields, resumed_config, setting_label
 from trainer.data import PreparedData, prepare
 from trainer.device import resolve_device, resolve_precision
+from trainer.distributed import shutdown
 from trainer.loop import RunPaths, Trainer
 from trainer.modeling import TemporalFusionTransformer
 from trainer.plan import TrainPlan, literal_plan
@@ -79,6 +80,7 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     log.info("best validation loss %.5f at epoch %d; checkpoint %s (resume from %s), metrics %s%s",
              trainer.best_val, trainer.best_epoch, result.paths.best, result.paths.last, result.paths.metrics,
              "" if args.no_report else f", report {result.paths.report}")
+    shutdown(trainer.dist)  # under torchrun: the process group torn down, not left to the interpreter's exit
     return 0
 
 
