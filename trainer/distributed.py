@@ -79,5 +79,8 @@ def init_from_env(device_spec: str) -> DistContext:
 
 
 def shutdown(ctx: DistContext) -> None:
+    """Tear the process group down once every rank is done with it (rank 0 writes the report and the test
+    scores after the last epoch): a rank that leaves while another still talks aborts in gloo's threads."""
     if ctx.enabled and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
