@@ -8,6 +8,7 @@ then times each stage `--repeats` times and reports the median:
 
 * read_bars      read the parquet file and validate every row rule
 * build_frame    every feature array: observed, known, targets
+* bars_digest    the digest of the bars a training run keeps, which its resume checks
 * windows        anchor_rows over the whole frame + gather_windows of one random batch
 """
 
@@ -26,6 +27,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from features import FeatureConfig, build_frame, read_bars
+from features.bars import bars_digest
 from features.synth import KNOWN_SYMBOLS, generate
 from features.windows import anchor_rows, gather_windows
 
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
         read_s, bars = median_seconds(lambda: read_bars(path), args.repeats)
         build_s, frame = median_seconds(lambda: build_frame(bars, config), args.repeats)
+        digest_s, _ = median_seconds(lambda: bars_digest(bars, ()), args.repeats)
         rng = np.random.default_rng(0)
 
         def windows() -> dict[str, np.ndarray]:
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{config.calendar_tz})", build_s,
              f"{n / build_s:,.0f} bars/s"),
             ("read + build", read_s + build_s, f"{n / (read_s + build_s):,.0f} bars/s"),
+            ("bars_digest (what a resume checks)", digest_s, f"{n / digest_s:,.0f} bars/s"),
             (f"anchor_rows ({anchors:,}) + gather_windows (B={args.batch}, L={args.encoder_length})", win_s,
              f"{args.batch / win_s:,.0f} windows/s")]
     width = max(len(r[0]) for r in rows)

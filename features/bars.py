@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import re
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import unquote
@@ -903,3 +904,15 @@ def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
             out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]),
                                f"{rule}; symbol {sym_o[idx[0] + 1]}{more}", fix, int(idx.size)))
     return out
+
+
+def bars_digest(bars: Bars, user_columns: Sequence[str]) -> str:
+    """A digest of the bars a run reads: each symbol's rows, their times, prices and volumes, and the user
+    columns it trains on (the values read, before any feature is computed, so any machine gets the same)."""
+    h = hashlib.blake2b(digest_size=16)
+    for symbol, rows in bars.series_slices().items():
+        h.update(f"{symbol}\0{rows.start}\0{rows.stop}\0".encode())
+    for column in (bars.timestamp_ns, bars.open, bars.high, bars.low, bars.close, bars.volume,
+                   *(bars.user[name] for name in user_columns)):
+        h.update(np.ascontiguousarray(column).tobytes())  # one column at a time: 8 bytes a bar
+    return h.hexdigest()

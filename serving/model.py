@@ -349,10 +349,15 @@ def _check_before_session(model_bytes: bytes, path: str) -> ModelMeta | None:
         meta = ModelMeta.from_props(props)
     except ModelMetaError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
+    _check_stored(meta, model_bytes, path)
+    return meta
+
+
+def _check_stored(meta: ModelMeta, model_bytes: bytes, path: str) -> None:
+    """What the file's metadata and graph must hold together, wherever the metadata was read from."""
     _check_meta(meta, path)
     _check_graph(meta, model_bytes, path)
     _check_vocabulary(meta, model_bytes, path)
-    return meta
 
 
 def _check_vocabulary(meta: ModelMeta, model_bytes: bytes, path: str) -> None:
@@ -408,9 +413,7 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
             meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
         except (ModelMetaError, UnicodeDecodeError) as exc:
             raise ModelLoadError(f"{p}: {exc}") from None
-        _check_meta(meta, p)
-        _check_graph(meta, model_bytes, p)
-        _check_vocabulary(meta, model_bytes, p)
+        _check_stored(meta, model_bytes, p)
     output_names = _check_signature(session, meta, p)
     _check_placement(meta, placement, device, p)
     return LoadedModel(

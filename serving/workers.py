@@ -146,13 +146,13 @@ def _stop(workers: list[Worker], sig: int = signal.SIGTERM) -> None:
 def run_workers(config: ServerConfig, n: int, log_level: str, log_format: str = "text") -> int:
     """Start n workers on one port, forward signals, return the exit status (see the module docstring)."""
     problem = bind_problem(config.host, config.port)  # named as a single server names it: the lookup, the address
-    try:
-        if problem is not None:
-            raise problem
-        placeholders = reserve_port(config.host, config.port)
-    except OSError as exc:
-        why = str(exc.strerror or exc)
-        fatal(bind_error(host_port(config.host, config.port), why))
+    if problem is None:
+        try:
+            placeholders = reserve_port(config.host, config.port)
+        except OSError as exc:
+            problem = exc
+    if problem is not None:
+        fatal(bind_error(host_port(config.host, config.port), str(problem.strerror or problem)))
         return 2
     port = int(placeholders[0].getsockname()[1])
     if config.metrics_port is not None:  # every worker's, before the first loads the model (each checks its own)

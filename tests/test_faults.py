@@ -42,7 +42,8 @@ def test_sigkill_mid_epoch_then_resume_finishes(tmp_path: Path, bars: Path) -> N
     last = load_checkpoint(out.with_suffix(".last.pt"))  # never half-written
     assert 2 <= last["epoch"] < 40
     # what a kill in the middle of a write leaves (the kill above rarely lands in one): save_atomic's temp names
-    partial = [tmp_path / ".ckpt.pt.k1ll3d_x.tmp", tmp_path / ".ckpt.last.pt.abcdefgh.tmp"]
+    partial = [tmp_path / ".ckpt.pt.k1ll3d_x.tmp", tmp_path / ".ckpt.last.pt.abcdefgh.tmp",
+               tmp_path / ".ckpt.report.png.r3p0rt_x.tmp", tmp_path / ".ckpt.test.json.t35t_xyz.tmp"]
     for p in partial:
         p.write_bytes(b"half a checkpoint")
     r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--resume", str(out.with_suffix(".last.pt")),

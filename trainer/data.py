@@ -7,7 +7,6 @@ target of one split overlaps the next. Normalisation is fitted on the training r
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from features.bars import Bars, ColumnMap, read_bars
+from features.bars import ColumnMap, bars_digest, read_bars
 from features.check import format_timestamp
 from features.compute import (
     COARSE_INTERVALS,
@@ -169,18 +168,6 @@ def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -
     b_val = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_val) for s, e in frame.series_bounds])
     b_test = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_test) for s, e in frame.series_bounds])
     return starts, ends, b_val, b_test, np.array([cut_val, cut_test])
-
-
-def bars_digest(bars: Bars, user_columns: Sequence[str]) -> str:
-    """A digest of the bars a run reads: each symbol's rows, their times, prices and volumes, and the user
-    columns it trains on (the values read, before any feature is computed, so any machine gets the same)."""
-    h = hashlib.blake2b(digest_size=16)
-    for symbol, rows in bars.series_slices().items():
-        h.update(f"{symbol}\0{rows.start}\0{rows.stop}\0".encode())
-    for column in (bars.timestamp_ns, bars.open, bars.high, bars.low, bars.close, bars.volume,
-                   *(bars.user[name] for name in user_columns)):
-        h.update(np.ascontiguousarray(column).tobytes())  # one column at a time: 8 bytes a bar
-    return h.hexdigest()
 
 
 def check_resumed_bars(stored: str | None, now: str, source: str) -> None:

@@ -153,7 +153,8 @@ class Trainer:
         for checkpoint in (self.paths.best, self.paths.last):  # an earlier run's may be replaced, nothing else
             if problem := replace_problem(checkpoint, "a PyTorch checkpoint"):
                 raise ConfigError(f"--out {out}: {problem}")
-        for stale in (*remove_stale_temp_files(self.paths.best), *remove_stale_temp_files(self.paths.last)):
+        written_whole = (self.paths.best, self.paths.last, self.paths.report, self.paths.test)  # through temp files
+        for stale in (found for path in written_whole for found in remove_stale_temp_files(path)):
             log.warning("removed %s, a partial write left by a killed run", stale)
         self.progress = progress
         self.columns = columns or ColumnMap()
