@@ -570,11 +570,18 @@ def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
     target = getattr(args, "target", None)
     if not target:
         return
-    port = target_port(target)
+    ports = target_ports(target)
+    for address, port in ports:
+        named = target if len(ports) == 1 else f"{target}: its address {address}"
+        _check_port(p, args, named, address, port)
+
+
+def _check_port(p: argparse.ArgumentParser, args: argparse.Namespace, target: str, address: str,
+                port: str | None) -> None:
     if port is None:
         if not _wants_tls(args):
             p.error(f"--target {target} has no port, and gRPC would dial 443 (the TLS port): give HOST:PORT, e.g. "
-                    f"{target}:50051 (the server's default --port)")
+                    f"{address}:50051 (the server's default --port)")
     elif port and not (port.isascii() and port.isdigit()) and (port not in ("http", "https") or  # gRPC's names,
                                                                target.startswith(("ipv4:", "ipv6:"))):  # for DNS
         p.error(f"--target {target}: its port {port!r} is not a number: give HOST:PORT, e.g. 127.0.0.1:50051")
@@ -583,20 +590,25 @@ def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error(f"--target {target}: port {int(port)} is out of range (1 to 65535){dialled}")
 
 
-def target_port(target: str) -> str | None:
-    """The port a target names, as written: HOST:PORT, [IPv6]:PORT, or gRPC's own syntax with one
-    (dns:///host:port, ipv4:1.2.3.4:5, ipv6:[::1]:5); "" for unix: and the like, which need none; None when it
-    names none (gRPC then dials 443). A bare IPv6 address (::1) has no port."""
+def target_ports(target: str) -> list[tuple[str, str | None]]:
+    """Each address of a target with the port it names, as written: HOST:PORT, [IPv6]:PORT, or gRPC's own
+    syntax (dns:///host:port, ipv4:1.2.3.4:5, ipv6:[::1]:5, and the lists ipv4:1.2.3.4:5,1.2.3.5:6 and
+    ipv6:[::1]:5,[::2]:6); "" for unix: and the like, which need none; None for an address that names none
+    (gRPC then dials 443). A bare IPv6 address (::1) has no port."""
     if target.startswith(PORTLESS_SCHEMES):
-        return ""
-    for scheme in ("dns:", "ipv4:", "ipv6:"):
-        if target.startswith(scheme):
-            target = target[len(scheme):].rsplit("/", 1)[-1].split(",")[0]  # dns://authority/host:port; a list
-            break
-    if target.startswith("["):
-        bracketed = re.fullmatch(r"\[[^\]]+\]:(.*)", target)
+        return [(target, "")]
+    if target.startswith(("ipv4:", "ipv6:")):
+        addresses = target[len("ipv4:"):].rsplit("/", 1)[-1].split(",")
+        return [(address, _address_port(address)) for address in addresses]
+    address = target[len("dns:"):].rsplit("/", 1)[-1] if target.startswith("dns:") else target  # dns://auth/host
+    return [(address, _address_port(address))]
+
+
+def _address_port(address: str) -> str | None:
+    if address.startswith("["):
+        bracketed = re.fullmatch(r"\[[^\]]+\]:(.*)", address)
         return bracketed.group(1) or None if bracketed else None
-    return target.rsplit(":", 1)[1] or None if target.count(":") == 1 else None
+    return address.rsplit(":", 1)[1] or None if address.count(":") == 1 else None
 
 
 def _wants_tls(args: argparse.Namespace) -> bool:

@@ -677,10 +677,12 @@ def test_a_tls_key_readable_by_others_is_warned_about(pki: Pki, tmp_path: Path,
     ("localhost:50051", True), ("10.0.0.5:7000", True), ("[::1]:50051", True), ("dns:///host:5", True),
     ("dns://8.8.8.8/host:5", True), ("ipv4:1.2.3.4:5", True), ("ipv6:[::1]:5", True), ("unix:/run/tft.sock", True),
     ("localhost", False), ("::1", False), ("[::1]", False), ("2001:db8::1", False), ("dns:///host", False),
-    ("ipv4:1.2.3.4", False),
+    ("ipv4:1.2.3.4", False), ("ipv4:1.2.3.4:5,1.2.3.5:6", True), ("ipv4:1.2.3.4:5,1.2.3.5", False),
+    ("ipv6:[::1],[::2]:6", False),
 ])
 def test_a_plaintext_target_must_name_its_port(target: str, named: bool) -> None:
-    """gRPC dials 443 for a target without a port: a plaintext client refuses it rather than fail to connect."""
-    from serving.security import target_port
+    """gRPC dials 443 for a target without a port: a plaintext client refuses it rather than fail to connect;
+    in gRPC's address lists, every address must name one."""
+    from serving.security import target_ports
 
-    assert (target_port(target) is not None) is named
+    assert all(port is not None for _, port in target_ports(target)) is named

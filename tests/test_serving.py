@@ -564,6 +564,12 @@ def test_the_unreachable_hint_is_for_a_server_not_found_not_for_one_that_answere
     (["--target", "ipv4:127.0.0.1:https", "--info"], 2, "its port 'https' is not a number"),  # names are DNS's
     (["--target", "127.0.0.1:abc", "--info"], 2, "--target 127.0.0.1:abc: its port 'abc' is not a number: give "
                                                  "HOST:PORT, e.g. 127.0.0.1:50051"),
+    # every address of gRPC's address lists is checked, not only the first
+    (["--target", "ipv4:127.0.0.1:5,127.0.0.1:70000", "--info"], 2,
+     "--target ipv4:127.0.0.1:5,127.0.0.1:70000: its address 127.0.0.1:70000: port 70000 is out of range"),
+    (["--target", "ipv6:[::1]:5,[::1]", "--info"], 2,
+     "--target ipv6:[::1]:5,[::1]: its address [::1] has no port, and gRPC would dial 443 (the TLS port): give "
+     "HOST:PORT, e.g. [::1]:50051"),
     (["--target", "127.0.0.1:1", "--info", "--timeout", "5"], 1,
      "error: GetModelInfo: UNAVAILABLE: "),
 ])
