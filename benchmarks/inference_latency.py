@@ -39,7 +39,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from export.onnx_export import DEFAULT_OPSET, export_model
+from export.onnx_export import export_model
+from export.options import DEFAULT_OPSET
 from features.compute import FeatureConfig, build_frame
 from features.schema import MODEL_INPUTS
 from features.synth import KNOWN_SYMBOLS, generate

@@ -44,18 +44,19 @@ import argparse
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import onnx
-
+# torch and onnx are imported once the flags hold (in main): --help and a bad flag answer at once
 from export.errors import CheckFailed, ExportError, UsageError
-from export.onnx_export import DEFAULT_OPSET, MIN_OPSET
-from export.pipeline import ExportOptions, Tamper, run_export
+from export.options import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportOptions
 from export.triton import MAX_BATCH_SIZE_LIMIT, check_name
 from features.bars import ColumnMap, clash_with_bars
 from features.file_kind import replace_problem
 from features.files import file_argument, unwritable
+from features.stopping import stop_ends_the_import
 
-MAX_OPSET = min(onnx.defs.onnx_opset_version(), 23)  # 23: the newest opset onnxruntime 1.31 runs
+if TYPE_CHECKING:
+    from export.pipeline import Tamper
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +105,8 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
                       None)
         raise UsageError(f"{args.checkpoint} is a directory; give the checkpoint file in it"
                          + (f", e.g. {inside}" if inside else " (the trainer's --out, ckpt.pt by default)"))
+    if not args.checkpoint.exists() and not args.checkpoint.is_symlink():  # said now, not after torch's import
+        raise UsageError(f"{args.checkpoint}: no such checkpoint file")
     if args.checkpoint.exists() and out.resolve() == args.checkpoint.resolve():
         raise UsageError(f"{out} is the checkpoint itself; choose another output file")
     if args.triton_repo is None and (args.triton_name or args.triton_max_batch_size != 256):
@@ -170,6 +173,8 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None,
         except OSError as exc:  # a path that cannot even be looked at (a directory on the way cannot be searched)
             raise UsageError(f"{exc.filename or exc}: {exc.strerror or exc}; check the permissions of the "
                              "directories on its way") from None
+        with stop_ends_the_import("interrupted; nothing was written."):
+            from export.pipeline import run_export
         run_export(opts, published=published, _tamper=_tamper)
         if finished is not None:
             finished()

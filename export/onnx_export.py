@@ -37,8 +37,6 @@ from trainer.model_config import ModelConfig
 from trainer.modeling import TemporalFusionTransformer
 
 BATCH = "batch"  # the name of the dynamic batch axis of every input and output
-MIN_OPSET = 18  # the torch.export-based exporter emits opset 18 or newer (and cannot down-convert Split)
-DEFAULT_OPSET = 18  # what the torch.export-based exporter emits natively
 
 
 class QuantilesOnly(nn.Module):

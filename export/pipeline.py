@@ -28,6 +28,7 @@ from export import fp16 as fp16_mod
 from export.errors import CheckFailed, UsageError, WriteFailed
 from export.files import Staging, interrupts_deferred, leftovers, remove
 from export.onnx_export import check_interface, export_model, output_names, run_checker, signature
+from export.options import ExportOptions
 from export.parity import ParityReport, check_parity, make_cases
 from export.placement import PlacementReport, evaluate, profile_placement
 from export.runtime import CUDA_OPTIONS, Probe, make_session, probe, strict_session_outcome, version_info
@@ -50,30 +51,6 @@ REPORT_ALSO = "the model's metadata keeps the parity and placement reports"  # w
 
 Tamper = Callable[[onnx.ModelProto], None]
 Log = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    checkpoint: Path
-    output: Path
-    opset: int = 18
-    fp16: bool = False
-    explain: bool = True
-    require_device: str | None = None  # "cuda" | "cpu" | None (gate not run)
-    triton_repo: Path | None = None
-    triton_name: str = ""  # default: the output file's stem
-    triton_max_batch_size: int = 256
-    bars: Path | None = None  # rebuild parity windows from these bars instead of the saved sample
-    column_flags: dict[str, str] = dataclasses.field(default_factory=dict)  # --bars' names given, over the run's
-    threads: int = 1
-
-    @property
-    def precision(self) -> str:
-        return "fp16" if self.fp16 else "fp32"
-
-    @property
-    def model_name(self) -> str:
-        return self.triton_name or self.output.stem
 
 
 @dataclass

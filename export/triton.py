@@ -18,9 +18,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from export.onnx_export import TensorSig
-from export.runtime import CUDA_OPTIONS
+if TYPE_CHECKING:
+    from export.onnx_export import TensorSig
 
 VERSION = "1"
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -29,8 +30,6 @@ TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_I
 QUEUE_DELAY_US = 100  # how long Triton may hold a request to batch it with others
 MAX_BATCH_SIZE_LIMIT = 2**31 - 1  # ModelConfig.max_batch_size is an int32
 WARMUP_MAX_BATCH = 256  # Triton builds a warm-up batch request by request: a huge max_batch_size must not be one
-# the CUDA provider options parity was checked with, less the device (Triton's instance group places it)
-CUDA_PROVIDER_OPTIONS = {k: v for k, v in CUDA_OPTIONS.items() if k != "device_id"}
 
 
 def check_name(name: str) -> str | None:
@@ -82,8 +81,11 @@ def config_pbtxt(name: str, inputs: Sequence[TensorSig], outputs: Sequence[Tenso
 
 
 def _cuda_options() -> str:
+    """The CUDA provider options parity was checked with, less the device (Triton's instance group places it)."""
+    from export.runtime import CUDA_OPTIONS  # here: the flags' checks import this module, not onnx (seconds)
+
     params = "\n".join(f"        parameters {{\n          key: \"{k}\"\n          value: \"{v}\"\n        }}"
-                       for k, v in CUDA_PROVIDER_OPTIONS.items())
+                       for k, v in CUDA_OPTIONS.items() if k != "device_id")
     return ("optimization {\n  execution_accelerators {\n    gpu_execution_accelerator [\n      {\n"
             f"        name: \"cuda\"\n{params}\n      }}\n    ]\n  }}\n}}")
 

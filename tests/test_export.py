@@ -34,6 +34,7 @@ from onnx import numpy_helper
 from export.__main__ import build_parser, main, options_from_args
 from export.errors import UsageError
 from export.files import Staging, leftovers
+from export.options import MAX_OPSET
 from export.parity import TOLERANCE, Case, ParityReport, compare, make_cases
 from export.pipeline import run_export
 from export.placement import PlacementReport, evaluate, is_shape_computation, profile_placement
@@ -44,7 +45,15 @@ from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, STATIC_CATEGORICAL, FeatureSchema
 from serving.native_log import provider_failure_reason
-from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_checkpoint, make_onnx, run
+from tests.artifacts import (
+    REPO,
+    TINY_TRAIN_FLAGS,
+    exit_and_imports,
+    interrupt_while_loading,
+    make_checkpoint,
+    make_onnx,
+    run,
+)
 from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, model_from_checkpoint, state_digest
 from trainer.modeling import TemporalFusionTransformer
 
@@ -595,6 +604,12 @@ def test_real_command_exit_status_and_help_text(tmp_path: Path) -> None:
     assert listing(tmp_path) == []
     text = build_parser().format_help()
     assert "exit status" in text and "--require-device" in text and "nothing was written" in text
+    # --help and bad flags are answered before torch and onnx are imported (seconds); the opsets it offers, onnx has
+    for args, code in ((["--help"], 0), ([str(tmp_path / "nope.pt"), "m.onnx"], 2),
+                       (["c.pt", "m.onnx", "--opset", "9"], 2)):
+        r, last = exit_and_imports("export", args)
+        assert last == f"exit {code} torch=False onnx=False", (args, r.stdout[-300:], r.stderr[-2000:])
+    assert onnx.defs.onnx_opset_version() >= MAX_OPSET
 
 
 def test_a_report_reader_that_goes_away_does_not_cost_the_export(ckpt: Path, tmp_path: Path) -> None:
@@ -618,15 +633,8 @@ def test_a_stop_signal_while_the_command_loads_is_an_interrupt(ckpt: Path, tmp_p
     """Ctrl-C or SIGTERM while onnx and torch import (seconds) ends the command as one later does: exit 130
     and one line, no traceback, nothing written."""
     out = tmp_path / "model.onnx"
-    proc = subprocess.Popen([sys.executable, "-m", "export", str(ckpt), str(out)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60  # signalled once the imports have begun: onnx's or torch's library mapped
-    while not re.search(r"onnx_cpp2py_export|libtorch", Path(f"/proc/{proc.pid}/maps").read_text()):
-        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        time.sleep(0.01)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "interrupted; nothing was written." in err, (proc.returncode, err[-2000:])
+    code, err = interrupt_while_loading(["-m", "export", str(ckpt), str(out)], sig)
+    assert code == 130 and "interrupted; nothing was written." in err, (code, err[-2000:])
     assert "Traceback" not in err and not out.exists()
 
 

@@ -31,7 +31,7 @@ from features.schema import (
     STATIC_CATEGORICAL,
     TARGET,
 )
-from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, run
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, exit_and_imports, interrupt_while_loading, make_bars, run
 from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, save_atomic
 from trainer.config import ConfigError, TrainConfig, resumed_config
 from trainer.data import (
@@ -413,7 +413,7 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
 
 def test_the_files_beside_out_are_named_from_it_less_a_checkpoints_suffix_only() -> None:
     """A sweep's --out lr0.001 and lr0.003 (or run.v2 and run.v3) each get their own files beside them."""
-    from trainer.loop import RunPaths
+    from trainer.paths import RunPaths
 
     def names(out: str) -> list[str]:
         return [p.name for p in astuple(RunPaths.for_out(Path("runs") / out))]
@@ -606,6 +606,29 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args
     assert not out.exists()
     if "--parquet" in args:  # before the resolved config and the device choice, which would bury it
         assert r.stderr.startswith("error: --parquet"), r.stderr[-2000:]
+
+
+def test_help_and_a_bad_flag_answer_before_torch_is_imported(bars: Path) -> None:
+    """--help and a flag or config the run cannot take are answered before torch's seconds of import."""
+    for args, code in ((["--help"], 0), (["--parquet", str(bars), "--seed", "99999999999"], 2),
+                       (["--parquet", str(bars), "--hidden-size", "10", "--attention-heads", "3"], 2)):
+        r, last = exit_and_imports("trainer", args, ("torch",))
+        assert last == f"exit {code} torch=False", (args, r.stdout[-500:], r.stderr[-2000:])
+    if not torch.cuda.is_available():  # a run that starts does import it, to find no CUDA
+        r, last = exit_and_imports("trainer", ["--parquet", str(bars), "--device", "cuda"], ("torch",))
+        assert last == "exit 2 torch=True" and "CUDA is not available" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_while_torch_loads_is_an_interrupt(tmp_path: Path, bars: Path, sig: int) -> None:
+    """Ctrl-C or SIGTERM while torch imports (seconds, once the flags hold) ends the run as one later does: exit
+    130 and one line, no traceback (an interrupt inside an extension's import can abort the interpreter)."""
+    out = tmp_path / "ckpt.pt"
+    code, err = interrupt_while_loading(["-m", "trainer", "--parquet", str(bars), "--out", str(out),
+                                         *TINY_TRAIN_FLAGS], sig, r"libtorch")
+    assert code == 130 and err.endswith("interrupted: no epoch finished, so nothing was saved (files already beside "
+                                        "--out are an earlier run's); start again\n"), (code, err[-2000:])
+    assert "Traceback" not in err and not tmp_path.joinpath("ckpt.pt").exists()
 
 
 def test_a_model_too_big_for_the_hosts_memory_exits_3_naming_it(tmp_path: Path, bars: Path) -> None:

@@ -27,17 +27,11 @@ from types import FrameType
 # allocated memory (what the plan estimates). A user's own setting wins.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-import torch
-
 from features.bars import BarDataError, ColumnMap
 from features.files import file_argument
-from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError, add_config_flags, config_from_args
-from trainer.data import DataError
-from trainer.device import DeviceError
-from trainer.loop import RunPaths, TrainingDiverged
-from trainer.planner import PlanError
-from trainer.run import run_training
+from features.stopping import stop_ends_the_import
+from trainer.config import ConfigError, TrainConfig, add_config_flags, config_from_args
+from trainer.paths import RunPaths
 
 log = logging.getLogger("trainer")
 
@@ -137,6 +131,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    return _train(args, cfg, before)
+
+
+def _train(args: argparse.Namespace, cfg: TrainConfig, before: tuple[int, int, int] | None) -> int:
+    """The run, its errors told in a line each. Torch is imported only here, once the flags and the config
+    hold: --help and a bad flag answer in a moment, not after torch's seconds of import."""
+    with stop_ends_the_import(f"interrupted: {_where_to_continue(args, before)}"):
+        import torch
+
+        from trainer.checkpoint import CheckpointError
+        from trainer.data import DataError
+        from trainer.device import DeviceError
+        from trainer.loop import TrainingDiverged
+        from trainer.planner import PlanError
+        from trainer.run import run_training
     try:
         return run_training(args, cfg)
     except BarDataError as exc:

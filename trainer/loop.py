@@ -50,40 +50,12 @@ from trainer.device import PeakMemory, autocast_factory, check_placement, resolv
 from trainer.distributed import init_from_env
 from trainer.loss import pinball_loss
 from trainer.modeling import RowsForward, TemporalFusionTransformer, TFTOutput
+from trainer.paths import RUN_FILES, RunPaths, run_stem
 from trainer.plan import TrainPlan, literal_plan
 
 log = logging.getLogger("trainer")
 
 VALIDATION_SAMPLE_WINDOWS = 256
-
-
-@dataclass(frozen=True)
-class RunPaths:
-    """Every file a run writes sits beside the checkpoint named by --out."""
-
-    best: Path  # best validation loss: what export takes
-    last: Path  # end of the latest epoch: what --resume takes
-    metrics: Path  # one JSON object per epoch
-    report: Path  # loss curves, fan chart, importances, attention
-    test: Path  # the best model on the test split (with --test-fraction)
-
-    @staticmethod
-    def for_out(out: Path) -> RunPaths:
-        stem = out.with_name(run_stem(out))
-        return RunPaths(out, Path(f"{stem}.last.pt"), Path(f"{stem}.metrics.jsonl"), Path(f"{stem}.report.png"),
-                        Path(f"{stem}.test.json"))
-
-
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt")  # dropped from --out to name the files beside it
-
-
-def run_stem(out: Path) -> str:
-    """The name the files beside --out are named from: ckpt.pt -> ckpt (ckpt.last.pt, ckpt.metrics.jsonl, ...).
-    Only a checkpoint's suffix is dropped: lr0.001 and lr0.003, or run.v2 and run.v3, keep their own."""
-    return out.stem if out.suffix in CHECKPOINT_SUFFIXES else out.name
-
-
-RUN_FILES = ("best checkpoint", "latest epoch's checkpoint", "metrics", "report", "test scores")  # RunPaths' order
 
 
 @dataclass

@@ -5,10 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 
 from features.files import atomic_output
@@ -22,17 +18,17 @@ def write_report(path: Path, history: list[dict[str, Any]], outputs: dict[str, n
     """Loss curves, a P-low..P-high fan chart against realised returns on validation (horizon 1),
     variable importances, and mean attention over encoder positions. `outputs` are the model's
     named outputs on consecutive validation windows, `target` their realised returns [W, H]."""
-    fig, ax = plt.subplots(2, 2, figsize=(14, 9))
+    from matplotlib.figure import Figure  # imported here: a run's start (and --help) need no plotting library
+
+    fig = Figure(figsize=(14, 9))  # no pyplot: nothing global, no GUI backend, nothing to close
+    ax = fig.subplots(2, 2)
     _loss_curves(ax[0, 0], history)
     _fan_chart(ax[0, 1], outputs["quantiles"], target, quantiles)
     _importances(ax[1, 0], outputs, observed_names, known_names, static_names)
     _attention(ax[1, 1], outputs["attention"], target.shape[1])
     fig.tight_layout()
-    try:
-        with atomic_output(path) as tmp:  # whole or not at all, Ctrl-C included
-            fig.savefig(tmp, dpi=90, format="png")
-    finally:
-        plt.close(fig)
+    with atomic_output(path) as tmp:  # whole or not at all, Ctrl-C included
+        fig.savefig(tmp, dpi=90, format="png")
 
 
 def _loss_curves(ax: Any, history: list[dict[str, Any]]) -> None:

@@ -23,8 +23,9 @@ from trainer.config import TrainConfig, given_fields, resumed_config, setting_la
 from trainer.data import PreparedData, prepare
 from trainer.device import resolve_device, resolve_precision
 from trainer.distributed import shutdown
-from trainer.loop import RunPaths, Trainer
+from trainer.loop import Trainer
 from trainer.modeling import TemporalFusionTransformer
+from trainer.paths import RunPaths
 from trainer.plan import TrainPlan, literal_plan
 from trainer.planner import (
     PlanError,

@@ -1,0 +1,39 @@
+"""What an export is asked to do, and the opsets it can do it in.
+
+Free of torch and onnx, so that `python -m export` checks its flags (and answers --help) before the
+seconds those imports take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+MIN_OPSET = 18  # the torch.export-based exporter emits opset 18 or newer (and cannot down-convert Split)
+DEFAULT_OPSET = 18  # what the torch.export-based exporter emits natively
+MAX_OPSET = 23  # the newest opset onnxruntime 1.31 runs (the pinned onnx knows it: a test holds it to that)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    checkpoint: Path
+    output: Path
+    opset: int = DEFAULT_OPSET
+    fp16: bool = False
+    explain: bool = True
+    require_device: str | None = None  # "cuda" | "cpu" | None (gate not run)
+    triton_repo: Path | None = None
+    triton_name: str = ""  # default: the output file's stem
+    triton_max_batch_size: int = 256
+    bars: Path | None = None  # rebuild parity windows from these bars instead of the saved sample
+    column_flags: dict[str, str] = dataclasses.field(default_factory=dict)  # --bars' names given, over the run's
+    threads: int = 1
+
+    @property
+    def precision(self) -> str:
+        return "fp16" if self.fp16 else "fp32"
+
+    @property
+    def model_name(self) -> str:
+        return self.triton_name or self.output.stem

@@ -1,0 +1,41 @@
+"""Ctrl-C or SIGTERM while a command imports torch or onnx: it ends there, in one line.
+
+The commands import those libraries (seconds) only once their flags hold. A KeyboardInterrupt raised inside an
+extension module's import is not safe to catch: onnx's bindings abort the process (SIGABRT, a C++ traceback),
+and a library's own import code may swallow it. Nothing has been written at that point, so the process ends at
+once with exit 130, as an interrupt later does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_ends_the_import(message: str) -> Iterator[None]:
+    """Within the block, a stop signal writes `message` (a line) to stderr and exits 130 at once; the handlers
+    before it are back afterwards. Off the main thread, where handlers cannot be set, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    line = (message.rstrip("\n") + "\n").encode()
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        os.write(2, line)
+        os._exit(130)
+
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s in STOP_SIGNALS:
+        signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
