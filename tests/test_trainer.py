@@ -1049,6 +1049,21 @@ def test_train_memory_benchmark_runs_two_checkouts_and_compares_their_peaks(tmp_
     assert refused.returncode == 2 and "not a checkout holding trainer/__main__.py" in refused.stderr
 
 
+def test_cli_startup_benchmark_times_every_command_against_importing_torch(tmp_path: Path) -> None:
+    """benchmarks/cli_startup, one round: every case ends as it must (--help 0, a bad flag 2) and gets its row,
+    beside the peers; an --a that is no checkout is refused."""
+    cmd = [sys.executable, "-m", "benchmarks.cli_startup", "--repeats", "1"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ")[0] for line in done.stdout.splitlines() if line.startswith("| ") and " s |" not in line]
+    assert rows == ["| trainer --help", "| trainer: a bad flag (--seed out of range)", "| export --help",
+                    "| export: no such checkpoint", "| serving --help", "| serving.client --help",
+                    "| serving.score --help", "| features.check --help", "| peer: python -c pass",
+                    "| peer: python -c 'import torch'"], done.stdout
+    refused = subprocess.run([*cmd, "--a", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "not a checkout holding trainer/__main__.py" in refused.stderr
+
+
 # ---- the learning-rate schedule and early stopping of a fresh run ---------------------------------------
 def test_warm_up_then_cosine_decay_to_a_tenth_of_the_peak() -> None:
     f = lr_lambda_factory(10, 110)
