@@ -36,7 +36,7 @@ def _stopped_while_loading(signum: int, frame: FrameType | None) -> None:
     os._exit(130)
 
 
-if __name__ == "__main__":  # a stop signal during the imports below (torch, onnx: seconds) ends the command as
+if __name__ == "__main__":  # a stop signal during the imports below (pyarrow, numpy) ends the command as
     for _sig in (signal.SIGINT, signal.SIGTERM):  # one later does (exit 130, one line), not with a traceback
         signal.signal(_sig, _stopped_while_loading)
 
@@ -105,8 +105,6 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
                       None)
         raise UsageError(f"{args.checkpoint} is a directory; give the checkpoint file in it"
                          + (f", e.g. {inside}" if inside else " (the trainer's --out, ckpt.pt by default)"))
-    if not args.checkpoint.exists() and not args.checkpoint.is_symlink():  # said now, not after torch's import
-        raise UsageError(f"{args.checkpoint}: no such checkpoint file")
     if args.checkpoint.exists() and out.resolve() == args.checkpoint.resolve():
         raise UsageError(f"{out} is the checkpoint itself; choose another output file")
     if args.triton_repo is None and (args.triton_name or args.triton_max_batch_size != 256):
@@ -144,6 +142,8 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
     if args.bars is None and (given := ColumnMap.given(args)):
         flags = ", ".join(ColumnMap.flag(f) for f in given)
         raise UsageError(f"{flags}: column mapping applies to --bars only (the checkpoint's own windows need none)")
+    if not args.checkpoint.exists() and not args.checkpoint.is_symlink():  # said now, not after torch's import
+        raise UsageError(f"{args.checkpoint}: no such checkpoint file")
     return ExportOptions(checkpoint=args.checkpoint, output=out, opset=args.opset, fp16=args.fp16,
                          explain=args.explain, require_device=args.require_device, triton_repo=args.triton_repo,
                          triton_name=args.triton_name, triton_max_batch_size=args.triton_max_batch_size,

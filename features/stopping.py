@@ -38,4 +38,4 @@ def stop_ends_the_import(message: str) -> Iterator[None]:
         yield
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: set from C, not restorable

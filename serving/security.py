@@ -572,16 +572,22 @@ def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         return
     ports = target_ports(target)
     for address, port in ports:
-        named = target if len(ports) == 1 else f"{target}: its address {address}"
-        _check_port(p, args, named, address, port)
+        if len(ports) == 1:
+            _check_port(p, args, target, target, port)
+        else:
+            _check_port(p, args, f"{target}: its address {address}", address, port)
 
 
-def _check_port(p: argparse.ArgumentParser, args: argparse.Namespace, target: str, address: str,
+def _check_port(p: argparse.ArgumentParser, args: argparse.Namespace, target: str, written: str,
                 port: str | None) -> None:
+    """`written`: the target, or the address of a list, as the user wrote it (the hint adds a port to it)."""
     if port is None:
+        if target.startswith(("ipv4:", "ipv6:")):  # gRPC takes no default port there: it refuses the target
+            p.error(f"--target {target} has no port, which gRPC's ipv4:/ipv6: addresses must name: give "
+                    f"{written}:50051 (the server's default --port), say")
         if not _wants_tls(args):
             p.error(f"--target {target} has no port, and gRPC would dial 443 (the TLS port): give HOST:PORT, e.g. "
-                    f"{address}:50051 (the server's default --port)")
+                    f"{written}:50051 (the server's default --port)")
     elif port and not (port.isascii() and port.isdigit()) and (port not in ("http", "https") or  # gRPC's names,
                                                                target.startswith(("ipv4:", "ipv6:"))):  # for DNS
         p.error(f"--target {target}: its port {port!r} is not a number: give HOST:PORT, e.g. 127.0.0.1:50051")
@@ -598,7 +604,7 @@ def target_ports(target: str) -> list[tuple[str, str | None]]:
     if target.startswith(PORTLESS_SCHEMES):
         return [(target, "")]
     if target.startswith(("ipv4:", "ipv6:")):
-        addresses = target[len("ipv4:"):].rsplit("/", 1)[-1].split(",")
+        addresses = [a for a in target[len("ipv4:"):].rsplit("/", 1)[-1].split(",") if a]  # gRPC skips empty ones
         return [(address, _address_port(address)) for address in addresses]
     address = target[len("dns:"):].rsplit("/", 1)[-1] if target.startswith("dns:") else target  # dns://auth/host
     return [(address, _address_port(address))]

@@ -609,6 +609,9 @@ def test_real_command_exit_status_and_help_text(tmp_path: Path) -> None:
                        (["c.pt", "m.onnx", "--opset", "9"], 2)):
         r, last = exit_and_imports("export", args)
         assert last == f"exit {code} torch=False onnx=False", (args, r.stdout[-300:], r.stderr[-2000:])
+    # the paths are checked first, as before the checkpoint was looked for ahead of the imports
+    r, last = exit_and_imports("export", [str(tmp_path / "nope.pt"), "m.onnx", "--triton-repo", "README.md"])
+    assert last.startswith("exit 2") and "--triton-repo README.md is a file, not a directory" in r.stderr, r.stderr
     assert onnx.defs.onnx_opset_version() >= MAX_OPSET
 
 

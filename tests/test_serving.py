@@ -568,8 +568,10 @@ def test_the_unreachable_hint_is_for_a_server_not_found_not_for_one_that_answere
     (["--target", "ipv4:127.0.0.1:5,127.0.0.1:70000", "--info"], 2,
      "--target ipv4:127.0.0.1:5,127.0.0.1:70000: its address 127.0.0.1:70000: port 70000 is out of range"),
     (["--target", "ipv6:[::1]:5,[::1]", "--info"], 2,
-     "--target ipv6:[::1]:5,[::1]: its address [::1] has no port, and gRPC would dial 443 (the TLS port): give "
-     "HOST:PORT, e.g. [::1]:50051"),
+     "--target ipv6:[::1]:5,[::1]: its address [::1] has no port, which gRPC's ipv4:/ipv6: addresses must name: give "
+     "[::1]:50051"),
+    (["--target", "ipv4:127.0.0.1:1,", "--info", "--timeout", "5"], 1, "error: GetModelInfo: UNAVAILABLE: "),  # as gRPC
+    (["--target", "dns://8.8.8.8/host", "--info"], 2, "e.g. dns://8.8.8.8/host:50051 (the server's"),  # resolver kept
     (["--target", "127.0.0.1:1", "--info", "--timeout", "5"], 1,
      "error: GetModelInfo: UNAVAILABLE: "),
 ])
