@@ -45,6 +45,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import grpc
 from grpc import aio
@@ -605,7 +606,7 @@ def target_ports(target: str) -> list[tuple[str, str | None]]:
         return [(target, "")]
     if target.startswith(("ipv4:", "ipv6:")):
         addresses = [a for a in target[len("ipv4:"):].rsplit("/", 1)[-1].split(",") if a]  # gRPC skips empty ones
-        return [(address, _address_port(address)) for address in addresses]
+        return [(address, _address_port(unquote(address))) for address in addresses]  # ipv6:%5B::1%5D:5 too
     address = target[len("dns:"):].rsplit("/", 1)[-1] if target.startswith("dns:") else target  # dns://auth/host
     return [(address, _address_port(address))]
 

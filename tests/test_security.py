@@ -678,7 +678,7 @@ def test_a_tls_key_readable_by_others_is_warned_about(pki: Pki, tmp_path: Path,
     ("dns://8.8.8.8/host:5", True), ("ipv4:1.2.3.4:5", True), ("ipv6:[::1]:5", True), ("unix:/run/tft.sock", True),
     ("localhost", False), ("::1", False), ("[::1]", False), ("2001:db8::1", False), ("dns:///host", False),
     ("ipv4:1.2.3.4", False), ("ipv4:1.2.3.4:5,1.2.3.5:6", True), ("ipv4:1.2.3.4:5,1.2.3.5", False),
-    ("ipv6:[::1],[::2]:6", False), ("ipv4:1.2.3.4:5,", True),
+    ("ipv6:[::1],[::2]:6", False), ("ipv4:1.2.3.4:5,", True), ("ipv6:%5B::1%5D:5", True), ("ipv6:%5B::1%5D", False),
 ])
 def test_a_plaintext_target_must_name_its_port(target: str, named: bool) -> None:
     """gRPC dials 443 for a target without a port: a plaintext client refuses it rather than fail to connect;
