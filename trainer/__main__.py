@@ -22,6 +22,16 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+
+def _stopped_while_loading(signum: int, frame: FrameType | None) -> None:
+    os.write(2, b"interrupted; nothing was saved.\n")
+    os._exit(130)
+
+
+if __name__ == "__main__":  # a stop signal while the modules below import (pyarrow, numpy) ends the run in one
+    for _sig in (signal.SIGINT, signal.SIGTERM):  # line, exit 130, as one later does; main sets its own handlers
+        signal.signal(_sig, _stopped_while_loading)
+
 # Before CUDA starts: expandable segments let the caching allocator grow and shrink its pool
 # instead of holding fixed blocks, so reserved memory (what the VRAM cap bounds) stays close to
 # allocated memory (what the plan estimates). A user's own setting wins.
@@ -181,5 +191,11 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, before: tuple[int, int, i
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here, Ctrl-C as usual (SIGTERM: set in main)
+    try:
+        status = main()
+    except KeyboardInterrupt:  # while the flags were read, before the run's own handling began
+        print("interrupted; nothing was saved.", file=sys.stderr)
+        status = 130
+    raise SystemExit(status)
 
