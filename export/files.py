@@ -11,14 +11,13 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import tempfile
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from features.files import umask
+from features.stopping import interrupts_deferred
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
@@ -49,22 +48,6 @@ def _link_or_copy(src: str, dst: str) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
-
-
-@contextlib.contextmanager
-def interrupts_deferred() -> Iterator[list[int]]:
-    """SIGINT and SIGTERM inside the block are recorded in the yielded list rather than acted on (in the
-    main thread, where Python runs signal handlers; elsewhere the block changes nothing)."""
-    got: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield got
-        return
-    previous = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield got
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def leftovers(target: Path) -> tuple[list[Path], list[Path]]:

@@ -26,7 +26,7 @@ import torch
 
 from export import fp16 as fp16_mod
 from export.errors import CheckFailed, UsageError, WriteFailed
-from export.files import Staging, interrupts_deferred, leftovers, remove
+from export.files import Staging, leftovers, remove
 from export.onnx_export import check_interface, export_model, output_names, run_checker, signature
 from export.options import ExportOptions
 from export.parity import ParityReport, check_parity, make_cases
@@ -41,6 +41,7 @@ from features.file_kind import hint
 from features.files import link_note, print_report
 from features.model_meta import ModelMeta, graph_digest, training_span
 from features.schema import MODEL_INPUTS, FeatureSchema
+from features.stopping import interrupts_deferred
 from trainer.checkpoint import CheckpointError, file_sha256, load_checkpoint, model_from_checkpoint
 from trainer.model_config import ModelConfig
 from trainer.modeling import TemporalFusionTransformer

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from features.stopping import interrupts_deferred
 
 
 def reader_went_away() -> int:
@@ -98,12 +101,16 @@ def atomic_output(out: Path) -> Iterator[str]:
     umask, as an open() would make it: mkstemp makes it private), and on any error, Ctrl-C included, it is
     removed, so `out` is never half-written."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
+    tmp: str | None = None
     try:
+        with interrupts_deferred() as stopped:  # a stop signal as the file is made would leave it, nameless to us
+            fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+            os.close(fd)
+        for signum in stopped[:1]:  # acted on now, where the file is removed
+            signal.raise_signal(signum)
         yield tmp
         os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, out)
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)

@@ -14,6 +14,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -37,5 +38,24 @@ def stop_ends_the_import(message: str) -> Iterator[None]:
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: set from C, not restorable
+        _restore(previous)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM inside the block are recorded in the yielded list rather than acted on (in the
+    main thread, where Python runs signal handlers; elsewhere the block changes nothing)."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+    previous = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in STOP_SIGNALS}
+    try:
+        yield got
+    finally:
+        _restore(previous)
+
+
+def _restore(previous: dict[signal.Signals, Any]) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: set from C, not restorable

@@ -632,3 +632,35 @@ def test_user_columns_as_one_block_give_the_same_features_bit_for_bit(sample: Ba
     np.testing.assert_array_equal(in_blocks.observed, expected.observed)
     assert in_blocks.observed.flags.c_contiguous and len(sample) > 4 * 1000
     np.testing.assert_array_equal(got.known, expected.known)
+
+
+@pytest.mark.parametrize("when", ["as the file is made", "while it is written"])
+def test_a_stop_signal_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """atomic_output under Ctrl-C or SIGTERM turned interrupt (as the trainer, score and synth set it): the
+    temporary file goes, whether the signal lands just as mkstemp made it or while the caller writes, and the
+    target is never made."""
+    import signal
+    import tempfile
+
+    from features.files import atomic_output
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    made = tempfile.mkstemp
+
+    def made_then_signalled(*args: object, **kwargs: object) -> tuple[int, str]:
+        fd, name = made(*args, **kwargs)  # type: ignore[call-overload]
+        signal.raise_signal(signal.SIGTERM)  # lands before mkstemp's caller has the name
+        return fd, name
+
+    if when == "as the file is made":
+        monkeypatch.setattr(tempfile, "mkstemp", made_then_signalled)
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt), atomic_output(tmp_path / "out.parquet") as tmp:
+            Path(tmp).write_bytes(b"partial")
+            signal.raise_signal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert list(tmp_path.iterdir()) == []
