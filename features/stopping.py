@@ -1,9 +1,12 @@
-"""Ctrl-C or SIGTERM while a command imports torch or onnx: it ends there, in one line.
+"""Stop signals (Ctrl-C, SIGTERM) where acting on them at once would do harm.
 
-The commands import those libraries (seconds) only once their flags hold. A KeyboardInterrupt raised inside an
-extension module's import is not safe to catch: onnx's bindings abort the process (SIGABRT, a C++ traceback),
-and a library's own import code may swallow it. Nothing has been written at that point, so the process ends at
-once with exit 130, as an interrupt later does.
+`stop_ends_the_import`: the commands import torch and onnx (seconds) only once their flags hold. A
+KeyboardInterrupt raised inside an extension module's import is not safe to catch: onnx's bindings abort the
+process (SIGABRT, a C++ traceback), and a library's own import code may swallow it. Nothing has been written at
+that point, so the process ends at once with exit 130, as an interrupt later does.
+
+`interrupts_deferred`: a stretch a signal must not cut, such as a temporary file made but not yet named to
+whoever removes it, or a published export's report; the signals are recorded for the caller to act on.
 """
 
 from __future__ import annotations
