@@ -5,7 +5,6 @@
 Times, on the file's bytes in memory (best of `--repeats`):
 
 * graph_digest     the check the server and `serving.score` run on every load (`features.model_meta`)
-* lookup_rows      the symbol embedding's rows, read from the stored graph on every load
 * file sha256      the file's own digest, which loading computed before (GetModelInfo.model_sha256)
 * session          creating the ONNX Runtime session (CPU provider, one thread), for scale
 
@@ -29,8 +28,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from features.model_meta import graph_digest, lookup_rows
-from features.schema import STATIC_CATEGORICAL
+from features.model_meta import graph_digest
 
 
 def best_of(repeats: int, fn: Callable[[], object]) -> float:
@@ -72,7 +70,6 @@ def main() -> None:
         so.intra_op_num_threads = so.inter_op_num_threads = 1
         rows = {
             "graph_digest": best_of(args.repeats, lambda: graph_digest(data)),
-            "lookup_rows": best_of(args.repeats, lambda: lookup_rows(data, STATIC_CATEGORICAL)),
             "file sha256": best_of(args.repeats, lambda: hashlib.sha256(data).hexdigest()),
             "session": best_of(args.repeats, lambda: ort.InferenceSession(data, so,
                                                                           providers=["CPUExecutionProvider"])),

@@ -37,12 +37,11 @@
    (`--no-floor` skips it).
 6. With `--rate HZ[,HZ...]` (a server this script started): paced levels, one client sending a
    call every 1/HZ seconds whatever the answers' latency (a strategy asking once a bar, or many
-   times a second), reporting p50/p99 and the server's CPU time as a share of one core: what
-   `--busy-poll` costs, and buys, between closed-loop calls and an idle server. Each has its peer:
+   times a second), reporting p50/p99 and the server's CPU time as a share of one core. Each has its peer:
    bare `session.run` with the same pause between runs, which cold caches slow as well; and the
    first rate's empty call (health Check) paced alike, unless `--no-floor`.
 7. With `--idle S` (a server this script started): the server's CPU time over S seconds with no
-   call, after the levels, as a share of one core (what `--busy-poll` costs an idle server).
+   call, after the levels, as a share of one core.
 8. With `--stream`, every concurrency level again with each client on one open PredictStream
    instead of a call per request (send a request, wait for its answer, send the next): what a
    strategy that keeps a stream open gets. An answer carrying an error counts as an error.
@@ -81,9 +80,9 @@ from grpc import aio
 
 from features.bars import BarDataError, Bars, read_bars
 from features.model_meta import ModelMeta
+from features.ort import preload_cuda_libraries
 from features.schema import MODEL_INPUTS
 from serving.client import series_from_bars
-from serving.cuda_libs import preload_cuda_libraries
 from serving.errors import ModelLoadError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc

@@ -25,35 +25,20 @@ exit status:
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
-from types import FrameType
-
-
-def _stopped_while_loading(signum: int, frame: FrameType | None) -> None:
-    os.write(2, b"interrupted; nothing was written.\n")
-    os._exit(130)
-
-
-if __name__ == "__main__":  # a stop signal during the imports below (pyarrow, numpy) ends the command as
-    for _sig in (signal.SIGINT, signal.SIGTERM):  # one later does (exit 130, one line), not with a traceback
-        signal.signal(_sig, _stopped_while_loading)
-
 import argparse
 import contextlib
-from collections.abc import Callable
+import signal
+import sys
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
-# torch and onnx are imported once the flags hold (in main): --help and a bad flag answer at once
 from export.errors import CheckFailed, ExportError, UsageError
 from export.options import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportOptions
 from export.triton import MAX_BATCH_SIZE_LIMIT, check_name
 from features.bars import ColumnMap, clash_with_bars
 from features.file_kind import replace_problem
 from features.files import file_argument, unwritable
-from features.stopping import stop_ends_the_import
 
 if TYPE_CHECKING:
     from export.pipeline import Tamper
@@ -96,45 +81,18 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
                          f"(the torch.export-based exporter starts at {MIN_OPSET}; onnxruntime runs up to {MAX_OPSET})")
     if args.threads < 1:
         raise UsageError(f"--threads {args.threads}: must be >= 1")
-    if out.is_dir():
-        raise UsageError(f"{out} is a directory; give the model's file name, e.g. {out / 'model.onnx'}")
-    if out.parent.exists() and not out.parent.is_dir():
-        raise UsageError(f"{out}: {out.parent} is a file, not a directory; give a path in a directory")
-    if args.checkpoint.is_dir():
-        inside = next((args.checkpoint / n for n in ("ckpt.pt", "ckpt.last.pt") if (args.checkpoint / n).is_file()),
-                      None)
-        raise UsageError(f"{args.checkpoint} is a directory; give the checkpoint file in it"
-                         + (f", e.g. {inside}" if inside else " (the trainer's --out, ckpt.pt by default)"))
-    if args.checkpoint.exists() and out.resolve() == args.checkpoint.resolve():
-        raise UsageError(f"{out} is the checkpoint itself; choose another output file")
-    if args.triton_repo is None and (args.triton_name or args.triton_max_batch_size != 256):
-        raise UsageError("--triton-name and --triton-max-batch-size only apply with --triton-repo DIR")
+    _check_output(out, args.checkpoint)
+    targets = [(out, "the output")]
     if args.triton_repo is not None:
-        if args.triton_repo.exists() and not args.triton_repo.is_dir():
-            raise UsageError(f"--triton-repo {args.triton_repo} is a file, not a directory")
-        problem = check_name(args.triton_name or out.stem)
-        if problem:
-            raise UsageError(f"{problem}; pass --triton-name NAME")
-        if not 1 <= args.triton_max_batch_size <= MAX_BATCH_SIZE_LIMIT:
-            raise UsageError(f"--triton-max-batch-size {args.triton_max_batch_size}: must be 1..{MAX_BATCH_SIZE_LIMIT} "
-                             "(Triton's max_batch_size is an int32)")
-        entry = args.triton_repo / (args.triton_name or out.stem)
-        if (entry.exists() or entry.is_symlink()) and not entry.is_dir():
-            raise UsageError(f"--triton-repo: {entry} exists and is not a directory; the Triton model directory "
-                             "would replace it: remove it, or pass --triton-name NAME")
-        model_dir = entry.resolve()
-        if out.resolve().is_relative_to(model_dir):
-            raise UsageError(f"{out} is inside the Triton model directory {model_dir}, which export replaces as a "
-                             "whole; write the model file elsewhere (the repository gets its own copy)")
+        targets.append((_triton_entry(args, out), "--triton-repo"))
+    elif args.triton_name or args.triton_max_batch_size != 256:
+        raise UsageError("--triton-name and --triton-max-batch-size only apply with --triton-repo DIR")
     if args.bars is not None and not args.bars.exists():
         raise UsageError(f"--bars {args.bars}: no such file or directory")
     if args.bars is not None and (problem := clash_with_bars(out, args.bars)):
         raise UsageError(f"{problem}; choose another output file")
     if problem := replace_problem(out, "an ONNX model"):
         raise UsageError(problem)
-    targets = [(out, "the output")]
-    if args.triton_repo is not None:
-        targets.append((entry, "--triton-repo"))
     for target, what in targets:
         if blocked := unwritable(target):  # found now, not after minutes of checks
             raise UsageError(f"{what}: cannot write in {blocked[0]} ({blocked[1]}); choose a directory this user "
@@ -142,7 +100,7 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
     if args.bars is None and (given := ColumnMap.given(args)):
         flags = ", ".join(ColumnMap.flag(f) for f in given)
         raise UsageError(f"{flags}: column mapping applies to --bars only (the checkpoint's own windows need none)")
-    if not args.checkpoint.exists() and not args.checkpoint.is_symlink():  # said now, not after torch's import
+    if not args.checkpoint.exists() and not args.checkpoint.is_symlink():  # said before torch's import
         raise UsageError(f"{args.checkpoint}: no such checkpoint file")
     return ExportOptions(checkpoint=args.checkpoint, output=out, opset=args.opset, fp16=args.fp16,
                          explain=args.explain, require_device=args.require_device, triton_repo=args.triton_repo,
@@ -150,36 +108,57 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
                          bars=args.bars, column_flags=ColumnMap.given(args), threads=args.threads)
 
 
-def _ignore_stop_signals() -> None:
-    """Ctrl-C and SIGTERM ignored from now on (a handler, unlike a thread's signal mask, covers every thread)."""
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, signal.SIG_IGN)
+def _check_output(out: Path, checkpoint: Path) -> None:
+    if out.is_dir():
+        raise UsageError(f"{out} is a directory; give the model's file name, e.g. {out / 'model.onnx'}")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise UsageError(f"{out}: {out.parent} is a file, not a directory; give a path in a directory")
+    if checkpoint.is_dir():
+        inside = next((checkpoint / n for n in ("ckpt.pt", "ckpt.last.pt") if (checkpoint / n).is_file()), None)
+        raise UsageError(f"{checkpoint} is a directory; give the checkpoint file in it"
+                         + (f", e.g. {inside}" if inside else " (the trainer's --out, ckpt.pt by default)"))
+    if checkpoint.exists() and out.resolve() == checkpoint.resolve():
+        raise UsageError(f"{out} is the checkpoint itself; choose another output file")
+
+
+def _triton_entry(args: argparse.Namespace, out: Path) -> Path:
+    """The Triton model directory export will replace, once the --triton-* flags are checked."""
+    if args.triton_repo.exists() and not args.triton_repo.is_dir():
+        raise UsageError(f"--triton-repo {args.triton_repo} is a file, not a directory")
+    if problem := check_name(args.triton_name or out.stem):
+        raise UsageError(f"{problem}; pass --triton-name NAME")
+    if not 1 <= args.triton_max_batch_size <= MAX_BATCH_SIZE_LIMIT:
+        raise UsageError(f"--triton-max-batch-size {args.triton_max_batch_size}: must be 1..{MAX_BATCH_SIZE_LIMIT} "
+                         "(Triton's max_batch_size is an int32)")
+    entry: Path = args.triton_repo / (args.triton_name or out.stem)
+    if (entry.exists() or entry.is_symlink()) and not entry.is_dir():
+        raise UsageError(f"--triton-repo: {entry} exists and is not a directory; the Triton model directory "
+                         "would replace it: remove it, or pass --triton-name NAME")
+    if out.resolve().is_relative_to(entry.resolve()):
+        raise UsageError(f"{out} is inside the Triton model directory {entry.resolve()}, which export replaces as a "
+                         "whole; write the model file elsewhere (the repository gets its own copy)")
+    return entry
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None,
-         finished: Callable[[], None] | None = None) -> int:
-    """Run the export; returns the exit status. `finished` is called once the export has succeeded, before main
-    returns (the command ignores Ctrl-C and SIGTERM from there: nothing is left to stop). `_tamper` is a test hook
-    (see pipeline.run_export)."""
+def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int:
+    """Run the export; returns the exit status. `_tamper` is a test hook (see pipeline.run_export)."""
     args = build_parser().parse_args(argv)
     published: list[Path] = []
     try:
         try:
             opts = options_from_args(args)
-        except OSError as exc:  # a path that cannot even be looked at (a directory on the way cannot be searched)
+        except OSError as exc:  # a directory on the way cannot be searched
             raise UsageError(f"{exc.filename or exc}: {exc.strerror or exc}; check the permissions of the "
                              "directories on its way") from None
-        with stop_ends_the_import("interrupted; nothing was written."):
-            from export.pipeline import run_export
+        from export.pipeline import run_export  # torch and onnx (seconds) once the flags hold
+
         run_export(opts, published=published, _tamper=_tamper)
-        if finished is not None:
-            finished()
     except OSError as exc:  # what Staging does not cover: a temporary file of the checks, or stderr closed
-        if published:  # the export is complete; the report of it failed (a closed pipe, most likely)
+        if published:  # the export is complete; its report failed (a closed pipe, most likely)
             with contextlib.suppress(OSError):
                 print(f"warning: {exc}, after {', '.join(map(str, published))} had been written whole",
                       file=sys.stderr, flush=True)
@@ -191,7 +170,7 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None,
         print(f"{verdict}: {exc}\nnothing was written.", file=sys.stderr, flush=True)
         return exc.exit_status
     except KeyboardInterrupt:
-        if published:  # the signal came after the files were in place: they are whole, and the export done
+        if published:  # the files are in place, whole: the export is done
             whole = "were published: they are" if len(published) > 1 else "was published: it is"
             print(f"interrupted after {', '.join(map(str, published))} {whole} complete", file=sys.stderr)
             return 0
@@ -201,13 +180,5 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None,
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here, KeyboardInterrupt as usual
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends it as Ctrl-C does: exit 130, nothing written
-    # once the export succeeded, a signal has nothing left to stop: ignored from inside main, so none can turn a
-    # written model into a traceback on the way out
-    try:
-        status = main(finished=_ignore_stop_signals)
-    except KeyboardInterrupt:  # before main's own handling began (while the arguments were read)
-        status = 130
-    _ignore_stop_signals()  # a failed export: a signal during the interpreter's shutdown stops nothing
-    sys.exit(status)
+    sys.exit(main())

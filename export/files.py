@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from features.files import umask
-from features.stopping import interrupts_deferred
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
@@ -29,10 +28,7 @@ def _write(path: Path, data: bytes, mode: int) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -51,9 +47,9 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def leftovers(target: Path) -> tuple[list[Path], list[Path]]:
-    """What an export killed (SIGKILL, power loss) left beside `target`: staged copies (`.<name>.*.tmp`, never the
-    only copy of anything) and backups of a replaced directory (`.<name>.old-*`, the old one, set aside while
-    the new one was renamed into place). In a Triton repository, Triton would take either for a model."""
+    """What an export killed (SIGKILL, power loss) left beside `target`: staged copies (`.<name>.*.tmp`) and
+    backups of a replaced directory (`.<name>.old-*`). In a Triton repository, Triton would take either for a
+    model."""
     if not target.parent.is_dir():
         return [], []
     name = re.escape(target.name)
@@ -67,7 +63,7 @@ def leftovers(target: Path) -> tuple[list[Path], list[Path]]:
 @contextlib.contextmanager
 def _naming(target: Path) -> Iterator[None]:
     """An OSError inside names `target`, what was being written, rather than a staged path or nothing (a full
-    disk's write() gives no file name): the message then points at the right directory and file system."""
+    disk's write() gives no file name)."""
     try:
         yield
     except OSError as exc:
@@ -89,7 +85,6 @@ class Staging:
         self._dirs: list[tuple[Path, Path]] = []
         self._created_parents: list[Path] = []
         self._mode = 0o666 & ~umask()
-        self.interrupted: list[int] = []  # signals that arrived while commit() published
 
     def __enter__(self) -> Staging:
         return self
@@ -117,39 +112,28 @@ class Staging:
         `target` holds besides the top-level entries of `files` (other Triton versions, labels) is
         carried into the staged copy as hard links (copies where links fail), so the swap keeps it."""
         with _naming(target):
-            self._directory(target, files, keep_others)
-
-    def _directory(self, target: Path, files: dict[str, bytes], keep_others: bool) -> None:
-        self._parents(target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-        self._dirs.append((tmp, target))
-        os.chmod(tmp, 0o777 & ~umask())
-        for rel, data in files.items():
-            path = tmp / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _write(path, data, self._mode)
-        if keep_others and target.is_dir():
-            ours = {Path(rel).parts[0] for rel in files}
-            for entry in target.iterdir():
-                if entry.name in ours:
-                    continue
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.copytree(entry, tmp / entry.name, symlinks=True, copy_function=_link_or_copy)
-                else:
-                    _link_or_copy(str(entry), str(tmp / entry.name))
+            self._parents(target)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+            self._dirs.append((tmp, target))
+            os.chmod(tmp, 0o777 & ~umask())
+            for rel, data in files.items():
+                path = tmp / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _write(path, data, self._mode)
+            if keep_others and target.is_dir():
+                ours = {Path(rel).parts[0] for rel in files}
+                for entry in target.iterdir():
+                    if entry.name in ours:
+                        continue
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.copytree(entry, tmp / entry.name, symlinks=True, copy_function=_link_or_copy)
+                    else:
+                        _link_or_copy(str(entry), str(tmp / entry.name))
 
     def commit(self, published: list[Path] | None = None) -> None:
-        """Publish: directories (swapping out any old one), then files (os.replace). Ctrl-C or SIGTERM
-        meanwhile waits until it is done (`interrupted` then says so): half a publication, or a
-        backup left behind, would be worse than a late stop. The targets are added to `published`
-        before any signal can act, so a later interrupt knows the files are in place."""
-        targets = [t for _, t in self._dirs] + [t for _, t in self._files]
-        with interrupts_deferred() as self.interrupted:
-            self._commit()
-            if published is not None:
-                published.extend(targets)
-
-    def _commit(self) -> None:
+        """Publish: directories first (swapping out any old one), then files (os.replace). On any error,
+        Ctrl-C included, the directories swapped so far are swapped back. The targets are added to
+        `published` once all are in place."""
         swapped: list[tuple[Path, Path, Path | None]] = []  # (staged, target, backup)
         try:
             for staged, target in self._dirs:
@@ -160,11 +144,11 @@ class Staging:
                         os.rename(target, backup)
                     swapped.append((staged, target, backup))
                     os.rename(staged, target)
-                    _fsync_dir(target.parent)
             for staged, target in self._files:
                 with _naming(target):
                     os.replace(staged, target)
-                    _fsync_dir(target.parent)
+            if published is not None:
+                published.extend([t for _, t in self._dirs] + [t for _, t in self._files])
         except BaseException:
             for staged, target, backup in reversed(swapped):
                 if not staged.exists() and target.exists():
@@ -172,6 +156,8 @@ class Staging:
                 if backup is not None:
                     os.rename(backup, target)
             raise
+        for parent in {t.parent for _, t in self._dirs + self._files}:
+            _fsync_dir(parent)
         for _, _, backup in swapped:
             if backup is not None:
                 remove(backup)  # a link (a model directory that was a symlink) is unlinked, what it named kept

@@ -1,9 +1,8 @@
 """PyTorch TFT -> ONNX ModelProto with the torch.export-based exporter, and the structural checks.
 
-Why `dynamo=True` (torch.export) rather than the TorchScript tracer: torch.export treats
-the batch dimension as a symbol and raises when the model would specialise it, where the
-tracer silently bakes traced values in as constants (the trap that froze pytorch-forecasting
-exports at batch 1). The parity check at several batch sizes still runs, as the proof.
+`dynamo=True` (torch.export) treats the batch dimension as a symbol and raises when the model would
+specialise it, where the TorchScript tracer bakes traced values in as constants. The parity check at
+several batch sizes is the proof.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from export.errors import CheckFailed
+from features.ort import strip_ansi
 from features.schema import (
     ATTENTION,
     DECODER_KNOWN,
@@ -32,7 +32,6 @@ from features.schema import (
     STATIC_CATEGORICAL,
     STATIC_WEIGHTS,
 )
-from serving.native_log import strip_ansi
 from trainer.model_config import ModelConfig
 from trainer.modeling import TemporalFusionTransformer
 
@@ -116,45 +115,36 @@ def export_model(model: TemporalFusionTransformer, example: dict[str, Tensor], o
                  explain: bool) -> onnx.ModelProto:
     """Export with named inputs/outputs and a dynamic batch axis; weights inside the proto.
 
-    `example` holds one batch of each input (canonical names), with a batch of at least 2:
-    torch.export specialises a dimension whose example size is 0 or 1.
+    `example` holds one batch of each input (canonical names) of at least 2 rows: torch.export
+    specialises a dimension whose example size is 0 or 1.
     """
     module: nn.Module = model if explain else QuantilesOnly(model)
     module.eval()
     args = tuple(example[name] for name in MODEL_INPUTS)
-    if args[0].shape[0] < 2:
-        raise ValueError("export_model needs an example batch of at least 2 rows")
     batch = torch.export.Dim(BATCH, min=1)
     try:
         with _quiet_exporter(), torch.no_grad():
             program = torch.onnx.export(
-                module,
-                args,
-                None,
-                input_names=list(MODEL_INPUTS),
-                output_names=list(output_names(explain)),
-                opset_version=opset,
-                dynamo=True,
-                external_data=False,
-                dynamic_shapes={name: {0: batch} for name in MODEL_INPUTS},
-                optimize=True,
-                verify=False,  # our own parity check follows, with real windows and several batch sizes
-                report=False,
-                verbose=False,
-            )
+                module, args, None, input_names=list(MODEL_INPUTS), output_names=list(output_names(explain)),
+                opset_version=opset, dynamo=True, external_data=False,
+                dynamic_shapes={name: {0: batch} for name in MODEL_INPUTS}, optimize=True,
+                verify=False,  # the parity check follows, with real windows and several batch sizes
+                report=False, verbose=False)
     except Exception as exc:  # torch raises many unrelated types here; all mean "cannot export"
         if any(isinstance(e, KeyboardInterrupt) for e in _chain(exc)):  # Ctrl-C or SIGTERM, wrapped by torch
             raise KeyboardInterrupt from None
         raise CheckFailed("torch.onnx.export", f"{_describe(exc)}. The model could not be exported with a dynamic "
                           "batch axis; a data-dependent shape or value in forward() is the usual cause") from exc
-    if program is None:  # pragma: no cover - the dynamo path always returns a program
-        raise CheckFailed("torch.onnx.export", "the exporter returned no program")
-    proto = program.model_proto
-    for node in proto.graph.node:  # the exporter's per-node debug records: stack traces with local paths
+    assert program is not None  # the dynamo path always returns a program
+    return _cleaned(program.model_proto)
+
+
+def _cleaned(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The exporter's per-node debug records (stack traces with local paths) and its shapes of intermediate
+    values removed: the checker and ONNX Runtime infer their own, and torch writes the LSTM states' as 4-D."""
+    for node in proto.graph.node:
         del node.metadata_props[:]
         node.doc_string = ""
-    # the exporter's shapes of intermediate values are annotations only (the checker and ONNX Runtime
-    # infer their own); torch 2.11 writes the LSTM states' as 4-D where the op makes them 3-D
     del proto.graph.value_info[:]
     if not proto.graph.initializer:
         raise CheckFailed("torch.onnx.export", "the exported graph carries no weights (initializers)")

@@ -37,11 +37,9 @@ from export.triton import config_pbtxt, newer_versions, repository_files
 from export.windows import saved_windows, windows_from_bars
 from features import package_version
 from features.compute import FeatureConfig
-from features.file_kind import hint
 from features.files import link_note, print_report
 from features.model_meta import ModelMeta, graph_digest, training_span
 from features.schema import MODEL_INPUTS, FeatureSchema
-from features.stopping import interrupts_deferred
 from trainer.checkpoint import CheckpointError, file_sha256, load_checkpoint, model_from_checkpoint
 from trainer.model_config import ModelConfig
 from trainer.modeling import TemporalFusionTransformer
@@ -73,16 +71,10 @@ def load(opts: ExportOptions) -> tuple[dict[str, Any], TemporalFusionTransformer
         ckpt = load_checkpoint(opts.checkpoint)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
-    except Exception as exc:  # torch's weights-only unpickler raises odd types (IndexError...) on junk bytes
-        raise UsageError(f"{opts.checkpoint}: not a readable checkpoint (corrupt, truncated, or not written by "
-                         f"torch.save): {type(exc).__name__}: {exc}{hint(opts.checkpoint, 'a PyTorch checkpoint')}") \
-            from None
     try:
         model = model_from_checkpoint(ckpt)
     except CheckpointError as exc:
         raise UsageError(f"{opts.checkpoint}: {exc}") from None
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UsageError(f"{opts.checkpoint}: the stored model config is unusable: {exc}") from None
     for name, tensor in model.state_dict().items():  # else parity compares NaN with NaN and blames the graph
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise UsageError(f"{opts.checkpoint}: weight {name!r} holds NaN or infinite values: the run that wrote "
@@ -108,17 +100,17 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
             model_version=sha[:12] + "-fp16" * (opts.precision == "fp16") + "-noexplain" * (not opts.explain),
             explain=opts.explain,
             precision=opts.precision,
-            column_map=dict(ckpt.get("column_map") or {}),
+            column_map=dict(ckpt["column_map"]),
             training=training_span(ckpt),
             exporter={
                 "tool": "python -m export",
                 "foxhunt_tft": package_version(),
                 "torch": str(torch.__version__),
                 **version_info(),
-                "onnxscript": _version("onnxscript"),
+                "onnxscript": importlib.metadata.version("onnxscript"),
                 "opset": opts.opset,
                 "torch_exporter": "torch.onnx.export(dynamo=True) (torch.export)",
-                "trained_with_torch": str(ckpt.get("torch_version", "")),
+                "trained_with_torch": str(ckpt["torch_version"]),
                 **({"fp16_kept_fp32_ops": sorted(fp16_mod.KEEP_FP32_OPS),
                     "fp16_kept_fp32_initializers": list(NORMALIZATION_INITIALIZERS)} if opts.fp16 else {}),
             },
@@ -126,17 +118,7 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
         meta.check()
     except (KeyError, TypeError, ValueError) as exc:
         raise UsageError(f"{opts.checkpoint}: the checkpoint's feature metadata is unusable: {exc}") from None
-    if len(meta.symbols) != cfg.static_cardinalities[0]:
-        raise UsageError(f"{opts.checkpoint}: {len(meta.symbols)} symbols but the model embeds "
-                         f"{cfg.static_cardinalities[0]}; the checkpoint is inconsistent")
     return meta
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 _EXPORTS: OrderedDict[tuple[str, int, bool, str], bytes] = OrderedDict()  # in-process memo of traced graphs
@@ -145,12 +127,9 @@ _EXPORTS_KEPT = 4
 
 def _export_cached(model: TemporalFusionTransformer, example: dict[str, torch.Tensor], opts: ExportOptions,
                    sha: str) -> onnx.ModelProto:
-    """export_model, remembered per (checkpoint sha256, opset, explain) within one process.
-
-    Tracing takes seconds to tens of seconds; a process that exports one checkpoint several ways
-    (fp32 and fp16, with and without the explain outputs...) traces each graph once. The graph
-    depends only on the weights (the sha256) and these options; every caller gets its own copy.
-    """
+    """export_model, remembered per (checkpoint sha256, opset, explain) within one process: tracing takes
+    seconds, and a process that exports one checkpoint several ways traces each graph once. Every caller
+    gets its own copy."""
     key = (sha, opts.opset, opts.explain, str(torch.__version__))
     if key not in _EXPORTS:
         _EXPORTS[key] = export_model(model, example, opts.opset, opts.explain).SerializeToString()
@@ -173,18 +152,10 @@ def with_meta(proto: onnx.ModelProto, meta: ModelMeta) -> onnx.ModelProto:
 
 def with_digest(proto: onnx.ModelProto, meta: ModelMeta) -> tuple[ModelMeta, bytes, onnx.ModelProto]:
     """The final model: `meta` plus the graph's digest (`graph_sha256`, which the server checks on load), its
-    bytes and proto. CheckFailed if the digest does not survive adding it (the graph would serialize
-    differently from one call to the next)."""
-    digest = graph_digest(with_meta(proto, meta).SerializeToString())
-    meta = dataclasses.replace(meta, graph_sha256=digest)
+    bytes and proto."""
+    meta = dataclasses.replace(meta, graph_sha256=graph_digest(with_meta(proto, meta).SerializeToString()))
     final = with_meta(proto, meta)
-    onnx.checker.check_model(final)  # the metadata changed nothing else; cheap insurance
-    data = final.SerializeToString()
-    if graph_digest(data) != digest:
-        raise CheckFailed("graph digest", "the graph serialized differently once its digest was added to the "
-                                          "metadata, so the server could not check it; report this with the "
-                                          "library versions above")
-    return meta, data, final
+    return meta, final.SerializeToString(), final
 
 
 def _placement(model: bytes, opts: ExportOptions, dev: Probe, feeds: dict[str, np.ndarray]) -> PlacementReport:
@@ -254,39 +225,23 @@ def check_parity_gate(model_bytes: bytes, model: TemporalFusionTransformer, wind
 def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx.ModelProto, log: Log = _stderr,
                   published: list[Path] | None = None) -> Path | None:
     """All or nothing: the model file and, with --triton-repo, the Triton model directory (added to
-    `published` the moment they are in place)."""
-    triton_dir = None
+    `published` once they are in place)."""
+    triton_dir = None if opts.triton_repo is None else opts.triton_repo / opts.model_name
     try:
         with Staging() as staging:
-            for path in leftovers(opts.output)[0]:
-                remove(path)
-                log(f"removed {path}, a partial write left by a killed export")
+            _clear_leftovers(opts.output, log)
             staging.file(opts.output, data)
             if note := link_note(opts.output):
                 log(note)
-            if opts.triton_repo is not None:
-                triton_dir = opts.triton_repo / opts.model_name
-                staged, backups = leftovers(triton_dir)
-                for path in staged:
-                    remove(path)
-                    log(f"removed {path}, a partial write left by a killed export (Triton would take it for a model)")
-                for path in backups:
-                    log(f"warning: {path} is a copy of {triton_dir} set aside by an export killed while publishing; "
-                        "Triton would take it for a model: remove it, or move it back if the model directory is "
-                        "missing")
+            if triton_dir is not None:
+                _clear_leftovers(triton_dir, log, in_triton=True)
                 config = config_pbtxt(opts.model_name, signature(list(final.graph.input)),
                                       signature(list(final.graph.output)), opts.triton_max_batch_size,
                                       comment=f"written by `python -m export` from checkpoint sha256 "
                                               f"{meta.checkpoint_sha256}\nfoxhunt-tft {meta.precision} model, "
                                               f"version {meta.model_version}")
                 staging.directory(triton_dir, repository_files(data, config), keep_others=True)
-                if triton_dir.is_symlink():
-                    log(f"note: {triton_dir} was a link to {triton_dir.readlink()}; it becomes a directory of its "
-                        "own, with the new model and the other files the link showed (what it linked to is left "
-                        "as it was)")
             staging.commit(published)
-            if staging.interrupted:
-                log("interrupted while the files were being published: they were published whole first")
     except OSError as exc:  # Staging names the target it was writing
         target = Path(exc.filename) if exc.filename else opts.output
         advice = (f"free space on the file system of {target.parent.resolve()}, or write elsewhere"
@@ -295,39 +250,80 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
     return triton_dir
 
 
+def _clear_leftovers(target: Path, log: Log, in_triton: bool = False) -> None:
+    """Remove the staged copies a killed export left beside `target`; name a model directory's backup (the only
+    copy of the old model, if the kill came between two renames)."""
+    staged, backups = leftovers(target)
+    for path in staged:
+        remove(path)
+        log(f"removed {path}, a partial write left by a killed export"
+            + (" (Triton would take it for a model)" if in_triton else ""))
+    for path in backups:
+        log(f"warning: {path} is a copy of {target} set aside by an export killed while publishing; Triton would "
+            "take it for a model: remove it, or move it back if the model directory is missing")
+
+
 def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path] | None = None,
                _tamper: Tamper | None = None) -> ExportResult:
     """Export `opts.checkpoint` to `opts.output` (and the Triton repository), or raise ExportError.
 
-    The outputs are appended to `published` as they are put in place, before any signal can act: a caller
-    interrupted after that knows the export is complete. `_tamper` is a test hook: it may change the
-    exported graph before the checks run.
+    The outputs are appended to `published` once they are in place: a caller interrupted after that knows the
+    export is complete. `_tamper` is a test hook: it may change the exported graph before the checks run.
     """
     torch.set_num_threads(opts.threads)
-    dev = probe(opts.require_device or "cuda")  # without a requirement: analyse where it would run here
-    if opts.require_device and not dev.available:  # the gate cannot pass here: said before minutes of work
+    dev = _device(opts)
+    ckpt, model, sha = load(opts)
+    meta = base_meta(ckpt, model.cfg, sha, opts)
+    windows, source = _real_windows(opts, ckpt, model.cfg, log)
+    _log_checkpoint(opts, ckpt, model.cfg, meta, sha, f"{windows[MODEL_INPUTS[0]].shape[0]} real windows {source}",
+                    log)
+    log(f"exporting with torch.onnx.export(dynamo=True), opset {opts.opset}, {opts.precision}"
+        f"{'' if opts.explain else ', quantiles only'} ...")
+    proto = build_graph(model, windows, opts, sha, meta, _tamper)
+    parity, placement = _checks(proto, model, windows, source, opts, dev, log)
+    meta = dataclasses.replace(meta, parity=parity.to_dict(), placement=placement.to_dict())
+    meta, data, final = with_digest(proto, meta)
+    triton_dir = write_outputs(data, opts, meta, final, log, published)
+    log(f"wrote {opts.output} ({len(data) / 2**20:.2f} MiB, {meta.precision}, opset {opts.opset}, sha256 "
+        f"{hashlib.sha256(data).hexdigest()})" + (f" and Triton model {triton_dir}" if triton_dir else ""))
+    if triton_dir is not None and (later := newer_versions(triton_dir)):
+        log(f"note: {triton_dir} also holds version(s) {', '.join(later)}, kept as they were; the config.pbtxt "
+            f"written serves version {TRITON_VERSION} alone (version_policy), the model just exported")
+    return ExportResult(opts.output, meta, parity, placement, triton_dir)
+
+
+def _device(opts: ExportOptions) -> Probe:
+    """Whether the required device loads (without a requirement: where the model would run here), said before
+    minutes of work."""
+    dev = probe(opts.require_device or "cuda")
+    if opts.require_device and not dev.available:
         raise UsageError(f"--require-device {opts.require_device}: {dev.reason}. Export on a machine where "
                          "onnxruntime-gpu loads CUDA, or drop --require-device to export here without the "
                          "placement gate (the report then shows where each node runs on this machine)")
-    ckpt, model, sha = load(opts)
-    cfg = model.cfg
-    meta = base_meta(ckpt, cfg, sha, opts)
+    return dev
+
+
+def _real_windows(opts: ExportOptions, ckpt: dict[str, Any], cfg: ModelConfig, log: Log
+                  ) -> tuple[dict[str, np.ndarray], str]:
     if opts.bars is not None:
-        windows = windows_from_bars(opts.bars, ckpt, cfg, opts.column_flags, log=log)
-        source = f"rebuilt from {opts.bars}"
-    else:
-        windows, source = saved_windows(ckpt, cfg, opts.checkpoint), "from the checkpoint's validation sample"
+        return windows_from_bars(opts.bars, ckpt, cfg, opts.column_flags, log=log), f"rebuilt from {opts.bars}"
+    return saved_windows(ckpt), "from the checkpoint's validation sample"
+
+
+def _log_checkpoint(opts: ExportOptions, ckpt: dict[str, Any], cfg: ModelConfig, meta: ModelMeta, sha: str,
+                    windows: str, log: Log) -> None:
     log(f"checkpoint {opts.checkpoint} (sha256 {sha[:12]}): hidden {cfg.hidden_size}, encoder {cfg.encoder_length}, "
-        f"horizon {cfg.horizon}, quantiles {list(cfg.quantiles)}, {len(meta.symbols)} symbol(s); "
-        f"{windows[MODEL_INPUTS[0]].shape[0]} real windows {source}")
-    epoch, best = int(ckpt.get("epoch", 0)), int(ckpt.get("best_epoch", 0))
+        f"horizon {cfg.horizon}, quantiles {list(cfg.quantiles)}, {len(meta.symbols)} symbol(s); {windows}")
+    epoch, best = int(ckpt["epoch"]), int(ckpt["best_epoch"])
     if best and epoch != best:  # ckpt.last.pt, most likely: exported as asked, but said
         log(f"note: {opts.checkpoint} holds epoch {epoch}; the run's best validation loss was at epoch {best}, in "
             "its best checkpoint (ckpt.pt beside ckpt.last.pt): export that one for the best model")
 
-    log(f"exporting with torch.onnx.export(dynamo=True), opset {opts.opset}, {opts.precision}"
-        f"{'' if opts.explain else ', quantiles only'} ...")
-    proto = build_graph(model, windows, opts, sha, meta, _tamper)
+
+def _checks(proto: onnx.ModelProto, model: TemporalFusionTransformer, windows: dict[str, np.ndarray], source: str,
+            opts: ExportOptions, dev: Probe, log: Log) -> tuple[ParityReport, PlacementReport]:
+    """The four checks in order; CheckFailed at the first that fails."""
+    cfg = model.cfg
     run_checker(proto)
     log("[1/4] onnx.checker (full): ok")
     check_interface(proto, cfg, opts.explain, opts.opset)
@@ -338,24 +334,12 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
     parity.real_windows = f"{windows[MODEL_INPUTS[0]].shape[0]} {source}"
     log(f"[3/4] parity: ok (max scaled error {max(r.scaled for r in parity.rows):.2e} <= {parity.tolerance:g})")
     if opts.precision == "fp16" and parity.provider == "CPUExecutionProvider":
-        log("warning: --fp16 parity ran on ONNX Runtime's CPU provider, which computes most fp16 nodes in fp32 "
-            "(it inserts casts around them): this checked the weights' rounding to fp16, not fp16 arithmetic as a "
-            "GPU runs it; export again with --require-device cuda on a CUDA machine before serving it there")
+        log("warning: --fp16 parity ran on ONNX Runtime's CPU provider, which computes most fp16 nodes in fp32: "
+            "this checked the weights' rounding to fp16, not fp16 arithmetic as a GPU runs it; export again with "
+            "--require-device cuda on a CUDA machine before serving it there")
     placement = _placement(model_bytes, opts, dev, feeds)
     print_report(placement.table(), REPORT_ALSO)
     if placement.gate == "failed":
         raise CheckFailed("placement", placement.reason)
     log(f"[4/4] placement gate: {placement.gate}")
-
-    meta = dataclasses.replace(meta, parity=parity.to_dict(), placement=placement.to_dict())
-    meta, data, final = with_digest(proto, meta)
-    triton_dir = write_outputs(data, opts, meta, final, log, published)
-    with interrupts_deferred() as late:  # once published, Ctrl-C has nothing left to stop: finish the report
-        log(f"wrote {opts.output} ({len(data) / 2**20:.2f} MiB, {meta.precision}, opset {opts.opset}, sha256 "
-            f"{hashlib.sha256(data).hexdigest()})" + (f" and Triton model {triton_dir}" if triton_dir else ""))
-        if triton_dir is not None and (later := newer_versions(triton_dir)):
-            log(f"note: {triton_dir} also holds version(s) {', '.join(later)}, kept as they were; the config.pbtxt "
-                f"written serves version {TRITON_VERSION} alone (version_policy), the model just exported")
-    if late:
-        log("interrupted after the files were published: they are complete")
-    return ExportResult(opts.output, meta, parity, placement, triton_dir)
+    return parity, placement

@@ -1,15 +1,12 @@
 """Device placement: which execution provider ran each node, read from ONNX Runtime's profile.
 
-`profile_placement` works on any device's session (the CPU here, CUDA on a GPU machine): it
-enables profiling, runs the model once, and reads each node's `provider` from the profile's
-per-node kernel events, which describe the graph as ONNX Runtime actually ran it (after its
+`profile_placement` runs the model once with profiling on any device's session and reads each
+node's `provider` from the per-node kernel events (the graph as ONNX Runtime ran it, after its
 fusions, with any Memcpy nodes it inserted).
 
-The gate: every compute node must run on the required device's provider. Only shape
-computation may stay on the CPU: a node whose op is one of `SHAPE_OPS` and whose inputs
-(except for Shape/Size, which read only metadata) and outputs are all integer or bool
-tensors — the Shape -> Gather -> Concat -> Reshape chains that the CUDA provider hands to
-the CPU on purpose.
+The gate: every compute node runs on the required device's provider. Only shape computation
+may stay on the CPU: an op in `SHAPE_OPS` whose inputs (except for Shape/Size, which read only
+metadata) and outputs are integer or bool tensors.
 """
 
 from __future__ import annotations
@@ -134,8 +131,8 @@ class PlacementReport:
             "strict_session": self.strict_session,
         }
 
-    def table(self, list_cpu_compute: bool | None = None) -> str:
-        """Nodes per provider, Memcpy nodes, and (when the gate failed, or asked) every CPU-placed compute node."""
+    def table(self) -> str:
+        """Nodes per provider, Memcpy nodes, and (when the gate failed) every CPU-placed compute node."""
         req = f"required: {self.required}" if self.required else "no --require-device"
         lines = [f"placement: nodes as ONNX Runtime ran them on a {self.provider} session ({req})",
                  f"{'provider':<26} {'nodes':>6} {'compute':>8} {'shape-only':>11} {'memcpy':>7}"]
@@ -144,9 +141,7 @@ class PlacementReport:
                          f"{row['memcpy']:>7}")
         lines.append(f"Memcpy nodes: {sum(n.memcpy for n in self.nodes)}")
         cpu = self.cpu_compute
-        if list_cpu_compute is None:
-            list_cpu_compute = self.gate == "failed"
-        if cpu and list_cpu_compute:
+        if cpu and self.gate == "failed":
             lines.append(f"CPU-placed compute nodes ({len(cpu)}):")
             lines.extend(f"  {n.name:<48} {n.op_type}" for n in cpu)
         elif cpu:

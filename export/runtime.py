@@ -1,14 +1,12 @@
 """ONNX Runtime sessions for the checks, and the probe that says whether a device's provider loads.
 
-ONNX Runtime never refuses a provider it cannot load: it logs an error on the native stderr
-and quietly runs the session on the CPU. So every session made here is checked for the
-provider it actually got, and the probe reads the native log to say *why* a provider did
-not load (typically a CUDA or cuDNN library that is missing).
+ONNX Runtime runs a session on the CPU when a provider does not load, so every session made here
+is checked for the provider it got, and the native log says why (features.ort).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import onnx
@@ -16,14 +14,12 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from export.errors import CheckFailed
-from serving.cuda_libs import preload_cuda_libraries
-from serving.native_log import native_stderr, provider_failure_reason
+from features.ort import native_stderr, preload_cuda_libraries, provider_failure_reason
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
 DEVICES = {"cpu": CPU, "cuda": CUDA}
 DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
-# fp32 parity on CUDA must not run matmuls in TF32 (10-bit mantissa); a server that wants TF32
-# should re-check parity with it. Recorded in the model's parity report.
+# fp32 parity on CUDA runs without TF32 (10-bit mantissa), as the server does; recorded in the parity report
 CUDA_OPTIONS = {"device_id": "0", "use_tf32": "0"}
 
 
@@ -63,10 +59,8 @@ class Probe:
     """Whether a device's execution provider loads here, and if not, why."""
 
     device: str
-    provider: str
     available: bool
     reason: str = ""
-    log: list[str] = field(default_factory=list)
 
 
 def _probe_model() -> bytes:
@@ -76,30 +70,32 @@ def _probe_model() -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
 
 
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def probe(device: str) -> Probe:
-    """Try a one-node session on `device` alone with CPU fallback disabled, capturing the native log."""
+    """Try a one-node session on `device` alone with CPU fallback disabled, reading the native log for why not."""
     provider = DEVICES[device]
     if device == "cpu":
-        return Probe(device, provider, True)
+        return Probe(device, True)
     if provider not in ort.get_available_providers():
-        return Probe(device, provider, False,
-                     f"this onnxruntime build ({ort.__version__}) has no {provider}; install onnxruntime-gpu "
-                     f"(available here: {', '.join(ort.get_available_providers())})")
-    error = ""
-    session = None
+        return Probe(device, False, f"this onnxruntime build ({ort.__version__}) has no {provider}; install "
+                     f"onnxruntime-gpu (available here: {', '.join(ort.get_available_providers())})")
     preload_cuda_libraries()
+    error = ""
     with native_stderr() as log:
         try:
             session = ort.InferenceSession(_probe_model(), session_options(1, strict=True),
                                            providers=[(provider, dict(CUDA_OPTIONS))])
+            if session.get_providers()[:1] == [provider]:
+                return Probe(device, True)
+            error = f"the session fell back to {session.get_providers()}"
         except Exception as exc:  # onnxruntime raises its own Fail/RuntimeException types
-            error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if session is not None and session.get_providers()[:1] == [provider]:
-        return Probe(device, provider, True, log=log)
-    fallback = f"the session fell back to {session.get_providers() if session else '?'}"
-    why = provider_failure_reason(log) or error or fallback
-    return Probe(device, provider, False, f"{provider} is listed by onnxruntime {ort.__version__} but does not load: "
-                 f"{why}", log=log)
+            error = _first_line(exc)
+    why = provider_failure_reason(log) or error
+    return Probe(device, False, f"{provider} is listed by onnxruntime {ort.__version__} but does not load: {why}")
 
 
 def strict_session_outcome(model: bytes, device: str, threads: int) -> str:
@@ -115,12 +111,8 @@ def strict_session_outcome(model: bytes, device: str, threads: int) -> str:
             ort.InferenceSession(model, session_options(threads, strict=True),
                                  providers=[(DEVICES[device], dict(CUDA_OPTIONS))])
     except Exception as exc:
-        return f"refused: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+        return f"refused: {_first_line(exc)}"
     return "accepted: every node on " + DEVICES[device]
-
-
-def input_feeds(session: ort.InferenceSession, inputs: dict[str, Any]) -> dict[str, Any]:
-    return {i.name: inputs[i.name] for i in session.get_inputs()}
 
 
 def version_info() -> dict[str, str]:

@@ -3,14 +3,10 @@
     DIR/<name>/config.pbtxt
     DIR/<name>/1/model.onnx
 
-The config uses the onnxruntime backend, batches dynamically up to `max_batch_size` (dims
-are written without the batch axis, as Triton wants when max_batch_size > 0), runs on the
-GPU with the CUDA provider's TF32 math off (ONNX Runtime turns it on by default; export's
-parity check ran fp32 without it, as `python -m serving` runs), serves version 1 alone (the
-version export writes, whatever other versions the directory holds: a config.pbtxt is
-rewritten by every export, so a policy edited into it would not last), and warms up at batch 1
-and at the largest batch up to WARMUP_MAX_BATCH with all-zero inputs (zero is a valid symbol id
-and a finite raw feature value, so warm-up exercises the real graph).
+The config uses the onnxruntime backend with dynamic batching up to `max_batch_size`, runs on
+the GPU with TF32 off (as parity was checked), serves version 1 alone (what export writes;
+config.pbtxt is rewritten by every export), and warms up with all-zero inputs (a valid symbol
+id and finite features) at batch 1 and at the largest batch up to WARMUP_MAX_BATCH.
 """
 
 from __future__ import annotations
@@ -82,7 +78,7 @@ def config_pbtxt(name: str, inputs: Sequence[TensorSig], outputs: Sequence[Tenso
 
 def _cuda_options() -> str:
     """The CUDA provider options parity was checked with, less the device (Triton's instance group places it)."""
-    from export.runtime import CUDA_OPTIONS  # here: the flags' checks import this module, not onnx (seconds)
+    from export.runtime import CUDA_OPTIONS  # here: the flags' checks import this module, not onnx
 
     params = "\n".join(f"        parameters {{\n          key: \"{k}\"\n          value: \"{v}\"\n        }}"
                        for k, v in CUDA_OPTIONS.items() if k != "device_id")

@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 
 from export.errors import UsageError
-from export.onnx_export import expected_shapes
 from features.bars import BarDataError, Bars, ColumnMap, read_bars
 from features.compute import FeatureConfig, build_frame
 from features.file_kind import describe
@@ -32,36 +31,17 @@ def only_symbols(bars: Bars, slices: dict[str, slice], keep: list[str]) -> Bars:
         notes=list(bars.notes))
 
 
-def _checked(windows: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> dict[str, np.ndarray]:
-    shapes = expected_shapes(cfg, explain=False)
-    n = {name: windows[name].shape[0] for name in MODEL_INPUTS}
-    problems = [f"{name} has shape {list(windows[name].shape)}, the model needs [B, "
-                f"{', '.join(map(str, shapes[name]))}]" for name in MODEL_INPUTS
-                if tuple(windows[name].shape[1:]) != shapes[name]]
-    if len(set(n.values())) != 1:
-        problems.append(f"inputs hold different numbers of windows: {n}")
-    elif next(iter(n.values())) == 0:
-        problems.append("it holds no windows")
-    if problems:
-        raise UsageError(f"{source} does not fit the model: {'; '.join(problems)}. Pass --bars PATH to rebuild "
-                         "windows from the training data")
-    out = {name: np.ascontiguousarray(windows[name]) for name in MODEL_INPUTS}
-    out[STATIC_CATEGORICAL] = out[STATIC_CATEGORICAL].astype(np.int64)
+def _as_fed(windows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The windows as the trainer feeds them: int64 symbol ids, float32 features with NaN as 0."""
+    out = {STATIC_CATEGORICAL: np.ascontiguousarray(windows[STATIC_CATEGORICAL], dtype=np.int64)}
     for name in MODEL_INPUTS[1:]:
-        out[name] = np.nan_to_num(out[name].astype(np.float32), nan=0.0)  # as the trainer feeds them
+        out[name] = np.ascontiguousarray(np.nan_to_num(windows[name].astype(np.float32), nan=0.0))
     return out
 
 
-def saved_windows(ckpt: dict[str, Any], cfg: ModelConfig, source: str | Path = "the checkpoint"
-                  ) -> dict[str, np.ndarray]:
-    """The checkpoint's `validation_sample` (real validation windows written by the trainer); `source` names the
-    checkpoint in errors."""
-    sample = ckpt.get("validation_sample")
-    if not isinstance(sample, dict) or any(name not in sample for name in MODEL_INPUTS):
-        raise UsageError(f"{source}: the checkpoint has no validation_sample of real windows (written by `python -m "
-                         "trainer` since the first release); pass --bars PATH to rebuild windows from the bars")
-    return _checked({name: np.asarray(sample[name].numpy() if hasattr(sample[name], "numpy") else sample[name])
-                     for name in MODEL_INPUTS}, cfg, "the checkpoint's validation_sample")
+def saved_windows(ckpt: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The checkpoint's `validation_sample`: real validation windows written by the trainer."""
+    return _as_fed({name: ckpt["validation_sample"][name].numpy() for name in MODEL_INPUTS})
 
 
 def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column_flags: dict[str, str] | None = None,
@@ -100,4 +80,4 @@ def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column
         raise UsageError(f"--bars {path}: no complete window; each needs {feature_config.warmup_bars} warm-up bars "
                          f"plus {cfg.encoder_length} encoder bars of one symbol")
     pick = anchors[np.unique(np.linspace(0, anchors.size - 1, min(limit, anchors.size)).astype(np.int64))]
-    return _checked(gather_windows(frame, pick, cfg.encoder_length), cfg, f"--bars {path}")
+    return _as_fed(gather_windows(frame, pick, cfg.encoder_length))

@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from features.stopping import interrupts_deferred
-
 
 def reader_went_away() -> int:
-    """After a BrokenPipeError on stdout (its reader went away: `| head`): stdout goes to /dev/null, so that
-    the flush at exit raises no second error, and the status is 141, what a shell reports for a process that
-    SIGPIPE ended. A command's main returns this instead of a traceback."""
+    """After a BrokenPipeError on stdout (`| head`): stdout goes to /dev/null, so the flush at exit raises no
+    second error, and the status is 141, as a shell reports for a process SIGPIPE ended."""
     _stdout_to_devnull()
     return 141
 
 
 def print_report(text: str, where: str = "") -> None:
-    """Print `text` to stdout for a command whose work outlives its report: if stdout cannot take it (its reader
-    went away, `| head`; a full disk), the rest of stdout goes to /dev/null, stderr says so once, and the work
-    goes on. `where`: where else the report can be read."""
+    """Print `text` to stdout for a command whose work outlives its report: if stdout cannot take it (`| head`,
+    a full disk), the rest of stdout goes to /dev/null, stderr says so once, and the work goes on. `where`:
+    where else the report can be read."""
     try:
         print(text, flush=True)
     except OSError as exc:
@@ -36,7 +32,7 @@ def print_report(text: str, where: str = "") -> None:
 
 def _stdout_to_devnull() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
-    if devnull != sys.stdout.fileno():  # (stdout's descriptor closed already: the open took its number)
+    if devnull != sys.stdout.fileno():  # stdout's descriptor was closed already: the open took its number
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
 
@@ -49,9 +45,8 @@ def umask() -> int:
 
 
 def file_argument(example: str, wrong_suffixes: dict[str, str] | None = None) -> Callable[[str], Path]:
-    """An argparse `type` for a file to write: refuses a name that ends with '/' (a directory, which the
-    command would otherwise create as a file of that name) and, from `wrong_suffixes` (suffix: what writes
-    such a file), a name for another command's kind of file."""
+    """An argparse `type` for a file to write: refuses a name that ends with '/' and, from `wrong_suffixes`
+    (suffix: what writes such a file), a name for another command's kind of file."""
     def parse(text: str) -> Path:
         if text.endswith(("/", os.sep)):
             raise argparse.ArgumentTypeError(f"{text!r} ends with '/', a directory: give the file's name, e.g. "
@@ -65,10 +60,9 @@ def file_argument(example: str, wrong_suffixes: dict[str, str] | None = None) ->
 
 
 def unwritable(target: Path) -> tuple[Path, str] | None:
-    """Whether a file can be made at `target`, found before any long work and creating nothing: the nearest
-    existing directory on its way (the command makes the rest when it writes) must take a file. None when it
-    does, else (that directory, why not). A real file is made and removed, since permission bits do not tell
-    (root, read-only mounts, immutable directories)."""
+    """Whether a file can be made at `target`, found before any long work: the nearest existing directory on
+    its way must take a file. None when it does, else (that directory, why not). A real file is made and
+    removed, since permission bits do not tell (root, read-only mounts)."""
     existing = target.parent
     try:
         existing = next(p for p in (target.parent, *target.parent.parents) if p.exists() or p.is_symlink())
@@ -76,8 +70,7 @@ def unwritable(target: Path) -> tuple[Path, str] | None:
             return existing, f"{existing} is a link to {os.readlink(existing)}, which does not exist"
         if not existing.is_dir():
             return existing, f"{existing} is a file"
-        # a name the commands' clean-up knows (.NAME.XXXXXXXX.tmp), should a kill leave it where the file system
-        # cannot make an anonymous one (NFS, FUSE)
+        # a name the commands' clean-up knows (.NAME.XXXXXXXX.tmp), should a kill leave it
         fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=existing)
         os.close(fd)
         os.unlink(probe)
@@ -87,8 +80,8 @@ def unwritable(target: Path) -> tuple[Path, str] | None:
 
 
 def link_note(path: Path) -> str | None:
-    """What an atomic write does to `path` when it is a symbolic link: the rename replaces the link itself, so the
-    file it named keeps its old content. None when `path` is no link."""
+    """What an atomic write does to `path` when it is a symbolic link (the rename replaces the link itself);
+    None when `path` is no link."""
     if not path.is_symlink():
         return None
     return (f"note: {path} is a link to {os.readlink(path)}; it becomes a file of its own, the new one (what it "
@@ -98,19 +91,14 @@ def link_note(path: Path) -> str | None:
 @contextmanager
 def atomic_output(out: Path) -> Iterator[str]:
     """A temporary file beside `out` to write; when the block completes it becomes `out` (mode 0o666 less the
-    umask, as an open() would make it: mkstemp makes it private), and on any error, Ctrl-C included, it is
-    removed, so `out` is never half-written."""
+    umask, as open() makes it), and on any error, Ctrl-C included, it is removed: `out` is never half-written."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp: str | None = None
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
     try:
-        with interrupts_deferred() as stopped:  # a stop signal as the file is made would leave it, nameless to us
-            fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-            os.close(fd)
-        for signum in stopped[:1]:  # acted on now, where the file is removed
-            signal.raise_signal(signum)
         yield tmp
         os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, out)
     finally:
-        if tmp is not None and os.path.exists(tmp):
+        if os.path.exists(tmp):
             os.unlink(tmp)

@@ -1,18 +1,14 @@
 """The ONNX model the server runs: load and check it, place it on a device, warm it up, run it.
 
-`load_model` reads the file once (what is hashed is what is loaded), creates one ONNX
-Runtime session, parses the metadata contract (`features.model_meta`) and checks the
-graph's inputs and outputs against it; anything wrong is a `ModelLoadError`, so a bad file
-never replaces a good one. `ModelHolder` swaps models atomically: a request takes one
-snapshot of the current model and runs all its windows on it.
+`load_model` reads the file once (what is hashed is what is loaded), checks its metadata
+(`features.model_meta`) and graph digest, and creates one ONNX Runtime session; anything
+wrong is a `ModelLoadError`, so a bad file never replaces a good one. `ModelHolder` swaps
+models atomically: a request takes one snapshot of the current model.
 
 Devices. `cuda` runs on the CUDA execution provider with IO binding, or raises
-`DeviceUnavailable` naming why (ONNX Runtime never refuses a provider it cannot load: it
-logs the reason and runs on the CPU, so the session's providers are checked and the native
-log is read for the reason). Export's placement gate proved, or did not, that every compute
-node runs on CUDA (only shape computation may stay on the CPU); `cuda` refuses a model
-without that proof. `cpu` runs on the CPU provider; `auto` tries `cuda` and falls back to
-`cpu` with a warning that GetModelInfo and the log repeat.
+`DeviceUnavailable` naming why, and refuses a model whose placement export did not prove
+on CUDA. `cpu` runs on the CPU provider; `auto` tries `cuda` and falls back to `cpu` with a
+warning that GetModelInfo and the log repeat.
 
 Batch sizes. A run of n windows is padded (repeating its last window) to the smallest
 bucket >= n of `batch_buckets(max_batch)`, so the set of shapes the model ever sees is
@@ -26,6 +22,7 @@ import hashlib
 import logging
 import re
 import stat
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -36,20 +33,17 @@ import numpy as np
 import onnxruntime as ort
 
 from features.file_kind import hint
-from features.model_meta import PREFIX, ModelMeta, ModelMetaError, graph_digest, lookup_rows, stored_props
+from features.model_meta import PREFIX, ModelMeta, ModelMetaError, graph_digest, stored_props
+from features.ort import is_onnxruntime_line, native_stderr, preload_cuda_libraries, provider_failure_reason
 from features.schema import (
     DECODER_KNOWN,
     ENCODER_KNOWN,
     ENCODER_OBSERVED,
     EXPLAIN_OUTPUTS,
-    MODEL_INPUTS,
     QUANTILES,
     STATIC_CATEGORICAL,
 )
-from serving.cuda_libs import preload_cuda_libraries
 from serving.errors import DeviceUnavailable, ModelLoadError
-from serving.native_log import is_onnxruntime_line, native_stderr, provider_failure_reason, strip_ansi
-from serving.preprocess import INPUT_DTYPES
 
 log = logging.getLogger("serving")
 
@@ -57,7 +51,6 @@ DEVICES = ("auto", "cpu", "cuda")
 CPU_EP = "CPUExecutionProvider"
 CUDA_EP = "CUDAExecutionProvider"
 CUDA_OPTIONS = {"use_tf32": "0"}  # fp32 as export's parity check ran it (TF32 would need its own parity check)
-ORT_TYPES: dict[type[np.generic], str] = {np.int64: "tensor(int64)", np.float32: "tensor(float)"}
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -214,30 +207,24 @@ def _no_gpu_reason() -> str:
 
 def _cuda_session(model_bytes: bytes, path: str, device_id: int, threads: int, quiet_failure: bool = False
                   ) -> ort.InferenceSession:
-    """A session whose main provider is CUDA (the CPU takes only what the CUDA provider hands it), or
-    DeviceUnavailable naming why not. ONNX Runtime's log lines of the attempt are echoed to stderr,
-    except with `quiet_failure` when it failed (--device auto: the fallback warning names the reason,
-    once, rather than a screenful of red on every start and reload of a CPU host)."""
+    """A session whose main provider is CUDA (the CPU takes only the shape computation the CUDA provider hands
+    it), or DeviceUnavailable naming why not. ONNX Runtime's log of the attempt goes to stderr, except with
+    `quiet_failure` when it failed (--device auto: the fallback warning names the reason once)."""
     if CUDA_EP not in ort.get_available_providers():
         raise DeviceUnavailable(f"CUDA requested but this onnxruntime build ({ort.__version__}) has no CUDA "
                                 f"execution provider (available: {', '.join(ort.get_available_providers())}); "
                                 "install onnxruntime-gpu")
     preload_cuda_libraries()
-    # the CPU provider stays listed for the shape computation the CUDA provider hands over on purpose;
-    # that every compute node runs on CUDA is what export's placement gate proved (checked in load_model)
     providers: list[str | tuple[str, dict[str, str]]] = [(CUDA_EP, {**CUDA_OPTIONS, "device_id": str(device_id)}),
                                                          CPU_EP]
-    failed = False
-
-    def echoed(line: str) -> bool:
-        quiet = quiet_failure and failed  # ONNX Runtime's lines go, and the colour resets left between them
-        return not (quiet and (is_onnxruntime_line(line) or not strip_ansi(line).strip()))
-
-    with native_stderr(echo=echoed) as log_lines:
+    with native_stderr() as lines:
         session = _new_session(model_bytes, path, providers, _session_options(threads))
-        failed = session.get_providers()[0] != CUDA_EP
+    failed = session.get_providers()[0] != CUDA_EP
+    for line in lines:  # what other threads wrote meanwhile is always written back
+        if not (quiet_failure and failed and is_onnxruntime_line(line)):
+            print(line, file=sys.stderr)
     if failed:
-        why = provider_failure_reason(log_lines) or _no_gpu_reason() or "ONNX Runtime logged no reason"
+        why = provider_failure_reason(lines) or _no_gpu_reason() or "ONNX Runtime logged no reason"
         raise DeviceUnavailable(f"CUDA requested but ONNX Runtime could not create the CUDA execution provider "
                                 f"(the session fell back to {session.get_providers()}): {why}")
     return session
@@ -283,110 +270,45 @@ def _new_session(model_bytes: bytes, path: str, providers: Sequence[str | tuple[
             from None
 
 
-def _check_signature(session: ort.InferenceSession, meta: ModelMeta, path: str) -> tuple[str, ...]:
-    """Inputs and outputs against the metadata; returns the output names to fetch."""
-    schema, L, H, Q = meta.feature_schema, meta.encoder_length, meta.horizon, len(meta.quantiles)
-    expected_inputs = {
-        STATIC_CATEGORICAL: (len(schema.static),),
-        ENCODER_OBSERVED: (L, len(schema.observed)),
-        ENCODER_KNOWN: (L, len(schema.known)),
-        DECODER_KNOWN: (H, len(schema.known)),
-    }
-    inputs = {i.name: i for i in session.get_inputs()}
-    if sorted(inputs) != sorted(MODEL_INPUTS):
-        raise ModelLoadError(f"{path}: inputs are {sorted(inputs)}, expected {sorted(MODEL_INPUTS)}")
-    for name, dims in expected_inputs.items():
-        arg = inputs[name]
-        if arg.type != ORT_TYPES[INPUT_DTYPES[name]]:
-            raise ModelLoadError(f"{path}: input {name!r} is {arg.type}, expected {ORT_TYPES[INPUT_DTYPES[name]]}")
-        shape = list(arg.shape)
-        if len(shape) != 1 + len(dims) or (isinstance(shape[0], int) and shape[0] != -1):
-            raise ModelLoadError(f"{path}: input {name!r} has shape {shape}, expected [batch, "
-                                 f"{', '.join(map(str, dims))}] with a dynamic batch axis")
-        if any(isinstance(s, int) and s != d for s, d in zip(shape[1:], dims, strict=True)):
-            raise ModelLoadError(f"{path}: input {name!r} has shape {shape}, expected [batch, "
-                                 f"{', '.join(map(str, dims))}] (from the model metadata)")
-    outputs = {o.name for o in session.get_outputs()}
-    if QUANTILES not in outputs:
-        raise ModelLoadError(f"{path}: no output {QUANTILES!r} (outputs: {sorted(outputs)})")
-    q_shape = next(list(o.shape) for o in session.get_outputs() if o.name == QUANTILES)
-    if len(q_shape) != 3 or any(isinstance(s, int) and s != d for s, d in zip(q_shape[1:], (H, Q), strict=True)):
-        raise ModelLoadError(f"{path}: output {QUANTILES!r} has shape {q_shape}, expected [batch, {H}, {Q}] "
-                             "(horizon and quantiles from the model metadata)")
-    present = [name for name in EXPLAIN_OUTPUTS if name in outputs]
-    if meta.explain and len(present) != len(EXPLAIN_OUTPUTS):
-        missing = sorted(set(EXPLAIN_OUTPUTS) - outputs)
-        raise ModelLoadError(f"{path}: metadata says explain outputs are present but {missing} are missing")
-    if present and len(present) != len(EXPLAIN_OUTPUTS):
-        present = []  # a partial set cannot fill an explanation; serve the quantiles only
-    return (QUANTILES, *present)
+def _output_names(session: ort.InferenceSession, meta: ModelMeta, path: str) -> tuple[str, ...]:
+    """The outputs to fetch on every run: the quantiles, then the explain outputs if the metadata says so."""
+    wanted = (QUANTILES, *EXPLAIN_OUTPUTS) if meta.explain else (QUANTILES,)
+    if missing := sorted(set(wanted) - {o.name for o in session.get_outputs()}):
+        raise ModelLoadError(f"{path}: the graph lacks the outputs {missing} its metadata names; re-export the model")
+    return wanted
 
 
-def _check_meta(meta: ModelMeta, path: str) -> None:
-    """What the server relies on beyond `ModelMeta.check`: values it computes with or repeats to callers."""
-    problems = []
-    if meta.horizon * meta.bar_interval_ns >= 1 << 62:
-        problems.append(f"horizon {meta.horizon} x bar_interval_ns {meta.bar_interval_ns} spans centuries")
-    if not meta.model_version or len(meta.model_version) > 200 or not meta.model_version.isprintable():
-        problems.append("model_version must be a printable string of 1..200 characters")
-    if problems:
-        raise ModelLoadError(f"{path}: model metadata is unusable: " + "; ".join(problems) + "; re-export the model")
+def _read(path: str) -> bytes:
+    try:
+        if not stat.S_ISREG(Path(path).stat().st_mode):  # a directory, a FIFO, /dev/zero: never read those whole
+            raise ModelLoadError(f"{path}: not a regular file; give the .onnx file written by `python -m export`")
+        model_bytes = Path(path).read_bytes()
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read the model file: {exc.strerror or exc}") from None
+    if not model_bytes:
+        raise ModelLoadError(f"{path}: the model file is empty")
+    return model_bytes
 
 
-def _check_before_session(model_bytes: bytes, path: str) -> ModelMeta | None:
-    """A model of ours is refused for its metadata or a changed graph before ONNX Runtime builds a session of it
-    (on CUDA, seconds of device work, and a damaged graph never reaches ONNX Runtime's parser). Bytes that do not
-    hold our metadata are left to the session, whose error says what they are (None)."""
+def _read_meta(model_bytes: bytes, path: str) -> ModelMeta:
+    """The metadata, checked with the graph's digest before ONNX Runtime builds a session (on CUDA, seconds)."""
     try:
         props = stored_props(model_bytes)
     except ModelMetaError as exc:  # our metadata, damaged
         raise ModelLoadError(f"{path}: {exc}") from None
-    except ValueError:  # not a protobuf message at all: ONNX Runtime's error names it
-        return None
-    if PREFIX + "format" not in props:
-        return None
+    except ValueError:  # not a protobuf message
+        props = {}
+    if PREFIX + "format" not in props:  # not our model: ONNX Runtime's error says what the bytes are
+        _new_session(model_bytes, path, [CPU_EP], _session_options(1))
     try:
         meta = ModelMeta.from_props(props)
     except ModelMetaError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
-    _check_stored(meta, model_bytes, path)
-    return meta
-
-
-def _check_stored(meta: ModelMeta, model_bytes: bytes, path: str) -> None:
-    """What the file's metadata and graph must hold together, wherever the metadata was read from."""
-    _check_meta(meta, path)
-    _check_graph(meta, model_bytes, path)
-    _check_vocabulary(meta, model_bytes, path)
-
-
-def _check_vocabulary(meta: ModelMeta, model_bytes: bytes, path: str) -> None:
-    """The symbols the metadata names must be the rows of the graph's symbol embedding (export writes them so):
-    an id past its end would fail on the CPU and read zeros on CUDA, and metadata is outside the graph's digest."""
-    try:
-        rows = lookup_rows(model_bytes, STATIC_CATEGORICAL)
-    except ValueError:
-        return  # not a protobuf message: ONNX Runtime's error names it
-    if rows is not None and rows != len(meta.symbols):
-        raise ModelLoadError(f"{path}: the metadata names {len(meta.symbols)} symbol(s), but the graph's symbol "
-                             f"embedding has {rows} row(s): the metadata was edited after export; re-export the model")
-
-
-def _check_graph(meta: ModelMeta, model_bytes: bytes, path: str) -> None:
-    """The graph must be the one export checked: a bit flipped in a weight (disk, copy, transfer) still parses
-    and runs, and would serve other forecasts under the same version and parity report."""
-    if not meta.graph_sha256:
-        log.warning("%s: exported before models recorded their graph's digest, so a change to it since the export "
-                    "cannot be detected; export it again to have it checked", path)
-        return
-    try:
-        digest = graph_digest(model_bytes)
-    except ValueError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from None
-    if digest != meta.graph_sha256:
+    if (digest := graph_digest(model_bytes)) != meta.graph_sha256:
         raise ModelLoadError(f"{path}: the model's graph is not the one export checked (graph sha256 {digest[:12]}, "
                              f"export recorded {meta.graph_sha256[:12]}): the file was damaged or changed after "
                              "export; copy it again, or export it again from its checkpoint")
+    return meta
 
 
 def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batch: int = 64,
@@ -395,39 +317,15 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
     if device not in DEVICES:
         raise ModelLoadError(f"device {device!r} is not one of {', '.join(DEVICES)}")
     p = str(path)
-    try:
-        if not stat.S_ISREG(Path(p).stat().st_mode):  # a directory, a FIFO, /dev/zero: never read those whole
-            raise ModelLoadError(f"{p}: not a regular file; give the .onnx file written by `python -m export`")
-        model_bytes = Path(p).read_bytes()
-    except OSError as exc:
-        raise ModelLoadError(f"{p}: cannot read the model file: {exc.strerror or exc}") from None
-    if not model_bytes:
-        raise ModelLoadError(f"{p}: the model file is empty")
-    checked = _check_before_session(model_bytes, p)
+    model_bytes = _read(p)
+    meta = _read_meta(model_bytes, p)
     placement = _create_session(model_bytes, p, device, device_id, threads)
-    session = placement.session
-    if checked is not None:
-        meta = checked
-    else:  # not readable without a session (nor refused by ONNX Runtime): its metadata as the session reads it
-        try:
-            meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
-        except (ModelMetaError, UnicodeDecodeError) as exc:
-            raise ModelLoadError(f"{p}: {exc}") from None
-        _check_stored(meta, model_bytes, p)
-    output_names = _check_signature(session, meta, p)
+    output_names = _output_names(placement.session, meta, p)
     _check_placement(meta, placement, device, p)
-    return LoadedModel(
-        path=p,
-        meta=meta,
-        session=session,
-        sha256=hashlib.sha256(model_bytes).hexdigest(),
-        device_requested=device,
-        device=placement.device,
-        device_id=device_id,
-        fallback_warning=placement.fallback_warning,
-        output_names=output_names,
-        buckets=batch_buckets(max_batch),
-    )
+    return LoadedModel(path=p, meta=meta, session=placement.session, sha256=hashlib.sha256(model_bytes).hexdigest(),
+                       device_requested=device, device=placement.device, device_id=device_id,
+                       fallback_warning=placement.fallback_warning, output_names=output_names,
+                       buckets=batch_buckets(max_batch))
 
 
 def load_and_warm(path: str | Path, device: str, threads: int, max_batch: int, device_id: int = 0,

@@ -6,10 +6,8 @@ Each is made by the real command (`python -m features.synth`, `python -m trainer
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,21 +37,6 @@ def exit_and_imports(module: str, args: list[str],
              f"    print('exit', exc.code, *(f'{{m}}={{m in sys.modules}}' for m in {heavy!r}))\n")
     r = run(["-c", probe, *args])
     return r, (r.stdout.splitlines() or [""])[-1]
-
-
-def interrupt_while_loading(cmd: list[str], sig: int, loading: str = r"onnx_cpp2py_export|libtorch"
-                            ) -> tuple[int, str]:
-    """Start `python -m ...`, send `sig` once a heavy library is being imported (its shared object mapped), and
-    return the exit status and stderr."""
-    proc = subprocess.Popen([sys.executable, *cmd], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.monotonic() + 60
-    while not re.search(loading, Path(f"/proc/{proc.pid}/maps").read_text()):
-        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        time.sleep(0.01)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
-    return proc.returncode, err
 
 
 def make_bars(out: Path, bars: int = 1500, symbols: str = "ES,NQ", seed: int = 7) -> Path:

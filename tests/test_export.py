@@ -36,20 +36,18 @@ from export.errors import UsageError
 from export.files import Staging, leftovers
 from export.options import MAX_OPSET
 from export.parity import TOLERANCE, Case, ParityReport, compare, make_cases
-from export.pipeline import run_export
 from export.placement import PlacementReport, evaluate, is_shape_computation, profile_placement
 from export.runtime import CPU, probe
 from export.triton import newer_versions
 from export.windows import saved_windows, windows_from_bars
 from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
+from features.ort import provider_failure_reason
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, STATIC_CATEGORICAL, FeatureSchema
-from serving.native_log import provider_failure_reason
 from tests.artifacts import (
     REPO,
     TINY_TRAIN_FLAGS,
     exit_and_imports,
-    interrupt_while_loading,
     make_checkpoint,
     make_onnx,
     run,
@@ -163,14 +161,14 @@ def test_interface_names_and_dynamic_batch(exported: Path) -> None:
 @pytest.mark.parametrize("batch", [1, 3, 64])
 def test_parity_at_any_batch_size(exported: Path, ckpt: Path, torch_model: TemporalFusionTransformer,
                                   batch: int) -> None:
-    windows = saved_windows(load_checkpoint(ckpt), torch_model.cfg)
+    windows = saved_windows(load_checkpoint(ckpt))
     case = make_cases(windows, torch_model, batches=(batch,), seed=batch + 100)[1]  # a random batch
     errs = scaled_errors(torch_model, session(exported), case.inputs)
     assert max(errs.values()) < TOLERANCE["fp32"], errs
 
 
 def test_parity_on_real_windows(exported: Path, ckpt: Path, torch_model: TemporalFusionTransformer) -> None:
-    windows = saved_windows(load_checkpoint(ckpt), torch_model.cfg)
+    windows = saved_windows(load_checkpoint(ckpt))
     assert windows[MODEL_INPUTS[0]].shape[0] > 64
     errs = scaled_errors(torch_model, session(exported), windows)
     assert max(errs.values()) < TOLERANCE["fp32"], errs
@@ -323,7 +321,7 @@ def test_fp16_no_explain_model(ckpt: Path, torch_model: TemporalFusionTransforme
     meta = ModelMeta.from_props(props(out))
     assert (meta.precision, meta.explain) == ("fp16", False)
     assert meta.parity["passed"] and meta.parity["tolerance"] == 1e-2
-    windows = saved_windows(load_checkpoint(ckpt), torch_model.cfg)
+    windows = saved_windows(load_checkpoint(ckpt))
     errs = scaled_errors(torch_model, session(out), windows)
     assert 1e-6 < errs[QUANTILES] < 1e-2, errs  # within tolerance, and visibly not fp32
 
@@ -333,7 +331,7 @@ def test_fp16_no_explain_model(ckpt: Path, torch_model: TemporalFusionTransforme
 
 def test_placement_analysis_runs_for_real_on_the_cpu(exported: Path, ckpt: Path,
                                                      torch_model: TemporalFusionTransformer) -> None:
-    feeds = saved_windows(load_checkpoint(ckpt), torch_model.cfg)
+    feeds = saved_windows(load_checkpoint(ckpt))
     provider, nodes = profile_placement(exported.read_bytes(), "cpu", feeds)
     assert provider == CPU and nodes
     assert {n.provider for n in nodes} == {CPU}
@@ -631,16 +629,6 @@ def test_a_report_reader_that_goes_away_does_not_cost_the_export(ckpt: Path, tmp
     assert "foxhunt.parity" in props(out)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_stop_signal_while_the_command_loads_is_an_interrupt(ckpt: Path, tmp_path: Path, sig: int) -> None:
-    """Ctrl-C or SIGTERM while onnx and torch import (seconds) ends the command as one later does: exit 130
-    and one line, no traceback, nothing written."""
-    out = tmp_path / "model.onnx"
-    code, err = interrupt_while_loading(["-m", "export", str(ckpt), str(out)], sig)
-    assert code == 130 and "interrupted; nothing was written." in err, (code, err[-2000:])
-    assert "Traceback" not in err and not out.exists()
-
-
 # ---- pieces ---------------------------------------------------------------------------------------
 
 
@@ -648,7 +636,7 @@ def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransf
                                    capsys: pytest.CaptureFixture[str]) -> None:
     c = load_checkpoint(ckpt)
     rebuilt = windows_from_bars(ckpt.parent / "bars.parquet", c, torch_model.cfg)
-    saved = saved_windows(c, torch_model.cfg)
+    saved = saved_windows(c)
     for name in MODEL_INPUTS:
         assert rebuilt[name].shape[1:] == saved[name].shape[1:] and rebuilt[name].dtype == saved[name].dtype
     assert 1 < rebuilt[MODEL_INPUTS[0]].shape[0] <= 256
@@ -710,23 +698,24 @@ def test_an_interrupt_wrapped_by_the_exporter_is_an_interrupt_not_a_failed_check
     assert listing(tmp_path) == []
 
 
-def test_the_command_is_told_when_the_export_succeeded_and_only_then(ckpt: Path, tmp_path: Path) -> None:
-    """`python -m export` ignores Ctrl-C and SIGTERM from that moment: nothing is left for them to stop."""
-    calls: list[str] = []
-    assert main([str(ckpt), str(tmp_path / "model.onnx")], finished=lambda: calls.append("done")) == 0
-    assert calls == ["done"]
-    assert main([str(ckpt), str(tmp_path)], finished=lambda: calls.append("done")) == 2  # a directory: refused
-    assert calls == ["done"]
-
-
 def test_sigterm_interrupts_the_export_as_ctrl_c_does(ckpt: Path, tmp_path: Path) -> None:
+    """The real command, held inside the export (the checks' first step blocks) until SIGTERM arrives: exit 130,
+    one line, nothing written."""
     out = tmp_path / "model.onnx"
-    proc = subprocess.Popen([sys.executable, "-m", "export", str(ckpt), str(out)], cwd=REPO,
+    held = ("import runpy, sys, time\n"
+            "import export.pipeline as p\n"
+            "def hold(proto):\n"
+            "    print('held', file=sys.stderr, flush=True)\n"
+            "    time.sleep(600)\n"
+            "p.run_checker = hold\n"
+            "sys.argv = ['export', *sys.argv[1:]]\n"
+            "runpy.run_module('export', run_name='__main__')\n")
+    proc = subprocess.Popen([sys.executable, "-c", held, str(ckpt), str(out)], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
-        for line in proc.stderr:  # the export has begun: the checkpoint is loaded
-            if "exporting with" in line:
+        for line in proc.stderr:  # the export has begun and waits
+            if line.startswith("held"):
                 break
         proc.send_signal(signal.SIGTERM)
         err = proc.stderr.read()
@@ -759,33 +748,19 @@ def test_what_a_killed_export_left_is_cleared_or_named(ckpt: Path, tmp_path: Pat
     assert not (tmp_path / ".model.onnx.k1ll3d_x.tmp").exists()
 
 
-def test_ctrl_c_after_the_files_are_published_lets_the_export_finish(ckpt: Path, tmp_path: Path) -> None:
-    """A signal once the files are in place has nothing left to stop: the export reports and succeeds, rather
-    than saying "nothing was written" over a written model."""
-    out, lines = tmp_path / "model.onnx", []
-
-    def log(message: str) -> None:
-        lines.append(message)
-        if message.startswith("wrote "):
-            os.kill(os.getpid(), signal.SIGINT)
-
-    result = run_export(options_from_args(build_parser().parse_args([str(ckpt), str(out)])), log)
-    assert result.output == out and out.exists()
-    wrote = next(line for line in lines if line.startswith("wrote "))  # the file's sha256, as sha256sum gives it
-    assert f"sha256 {hashlib.sha256(out.read_bytes()).hexdigest()})" in wrote, wrote
-    assert lines[-1] == "interrupted after the files were published: they are complete"
-
-
-def test_an_interrupt_between_publishing_and_the_report_still_exits_0(
+def test_an_interrupt_once_the_files_are_published_exits_0(
         ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """The moment after the files are renamed into place and before the report defers signals: a Ctrl-C there
-    meets a complete export, which is what main says (exit 0), not "nothing was written"."""
+    """Ctrl-C after the files are renamed into place meets a complete export, which is what main says (exit 0),
+    not "nothing was written"."""
     import export.pipeline
 
-    def signal_arrives() -> None:
+    real = export.pipeline.write_outputs
+
+    def published_then_interrupted(*args: Any, **kwargs: Any) -> Path | None:
+        real(*args, **kwargs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(export.pipeline, "interrupts_deferred", signal_arrives)
+    monkeypatch.setattr(export.pipeline, "write_outputs", published_then_interrupted)
     out = tmp_path / "model.onnx"
     assert main([str(ckpt), str(out)]) == 0
     assert out.exists() and f"interrupted after {out} was published: it is complete" in capsys.readouterr().err
@@ -816,33 +791,30 @@ def test_staging_is_all_or_nothing(tmp_path: Path) -> None:
     shutil.rmtree(blocker)
 
 
-def test_a_signal_while_publishing_waits_until_everything_is_published(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """SIGTERM (Ctrl-C alike) between the model directory's swap and the model file's: both are published,
-    the signal is reported afterwards, and the handler that raises is back in place."""
+def test_ctrl_c_while_publishing_puts_everything_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C between the model directory's swap and the model file's: the old directory is back, the new
+    files are gone, and nothing is reported published."""
     import export.files as files
 
-    def interrupt(signum: int, frame: object) -> None:
+    target, repo = tmp_path / "model.onnx", tmp_path / "repo" / "tft"
+    with Staging() as s:
+        s.file(target, b"old")
+        s.directory(repo, {"config.pbtxt": b"old", "1/model.onnx": b"old"})
+        s.commit()
+    real_replace = os.replace
+
+    def interrupted(src: Any, dst: Any) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    real_fsync = files._fsync_dir
-
-    def fsync_then_signal(path: Path) -> None:
-        real_fsync(path)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(files, "_fsync_dir", fsync_then_signal)
-    try:
-        with Staging() as s:
-            s.file(tmp_path / "model.onnx", b"new")
-            s.directory(tmp_path / "repo" / "tft", {"config.pbtxt": b"c", "1/model.onnx": b"new"})
-            s.commit()
-        assert s.interrupted and set(s.interrupted) == {signal.SIGTERM}
-        assert signal.getsignal(signal.SIGTERM) is interrupt
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert (tmp_path / "model.onnx").read_bytes() == b"new"
+    published: list[Path] = []
+    monkeypatch.setattr(files.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt), Staging() as s:
+        s.file(target, b"new")
+        s.directory(repo, {"config.pbtxt": b"new", "1/model.onnx": b"new"})
+        s.commit(published)
+    monkeypatch.setattr(files.os, "replace", real_replace)
+    assert published == []
+    assert target.read_bytes() == b"old" and (repo / "1/model.onnx").read_bytes() == b"old"
     assert listing(tmp_path) == ["model.onnx", "repo", "repo/tft", "repo/tft/1", "repo/tft/1/model.onnx",
                                  "repo/tft/config.pbtxt"]
 

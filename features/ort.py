@@ -1,0 +1,87 @@
+"""ONNX Runtime helpers that export and the server share.
+
+ONNX Runtime does not refuse a provider it cannot load: it logs why on file descriptor 2 and runs the
+session on the CPU. `native_stderr` captures that log and `provider_failure_reason` picks out the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import onnxruntime as ort
+
+log = logging.getLogger(__name__)
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_ORT_LINE = re.compile(r"\[[VIWEF]:onnxruntime:")
+
+
+@functools.cache
+def preload_cuda_libraries() -> None:
+    """Load the CUDA and cuDNN libraries the CUDA provider links against, once per process.
+
+    onnxruntime-gpu does not find them in NVIDIA's pip wheels on its own. A library still missing shows up
+    as the CUDA provider's load failure, which callers report with its reason.
+    """
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        try:
+            ort.preload_dlls(cuda=True, cudnn=True)
+        except Exception as exc:  # surfaces as the provider's load failure
+            print(f"failed: {exc}")
+    if text := printed.getvalue().strip():
+        log.debug("onnxruntime.preload_dlls: %s", text)
+
+
+@contextlib.contextmanager
+def native_stderr() -> Iterator[list[str]]:
+    """Capture file descriptor 2 inside the block; the yielded list receives its non-blank lines, colours
+    removed, when the block ends."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = strip_ansi(tmp.read().decode("utf-8", errors="replace"))
+            lines.extend(line.strip() for line in text.splitlines() if line.strip())
+
+
+def is_onnxruntime_line(line: str) -> bool:
+    """A line of ONNX Runtime's own logger (`... [E:onnxruntime:Default, file.cc:12 fn] ...`)."""
+    return _ORT_LINE.search(line) is not None
+
+
+def strip_ansi(text: str) -> str:
+    """`text` without terminal colour codes."""
+    return _ANSI.sub("", text)
+
+
+def provider_failure_reason(lines: list[str]) -> str:
+    """The useful part of ONNX Runtime's provider-loading log: the library and loader error first."""
+    found = []
+    for line in lines:
+        if m := re.search(r"Failed to load library (\S+) with error: (.+)$", line):
+            found.append(f"{os.path.basename(m.group(1))} failed to load: {m.group(2).strip()}")
+    for line in lines:
+        if m := re.search(r"(Failed to create \w+ExecutionProvider\..*?)(?: Please| $|$)", line):
+            found.append(m.group(1).strip().rstrip("."))
+        elif re.search(r"CUDA failure|cudaError|no CUDA-capable device|CUDNN failure", line):
+            found.append(line.split("] ", 1)[-1])
+    return "; ".join(dict.fromkeys(found))
