@@ -31,7 +31,7 @@ from features.schema import (
     STATIC_CATEGORICAL,
     TARGET,
 )
-from tests.artifacts import REPO, TINY_TRAIN_FLAGS, exit_and_imports, interrupt_while_loading, make_bars, run
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, exit_and_imports, make_bars, run
 from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, save_atomic
 from trainer.config import ConfigError, TrainConfig, resumed_config
 from trainer.data import (
@@ -258,13 +258,6 @@ def test_shared_bar_forward_equals_the_per_window_forward_and_its_gradients(bars
         torch.testing.assert_close(grads[0][k], g, rtol=1e-4, atol=1e-7, msg=k)
 
 
-def test_a_checkpoint_from_before_window_blocks_resumes_with_a_plain_shuffle() -> None:
-    older = tiny_cfg().to_dict()
-    del older["window_block"]
-    assert TrainConfig.from_checkpoint(older).window_block == 1
-    assert TrainConfig.from_checkpoint(tiny_cfg(window_block=8).to_dict()).window_block == 8
-
-
 def test_the_automatic_window_block_keeps_8_stretches_of_time_in_a_batch() -> None:
     assert [tiny_cfg(batch_size=b).block_windows for b in (256, 1024, 64, 20, 8)] == [16, 16, 8, 2, 1]
     assert tiny_cfg(batch_size=8, window_block=32).block_windows == 32  # an explicit block is kept
@@ -372,13 +365,6 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
     r = run([*resume, str(tmp_path / "e" / "model.last.pt"), "--out", str(tmp_path / "f" / "ckpt.pt"), "--no-report"])
     assert r.returncode == 0 and "copied the run's best checkpoint (epoch 1) from" in r.stderr, r.stderr[-3000:]
     assert file_sha256(tmp_path / "f" / "ckpt.pt") == file_sha256(tmp_path / "e" / "model.ckpt")
-    # a run named lr0.001 before the files beside --out kept its whole name: lr0.last.pt beside its best lr0.001
-    r = run([*train, "--out", str(tmp_path / "h" / "lr0.001"), *TINY_TRAIN_FLAGS, "--no-report"])
-    assert r.returncode == 0, r.stderr[-3000:]
-    (tmp_path / "h" / "lr0.001.last.pt").rename(tmp_path / "h" / "lr0.last.pt")
-    r = run([*resume, str(tmp_path / "h" / "lr0.last.pt"), "--out", str(tmp_path / "i" / "ckpt.pt"), "--no-report"])
-    assert r.returncode == 0 and "copied the run's best checkpoint (epoch 1) from" in r.stderr, r.stderr[-3000:]
-    assert file_sha256(tmp_path / "i" / "ckpt.pt") == file_sha256(tmp_path / "h" / "lr0.001")
     # a last checkpoint copied alone, its run's best at an earlier epoch: no best to use, and none borrowed; the
     # run stopped early (3 epochs without improvement, its --patience), so more --epochs alone train nothing
     last = load_checkpoint(tmp_path / "a" / "ckpt.last.pt")
@@ -400,11 +386,6 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
              "--patience", "5", "--no-report"])
     assert r.returncode == 0 and "resume: patience 3 -> 5" in r.stderr, r.stderr[-3000:]
     assert "nothing to train" not in r.stderr and load_checkpoint(tmp_path / "g" / "ckpt.last.pt")["epoch"] == 3
-    # resumed from an earlier epoch than the run's latest beside --out: said, before that latest is replaced
-    r = run([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "g" / "ckpt.pt"), "--epochs", "3",
-             "--patience", "5", "--no-report"])
-    assert r.returncode == 0 and (f"resuming from epoch 2, but {tmp_path / 'g' / 'ckpt.last.pt'} is at epoch 3: this "
-                                  "run trains from epoch 3 again") in r.stderr, r.stderr[-3000:]
     # a fresh run into b with no report and no test split: the earlier run's report and test scores go
     r = run([*train, "--out", str(tmp_path / "b" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
     assert r.returncode == 0 and "ckpt.test.json" in r.stderr and "from an earlier run" in r.stderr, r.stderr[-3000:]
@@ -442,27 +423,31 @@ def test_a_fresh_run_that_saves_no_epoch_leaves_the_earlier_runs_judgments(tmp_p
 
 
 def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path, bars: Path) -> None:
+    """SIGTERM once the first epoch's metrics line is written (after its checkpoints): no epoch limit or early
+    stop can end the run first, however slow or fast the machine."""
     out = tmp_path / "ckpt.pt"
     flags = [f for f in TINY_TRAIN_FLAGS]
-    flags[flags.index("--epochs") + 1] = "50"
-    flags[flags.index("--max-steps-per-epoch") + 1] = "20"
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--parquet", str(bars), "--out", str(out), *flags],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        metrics = out.with_suffix(".metrics.jsonl")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    flags[flags.index("--epochs") + 1] = "100000"
+    flags += ["--patience", "0"]
+    with (tmp_path / "stderr.txt").open("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", "--parquet", str(bars), "--out", str(out), *flags],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, text=True)
+        try:
+            metrics = out.with_suffix(".metrics.jsonl")
+            while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
+        finally:
+            proc.kill()
+        log.seek(0)
+        err = log.read()
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and "interrupted: the last epoch's checkpoint is intact; continue with `python -m " \
         f"trainer --parquet {bars} --out {out} {' '.join(flags)} --resume {out.with_suffix('.last.pt')}`" in err, \
         err[-2000:]
     last = load_checkpoint(out.with_suffix(".last.pt"))
-    assert 1 <= last["epoch"] < 50
+    assert last["epoch"] >= 1
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     resume = ["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--resume", str(out.with_suffix(".last.pt"))]
     # the command says what machine the plan is for; the recipe stays the checkpoint's
@@ -543,7 +528,7 @@ def test_a_config_file_that_cannot_be_read_or_holds_a_boolean_for_a_number_is_a_
     from trainer.config import load_toml, merge
 
     (tmp_path / "latin1.toml").write_bytes("# caf\xe9\nepochs = 2\n".encode("latin-1"))
-    for path, message in ((tmp_path, "cannot read it"), (tmp_path / "latin1.toml", "not UTF-8 text")):
+    for path, message in ((tmp_path, "cannot read it as TOML"), (tmp_path / "latin1.toml", "cannot read it as TOML")):
         with pytest.raises(ConfigError) as info:
             load_toml(path)
         assert str(info.value).startswith(f"--config {path}: {message}"), info.value
@@ -589,9 +574,7 @@ def test_a_bad_setting_is_named_where_it_was_set_with_its_value(tmp_path: Path) 
         (["--parquet", "gone/bars.parquet"], "error: --parquet gone/bars.parquet: no such file or directory"),
         (["--precision", "fp16", "--device", "cpu"], "needs CUDA"),
         (["--window-block", "-1"], "--window-block must be >= 0"),
-        (["--threads", "-2"], "--threads must be in 0..1024 (0 = torch's default"),
-        (["--threads", "100000"], "--threads must be in 0..1024"),  # not the parquet reader's thread pool failing
-        (["--seed", str(10**15)], "--seed must be in -8589934592..17179869184"),  # not an overflow at epoch 1
+        (["--threads", "-2"], "--threads must be >= 0 (0 = torch's default)"),
         (["--device", "cudax"], "error: --device must be auto, cpu, cuda or cuda:N, got 'cudax'"),
         (["--learning-rate", "1e9", "--grad-clip", "0"], "training diverged"),  # a NaN loss: one message, exit 2
     ],
@@ -610,32 +593,13 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args
 
 def test_help_and_a_bad_flag_answer_before_torch_is_imported(bars: Path) -> None:
     """--help and a flag or config the run cannot take are answered before torch's seconds of import."""
-    for args, code in ((["--help"], 0), (["--parquet", str(bars), "--seed", "99999999999"], 2),
+    for args, code in ((["--help"], 0), (["--parquet", str(bars), "--epochs", "0"], 2),
                        (["--parquet", str(bars), "--hidden-size", "10", "--attention-heads", "3"], 2)):
         r, last = exit_and_imports("trainer", args, ("torch",))
         assert last == f"exit {code} torch=False", (args, r.stdout[-500:], r.stderr[-2000:])
     if not torch.cuda.is_available():  # a run that starts does import it, to find no CUDA
         r, last = exit_and_imports("trainer", ["--parquet", str(bars), "--device", "cuda"], ("torch",))
         assert last == "exit 2 torch=True" and "CUDA is not available" in r.stderr, r.stderr[-2000:]
-
-
-@pytest.mark.parametrize(("sig", "loading", "said"), [
-    (signal.SIGINT, r"libtorch", "interrupted: no epoch finished, so nothing was saved (files already beside --out "
-                                 "are an earlier run's); start again\n"),
-    (signal.SIGTERM, r"libtorch", "interrupted: no epoch finished, so nothing was saved (files already beside --out "
-                                  "are an earlier run's); start again\n"),
-    (signal.SIGINT, r"libarrow", "interrupted; nothing was saved.\n"),  # before the flags are read
-])
-def test_a_stop_signal_while_libraries_load_is_an_interrupt(tmp_path: Path, bars: Path, sig: int, loading: str,
-                                                             said: str) -> None:
-    """Ctrl-C or SIGTERM while pyarrow imports, or torch (seconds, once the flags hold), ends the run as one later
-    does: exit 130 and one line, no traceback (an interrupt inside an extension's import can abort the
-    interpreter)."""
-    out = tmp_path / "ckpt.pt"
-    code, err = interrupt_while_loading(["-m", "trainer", "--parquet", str(bars), "--out", str(out),
-                                         *TINY_TRAIN_FLAGS], sig, loading)
-    assert code == 130 and err == said, (code, err[-2000:])
-    assert not tmp_path.joinpath("ckpt.pt").exists()
 
 
 def test_a_model_too_big_for_the_hosts_memory_exits_3_naming_it(tmp_path: Path, bars: Path) -> None:
@@ -758,11 +722,10 @@ def test_torchrun_ranks_with_unequal_micro_steps_match_one_process(tmp_path: Pat
     exchanged gradients); every rank takes rank 0's validation figures, so they decide the best epoch and early
     stopping alike; and each rank draws its own dropout masks."""
     worker = str(REPO / "tests" / "ddp_epoch.py")
-    one = run([worker, str(bars), str(tmp_path / "one"), "--micro-batch", "2", "--epochs", "2"], timeout=180)
+    one = run([worker, str(bars), str(tmp_path / "one"), "--micro-batch", "2", "--epochs", "2"])
     assert one.returncode == 0, one.stderr[-3000:]
     two = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, str(bars),
-               str(tmp_path / "two"), "--micro-batch", "2", "--epochs", "2", "--oom-rank", "0", "--val-batch", "5,7"],
-              timeout=180)
+               str(tmp_path / "two"), "--micro-batch", "2", "--epochs", "2", "--oom-rank", "0", "--val-batch", "5,7"])
     assert two.returncode == 0, two.stderr[-3000:]
     assert "out of memory: micro-batch halved to 1" in two.stderr
     a = torch.load(tmp_path / "one" / "rank0.pt")
@@ -778,7 +741,7 @@ def test_torchrun_ranks_with_unequal_micro_steps_match_one_process(tmp_path: Pat
     assert moved  # the epochs trained: the comparison is of weights that moved
     # out of memory after DDP's forward readied the exchange: not retried (the ranks would fall out of step)
     three = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, str(bars),
-                 str(tmp_path / "three"), "--micro-batch", "5", "--loss-oom-rank", "0"], timeout=180)
+                 str(tmp_path / "three"), "--micro-batch", "5", "--loss-oom-rank", "0"])
     assert three.returncode != 0
     assert "whose backward exchanges gradients between the 2 ranks" in three.stderr, three.stderr[-3000:]
     assert "micro-batch halved" not in three.stderr
@@ -809,8 +772,6 @@ def test_predict_keeps_the_outputs_asked_for_and_out_of_memory_halves_the_batch(
     # validation keeps the quantiles alone (each window's explanations would dwarf them), and the same ones
     only = t.predict(anchors, batch=32, outputs=("quantiles",))
     assert list(only) == ["quantiles"] and np.array_equal(only["quantiles"], expected)
-    with pytest.raises(ValueError, match="no model output named attn"):
-        t.predict(anchors, outputs=("quantiles", "attn"))
     real = t._forward
     injected: list[int] = []
 
@@ -860,56 +821,25 @@ def test_only_the_checkpoint_writers_own_temp_files_are_cleared(tmp_path: Path) 
 def test_an_out_that_is_a_link_becomes_a_file_and_what_it_named_is_kept(
         tmp_path: Path, bars: Path, learned_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     """ckpt.pt -> releases/v1.pt trained over: the release stays as it was, the run's checkpoint takes the link's
-    place, and the run says so at its start."""
+    place."""
     release = tmp_path / "releases" / "v1.pt"
     release.parent.mkdir()
     shutil.copy(learned_run[0], release)
     kept = file_sha256(release)
     out = tmp_path / "ckpt.pt"
     out.symlink_to(release)
-    (tmp_path / "ckpt.report.png").symlink_to(release.parent / "v1.png")  # --no-report: never written, not noted
     r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"note: {out} is a link to {release}; it becomes a file of its own" in r.stderr, r.stderr[-3000:]
-    assert r.stderr.count("note: ") == 1 and (tmp_path / "ckpt.report.png").is_symlink(), r.stderr[-3000:]
-    assert r.stderr.index("note: ") < r.stderr.index("epoch 1")
     assert not out.is_symlink() and load_checkpoint(out)["epoch"] == 1
     assert file_sha256(release) == kept
 
 
-def test_an_unusable_out_is_refused_before_any_training(tmp_path: Path, bars: Path) -> None:
-    (tmp_path / "adir").mkdir()
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "adir"), *TINY_TRAIN_FLAGS])
-    assert r.returncode == 1 and f"--out {tmp_path / 'adir'} is a directory" in r.stderr, r.stderr[-2000:]
-    assert "epoch 1" not in r.stderr and "Traceback" not in r.stderr
-    (tmp_path / "afile").write_text("")
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "afile" / "runs" / "ckpt.pt"),
-             *TINY_TRAIN_FLAGS])
-    assert r.returncode == 1 and f"cannot write in {tmp_path / 'afile'}" in r.stderr, r.stderr[-2000:]
-    assert "epoch 1" not in r.stderr and "Traceback" not in r.stderr
-    (tmp_path / "runs").symlink_to(tmp_path / "gone")  # a link whose target is not there
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "runs" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
-    assert r.returncode == 1 and f"{tmp_path / 'runs'} is a link to {tmp_path / 'gone'}, which does not exist" \
-        in r.stderr, r.stderr[-2000:]
+def test_an_out_that_names_the_bars_is_refused_before_any_training(tmp_path: Path, bars: Path) -> None:
     own = tmp_path / "own.parquet"  # --out naming the bars themselves would replace them with the checkpoint
     shutil.copy(bars, own)
     r = run(["-m", "trainer", "--parquet", str(own), "--out", str(own), *TINY_TRAIN_FLAGS])
     assert r.returncode == 2 and f"--out {own}: {own} is the bars file {own} itself" in r.stderr, r.stderr[-2000:]
     assert own.read_bytes() == bars.read_bytes() and "epoch 1" not in r.stderr
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.last.pt"), *TINY_TRAIN_FLAGS])
-    assert r.returncode == 2 and f"--out {tmp_path / 'ckpt.last.pt'} names the latest epoch's file; give the best " \
-        f"checkpoint's name, {tmp_path / 'ckpt.pt'}" in r.stderr, r.stderr[-2000:]
-    notes = tmp_path / "notes.txt"  # an earlier run's checkpoint may be replaced; a file of anything else may not
-    notes.write_text("the user's notes")
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(notes), *TINY_TRAIN_FLAGS])
-    assert r.returncode == 2 and f"{notes} exists and is not a PyTorch checkpoint, which writing a PyTorch " \
-        "checkpoint there would replace" in r.stderr, r.stderr[-2000:]
-    assert notes.read_text() == "the user's notes"
-    (tmp_path / "held" / "ckpt.last.pt").mkdir(parents=True)  # found before training, not after epoch 1
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "held" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
-    assert r.returncode == 1 and f"--out {tmp_path / 'held' / 'ckpt.pt'}: {tmp_path / 'held' / 'ckpt.last.pt'}, " \
-        "where the run writes its latest epoch's checkpoint, is a directory" in r.stderr, r.stderr[-2000:]
-    assert "epoch 1" not in r.stderr and sorted(p.name for p in (tmp_path / "held").iterdir()) == ["ckpt.last.pt"]
 
 
 def test_symbols_the_model_cannot_learn_or_space_rightly_are_warned_about(tmp_path: Path,
@@ -1047,12 +977,12 @@ def test_train_memory_benchmark_runs_two_checkouts_and_compares_their_peaks(tmp_
     run's peak RSS and the trainer's own peaks are reported, and their validation losses agree."""
     cmd = [sys.executable, "-m", "benchmarks.train_memory", "--a", str(REPO), "--bars", "1500", "--symbols", "ES,NQ",
            "--steps", "1", "--repeats", "1", "--trainer-arg=--hidden-size=8", "--trainer-arg=--batch-size=32"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = [line for line in done.stdout.splitlines() if " run 1: peak RSS " in line]
     assert len(runs) == 2 and {line.split()[0] for line in runs} == {"A", "B"}, done.stdout
     assert "| peak RSS, MiB (whole child) |" in done.stdout and "(differ" not in done.stdout, done.stdout
-    refused = subprocess.run([*cmd[:4], str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    refused = subprocess.run([*cmd[:4], str(tmp_path)], cwd=REPO, capture_output=True, text=True)
     assert refused.returncode == 2 and "not a checkout holding trainer/__main__.py" in refused.stderr
 
 
@@ -1060,14 +990,14 @@ def test_cli_startup_benchmark_times_every_command_against_importing_torch(tmp_p
     """benchmarks/cli_startup, one round: every case ends as it must (--help 0, a bad flag 2) and gets its row,
     beside the peers; an --a that is no checkout is refused."""
     cmd = [sys.executable, "-m", "benchmarks.cli_startup", "--repeats", "1"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split(" | ")[0] for line in done.stdout.splitlines() if line.startswith("| ") and " s |" not in line]
     assert rows == ["| trainer --help", "| trainer: a bad flag (--seed out of range)", "| export --help",
                     "| export: no such checkpoint", "| serving --help", "| serving.client --help",
                     "| serving.score --help", "| features.check --help", "| peer: python -c pass",
                     "| peer: python -c 'import torch'"], done.stdout
-    refused = subprocess.run([*cmd, "--a", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    refused = subprocess.run([*cmd, "--a", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
     assert refused.returncode == 2 and "not a checkout holding trainer/__main__.py" in refused.stderr
 
 

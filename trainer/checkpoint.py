@@ -13,7 +13,6 @@ import pickle
 import re
 import shutil
 import tempfile
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -28,7 +27,7 @@ from trainer.modeling import TemporalFusionTransformer
 
 FORMAT = "foxhunt-tft-checkpoint/1"
 REQUIRED_KEYS = ("format", "model_config", "train_config", "feature_config", "feature_schema", "normalization",
-                 "symbols", "bar_interval_ns", "model_state")
+                 "symbols", "bar_interval_ns", "column_map", "model_state", "model_state_sha256")
 
 
 class CheckpointError(ValueError):
@@ -85,40 +84,32 @@ def remove_stale_temp_files(path: Path) -> list[Path]:
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load with weights_only=True and check the format; CheckpointError otherwise."""
     p = Path(path)
-    if not p.is_file():
+    if not p.is_file():  # a pipe would block torch.load
         raise CheckpointError(f"{p}: no such checkpoint file" if not p.exists() else
-                              f"{p}: not a regular file; give the checkpoint file `python -m trainer` wrote "
-                              "(ckpt.pt, or ckpt.last.pt to resume)")
+                              f"{p}: not a regular file; give the checkpoint file `python -m trainer` wrote")
     try:
         ckpt = torch.load(p, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        text = str(exc)
-        if "Unsupported global" not in text:
-            raise CheckpointError(f"{p}: not a readable checkpoint (corrupt, truncated, or not written by "
-                                  f"torch.save){hint(p, 'a PyTorch checkpoint')}") from None
-        what = text[text.index("Unsupported global"):].split(" was not")[0]
-        raise CheckpointError(
-            f"{p}: refused — loading it would unpickle code ({what}), which a foxhunt checkpoint never "
-            "needs. Only load checkpoints written by `python -m trainer`") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, IndexError, KeyError) as exc:
-        detail = str(exc).splitlines()[0] if str(exc) else ""
-        raise CheckpointError(f"{p}: not a readable checkpoint (corrupt, truncated, or not written by torch.save; "
-                              f"torch.load: {type(exc).__name__}{': ' + detail if detail else ''})"
-                              f"{hint(p, 'a PyTorch checkpoint')}") from None
+        if "Unsupported global" in str(exc):
+            raise CheckpointError(f"{p}: refused — loading it would unpickle code, which a foxhunt checkpoint never "
+                                  "needs. Only load checkpoints written by `python -m trainer`") from None
+        raise CheckpointError(f"{p}: not a readable checkpoint (corrupt, truncated, or not written by "
+                              f"torch.save){hint(p, 'a PyTorch checkpoint')}") from None
+    except Exception as exc:  # torch's weights-only unpickler raises many types on other bytes
+        raise CheckpointError(f"{p}: not a readable checkpoint (torch.load: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}){hint(p, 'a PyTorch checkpoint')}") \
+            from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{p}: not a foxhunt-tft checkpoint (format {FORMAT!r} expected)")
     missing = [k for k in REQUIRED_KEYS if k not in ckpt]
     if missing:
         raise CheckpointError(f"{p}: checkpoint lacks {', '.join(missing)}")
-    stored = ckpt.get("model_state_sha256")  # checkpoints from before the digest have none
     try:  # the bars' column names and time unit, which --resume and export read bars with
-        ColumnMap.from_dict(dict(ckpt.get("column_map") or {}))
+        ColumnMap.from_dict(dict(ckpt["column_map"]))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{p}: the checkpoint's column_map is not valid ({exc}): the file is damaged or was "
                               "not written by `python -m trainer`") from None
-    if stored is not None and not isinstance(ckpt["model_state"], dict):
-        raise CheckpointError(f"{p}: checkpoint's model_state is not a dict of tensors")
-    if stored is not None and state_digest(ckpt["model_state"]) != stored:
+    if state_digest(ckpt["model_state"]) != ckpt["model_state_sha256"]:
         raise CheckpointError(f"{p}: the weights differ from the digest written with them: the file is corrupted "
                               "(a flipped bit, a bad copy); use another copy, or the run's other checkpoint")
     return ckpt

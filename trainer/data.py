@@ -170,11 +170,11 @@ def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -
     return starts, ends, b_val, b_test, np.array([cut_val, cut_test])
 
 
-def check_resumed_bars(stored: str | None, now: str, source: str) -> None:
+def check_resumed_bars(stored: str, now: str, source: str) -> None:
     """Bars split at the same times may still hold other values (another file of the same calendar, a
     vendor's corrected history, one symbol of the run's file): a resumed run would pick its best epoch over
-    validation losses of different bars. Checkpoints written before the digest was kept are not checked."""
-    if stored is None or stored == now:
+    validation losses of different bars."""
+    if stored == now:
         return
     raise DataError(f"--resume: these bars are not the ones the checkpoint's run read (its bars: {source}): they "
                     "split at the same times, but their symbols, rows or values differ. Resuming would compare "
@@ -182,11 +182,10 @@ def check_resumed_bars(stored: str | None, now: str, source: str) -> None:
                     "new run (without --resume) to train on these")
 
 
-def check_resumed_split(stored: Sequence[int] | None, now: tuple[int, int], test_fraction: float,
-                        source: str) -> None:
+def check_resumed_split(stored: Sequence[int], now: tuple[int, int], test_fraction: float, source: str) -> None:
     """A resumed run must split its bars where the checkpoint's run did: elsewhere, it would train on bars
     that run held out, and its best-model choice would compare validation losses over different bars."""
-    if stored is None or tuple(int(t) for t in stored) == now:
+    if tuple(int(t) for t in stored) == now:
         return
 
     def split(cuts: Sequence[int]) -> str:
@@ -252,8 +251,6 @@ def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int)
 def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = None,
             symbols: list[str] | None = None, normalization: Normalization | None = None) -> PreparedData:
     """Read bars, compute features, split, fit normalisation (unless given, as on resume)."""
-    from features.windows import anchor_rows
-
     bars = read_bars(parquet, columns, tuple(cfg.features))
     for note in bars.notes:
         log.info("bars: %s", note)
@@ -266,17 +263,30 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
     except ValueError as exc:
         if symbols is None:
             raise
-        # symbols outside the vocabulary of the run being resumed
         raise DataError(f"{exc}: a resumed run keeps its checkpoint's symbols; drop the other symbols' bars, or "
                         "start a new run (without --resume) to train on them") from None
-    h, L = cfg.horizon, cfg.encoder_length
     starts, ends, b_val, b_test, cuts = split_rows(frame, cfg.val_fraction, cfg.test_fraction)
+    train, val, test = split_anchors(frame, cfg, starts, ends, b_val, b_test)
+    if normalization is None:
+        train_rows = np.concatenate([np.arange(s, b) for s, b in zip(starts, b_val, strict=True)])
+        normalization = fit_normalization(frame, train, train_rows)
+    warn_about_series(frame, train, cfg.volatility_window + cfg.encoder_length + cfg.horizon)
+    clim = np.quantile(frame.targets[train], cfg.quantiles, axis=0).T.astype(np.float32)  # [H, Q]
+    return PreparedData(frame, WindowTensors(frame, cfg.encoder_length), train, val, test, normalization, clim,
+                        (int(cuts[0]), int(cuts[1])), digest)
+
+
+def split_anchors(frame: FeatureFrame, cfg: TrainConfig, starts: np.ndarray, ends: np.ndarray, b_val: np.ndarray,
+                  b_test: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The windows of each split, purged of H bars after each boundary; DataError for an empty split."""
+    from features.windows import anchor_rows
+
+    h, L = cfg.horizon, cfg.encoder_length
     train = anchor_rows(frame, L, True, (starts, b_val))
     val = anchor_rows(frame, L, True, (b_val + h, b_test))
     test = anchor_rows(frame, L, True, (b_test + h, ends)) if cfg.test_fraction > 0 else np.empty(0, np.int64)
-    need = cfg.volatility_window + L + h
     if train.size == 0:
-        raise DataError(f"no training windows: each window needs {need} bars of one symbol "
+        raise DataError(f"no training windows: each window needs {cfg.volatility_window + L + h} bars of one symbol "
                         f"(volatility warm-up {cfg.volatility_window} + encoder {L} + horizon {h}) inside the "
                         f"training split; the longest series has {int((ends - starts).max(initial=0))} bars. "
                         "Give more bars, or lower --encoder-length / --volatility-window / --val-fraction")
@@ -288,20 +298,17 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
         raise DataError("no test windows: raise --test-fraction or set it to 0")
     if cfg.max_val_windows and val.size > cfg.max_val_windows:
         val = val[np.linspace(0, val.size - 1, cfg.max_val_windows).astype(np.int64)]
-    if normalization is None:
-        spread = np.nanstd(frame.targets[train], axis=0)  # [H]
-        if not np.all(spread >= MIN_STD):  # the scale the model forecasts in would be a made-up 1.0 (a 100% move)
-            raise DataError(f"the training split's closes never move: its log returns over 1..{h} bars have a "
-                            f"spread of {float(spread.min()):.3g}, so there is no scale to forecast in. Give bars with "
-                            "trades (a flat, carried price has nothing to learn), a longer history or more symbols")
-        train_rows = np.concatenate([np.arange(s, b) for s, b in zip(starts, b_val, strict=True)])
-        warn_about_constant_features(frame, train_rows)
-        normalization = Normalization(
-            observed=NormStats.fit(frame.observed, train_rows),
-            known=NormStats.fit(frame.known, train_rows),
-            target_scale=NormStats.fit(frame.targets, train).std,
-        )
-    warn_about_series(frame, train, cfg.volatility_window + L + h)
-    clim = np.quantile(frame.targets[train], cfg.quantiles, axis=0).T.astype(np.float32)  # [H, Q]
-    return PreparedData(frame, WindowTensors(frame, L), train, val, test, normalization, clim,
-                        (int(cuts[0]), int(cuts[1])), digest)
+    return train, val, test
+
+
+def fit_normalization(frame: FeatureFrame, train: np.ndarray, train_rows: np.ndarray) -> Normalization:
+    """Normalisation of the inputs over the training rows, and each horizon's target scale over the training
+    windows; DataError when the closes never move (there would be no scale to forecast in)."""
+    spread = np.nanstd(frame.targets[train], axis=0)  # [H]
+    if not np.all(spread >= MIN_STD):
+        raise DataError(f"the training split's closes never move: its log returns over 1..{spread.size} bars have a "
+                        f"spread of {float(spread.min()):.3g}, so there is no scale to forecast in. Give bars with "
+                        "trades (a flat, carried price has nothing to learn), a longer history or more symbols")
+    warn_about_constant_features(frame, train_rows)
+    return Normalization(NormStats.fit(frame.observed, train_rows), NormStats.fit(frame.known, train_rows),
+                         NormStats.fit(frame.targets, train).std)

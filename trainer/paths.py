@@ -1,6 +1,6 @@
 """Where a run's files go: every file a run writes sits beside the checkpoint named by --out.
 
-Free of torch, so that the command line can name them before the heavy imports.
+Free of torch, so that the command line can name them before torch is imported.
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt")  # dropped from --out to name the files beside it
+
 
 @dataclass(frozen=True)
 class RunPaths:
-    """Every file a run writes sits beside the checkpoint named by --out."""
-
     best: Path  # best validation loss: what export takes
     last: Path  # end of the latest epoch: what --resume takes
     metrics: Path  # one JSON object per epoch
@@ -26,13 +26,7 @@ class RunPaths:
                         Path(f"{stem}.test.json"))
 
 
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt")  # dropped from --out to name the files beside it
-
-
 def run_stem(out: Path) -> str:
     """The name the files beside --out are named from: ckpt.pt -> ckpt (ckpt.last.pt, ckpt.metrics.jsonl, ...).
-    Only a checkpoint's suffix is dropped: lr0.001 and lr0.003, or run.v2 and run.v3, keep their own."""
+    Only a checkpoint's suffix is dropped: lr0.001 and lr0.003 keep their own."""
     return out.stem if out.suffix in CHECKPOINT_SUFFIXES else out.name
-
-
-RUN_FILES = ("best checkpoint", "latest epoch's checkpoint", "metrics", "report", "test scores")  # RunPaths' order

@@ -1,29 +1,16 @@
 """The VRAM planner: fit a training run into a device-memory budget before its first step.
 
-The memory model is a sum of named terms, each of which the plan table prints:
+The memory model is a sum of named terms, each printed in the plan table:
 
-* persistent, from the parameter count P (4-byte fp32 parameters):
-  weights (the fp32 master copy, plus buffers), gradients (one per parameter, kept across
-  the micro-steps of an accumulated batch), AdamW state (exp_avg and exp_avg_sq, 2 x fp32),
-  and on CUDA whatever stays resident after a warm-up step (cuBLAS/cuDNN workspaces);
-* under mixed precision, autocast's 16-bit copies of the weights, which the forward casts
-  once and autograd keeps for the backward (2 bytes per parameter);
-* activations: bytes per window (and a fixed part) of one training forward + backward,
-  measured with a trial step at two batch sizes. On CUDA the measure is
-  `torch.cuda.max_memory_allocated` above what was allocated before the step. On the CPU it
-  is the peak of the bytes of every tensor storage allocated during the step (counted with a
-  dispatch mode that sees each op's outputs, and released when the storage dies), which
-  includes what autograd saves for the backward, the backward's own gradients of
-  activations and, with gradient checkpointing, the recomputation of a block. Beside it the
-  table shows what autograd *stores* for the backward, counted with
-  `torch.autograd.graph.saved_tensors_hooks`, deduplicated by storage, parameters excluded:
-  the figure gradient checkpointing cuts;
-* `optimizer.step()` temporaries (fused AdamW updates in place; bounded on CUDA by one fp32
-  tensor per parameter, on the CPU by the largest parameter); the step runs after the
-  activations are freed, so it competes with them rather than adding;
-* validation: the transient peak per window of a forward under `torch.inference_mode()`,
-  which stores no activations; gradients are freed (set to None) before it;
-* writing a checkpoint copies tensors to host memory and takes no device memory.
+* persistent: fp32 weights and buffers, one gradient per parameter, AdamW's two fp32 states, and on
+  CUDA what stays resident after a warm-up step (cuBLAS/cuDNN workspaces);
+* under mixed precision, autocast's 16-bit weight copies kept for the backward (2 bytes per parameter);
+* activations per window (and a fixed part) of a training forward + backward, from trial steps at two
+  batch sizes: `torch.cuda.max_memory_allocated` on CUDA; on the CPU the peak bytes of tensor
+  storages alive during the step (a dispatch mode sees each op's outputs). Beside it, what autograd
+  stores for the backward (`saved_tensors_hooks`), the figure gradient checkpointing cuts;
+* `optimizer.step()` temporaries, which come after the activations are freed: max, not a sum;
+* validation: the transient of a forward under `torch.inference_mode()`, gradients freed.
 
 The plan takes the largest micro-batch whose estimated peak fits the budget less a safety
 margin, prefers no gradient checkpointing, and raises accumulation to keep the effective
@@ -56,10 +43,7 @@ from trainer.plan import TrainPlan, literal_plan
 
 SAFETY_FRACTION = 0.10  # of the budget, kept free for allocator fragmentation, workspaces and estimate error
 MIN_EFFICIENT_MICRO = 4  # below this many windows per micro-step, gradient checkpointing is worth its recompute
-# Windows in the two trial steps. Not 1: at one window the peak can sit elsewhere (e.g. at a large
-# weight gradient's temporary) than at larger batches, and a line through 1 and 2 then has too
-# small a slope (measured: 223 MiB/window against 270 from 2 on, for the production preset).
-TRIAL_SIZES = (2, 4)
+TRIAL_SIZES = (2, 4)  # windows in the two trial steps; at 1 the peak can sit elsewhere, and the slope is too small
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 BatchFn = Callable[[int], dict[str, Tensor]]  # n -> a CPU batch of n windows (ROW_INPUTS and TARGET)
@@ -362,10 +346,6 @@ class Option:
     train_bytes: int  # estimated training peak at that micro-batch (at 1 when none fits)
 
 
-def _train_cost(mem: MemoryModel, checkpointing: bool, micro_batch: int) -> int:
-    return mem.train_bytes(micro_batch, checkpointing)
-
-
 def options_for(mem: MemoryModel, budget: int, batch_size: int) -> list[Option]:
     """For each measured checkpointing setting, the largest micro-batch that fits."""
     limit = usable_bytes(budget)
@@ -373,7 +353,7 @@ def options_for(mem: MemoryModel, budget: int, batch_size: int) -> list[Option]:
     for ckpt in (False, True):
         if (mem.train_ckpt if ckpt else mem.train) is None:
             continue
-        mb = largest_fitting(functools.partial(_train_cost, mem, ckpt), limit, batch_size)
+        mb = largest_fitting(functools.partial(mem.train_bytes, checkpointing=ckpt), limit, batch_size)
         out.append(Option(ckpt, mb, mem.train_bytes(max(mb, 1), ckpt)))
     return out
 
@@ -389,34 +369,11 @@ def needs_checkpointing_measure(mem: MemoryModel, budget: int, batch_size: int, 
 
 
 def choose_plan(mem: MemoryModel, budget: int, batch_size: int, mode: str, precision: str) -> TrainPlan:
-    """The plan for `budget` bytes; PlanError when not even one window fits (training or validation).
-
-    mode: "off" and "on" force gradient checkpointing; "auto" prefers it off (it recomputes
-    the forward of each block in the backward, about a third more compute) and turns it on only
-    when, without it, the micro-batch would be under MIN_EFFICIENT_MICRO windows (or zero) and
-    with it at least twice as large.
-    """
+    """The plan for `budget` bytes; PlanError when not even one window fits (training or validation)."""
     limit = usable_bytes(budget)
     opts = {o.checkpointing: o for o in options_for(mem, budget, batch_size)}
-    notes = [f"budget {format_bytes(budget)}, usable {format_bytes(limit)} after a {SAFETY_FRACTION:.0%} margin"]
-    off, on = opts.get(False), opts.get(True)
-    if mode == "on" or off is None:
-        assert on is not None
-        chosen = on
-        notes.append("gradient checkpointing on (--grad-checkpointing on)")
-    elif mode == "off" or on is None:
-        chosen = off
-        notes.append("gradient checkpointing off " + ("(--grad-checkpointing off)" if mode == "off" else
-                                                      f"(micro-batch {off.micro_batch} fits without it)"))
-    elif off.micro_batch >= min(batch_size, MIN_EFFICIENT_MICRO) or (
-            off.micro_batch >= 1 and on.micro_batch < 2 * off.micro_batch):
-        chosen = off
-        notes.append(f"gradient checkpointing off: micro-batch {off.micro_batch} without it, {on.micro_batch} with "
-                     "it, not worth recomputing the forward")
-    else:
-        chosen = on
-        notes.append(f"gradient checkpointing on: micro-batch {off.micro_batch or 'none'} without it, "
-                     f"{on.micro_batch} with it")
+    chosen, why = _choose_checkpointing(opts, batch_size, mode)
+    notes = [f"budget {format_bytes(budget)}, usable {format_bytes(limit)} after a {SAFETY_FRACTION:.0%} margin", why]
     if chosen.micro_batch < 1:
         raise PlanError(_refusal(mem, budget, opts, mode))
     val_batch = largest_fitting(mem.val_bytes, limit, batch_size)
@@ -429,6 +386,26 @@ def choose_plan(mem: MemoryModel, budget: int, batch_size: int, mode: str, preci
     notes.append(f"micro-batch {mb} x {math.ceil(batch_size / mb)} accumulation = batch {batch_size}; "
                  f"estimated peak {format_bytes(estimate)}")
     return TrainPlan(mb, batch_size, chosen.checkpointing, precision, val_batch, budget, estimate, tuple(notes))
+
+
+def _choose_checkpointing(opts: dict[bool, Option], batch_size: int, mode: str) -> tuple[Option, str]:
+    """The option to take, and why. "off" and "on" force gradient checkpointing; "auto" prefers it off (it
+    recomputes each block's forward in the backward, about a third more compute) and turns it on only when,
+    without it, the micro-batch would be under MIN_EFFICIENT_MICRO windows (or zero) and with it at least
+    twice as large."""
+    off, on = opts.get(False), opts.get(True)
+    if mode == "on" or off is None:
+        assert on is not None
+        return on, "gradient checkpointing on (--grad-checkpointing on)"
+    if mode == "off" or on is None:
+        return off, "gradient checkpointing off " + ("(--grad-checkpointing off)" if mode == "off" else
+                                                     f"(micro-batch {off.micro_batch} fits without it)")
+    if off.micro_batch >= min(batch_size, MIN_EFFICIENT_MICRO) or (
+            off.micro_batch >= 1 and on.micro_batch < 2 * off.micro_batch):
+        return off, (f"gradient checkpointing off: micro-batch {off.micro_batch} without it, {on.micro_batch} with "
+                     "it, not worth recomputing the forward")
+    return on, (f"gradient checkpointing on: micro-batch {off.micro_batch or 'none'} without it, {on.micro_batch} "
+                "with it")
 
 
 def _refusal(mem: MemoryModel, budget: int, opts: dict[bool, Option], mode: str) -> str:
@@ -572,47 +549,57 @@ def plan_for_model(model: TemporalFusionTransformer, batch_fn: BatchFn, target: 
     t0 = time.perf_counter()
     planning = bool(budget) and target.kind == "cuda"
     if planning:
-        _, weights, grads, optim, cast, _ = persistent_terms(model, target)
-        fixed = weights + grads + optim + cast
-        if fixed > usable_bytes(budget):
-            need = budget_flag(fixed / (1.0 - SAFETY_FRACTION))
-            copies = f", their 16-bit copies {format_bytes(cast)}" if cast else ""
-            raise PlanError(f"the VRAM budget {format_bytes(budget)} does not fit even the model: weights "
-                            f"{format_bytes(weights)}, gradients {format_bytes(grads)}, AdamW state "
-                            f"{format_bytes(optim)}{copies} take {format_bytes(fixed)} of "
-                            f"{format_bytes(usable_bytes(budget))} usable "
-                            f"({SAFETY_FRACTION:.0%} kept free), before any window's activations. Raise --vram-budget "
-                            f"well above {need} (--plan-only with a larger budget measures a window's activations, "
-                            "and names the budget one window needs if that one falls short too) or shrink the model "
-                            "(--hidden-size, fewer --features, --encoder-length)")
+        check_model_fits(model, target, budget)
     mem = _measure_fitting(model, batch_fn, target, [mode == "on"], budget)
     if planning and needs_checkpointing_measure(mem, budget, batch_size, mode):
         mem = _measure_fitting(model, batch_fn, target, [True], budget, base=mem)
     if target.measure_device.type == "cuda":  # the trial steps' cached blocks would fragment the real run's pool
         torch.cuda.empty_cache()
+    if not planning:
+        return _literal_report(target, budget, batch_size, mode, mem, time.perf_counter() - t0)
+    opts = tuple(options_for(mem, budget, batch_size))
+    try:
+        plan = choose_plan(mem, budget, batch_size, mode, target.precision)
+    except PlanError as exc:
+        failed = literal_plan(batch_size, mode, target.precision)
+        report = PlanReport(target, budget, batch_size, mode, mem, opts, failed, assumptions_for(target),
+                            time.perf_counter() - t0, ("REFUSED: " + str(exc),))
+        raise PlanError(str(exc), format_report(report, refused=True)) from None
     notes: tuple[str, ...] = ()
-    if planning:
-        opts = tuple(options_for(mem, budget, batch_size))
-        try:
-            plan = choose_plan(mem, budget, batch_size, mode, target.precision)
-        except PlanError as exc:
-            failed = literal_plan(batch_size, mode, target.precision)
-            report = PlanReport(target, budget, batch_size, mode, mem, opts, failed, assumptions_for(target),
-                                time.perf_counter() - t0, ("REFUSED: " + str(exc),))
-            raise PlanError(str(exc), format_report(report, refused=True)) from None
-        if target.measure_device.type == "cuda":
-            plan = confirm_on_card(model, batch_fn, target, mem, plan)
-            notes = plan.notes[-1:]
-    else:
-        plan = literal_plan(batch_size, mode, target.precision)
-        ckpt = plan.grad_checkpointing  # measured above: mode "on" measures with checkpointing, else without
-        estimate = max(mem.train_bytes(batch_size, ckpt), mem.val_bytes(batch_size))
-        opts = (Option(ckpt, batch_size, mem.train_bytes(batch_size, ckpt)),)
-        notes = ((f"--vram-budget {format_bytes(budget)} is not applicable on the CPU: it caps CUDA device memory",)
-                 if budget else ("no VRAM budget: the config taken literally",))
-        plan = replace(plan, estimate_bytes=estimate, notes=notes)
+    if target.measure_device.type == "cuda":
+        plan = confirm_on_card(model, batch_fn, target, mem, plan)
+        notes = plan.notes[-1:]
     return PlanReport(target, budget, batch_size, mode, mem, opts, plan, assumptions_for(target),
                       time.perf_counter() - t0, notes)
+
+
+def check_model_fits(model: TemporalFusionTransformer, target: Target, budget: int) -> None:
+    """PlanError when the weights, gradients and AdamW state alone exceed the usable budget."""
+    _, weights, grads, optim, cast, _ = persistent_terms(model, target)
+    fixed = weights + grads + optim + cast
+    if fixed <= usable_bytes(budget):
+        return
+    copies = f", their 16-bit copies {format_bytes(cast)}" if cast else ""
+    raise PlanError(f"the VRAM budget {format_bytes(budget)} does not fit even the model: weights "
+                    f"{format_bytes(weights)}, gradients {format_bytes(grads)}, AdamW state {format_bytes(optim)}"
+                    f"{copies} take {format_bytes(fixed)} of {format_bytes(usable_bytes(budget))} usable "
+                    f"({SAFETY_FRACTION:.0%} kept free), before any window's activations. Raise --vram-budget well "
+                    f"above {budget_flag(fixed / (1.0 - SAFETY_FRACTION))} (--plan-only with a larger budget measures "
+                    "a window's activations, and names the budget one window needs if that one falls short too) or "
+                    "shrink the model (--hidden-size, fewer --features, --encoder-length)")
+
+
+def _literal_report(target: Target, budget: int, batch_size: int, mode: str, mem: MemoryModel,
+                    seconds: float) -> PlanReport:
+    """No budget to plan for: the config taken literally, with its estimated peak."""
+    plan = literal_plan(batch_size, mode, target.precision)
+    ckpt = plan.grad_checkpointing  # measured: mode "on" measures with checkpointing, else without
+    estimate = max(mem.train_bytes(batch_size, ckpt), mem.val_bytes(batch_size))
+    opts = (Option(ckpt, batch_size, mem.train_bytes(batch_size, ckpt)),)
+    notes = ((f"--vram-budget {format_bytes(budget)} is not applicable on the CPU: it caps CUDA device memory",)
+             if budget else ("no VRAM budget: the config taken literally",))
+    plan = replace(plan, estimate_bytes=estimate, notes=notes)
+    return PlanReport(target, budget, batch_size, mode, mem, opts, plan, assumptions_for(target), seconds, notes)
 
 
 def confirm_on_card(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target, mem: MemoryModel,
@@ -670,22 +657,33 @@ def batch_fn_for(tensors: Any, anchors: np.ndarray) -> BatchFn:
 
 
 def format_report(r: PlanReport, refused: bool = False) -> str:
-    m, p = r.memory, r.plan
-    lines: list[str] = []
+    """The plan table: what the run is planned for, the memory terms, the options and the plan chosen."""
     on_card = r.target.kind == "cuda"
-    head = "VRAM plan" if on_card else "memory plan"
-    lines.append(f"{head} for {r.target.kind.upper()} ({r.target.description}), precision {r.target.precision}, "
-                 f"effective batch {r.batch_size}, gradient checkpointing {r.mode}")
+    lines = [f"{'VRAM plan' if on_card else 'memory plan'} for {r.target.kind.upper()} ({r.target.description}), "
+             f"precision {r.target.precision}, effective batch {r.batch_size}, gradient checkpointing {r.mode}"]
     if r.budget_bytes and on_card:
         lines.append(f"budget {format_bytes(r.budget_bytes)}: usable {format_bytes(usable_bytes(r.budget_bytes))}, "
                      f"{SAFETY_FRACTION:.0%} kept free for allocator fragmentation, library workspaces and "
                      "estimate error")
     lines.extend(r.notes if not refused else ())
-    lines.append(f"model: {m.parameters:,} parameters")
-    lines.append("")
-    rows: list[tuple[str, str, str]] = [
-        ("weights", format_bytes(m.weight_bytes), f"{m.parameters:,} fp32 parameters (the master copy) "
-                                                 "and buffers"),
+    lines += [f"model: {r.memory.parameters:,} parameters", ""]
+    rows = _term_rows(r)
+    w = max(len(n) for n, _, _ in rows)
+    lines.append(f"  {'term':<{w}}  {'size':>11}  what it is")
+    lines += [f"  {n:<{w}}  {s:>11}  {d}" for n, s, d in rows]
+    lines += ["", *_option_lines(r, refused), ""]
+    lines += list(r.notes) if refused else _plan_lines(r)
+    lines.append("assumptions:")
+    lines += [f"  - {a}" for a in r.assumptions]
+    lines.append(f"planned in {r.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def _term_rows(r: PlanReport) -> list[tuple[str, str, str]]:
+    """(term, size, what it is) for each term of the memory model."""
+    m, on_card = r.memory, r.target.kind == "cuda"
+    rows = [
+        ("weights", format_bytes(m.weight_bytes), f"{m.parameters:,} fp32 parameters (the master copy) and buffers"),
         ("gradients", format_bytes(m.grad_bytes), "fp32, one per parameter, kept across accumulation micro-steps"),
         ("AdamW state", format_bytes(m.optimizer_bytes), "exp_avg + exp_avg_sq, 2 x fp32 per parameter"),
     ]
@@ -701,13 +699,10 @@ def format_report(r: PlanReport, refused: bool = False) -> str:
                   "bounded by the largest parameter") + "; after activations are freed, so max(step, activations), "
                  "not a sum"))
     sizes = f"trial steps of {m.trial_sizes[0]} and {m.trial_sizes[1]} windows"
-    for ckpt in (False, True):
-        s = m.train_ckpt if ckpt else m.train
+    for ckpt, s in ((False, m.train), (True, m.train_ckpt)):
         name = "activations per window" + (", checkpointing" if ckpt else "")
-        if s is None:
-            rows.append((name, "-", "not measured (not needed)"))
-            continue
-        rows.append((name, format_bytes(s.peak.per_window * m.activation_scale),
+        rows.append((name, "-", "not measured (not needed)") if s is None else
+                    (name, format_bytes(s.peak.per_window * m.activation_scale),
                      f"peak of forward+backward, {sizes} ({m.measured_on}); fixed part "
                      f"{format_bytes(s.peak.fixed * m.activation_scale)}; of it stored for backward "
                      f"{format_bytes(s.stored.per_window)}/window (saved_tensors_hooks)"))
@@ -716,36 +711,36 @@ def format_report(r: PlanReport, refused: bool = False) -> str:
                  f"{format_bytes(m.val.fixed * m.activation_scale)}; gradients are freed before it"))
     if on_card:
         rows.append(("checkpoint writing", format_bytes(0), "tensors are copied to host memory"))
-    w = max(len(n) for n, _, _ in rows)
-    lines.append(f"  {'term':<{w}}  {'size':>11}  what it is")
-    lines += [f"  {n:<{w}}  {s:>11}  {d}" for n, s, d in rows]
-    lines.append("")
-    lines.append(f"  {'checkpointing':<13}  {'micro-batch':>11}  {'accumulation':>12}  {'est. training peak':>18}  "
-                 "fits")
+    return rows
+
+
+def _option_lines(r: PlanReport, refused: bool) -> list[str]:
+    """One line per checkpointing setting: its largest micro-batch, the estimate, and whether it fits."""
+    p, budgeted = r.plan, bool(r.budget_bytes) and r.target.kind == "cuda"
+    lines = [f"  {'checkpointing':<13}  {'micro-batch':>11}  {'accumulation':>12}  {'est. training peak':>18}  fits"]
     for o in r.options:
         chosen = (not refused) and o.checkpointing == p.grad_checkpointing and o.micro_batch == p.micro_batch
         acc = str(math.ceil(r.batch_size / o.micro_batch)) if o.micro_batch else "-"
-        fits = ("yes" if o.micro_batch else "no") if (r.budget_bytes and on_card) else "n/a"
+        fits = ("yes" if o.micro_batch else "no") if budgeted else "n/a"
         lines.append(f"  {'on' if o.checkpointing else 'off':<13}  {o.micro_batch or '-':>11}  {acc:>12}  "
                      f"{format_bytes(o.train_bytes):>18}  {fits}{'  <- chosen' if chosen else ''}")
-    lines.append("")
-    if refused:
-        lines.extend(r.notes)
-    else:
-        last = r.batch_size - (p.accumulation - 1) * p.micro_batch
-        tail = f" (the last holds {last})" if last != p.micro_batch else ""
-        lines.append(f"plan: micro-batch {p.micro_batch} x {p.accumulation} accumulation step(s) = effective batch "
-                     f"{p.batch_size}{tail}; gradient checkpointing {'on' if p.grad_checkpointing else 'off'}; "
-                     f"{p.precision}; validation batch {p.val_batch}")
-        est_train = r.memory.train_bytes(p.micro_batch, p.grad_checkpointing)
-        est_val = r.memory.val_bytes(p.val_batch)
-        of = f" of the {format_bytes(r.budget_bytes)} budget" if (r.budget_bytes and on_card) else ""
-        lines.append(f"estimated peak: training {format_bytes(est_train)}, validation {format_bytes(est_val)}{of}")
-        if r.budget_bytes and on_card:
-            lines.append("enforced on the card by torch.cuda.set_per_process_memory_fraction(budget / total memory) "
-                         "before the first step; an out-of-memory step halves the micro-batch and keeps the "
-                         "effective batch")
-    lines.append("assumptions:")
-    lines += [f"  - {a}" for a in r.assumptions]
-    lines.append(f"planned in {r.seconds:.1f} s")
-    return "\n".join(lines)
+    return lines
+
+
+def _plan_lines(r: PlanReport) -> list[str]:
+    """The plan chosen, its estimated peaks, and how the budget is enforced."""
+    p, budgeted = r.plan, bool(r.budget_bytes) and r.target.kind == "cuda"
+    last = r.batch_size - (p.accumulation - 1) * p.micro_batch
+    tail = f" (the last holds {last})" if last != p.micro_batch else ""
+    est_train = r.memory.train_bytes(p.micro_batch, p.grad_checkpointing)
+    of = f" of the {format_bytes(r.budget_bytes)} budget" if budgeted else ""
+    lines = [f"plan: micro-batch {p.micro_batch} x {p.accumulation} accumulation step(s) = effective batch "
+             f"{p.batch_size}{tail}; gradient checkpointing {'on' if p.grad_checkpointing else 'off'}; "
+             f"{p.precision}; validation batch {p.val_batch}",
+             f"estimated peak: training {format_bytes(est_train)}, validation "
+             f"{format_bytes(r.memory.val_bytes(p.val_batch))}{of}"]
+    if budgeted:
+        lines.append("enforced on the card by torch.cuda.set_per_process_memory_fraction(budget / total memory) "
+                     "before the first step; an out-of-memory step halves the micro-batch and keeps the "
+                     "effective batch")
+    return lines

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
@@ -16,16 +15,15 @@ from typing import Any, TextIO
 import torch
 
 from features.bars import ColumnMap
-from features.files import atomic_output, link_note
+from features.files import atomic_output
 from features.metrics import format_q_risk
 from trainer.checkpoint import load_checkpoint
 from trainer.config import TrainConfig, given_fields, resumed_config, setting_label
 from trainer.data import PreparedData, prepare
 from trainer.device import resolve_device, resolve_precision
 from trainer.distributed import shutdown
-from trainer.loop import Trainer
+from trainer.loop import PlanFn, Trainer, build_model
 from trainer.modeling import TemporalFusionTransformer
-from trainer.paths import RunPaths
 from trainer.plan import TrainPlan, literal_plan
 from trainer.planner import (
     PlanError,
@@ -38,46 +36,30 @@ from trainer.planner import (
     plan_for_model,
 )
 from trainer.report import write_report
+from trainer.resume import ResumeState
 
 log = logging.getLogger("trainer")
 
 REPORT_WINDOWS = 512
 
-PlanFn = Callable[[TemporalFusionTransformer, PreparedData, torch.device, str], TrainPlan]
-
 
 def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
-    cfg = effective_config(args, cfg)
+    resumed = ResumeState.load(args.resume) if args.resume else None
+    if resumed is not None:  # the checkpoint's recipe; ConfigError naming each setting of this command that changes it
+        stored = TrainConfig.from_dict(resumed.ckpt["train_config"])
+        cfg = resumed_config(stored, cfg, given_fields(args), setting_label(args))
+    columns = ColumnMap.from_args(args, resumed.ckpt["column_map"] if resumed else None)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
         print("resolved config:\n" + json.dumps(cfg.to_dict(), indent=2), file=sys.stderr)
     budget = parse_budget(cfg.vram_budget) if cfg.vram_budget else 0
     if args.plan_only:
-        return plan_only(args, cfg, budget)
-    if int(os.environ.get("RANK", "0")) == 0:  # the files this run writes by rename (the metrics file is
-        paths = RunPaths.for_out(args.out)  # written through a link, as open() writes)
-        renamed = [paths.best, paths.last]
-        if not args.no_report:
-            renamed.append(paths.report)
-        if cfg.test_fraction > 0:
-            renamed.append(paths.test)
-        for note in filter(None, map(link_note, renamed)):
-            log.info("%s", note)
+        return plan_only(args.parquet, cfg, budget, columns, resumed)
     plan_fn = budget_plan_fn(cfg, budget, _budget_label(args, cfg)) if budget else None
-    trainer = Trainer(args.parquet, cfg, args.out, _columns(args), resume=args.resume,
-                      progress=not args.no_progress, plan_fn=plan_fn)
+    trainer = Trainer(args.parquet, cfg, args.out, columns, resume=resumed, progress=not args.no_progress,
+                      plan_fn=plan_fn)
     result = trainer.run()
-    wanted = [what for what, on in (("the report", not args.no_report),
-                                    ("the test split", trainer.data.test_anchors.size > 0)) if on]
-    if wanted and result.history and trainer.dist.is_main:  # rank 0 alone writes files
-        best = trainer.runs_best()
-        if best is None:  # a resumed run whose best is elsewhere (said at its start), or a file replaced since
-            log.warning("skipped %s: %s is not this run's best checkpoint (epoch %d)", " and ".join(wanted),
-                        result.paths.best, trainer.best_epoch)
-        else:
-            if not args.no_report:
-                _report(trainer, best)
-            if trainer.data.test_anchors.size:
-                test_best(trainer, best)
+    if trainer.dist.is_main and result.history:  # rank 0 alone writes files
+        _judge_best(trainer, report=not args.no_report)
     log.info("best validation loss %.5f at epoch %d; checkpoint %s (resume from %s), metrics %s%s",
              trainer.best_val, trainer.best_epoch, result.paths.best, result.paths.last, result.paths.metrics,
              "" if args.no_report else f", report {result.paths.report}")
@@ -85,27 +67,21 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     return 0
 
 
-def effective_config(args: argparse.Namespace, cfg: TrainConfig) -> TrainConfig:
-    """The config the run will use: on --resume the checkpoint's recipe with this command's hardware fields
-    and epochs (when given); ConfigError when the command changes the recipe."""
-    if not getattr(args, "resume", None):
-        return cfg
-    stored = TrainConfig.from_checkpoint(_resumed(args.resume)["train_config"])
-    return resumed_config(stored, cfg, given_fields(args), setting_label(args))
-
-
-@functools.lru_cache(maxsize=1)
-def _resumed(path: Path) -> dict[str, Any]:
-    """What this module reads of the --resume checkpoint (its config, column names and vocabulary), read
-    once; only those small parts are kept, not the weights and optimizer state the Trainer loads itself."""
-    ckpt = load_checkpoint(path)
-    return {"train_config": ckpt["train_config"], "column_map": ckpt.get("column_map"), "symbols": ckpt["symbols"]}
-
-
-def _columns(args: argparse.Namespace) -> ColumnMap:
-    """The column names: the flags given, over a resumed run's stored names or over the defaults."""
-    stored = _resumed(args.resume)["column_map"] if getattr(args, "resume", None) else None
-    return ColumnMap.from_args(args, stored)
+def _judge_best(trainer: Trainer, report: bool) -> None:
+    """The report and the test scores of the run's best checkpoint, when it is at --out."""
+    wanted = [what for what, on in (("the report", report), ("the test split", trainer.data.test_anchors.size > 0))
+              if on]
+    if not wanted:
+        return
+    best = trainer.runs_best()
+    if best is None:  # a resumed run whose best is elsewhere (said at its start), or a file replaced since
+        log.warning("skipped %s: %s is not this run's best checkpoint (epoch %d)", " and ".join(wanted),
+                    trainer.paths.best, trainer.best_epoch)
+        return
+    if report:
+        _report(trainer, best)
+    if trainer.data.test_anchors.size:
+        test_best(trainer, best)
 
 
 def _no_cuda_reason() -> str:
@@ -178,7 +154,7 @@ def _plan(model: TemporalFusionTransformer, batch_fn: Callable[[int], dict[str, 
     return report
 
 
-def plan_only(args: argparse.Namespace, cfg: TrainConfig, budget: int) -> int:
+def plan_only(parquet: str, cfg: TrainConfig, budget: int, columns: ColumnMap, resumed: ResumeState | None) -> int:
     """--plan-only: measure, print the plan and exit 0, on any machine.
 
     The plan is for the device the run would use: --device cuda (or auto with a budget) plans
@@ -187,33 +163,13 @@ def plan_only(args: argparse.Namespace, cfg: TrainConfig, budget: int) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    cuda_here = torch.cuda.is_available()
-    wants_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and (cuda_here or budget > 0))
-    symbols = list(_resumed(args.resume)["symbols"]) if getattr(args, "resume", None) else None
-    data = prepare(args.parquet, cfg, _columns(args), symbols)
-    frame = data.frame
-    model = TemporalFusionTransformer(cfg.model_config(len(frame.schema.observed), len(frame.schema.known),
-                                                       len(frame.symbols)))
-    cpu = torch.device("cpu")
+    symbols, norm = resumed.vocabulary() if resumed else (None, None)
+    data = prepare(parquet, cfg, columns, symbols, norm)
+    target = _plan_target(cfg, budget)
+    model = build_model(cfg, data, target.measure_device)
     notes: tuple[str, ...] = ()
-    if wants_cuda and cuda_here:
-        device = resolve_device("cuda" if cfg.device == "auto" else cfg.device)
-        precision = resolve_precision(cfg.precision, device).name
-        model.to(device)
-        total = torch.cuda.get_device_properties(device).total_memory
-        target = Target("cuda", device, precision,
-                        f"{torch.cuda.get_device_name(device)}, {format_bytes(total)}: measured on it")
-        if budget:
-            budget, notes = _card_budget(budget, device)
-    elif wants_cuda:
-        precision = "bf16" if cfg.precision == "auto" else cfg.precision
-        why = "--device auto with a VRAM budget" if cfg.device == "auto" else f"--device {cfg.device}"
-        target = Target("cuda", cpu, precision, f"{why}; no CUDA here ({_no_cuda_reason()}): planned for a CUDA "
-                                                "card from a CPU measurement")
-    else:
-        precision = resolve_precision(cfg.precision, cpu).name
-        target = Target("cpu", cpu, precision, "--device auto: no CUDA here" if cfg.device == "auto" else
-                        "--device cpu")
+    if budget and target.measure_device.type == "cuda":
+        budget, notes = _card_budget(budget, target.measure_device)
     report = _plan(model, batch_fn_for(data.tensors, data.train_anchors), target, budget, cfg, sys.stdout)
     for note in notes:
         print(note)
@@ -221,6 +177,24 @@ def plan_only(args: argparse.Namespace, cfg: TrainConfig, budget: int) -> int:
              report.plan.micro_batch, report.plan.accumulation, "on" if report.plan.grad_checkpointing else "off",
              format_bytes(report.plan.estimate_bytes), report.seconds)
     return 0
+
+
+def _plan_target(cfg: TrainConfig, budget: int) -> Target:
+    """The device --plan-only plans for, and where it measures: the card when there is one, else the CPU."""
+    cpu = torch.device("cpu")
+    cuda_here = torch.cuda.is_available()
+    wants_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and (cuda_here or budget > 0))
+    if wants_cuda and cuda_here:
+        device = resolve_device("cuda" if cfg.device == "auto" else cfg.device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        name = f"{torch.cuda.get_device_name(device)}, {format_bytes(total)}"
+        return Target("cuda", device, resolve_precision(cfg.precision, device).name, f"{name}: measured on it")
+    if wants_cuda:
+        why = "--device auto with a VRAM budget" if cfg.device == "auto" else f"--device {cfg.device}"
+        return Target("cuda", cpu, "bf16" if cfg.precision == "auto" else cfg.precision,
+                      f"{why}; no CUDA here ({_no_cuda_reason()}): planned for a CUDA card from a CPU measurement")
+    return Target("cpu", cpu, resolve_precision(cfg.precision, cpu).name,
+                  "--device auto: no CUDA here" if cfg.device == "auto" else "--device cpu")
 
 
 def test_best(trainer: Trainer, best: dict[str, Any] | None = None) -> dict[str, Any]:
