@@ -1,8 +1,7 @@
 """Domain errors of the server and the one place that maps them to gRPC status codes.
 
-Pure functions and modules raise these; the servicer catches them in one decorator
-(`serving.servicer.rpc`) and answers with `status_of(exc)`. Anything else is a bug: it is
-logged with its traceback and answered INTERNAL, and the server keeps serving.
+The servicer's `rpc` decorator answers with `status_of(exc)`. Anything else is a bug: logged with
+its traceback and answered INTERNAL, and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ class ServingError(Exception):
 class RequestError(ServingError):
     """The request breaks the contract; the message says what to fix.
 
-    `field` names the request field at fault as google.rpc.BadRequest paths name them (`series[1].close`,
-    `series[0].symbol`, `series`, `request_id`); `violations` gives several (field, what is wrong) pairs
-    instead, one per problem the message lists."""
+    `field` is the field at fault as google.rpc.BadRequest paths name it (`series[1].close`); `violations`
+    gives several (field, what is wrong) pairs instead, one per problem the message lists."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -65,10 +63,7 @@ class NotReady(ServingError):
 
 
 class ModelLoadError(Exception):
-    """A model file that cannot be served (unreadable, wrong inputs, bad metadata, wrong device).
-
-    At start-up it stops the server with this message; on SIGHUP the old model keeps serving.
-    """
+    """A model file that cannot be served. At start it stops the server; on SIGHUP the old model keeps serving."""
 
 
 class DeviceUnavailable(ModelLoadError):
@@ -76,81 +71,63 @@ class DeviceUnavailable(ModelLoadError):
 
 
 class ConfigError(Exception):
-    """A flag or file the server (or a client) cannot use: unreadable TLS files, a bad token file.
-
-    Stops the command at start with this message (exit 2); on SIGHUP the old setting stays.
-    """
+    """A flag or file the server or client cannot use (TLS, tokens): exit 2 at start; on SIGHUP the old one stays."""
 
 
 MAX_DETAILS_BYTES = 2000  # status messages are cut here: they travel in a trailer (gRPC: 8 KiB of metadata)
+MAX_PROBLEMS = 5  # problems one RequestError lists
 
 
 def bounded(text: str, limit: int = 48) -> str:
-    """`text` as a quoted literal (control characters escaped) of at most about `limit` characters.
-
-    Every string from a request that an error message repeats goes through this, so a message
-    stays short however long or strange the caller's string is.
-    """
+    """`text` as a quoted literal (control characters escaped) of at most about `limit` characters: how an error
+    message repeats a caller's string."""
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
+def _header_length(text: str) -> int:
+    """The length of `text` as grpc-message: bytes outside printable ASCII, and '%', percent-encoded."""
+    return sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in text.encode("utf-8", "replace"))
+
+
 def cap_details(message: str) -> str:
-    """A status message that fits its trailer: at most MAX_DETAILS_BYTES of UTF-8, cut on a character."""
-    data = message.encode("utf-8", "replace")
-    if len(data) <= MAX_DETAILS_BYTES:
+    """A status message of at most MAX_DETAILS_BYTES on the wire (percent-encoded), cut on a character."""
+    if _header_length(message) <= MAX_DETAILS_BYTES:
         return message
-    return data[:MAX_DETAILS_BYTES - 20].decode("utf-8", "ignore") + " ... (message cut)"
+    room, kept = MAX_DETAILS_BYTES - 20, []
+    for ch in message:
+        room -= _header_length(ch)
+        if room < 0:
+            break
+        kept.append(ch)
+    return "".join(kept) + " ... (message cut)"
 
 
-METADATA_BYTES = 8192 - 512  # a client's default limit on trailing metadata, less room for the other trailers
 VIOLATION_BYTES = 300  # one field violation's description, at most
+
+
+def status_details(exc: BaseException, code: grpc.StatusCode,
+                   message: str) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
+    """The status message and the trailing metadata to end a call with. A request error carries a
+    google.rpc.BadRequest in `grpc-status-details-bin`, one field violation per problem, so that a client
+    finds the field at fault without parsing the message; other errors carry none.
+
+    A message capped by status_of and at most MAX_PROBLEMS violations of VIOLATION_BYTES keep the trailers
+    within the 8 KiB of metadata a client accepts by default."""
+    if not isinstance(exc, RequestError):
+        return message, ()
+    bad = error_details_pb2.BadRequest(field_violations=[
+        error_details_pb2.BadRequest.FieldViolation(field=f, description=_cut(d, VIOLATION_BYTES))
+        for f, d in exc.violations])
+    status = status_pb2.Status(code=code.value[0], message=message)  # from_call checks the two messages agree
+    status.details.add().Pack(bad)
+    return message, tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 def _cut(text: str, limit: int) -> str:
     data = text.encode("utf-8", "replace")
     return text if len(data) <= limit else data[:max(0, limit - 4)].decode("utf-8", "ignore") + " ..."
-
-
-def _header_length(message: str) -> int:
-    """The length of grpc-message on the wire: bytes outside printable ASCII, and '%', percent-encoded."""
-    return sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in message.encode("utf-8", "replace"))
-
-
-def status_details(exc: BaseException, code: grpc.StatusCode,
-                   message: str) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
-    """The status message and the trailing metadata to end a call with. For a request error, gRPC's richer error
-    model: `grpc-status-details-bin` holding a google.rpc.Status whose details hold a google.rpc.BadRequest, one
-    field violation per problem (the field's path, e.g. series[1].close, and what is wrong), so that a client
-    finds the series at fault without parsing the message (Python: grpc_status.rpc_status.from_call; Go:
-    status.FromError(err).Details(); Java: StatusProto.fromThrowable). Other errors carry none: ().
-
-    The trailers must stay within the 8 KiB of metadata a client accepts by default (past it the call fails
-    without its status), and the details' message must be the status message (from_call refuses a call whose
-    two differ). What does not fit is given up in this order: the violations' descriptions, then the end of the
-    message, in both places alike."""
-    if not isinstance(exc, RequestError):
-        return message, ()
-    violations = [(f, _cut(d, VIOLATION_BYTES)) for f, d in exc.violations]
-    for described in (True, False):
-        bad = error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=f, description=d if described else "")
-            for f, d in violations])
-        if _trailer_length(message, bad) <= METADATA_BYTES:
-            break
-    while _trailer_length(message, bad) > METADATA_BYTES and len(message) > 8:  # a long non-ASCII message
-        message = _cut(message, len(message.encode("utf-8", "replace")) * 4 // 5)
-    status = status_pb2.Status(code=code.value[0], message=message)
-    status.details.add().Pack(bad)
-    return message, tuple(rpc_status.to_status(status).trailing_metadata)
-
-
-def _trailer_length(message: str, bad: error_details_pb2.BadRequest) -> int:
-    """grpc-message and grpc-status-details-bin on the wire: the message percent-encoded, the details in base64."""
-    status = status_pb2.Status(code=3, message=message)
-    status.details.add().Pack(bad)
-    return _header_length(message) + (status.ByteSize() + 2) // 3 * 4
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

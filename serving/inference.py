@@ -1,13 +1,8 @@
-"""One micro-batch, end to end, on the inference thread: features of every series at once, one model run.
+"""One micro-batch on the inference thread: the features of every series at once, one model run.
 
-Feature computation has a fixed cost per call of `build_frame` that dwarfs its cost per
-bar, so the batch computes the features of all its calls' series in one call, then runs
-the model once, then splits the rows back per call. Each call's rows depend on its own
-bars only, so the split equals what running the call alone gives.
-
-One call never fails another: a call whose features or outputs are not finite gets its own
-RequestError and its rows stay out of (or are dropped from) the run; if the batch as a
-whole fails unexpectedly, each call is rerun alone so that only the one at fault fails.
+Each call's rows depend on its own bars only, so splitting the rows back per call gives what running
+the call alone gives. One call never fails another: a call whose features or outputs are not finite
+gets its own RequestError, and if the batch fails as a whole, each call is rerun alone.
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """Prometheus metrics of the server, in their own registry, served on --metrics-port.
 
-    foxhunt_requests_total{method,code}          RPCs answered, by gRPC status code (method: Predict,
-                                                 GetModelInfo, PredictStream: each request on a stream,
-                                                 and a stream ended by shutdown or its age, or `other`
-                                                 for refusals of other services and calls to methods
-                                                 the server does not have)
-    foxhunt_request_latency_seconds{method}      time in the handler, histogram (PredictStream: per request,
-                                                 from its arrival until its answer is sent)
-    foxhunt_open_streams                         PredictStreams open now
-    foxhunt_queue_seconds                        time a call's windows waited for their batch
-    foxhunt_inference_seconds                    wall time per batch: features, ONNX Runtime run, checks
-    foxhunt_step_seconds_total{step}             time in each step, summed: parse and response (per call),
-                                                 features and run (per batch; run is ONNX Runtime alone)
-    foxhunt_steps_total{step}                    how many times each step ran (divide the two for a mean)
-    foxhunt_batch_windows                        windows per ONNX Runtime run (before padding)
-    foxhunt_batch_calls                          calls sharing one run
-    foxhunt_queue_expired_total                  calls whose deadline passed while queued (not run)
-    foxhunt_forecast_warnings_total              forecasts answered with a warning (Forecast.warnings: bars
-                                                 further apart than the model's, which a caller should fix)
-    foxhunt_inflight_requests                    Predict calls and PredictStream requests being served now
-    foxhunt_ready                                1 when warmed up and serving
-    foxhunt_model_info{version,...,provider}     1, labelled with the model and where it runs
-    foxhunt_reloads_total{file,result}           SIGHUP reloads of each file (model | tls | tokens):
-                                                 ok | refused (the current one stays)
-    foxhunt_build_info{version}                  1, labelled with the server's package version
-    process_*, python_gc_*, python_info          prometheus_client's process, GC and platform collectors
-
-Counters of Predict's usual answers and of both reload results exist at zero from the start, so that
-`increase()` sees their first event. Latency buckets run from 50 µs: a lone call spends about
-1 ms in the handler and its queue wait tens of microseconds (the handler's time leaves out
-gRPC's transport, about 0.5 ms of a lone call on the 2-vCPU machine).
+Requests by method and status code (`other` for other services and unknown methods), handler latency,
+open streams, queue and batch times, time per serving step, batch sizes, deadlines expired in the
+queue, forecasts with a warning, calls in flight, readiness, the model and where it runs, SIGHUP
+reloads by file and result, the build, and prometheus_client's process, GC and platform collectors.
+Counters of the usual answers and of reloads exist at zero from the start, so that `increase()` sees
+their first event. Latency buckets start at 50 µs: a lone call spends about 1 ms in the handler.
 """
 
 from __future__ import annotations
@@ -72,10 +48,8 @@ STEPS = ("parse", "features", "run", "response")
 class StepTimes(Collector):
     """Seconds spent in each step of serving a call, summed, and how many times each ran.
 
-    Plain float and int additions on the request path, turned into Prometheus counters only when
-    scraped: the steps are microseconds long, so a metric update per step would cost a visible
-    share of them. The steps of one batch never run on two threads at once (the batcher runs one
-    batch at a time), and parse and response run on the event loop alone.
+    Plain additions on the request path, turned into counters only when scraped: the steps are
+    microseconds long. A batch's steps run on the one worker thread; parse and response on the loop.
     """
 
     def __init__(self) -> None:
@@ -131,8 +105,8 @@ class Metrics:
         self.reloads = Counter("foxhunt_reloads", "SIGHUP reloads by file (model, tls, tokens) and result",
                                ["file", "result"], registry=r)
         Info("foxhunt_build", "The server's package version", registry=r).info({"version": package_version()})
-        for code in (*USUAL_CODES, "UNAUTHENTICATED") if tokens else USUAL_CODES:  # at zero from the start: a
-            self.requests.labels("Predict", code)  # first refusal is an increase, not a new series
+        for code in (*USUAL_CODES, "UNAUTHENTICATED") if tokens else USUAL_CODES:  # at zero from the start
+            self.requests.labels("Predict", code)
             self.requests.labels("PredictStream", code)
         for file in RELOADED_FILES:
             for result in ("ok", "refused"):
@@ -143,8 +117,8 @@ class Metrics:
         r.register(self.steps)
 
     def count(self, method: str, code: grpc.StatusCode) -> None:
-        """An answer given outside the servicer (by an interceptor), by full method name; the label set stays
-        bounded whatever method names callers send."""
+        """An answer given outside the servicer (by an interceptor), by full method name; unknown names count
+        as `other`, so the label set stays bounded."""
         name = method[len(FORECASTER):] if method.startswith(FORECASTER) else ""
         self.requests.labels(name if name in FORECASTER_METHODS else "other", code.name).inc()
 

@@ -41,13 +41,8 @@ def explanation(prepared: Prepared, outputs: dict[str, np.ndarray], meta: ModelM
 
 def spacing_warnings(prepared: Prepared, interval_ns: int) -> dict[int, tuple[str, ...]]:
     """Window b -> its warning when its encoder bars are mostly further apart than the model's bar interval
-    (`features.check.spacing_warning`, as serving.client and serving.score warn).
-
-    A window whose bars span at most its gaps times the interval (every gap one interval, as most are) has
-    nothing to warn of: most gaps of 1.5 intervals or more would span more, unless many others were near zero
-    (bars that close are refused when they are most). That one test passes the whole batch on most calls;
-    otherwise the windows where most gaps are under 1.5 intervals are let go, and the rest looked at one by
-    one."""
+    (`features.check.spacing_warning`). Windows whose bars span at most their gaps times the interval, or
+    whose gaps are mostly under 1.5 intervals, have nothing to warn of: a cheap pass over the batch first."""
     ts = prepared.encoder_timestamp_ns  # [B, L]
     gaps = ts.shape[1] - 1
     if (ts[:, -1] - ts[:, 0] <= gaps * interval_ns).all():

@@ -1,12 +1,8 @@
 """Checked request columns -> model inputs, with the trainer's own feature code.
 
-Each series' last `bars_required` bars go to `features.latest_windows` with the model's
-FeatureConfig: the observed and calendar features come from the same functions that
-`build_frame` uses in training, and the window at each series' last bar equals the one
-training would cut there, bit for bit (tested in tests/test_features.py), so there is no
-training/serving skew. The one serving-side choice is the bar interval of the decoder's
-calendar features: the model's (from its metadata), as in training, not one inferred from a
-request's few bars.
+`features.latest_windows` computes the window at each series' last bar with the functions training
+uses, bit for bit (tests/test_features.py): no training/serving skew. The decoder's future bar times
+use the model's bar interval, as in training.
 """
 
 from __future__ import annotations

@@ -62,10 +62,9 @@ class Limits:
 class Admission:
     """At most `limit` Predict calls and PredictStream requests in flight; the next one is refused, not queued.
 
-    Refusals are logged at WARNING, bounded: the first after a quiet spell at once, then, while they go on,
-    one line per `log_every_s` with their count (every one is counted in the metrics too), so an operator
-    reading the log sees the overload and its size, not a flood. `schedule(delay, fn)` runs fn later (the
-    running event loop's call_later by default; False when it cannot)."""
+    Refusals are logged at WARNING without flooding: the first after a quiet spell at once, then one line per
+    `log_every_s` with their count while they go on. `schedule(delay, fn)` runs fn later (the event loop's
+    call_later by default) and returns False when it cannot."""
 
     def __init__(self, limit: int, metrics: Metrics, log_every_s: float = 60.0,
                  schedule: Callable[[float, Callable[[], None]], bool] | None = None) -> None:
@@ -97,7 +96,7 @@ class Admission:
         log.warning("overloaded: refusing calls RESOURCE_EXHAUSTED, --max-concurrent %d in flight (a count of them "
                     "follows every %.0f s while it lasts); raise --max-concurrent, add --workers or replicas, or "
                     "have callers back off", self.limit, self._log_every_s)
-        self._counting = bool(self._schedule(self._log_every_s, self._count))  # no loop, no count: each a line
+        self._counting = bool(self._schedule(self._log_every_s, self._count))
 
     def _count(self) -> None:
         """The refusals of the last log_every_s, if any; the count goes on while they do."""
@@ -131,10 +130,8 @@ def _varint_size(n: int) -> int:
 
 
 def caller_gone(context: aio.ServicerContext[Any, Any]) -> bool:
-    """The call's deadline has passed: whatever the handler sends, gRPC fails to deliver and logs the failure
-    as an ERROR with a traceback (an abort or a response on a finished call). (A client's cancel reaches the
-    handler as asyncio.CancelledError, not here: grpc.aio's `cancelled()` reports only a status the handler
-    set itself.)"""
+    """The call's deadline has passed: gRPC would fail to deliver anything the handler sends and log that as an
+    ERROR with a traceback. A client's cancel reaches the handler as asyncio.CancelledError instead."""
     remaining = context.time_remaining()
     return remaining is not None and remaining <= 0
 
@@ -149,10 +146,10 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
             code, gone, error = grpc.StatusCode.OK, False, None
             try:
                 response = await fn(self, request, context)
-                if caller_gone(context):  # an answer no one waits for: counted as the deadline or the cancel
+                if caller_gone(context):  # an answer no one waits for
                     raise asyncio.CancelledError
                 return response
-            except asyncio.CancelledError:  # the client went away or its deadline passed: counted as which
+            except asyncio.CancelledError:  # the client went away or its deadline passed
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if caller_gone(context) else grpc.StatusCode.CANCELLED
                 raise
             except Exception as exc:
@@ -160,7 +157,7 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
                 error = exc
                 if code == grpc.StatusCode.INTERNAL:
                     log.exception("%s failed", method)
-                gone = caller_gone(context)  # no status can reach it: counted as what it is, nothing sent
+                gone = caller_gone(context)  # no status can reach it: nothing is sent
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if gone else code
             finally:
                 self.metrics.requests.labels(method, code.name).inc()
@@ -190,6 +187,52 @@ class StreamAnswer:
     start: float  # time.perf_counter() at the request's arrival
 
 
+class _Stream:
+    """One PredictStream's reader: it reads a request only once one of `window` slots is free, and queues
+    the task of its answer; None in the queue ends the answers. It stops reading when cancelled (shutdown) or,
+    with `max_age_s`, at about that age (jittered, so that streams opened together do not end together)."""
+
+    def __init__(self, requests: AsyncIterator[pb.PredictRequest],
+                 answer: Callable[[pb.PredictRequest], Awaitable[StreamAnswer]], window: int,
+                 max_age_s: float) -> None:
+        self.pending: asyncio.Queue[asyncio.Future[StreamAnswer] | None] = asyncio.Queue()
+        self.window = asyncio.Semaphore(window)
+        self.aged = False
+        self.reader = asyncio.ensure_future(self._read(requests, answer))
+        self._timer = (asyncio.get_running_loop().call_later(max_age_s * random.uniform(0.8, 1.0), self._age_out)
+                       if max_age_s else None)
+
+    async def _read(self, requests: AsyncIterator[pb.PredictRequest],
+                    answer: Callable[[pb.PredictRequest], Awaitable[StreamAnswer]]) -> None:
+        try:  # a slot first, then the next request: a request read is a request answered
+            while await self.window.acquire() and (request := await anext(requests, None)) is not None:
+                self.pending.put_nowait(asyncio.ensure_future(answer(request)))
+        finally:
+            self.pending.put_nowait(None)
+
+    def _age_out(self) -> None:
+        self.aged = True
+        self.reader.cancel()
+
+    def close(self) -> list[StreamAnswer]:
+        """Stop reading; cancel the answers still running (each settles itself) and return the finished
+        ones that were never sent."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self.reader.cancel()
+        if self.reader.done() and not self.reader.cancelled():
+            self.reader.exception()  # retrieved: a stream that ended early has already failed for its own reason
+        unsent = []
+        while not self.pending.empty():
+            if (left := self.pending.get_nowait()) is None:
+                continue
+            if not left.done():
+                left.cancel()
+            elif not left.cancelled() and left.exception() is None:
+                unsent.append(left.result())
+        return unsent
+
+
 class ForecasterServicer(pb_grpc.ForecasterServicer):
     def __init__(self, holder: ModelHolder, batcher: Batcher, metrics: Metrics, limits: Limits,
                  stream_max_age_s: float = 0.0) -> None:
@@ -201,7 +244,7 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         self.ready = False  # set once the model is warmed up
         self.draining = False  # set on SIGTERM: new calls are refused while in-flight ones finish
         self._stream_readers: set[asyncio.Future[None]] = set()  # one per open PredictStream
-        self.stream_max_age_s = stream_max_age_s  # a stream stops reading about this old (--max-connection-age)
+        self.stream_max_age_s = stream_max_age_s  # --max-connection-age: a stream stops reading about this old
 
     @rpc("Predict")
     async def Predict(self, request: pb.PredictRequest,
@@ -211,8 +254,8 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
 
     async def _predict(self, request: pb.PredictRequest, context: aio.ServicerContext[Any, Any],
                        wrapper_bytes: int = 0) -> pb.PredictResponse:
-        """One request's forecasts, for Predict and for each request of PredictStream alike (whose answer
-        wraps the response in `wrapper_bytes` more). The caller holds the request's admission slot."""
+        """One request's forecasts, for Predict and each request of PredictStream (whose answer adds
+        `wrapper_bytes` to the response). The caller holds the request's admission slot."""
         if self.draining:
             raise NotReady("the server is shutting down; retry on another replica")
         if not self.ready:
@@ -235,94 +278,77 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         size = response.ByteSize() + wrapper_bytes
         steps.add("response", time.perf_counter() - start)
         if size > self.limits.max_message_bytes:  # else gRPC fails the send with a status the caller can't act on
-            fits = series_that_fit(response, self.limits.max_message_bytes - wrapper_bytes)
-            fixes = [f"send at most {fits} series per request"] if 1 <= fits < len(series) else []
-            fixes += ["set explain=false"] if request.explain else []
-            fixes = fixes or ["the server's --max-message-bytes must be raised for one series' answer"]
-            raise ResponseTooLarge(
-                f"the response would be {size} bytes, over the server's limit of {self.limits.max_message_bytes} "
-                f"(--max-message-bytes); {' or '.join(fixes)}")
+            raise self._too_large(response, size, wrapper_bytes, request.explain, len(series))
         return response
+
+    def _too_large(self, response: pb.PredictResponse, size: int, wrapper_bytes: int, explain: bool,
+                   sent: int) -> ResponseTooLarge:
+        limit = self.limits.max_message_bytes
+        fits = series_that_fit(response, limit - wrapper_bytes)
+        fixes = [f"send at most {fits} series per request"] if 1 <= fits < sent else []
+        fixes += ["set explain=false"] if explain else []
+        fixes = fixes or ["the server's --max-message-bytes must be raised for one series' answer"]
+        return ResponseTooLarge(f"the response would be {size} bytes, over the server's limit of "
+                                f"{limit} (--max-message-bytes); {' or '.join(fixes)}")
 
     async def PredictStream(self, requests: AsyncIterator[pb.PredictRequest],
                             context: aio.ServicerContext[pb.PredictRequest, pb.PredictStreamResponse]) -> None:
         """Each request as Predict answers it, in request order; a failed request's error travels in its
         answer.
 
-        Requests read ahead of their answers run concurrently (and batch together), at most --max-batch of
-        them per stream: past that the stream is not read, and HTTP/2 flow control holds the caller. A
-        request holds its admission slot (--max-concurrent) until its answer is sent, so answers a caller
-        does not read stay bounded across all streams. The stream stops reading on shutdown (end_streams) and
-        once it is --max-connection-age old (its connection is at least that old, and gRPC would cut it
-        after the age's grace, requests in flight and all): it answers the requests it has read, then ends
-        UNAVAILABLE. The answers are sent with context.write, whose failure (the caller gone) ends the
-        handler quietly, where an async generator's failed send is logged by grpc as an error."""
+        At most --max-batch requests per stream are read ahead of their answers; they run concurrently and
+        batch together. Past that the stream is not read, and HTTP/2 flow control holds the caller. A request
+        holds its admission slot until its answer is sent, so unread answers stay bounded across streams.
+        On shutdown (end_streams) or at --max-connection-age, the stream stops reading, answers what it has
+        read, then ends UNAVAILABLE. Answers go out with context.write, whose failure (the caller gone) ends
+        the handler quietly."""
         if self.draining:
-            self.metrics.requests.labels("PredictStream", grpc.StatusCode.UNAVAILABLE.name).inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; open the stream on "
-                                                             "another replica")
-        pending: asyncio.Queue[asyncio.Future[StreamAnswer] | None] = asyncio.Queue()
-        window = asyncio.Semaphore(min(self.limits.max_concurrent, self.limits.max_batch))
-        aged = False
-
-        async def read() -> None:
-            try:  # a slot first, then the next request: a request read is a request answered
-                while await window.acquire() and (request := await anext(requests, None)) is not None:
-                    pending.put_nowait(asyncio.ensure_future(self._stream_answer(request, context)))
-            finally:
-                pending.put_nowait(None)
-
-        def age_out() -> None:
-            nonlocal aged
-            aged = True
-            reader.cancel()
-
-        reader = asyncio.ensure_future(read())
-        timer = (asyncio.get_running_loop().call_later(self.stream_max_age_s * random.uniform(0.8, 1.0), age_out)
-                 if self.stream_max_age_s else None)
-        self._stream_readers.add(reader)
+            await self._end_stream(context, "the server is shutting down; open the stream on another replica")
+        window = min(self.limits.max_concurrent, self.limits.max_batch)
+        stream = _Stream(requests, lambda request: self._stream_answer(request, context), window,
+                         self.stream_max_age_s)
+        self._stream_readers.add(stream.reader)
         self.metrics.open_streams.inc()
         try:
-            while (answering := await pending.get()) is not None:
-                answer, sent = await answering, False
-                try:
-                    await context.write(answer.message)
-                    sent = True
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # the caller is gone (cancelled, past its deadline, disconnected): nothing to send
-                    return
-                finally:
-                    self._settle(answer, context, sent)
-                window.release()
-            if reader.cancelled():  # shutdown, or the stream's age
-                self.metrics.requests.labels("PredictStream", grpc.StatusCode.UNAVAILABLE.name).inc()
-                why = (f"the stream is --max-connection-age ({self.stream_max_age_s:g} s) old" if aged
+            if not await self._send_answers(stream, context):
+                return
+            if stream.reader.cancelled():  # shutdown, or the stream's age
+                why = (f"the stream is --max-connection-age ({self.stream_max_age_s:g} s) old" if stream.aged
                        else "the server is shutting down")
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"{why}: every request read was answered; open a new stream (it may reach "
-                                    "another replica) and resend each request not answered OK")
-            reader.result()  # the stream's own failure (an undecodable message), if any
+                await self._end_stream(context, f"{why}: every request read was answered; open a new stream (it "
+                                                "may reach another replica) and resend each request not answered OK")
+            stream.reader.result()  # the stream's own failure (an undecodable message), if any
         finally:
-            if timer is not None:
-                timer.cancel()
-            self._stream_readers.discard(reader)
+            self._stream_readers.discard(stream.reader)
             self.metrics.open_streams.dec()
-            reader.cancel()
-            if reader.done() and not reader.cancelled():
-                reader.exception()  # retrieved: a stream that ended early has already failed for its own reason
-            while not pending.empty():
-                if (left := pending.get_nowait()) is None:
-                    continue
-                if not left.done():
-                    left.cancel()  # counts itself and gives its slot back
-                elif not left.cancelled() and left.exception() is None:
-                    self._settle(left.result(), context, sent=False)
+            for answer in stream.close():
+                self._settle(answer, context, sent=False)
+
+    async def _send_answers(self, stream: _Stream, context: aio.ServicerContext[Any, Any]) -> bool:
+        """Send each answer as it is ready, in request order; False when the caller is gone."""
+        while (answering := await stream.pending.get()) is not None:
+            answer, sent = await answering, False
+            try:
+                await context.write(answer.message)
+                sent = True
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the caller is gone (cancelled, past its deadline, disconnected)
+                return False
+            finally:
+                self._settle(answer, context, sent)
+            stream.window.release()
+        return True
+
+    async def _end_stream(self, context: aio.ServicerContext[Any, Any], message: str) -> None:
+        """End the stream UNAVAILABLE (counted), so that the caller opens another."""
+        self.metrics.requests.labels("PredictStream", grpc.StatusCode.UNAVAILABLE.name).inc()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
     async def _stream_answer(self, request: pb.PredictRequest, context: aio.ServicerContext[Any, Any]
                              ) -> StreamAnswer:
-        """The answer to one request of a stream; counted, and its admission slot given back, by `_settle` once
-        it is sent or will never be (or here, when the request is cancelled before it has an answer)."""
+        """The answer to one request of a stream. `_settle` counts it and gives its admission slot back once
+        it is sent or will never be."""
         start = time.perf_counter()
         held = False
         try:
@@ -352,8 +378,8 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
                 code=code.value[0], code_name=code.name, message=message, fields=fields)), code, False, start)
 
     def _settle(self, answer: StreamAnswer, context: aio.ServicerContext[Any, Any], sent: bool) -> None:
-        """Count what the caller got for one request (its answer's code, or, unsent, the deadline or the
-        cancel), time it from the request's arrival, and give back its admission slot."""
+        """Count what the caller got for one request (unsent: the deadline or the cancel), time it from the
+        request's arrival, and give back its admission slot."""
         code = answer.code if sent else (grpc.StatusCode.DEADLINE_EXCEEDED if caller_gone(context)
                                          else grpc.StatusCode.CANCELLED)
         self.metrics.requests.labels("PredictStream", code.name).inc()

@@ -1,14 +1,14 @@
-"""Request columns -> checked numpy columns, or a RequestError that says what to fix.
+"""Request columns -> checked numpy columns, or a RequestError that names the field, the rule and the fix.
 
-Plain functions on numpy arrays. The value and order rules of a bar (positive finite
-prices, low <= open, close <= high, volume >= 0, strictly increasing timestamps, finite
-user features) are the data contract's own: when a fast vectorised check finds anything
-wrong, `features.bars.validate` names each broken rule, its column and first row, exactly
-as it does for a parquet file (the "file" being `series[i] (SYMBOL)`).
+The value and order rules of a bar are the data contract's own: when a fast vectorised check finds
+anything wrong, `features.bars.validate` names each broken rule, its column and first row, as it does
+for a parquet file (the "file" being `series[i] (SYMBOL)`), with a request's fix.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
@@ -20,7 +20,6 @@ from features.bars import (
     F32_MAX,
     MAX_BAR_PRICE_RATIO,
     NS_PER_UNIT,
-    PLACEHOLDER_RULE,
     PLAUSIBLE_NS,
     PRICE_COLUMNS,
     UNIT_NAMES,
@@ -32,14 +31,12 @@ from features.bars import (
 )
 from features.compute import COARSE_INTERVALS, NS_PER_DAY
 from features.model_meta import ModelMeta
-from serving.errors import RequestError, bounded
+from serving.errors import MAX_PROBLEMS, RequestError, bounded
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 
 BAR_COLUMNS: tuple[str, ...] = ("timestamp_ns", *PRICE_COLUMNS, "volume")  # the proto's field names
 WIRE_COLUMNS = ColumnMap(timestamp="timestamp_ns")  # names problems after the proto's fields
-MAX_PROBLEMS = 5  # problems listed in one error message
 INT64_MAX = np.iinfo(np.int64).max
-MAX_USER_COLUMNS = 10_000  # user feature columns one series may send (a bound on per-request work)
 
 
 @dataclass
@@ -53,9 +50,7 @@ class SeriesColumns:
     low: np.ndarray  # float64 [n]
     close: np.ndarray  # float64 [n]
     volume: np.ndarray  # float64 [n]
-    # float64 [n] each, as sent (any names). A ColumnBlock (one float64 [columns, n] block whose rows are the
-    # columns) when they came that way: packed (read-only views of the request's bytes), or after `tail`.
-    # Lets wide requests skip per-column steps.
+    # float64 [n] each, as sent; a ColumnBlock (rows are the columns) when packed or after `tail`
     user: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -88,17 +83,11 @@ class SeriesColumns:
 def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
     """request.series[index] as numpy columns (no value checks): copies, except that a packed block's
     user columns are read-only views of its bytes."""
-    sent = len(series.user_features) + len(series.user_feature_names)
-    if sent > MAX_USER_COLUMNS:
-        raise RequestError(f"{_label(index, series.symbol)}: {sent} user feature columns sent, more than the "
-                           f"server accepts ({MAX_USER_COLUMNS}); send only the model's columns "
-                           "(GetModelInfo.user_feature_columns)",
-                           _field(index, "user_feature_names" if series.user_feature_names else "user_features"))
     user: Mapping[str, np.ndarray] = {}
     if series.user_feature_names or series.user_features_raw:
         user = _packed_user_columns(series, index)
     plain: dict[str, np.ndarray] = {}
-    for col in series.user_features:  # the other form (both at once is refused above)
+    for col in series.user_features:
         if col.name in plain:
             raise RequestError(f"{_label(index, series.symbol)}: user feature column {bounded(col.name)} is sent "
                                "twice; send each column once", _field(index, "user_features"))
@@ -125,13 +114,10 @@ def _packed_user_columns(series: pb.Series, index: int) -> ColumnBlock:
     if not names:
         raise RequestError(f"{label}: user_features_raw has {len(raw)} bytes but user_feature_names is empty; name "
                            "each row of the block", _field(index, "user_feature_names"))
-    if len(set(names)) != len(names):  # one pass in C; the loop below only names the first repeat
-        seen: set[str] = set()
-        for name in names:
-            if name in seen:
-                raise RequestError(f"{label}: user feature column {bounded(name)} is named twice in "
-                                   "user_feature_names; send each column once", _field(index, "user_feature_names"))
-            seen.add(name)
+    if len(set(names)) != len(names):
+        twice = next(name for name, k in Counter(names).items() if k > 1)
+        raise RequestError(f"{label}: user feature column {bounded(twice)} is named twice in user_feature_names; "
+                           "send each column once", _field(index, "user_feature_names"))
     bars = len(series.timestamp_ns)
     need = 8 * len(names) * bars
     if len(raw) != need:
@@ -215,10 +201,9 @@ def _check_time_range(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
 
 def daily_bars(ts: np.ndarray, interval_ns: int) -> bool:
     """Whether bars (timestamps of one window, strictly increasing) are daily bars sent to an intraday model:
-    most gaps a day and COARSE_INTERVALS of the model's intervals or more, over a span long enough for that,
-    with most bars at one or two times of day (two across a daylight-saving change). A thin market's bars, as
-    far apart, fall at any minute, and its model was trained on them as they are. The server refuses such a
-    request and `serving.score` skips such an origin: this one rule decides both."""
+    most gaps a day and COARSE_INTERVALS of the model's intervals or more, with most bars at one or two times
+    of day (two across a daylight-saving change; a thin market's bars fall at any minute). The server refuses
+    such a request and `serving.score` skips such an origin."""
     far, gaps = max(NS_PER_DAY, COARSE_INTERVALS * interval_ns), ts.shape[0] - 1
     if int(ts[-1]) - int(ts[0]) < (gaps // 2 + 1) * far:  # too short a span for most gaps to be that long
         return False
@@ -229,34 +214,27 @@ def daily_bars(ts: np.ndarray, interval_ns: int) -> bool:
 
 
 def _check_spacing(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
-    """Most gaps between the bars the model reads at least half the model's bar interval: bars much
-    closer than the ones it was trained on are timestamps in another unit (seconds, milliseconds,
-    microseconds sent as nanoseconds) or bars of a finer size, and would be forecast as if they were
-    the model's bars. Wider gaps are left alone (a quiet market's bars skip intervals, and a training
-    symbol may be mostly a few intervals apart), short of daily bars sent to an intraday model (`daily_bars`)."""
-    half = meta.bar_interval_ns // 2
-    ts = s.timestamp_ns[-meta.bars_required:]  # strictly increasing (checked), and + half cannot overflow
-    short = int(np.count_nonzero(ts[1:] < ts[:-1] + half))  # _check_time_range bounds ts away from int64's max
-    if 2 * short <= ts.shape[0] - 1:
-        if not daily_bars(ts, meta.bar_interval_ns):
-            return
-        typical = int(np.median(np.diff(ts)))
-        raise RequestError(f"{_label(i, s.symbol)}: bars are {_span(typical)} apart (the median gap of the last "
-                           f"{ts.shape[0]} bars), but this model's bars are {_span(meta.bar_interval_ns)} apart "
-                           f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}); send bars of the model's size: "
-                           "forecast steps would be read as the model's bars", _field(i, "timestamp_ns"))
+    """Most gaps between the bars the model reads must be at least half the model's bar interval: closer bars
+    are timestamps in another unit or bars of a finer size. Wider gaps are served (a quiet market skips
+    intervals), short of daily bars sent to an intraday model (`daily_bars`)."""
+    interval = meta.bar_interval_ns
+    ts = s.timestamp_ns[-meta.bars_required:]  # strictly increasing; + half cannot overflow (_check_time_range)
+    too_close = 2 * int(np.count_nonzero(ts[1:] < ts[:-1] + interval // 2)) > ts.shape[0] - 1
+    if not too_close and not daily_bars(ts, interval):
+        return
     typical = int(np.median(np.diff(ts)))
-    if int(ts[-1]) < PLAUSIBLE_NS:  # times before 1973 spaced as the model's bars in another unit: named with it
+    if not too_close:  # daily bars
+        fix = "; send bars of the model's size: forecast steps would be read as the model's bars"
+    elif int(ts[-1]) < PLAUSIBLE_NS:  # times before 1973 spaced as the model's bars in another unit: named with it
         unit = next((f"; these look like {UNIT_NAMES[u]}: multiply them by {NS_PER_UNIT[u]:,}"
-                     for u in ("s", "ms", "us")
-                     if meta.bar_interval_ns <= 2 * typical * NS_PER_UNIT[u] <= 4 * meta.bar_interval_ns), "")
+                     for u in ("s", "ms", "us") if interval <= 2 * typical * NS_PER_UNIT[u] <= 4 * interval), "")
         fix = f"{unit}; send timestamp_ns in UTC nanoseconds since the Unix epoch (seconds x 1e9), and bars of the " \
               "model's size"
     else:  # times of this era: bars of a finer size
-        fix = f"; send bars of the model's size (resample these to {_span(meta.bar_interval_ns)} bars)"
+        fix = f"; send bars of the model's size (resample these to {_span(interval)} bars)"
     raise RequestError(f"{_label(i, s.symbol)}: bars are {_span(typical)} apart (the median gap of the last "
-                       f"{ts.shape[0]} bars), but this model's bars are {_span(meta.bar_interval_ns)} apart "
-                       f"(GetModelInfo.bar_interval_ns = {meta.bar_interval_ns}){fix}", _field(i, "timestamp_ns"))
+                       f"{ts.shape[0]} bars), but this model's bars are {_span(interval)} apart "
+                       f"(GetModelInfo.bar_interval_ns = {interval}){fix}", _field(i, "timestamp_ns"))
 
 
 def _span(ns: int) -> str:
@@ -269,12 +247,8 @@ def _span(ns: int) -> str:
 
 
 def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
-    """Every value and order rule holds (a fast conjunction of the rules `features.bars.validate` checks).
-
-    low <= min(open, close) and max(open, close) <= high, with low > 0 and high <= 2^53, is the
-    same rule set as "every price finite, > 0 and no placeholder, low <= open, close <= high" in fewer
-    passes; a NaN anywhere fails a comparison.
-    """
+    """Every value and order rule of `features.bars.validate` holds, in fewer passes: low <= min(open, close)
+    and max(open, close) <= high with low > 0 and high <= 2^53 cover every price rule; NaN fails a comparison."""
     o, h, lo, c, v = s.open, s.high, s.low, s.close, s.volume
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         ok = bool((lo > 0).all() and (h <= EXACT_INT).all() and (np.minimum(o, c) >= lo).all()
@@ -295,45 +269,44 @@ def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> 
             "symbol": np.full(n, s.symbol, dtype=object), "symbol_absent": np.zeros(n, dtype=bool),
             "open": s.open, "high": s.high, "low": s.low,
             "close": s.close, "volume": s.volume} | {f"user:{u}": s.user[u] for u in user_columns}
-    return [_for_the_wire(p, s.symbol) for p in validate([part], [_label(i, s.symbol)], WIRE_COLUMNS, user_columns)]
+    return [_for_the_wire(p) for p in validate([part], [_label(i, s.symbol)], WIRE_COLUMNS, user_columns)]
 
 
-def _for_the_wire(p: Problem, symbol: str) -> Problem:
-    """A problem as the data contract words it for a parquet file, reworded where a request's differs (a
-    file's rows are sorted, repaired or dropped, and grouped by symbol; a request's bars are sent
-    differently, one series per symbol)."""
-    if p.column == WIRE_COLUMNS.timestamp:
-        rule = "duplicate timestamp" if p.rule.startswith("duplicate") else "timestamps decrease"
-        return Problem(p.file, p.column, p.row, f"{rule} (rule: strictly increasing)",
-                       "send the bars oldest first, one per timestamp", p.count)
-    if p.rule.startswith("user feature "):
-        return Problem(p.file, p.column, p.row, p.rule, "send a finite value within float32's range for every bar, "
-                       "as in the training data", p.count)
-    if p.rule.endswith(" is NaN or null"):
-        return Problem(p.file, p.column, p.row, p.rule.removesuffix(" or null"),
-                       f"send a finite {p.column} for every bar", p.count)
-    if "a change of price units" in p.rule:
-        return Problem(p.file, p.column, p.row, p.rule, "send every bar's prices in one unit, the one the model was "
-                       "trained on", p.count)
-    if PLACEHOLDER_RULE in p.rule:
-        return Problem(p.file, p.column, p.row, p.rule, f"send the bar's real {p.column}", p.count)
-    if "is not positive" in p.rule:
-        return Problem(p.file, p.column, p.row, p.rule, "send positive prices (back-adjusted continuous contracts "
-                       "must be shifted to positive prices)", p.count)
-    return p
+# How a request is told of a broken bar rule (features.bars' rule ids) where a file's wording does not fit:
+# (the rule, None for the file's wording; the fix), {column} being the field at fault.
+SEND_BARS_IN_ORDER = "send the bars oldest first, one per timestamp"
+SEND_USABLE_USER_VALUES = "send a finite value within float32's range for every bar, as in the training data"
+REQUEST_WORDING: dict[str, tuple[str | None, str]] = {
+    "nan": ("{column} is NaN", "send a finite {column} for every bar"),
+    "not_positive": (None, "send positive prices (back-adjusted continuous contracts must be shifted to positive "
+                           "prices)"),
+    "placeholder": (None, "send the bar's real {column}"),
+    "price_units": (None, "send every bar's prices in one unit, the one the model was trained on"),
+    "user_not_finite": (None, SEND_USABLE_USER_VALUES),
+    "user_beyond_float32": (None, SEND_USABLE_USER_VALUES),
+    "timestamps_decrease": ("timestamps decrease (rule: strictly increasing)", SEND_BARS_IN_ORDER),
+    "duplicate_timestamp": ("duplicate timestamp (rule: strictly increasing)", SEND_BARS_IN_ORDER),
+}
 
 
-def _order_problem(i: int, s: SeriesColumns) -> list[Problem]:
-    """Timestamps that do not strictly increase, found by comparison (a difference of two int64 timestamps
-    far apart overflows and can hide a decrease, or invent one)."""
-    ts = s.timestamp_ns
-    bad = np.flatnonzero(ts[1:] <= ts[:-1])
-    if not bad.size:
-        return []
-    row = int(bad[0]) + 1
-    rule = "duplicate timestamp" if ts[row] == ts[row - 1] else "timestamps decrease"
-    return [Problem(_label(i, s.symbol), "timestamp_ns", row, f"{rule} (rule: strictly increasing)",
-                    "send the bars oldest first, one per timestamp", int(bad.size))]
+def _for_the_wire(p: Problem) -> Problem:
+    """A problem as a request is told it (REQUEST_WORDING), else as a file is."""
+    if (wording := REQUEST_WORDING.get(p.rule_id)) is None:
+        return p
+    rule, fix = wording
+    return dataclasses.replace(p, rule=p.rule if rule is None else rule.format(column=p.column),
+                               fix=fix.format(column=p.column))
+
+
+def _refuse_values(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> NoReturn:
+    """A RequestError listing the first MAX_PROBLEMS broken value and order rules of series i."""
+    problems = _value_problems(i, s, user_columns)
+    if not problems:  # the fast check and the contract disagree: still refuse, never guess
+        raise RequestError(f"{_label(i, s.symbol)}: bars break the bar contract (prices finite and > 0, low <= "
+                           "open, close <= high, volume >= 0, timestamps strictly increasing)", _field(i))
+    more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
+    raise RequestError("; ".join(str(p) for p in problems[:MAX_PROBLEMS]) + more, violations=[
+        (_field(i, p.column if p.column in BAR_COLUMNS else _user_field(s)), str(p)) for p in problems[:MAX_PROBLEMS]])
 
 
 def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> None:
@@ -348,15 +321,7 @@ def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> None:
         _check_shape(i, s, meta)
         _check_time_range(i, s, meta)
         if not _looks_valid(s, user_columns):
-            problems = _value_problems(i, s, user_columns) or _order_problem(i, s)
-            if not problems:  # the fast check and the contract disagree: still refuse, never guess
-                raise RequestError(f"{_label(i, s.symbol)}: bars break the bar contract (prices finite and > 0, "
-                                   "low <= open, close <= high, volume >= 0, timestamps strictly increasing)",
-                                   _field(i))
-            more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
-            raise RequestError("; ".join(str(p) for p in problems[:MAX_PROBLEMS]) + more, violations=[
-                (_field(i, p.column if p.column in BAR_COLUMNS else _user_field(s)), str(p))
-                for p in problems[:MAX_PROBLEMS]])
+            _refuse_values(i, s, user_columns)
         _check_spacing(i, s, meta)
 
 

@@ -1,11 +1,8 @@
 """Numpy in, numpy out: the messages a strategy engine's own code builds and reads.
 
-`make_series` turns a symbol's latest bars (numpy columns) into a request `Series`, with the
-user feature columns packed as the server reads them fastest (one little-endian float64
-block, one row per name); `forecast_arrays` turns a `Forecast` back into [horizon, quantile]
-arrays, and its explanation, when asked for, into attention and variable-weight arrays. Only
-numpy and the generated messages: no gRPC channel is opened here, so the caller keeps its own
-channel, deadlines and retries.
+`make_series` turns a symbol's latest bars into a request `Series` (user columns packed as the server
+reads them fastest); `forecast_arrays` turns a `Forecast` back into [horizon, quantile] arrays. No
+channel is opened here: the caller keeps its own channel, deadlines and retries.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
     (GetModelInfo.user_feature_columns; sent in the mapping's order, fastest in the model's).
 
     `packed` (the default) sends the user columns as one block (user_feature_names +
-    user_features_raw), else as one `Column` each. Raises ValueError naming a column that is not
-    one-dimensional or whose length differs from `timestamp_ns`'s; the bars' values are the
-    server's to check (it answers INVALID_ARGUMENT saying what to fix).
+    user_features_raw), else as one `Column` each. Raises ValueError naming a column of the wrong shape
+    or type; the bars' values are the server's to check.
     """
     ts = np.asarray(timestamp_ns)
     if ts.ndim != 1:
@@ -39,14 +35,12 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
     if ts.size and not np.issubdtype(ts.dtype, np.integer):
         raise ValueError(f"timestamp_ns has dtype {ts.dtype}; give int64 UTC nanoseconds since the Unix epoch "
                          "(a datetime64 array: .astype('datetime64[ns]').astype('int64'))")
-    if ts.size and np.issubdtype(ts.dtype, np.unsignedinteger) and int(ts.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"timestamp_ns holds {int(ts.max())}, beyond int64; give int64 UTC nanoseconds")
     n = ts.shape[0]
     columns = {name: _column(name, values, n) for name, values in zip(PRICE_FIELDS, (open, high, low, close, volume),
                                                                          strict=True)}
     series = pb.Series(symbol=symbol, timestamp_ns=ts.astype(np.int64).tolist(),
                        **{name: col.tolist() for name, col in columns.items()})
-    if user is None or len(user) == 0:  # a DataFrame of columns has no truth value, but a length
+    if user is None or len(user) == 0:  # a DataFrame has no truth value
         return series
     names = list(user)
     block = np.empty((len(names), n), dtype="<f8")  # [names, bars]: the wire's row-major order
@@ -66,7 +60,7 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
 def _column(name: str, values: ArrayLike, n: int) -> np.ndarray:
     try:
         col = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError) as exc:  # text, objects: numpy's message names neither the column nor the fix
+    except (TypeError, ValueError) as exc:  # numpy's message names neither the column nor the fix
         raise ValueError(f"{name} is not numeric ({exc}); give numbers, one per bar") from None
     if col.ndim != 1 or col.shape[0] != n:
         raise ValueError(f"{name} has shape {col.shape}, timestamp_ns has {n} bars; give one value per bar")

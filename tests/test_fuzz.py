@@ -45,8 +45,7 @@ from tests.live_server import SERVICE, LiveServer, Model, request_for, tiny_mode
 pytestmark = pytest.mark.slow
 
 MAX_MESSAGE = 256 * 1024
-TIMEOUT = 5.0  # deadline of every fuzz call; an answer later than this + SLACK is a hang
-SLACK = 2.0
+TIMEOUT = 5.0  # deadline of every fuzz call: a hang ends DEADLINE_EXCEEDED, which only the deadline test allows
 MAX_DETAILS = 2100  # bytes: the server cuts status messages at 2,000
 REJECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
@@ -97,7 +96,7 @@ def fuzz(tiny_model: Model, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 def send(fz: Fuzz, strategy: str, data: bytes, timeout: float = TIMEOUT,
          allowed: frozenset[grpc.StatusCode] = frozenset(REJECTED)) -> grpc.StatusCode:
-    """Send `data` as a Predict request; check the answer is well formed, in time, and the server is up."""
+    """Send `data` as a Predict request; check the answer is well formed and the server is up."""
     fz.sent[strategy] += 1
     started = time.monotonic()
     try:
@@ -110,7 +109,6 @@ def send(fz: Fuzz, strategy: str, data: bytes, timeout: float = TIMEOUT,
     fz.codes[code.name] += 1
     fz.kinds[re.sub(r"\d+", "N", details.split(": ", 1)[-1])[:50]] += 1
     assert fz.server.alive(), f"the server died on a {strategy} request:\n{fz.server.log_text()[-3000:]}"
-    assert elapsed < timeout + SLACK, f"{strategy}: answered after {elapsed:.2f} s (deadline {timeout} s)"
     assert code not in NEVER, f"{strategy}: {code.name}: {details}"
     assert "Traceback" not in details and 'File "' not in details, details
     assert len(details.encode()) <= MAX_DETAILS, f"{len(details)} characters of details"
