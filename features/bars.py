@@ -127,7 +127,7 @@ class ColumnMap:
 
 def lacks_a_column(problems: list[Problem]) -> bool:
     """Whether `problems` (a BarDataError's) include a required column the file does not have."""
-    return any(p.rule.startswith("required column ") for p in problems)
+    return any(p.rule_id == "missing_column" for p in problems)
 
 
 def column_names(path: str | Path) -> set[str]:
@@ -153,6 +153,7 @@ class Problem:
     rule: str
     fix: str
     count: int = 1  # rows affected
+    rule_id: str = ""  # which rule (e.g. "nan", "not_positive"): how another context (a request) words its fix
 
     def __str__(self) -> str:
         if self.column == WHOLE_FILE:
@@ -191,16 +192,13 @@ class BarDataError(Exception):
 class ColumnBlock(Mapping[str, np.ndarray]):
     """Named columns held as the rows of one `[columns, n]` array: a read-only mapping name -> row.
 
-    A model with hundreds of user feature columns would otherwise pay for a dict of row views, built
-    and looked up column by column, at every step from a request to the features; code that knows the
-    block (`block_for`) takes it whole. The name index is built on the first lookup by name.
+    Hundreds of user feature columns travel as one block from a request to the features; code that knows
+    the block (`block_for`) takes it whole. The name index is built on the first lookup by name.
     """
 
     __slots__ = ("_index", "block", "names")
 
     def __init__(self, names: tuple[str, ...], block: np.ndarray) -> None:
-        if block.ndim != 2 or block.shape[0] != len(names):
-            raise ValueError(f"a block of {len(names)} named columns must be [columns, n], got shape {block.shape}")
         self.names = names
         self.block = block  # [columns, n]
         self._index: dict[str, int] | None = None
@@ -239,9 +237,7 @@ def block_for(columns: Mapping[str, np.ndarray], names: tuple[str, ...]) -> np.n
 class Bars:
     """Validated bars as contiguous numpy columns, rows grouped by symbol in time order.
 
-    Columns read from a file may be read-only views of the file's arrow buffers (one file whose rows
-    come grouped by symbol in sorted order, a column in one chunk without nulls): copy a column before
-    changing it in place.
+    Columns read from a file may be read-only views of arrow's buffers: copy one before changing it in place.
     """
 
     timestamp_ns: np.ndarray  # int64 [N]   UTC nanoseconds
@@ -290,9 +286,7 @@ def list_parquet_files(path: Path) -> list[Path]:
 
 def clash_with_bars(out: Path, bars: Path) -> str | None:
     """Why writing `out` would destroy or join the bars at `bars` (a file or a directory), else None: `out` is
-    the bars file by some path (a link to it, or the link that names it), or a file that the next read of the
-    directory would take as bars, or one of them by another path. Each command that reads bars and writes a
-    file refuses these before it writes anything."""
+    the bars file by some path, or a file that the next read of the directory would take as bars."""
     try:
         target = out.parent.resolve() / out.name  # what a write replaces: a link itself, not what it points to
         exists = out.exists()
@@ -319,45 +313,30 @@ def _natural_key(path: Path) -> tuple[tuple[int, int | str], ...]:
                  for piece in re.split(r"(\d+)", path.as_posix()) if piece)
 
 
-def _hive_partitions(file: Path, root: Path) -> dict[str, str]:
-    """`key=value` directory names between `root` and `file` (hive partitioning), e.g. symbol=ES."""
-    if file == root:
-        return {}
-    dirs = file.relative_to(root).parts[:-1]
-    return dict((unquote(k), unquote(v)) for k, v in (d.split("=", 1) for d in dirs if "=" in d))
-
-
 def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str,
                    unit: str = "ns") -> tuple[np.ndarray | None, Problem | None]:
+    """The column as int64 UTC nanoseconds (nulls as 0: the null mask names them), or its Problem."""
     t = col.type
     integers = pa.types.is_integer(t)
-    if pa.types.is_timestamp(t) or integers:
+    if not (pa.types.is_timestamp(t) or integers):
+        return None, Problem(file, name, -1, f"timestamp has type {t}, expected int64 nanoseconds or a timestamp type",
+                             "write timestamps as int64 UTC nanoseconds or an arrow timestamp, or map another column "
+                             "with --time-col")
+    try:
         if integers and unit != "ns":  # integers in the unit given: an arrow timestamp of that unit
-            try:
-                col, t = col.cast(pa.int64()).cast(pa.timestamp(unit)), pa.timestamp(unit)
-            except pa.ArrowInvalid:  # unsigned values past int64
-                return None, _out_of_range_problem(col, file, name)
-        try:
-            arr = pc.cast(col, pa.timestamp("ns", tz=t.tz)) if pa.types.is_timestamp(t) and t.unit != "ns" else col
-            arr = pc.fill_null(arr.cast(pa.int64()), 0)  # nulls are reported from the null mask
-        except pa.ArrowInvalid:  # a time int64 nanoseconds cannot hold: a 9999-12-31 or UINT64_MAX placeholder
-            if integers and unit != "ns" and (coarse := _coarse_unit_problem(col, file, name, unit)):
-                return None, coarse
-            return None, _out_of_range_problem(col, file, name)
-        ns = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
-        if integers and ns.size and 0 < (top := int(ns.max())) < PLAUSIBLE_NS:  # read in the unit given
-            return None, _unit_problem(file, name, top // NS_PER_UNIT[unit], unit)
-        return ns, None
-    return None, Problem(
-        file,
-        name,
-        -1,
-        f"timestamp has type {t}, expected int64 nanoseconds or a timestamp type",
-        "write timestamps as int64 UTC nanoseconds or an arrow timestamp, or map another column with --time-col",
-    )
+            col = col.cast(pa.int64()).cast(pa.timestamp(unit))
+        if pa.types.is_timestamp(col.type) and col.type.unit != "ns":
+            col = col.cast(pa.timestamp("ns", tz=col.type.tz))
+        ns = pc.fill_null(col.cast(pa.int64()), 0)
+    except pa.ArrowInvalid:  # a time int64 nanoseconds cannot hold: a 9999-12-31 or UINT64_MAX placeholder
+        return None, _out_of_range_problem(col, file, name, unit if integers else "ns")
+    out = np.asarray(ns.to_numpy(zero_copy_only=False), dtype=np.int64)
+    if integers and out.size and 0 < (top := int(out.max())) < PLAUSIBLE_NS:  # read in the unit given
+        return None, _unit_problem(file, name, top // NS_PER_UNIT[unit], unit)
+    return out, None
 
 
-def _out_of_range_problem(col: pa.ChunkedArray, file: str, name: str) -> Problem:
+def _out_of_range_problem(col: pa.ChunkedArray, file: str, name: str, read_as: str) -> Problem:
     """The rows of a timestamp column (any unit) or an unsigned integer one beyond int64 nanoseconds."""
     top = np.iinfo(np.int64).max
     if pa.types.is_timestamp(col.type):
@@ -369,14 +348,14 @@ def _out_of_range_problem(col: pa.ChunkedArray, file: str, name: str) -> Problem
         raw = pc.fill_null(col, 0).to_numpy(zero_copy_only=False)
         bad = np.flatnonzero(raw > np.uint64(top))
     row = int(bad[0]) if bad.size else -1
-    shown = ""
-    if bad.size:
-        try:
-            shown = f" ({col[row]})"  # as a date, where Python's datetime reaches it
-        except (OverflowError, ValueError):
-            shown = f" ({raw[row]} {unit})"
-    return Problem(file, name, row, f"timestamp{shown} outside what int64 nanoseconds hold (1677 to 2262)",
-                   "replace placeholder times such as 9999-12-31 with the bars' real times, or drop those rows",
+    try:
+        shown = f" ({col[row]})" if bad.size else ""  # as a date, where Python's datetime reaches it
+    except (OverflowError, ValueError):
+        shown = f" ({raw[row]} {unit})"
+    fix = "replace placeholder times such as 9999-12-31 with the bars' real times, or drop those rows"
+    if read_as != "ns" and bad.size == raw.size:  # every row: the unit, not placeholders
+        fix = f"give --time-unit {_unit_of(int(raw.max()))} (read as {UNIT_NAMES[read_as]}, every time is past 2262)"
+    return Problem(file, name, row, f"timestamp{shown} outside what int64 nanoseconds hold (1677 to 2262)", fix,
                    max(int(bad.size), 1))
 
 
@@ -394,23 +373,6 @@ def _unit_of(top: int) -> str:
     return "s" if top < 10**11 else "ms" if top < 10**14 else "us" if top < 10**17 else "ns"
 
 
-def _coarse_unit_problem(col: pa.ChunkedArray, file: str, name: str, read_as: str) -> Problem | None:
-    """Integer timestamps that all fall after 2262 read in the unit `read_as` (e.g. nanoseconds read as
-    seconds, as a --time-unit or a model's stored unit says), when they look like a finer unit; else None (some
-    rows in range: placeholders, which `_out_of_range_problem` names)."""
-    raw = col.cast(pa.int64()).drop_null().to_numpy(zero_copy_only=False)
-    if not raw.size or int(np.abs(raw).min()) <= np.iinfo(np.int64).max // NS_PER_UNIT[read_as]:
-        return None
-    top = int(raw.max())
-    flag = _unit_of(top)
-    if NS_PER_UNIT[flag] >= NS_PER_UNIT[read_as]:
-        return None
-    unit = UNIT_NAMES[flag]
-    return Problem(file, name, -1, f"integer timestamps (the latest {top}) read as {UNIT_NAMES[read_as]} all "
-                   "fall after 2262, beyond int64 nanoseconds: they look like " f"{unit} since the Unix epoch",
-                   f"give --time-unit {flag} (the unit the column holds)", int(raw.size))
-
-
 def _unit_problem(file: str, name: str, top: int, read_as: str = "ns") -> Problem:
     """Integer timestamps whose latest (`top`, as stored) falls before 1973 read in the unit `read_as`."""
     flag = _unit_of(top)
@@ -426,15 +388,6 @@ def _first_bad(mask: np.ndarray) -> tuple[int, int]:
     return (int(idx[0]), int(idx.size)) if idx.size else (-1, 0)
 
 
-def _shared_sources(cmap: ColumnMap) -> dict[str, list[str]]:
-    """Source columns mapped to two fields or more, other than prices sharing one (close-only data may map
-    open, high, low and close to it)."""
-    fields: dict[str, list[str]] = {}
-    for field_name in ("timestamp", "symbol", *PRICE_COLUMNS, "volume"):
-        fields.setdefault(cmap.source(field_name), []).append(field_name)
-    return {c: f for c, f in fields.items() if len(f) > 1 and not set(f) <= set(PRICE_COLUMNS)}
-
-
 def read_bars(
     path: str | Path,
     columns: ColumnMap | None = None,
@@ -442,97 +395,116 @@ def read_bars(
     symbols: Collection[str] | None = None,
     check_user_values: bool = True,
 ) -> Bars:
-    """Read and validate bars; raise BarDataError listing every problem found. With `symbols`, only those
-    symbols' rows are read and checked (a client forecasting ES is not stopped by a bad NQ bar); problems
-    still name their rows as the files number them. With `check_user_values` False the user columns' values
-    are left as they are (NaN, inf, past float32): a reader that forecasts from some windows of the bars checks
-    those windows' rows itself (`unusable_user_rows`), so an indicator's warm-up NaN in the first rows does
-    not stop a forecast from the latest."""
+    """Read and validate bars; raise BarDataError listing every problem found.
+
+    With `symbols`, only those symbols' rows are read and checked; problems still name file rows. With
+    `check_user_values` False, user values are left as they are (NaN, inf): a reader that forecasts from some
+    windows checks their rows itself (`unusable_user_rows`), so an indicator's warm-up NaN stops nothing."""
     cmap = columns or ColumnMap()
     root = Path(path)
-    if shared := _shared_sources(cmap):
-        raise BarDataError([Problem(str(root), column, -1, f"column {column!r} is mapped to {' and '.join(fields)}",
-                                    "map each of these fields to its own column (--time-col, --symbol-col, "
-                                    "--volume-col ...)") for column, fields in shared.items()])
-    roles = {cmap.timestamp: "timestamp (--time-col)", cmap.symbol: "symbol (--symbol-col)"}
-    if taken := [u for u in user_columns if u in roles]:
-        raise BarDataError([Problem(str(root), u, -1, f"user feature {u!r} is the bars' {roles[u]} column",
-                                    "user features are further numeric columns of the bars: leave it out of "
-                                    "--features (the time and symbol reach the model as their own features)")
-                            for u in taken])
+    if problems := _mapping_problems(root, cmap, user_columns):
+        raise BarDataError(problems)
     files = list_parquet_files(root)
     if not files:
         rule = "no such file or directory" if not root.exists() else "no .parquet, .parq or .pq files found"
         raise BarDataError([Problem(str(root), WHOLE_FILE, -1, rule, "pass a parquet file or a directory of them")])
-
-    problems: list[Problem] = []
     parts: list[dict[str, np.ndarray]] = []
     file_of_part: list[str] = []
     naive: list[str] = []  # files whose arrow timestamps carry no time zone
     file_rows: dict[str, np.ndarray] = {}  # a file read in part: the file's row number of each row read
     for file in files:  # one file at a time, so that a problem always names its file
-        fname = str(file)
-        try:
-            # pre_buffer (for object stores) keeps a second copy of a local file's column chunks for as long
-            # as the table lives: on a wide file of float64 columns, twice the memory of its values
-            table = pq.ParquetFile(file, pre_buffer=False).read()
-        except (pa.ArrowException, OSError) as exc:
-            problems.append(Problem(fname, WHOLE_FILE, -1, f"cannot be read as parquet ({exc})",
-                                    "re-write the file, or move it out of the data directory"))
-            continue
-        for key, value in _hive_partitions(file, root).items():
-            if key not in table.column_names:  # a column in the file wins over its directory name
-                table = table.append_column(key, pa.repeat(pa.scalar(value, pa.string()), table.num_rows))
-        if symbols is not None:
-            table, kept = _only_symbols(table, cmap, symbols, user_columns)
-            if kept is not None:
-                file_rows[fname] = kept
-        part, file_problems = _columns_of(table, fname, cmap, user_columns)
-        problems.extend(file_problems)
-        if part is not None:  # its columns were found, once each
+        part, file_problems, kept, zoneless = _read_file(file, root, cmap, user_columns, symbols)
+        problems += file_problems
+        if kept is not None:
+            file_rows[str(file)] = kept
+        if part is not None:
             parts.append(part)
-            file_of_part.append(fname)
-            stamp = table.column(cmap.timestamp).type
-            if pa.types.is_timestamp(stamp) and stamp.tz is None:
-                naive.append(fname)
-        del table  # the part keeps the buffers it views; the file's other columns go now
-    if problems:
-        raise BarDataError(_in_file_rows(problems, file_rows))
-    problems = validate(parts, file_of_part, cmap, user_columns, check_user_values)
+            file_of_part.append(str(file))
+            naive += [str(file)] if zoneless else []
+    problems = problems or validate(parts, file_of_part, cmap, user_columns, check_user_values)
     if problems:
         raise BarDataError(_in_file_rows(problems, file_rows))
     bars = _assemble(parts, file_of_part, user_columns)
     if naive:
-        where = naive[0] + (f" and {len(naive) - 1} more file(s)" if len(naive) > 1 else "")
-        bars.notes.append(f"timestamp column '{cmap.timestamp}' has no time zone ({where}): read as UTC. If it "
-                          "holds exchange local times, store it with its zone (timestamp[ns, tz=America/Chicago]) "
-                          "or convert it to UTC; the server takes UTC, and --calendar-tz sets the calendar's zone")
+        bars.notes.append(_naive_note(cmap, naive))
     return bars
+
+
+def _read_file(file: Path, root: Path, cmap: ColumnMap, user_columns: tuple[str, ...],
+               symbols: Collection[str] | None) -> tuple[dict[str, np.ndarray] | None, list[Problem],
+                                                        np.ndarray | None, bool]:
+    """One file's part (or None), its problems, the file's row of each row read when read in part (else None),
+    and whether its arrow timestamps carry no time zone."""
+    try:
+        table = _read_table(file, root)
+    except (pa.ArrowException, OSError) as exc:
+        return None, [Problem(str(file), WHOLE_FILE, -1, f"cannot be read as parquet ({exc})",
+                              "re-write the file, or move it out of the data directory")], None, False
+    kept = None
+    try:
+        if symbols is not None:
+            table, kept = _only_symbols(table, cmap, symbols, user_columns)
+        part, problems = _columns_of(table, str(file), cmap, user_columns)
+    except pa.ArrowException as exc:  # a column arrow cannot convert, such as a nested symbol column
+        return None, [Problem(str(file), WHOLE_FILE, -1, f"cannot be read as bars ({exc})",
+                              "store the bar columns as numbers and the symbol as text")], None, False
+    stamp = table.schema.field(cmap.timestamp).type if part is not None else None
+    return part, problems, kept, bool(stamp is not None and pa.types.is_timestamp(stamp) and stamp.tz is None)
+
+
+def _mapping_problems(root: Path, cmap: ColumnMap, user_columns: tuple[str, ...]) -> list[Problem]:
+    """A source column mapped to two fields (other than prices sharing one: close-only data may map open, high,
+    low and close to it), or a user feature that is the time or symbol column."""
+    fields: dict[str, list[str]] = {}
+    for field_name in ("timestamp", "symbol", *PRICE_COLUMNS, "volume"):
+        fields.setdefault(cmap.source(field_name), []).append(field_name)
+    problems = [Problem(str(root), column, -1, f"column {column!r} is mapped to {' and '.join(f)}",
+                        "map each of these fields to its own column (--time-col, --symbol-col, --volume-col ...)")
+                for column, f in fields.items() if len(f) > 1 and not set(f) <= set(PRICE_COLUMNS)]
+    roles = {cmap.timestamp: "timestamp (--time-col)", cmap.symbol: "symbol (--symbol-col)"}
+    problems += [Problem(str(root), u, -1, f"user feature {u!r} is the bars' {roles[u]} column",
+                         "user features are further numeric columns of the bars: leave it out of --features (the "
+                         "time and symbol reach the model as their own features)") for u in user_columns if u in roles]
+    return problems
+
+
+def _read_table(file: Path, root: Path) -> pa.Table:
+    """One parquet file, with its hive partitions (`key=value` directories below `root`) as columns where the
+    file has no column of that name."""
+    # pre_buffer (for object stores) keeps a second copy of a local file's column chunks while the table lives
+    table = pq.ParquetFile(file, pre_buffer=False).read()
+    dirs = file.relative_to(root).parts[:-1] if file != root else ()
+    for key, value in (map(unquote, d.split("=", 1)) for d in dirs if "=" in d):
+        if key not in table.column_names:
+            table = table.append_column(key, pa.repeat(pa.scalar(value, pa.string()), table.num_rows))
+    return table
+
+
+def _naive_note(cmap: ColumnMap, naive: list[str]) -> str:
+    where = naive[0] + (f" and {len(naive) - 1} more file(s)" if len(naive) > 1 else "")
+    return (f"timestamp column '{cmap.timestamp}' has no time zone ({where}): read as UTC. If it holds exchange "
+            "local times, store it with its zone (timestamp[ns, tz=America/Chicago]) or convert it to UTC; the "
+            "server takes UTC, and --calendar-tz sets the calendar's zone")
 
 
 def _only_symbols(table: pa.Table, cmap: ColumnMap, symbols: Collection[str],
                   user_columns: tuple[str, ...]) -> tuple[pa.Table, np.ndarray | None]:
-    """The rows of `symbols` and their row numbers in the file (None: every row, or a symbol column that is
-    not text, whose problem the checks name)."""
+    """The rows of `symbols` and their row numbers in the file (None: every row). Only the columns a read uses
+    are taken: a wide file's others, or a type without a take kernel (string_view), cost nothing."""
     count = table.column_names.count(cmap.symbol)
     if count == 0:  # the file is one series, named by the default symbol
         return (table, None) if cmap.default_symbol in symbols else (table.slice(0, 0), np.zeros(0, np.int64))
-    if count > 1:  # which one? _columns_of names the problem
+    if count > 1:  # which one? _missing_columns names the problem
         return table, None
-    try:
-        text = pc.cast(table.column(cmap.symbol), pa.string())
-        keep = pc.fill_null(pc.is_in(text, value_set=pa.array(sorted(symbols), pa.string())), False)
-        kept = np.flatnonzero(np.asarray(keep.to_numpy(zero_copy_only=False), dtype=bool))
-        if kept.size == table.num_rows:
-            return table, None
-        # only the columns a read uses are taken (a wide file's other columns, or a type without a take kernel,
-        # such as string_view, cost nothing)
-        used = {cmap.source(f) for f in (*REQUIRED_COLUMNS, "symbol")} | set(user_columns)
-        if used <= set(table.column_names):  # else the missing column's problem lists the file's columns
-            table = table.select([i for i, name in enumerate(table.column_names) if name in used])
-        return table.take(pa.array(kept)), kept
-    except pa.ArrowException:  # a column type pyarrow cannot filter: every row is read and checked
+    text = table.column(cmap.symbol).cast(pa.string())
+    keep = pc.fill_null(pc.is_in(text, value_set=pa.array(sorted(symbols), pa.string())), False)
+    kept = np.flatnonzero(np.asarray(keep.to_numpy(zero_copy_only=False), dtype=bool))
+    if kept.size == table.num_rows:
         return table, None
+    used = {cmap.source(f) for f in (*REQUIRED_COLUMNS, "symbol")} | set(user_columns)
+    if used <= set(table.column_names):  # else the missing column's problem lists the file's columns
+        table = table.select([i for i, name in enumerate(table.column_names) if name in used])
+    return table.take(pa.array(kept)), kept
 
 
 def _in_file_rows(problems: list[Problem], file_rows: dict[str, np.ndarray]) -> list[Problem]:
@@ -546,88 +518,84 @@ def _in_file_rows(problems: list[Problem], file_rows: dict[str, np.ndarray]) -> 
 def _columns_of(
     table: pa.Table, fname: str, cmap: ColumnMap, user_columns: tuple[str, ...]
 ) -> tuple[dict[str, np.ndarray] | None, list[Problem]]:
-    problems: list[Problem] = []
-    names = set(table.column_names)
-    used = {cmap.source(f) for f in (*REQUIRED_COLUMNS, "symbol")} | set(user_columns)
-    for name in sorted(n for n in used if table.column_names.count(n) > 1):  # which of them would be read?
-        problems.append(Problem(fname, name, -1, f"column '{name}' appears {table.column_names.count(name)} times "
-                                "in the file", "keep one column of that name (rename or drop the others)"))
+    """The file's bar and user columns as numpy arrays (a part), or the problems that stop reading them."""
+    problems = _missing_columns(table, fname, cmap, user_columns)
     if problems:
         return None, problems
-    for fld in REQUIRED_COLUMNS:
-        src = cmap.source(fld)
-        if src not in names:
-            hint = f"--{'time' if fld == 'timestamp' else fld}-col NAME"
-            problems.append(
-                Problem(fname, src, -1, f"required column '{src}' is missing (have: {', '.join(sorted(names))})",
-                        f"add it, or map the column that holds {fld} with {hint}")
-            )
+    ts, p = _timestamps_ns(table.column(cmap.timestamp), fname, cmap.timestamp, cmap.time_unit)
+    if p is not None or ts is None:
+        return None, [p] if p else []
+    part = {"timestamp": ts,
+            "timestamp_null": np.asarray(table.column(cmap.timestamp).is_null().to_numpy(zero_copy_only=False))}
+    problems += _symbol_columns(table, fname, cmap, part)
+    for fld in (*PRICE_COLUMNS, "volume"):
+        col = table.column(cmap.source(fld))
+        if not _numeric(col.type):
+            problems.append(Problem(fname, cmap.source(fld), -1, f"has type {col.type}, not numeric",
+                                    "store prices and volume as numbers"))
+            continue
+        problems += _as_float64(col, fname, cmap.source(fld), part, fld)
+    for uc in user_columns:
+        problems += _as_float64(table.column(uc), fname, uc, part, f"user:{uc}")
+    return (None if problems else part), problems
+
+
+def _numeric(t: pa.DataType) -> bool:
+    return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t))
+
+
+def _missing_columns(table: pa.Table, fname: str, cmap: ColumnMap, user_columns: tuple[str, ...]) -> list[Problem]:
+    """Columns the bars need that the file lacks, holds twice, or holds as another type (user features)."""
+    names = table.column_names
+    have = ", ".join(sorted(set(names)))
+    used = {cmap.source(f) for f in (*REQUIRED_COLUMNS, "symbol")} | set(user_columns)
+    twice = [Problem(fname, name, -1, f"column '{name}' appears {names.count(name)} times in the file",
+                     "keep one column of that name (rename or drop the others)")
+             for name in sorted(used) if names.count(name) > 1]
+    if twice:
+        return twice
+    problems = [Problem(fname, cmap.source(fld), -1, f"required column '{cmap.source(fld)}' is missing (have: {have})",
+                        f"add it, or map the column that holds {fld} with {ColumnMap.flag(fld)} NAME",
+                        rule_id="missing_column")
+                for fld in REQUIRED_COLUMNS if cmap.source(fld) not in names]
     if cmap.symbol not in names and cmap.symbol != ColumnMap.symbol:  # a name given, not the optional default
-        problems.append(Problem(fname, cmap.symbol, -1, f"symbol column '{cmap.symbol}' is missing (have: "
-                                f"{', '.join(sorted(names))})", "map the column that holds the symbol with "
-                                "--symbol-col NAME, or give --symbol-col symbol (the default, which may be "
-                                "absent) to read the file as one series"))
+        problems.append(Problem(fname, cmap.symbol, -1, f"symbol column '{cmap.symbol}' is missing (have: {have})",
+                                "map the column that holds the symbol with --symbol-col NAME, or give --symbol-col "
+                                "symbol (the default, which may be absent) to read the file as one series"))
     for uc in user_columns:
         if uc not in names:
             problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' is missing",
                                     "add the column or drop it from the feature list"))
-        elif not (pa.types.is_integer(utype := table.schema.field(uc).type) or pa.types.is_floating(utype)
-                  or pa.types.is_decimal(utype)):  # decimals as the prices take them
+        elif not _numeric(utype := table.schema.field(uc).type):
             problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' has type {utype}, not numeric",
                                     "choose a numeric column"))
-    if problems:
-        return None, problems
-    part: dict[str, np.ndarray] = {}
-    ts, p = _timestamps_ns(table.column(cmap.timestamp), fname, cmap.timestamp, cmap.time_unit)
-    if p is not None or ts is None:
-        return None, [p] if p else []
-    part["timestamp"] = ts
-    part["timestamp_null"] = np.asarray(table.column(cmap.timestamp).is_null().to_numpy(zero_copy_only=False))
+    return problems
+
+
+def _symbol_columns(table: pa.Table, fname: str, cmap: ColumnMap, part: dict[str, np.ndarray]) -> list[Problem]:
+    """Adds the symbol of each row to `part`; a null or empty symbol is a problem (a request cannot name it)."""
     n = table.num_rows
-    if cmap.symbol in names:
-        symbol = table.column(cmap.symbol)
-        null = np.asarray(symbol.is_null().to_numpy(zero_copy_only=False)) if symbol.null_count else None
-        if null is not None:  # a null would become a series named "None"
-            row, count = _first_bad(null)
-            problems.append(Problem(fname, cmap.symbol, row, "symbol is null", "fill in the symbol, or drop those rows",
-                                    count))
-        # each row a reference to its file's one string of that symbol (not a string object per row)
-        codes = pc.dictionary_encode(pc.fill_null(symbol.cast(pa.string()), "")).combine_chunks()
-        distinct = np.array(codes.dictionary.to_pylist(), dtype=object)
-        indices = np.asarray(codes.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-        if (empty := np.flatnonzero(distinct == "")).size:  # an empty name (nulls, filled with it, named above)
-            blank = (indices == empty[0]) & (True if null is None else ~null)
-            if blank.any():  # a model's symbols are names a request can send: "" is none
-                row, count = _first_bad(blank)
-                problems.append(Problem(fname, cmap.symbol, row, "symbol is empty",
-                                        "fill in the symbol, or drop those rows", count))
-        part["symbol"] = distinct[indices]
-        part["symbol_names"] = distinct  # the file's symbols (a problem in a file of several names whose rows)
-        part["symbol_absent"] = np.zeros(n, dtype=bool)
-    else:
-        if not cmap.default_symbol:
-            problems.append(Problem(fname, cmap.symbol, -1, "no such column, so the file is one series, and its "
-                                    "name (--default-symbol) is empty", "name it: --default-symbol ES, say"))
+    if cmap.symbol not in table.column_names:  # the file is one series, named by the default symbol
         part["symbol"] = np.full(n, cmap.default_symbol, dtype=object)
         part["symbol_absent"] = np.ones(n, dtype=bool)  # for the hint when such a "series" is out of order
-    for fld in (*PRICE_COLUMNS, "volume"):
-        col = table.column(cmap.source(fld))
-        if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_decimal(col.type)):
-            problems.append(Problem(fname, cmap.source(fld), -1, f"has type {col.type}, not numeric",
-                                    "store prices and volume as numbers"))
-            continue
-        values, p = _as_float64(col, fname, cmap.source(fld))
-        if p is not None:
-            problems.append(p)
-        elif values is not None:
-            part[fld] = values
-    for uc in user_columns:
-        values, p = _as_float64(table.column(uc), fname, uc)
-        if p is not None:
-            problems.append(p)
-        elif values is not None:
-            part[f"user:{uc}"] = values
-    return (None if problems else part), problems
+        if cmap.default_symbol:
+            return []
+        return [Problem(fname, cmap.symbol, -1, "no such column, so the file is one series, and its name "
+                        "(--default-symbol) is empty", "name it: --default-symbol ES, say")]
+    symbol = table.column(cmap.symbol)
+    # each row a reference to its file's one string of that symbol, not a string object per row
+    codes = pc.dictionary_encode(pc.fill_null(symbol.cast(pa.string()), "")).combine_chunks()
+    distinct = np.array(codes.dictionary.to_pylist(), dtype=object)
+    part["symbol"] = distinct[np.asarray(codes.indices.to_numpy(zero_copy_only=False), dtype=np.int64)]
+    part["symbol_names"] = distinct  # the file's symbols (whose rows a problem's are)
+    part["symbol_absent"] = np.zeros(n, dtype=bool)
+    null = np.asarray(symbol.is_null().to_numpy(zero_copy_only=False))
+    problems: list[Problem] = []
+    for mask, rule in ((null, "symbol is null"), ((part["symbol"] == "") & ~null, "symbol is empty")):
+        row, count = _first_bad(mask)
+        if count:
+            problems.append(Problem(fname, cmap.symbol, row, rule, "fill in the symbol, or drop those rows", count))
+    return problems
 
 
 EXACT_INT = 2**53  # float64 holds every integer up to this, and not all beyond
@@ -644,26 +612,25 @@ def valid_price(x: np.ndarray) -> np.ndarray:
         return (x > 0) & (x <= EXACT_INT)  # NaN fails both
 
 
-def _as_float64(col: pa.ChunkedArray, fname: str, name: str) -> tuple[np.ndarray | None, Problem | None]:
-    """The column as float64, or the Problem of integers too large for it: such values are placeholders
-    (a feed's INT64_MAX for "no price", as Databento's UNDEF_PRICE) more often than data."""
+def _as_float64(col: pa.ChunkedArray, fname: str, name: str, part: dict[str, np.ndarray], key: str) -> list[Problem]:
+    """Adds the column to `part` as float64, or returns the Problem of integers too large for it: such values
+    are placeholders (a feed's INT64_MAX for "no price", as Databento's UNDEF_PRICE) more often than data."""
     if pa.types.is_integer(col.type):
-        big = pc.greater(col, pa.scalar(EXACT_INT, pa.uint64() if pa.types.is_unsigned_integer(col.type)
-                                        else pa.int64()))
+        limit = pa.scalar(EXACT_INT, pa.uint64() if pa.types.is_unsigned_integer(col.type) else pa.int64())
+        big = pc.greater(col, limit)
         if pa.types.is_signed_integer(col.type):
             big = pc.or_(big, pc.less(col, -EXACT_INT))
-        big = pc.fill_null(big, False)
-        row, count = _first_bad(np.asarray(big.to_numpy(zero_copy_only=False), dtype=bool))
+        row, count = _first_bad(np.asarray(pc.fill_null(big, False).to_numpy(zero_copy_only=False), dtype=bool))
         if count:
             value = col[row].as_py()
-            known = PLACEHOLDERS.get(value)
-            what = f" ({known}: a feed's placeholder for a missing value)" if known else ""
-            return None, Problem(fname, name, row, f"{value} is beyond the integers a float64 holds exactly "
-                                 f"(±2^53){what}",
-                                 "set missing values to null and drop or repair those rows; write fixed-point "
-                                 "prices as floats (divided by their scale, e.g. 1e9)", count)
+            known = f" ({PLACEHOLDERS[value]}: a feed's placeholder for a missing value)" if value in PLACEHOLDERS \
+                else ""
+            return [Problem(fname, name, row, f"{value} is beyond the integers a float64 holds exactly (±2^53){known}",
+                            "set missing values to null and drop or repair those rows; write fixed-point prices as "
+                            "floats (divided by their scale, e.g. 1e9)", count)]
     # one float64 chunk without nulls comes as a read-only view of arrow's buffer, not a copy
-    return np.asarray(col.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64), None
+    part[key] = np.asarray(col.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+    return []
 
 
 def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns: tuple[str, ...]) -> Bars:
@@ -774,51 +741,56 @@ def _scale_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
         out.append(Problem(files[rows.file_idx[bad]], cmap.close, int(rows.row_in_file[bad]),
                            f"close {close[bad]:.10g} is {close[bad] / close[before]:.3g} times the previous bar's "
                            f"close of {symbol}, {close[before]:.10g}{where}: a change of price units, not a market "
-                           f"move (rule: a close within {MAX_BAR_PRICE_RATIO:g}x of the previous one)", fix, int(n)))
+                           f"move (rule: a close within {MAX_BAR_PRICE_RATIO:g}x of the previous one)", fix, int(n),
+                           "price_units"))
     return out
 
 
 def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
                     user_columns: tuple[str, ...]) -> list[Problem]:
+    """The rules of each row's own values: no NaN, positive prices, low <= open, close <= high, volume >= 0."""
     out: list[Problem] = []
 
-    def check(mask: np.ndarray, column: str, rule: str, fix: str) -> None:
+    def check(rule_id: str, mask: np.ndarray, column: str, rule: str, fix: str) -> None:
         row, count = _first_bad(mask)
         if count:
-            out.append(Problem(fname, column, row, rule + _whose(part, mask), fix, count))
+            out.append(Problem(fname, column, row, rule + _whose(part, mask), fix, count, rule_id))
 
-    check(part["timestamp_null"], cmap.timestamp, "timestamp is null", "drop rows without a timestamp")
+    check("timestamp_null", part["timestamp_null"], cmap.timestamp, "timestamp is null",
+          "drop rows without a timestamp")
     for fld in (*PRICE_COLUMNS, "volume"):
-        check(np.isnan(part[fld]), cmap.source(fld), f"{fld} is NaN or null", f"drop or repair rows with missing {fld}")
+        check("nan", np.isnan(part[fld]), cmap.source(fld), f"{fld} is NaN or null",
+              f"drop or repair rows with missing {fld}")
     for fld in PRICE_COLUMNS:
         v = part[fld]
-        check(~np.isnan(v) & ~np.isfinite(v), cmap.source(fld), f"{fld} is infinite", "repair the price")
-        check(np.isfinite(v) & (v <= 0), cmap.source(fld), f"{fld} is not positive (prices must be > 0)",
-              "drop or repair the row; back-adjusted continuous contracts must be shifted to positive prices")
-        check(np.isfinite(v) & (v > EXACT_INT), cmap.source(fld), f"{fld} is beyond 2^53, {PLACEHOLDER_RULE}",
-              PLACEHOLDER_FIX)
+        check("infinite", np.isinf(v), cmap.source(fld), f"{fld} is infinite", "repair the price")
+        check("not_positive", np.isfinite(v) & (v <= 0), cmap.source(fld), f"{fld} is not positive (prices must be "
+              "> 0)", "drop or repair the row; back-adjusted continuous contracts must be shifted to positive prices")
+        check("placeholder", np.isfinite(v) & (v > EXACT_INT), cmap.source(fld),
+              f"{fld} is beyond 2^53, {PLACEHOLDER_RULE}", PLACEHOLDER_FIX)
     o, h, lo, c = part["open"], part["high"], part["low"], part["close"]
-    with np.errstate(invalid="ignore"):
-        # the range rules apply to rows whose prices are valid numbers, one problem per broken rule:
-        # a row with a bad price, or with high < low, is reported once, not again as a range breach
-        priced = np.all([valid_price(x) for x in (o, h, lo, c)], axis=0)
-        check(priced & (h < lo), cmap.high, "high < low (rule: low <= high)", "swap or repair high and low")
-        ranged = priced & (h >= lo)
-        check(ranged & ((o > h) | (c > h)), cmap.high, "open or close above high (rule: open, close <= high)",
-              "high must be the bar's maximum: set high = max(open, high, close)")
-        check(ranged & ((o < lo) | (c < lo)), cmap.low, "open or close below low (rule: low <= open, close)",
-              "low must be the bar's minimum: set low = min(open, low, close)")
-        v = part["volume"]
-        check(~np.isnan(v) & ~np.isfinite(v), cmap.volume, "volume is infinite", "repair the volume")
-        check(v < 0, cmap.volume, "volume is negative (rule: volume >= 0)", "repair the volume")
-        check(np.isfinite(v) & (v > EXACT_INT), cmap.volume, f"volume is beyond 2^53, {PLACEHOLDER_RULE}",
-              PLACEHOLDER_FIX)
+    # the range rules apply to rows whose prices are valid: a row with a bad price, or with high < low, is
+    # reported once, not again as a range breach
+    priced = np.all([valid_price(x) for x in (o, h, lo, c)], axis=0)
+    check("high_below_low", priced & (h < lo), cmap.high, "high < low (rule: low <= high)",
+          "swap or repair high and low")
+    ranged = priced & (h >= lo)
+    check("above_high", ranged & ((o > h) | (c > h)), cmap.high, "open or close above high (rule: open, close <= "
+          "high)", "high must be the bar's maximum: set high = max(open, high, close)")
+    check("below_low", ranged & ((o < lo) | (c < lo)), cmap.low, "open or close below low (rule: low <= open, "
+          "close)", "low must be the bar's minimum: set low = min(open, low, close)")
+    v = part["volume"]
+    check("infinite", np.isinf(v), cmap.volume, "volume is infinite", "repair the volume")
+    check("negative_volume", v < 0, cmap.volume, "volume is negative (rule: volume >= 0)", "repair the volume")
+    check("placeholder", np.isfinite(v) & (v > EXACT_INT), cmap.volume, f"volume is beyond 2^53, {PLACEHOLDER_RULE}",
+          PLACEHOLDER_FIX)
     for uc in user_columns:
         x = part[f"user:{uc}"]
-        check(~np.isfinite(x), uc, f"user feature '{uc}' is NaN or infinite",
+        check("user_not_finite", ~np.isfinite(x), uc, f"user feature '{uc}' is NaN or infinite",
               "fill or drop those rows, or drop the column from the feature list")
-        check(np.isfinite(x) & (np.abs(x) > F32_MAX), uc, f"user feature '{uc}' is beyond float32's range "
-              f"(|x| > {F32_MAX:.3g}; the model computes in float32)", "rescale the column, or fill or drop those rows")
+        check("user_beyond_float32", np.isfinite(x) & (np.abs(x) > F32_MAX), uc, f"user feature '{uc}' is beyond "
+              f"float32's range (|x| > {F32_MAX:.3g}; the model computes in float32)",
+              "rescale the column, or fill or drop those rows")
     return out
 
 
@@ -852,57 +824,61 @@ def _whose(part: dict[str, np.ndarray], mask: np.ndarray) -> str:
 
 def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap,
                     rows: _Rows) -> list[Problem]:
-    """Timestamps must strictly increase within each symbol, across files in reading order.
-
-    Where a file's bars of a symbol start at or before that symbol's last bar in an earlier file, the
-    files overlap (each may be in order): one problem per such pair of files, naming both. Otherwise the
-    first decrease and the first duplicate. Rows with a null timestamp have their own problem and are
-    left out here."""
+    """Timestamps must strictly increase within each symbol, across files in reading order: files that overlap
+    (each may be in order) are one problem per pair; otherwise the first decrease and the first duplicate.
+    Rows with a null timestamp have their own problem and are left out here."""
     ts = np.concatenate([p["timestamp"] for p in parts])
-    absent = np.concatenate([p["symbol_absent"] for p in parts])
-    file_idx, row_in_file = rows.file_idx, rows.row_in_file
     order = rows.grouped(~np.concatenate([p["timestamp_null"] for p in parts]))
-    ts_o, sym_o, file_o = ts[order], rows.symbol[order], file_idx[order]
+    ts_o, sym_o, file_o = ts[order], rows.symbol[order], rows.file_idx[order]
     prev, cur = ts_o[:-1], ts_o[1:]  # compared, not subtracted: a difference can overflow int64
     back = (sym_o[1:] == sym_o[:-1]) & (cur <= prev)
     across = back & (file_o[1:] != file_o[:-1])
-    out: list[Problem] = []
-    # a symbol's rows of one file are one run of the sorted rows (reading order within a symbol is kept)
+    out = _overlap_problems(np.flatnonzero(across), order, ts_o, sym_o, file_o, files, cmap, rows)
+    absent = np.concatenate([p["symbol_absent"] for p in parts])
+    within = back & ~across
+    for rule_id, mask, rule, fix in (
+        ("timestamps_decrease", within & (cur < prev),
+         "timestamps decrease within a symbol (rule: sorted by time per symbol)",
+         "sort the rows by symbol and timestamp"),
+        ("duplicate_timestamp", within & (cur == prev),
+         "duplicate timestamp within a symbol (rule: one bar per timestamp)", "drop or merge duplicate bars"),
+    ):
+        idx = np.flatnonzero(mask)
+        if not idx.size:
+            continue
+        bad = order[idx[0] + 1]
+        if absent[bad]:  # likely several symbols' bars read as one series
+            fix += (f" (the file has no '{cmap.symbol}' column, so all its rows were read as one series, "
+                    f"{cmap.default_symbol}: if it holds several symbols, map their column with --symbol-col NAME)")
+        others = len(np.unique(sym_o[idx + 1])) - 1  # the count is of every symbol's rows: say whose
+        more = f" (and {others} other symbol{'s' if others > 1 else ''})" if others else ""
+        out.append(Problem(files[rows.file_idx[bad]], cmap.timestamp, int(rows.row_in_file[bad]),
+                           f"{rule}; symbol {sym_o[idx[0] + 1]}{more}", fix, int(idx.size), rule_id))
+    return out
+
+
+def _overlap_problems(across: np.ndarray, order: np.ndarray, ts_o: np.ndarray, sym_o: np.ndarray,
+                      file_o: np.ndarray, files: list[str], cmap: ColumnMap, rows: _Rows) -> list[Problem]:
+    """One problem per place `across` where a file's bars of a symbol start at or before that symbol's last bar
+    in an earlier file, naming both files. The `_o` arrays are in `order` (grouped by symbol)."""
+    # a symbol's rows of one file are one run of the grouped rows (reading order within a symbol is kept)
     change = np.flatnonzero((sym_o[1:] != sym_o[:-1]) | (file_o[1:] != file_o[:-1])) + 1
     starts, ends = np.concatenate([[0], change]), np.concatenate([change, [ts_o.size]])
     run_of = np.repeat(np.arange(starts.size), ends - starts)
-    for i in np.flatnonzero(across):
-        before, bad, symbol = order[i], order[i + 1], sym_o[i + 1]
-        a, b = run_of[i], run_of[i + 1]
-        last = ts_o[starts[a]:ends[a]].max()
-        shared = int(np.count_nonzero(ts_o[starts[b]:ends[b]] <= last))
-        rename = ("name the files so that path order is time order (numbers compare as numbers: part-2 before "
-                  "part-10; files named by a uuid, as pyarrow's write_to_dataset names them, are in no order)")
-        if ts_o[starts[b]:ends[b]].max() < ts_o[starts[a]:ends[a]].min():  # no bar shared: out of order alone
-            rule, fix = f"symbol {symbol}'s bars here all come before its bars in {files[file_idx[before]]}", rename
+    rename = ("name the files so that path order is time order (numbers compare as numbers: part-2 before part-10; "
+              "files named by a uuid, as pyarrow's write_to_dataset names them, are in no order)")
+    out: list[Problem] = []
+    for i in across:
+        earlier, bad, symbol = files[rows.file_idx[order[i]]], order[i + 1], sym_o[i + 1]
+        a, b = ts_o[starts[run_of[i]]:ends[run_of[i]]], ts_o[starts[run_of[i + 1]]:ends[run_of[i + 1]]]
+        if b.max() < a.min():  # no bar shared: out of order alone
+            rule, fix = f"symbol {symbol}'s bars here all come before its bars in {earlier}", rename
         else:
-            rule = f"symbol {symbol}'s bars here start at or before its last bar in {files[file_idx[before]]}"
+            rule = f"symbol {symbol}'s bars here start at or before its last bar in {earlier}"
             fix = f"drop the bars the files share, or {rename}"
-        out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]),
-                           f"{rule} (rule: the files, in path order, hold ever later bars of a symbol)", fix, shared))
-    within = back & ~across
-    for mask, rule, fix in (
-        (within & (cur < prev), "timestamps decrease within a symbol (rule: sorted by time per symbol)",
-         "sort the rows by symbol and timestamp"),
-        (within & (cur == prev), "duplicate timestamp within a symbol (rule: one bar per timestamp)",
-         "drop or merge duplicate bars"),
-    ):
-        idx = np.flatnonzero(mask)
-        if idx.size:
-            bad = order[idx[0] + 1]
-            if absent[bad]:  # likely several symbols' bars read as one series
-                fix += (f" (the file has no '{cmap.symbol}' column, so all its rows were read as one series, "
-                        f"{cmap.default_symbol}: if it holds several symbols, map their column with --symbol-col "
-                        "NAME)")
-            others = len(np.unique(sym_o[idx + 1])) - 1  # the count is of every symbol's rows: say whose
-            more = f" (and {others} other symbol{'s' if others > 1 else ''})" if others else ""
-            out.append(Problem(files[file_idx[bad]], cmap.timestamp, int(row_in_file[bad]),
-                               f"{rule}; symbol {sym_o[idx[0] + 1]}{more}", fix, int(idx.size)))
+        out.append(Problem(files[rows.file_idx[bad]], cmap.timestamp, int(rows.row_in_file[bad]),
+                           f"{rule} (rule: the files, in path order, hold ever later bars of a symbol)", fix,
+                           int(np.count_nonzero(b <= a.max()))))
     return out
 
 

@@ -69,36 +69,36 @@ def summarize(bars: Bars) -> str:
         f"symbols: {len(slices)}",
         f"bar interval (most common spacing): {format_duration(interval) if interval else 'n/a'}",
     ]
-    spaced: list[str] = []
+    notes: list[str] = []
     for sym, sl in slices.items():
         ts = bars.timestamp_ns[sl]
-        gaps = np.diff(ts)
-        missed = interval + interval // 2  # a bar left out, even of bars stamped a little off their grid
-        n_gaps = int(np.sum(gaps > missed)) if interval else 0
-        n_long = int(np.sum(gaps > max(missed, SESSION_BREAK_NS))) if interval else 0
-        largest = format_duration(int(gaps.max())) if gaps.size else "n/a"
-        if not interval:
-            spacing = "no bar interval to measure gaps against"
-        elif n_gaps:
-            spacing = (f"{n_gaps} gaps over the bar interval, {n_long} of them over an hour: session breaks "
-                       f"(largest {largest})")
-        else:
-            spacing = "no gaps over the bar interval"
-        lines.append(
-            f"  {sym}: {sl.stop - sl.start} rows, {format_timestamp(int(ts[0]))} .. {format_timestamp(int(ts[-1]))}, "
-            f"{spacing}"
-        )
+        lines.append(f"  {sym}: {sl.stop - sl.start} rows, {format_timestamp(int(ts[0]))} .. "
+                     f"{format_timestamp(int(ts[-1]))}, {_gaps(ts, interval)}")
         own = infer_bar_interval_ns(ts, np.array([[0, ts.size]]))
         if own and interval and own != interval:
             step = format_duration(interval)
             refused = " (the server would refuse these finer ones)" if 2 * own < interval else ""
-            spaced.append(f"{sym}'s bars are mostly {format_duration(own)} apart, the file's most common spacing is "
-                          f"{step}: a model trained on all of them takes {step} bars{refused}; if they are bars of "
-                          "another size, train them separately (a thin market's bars that skip intervals are fine)")
+            notes.append(f"{sym}'s bars are mostly {format_duration(own)} apart, the file's most common spacing is "
+                         f"{step}: a model trained on all of them takes {step} bars{refused}; if they are bars of "
+                         "another size, train them separately (a thin market's bars that skip intervals are fine)")
     if bars.user:
         lines.append(f"user feature columns: {', '.join(bars.user)}")
-    lines += [f"note: {note}" for note in (*spaced, *bars.notes)]
+    lines += [f"note: {note}" for note in (*notes, *bars.notes)]
     return "\n".join(lines)
+
+
+def _gaps(ts: np.ndarray, interval: int) -> str:
+    """The gaps over the bar interval among one series' times, and how many of them are session breaks."""
+    if not interval:
+        return "no bar interval to measure gaps against"
+    gaps = np.diff(ts)
+    missed = interval + interval // 2  # a bar left out, even of bars stamped a little off their grid
+    n_gaps = int(np.sum(gaps > missed))
+    if not n_gaps:
+        return "no gaps over the bar interval"
+    n_long = int(np.sum(gaps > max(missed, SESSION_BREAK_NS)))
+    return (f"{n_gaps} gaps over the bar interval, {n_long} of them over an hour: session breaks "
+            f"(largest {format_duration(int(gaps.max()))})")
 
 
 MAX_LISTED = 8  # column names a note lists before it counts the rest

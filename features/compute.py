@@ -61,8 +61,8 @@ class FeatureConfig:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> FeatureConfig:
-        return FeatureConfig(int(d["horizon"]), int(d["volatility_window"]), tuple(d.get("user_columns", ())),
-                             str(d.get("calendar_tz", "UTC")))  # models from before the field: UTC
+        return FeatureConfig(int(d["horizon"]), int(d["volatility_window"]), tuple(d["user_columns"]),
+                             str(d["calendar_tz"]))
 
 
 @dataclass
@@ -92,16 +92,10 @@ def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -
     """The bar interval: the most common spacing of consecutive bars of the same series (0 when no two bars of
     a series follow each other).
 
-    Bars on a grid give it exactly, as their most common spacing. Bars stamped a little off their grid (an
-    aggregator's, a receive or a first trade's time) have spacings that are nearly all distinct, so that the
-    exact count would return the smallest of them (59.997 s for 1-minute bars stamped within 5 ms), or, with
-    times in whole milliseconds, one of its neighbours that recurs by chance (60.002 s). So the commonest
-    spacing is taken as it is only when it recurs, in 2% of the spacings or more (series stamped at the same
-    moments repeat each other's spacings), and is most of the spacings within 2.5% of it (a grid's multiples
-    are further apart); otherwise the sorted spacings are cut into runs wherever one is more than
-    1% above the one before, the largest run is the bar size's (the first of equals: the shortest), the
-    spacings within half of its median on either side are that size's, and their median is rounded to the
-    coarsest of a day, an hour, a minute, a second, a millisecond or a microsecond within 2.5% of it (60 s)."""
+    Bars on a grid give it exactly. Bars stamped a little off their grid (a receive or first trade's time)
+    have spacings that are nearly all distinct, so the commonest is taken as it is only when it recurs, in
+    2% of the spacings or more, and is most of the spacings within 2.5% of it; otherwise `_off_grid_interval`
+    finds the bar size among them."""
     diffs = [np.diff(timestamp_ns[s:e]) for s, e in series_bounds if e - s > 1]
     if not diffs:
         return 0
@@ -116,6 +110,14 @@ def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -
     near = np.searchsorted(d, v + v // SNAP_PARTS, "right") - np.searchsorted(d, v - v // SNAP_PARTS, "left")
     if counts[common] >= min(2, d.size) and 50 * int(counts[common]) >= d.size and 2 * int(counts[common]) >= near:
         return v  # it recurs, in 2% of the spacings or more, and is most of those near it: a grid's, exactly
+    return _off_grid_interval(d)
+
+
+def _off_grid_interval(d: np.ndarray) -> int:
+    """The bar size of sorted spacings `d` stamped off their grid: the sorted spacings are cut into runs wherever
+    one is more than 1% above the one before; the largest run (the first of equals) is the bar size's; the
+    median of the spacings within half of its median either side is rounded to the coarsest of a day, an hour,
+    a minute, a second, a millisecond or a microsecond within 2.5% of it (59.997 s -> 60 s)."""
     starts = np.flatnonzero(np.diff(d) > d[:-1] // INTERVAL_TOLERANCE_PARTS) + 1  # where a new run begins
     edges = np.concatenate([[0], starts, [d.size]])
     best = int(np.argmax(np.diff(edges)))
@@ -123,8 +125,8 @@ def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -
     if run[0] == run[-1]:  # one spacing alone
         return int(run[0])
     size = int(np.median(run))
-    middle = int(np.median(d[np.searchsorted(d, size - size // 2, "left"):np.searchsorted(d, size + size // 2,
-                                                                                       "left")]))
+    lo, hi = np.searchsorted(d, [size - size // 2, size + size // 2], "left")
+    middle = int(np.median(d[lo:hi]))
     for unit in (NS_PER_DAY, 3_600_000_000_000, 60_000_000_000, NS_PER_SECOND, 1_000_000, 1_000):
         snapped = round(middle / unit) * unit
         if snapped and abs(snapped - middle) * SNAP_PARTS <= middle:
@@ -177,8 +179,7 @@ def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
 
     No zone has changed its offset twice within two days since 1970, so timestamps spanning at most two days
     with one offset at both ends have it throughout: two cached look-ups, a server's usual case. Otherwise
-    one look-up per distinct UTC day at its first and last second; on a day whose offset changes, the
-    second of the change is found by bisection (changes fall on any minute: St. John's changed at 00:01)."""
+    `DayOffsets` answers from one look-up per UTC day."""
     ts = np.asarray(timestamp_ns, dtype=np.int64)
     if ts.size == 0:
         return 0
@@ -200,9 +201,8 @@ def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
 
 class DayOffsets:
     """A zone's UTC offset on given UTC days, looked up once: per day, the offset at its first and its last
-    second and the second it changes between. `at` then answers any seconds on those days with array
-    operations alone, as a training set's batches ask (their times are spread over years: one look-up per
-    batch would not stay in the cache)."""
+    second and the second it changes between (found by bisection: changes fall on any minute). `at` then
+    answers any seconds on those days with array operations alone, as a training set's batches ask."""
 
     NEVER = np.iinfo(np.int64).max
 
@@ -214,8 +214,6 @@ class DayOffsets:
     def __init__(self, tz: str, days: np.ndarray) -> None:
         """The offsets on `days` (sorted, distinct, days since 1970-01-01 UTC; at least one)."""
         self.days = np.asarray(days, dtype=np.int64)  # [D]
-        if self.days.size == 0 or np.any(np.diff(self.days) <= 0):
-            raise ValueError("DayOffsets needs at least one day, sorted and distinct")
         self.contiguous = int(self.days[-1] - self.days[0]) + 1 == self.days.size
         self.start = np.array([_offset_ns(tz, int(d) * 86_400) for d in self.days], dtype=np.int64)  # [D]
         self.end = np.array([_offset_ns(tz, int(d) * 86_400 + 86_399) for d in self.days], dtype=np.int64)  # [D]
@@ -228,9 +226,6 @@ class DayOffsets:
         """The offset (ns) at each of `second` (seconds since 1970-01-01 UTC, on the table's days), same shape."""
         day = second // 86_400
         k = day - self.days[0] if self.contiguous else np.searchsorted(self.days, day)
-        if k.size and (int(k.min()) < 0 or int(k.max()) >= self.days.size or
-                       not (self.contiguous or np.array_equal(self.days[k], day))):
-            raise ValueError("DayOffsets.at: a second on a day outside the table")
         return np.where(second >= self.change[k], self.end[k], self.start[k])
 
 
@@ -276,13 +271,10 @@ def _rolling_std(x: np.ndarray, window: int, starts: np.ndarray) -> np.ndarray:
     """Population std of the last `window` values at each row; NaN until `window` values exist
     within the row's series (`starts[i]` is the first row of row i's series whose x is defined).
 
-    Two passes over the window (mean, then squared deviations), summed oldest value first: each
-    value depends on the window's values alone, bit for bit, so the server computing from a
-    series' last bars gets exactly what training computed from the whole history. (Running
-    sums would make it depend on every earlier row through rounding.) O(N * window).
-
-    A server's few bars take the matrix path, a training set's history the loop path; both add
-    the same values in the same order (`np.add.accumulate` is sequential), so they agree bit for bit.
+    Two passes over the window (mean, then squared deviations), summed oldest value first: each value
+    depends on the window's values alone, bit for bit, so a server computing from a series' last bars
+    gets exactly what training computed from the whole history (running sums would not). A server's few
+    bars take the matrix path, a training set the loop path: the same sums in the same order.
     """
     n = x.shape[0]
     ok = np.arange(n) - window + 1 >= starts
@@ -362,10 +354,8 @@ def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray
     forecasts from. Bar columns are [B, n] (validated, oldest first); `user` is a float64 [n_user, B * n]
     block or a list of [B * n] columns, series after series (as `_observed` takes them).
 
-    Bit for bit what `build_frame` + `gather_windows` give at those bars from a series' whole history,
-    once n >= warm-up + L (tested): the same `_observed` and `known_features`, and no feature reads
-    further back than the warm-up. Without a Bars, a vocabulary or a FeatureFrame, and with the windows
-    cut by reshaping, a server's call pays for the arithmetic alone.
+    Bit for bit what `build_frame` + `gather_windows` give at those bars from a series' whole history, once
+    n >= warm-up + L: the same `_observed` and `known_features`, without a Bars or a FeatureFrame.
     """
     b, n = close.shape
     L = encoder_length
@@ -409,27 +399,17 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
     unknown = [s for s in slices if s not in vocab]
     if unknown:
         raise ValueError(f"unknown symbol(s) {', '.join(unknown)}; the model knows {', '.join(vocab)}")
-    index = {s: i for i, s in enumerate(vocab)}
     n = len(bars)
     bounds = np.array([[sl.start, sl.stop] for sl in slices.values()], dtype=np.int64).reshape(-1, 2)
-    series_id = np.empty(n, dtype=np.int64)
-    first_row = np.empty(n, dtype=np.int64)  # first row of each row's series
-    for (s, e), name in zip(bounds, slices, strict=True):
-        series_id[s:e] = index[name]
-        first_row[s:e] = s
-    c = bars.close
-    log_c = np.log(c)
+    series_id = np.repeat(np.array([vocab.index(name) for name in slices], dtype=np.int64), bounds[:, 1] - bounds[:, 0])
+    first_row = np.repeat(bounds[:, 0], bounds[:, 1] - bounds[:, 0])  # [N]  first row of each row's series
+    log_c = np.log(bars.close)
     user_block = block_for(bars.user, config.user_columns)  # [n_user, N] when the columns come as one block
     user = user_block if user_block is not None else [bars.user[u] for u in config.user_columns]
-    observed = _observed(bars.open, bars.high, bars.low, c, bars.volume, user, config, bounds[:, 0], first_row, log_c)
-    known = known_features(bars.timestamp_ns, config.calendar_tz)  # [N, n_known]
-    forward = np.full((n, config.horizon), np.nan, dtype=np.float32)  # [N, H]
-    if targets:
-        last_row = np.repeat(bounds[:, 1], bounds[:, 1] - bounds[:, 0]) - 1
-        rows = np.arange(n)
-        for k in range(1, config.horizon + 1):
-            ok = rows + k <= last_row
-            forward[ok, k - 1] = (log_c[rows[ok] + k] - log_c[rows[ok]]).astype(np.float32)
+    observed = _observed(bars.open, bars.high, bars.low, bars.close, bars.volume, user, config, bounds[:, 0],
+                         first_row, log_c)
+    forward = _forward_returns(log_c, bounds, config.horizon) if targets else \
+        np.full((n, config.horizon), np.nan, dtype=np.float32)
     return FeatureFrame(
         config=config,
         symbols=vocab,
@@ -437,8 +417,20 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
         series_id=series_id,
         series_bounds=bounds,
         observed=observed,
-        known=known,
-        close=c.astype(np.float64),
+        known=known_features(bars.timestamp_ns, config.calendar_tz),  # [N, n_known]
+        close=bars.close.astype(np.float64),
         targets=forward,
         bar_interval_ns=bar_interval_ns or infer_bar_interval_ns(bars.timestamp_ns, bounds),
     )
+
+
+def _forward_returns(log_c: np.ndarray, bounds: np.ndarray, horizon: int) -> np.ndarray:
+    """log(close[t+h] / close[t]) for h = 1..horizon, NaN past each series' end: float32 [N, H]."""
+    n = log_c.shape[0]
+    forward = np.full((n, horizon), np.nan, dtype=np.float32)  # [N, H]
+    last_row = np.repeat(bounds[:, 1], bounds[:, 1] - bounds[:, 0]) - 1
+    rows = np.arange(n)
+    for k in range(1, horizon + 1):
+        ok = rows + k <= last_row
+        forward[ok, k - 1] = (log_c[rows[ok] + k] - log_c[rows[ok]]).astype(np.float32)
+    return forward

@@ -70,10 +70,8 @@ def hint(path: str | Path, expected: str) -> str:
 
 def replace_problem(path: str | Path, writes: str) -> str | None:
     """Why writing a file of kind `writes` (one of describe's answers) at `path` would destroy something else:
-    a file of another kind, or one whose kind is unknown (notes, a device), is there (through a link: the
-    commands replace the link, not what it names). None when nothing, a link to nothing, a directory (each
-    command names that itself) or a file of that kind is there: an earlier run's output, which a command may
-    replace."""
+    a file of another kind, or of unknown kind (notes, a device). None when nothing, a directory or a file of
+    that kind (an earlier run's output) is there."""
     path = Path(path)
     if not path.exists() or path.is_dir():  # nothing, a link to nothing (the write replaces the link), a directory
         return None

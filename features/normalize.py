@@ -52,7 +52,7 @@ def spread_of(x: np.ndarray, rows: np.ndarray | slice | None = None) -> tuple[np
     empty: list[int] = []
     starts = list(range(0, n_cols, COLUMNS_PER_BLOCK))
     if len(starts) > 1 and n_cols - starts[-1] == 1:
-        starts.pop()  # numpy sums a lone column pairwise, a block's columns row by row: keep the old float64 bits
+        starts.pop()  # a lone column sums pairwise, a block row by row: in the block before, as all at once
     for j, stop in zip(starts, [*starts[1:], n_cols], strict=True):
         block = x[picked, ..., j:stop]  # [n, ..., b]
         sub = block.reshape(-1, block.shape[-1]).astype(np.float64)  # [n * ..., b]

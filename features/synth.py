@@ -72,58 +72,61 @@ def generate(symbols: list[str], n_bars: int, seed: int, start: datetime | None 
     extra_rng = np.random.default_rng(seed + 1_000_003)  # separate stream: bars do not depend on extras
     ts = session_timestamps(n_bars, start or datetime(2024, 1, 2, tzinfo=UTC))
     minute = ((ts - SESSION_OPEN_NS) % NS_PER_DAY) // (60 * NS_PER_SECOND)
-    shape = intraday_shape(minute)
-    session_start = minute == 0
-
-    # common GARCH(1,1) variance, in units of each symbol's base volatility
     z_common = rng.standard_normal(n_bars)
-    h = np.empty(n_bars)
-    h_prev, eps_prev = 1.0, 0.0
-    omega = 1.0 - GARCH_ALPHA - GARCH_BETA
-    for t in range(n_bars):
-        h_prev = omega + GARCH_ALPHA * eps_prev * eps_prev + GARCH_BETA * h_prev
-        h[t] = h_prev
-        eps_prev = np.sqrt(h_prev) * z_common[t]
-
+    h = _garch_variance(z_common)
     extra_names = [f"f{k:03d}" for k in range(extra_features)]
     columns: dict[str, list[np.ndarray]] = {k: [] for k in ("timestamp", "symbol", "open", "high", "low",
                                                            "close", "volume", *extra_names)}
     for sym in symbols:
-        price0, tick, base_vol = KNOWN_SYMBOLS.get(sym, (100.0, 0.01, 0.0005))
-        z = COMMON_WEIGHT * z_common + np.sqrt(1 - COMMON_WEIGHT**2) * rng.standard_normal(n_bars)
-        sigma = base_vol * shape * np.sqrt(h)  # [N]
-        shocks = sigma * z
-        gaps = np.where(session_start, rng.standard_normal(n_bars) * base_vol * 8.0, 0.0)
-        r = _ar1(shocks, session_start)
-        log_p = np.log(price0) + np.cumsum(r + gaps)
-        log_open = log_p - r  # open = close before this bar's return (after any gap)
-        close = np.round(np.exp(log_p) / tick) * tick
-        open_ = np.round(np.exp(log_open) / tick) * tick
-        open_[~session_start] = close[np.flatnonzero(~session_start) - 1]
-        ext_hi = np.abs(rng.standard_normal(n_bars)) * 0.5 * sigma
-        ext_lo = np.abs(rng.standard_normal(n_bars)) * 0.5 * sigma
-        high = np.ceil(np.maximum(open_, close) * np.exp(ext_hi) / tick) * tick
-        low = np.floor(np.minimum(open_, close) * np.exp(-ext_lo) / tick) * tick
-        low = np.minimum(low, np.minimum(open_, close))
-        high = np.maximum(high, np.maximum(open_, close))
-        volume = np.maximum(1, np.round(2000 * shape * np.exp(0.3 * np.abs(z) + 0.3 * rng.standard_normal(n_bars))
-                                        * np.sqrt(h))).astype(np.int64)
-        columns["timestamp"].append(ts)
-        columns["symbol"].append(np.full(n_bars, sym, dtype=object))
-        columns["open"].append(open_)
-        columns["high"].append(high)
-        columns["low"].append(low)
-        columns["close"].append(close)
-        columns["volume"].append(volume)
+        bars = _symbol_bars(KNOWN_SYMBOLS.get(sym, (100.0, 0.01, 0.0005)), z_common, h, minute, rng)
+        bars["timestamp"], bars["symbol"] = ts, np.full(n_bars, sym, dtype=object)
+        close = bars["close"]
         for k, name in enumerate(extra_names):
-            columns[name].append(_trailing_mean(np.diff(np.log(close), prepend=np.log(close[0])), 2 + k % 30) * 1e4
-                                 + extra_rng.standard_normal(n_bars))
+            bars[name] = (_trailing_mean(np.diff(np.log(close), prepend=np.log(close[0])), 2 + k % 30) * 1e4
+                          + extra_rng.standard_normal(n_bars))
+        for name, values in bars.items():
+            columns[name].append(values)
     return pa.table({
         "timestamp": pa.array(np.concatenate(columns["timestamp"]), type=pa.timestamp("ns", tz="UTC")),
         "symbol": pa.array(np.concatenate(columns["symbol"]).astype(str), type=pa.string()),
         **{k: pa.array(np.concatenate(columns[k])) for k in ("open", "high", "low", "close", "volume",
                                                                *extra_names)},
     })
+
+
+def _garch_variance(z_common: np.ndarray) -> np.ndarray:
+    """GARCH(1,1) variance driven by the common shock, in units of each symbol's base volatility: [N]."""
+    h = np.empty(z_common.shape[0])
+    h_prev, eps_prev = 1.0, 0.0
+    omega = 1.0 - GARCH_ALPHA - GARCH_BETA
+    for t in range(z_common.shape[0]):
+        h_prev = omega + GARCH_ALPHA * eps_prev * eps_prev + GARCH_BETA * h_prev
+        h[t] = h_prev
+        eps_prev = np.sqrt(h_prev) * z_common[t]
+    return h
+
+
+def _symbol_bars(spec: tuple[float, float, float], z_common: np.ndarray, h: np.ndarray, minute: np.ndarray,
+                 rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """One symbol's open, high, low, close and volume; spec is (start price, tick size, base volatility)."""
+    price0, tick, base_vol = spec
+    n_bars = z_common.shape[0]
+    shape, session_start = intraday_shape(minute), minute == 0
+    z = COMMON_WEIGHT * z_common + np.sqrt(1 - COMMON_WEIGHT**2) * rng.standard_normal(n_bars)
+    sigma = base_vol * shape * np.sqrt(h)  # [N]
+    gaps = np.where(session_start, rng.standard_normal(n_bars) * base_vol * 8.0, 0.0)
+    r = _ar1(sigma * z, session_start)
+    log_p = np.log(price0) + np.cumsum(r + gaps)
+    close = np.round(np.exp(log_p) / tick) * tick
+    open_ = np.round(np.exp(log_p - r) / tick) * tick  # open = close before this bar's return (after any gap)
+    open_[~session_start] = close[np.flatnonzero(~session_start) - 1]
+    ext_hi = np.abs(rng.standard_normal(n_bars)) * 0.5 * sigma
+    ext_lo = np.abs(rng.standard_normal(n_bars)) * 0.5 * sigma
+    high = np.maximum(np.ceil(np.maximum(open_, close) * np.exp(ext_hi) / tick) * tick, np.maximum(open_, close))
+    low = np.minimum(np.floor(np.minimum(open_, close) * np.exp(-ext_lo) / tick) * tick, np.minimum(open_, close))
+    volume = np.maximum(1, np.round(2000 * shape * np.exp(0.3 * np.abs(z) + 0.3 * rng.standard_normal(n_bars))
+                                    * np.sqrt(h))).astype(np.int64)
+    return {"open": open_, "high": high, "low": low, "close": close, "volume": volume}
 
 
 def _trailing_mean(x: np.ndarray, window: int) -> np.ndarray:

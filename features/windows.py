@@ -51,7 +51,3 @@ def gather_windows(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int
         TARGET: frame.targets[anchors],  # [B, H]
     }
 
-
-def last_anchor_per_series(frame: FeatureFrame) -> np.ndarray:
-    """The most recent bar of each series: what the server forecasts from."""
-    return (frame.series_bounds[:, 1] - 1).astype(np.int64)

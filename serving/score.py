@@ -1,12 +1,11 @@
 """`python -m serving.score --model model.onnx --parquet bars.parquet --out forecasts.parquet`: forecasts
 for every bar of a history, offline, for backtests and evaluation.
 
-Reads the bars with the training run's column names (the model's metadata; the mapping flags
-win), computes the features with the same `features` code the trainer and the server use, cuts
-the window ending at every bar that has its warm-up and encoder bars before it (each series on
-its own), and runs the ONNX model on them in batches with ONNX Runtime (`--device cpu|cuda|auto`,
-as the server; no gRPC, no torch). `--symbols`, `--start` and `--end` choose the forecast
-origins; earlier bars still feed the windows.
+Reads the bars with the training run's column names (the mapping flags win), computes the features with
+the same code as the trainer and the server, and runs the ONNX model on the window ending at every bar
+that has its warm-up and encoder bars before it, in batches (`--device cpu|cuda|auto`; no gRPC, no torch).
+`--symbols`, `--start` and `--end` (ISO 8601, UTC unless they carry an offset) choose the forecast origins;
+earlier bars still feed the windows. `--symbols` reads and checks only those symbols' bars.
 
 The output is one row per origin and horizon step, in series and time order:
 
@@ -17,27 +16,21 @@ The output is one row per origin and horizon step, in series and time order:
     close       float64              the origin's close
     ret_q<q>    float64              quantile q of the cumulative log return from `close` to bar h
     price_q<q>  float64              the same quantile as a price (close * exp(ret)), in the file's units
-    actual_ret  float64              the realised log return to the h-th next bar of the file (NaN past its end),
-                                     as training's targets count bars
-    actual_time timestamp[ns, UTC]   the time of that bar (null past the end): later than `time` where the
-                                     file has a gap or a session close within h bars
+    actual_ret  float64              the realised log return to the h-th next bar of the file (NaN past its end)
+    actual_time timestamp[ns, UTC]   the time of that bar (null past the end): later than `time` across a gap
     split       string               where the origin falls in the model's training run: before, train,
-                                     validation, test or after its bars (null for a model exported before
-                                     the run's span was recorded). Train and validation origins are in-sample.
+                                     validation, test or after its bars. Train and validation are in-sample.
 
-A summary follows on stderr: windows per symbol, and per split, where the future is in the file,
-the pinball loss and how often the realised return fell inside the outer quantiles; a warning
-names the in-sample origins and the `--start` that leaves them out.
+A summary follows on stderr: windows per symbol and, per split, the pinball loss and how often the realised
+return fell inside the outer quantiles; a warning names the in-sample origins.
 
-Symbols the model does not know and symbols with too few bars are skipped with a warning, and so are the
-origins whose window's bars the server refuses, by the same rules: bars mostly closer than half the
-model's bar interval (finer bars), and daily bars sent to an intraday model. `--symbols` reads and checks
-only those symbols' bars.
-`--start` and `--end` are ISO 8601 dates or times, UTC unless they carry an offset.
+Symbols the model does not know or with too few bars are skipped with a warning, and so are the origins
+whose windows the server refuses: bars mostly closer than half the model's bar interval, daily bars for an
+intraday model, and non-finite user feature values.
 
-The file is written beside `--out` under a temporary name and renamed when complete: an error,
-Ctrl-C or SIGTERM leaves no partial file. Exit status: 0 done, 1 the output could not be written, 2 bad
-arguments, bars, or a model that fails its checks, 130 interrupted.
+The file is written under a temporary name and renamed when complete: an error, Ctrl-C or SIGTERM leaves
+no partial file. Exit status: 0 done, 1 the output could not be written, 2 bad arguments, bars or model,
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -138,27 +131,20 @@ def _flagged_in_windows(flag: np.ndarray, anchors: np.ndarray, rows: int) -> np.
     return np.asarray(count[anchors + 1] - count[anchors - rows + 1])
 
 
-def _gaps_in_windows(gap: np.ndarray, anchors: np.ndarray, bars_required: int) -> np.ndarray:
-    """How many of each window's gaps are flagged: gap[r] flags the gap before row r (r >= 1). int64 [W]."""
-    # a window's bars are rows a - n + 1 .. a of one series; its gaps are those before rows a - n + 2 .. a
-    return _flagged_in_windows(gap, anchors, bars_required - 1)
-
-
 def refused_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int,
                     interval_ns: int) -> tuple[np.ndarray, np.ndarray]:
-    """Which windows the server would refuse, by the rules of `serving.validation._check_spacing`: as finer bars
-    than the model's (most of the gaps between the `bars_required` bars ending at each anchor, the bars a request
-    sends, under half the bar interval), and as daily bars to an intraday model (`daily_bars`, asked only of the
-    windows whose gaps are mostly long enough for it). bool [W] each."""
+    """Which windows the server would refuse, by the rules of `serving.validation`: finer bars than the model's
+    (most gaps between the `bars_required` bars ending at each anchor under half the bar interval), and daily
+    bars to an intraday model (`daily_bars`). bool [W] each."""
     ts, n = frame.timestamp_ns, bars_required
-    gaps = n - 1
+    gaps = n - 1  # a window's gaps are those before its rows a - n + 2 .. a: gap[r] flags the one before row r
     short = np.zeros(ts.shape[0], dtype=bool)
     short[1:] = ts[1:] < ts[:-1] + interval_ns // 2
-    finer = 2 * _gaps_in_windows(short, anchors, n) > gaps
+    finer = 2 * _flagged_in_windows(short, anchors, gaps) > gaps
     long = np.zeros(ts.shape[0], dtype=bool)
     long[1:] = np.diff(ts) >= max(NS_PER_DAY, COARSE_INTERVALS * interval_ns)
     daily = np.zeros(anchors.shape[0], dtype=bool)
-    for w in np.flatnonzero(~finer & (2 * _gaps_in_windows(long, anchors, n) > gaps)):
+    for w in np.flatnonzero(~finer & (2 * _flagged_in_windows(long, anchors, gaps) > gaps)):
         a = int(anchors[w])
         daily[w] = daily_bars(ts[a - n + 1:a + 1], interval_ns)
     return finer, daily
@@ -264,8 +250,7 @@ class Summary:
     def lines(self) -> list[str]:
         out = [f"windows: {sum(self.windows.values()):,} ({', '.join(f'{s} {n:,}' for s, n in self.windows.items())})"]
         nominal, band = self.q[-1] - self.q[0], f"[q{self.q[0]:g}, q{self.q[-1]:g}]"
-        known = bool(self.training.get("validation_from_ns") is not None)
-        for i, name in enumerate((*SPLITS, "all") if known else ("all",)):
+        for i, name in enumerate((*SPLITS, "all")):
             slot = slice(None) if name == "all" else i
             n = int(np.sum(self.scored[slot]))
             if name != "all" and not self.origins[i]:
@@ -279,9 +264,6 @@ class Summary:
                            f"return {float(np.sum(self.loss[slot])) / n:.6g}; {coverage}")
             else:
                 out.append(f"{label}: no forecast with its future in the file")
-        if not known:
-            out.append("the model does not record its training run's bars (exported before that was recorded): "
-                       "origins in them are in-sample")
         return out
 
     def in_sample(self) -> int:
@@ -296,9 +278,50 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
     chosen = only_symbols(bars, symbols)
     frame = build_frame(chosen, meta.feature_config, list(meta.symbols), meta.bar_interval_ns)
     anchors = origins(frame, meta.encoder_length, start_ns, end_ns)
+    anchors = anchors[~_refused(frame, anchors, meta, unusable_user_rows(chosen))]
+    if anchors.size == 0:
+        ranged = start_ns is not None or end_ns is not None
+        span = (f" (the bars run from {format_timestamp(int(frame.timestamp_ns.min()))} to "
+                f"{format_timestamp(int(frame.timestamp_ns.max()))})" if ranged and frame.timestamp_ns.size else "")
+        raise ScoreError(f"no forecast origin{' inside --start/--end' if ranged else ''}{span}: each origin needs "
+                         f"{meta.bars_required} bars of its symbol up to it ({meta.feature_config.warmup_bars} "
+                         f"warm-up + {meta.encoder_length} encoder bars)"
+                         + (", which may lie before --start" if start_ns is not None else ""))
+    summary = Summary(meta.quantiles, meta.training)
+    with atomic_output(out) as tmp:
+        log.info("scoring %s windows into %s", f"{anchors.size:,}", out)
+        _write_forecasts(tmp, model, frame, anchors, batch, summary)
+    return summary
+
+
+def _write_forecasts(tmp: str, model: LoadedModel, frame: FeatureFrame, anchors: np.ndarray, batch: int,
+                     summary: Summary) -> None:
+    """Run the model on the windows at `anchors`, `batch` at a time, into the parquet file `tmp`."""
+    meta: ModelMeta = model.meta
+    writer: pq.ParquetWriter | None = None
+    pending: list[pa.Table] = []
+    try:
+        for i, chunk in enumerate(batches(anchors, batch)):
+            q = model.run(model_inputs(frame, chunk, meta.encoder_length))[QUANTILES]  # [B, H, Q]
+            split = split_of(frame.timestamp_ns[chunk], meta.training)  # [B]
+            pending.append(forecast_table(frame, chunk, q, meta.quantiles, split))
+            summary.add(frame, chunk, q, split)
+            if sum(t.num_rows for t in pending) >= ROWS_PER_GROUP or (i + 1) * batch >= anchors.size:
+                table = pa.concat_tables(pending)
+                writer = writer or pq.ParquetWriter(tmp, table.schema)
+                writer.write_table(table, row_group_size=table.num_rows)
+                pending = []
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _refused(frame: FeatureFrame, anchors: np.ndarray, meta: ModelMeta, unusable_rows: np.ndarray) -> np.ndarray:
+    """The windows the server would refuse, each kind named in a warning per symbol: bool [W]. ScoreError when
+    every window is refused."""
     step = format_duration(meta.bar_interval_ns)
     finer, daily = refused_windows(frame, anchors, meta.bars_required, meta.bar_interval_ns)
-    unusable = _flagged_in_windows(unusable_user_rows(chosen), anchors, meta.bars_required) > 0
+    unusable = _flagged_in_windows(unusable_rows, anchors, meta.bars_required) > 0
     fix = f"resample them to {step}, or use a model trained on this interval"
     for refused, why in ((finer, f"bars are mostly closer than half the model's bar interval of {step} (finer bars, "
                                  f"or another time unit), which the server refuses; {fix}"),
@@ -317,34 +340,7 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
             "user feature values include NaN, infinite or past float32's range" if unusable.all() else
             f"bars are finer than the model's {step} bars or daily bars, or its user feature values are not "
             "finite") + ", which the server refuses")
-    anchors = anchors[~refused]
-    if anchors.size == 0:
-        ranged = start_ns is not None or end_ns is not None
-        span = (f" (the bars run from {format_timestamp(int(frame.timestamp_ns.min()))} to "
-                f"{format_timestamp(int(frame.timestamp_ns.max()))})" if ranged and frame.timestamp_ns.size else "")
-        raise ScoreError(f"no forecast origin{' inside --start/--end' if ranged else ''}{span}: each origin needs "
-                         f"{meta.bars_required} bars of its symbol up to it ({meta.feature_config.warmup_bars} "
-                         f"warm-up + {meta.encoder_length} encoder bars)"
-                         + (", which may lie before --start" if start_ns is not None else ""))
-    summary = Summary(meta.quantiles, meta.training)
-    with atomic_output(out) as tmp:
-        writer: pq.ParquetWriter | None = None
-        pending: list[pa.Table] = []
-        try:
-            for i, chunk in enumerate(batches(anchors, batch)):
-                q = model.run(model_inputs(frame, chunk, meta.encoder_length))[QUANTILES]  # [B, H, Q]
-                split = split_of(frame.timestamp_ns[chunk], meta.training)  # [B]
-                pending.append(forecast_table(frame, chunk, q, meta.quantiles, split))
-                summary.add(frame, chunk, q, split)
-                if sum(t.num_rows for t in pending) >= ROWS_PER_GROUP or (i + 1) * batch >= anchors.size:
-                    table = pa.concat_tables(pending)
-                    writer = writer or pq.ParquetWriter(tmp, table.schema)
-                    writer.write_table(table, row_group_size=table.num_rows)
-                    pending = []
-        finally:
-            if writer is not None:
-                writer.close()
-    return summary
+    return refused
 
 
 def out_of_sample_hint(training: dict[str, Any], last_scored_ns: int) -> str:
@@ -369,7 +365,7 @@ def _interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m serving.score", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="ONNX model from `python -m export`")
@@ -386,27 +382,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64,
                    help="windows per ONNX Runtime run (default 64; on CUDA, 1024 or more)")
     ColumnMap.add_arguments(p, "a name not given is the model's training run's")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    signal.signal(signal.SIGTERM, _interrupted)  # as Ctrl-C: the partial file is removed
     if args.batch < 1 or args.threads < 1:
         p.error("--batch and --threads must be at least 1")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGTERM, _interrupted)  # as Ctrl-C: atomic_output removes the partial file
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     stored: dict[str, str] | None = None  # the training run's column names, from the model
     try:
-        start_ns = parse_time(args.start, "--start") if args.start else None
-        end_ns = parse_time(args.end, "--end") if args.end else None
-        if start_ns is not None and end_ns is not None and end_ns <= start_ns:
-            raise ScoreError(f"--end {args.end} is not after --start {args.start}")
-        if args.out.suffix.lower() not in (".parquet", ".parq", ".pq"):
-            raise ScoreError(f"--out {args.out}: name a .parquet file")
-        if args.out.is_dir():
-            raise ScoreError(f"--out {args.out} is a directory; name a .parquet file")
-        if problem := clash_with_bars(args.out, args.parquet):
-            raise ScoreError(f"--out {problem}; name another file")
-        if problem := replace_problem(args.out, "a parquet file"):
-            raise ScoreError(f"--out {problem}")
-        if note := link_note(args.out):
-            log.info("%s", note)
+        start_ns, end_ns = _time_range(args)
+        _check_out(args.out, args.parquet)
         model = load_model(args.model, args.device, args.threads, max_batch=args.batch)
         meta = model.meta
         stored = meta.column_map or None
@@ -417,58 +413,85 @@ def main(argv: list[str] | None = None) -> int:
         # with --symbols, only their bars are read and checked: a bad bar of another symbol stops nothing
         bars = read_bars(args.parquet, columns, tuple(meta.feature_config.user_columns), symbols=asked or None,
                          check_user_values=False)  # windows with unusable user values are skipped, as refused
-        slices = bars.series_slices()
-        present = set(slices)
-        if asked:
-            wanted = asked
-            unknown = [s for s in wanted if s not in meta.symbols]
-            absent = [s for s in wanted if s in meta.symbols and s not in present]
-            if unknown or absent:
-                raise ScoreError("; ".join(
-                    ([f"--symbols {', '.join(unknown)}: not the model's (it knows {', '.join(meta.symbols)})"]
-                     if unknown else [])
-                    + ([f"--symbols {', '.join(absent)}: no bars of it in {args.parquet}"] if absent else [])))
-        else:
-            wanted = [s for s in meta.symbols if s in present]
-            if not wanted:
-                hint = columns.one_series_hint(args.parquet, meta.symbols[0])
-                raise ScoreError(f"{args.parquet} holds none of the model's symbols ({', '.join(meta.symbols)}); "
-                                 f"it holds {', '.join(sorted(present)) or 'no bars'}{hint}"
-                                 + (" (or another of the model's symbols)" if hint and len(meta.symbols) > 1 else ""))
-            for s in sorted(present - set(meta.symbols)):
-                log.warning("skipped %s: not one of the model's symbols (%s)", s, ", ".join(meta.symbols))
-        for s in wanted:
-            if (rows := slices[s].stop - slices[s].start) < meta.bars_required:
-                log.warning("skipped %s: %d bars, a forecast needs %d (%d warm-up + %d encoder)", s, rows,
-                            meta.bars_required, meta.feature_config.warmup_bars, meta.encoder_length)
-            elif warning := spacing_warning(f"the {s} bars", bars.timestamp_ns[slices[s]], meta.bar_interval_ns):
-                log.warning("%s", warning)
+        wanted = _wanted_symbols(meta, bars, asked, args.parquet, columns)
         summary = score(model, bars, args.out, wanted, start_ns, end_ns, args.batch)
     except (ScoreError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BarDataError as exc:
-        lines = exc.lines()
-        shown = "\n  ".join(lines[:10])
-        more = (f" (the first 10 shown; `python -m features.check {args.parquet}` with the model's column flags "
-                "lists all)" if len(lines) > 10 else "")
-        print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars{more}:\n  {shown}", file=sys.stderr)
-        if lacks_a_column(exc.problems) and (note := ColumnMap.inherited(args, stored, column_names(args.parquet))):
-            print(note, file=sys.stderr)
+        _print_bar_problems(exc, args, stored)
         return 2
     except OSError as exc:
         print(f"error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
     for line in summary.lines():
         log.info("%s", line)
     if inside := summary.in_sample():
+        slices = bars.series_slices()
+        last = max(int(bars.timestamp_ns[slices[s]].max()) for s in wanted)
         log.warning("%s origin(s) lie in the bars the model was trained or chosen on (split train or validation): "
-                    "in-sample, not a backtest; %s", f"{inside:,}",
-                    out_of_sample_hint(meta.training, max(int(bars.timestamp_ns[slices[s]].max()) for s in wanted)))
+                    "in-sample, not a backtest; %s", f"{inside:,}", out_of_sample_hint(meta.training, last))
     log.info("wrote %s", args.out)
     return 0
+
+
+def _time_range(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    start_ns = parse_time(args.start, "--start") if args.start else None
+    end_ns = parse_time(args.end, "--end") if args.end else None
+    if start_ns is not None and end_ns is not None and end_ns <= start_ns:
+        raise ScoreError(f"--end {args.end} is not after --start {args.start}")
+    return start_ns, end_ns
+
+
+def _check_out(out: Path, bars: Path) -> None:
+    """ScoreError when writing `out` would destroy the bars or a file of another kind."""
+    if out.suffix.lower() not in (".parquet", ".parq", ".pq"):
+        raise ScoreError(f"--out {out}: name a .parquet file")
+    if problem := clash_with_bars(out, bars):
+        raise ScoreError(f"--out {problem}; name another file")
+    if problem := replace_problem(out, "a parquet file"):
+        raise ScoreError(f"--out {problem}")
+    if note := link_note(out):
+        log.info("%s", note)
+
+
+def _wanted_symbols(meta: ModelMeta, bars: Bars, asked: list[str], path: Path, columns: ColumnMap) -> list[str]:
+    """The symbols to score: those asked for, or the model's in the file; the others, and those with too few
+    bars or bars further apart than the model's, get a warning."""
+    slices = bars.series_slices()
+    present = set(slices)
+    if asked:
+        unknown = [s for s in asked if s not in meta.symbols]
+        absent = [s for s in asked if s in meta.symbols and s not in present]
+        if unknown or absent:
+            raise ScoreError("; ".join(
+                ([f"--symbols {', '.join(unknown)}: not the model's (it knows {', '.join(meta.symbols)})"]
+                 if unknown else []) + ([f"--symbols {', '.join(absent)}: no bars of it in {path}"] if absent else [])))
+    wanted = asked or [s for s in meta.symbols if s in present]
+    if not wanted:
+        hint = columns.one_series_hint(path, meta.symbols[0])
+        raise ScoreError(f"{path} holds none of the model's symbols ({', '.join(meta.symbols)}); it holds "
+                         f"{', '.join(sorted(present)) or 'no bars'}{hint}"
+                         + (" (or another of the model's symbols)" if hint and len(meta.symbols) > 1 else ""))
+    for s in [] if asked else sorted(present - set(meta.symbols)):
+        log.warning("skipped %s: not one of the model's symbols (%s)", s, ", ".join(meta.symbols))
+    for s in wanted:
+        if (rows := slices[s].stop - slices[s].start) < meta.bars_required:
+            log.warning("skipped %s: %d bars, a forecast needs %d (%d warm-up + %d encoder)", s, rows,
+                        meta.bars_required, meta.feature_config.warmup_bars, meta.encoder_length)
+        elif warning := spacing_warning(f"the {s} bars", bars.timestamp_ns[slices[s]], meta.bar_interval_ns):
+            log.warning("%s", warning)
+    return wanted
+
+
+def _print_bar_problems(exc: BarDataError, args: argparse.Namespace, stored: dict[str, str] | None) -> None:
+    lines = exc.lines()
+    shown = "\n  ".join(lines[:10])
+    more = (f" (the first 10 shown; `python -m features.check {args.parquet}` with the model's column flags "
+            "lists all)" if len(lines) > 10 else "")
+    print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars{more}:\n  {shown}", file=sys.stderr)
+    if lacks_a_column(exc.problems) and (note := ColumnMap.inherited(args, stored, column_names(args.parquet))):
+        print(note, file=sys.stderr)
 
 
 if __name__ == "__main__":

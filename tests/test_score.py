@@ -6,7 +6,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -174,7 +173,7 @@ def test_an_out_that_is_a_link_becomes_a_file_and_what_it_named_is_kept(tiny_mod
 
 def test_the_scorer_never_imports_torch() -> None:
     r = subprocess.run([sys.executable, "-c", "import sys, serving.score; print('torch' in sys.modules)"], cwd=REPO,
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 
 
@@ -280,17 +279,27 @@ def test_windows_the_server_refuses_for_their_bar_size_are_skipped(
 
 
 def test_sigterm_leaves_no_partial_file(tiny_model: Model, tmp_path: Path) -> None:  # noqa: F811
+    """SIGTERM once the scorer says it writes: exit 130 (or 0 had it finished first), `--out` absent or whole,
+    never partial, and no temporary file left, at any speed."""
     out = tmp_path / "f.parquet"
     proc = subprocess.Popen([sys.executable, "-m", "serving.score", "--model", str(tiny_model.model), "--parquet",
                              str(tiny_model.bars_path), "--out", str(out), "--batch", "1", "--threads", "1"],
                             cwd=REPO, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".f.parquet.*.tmp")) and time.monotonic() < deadline:  # writing has begun
-        time.sleep(0.01)
+    assert proc.stderr is not None
+    err = ""
+    for line in proc.stderr:  # until the scorer has its temporary file and starts writing
+        err += line
+        if line.startswith("scoring "):
+            break
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert list(tmp_path.iterdir()) == []
+    err += proc.stderr.read()
+    code = proc.wait(timeout=300)
+    assert code in (130, 0), err  # 0: every window was written before the signal landed
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["f.parquet"]), err
+    if code == 0 or out.exists():
+        meta, slices = tiny_model.meta, tiny_model.bars.series_slices().values()
+        whole = sum(sl.stop - sl.start - meta.bars_required + 1 for sl in slices) * meta.horizon
+        assert pq.read_table(out).num_rows == whole
 
 
 def test_the_throughput_benchmark_runs_both_paths(tiny_model: Model) -> None:  # noqa: F811
@@ -337,42 +346,19 @@ def test_each_origin_is_placed_in_the_models_training_run_and_in_sample_ones_are
     assert "after origins (2,922)" in done.stderr
 
 
-def test_a_model_without_its_training_span_still_scores_and_says_so(tiny_model: Model,  # noqa: F811
-                                                                     tmp_path: Path) -> None:
-    import onnx
-
-    proto = onnx.load(str(tiny_model.model))
-    kept = [(p.key, p.value) for p in proto.metadata_props if p.key != "foxhunt.training"]
-    assert len(kept) == len(proto.metadata_props) - 1
-    del proto.metadata_props[:]
-    for k, v in kept:
-        proto.metadata_props.add(key=k, value=v)
-    old = tmp_path / "old.onnx"
-    onnx.save(proto, str(old))
-    done = score("--model", old, "--parquet", tiny_model.bars_path, "--out", tmp_path / "f.parquet", "--threads", "1")
-    assert done.returncode == 0, done.stderr
-    assert "does not record its training run's bars" in done.stderr and "in-sample" in done.stderr
-    split = pq.read_table(tmp_path / "f.parquet")["split"]
-    assert split.null_count == len(split) > 0
-
-
-def test_the_training_span_of_old_and_new_checkpoints_places_origins() -> None:
+def test_the_training_span_of_a_checkpoint_places_origins() -> None:
     from features.model_meta import training_span
     from serving.score import SPLITS, split_of
 
-    assert training_span({}) == {}  # a checkpoint that did not record its split
     new = training_span({"split_times_ns": [10, 20], "data_span_ns": [1, 30], "train_config": {"test_fraction": 0.1}})
     assert new == {"first_bar_ns": 1, "validation_from_ns": 10, "test_from_ns": 20, "last_bar_ns": 30}
     origins = np.array([0, 1, 9, 10, 19, 20, 30, 31])
     assert [SPLITS[i] for i in split_of(origins, new)] == ["before", "train", "train", "validation", "validation",
                                                             "test", "test", "after"]
-    # without the span: no test split means the run cut after its last bar; with one, "after" is unknown
-    old = training_span({"split_times_ns": [10, 31], "train_config": {"test_fraction": 0.0}})
-    assert old == {"first_bar_ns": None, "validation_from_ns": 10, "test_from_ns": None, "last_bar_ns": 30}
-    assert [SPLITS[i] for i in split_of(origins, old)][-2:] == ["validation", "after"]
-    tested = training_span({"split_times_ns": [10, 20], "train_config": {"test_fraction": 0.2}})
-    assert [SPLITS[i] for i in split_of(origins, tested)] == ["train"] * 3 + ["validation"] * 2 + ["test"] * 3
-    assert (split_of(origins, {}) == -1).all()
+    untested = training_span({"split_times_ns": [10, 31], "data_span_ns": [1, 30],
+                              "train_config": {"test_fraction": 0.0}})
+    assert untested["test_from_ns"] is None
+    assert [SPLITS[i] for i in split_of(origins, untested)][-2:] == ["validation", "after"]
 
 
 TRAINING_REFUSED = ("'foxhunt.training'", "training must map")
@@ -500,12 +486,12 @@ def test_an_indicators_warm_up_nan_stops_only_the_forecasts_that_read_it(
     try:
         server.wait_serving()
         r = subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet", str(warm),
-                            "--symbol", "ES"], cwd=REPO, capture_output=True, text=True, timeout=60)
+                            "--symbol", "ES"], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and r.stdout.startswith("ES  model "), r.stderr
         f000[es[-5]] = np.inf  # a bar the forecast sends
         pq.write_table(table.set_column(table.schema.get_field_index("f000"), "f000", pa.array(f000)), warm)
         r = subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet", str(warm),
-                            "--symbol", "ES"], cwd=REPO, capture_output=True, text=True, timeout=60)
+                            "--symbol", "ES"], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and (f"user feature column(s) f000 NaN, infinite or past float32's range in 1 of "
                                       f"the latest {need} ES bars") in r.stderr, r.stderr
     finally:

@@ -153,7 +153,7 @@ def test_symbols_are_correlated(es: Series, nq: Series) -> None:
 
 def run_synth(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "features.synth", *args], capture_output=True, text=True,
-                          timeout=60, cwd=Path(__file__).resolve().parents[1])
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
 
 
 def test_cli_writes_readable_bars(tmp_path: Path) -> None:
