@@ -1,7 +1,7 @@
 """Two builds of the server side by side: which answers a lone call faster, on the same machine at once.
 
     python -m benchmarks.serving_ab --model model.onnx --parquet bars.parquet --a ../other-checkout \\
-        [--b .] [--duration 20] [--rounds 3] [--packed] [--server-arg=--busy-poll]
+        [--b .] [--duration 20] [--rounds 3] [--packed] [--server-arg=...]
 
 A change worth tens of microseconds at concurrency 1 is invisible in `serving_load`'s runs on
 a shared machine: from one run to the next the same build's p50 moves by hundreds. Here both
@@ -12,8 +12,7 @@ each build's p50 and mean latency and the difference B - A; a sign that holds ov
 a real difference.
 
 Both servers idle while the other answers, so their latencies are those of calls after a short
-pause, not `serving_load`'s back-to-back figures. `--server-arg=--busy-poll` makes two servers
-spin on the cores that the client needs too: only meaningful with cores to spare.
+pause, not `serving_load`'s back-to-back figures.
 """
 
 from __future__ import annotations

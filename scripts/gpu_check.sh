@@ -27,12 +27,10 @@
 #                against bare ONNX Runtime on CUDA, at 1, 8 and 64 concurrent clients
 #   serving_packed   the same with the user columns sent packed (user_features_raw), then on PredictStream
 #   serving_workers  packed, with --workers 4 (four server processes on one port)
-#   serving_busy_poll  packed, with the server's --busy-poll (the concurrency-1 target's configuration)
 #   gpu_tests    pytest -m gpu: export --require-device cuda in fp32 and fp16 (parity and placement on
 #                CUDA: fp16's Clip and Cast nodes included) and a tiny CUDA run under a 256 MiB budget
 #   serving_cpu  the same with the tiny test model on the CPU provider (an uncontended machine's figure), and
 #                on PredictStream
-#   serving_cpu_busy_poll  serving_cpu's model and clients with the server's --busy-poll
 #   serving_cpu_pinned  serving_cpu's model and clients with the server on two CPUs only (--server-cpus)
 #
 # Without a GPU it says so, runs the plan and a tiny CPU training run, and exits 0. The exit
@@ -451,13 +449,13 @@ serving_load() {  # serving_load PART MODEL DEVICE WHAT CHANNELS CLIENT_FLAGS [S
 }
 
 if [ $SERVING_OK = 0 ]; then
-  for part in serving serving_packed serving_workers serving_busy_poll; do record $part skipped 0 "$why"; done
+  for part in serving serving_packed serving_workers; do record $part skipped 0 "$why"; done
 elif [ ! -f "$MODEL" ]; then
-  for part in serving serving_packed serving_workers serving_busy_poll; do
+  for part in serving serving_packed serving_workers; do
     record $part skipped 0 "no exported CUDA model (see export)"
   done
 elif ! time_for 90; then
-  for part in serving serving_packed serving_workers serving_busy_poll; do record $part skipped 0 "out of time"; done
+  for part in serving serving_packed serving_workers; do record $part skipped 0 "out of time"; done
 else
   serving_load serving "$MODEL" cuda "the preset model on the CUDA provider" 1 "--rate 20"
   # the floor rows measure the machine: `serving` has them, the variants skip them (time)
@@ -472,12 +470,6 @@ else
       8 "--packed --no-floor" --workers=4
   else
     record serving_workers skipped 0 "out of time"
-  fi
-  if time_for 70; then
-    serving_load serving_busy_poll "$MODEL" cuda "the preset model on the CUDA provider, packed, --busy-poll" 1 \
-      "--packed --no-floor" --busy-poll
-  else
-    record serving_busy_poll skipped 0 "out of time"
   fi
 fi
 
@@ -508,9 +500,9 @@ fi
 # ---- serving_cpu: the small test model on the CPU provider of this (uncontended) machine ------------------
 TINY="$WORK/tiny"
 if [ $SERVING_OK = 0 ]; then
-  for part in serving_cpu serving_cpu_busy_poll serving_cpu_pinned; do record $part skipped 0 "$why"; done
+  for part in serving_cpu serving_cpu_pinned; do record $part skipped 0 "$why"; done
 elif [ ! -f "$DATA" ] || ! time_for 90; then
-  for part in serving_cpu serving_cpu_busy_poll serving_cpu_pinned; do
+  for part in serving_cpu serving_cpu_pinned; do
     record $part skipped 0 "no data or out of time"
   done
 else
@@ -522,12 +514,6 @@ else
      && timeout 120 "$PY" -m export "$TINY/ckpt.pt" "$TINY/model.onnx" --threads 1 >>"$OUT/export_serving.log" 2>&1; then
     serving_load serving_cpu "$TINY/model.onnx" cpu "the tiny test model (hidden 8, encoder 20) on the CPU provider, 1 thread" 1 \
       "--rate 20 --stream"
-    if time_for 60; then
-      serving_load serving_cpu_busy_poll "$TINY/model.onnx" cpu "serving_cpu with the server's --busy-poll" 1 \
-        "--no-floor" --busy-poll
-    else
-      record serving_cpu_busy_poll skipped 0 "out of time"
-    fi
     if time_for 60 && [ "$(nproc)" -ge 4 ]; then  # the server's threads on two CPUs (the 3rd and 4th this
       # process may use: the first often serves interrupts), the clients anywhere
       pin=$("$PY" -c "import os; c = sorted(os.sched_getaffinity(0)); print(f'{c[2]},{c[3]}')")
@@ -538,7 +524,6 @@ else
     fi
   else
     record serving_cpu fail $((SECONDS - t0)) "the tiny model could not be trained or exported: $(tail_of "$OUT/export_serving.log")"
-    record serving_cpu_busy_poll skipped 0 "no tiny model (see serving_cpu)"
     record serving_cpu_pinned skipped 0 "no tiny model (see serving_cpu)"
   fi
 fi

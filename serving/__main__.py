@@ -1,58 +1,28 @@
 """`python -m serving --model model.onnx`: serve quantile forecasts over gRPC on ONNX Runtime.
 
-Binds 127.0.0.1:50051 unless told otherwise (--port 0 picks a free port); prints
-`listening on HOST:PORT` (and `metrics on HOST:PORT` with --metrics-port) on stdout once
-bound, logs to stderr. Health (grpc.health.v1) is NOT_SERVING until the model has run at
-every batch size it will see, then SERVING.
+Binds 127.0.0.1:50051 unless told otherwise (--port 0 picks a free port); prints `listening on HOST:PORT` (and
+`metrics on HOST:PORT` with --metrics-port) on stdout once bound, and logs to stderr. Health (grpc.health.v1)
+is NOT_SERVING until the model has run at every batch size it will see, then SERVING.
 
-Signals: SIGHUP reloads the model file (checked and warmed before the swap; a bad file is
-refused and the old model keeps serving). SIGTERM or SIGINT drains: new calls are refused,
-in-flight ones get --grace seconds, then the process exits 0. With --drain-delay, a second
-SIGTERM or SIGINT skips the rest of the delay (the drain and its grace still run).
+Signals: SIGHUP re-reads the model, TLS and token files (each checked first: a bad one is refused and the
+current one keeps serving). SIGTERM or SIGINT drains: new calls are refused, in-flight ones get --grace
+seconds, then the process exits 0; with --drain-delay, a second signal skips the rest of the delay.
 
-Message size: --max-message-bytes bounds requests and responses (default 4 MiB). A bar
-costs about 49 bytes on the wire (a 9-byte varint timestamp + 5 doubles) plus 8 per user
-feature column, so 4 MiB is about 85,000 bars per request, far above any model's
-bars_required; larger requests are refused by gRPC with RESOURCE_EXHAUSTED before they
-reach the server's code, and a response that would be larger (many series with explain)
-is refused RESOURCE_EXHAUSTED saying how many series fit.
+Access: --tls-cert/--tls-key serve TLS only; --tls-client-ca also requires client certificates signed by that
+CA. --auth-token-file requires `authorization: Bearer <token>` on every RPC but the health service.
 
-Access: binds 127.0.0.1 (loopback) unless --host says otherwise. --tls-cert/--tls-key serve
-TLS only; --tls-client-ca also requires client certificates signed by that CA (mutual TLS).
---auth-token-file requires `authorization: Bearer <token>` metadata on every RPC except the
-health service (grpc.health.v1, open for load balancers and probes); server reflection needs
-the token too. Wrong or missing tokens answer UNAUTHENTICATED; tokens never appear in logs.
-SIGHUP re-reads the token file (rotation). The request messages hold data only: the server
-opens no file a request names (its only file is --model, and the TLS and token files).
+Workers: --workers N starts N such servers on one port (SO_REUSEPORT), each with its own model session and
+interpreter; --metrics-port M gives them M, M+1, ...; signals are forwarded to all of them.
 
-Workers: --workers N starts N such servers on one port (SO_REUSEPORT; the kernel spreads
-connections over them), each with its own model session, micro-batcher and interpreter, for
-machines where one Python process is the bottleneck. Each warms up and reports health on
-its own; --metrics-port M gives them M, M+1, ... (one `metrics on` line each). SIGHUP and
-SIGTERM are forwarded to all (a worker still starting gets the SIGHUP once it listens); a
-worker that exits on its own stops the rest, and if the supervisor dies (even by SIGKILL) its
-workers drain and exit. A SIGHUP that arrives while a server is still starting is kept: one
-that came after the model file was read reloads it once the server is warm (before that, the
-start reads the file anyway).
-
-Exit status: 0 after a clean drain, 2 for bad arguments, a model that fails its checks,
-unusable TLS or token files, or --device cuda without a usable CUDA provider (one error line
-on stderr, no traceback; for --device cuda it follows ONNX Runtime's own log of the failed
-attempt, kept in full as the detail for whoever fixes the CUDA install).
+Exit status: 0 after a clean drain; 2 for bad arguments, a model that fails its checks, unusable TLS or token
+files, a port that cannot be bound, or --device cuda without a usable CUDA provider (one error line on stderr).
+Details: docs/serving.md and docs/operations.md.
 """
 
 from __future__ import annotations
 
-import sys
-
-from serving import launch
-
-if __name__ == "__main__":  # before the imports below: SIGHUP held, gRPC's log level set (serving.launch)
-    launch.prepare(sys.argv[1:])
-
 import argparse
 import logging
-import math
 import resource
 from pathlib import Path
 
@@ -65,6 +35,15 @@ from serving.server import EVENT_LOOPS, INT32_MAX, MiB, ServerConfig, run_server
 
 log = logging.getLogger("serving")
 
+DEFAULTS = ServerConfig(model_path=Path("model.onnx"))
+MAX_CONNECTION_AGE_S = INT32_MAX // 1000  # gRPC's connection age is an int32 of milliseconds
+MIN_CONNECTION_AGE_S = 0.1  # below this a connection is told to go away before it has carried much
+MAX_BATCH = 4096  # windows a run; the warm-up runs every padded size up to --max-batch (memory, start time)
+MAX_DELAY_MS = 10_000.0  # a batch wait past seconds is a stalled call, not a batching choice
+MAX_THREADS = 1024
+MAX_GRACE_S = 3600.0
+FD_LIMIT_CAP = 1 << 20  # Linux's default ceiling (fs.nr_open), for a hard limit of "unlimited"
+
 
 def bare_host(text: str) -> str:
     """A host as the server binds it: an IPv6 address written as in a URL ([::1]) loses its brackets."""
@@ -72,16 +51,24 @@ def bare_host(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = ServerConfig(model_path=Path("model.onnx"))
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m serving", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_process_flags(p)
+    _add_batching_flags(p)
+    _add_lifecycle_flags(p)
+    _add_access_flags(p)
+    return p
+
+
+def _add_process_flags(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
     p.add_argument("--model", type=Path, required=True, help="ONNX model written by `python -m export`")
     p.add_argument("--host", type=bare_host, default=d.host,
                    help=f"interface to bind (default {d.host}; an IPv6 address with or without brackets)")
     p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port}; 0 picks a free one)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes sharing the port, each with its own model session, batcher and "
-                        "interpreter (default 1); see 'Workers' above")
+                        "interpreter (default 1)")
     p.add_argument("--reuse-port", action="store_true",
                    help="bind with SO_REUSEPORT, sharing the port with other server processes (what --workers does)")
     p.add_argument("--stop-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)  # a --workers worker
@@ -92,19 +79,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-id", type=int, default=d.device_id, help="CUDA device ordinal (default 0)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help=f"ONNX Runtime intra-op threads (default {d.threads})")
+    p.add_argument("--event-loop", choices=EVENT_LOOPS, default=d.event_loop,
+                   help="uvloop: libuv's event loop, less interpreter time per call; asyncio: the standard "
+                        f"library's (default {d.event_loop})")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="the server's log on stderr (default INFO; gRPC's own log: set GRPC_VERBOSITY)")
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="text lines (default), or json: one object a line with time, level, logger, message "
+                        "(and worker, exception); gRPC's and ONNX Runtime's own lines keep their format")
+
+
+def _add_batching_flags(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help=f"windows per ONNX Runtime run (default {d.max_batch})")
     p.add_argument("--max-delay-ms", type=float, default=d.max_delay_ms,
                    help=f"longest a call waits for others to join its batch (default {d.max_delay_ms:g})")
     p.add_argument("--batch-wait", choices=WAIT_POLICIES, default=d.batch_wait,
                    help="adaptive: a batch also closes when no other call is ready to join (a lone call on an "
-                        "idle server never waits), unless calls have been arriving faster than batches finish; "
-                        "fixed: always wait --max-delay-ms unless the batch fills (default adaptive)")
+                        "idle server never waits); fixed: always wait --max-delay-ms unless the batch fills "
+                        "(default adaptive)")
     p.add_argument("--max-concurrent", type=int, default=d.max_concurrent,
                    help=f"Predict calls and PredictStream requests in flight before RESOURCE_EXHAUSTED "
                         f"(default {d.max_concurrent})")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help=f"request and response size limit in bytes (default {d.max_message_bytes // MiB} MiB)")
+
+
+def _add_lifecycle_flags(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default off)")
     p.add_argument("--metrics-host", type=bare_host, default=None, metavar="HOST",
@@ -116,25 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, report health NOT_SERVING and keep serving for S seconds before the drain, so "
                         "that a load balancer polling health stops routing here first (default "
                         f"{d.drain_delay_s:g}: drain at once); a second SIGTERM or SIGINT skips the rest")
-    p.add_argument("--event-loop", choices=EVENT_LOOPS, default=d.event_loop,
-                   help="uvloop: libuv's event loop, less interpreter time per call; asyncio: the standard "
-                        f"library's (default {d.event_loop})")
-    p.add_argument("--busy-poll", nargs="?", type=float, const=math.inf, default=d.busy_poll_ms, metavar="MS",
-                   help="keep the event loop polling instead of sleeping, so that a call finds its core awake: "
-                        "for MS milliseconds after each call arrives or ends (an idle server then sleeps), or "
-                        "always without MS (one core kept busy while idle); lower latency for calls that "
-                        "follow each other (default off)")
     p.add_argument("--max-connection-age", type=float, default=d.max_connection_age_s, metavar="S",
-                   help="seconds after which a client connection is closed gracefully (in-flight calls finish, "
-                        "the client reconnects without an error; a PredictStream ends itself at 80-100%% of "
-                        "this age, its requests read all answered), so that an L4 load balancer spreads "
-                        f"long-lived clients over replicas (default {d.max_connection_age_s:g}; 0: never)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                   help="the server's log on stderr (default INFO); WARNING or ERROR also quiets gRPC's own core "
-                        "log, unless GRPC_VERBOSITY is set")
-    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
-                   help="text lines (default), or json: one object a line with time, level, logger, message "
-                        "(and worker, exception); gRPC's and ONNX Runtime's own lines keep their format")
+                   help="seconds after which a client connection is closed gracefully (the client reconnects "
+                        "without an error), so that an L4 load balancer spreads long-lived clients over replicas "
+                        f"(default {d.max_connection_age_s:g}; 0: never)")
+
+
+def _add_access_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("access")
     a.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only (with --tls-key); SIGHUP "
                                                  "re-reads the TLS files for new connections (renewal)")
@@ -144,40 +135,39 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--auth-token-file", type=Path,
                    help="bearer tokens, one a line (>= 16 characters): every RPC but health must send "
                         "`authorization: Bearer <token>`; SIGHUP re-reads the file")
-    return p
 
 
-def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> ServerConfig:
-    checks = (
+def _problems(args: argparse.Namespace) -> list[tuple[bool, str]]:
+    """(holds, what to say when it does not) for each flag value a server could not serve with."""
+    return [
         (0 <= args.port <= 65535, "--port must be in 0..65535"),
         (1 <= args.workers <= 64, "--workers must be in 1..64"),
+        (args.metrics_port is None or 0 <= args.metrics_port <= 65535, "--metrics-port must be in 0..65535"),
         (not args.metrics_port or args.metrics_port + args.workers - 1 <= 65535,
          "--metrics-port M with --workers N needs M + N - 1 <= 65535 (workers take M, M+1, ...)"),
-        (args.metrics_port is None or 0 <= args.metrics_port <= 65535, "--metrics-port must be in 0..65535"),
         (args.metrics_host is None or args.metrics_port is not None, "--metrics-host needs --metrics-port"),
         (not (args.port and args.metrics_port and args.metrics_port <= args.port < args.metrics_port + args.workers),
          f"--metrics-port {args.metrics_port} would take --port {args.port} (workers serve metrics on M, M+1, ...): "
          "give the metrics another port"),
         (1 <= args.threads <= MAX_THREADS, f"--threads must be in 1..{MAX_THREADS}"),
         (1 <= args.max_batch <= MAX_BATCH, f"--max-batch must be in 1..{MAX_BATCH} (the warm-up runs every padded "
-                                           "batch size up to it; the CPU provider gains little past 64 windows a "
-                                           "run, a GPU past about 1024)"),
-        (0 <= args.max_delay_ms <= MAX_DELAY_MS, f"--max-delay-ms must be in 0..{MAX_DELAY_MS:g} (a call waits "
-                                                 "up to this long for company)"),
+                                           "batch size up to it)"),
+        (0 <= args.max_delay_ms <= MAX_DELAY_MS, f"--max-delay-ms must be in 0..{MAX_DELAY_MS:g}"),
         (1 <= args.max_concurrent <= INT32_MAX, f"--max-concurrent must be in 1..{INT32_MAX}"),
         (1024 <= args.max_message_bytes <= INT32_MAX,
          f"--max-message-bytes must be in 1024..{INT32_MAX} (gRPC counts it in an int32)"),
         (0 <= args.grace <= MAX_GRACE_S, f"--grace must be in 0..{MAX_GRACE_S:g} seconds"),
         (0 <= args.drain_delay <= MAX_GRACE_S, f"--drain-delay must be in 0..{MAX_GRACE_S:g} seconds"),
         (args.device_id >= 0, "--device-id must be >= 0"),
-        (args.busy_poll >= 0, "--busy-poll MS must be >= 0 (0: off; without MS: always)"),
         (args.max_connection_age == 0 or MIN_CONNECTION_AGE_S <= args.max_connection_age <= MAX_CONNECTION_AGE_S,
-         f"--max-connection-age must be 0 (never) or {MIN_CONNECTION_AGE_S:g}..{MAX_CONNECTION_AGE_S} seconds (a "
-         "connection needs time to carry calls; gRPC counts the age in int32 milliseconds)"),
+         f"--max-connection-age must be 0 (never) or {MIN_CONNECTION_AGE_S:g}..{MAX_CONNECTION_AGE_S} seconds"),
         ((args.tls_cert is None) == (args.tls_key is None), "--tls-cert and --tls-key go together"),
         (args.tls_client_ca is None or args.tls_cert is not None, "--tls-client-ca needs --tls-cert/--tls-key"),
-    )
-    for ok, message in checks:
+    ]
+
+
+def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> ServerConfig:
+    for ok, message in _problems(args):
         if not ok:
             p.error(message)
     return ServerConfig(
@@ -185,21 +175,10 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
         stop_on_stdin_eof=args.stop_on_stdin_eof, device=args.device, device_id=args.device_id,
         threads=args.threads, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms, batch_wait=args.batch_wait,
         max_concurrent=args.max_concurrent, max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        grace_s=args.grace, drain_delay_s=args.drain_delay, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        auth_token_file=args.auth_token_file, event_loop=args.event_loop, busy_poll_ms=args.busy_poll,
-        max_connection_age_s=args.max_connection_age,
+        metrics_host=args.metrics_host, grace_s=args.grace, drain_delay_s=args.drain_delay, tls_cert=args.tls_cert,
+        tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, auth_token_file=args.auth_token_file,
+        event_loop=args.event_loop, max_connection_age_s=args.max_connection_age,
     )
-
-
-MAX_CONNECTION_AGE_S = INT32_MAX // 1000  # gRPC's connection age is an int32 of milliseconds
-MIN_CONNECTION_AGE_S = 0.1  # below this a connection is told to go away before it has carried much
-MAX_BATCH = 4096  # windows a run; the warm-up runs every padded size up to --max-batch (memory, start time)
-MAX_DELAY_MS = 10_000.0  # a batch wait past seconds is a stalled call, not a batching choice
-MAX_THREADS = 1024
-MAX_GRACE_S = 3600.0
-FD_LIMIT_CAP = 1 << 20  # Linux's default ceiling (fs.nr_open), for a hard limit of "unlimited"
 
 
 def raise_open_file_limit() -> None:
@@ -212,10 +191,9 @@ def raise_open_file_limit() -> None:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError) as exc:
-            logging.getLogger("serving").warning("open file limit stays at %d (raising it to %d failed: %s)",
-                                                 soft, target, exc)
+            log.warning("open file limit stays at %d (raising it to %d failed: %s)", soft, target, exc)
             return
-        logging.getLogger("serving").info("open file limit raised from %d to %d", soft, target)
+        log.info("open file limit raised from %d to %d", soft, target)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,28 +1,17 @@
 """`python -m serving.client --target HOST:PORT --parquet bars.parquet --symbol ES`: print a forecast.
 
-Asks the server what the model needs (GetModelInfo), reads and validates the bars with
-`features.read_bars`, sends the latest `bars_required` bars of the symbol and prints the
-forecast as a table: per horizon step, the future bar time and the quantiles of cumulative
-log return and of price. `--json` prints the response as JSON instead.
+Asks the server what the model needs (GetModelInfo), reads the bars with the column names the model was
+trained from (GetModelInfo.bar_columns; the mapping flags given here win), sends the latest `bars_required`
+bars of the symbol and prints the forecast as a table: per horizon step, the nominal future bar time (step h is
+the h-th next bar) and the quantiles of cumulative log return and of price. `--json` prints the response;
+`--explain` adds each variable's mean selection weight and the bars the attention weighs most; `--info`
+prints GetModelInfo alone.
 
-`python -m serving.client --target HOST:PORT --info` prints GetModelInfo alone: what a request
-needs (bars, symbols, user columns), which model runs and where (`--json` for all of it).
+TLS and tokens: `--tls-ca ca.pem` (or `--tls` for the system's roots) connects with TLS, `--tls-cert/--tls-key`
+adds a client certificate, and `--auth-token-file` sends the file's first token as a bearer token.
 
-The bars are read with the column names the model was trained from (GetModelInfo.bar_columns, e.g.
-`ts_event` for the timestamp); the mapping flags given here win over them.
-
-TLS and tokens: `--tls-ca ca.pem` (or `--tls` for the system's roots) connects with TLS,
-`--tls-cert/--tls-key` adds a client certificate (for a server with --tls-client-ca), and
-`--auth-token-file` sends the file's first token as `authorization: Bearer <token>`.
-
-Times in the table are the forecast's nominal bar times (last bar + h bar intervals): step h is
-the h-th next bar, so across a session close they stand for the next session's bars.
-`--explain` adds each variable's mean selection weight and the bars the attention weighs most.
-
-Exit status: 0 done, 2 bad arguments, bars (missing, unreadable, too few for the model, a symbol
-the model does not know), --explain for a model without explain outputs, or TLS/token files, 1 the
-server answered an error or could not be reached (its status code and message are printed), 130
-interrupted, 141 the reader of the output went away (`| head`).
+Exit status: 0 done; 2 bad arguments, bars, or TLS/token files; 1 the server answered an error or could not be
+reached (the status code and message are printed); 130 interrupted; 141 the reader of the output went away.
 """
 
 from __future__ import annotations
@@ -52,7 +41,13 @@ from features.files import reader_went_away
 from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
-from serving.security import add_client_arguments, call_metadata, check_client_arguments, open_channel
+from serving.security import (
+    add_client_arguments,
+    call_metadata,
+    check_client_arguments,
+    first_call_error,
+    open_channel,
+)
 from serving.wire import ExplanationArrays, forecast_arrays, make_series
 
 
@@ -112,7 +107,8 @@ def format_explanation(e: ExplanationArrays, top: int = 5) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m serving.client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT (default 127.0.0.1:50051)")
+    p.add_argument("--target", default="127.0.0.1:50051",
+                   help="server HOST:PORT, or any target gRPC takes (default 127.0.0.1:50051)")
     p.add_argument("--parquet", help="bars: a parquet file or a directory of them (required unless --info)")
     p.add_argument("--symbol", help="symbol to forecast (one of the model's symbols; needed unless the model knows "
                                     "only one, or --info)")
@@ -127,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ColumnMap.add_arguments(p, "a name not given is the served model's training run's, from GetModelInfo")
     add_client_arguments(p)
     args = p.parse_args(argv)
-    check_client_arguments(p, args)  # --timeout too
+    check_client_arguments(p, args)
     if args.info:
         if args.parquet or args.symbol or args.explain or args.packed or ColumnMap.given(args):
             p.error("--info prints the model's information alone: leave out --parquet, --symbol, --explain, "
@@ -170,8 +166,7 @@ def format_model_info(info: pb.ModelInfo) -> str:
         ("user columns", ", ".join(info.user_feature_columns) or "(none)"),
         ("bar columns", ", ".join(f"{k}={v}" for k, v in sorted(info.bar_columns.items())) or "(not recorded)"),
         *((f"{role} features", ", ".join(names)) for role, names in by_role.items()),
-        ("calendar", f"time of day and day of week in {info.calendar_tz}" if info.calendar_tz
-         else "(not reported: a server from before calendar zones)"),
+        ("calendar", f"time of day and day of week in {info.calendar_tz}"),
         ("limits", f"max batch {info.max_batch} windows, max message {info.max_message_bytes:,} bytes, "
          f"max concurrent {info.max_concurrent}"),
         ("explain", "available" if info.explain_available else "not in this model"),
@@ -193,23 +188,13 @@ def _connect(args: argparse.Namespace) -> tuple[grpc.Channel, tuple[tuple[str, s
 
 def _model_info(stub: pb_grpc.ForecasterStub, args: argparse.Namespace,
                 metadata: tuple[tuple[str, str], ...]) -> pb.ModelInfo | None:
+    """GetModelInfo, the first call; None after printing why it failed."""
     try:
         info: pb.ModelInfo = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout, metadata=metadata)
     except grpc.RpcError as exc:
-        print(f"error: GetModelInfo: {exc.code().name}: {exc.details()}{_unreachable_hint(exc, args)}",
-              file=sys.stderr)
+        print(f"error: {first_call_error('GetModelInfo', exc, args.target)}", file=sys.stderr)
         return None
     return info
-
-
-def _unreachable_hint(exc: grpc.RpcError, args: argparse.Namespace) -> str:
-    """For the first call only: once the server has answered, its UNAVAILABLE (warming up, shutting down) says
-    why itself."""
-    details = (exc.details() or "").lower()
-    if exc.code() != grpc.StatusCode.UNAVAILABLE or any(w in details for w in ("certificate", "handshake", "ssl")):
-        return ""  # a TLS failure names itself: the server is there
-    return (f" (is a server running at {args.target}? Start one with `python -m serving --model model.onnx "
-            "--port PORT`, and check the port and, with TLS, the flags)")
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -226,6 +211,10 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+class Refused(Exception):
+    """What the client will not send, and why (exit 2)."""
+
+
 def _forecast(args: argparse.Namespace) -> int:
     connected = _connect(args)
     if connected is None:
@@ -236,62 +225,11 @@ def _forecast(args: argparse.Namespace) -> int:
         info = _model_info(stub, args, metadata)
         if info is None:
             return 1
-        if args.explain and not info.explain_available:
-            print("error: --explain: the server's model was exported without explain outputs (export --no-explain); "
-                  "drop --explain, or serve a model exported with them", file=sys.stderr)
+        try:
+            request = build_request(args, info)
+        except Refused as exc:
+            print(f"error: {exc}", file=sys.stderr)
             return 2
-        if args.symbol is None:
-            if len(info.symbols) != 1:
-                print(f"error: --symbol: the model knows {', '.join(info.symbols)}; name the one to forecast",
-                      file=sys.stderr)
-                return 2
-            args.symbol = info.symbols[0]
-        if info.symbols and args.symbol not in info.symbols:
-            print(f"error: the model does not know symbol {args.symbol!r} (it knows {', '.join(info.symbols)})",
-                  file=sys.stderr)
-            return 2
-        trained = {k: v for k, v in info.bar_columns.items() if k in ColumnMap.__dataclass_fields__}
-        columns = ColumnMap.from_args(args, trained)
-        try:  # this symbol's bars only: a bad bar of another symbol does not stop its forecast; and its user
-            # columns are checked in the bars sent only (below): an indicator's warm-up NaN in its first rows does not
-            bars = read_bars(args.parquet, columns, tuple(info.user_feature_columns), symbols=[args.symbol],
-                             check_user_values=False)
-        except BarDataError as exc:
-            print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the {args.symbol} bars:", file=sys.stderr)
-            for line in exc.lines():
-                print(f"  {line}", file=sys.stderr)
-            if lacks_a_column(exc.problems) and (
-                    note := ColumnMap.inherited(args, trained, column_names(args.parquet))):
-                print(note, file=sys.stderr)
-            return 2
-        slices = bars.series_slices()
-        if args.symbol not in slices:
-            try:  # which symbols the file has, for the message
-                present = list(read_bars(args.parquet, columns, tuple(info.user_feature_columns)).series_slices())
-            except BarDataError:
-                present = []
-            print(f"error: symbol {args.symbol!r} not in {args.parquet}"
-                  + (f" (it has {', '.join(present)})" if present else "")
-                  + (columns.one_series_hint(args.parquet, args.symbol) if present else ""), file=sys.stderr)
-            return 2
-        have = slices[args.symbol].stop - slices[args.symbol].start
-        if have < info.bars_required:
-            print(f"error: {args.parquet} has {have} bars of {args.symbol}; the model needs the latest "
-                  f"{info.bars_required} (GetModelInfo.bars_required): give more history", file=sys.stderr)
-            return 2
-        sent = slice(slices[args.symbol].stop - info.bars_required, slices[args.symbol].stop)
-        if (bad := np.flatnonzero(unusable_user_rows(bars)[sent])).size:
-            names = [u for u in info.user_feature_columns if unusable_values(bars.user[u][sent]).any()]
-            print(f"error: {args.parquet}: user feature column(s) {', '.join(names)} NaN, infinite or past float32's "
-                  f"range in {bad.size} of the latest {info.bars_required} {args.symbol} bars, which a forecast sends "
-                  f"(the first at {format_timestamp(int(bars.timestamp_ns[sent][bad[0]]))}); the model reads "
-                  "finite values in every bar: fill them in", file=sys.stderr)
-            return 2
-        request = pb.PredictRequest(
-            series=[series_from_bars(bars, args.symbol, info.bars_required, list(info.user_feature_columns),
-                                     packed=args.packed)],
-            explain=args.explain,
-        )
         try:
             response = stub.Predict(request, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as exc:
@@ -305,6 +243,65 @@ def _forecast(args: argparse.Namespace) -> int:
         for forecast in response.forecasts:
             print(format_forecast(forecast))
     return 0
+
+
+def build_request(args: argparse.Namespace, info: pb.ModelInfo) -> pb.PredictRequest:
+    """The request for the latest bars of the symbol; Refused says why there is none."""
+    if args.explain and not info.explain_available:
+        raise Refused("--explain: the server's model was exported without explain outputs (export --no-explain); "
+                      "drop --explain, or serve a model exported with them")
+    symbol = _symbol(args, info)
+    bars = _symbol_bars(args, info, symbol)
+    rows = bars.series_slices()[symbol]
+    sent = slice(rows.stop - info.bars_required, rows.stop)
+    if (bad := np.flatnonzero(unusable_user_rows(bars)[sent])).size:
+        names = [u for u in info.user_feature_columns if unusable_values(bars.user[u][sent]).any()]
+        raise Refused(f"{args.parquet}: user feature column(s) {', '.join(names)} NaN, infinite or past float32's "
+                      f"range in {bad.size} of the latest {info.bars_required} {symbol} bars, which a forecast sends "
+                      f"(the first at {format_timestamp(int(bars.timestamp_ns[sent][bad[0]]))}); the model reads "
+                      "finite values in every bar: fill them in")
+    series = series_from_bars(bars, symbol, info.bars_required, list(info.user_feature_columns), packed=args.packed)
+    return pb.PredictRequest(series=[series], explain=args.explain)
+
+
+def _symbol(args: argparse.Namespace, info: pb.ModelInfo) -> str:
+    if args.symbol is None:
+        if len(info.symbols) != 1:
+            raise Refused(f"--symbol: the model knows {', '.join(info.symbols)}; name the one to forecast")
+        return str(info.symbols[0])
+    if info.symbols and args.symbol not in info.symbols:
+        raise Refused(f"the model does not know symbol {args.symbol!r} (it knows {', '.join(info.symbols)})")
+    return str(args.symbol)
+
+
+def _symbol_bars(args: argparse.Namespace, info: pb.ModelInfo, symbol: str) -> Bars:
+    """The symbol's bars, read with the training run's column names under the flags, at least bars_required.
+
+    Its bars only: a bad bar of another symbol does not stop this forecast; and the user columns are checked
+    only in the bars sent (build_request): an indicator's warm-up NaN in its first rows does not stop it."""
+    trained = {k: v for k, v in info.bar_columns.items() if k in ColumnMap.__dataclass_fields__}
+    columns = ColumnMap.from_args(args, trained)
+    user = tuple(info.user_feature_columns)
+    try:
+        bars = read_bars(args.parquet, columns, user, symbols=[symbol], check_user_values=False)
+    except BarDataError as exc:
+        lines = [f"{args.parquet}: {len(exc.problems)} problem(s) in the {symbol} bars:",
+                 *(f"  {line}" for line in exc.lines())]
+        if lacks_a_column(exc.problems) and (note := ColumnMap.inherited(args, trained, column_names(args.parquet))):
+            lines.append(note)
+        raise Refused("\n".join(lines)) from None
+    rows = bars.series_slices().get(symbol)
+    if rows is None:
+        try:  # which symbols the file has, for the message
+            present = list(read_bars(args.parquet, columns, user).series_slices())
+        except BarDataError:
+            present = []
+        has = f" (it has {', '.join(present)}){columns.one_series_hint(args.parquet, symbol)}" if present else ""
+        raise Refused(f"symbol {symbol!r} not in {args.parquet}{has}")
+    if rows.stop - rows.start < info.bars_required:
+        raise Refused(f"{args.parquet} has {rows.stop - rows.start} bars of {symbol}; the model needs the latest "
+                      f"{info.bars_required} (GetModelInfo.bars_required): give more history")
+    return bars
 
 
 if __name__ == "__main__":

@@ -1,15 +1,10 @@
 """`python -m serving.health_probe --target HOST:PORT`: exit 0 if the server is SERVING, else 1.
 
-Asks the standard health service (grpc.health.v1.Health/Check) once, for the whole server
-(`--service ''`, the default) or one service, within `--timeout` seconds. For Docker's
-HEALTHCHECK and compose's healthcheck: 0 healthy, 1 unhealthy, for every failure —
-NOT_SERVING (warming up, draining), no answer, a TLS or token file it cannot read, and bad
-arguments too (Docker reserves exit status 2). One line says what it saw (stdout when
-healthy, stderr otherwise).
-
-TLS flags are the client's (`--tls-ca`, `--tls-cert/--tls-key`, `--tls-server-name`); the
-health service needs no token, but `--auth-token-file` is accepted and sent, so one set of
-client flags works everywhere. Imports only grpc: quick to start every few seconds.
+Asks the standard health service (grpc.health.v1.Health/Check) once, for the whole server (`--service ''`, the
+default) or one service, within `--timeout` seconds. For Docker's HEALTHCHECK: 0 healthy, 1 for every failure
+(NOT_SERVING while warming up or draining, no answer, unreadable TLS files, bad arguments: Docker reserves 2).
+One line says what it saw (stdout when healthy, stderr otherwise). TLS flags are the client's; the health
+service needs no token, but `--auth-token-file` is accepted, so one set of client flags works everywhere.
 """
 
 from __future__ import annotations
@@ -23,7 +18,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.errors import ConfigError
-from serving.security import add_client_arguments, call_metadata, check_client_arguments, open_channel
+from serving.security import (
+    add_client_arguments,
+    call_metadata,
+    check_client_arguments,
+    first_call_error,
+    open_channel,
+)
 
 HEALTHY, UNHEALTHY = 0, 1
 
@@ -38,7 +39,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m serving.health_probe", description=__doc__, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT (default 127.0.0.1:50051)")
+    p.add_argument("--target", default="127.0.0.1:50051",
+                   help="server HOST:PORT, or any target gRPC takes (default 127.0.0.1:50051)")
     p.add_argument("--service", default="", help="service to ask about (default '': the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
     add_client_arguments(p)
@@ -61,7 +63,7 @@ def probe(target: str, args: argparse.Namespace) -> tuple[int, str]:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # the health service answers that with no detail
                 return UNHEALTHY, (f"{target}: NOT_FOUND: no health status for --service {args.service!r}; this "
                                    "server reports '' (the whole server) and foxhunt.tft.v1.Forecaster")
-            return UNHEALTHY, f"{target}: {exc.code().name}: {exc.details()}"
+            return UNHEALTHY, first_call_error(target, exc, target)
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
     return (HEALTHY if answer.status == health_pb2.HealthCheckResponse.SERVING else UNHEALTHY), f"{target}: {status}"
 
@@ -85,7 +87,7 @@ def wait_serving(target: str, timeout: float, service: str = "", interval: float
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    check_client_arguments(p, args)  # --timeout too
+    check_client_arguments(p, args)
     code, line = probe(args.target, args)
     print(line, file=sys.stdout if code == HEALTHY else sys.stderr)
     return code

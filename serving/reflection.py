@@ -1,16 +1,9 @@
 """Server reflection: what generic clients (grpcurl, grpcui, Postman) discover the services by.
 
-grpcio-reflection serves `grpc.reflection.v1alpha.ServerReflection` alone, and finds a symbol with
-the descriptor pool's `FindFileContainingSymbol`, which knows messages, fields, enums and services
-but not a service's methods. Two additions, as gRPC's C++ and Go servers have them:
-
-- the same servicer also answers as `grpc.reflection.v1.ServerReflection`, the protocol's stable
-  name, which clients try first (some without falling back to v1alpha); it is listed and described
-  like any service. v1's messages are v1alpha's under another package, field for field, so
-  v1alpha's serializers read and write them unchanged, and v1's file descriptor is v1alpha's with
-  the package renamed;
-- a method (`foxhunt.tft.v1.Forecaster.Predict`, what `grpcurl describe` of a method asks for) is
-  found in the file of its service.
+grpcio-reflection serves `grpc.reflection.v1alpha.ServerReflection` alone and cannot find a service's methods.
+Two additions, as gRPC's C++ and Go servers have them: the same servicer also answers as
+`grpc.reflection.v1.ServerReflection` (v1's messages are v1alpha's under another package, field for field), and a
+method (`foxhunt.tft.v1.Forecaster.Predict`, what `grpcurl describe` asks for) is found in its service's file.
 """
 
 from __future__ import annotations
@@ -37,7 +30,7 @@ def _v1_file() -> descriptor_pb2.FileDescriptorProto:
     file.ClearField("options")
     renamed = f".{_V1ALPHA}.", f".{_V1}."
     for field in (f for message in file.message_type for f in message.field):  # v1alpha's messages nest none
-        if field.HasField("type_name"):  # (set empty, it would be set: a string field with a type name)
+        if field.HasField("type_name"):
             field.type_name = field.type_name.replace(*renamed)
     for method in (m for service in file.service for m in service.method):
         method.input_type, method.output_type = (method.input_type.replace(*renamed),

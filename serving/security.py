@@ -1,43 +1,26 @@
 """Who may call the server, and what reaches its code: TLS, bearer tokens, undecodable messages.
 
-Server side
-    ReloadableTls(cert, key, client_ca)        TLS (and, with a client CA, required and verified
-                                               client certificates: mutual TLS); SIGHUP re-reads it
-    read_tokens(path) / TokenAuth              `--auth-token-file`: every RPC but the health
-                                               service needs `authorization: Bearer <token>`;
-                                               anything else is UNAUTHENTICATED
-    MessageGuard                               a request that does not parse as its method's
-                                               message is INVALID_ARGUMENT, for every service
-    UnknownMethods                             counts calls to methods no service has (first in
-                                               the chain: a call refused for its token is not
-                                               counted again)
+Server side: ReloadableTls (TLS, and with a client CA mutual TLS; SIGHUP re-reads the files), read_tokens and
+TokenAuth (`--auth-token-file`: every RPC but the health service needs `authorization: Bearer <token>`),
+MessageGuard (a request that does not parse is INVALID_ARGUMENT) and UnknownMethods (counts calls to methods no
+service has). Client side (serving.client, serving.health_probe): add_client_arguments, open_channel,
+call_metadata, first_call_error.
 
-Client side (serving.client, serving.health_probe)
-    add_client_arguments(parser) / open_channel(args) / call_metadata(args)
-
-The token file holds one token per line (blank lines and `#` comments ignored); more than
-one line lets an operator rotate tokens without downtime: add the new one, SIGHUP, move the
-clients, remove the old one, SIGHUP. Tokens are compared as SHA-256 digests with
-`hmac.compare_digest` against every configured token (no early exit), so neither the token
-nor its length leaks through timing. No token (presented or configured) is ever logged or
-echoed in a status message.
-
-Reflection needs the token like any other service (it describes the whole API); only
-`grpc.health.v1.Health` is open, so load balancers and `serving.health_probe` need no secret.
+The token file holds one token a line (blank lines and `#` comments ignored), so that an operator rotates tokens
+without downtime: add the new one, SIGHUP, move the clients, remove the old one, SIGHUP. Tokens are compared as
+SHA-256 digests against every configured token (no early exit), and never logged or echoed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import hashlib
 import hmac
 import inspect
 import ipaddress
 import logging
-import re
 import ssl
 import stat
 import threading
@@ -45,7 +28,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 import grpc
 from grpc import aio
@@ -90,10 +72,8 @@ def _token_lines(data: bytes, path: Path, flag: str) -> list[tuple[int, str]]:
 
 
 def read_tokens(path: Path, flag: str = "--auth-token-file") -> list[str]:
-    """The server's tokens: one a line, each printable ASCII without spaces, >= MIN_TOKEN_CHARS.
-
-    Error messages name the line, never its content.
-    """
+    """The server's tokens: one a line, printable ASCII without spaces, >= MIN_TOKEN_CHARS. Errors name the
+    line, never its content."""
     lines = _token_lines(read_file(path, "token", flag), path, flag)
     if not lines:
         raise ConfigError(f"{flag} {path}: no token in the file (blank lines and '#' comments are ignored)")
@@ -109,7 +89,7 @@ def read_tokens(path: Path, flag: str = "--auth-token-file") -> list[str]:
 
 def warn_if_readable(path: Path, flag: str, who: str) -> None:
     """A secret file (tokens, a TLS key) that users other than its owner may read: a warning naming the fix."""
-    with contextlib.suppress(OSError):  # the file was just read: a stat that fails now only skips the warning
+    with contextlib.suppress(OSError):
         if (mode := path.stat().st_mode) & (stat.S_IRWXG | stat.S_IRWXO):
             log.warning("%s %s is readable by %s (mode %o); chmod 600 it", flag, path, who, stat.S_IMODE(mode))
 
@@ -123,9 +103,8 @@ def read_client_token(path: Path, flag: str = "--auth-token-file") -> str:
 
 
 class ReloadableTls:
-    """Server TLS whose certificate, key and client CA a SIGHUP re-reads: a renewed certificate without a
-    restart. gRPC asks `_fetch` before each new connection's handshake; a re-read file that fails its checks
-    keeps the current ones (as a token file does). Connections already open keep theirs."""
+    """Server TLS whose certificate, key and client CA a SIGHUP re-reads (renewal without a restart). gRPC asks
+    `_fetch` before each new connection's handshake; files that fail their checks keep the current ones."""
 
     def __init__(self, cert: Path, key: Path, client_ca: Path | None = None) -> None:
         self.cert, self.key, self.client_ca = cert, key, client_ca
@@ -161,10 +140,8 @@ class ReloadableTls:
 
 
 def check_tls_files(cert: Path, key: Path, client_ca: Path | None = None) -> None:
-    """ConfigError unless OpenSSL takes the certificate chain with this key, and the client CA file.
-
-    gRPC only finds out when it binds the port, and then reports a bind failure; this names the files.
-    """
+    """ConfigError unless OpenSSL takes the certificate chain with this key, and the client CA file: gRPC
+    reports a bad pair as a failure to bind the port, this names the files."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.set_ciphers("DEFAULT:@SECLEVEL=0")  # judge the pair, not its strength: gRPC takes keys OpenSSL calls weak
     try:  # an encrypted key gets an empty password (never a prompt): gRPC cannot use one either
@@ -172,7 +149,7 @@ def check_tls_files(cert: Path, key: Path, client_ca: Path | None = None) -> Non
     except ssl.SSLError as exc:
         raise ConfigError(f"--tls-cert {cert} with --tls-key {key}: OpenSSL refuses the pair ({exc.reason or exc}); "
                           "give the certificate chain and its own unencrypted private key") from None
-    except OSError as exc:  # after SSLError, which is one: a file gone since it was read (a renewal in progress)
+    except OSError as exc:  # after SSLError, which is one: a file gone since it was read
         raise ConfigError(f"--tls-cert {cert} with --tls-key {key}: cannot read them ({exc.strerror or exc})") \
             from None
     _check_dates(cert)
@@ -190,9 +167,8 @@ CERT_RENEW_WARNING_S = 7 * 86_400  # a certificate that expires sooner is named 
 
 def _check_dates(cert: Path, now: float | None = None) -> None:
     """ConfigError for a certificate that has expired or is not valid yet (every client would refuse the
-    handshake, while the server looked healthy); a warning when it expires within a week (at start, and at each
-    SIGHUP, which re-reads it). Read with CPython's own certificate decoder; where that is missing the dates go
-    unchecked."""
+    handshake while health looks fine); a warning when it expires within a week. Read with CPython's own
+    certificate decoder; where that is missing the dates go unchecked."""
     decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
     if decode is None:
         return
@@ -234,8 +210,8 @@ def _digest(token: str | bytes) -> bytes:
 
 def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str,
              on_refuse: Callable[[str], None] | None = None) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that answers `code` without reading the request;
-    `on_refuse` is told the caller's address (known to the handler, not to an interceptor)."""
+    """A handler of the same shape as `handler` that answers `code` without reading the request; `on_refuse` is
+    told the caller's address."""
 
     async def refuse(request_or_iterator: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         if on_refuse is not None:
@@ -252,65 +228,36 @@ def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, messa
 
 
 class RefusalLog:
-    """Token refusals at WARNING, bounded: a caller host's first refusal in a minute gets a line of its own, with
-    its address and reason (at most `max_lines` such lines a minute in all, per server process: each --workers
-    process logs its own), and the refusals held back meanwhile are counted, by host, in one summary line a
-    minute later. A client with a stale token calling in a loop shows once a minute; callers rotating
-    addresses cannot flood the log. Every held refusal is logged at DEBUG, and every refusal is counted in the
-    metrics. `schedule(delay, fn)` runs fn later (the running event loop's call_later by default; without one,
-    the summary waits for `flush`)."""
+    """Token refusals at WARNING without flooding: the first after a quiet spell at once, with the caller's address
+    and reason, then one line per `every_s` with their count while they go on; each held back one at DEBUG.
+    `schedule(delay, fn)` runs fn later (the event loop's call_later by default) and returns False when it cannot."""
 
-    MAX_HOSTS = 1024  # hosts remembered; beyond, the oldest are forgotten (summary counts go to "other hosts")
-    SHOWN = 5  # hosts named in a summary, most refused first
-
-    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 schedule: Callable[[float, Callable[[], None]], object] | None = None, max_lines: int = 20) -> None:
+    def __init__(self, every_s: float = 60.0, schedule: Callable[[float, Callable[[], None]], bool] | None = None) \
+            -> None:
         self.every_s = every_s
-        self.max_lines = max_lines
-        self._clock = clock
         self._schedule = schedule or later
-        self._lined: dict[str, float] = {}  # host -> when it last appeared in a WARNING line
-        self._lines: collections.deque[float] = collections.deque()  # when hosts' own lines were written
-        self._held: collections.Counter[str] = collections.Counter()  # host -> refusals held back since the summary
-        self._held_since: float | None = None  # when the first of them came (a summary is due every_s later)
+        self._counting = False  # a count's line is due
+        self._uncounted = 0  # refusals since the last line
+        self._latest = ""  # the latest of them
 
     def __call__(self, method: str, peer: str, problem: str) -> None:
-        now, host = self._clock(), peer_host(peer)
         what = f"refused {bounded(method, 120)} from {peer}: {problem}"
-        while self._lines and now - self._lines[0] >= self.every_s:
-            self._lines.popleft()
-        seen = self._lined.get(host)
-        due = host not in self._held and (seen is None or now - seen >= self.every_s)  # held ones wait their summary
-        if due and len(self._lines) < self.max_lines:
-            log.warning("%s", what)
-            self._lines.append(now)
-            self._remember(host, now)
+        if self._counting:
+            self._uncounted += 1
+            self._latest = what
+            log.debug("%s", what)
             return
-        log.debug("%s", what)
-        self._held["other hosts" if host not in self._held and len(self._held) >= self.MAX_HOSTS else host] += 1
-        if self._held_since is None:
-            self._held_since = now
-            self._schedule(self.every_s, self.flush)
+        log.warning("%s", what)
+        self._counting = self._schedule(self.every_s, self.flush)
 
     def flush(self) -> None:
-        """The summary of the refusals held back (when its minute ends, and when the server stops)."""
-        if not self._held or self._held_since is None:
+        """The count of the refusals since the last line, if any (every `every_s`, and when the server stops)."""
+        if not self._uncounted:
+            self._counting = False  # quiet: the next refusal gets a line at once
             return
-        now, held, since = self._clock(), self._held, self._held_since
-        self._held, self._held_since = collections.Counter(), None
-        shown = held.most_common(self.SHOWN)
-        rest = sum(held.values()) - sum(n for _, n in shown)
-        others = f", and {rest} from {len(held) - len(shown)} other host(s)" if rest else ""
-        log.warning("refused %d more call(s) in the last %.0f s, held back from this log; by caller host: %s%s",
-                    sum(held.values()), now - since, ", ".join(f"{h} {n}" for h, n in shown), others)
-        for host in held:  # named here: their next line of their own is a minute away
-            self._remember(host, now)
-
-    def _remember(self, host: str, when: float) -> None:
-        self._lined.pop(host, None)
-        self._lined[host] = when
-        while len(self._lined) > self.MAX_HOSTS:
-            self._lined.pop(next(iter(self._lined)))
+        log.warning("refused %d more call(s) since the last such line; the latest: %s", self._uncounted, self._latest)
+        self._uncounted = 0
+        self._counting = self._schedule(self.every_s, self.flush)
 
 
 def later(delay: float, fn: Callable[[], None]) -> bool:
@@ -322,22 +269,9 @@ def later(delay: float, fn: Callable[[], None]) -> bool:
     return True
 
 
-def peer_host(peer: str) -> str:
-    """gRPC's peer string without its port: 'ipv4:10.0.0.7:4242' -> 'ipv4:10.0.0.7', 'ipv6:[::1]:5' ->
-    'ipv6:[::1]'; others (unix:...) as they are."""
-    kind, _, rest = peer.partition(":")
-    if kind in ("ipv4", "ipv6") and ":" in rest:
-        return f"{kind}:{rest.rsplit(':', 1)[0]}"
-    return peer
-
-
 class TokenAuth(aio.ServerInterceptor):
-    """Bearer-token check on every RPC except the services in `open_services`.
-
-    A call without a valid `authorization: Bearer <token>` is answered UNAUTHENTICATED before
-    its request is even decoded; unknown methods too (an unauthenticated caller learns
-    nothing about the API).
-    """
+    """Bearer-token check on every RPC except the services in `open_services`: a call without a valid
+    `authorization: Bearer <token>` is UNAUTHENTICATED before its request is decoded, unknown methods too."""
 
     def __init__(self, tokens: Sequence[str], open_services: Sequence[str] = OPEN_SERVICES,
                  count: Counter | None = None) -> None:
@@ -438,8 +372,8 @@ def _guard_unary(behavior: Behavior, on_malformed: OnMalformed) -> Behavior:
 
 
 class MalformedRequest(Exception):
-    """Raised from a guarded request stream at an undecodable message. The guard answers INVALID_ARGUMENT
-    once the behaviour has let it through, so a stream's answers to the messages before it go out first."""
+    """Raised from a guarded request stream at an undecodable message; the guard answers INVALID_ARGUMENT once
+    it comes through, so the answers to the messages before it go out first."""
 
 
 def _guard_stream(behavior: Behavior, on_malformed: OnMalformed) -> Behavior:
@@ -477,9 +411,8 @@ def _guard_stream(behavior: Behavior, on_malformed: OnMalformed) -> Behavior:
 
 
 class UnknownMethods(aio.ServerInterceptor):
-    """Counts the calls to methods no service has, which gRPC answers UNIMPLEMENTED itself: a client on
-    another version of the API, or a scanner. First in the chain, so that a call TokenAuth refuses (it
-    counts UNAUTHENTICATED and answers with a handler of its own) is not counted a second time."""
+    """Counts the calls to methods no service has, which gRPC answers UNIMPLEMENTED itself. First in the
+    chain, so that a call TokenAuth refuses (and counts) is not counted a second time."""
 
     def __init__(self, count: Counter) -> None:
         self._count = count
@@ -495,11 +428,8 @@ class UnknownMethods(aio.ServerInterceptor):
 
 
 class MessageGuard(aio.ServerInterceptor):
-    """A request that does not parse answers INVALID_ARGUMENT saying so, on every service.
-
-    (gRPC's own answer to an undecodable message is UNKNOWN with the parser's exception
-    class in the details.) The behaviour never sees the bad bytes.
-    """
+    """A request that does not parse answers INVALID_ARGUMENT saying so, on every service (gRPC's own answer
+    is UNKNOWN with the parser's exception class). The behaviour never sees the bad bytes."""
 
     def __init__(self, count: Counter | None = None) -> None:
         self._count = count
@@ -510,7 +440,7 @@ class MessageGuard(aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None:  # an unknown method: gRPC answers UNIMPLEMENTED (UnknownMethods counts it)
+        if handler is None:  # an unknown method: UnknownMethods counts it
             return handler
         method = handler_call_details.method
         cached = self._guarded.get(method)  # only methods a service registered get here: a bounded set
@@ -556,66 +486,14 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
 MAX_TIMEOUT_S = 1e6  # a gRPC deadline far beyond this overflows its clock and passes at once
 
 
-PORTLESS_SCHEMES = ("unix:", "unix-abstract:", "vsock:", "xds:")  # gRPC targets that take no port
-
-
 def check_client_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The TLS flags (and a tool's --timeout) make sense together; p.error names what does not."""
+    """The TLS flags make sense together, and --timeout is a deadline gRPC can keep; p.error names what is not."""
     if (args.tls_cert is None) != (args.tls_key is None):
         p.error("--tls-cert and --tls-key go together")
     if args.tls_server_name and not _wants_tls(args):
         p.error("--tls-server-name is for a TLS connection: add --tls (the system's CA roots) or --tls-ca FILE")
-    timeout = getattr(args, "timeout", None)
-    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
-        p.error(f"--timeout {timeout:g}: give a deadline in seconds, above 0 and at most {MAX_TIMEOUT_S:g}")
-    target = getattr(args, "target", None)
-    if not target:
-        return
-    ports = target_ports(target)
-    for address, port in ports:
-        if len(ports) == 1:
-            _check_port(p, args, target, target, port)
-        else:
-            _check_port(p, args, f"{target}: its address {address}", address, port)
-
-
-def _check_port(p: argparse.ArgumentParser, args: argparse.Namespace, target: str, written: str,
-                port: str | None) -> None:
-    """`written`: the target, or the address of a list, as the user wrote it (the hint adds a port to it)."""
-    if port is None:
-        if target.startswith(("ipv4:", "ipv6:")):  # gRPC takes no default port there: it refuses the target
-            p.error(f"--target {target} has no port, which gRPC's ipv4:/ipv6: addresses must name: give "
-                    f"{written}:50051 (the server's default --port), say")
-        if not _wants_tls(args):
-            p.error(f"--target {target} has no port, and gRPC would dial 443 (the TLS port): give HOST:PORT, e.g. "
-                    f"{written}:50051 (the server's default --port)")
-    elif port and not (port.isascii() and port.isdigit()) and (port not in ("http", "https") or  # gRPC's names,
-                                                               target.startswith(("ipv4:", "ipv6:"))):  # for DNS
-        p.error(f"--target {target}: its port {port!r} is not a number: give HOST:PORT, e.g. 127.0.0.1:50051")
-    elif port and port.isdigit() and not 1 <= int(port) <= 65535:
-        dialled = f"; gRPC would dial port {int(port) % 65536} instead" if int(port) % 65536 else ""
-        p.error(f"--target {target}: port {int(port)} is out of range (1 to 65535){dialled}")
-
-
-def target_ports(target: str) -> list[tuple[str, str | None]]:
-    """Each address of a target with the port it names, as written: HOST:PORT, [IPv6]:PORT, or gRPC's own
-    syntax (dns:///host:port, ipv4:1.2.3.4:5, ipv6:[::1]:5, and the lists ipv4:1.2.3.4:5,1.2.3.5:6 and
-    ipv6:[::1]:5,[::2]:6); "" for unix: and the like, which need none; None for an address that names none
-    (gRPC then dials 443). A bare IPv6 address (::1) has no port."""
-    if target.startswith(PORTLESS_SCHEMES):
-        return [(target, "")]
-    if target.startswith(("ipv4:", "ipv6:")):
-        addresses = [a for a in target[len("ipv4:"):].rsplit("/", 1)[-1].split(",") if a]  # gRPC skips empty ones
-        return [(address, _address_port(unquote(address))) for address in addresses]  # ipv6:%5B::1%5D:5 too
-    address = target[len("dns:"):].rsplit("/", 1)[-1] if target.startswith("dns:") else target  # dns://auth/host
-    return [(address, _address_port(address))]
-
-
-def _address_port(address: str) -> str | None:
-    if address.startswith("["):
-        bracketed = re.fullmatch(r"\[[^\]]+\]:(.*)", address)
-        return bracketed.group(1) or None if bracketed else None
-    return address.rsplit(":", 1)[1] or None if address.count(":") == 1 else None
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:
+        p.error(f"--timeout {args.timeout:g}: give a deadline in seconds, above 0 and at most {MAX_TIMEOUT_S:g}")
 
 
 def _wants_tls(args: argparse.Namespace) -> bool:
@@ -639,3 +517,18 @@ def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     if args.auth_token_file is None:
         return ()
     return ((AUTH_HEADER, f"Bearer {read_client_token(args.auth_token_file)}"),)
+
+
+# the codes of a call that never reached a server: no connection, a target gRPC cannot use, no answer in time
+UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
+                       grpc.StatusCode.INTERNAL})
+
+
+def first_call_error(method: str, exc: grpc.RpcError, target: str) -> str:
+    """One line for a tool's first call that failed: gRPC's own words, with the target and what to check when no
+    server answered."""
+    code, details = exc.code(), exc.details()
+    if code in UNREACHED:
+        return (f"cannot reach --target {target}: {code.name}: {details}; is a server running there "
+                "(python -m serving --port PORT), and do the TLS flags match it?")
+    return f"{method}: {code.name}: {details}"

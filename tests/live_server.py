@@ -72,20 +72,17 @@ def request_for(m: Model, symbol: str, end: int | None = None, n: int | None = N
 
 
 class LiveServer:
-    """`python -m serving --port 0 --device cpu --threads 1 FLAGS` with stderr in `log` (`command` in place of
-    `python -m serving`, `env` in place of this process's environment, where given; `new_session`: the server
+    """`python -m serving --port 0 --device cpu --threads 1 FLAGS` with stderr in `log` (`new_session`: the server
     leads a process group of its own, as a command started from a terminal does)."""
 
-    def __init__(self, model: Path, log: Path, *flags: str, host: str = "127.0.0.1",
-                 command: list[str] | None = None, env: dict[str, str] | None = None,
-                 new_session: bool = False) -> None:
+    def __init__(self, model: Path, log: Path, *flags: str, host: str = "127.0.0.1", new_session: bool = False) -> None:
         self.log = log
-        cmd = [*(command or [sys.executable, "-m", "serving"]), "--model", str(model), "--port", "0", "--device",
-               "cpu", "--threads", "1", *flags]
+        cmd = [sys.executable, "-m", "serving", "--model", str(model), "--port", "0", "--device", "cpu", "--threads",
+               "1", *flags]
         if host != "127.0.0.1":
             cmd += ["--host", host]
         with open(log, "w") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
                                          start_new_session=new_session)
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, args=(lines,), daemon=True).start()
