@@ -574,7 +574,7 @@ def test_a_bad_setting_is_named_where_it_was_set_with_its_value(tmp_path: Path) 
         (["--parquet", "gone/bars.parquet"], "error: --parquet gone/bars.parquet: no such file or directory"),
         (["--precision", "fp16", "--device", "cpu"], "needs CUDA"),
         (["--window-block", "-1"], "--window-block must be >= 0"),
-        (["--threads", "-2"], "--threads must be >= 0 (0 = torch's default)"),
+        (["--threads", "-2"], "--threads must be >= 0, got -2"),
         (["--device", "cudax"], "error: --device must be auto, cpu, cuda or cuda:N, got 'cudax'"),
         (["--learning-rate", "1e9", "--grad-clip", "0"], "training diverged"),  # a NaN loss: one message, exit 2
     ],

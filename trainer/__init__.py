@@ -7,9 +7,8 @@ import sys
 
 
 def hide_a_stray_triton() -> None:
-    """A folder named `triton` in the working directory (a Triton model repository, as `python -m export
-    --triton-repo triton` writes) is found as a namespace package, and torch takes it for the Triton compiler
-    and fails inside its import. When no triton package is installed, torch is told there is none."""
+    """A `triton` folder in the working directory (a Triton model repository) would be imported by torch as the
+    Triton compiler; when no triton package is installed, torch is told there is none."""
     try:
         spec = importlib.util.find_spec("triton")
     except (ImportError, ValueError):

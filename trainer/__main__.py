@@ -1,13 +1,11 @@
 """`python -m trainer --parquet bars.parquet`: train a TFT and write a resumable checkpoint.
 
-Exit status: 0 done, 1 an output could not be written (the previous checkpoint is intact),
-2 bad arguments, config or data, a VRAM budget that cannot hold the run, or a loss that became
-NaN or infinite (nothing of the diverged epoch is saved), 3 out of device or host memory with
-nothing left to halve, 130 interrupted (the last good checkpoint is intact).
+Exit status: 0 done, 1 an output could not be written, 2 bad arguments, config or data, a VRAM
+budget that cannot hold the run, or a diverged loss, 3 out of memory with nothing left to halve,
+130 interrupted. In every case the last good checkpoint is intact.
 
-`--vram-budget 4GiB` plans micro-batch, accumulation and gradient checkpointing to fit the
-budget and caps the process's CUDA memory to it; `--plan-only` prints that plan and exits,
-on any machine (without CUDA it plans for a CUDA card from a CPU measurement).
+`--vram-budget 4GiB` fits micro-batch, accumulation and gradient checkpointing to the budget and
+caps the process's CUDA memory to it; `--plan-only` prints that plan and exits, on any machine.
 """
 
 from __future__ import annotations
@@ -87,8 +85,7 @@ def continue_command(command: list[str], last: Path) -> str:
 
 
 def _where_to_continue(args: argparse.Namespace, before: tuple[int, int, int] | None) -> str:
-    """After Ctrl-C or SIGTERM: the command that continues, from the last checkpoint this run wrote; else the one
-    it resumed from, which is as it was; else there is none."""
+    """After Ctrl-C or SIGTERM: the command that continues from the last checkpoint, if there is one."""
     last = RunPaths.for_out(args.out).last
     now = _stat(last)
     if now is not None and now != before:
@@ -129,10 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace, cfg: TrainConfig) -> int:
-    """The run, its errors told in a line each. Torch is imported here, once the flags and the config hold:
-    --help and a bad flag answer without torch's seconds of import."""
-    # Expandable segments keep reserved memory (what the VRAM cap bounds) close to allocated memory (what the
-    # plan estimates). Set before CUDA starts; a user's own setting wins.
+    """The run, its errors told in a line each; torch is imported here, so --help answers fast."""
+    # expandable segments keep reserved memory (what the cap bounds) close to allocated (what the plan estimates)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 

@@ -1,8 +1,5 @@
-"""Checkpoints: one file, written atomically, loadable with `torch.load(..., weights_only=True)`.
-
-A checkpoint holds plain tensors, numbers, strings, lists and dicts only — never a pickle
-of code — so export and serving can trust it without running anything from it.
-"""
+"""Checkpoints: one file, written atomically, of plain tensors, numbers, strings, lists and dicts,
+loadable with `torch.load(..., weights_only=True)`: nothing in it runs code."""
 
 from __future__ import annotations
 
@@ -35,10 +32,7 @@ class CheckpointError(ValueError):
 
 
 def save_atomic(obj: dict[str, Any], path: Path) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over `path`.
-
-    A crash, a kill or a full disk leaves either the old file or the new one, never half of one.
-    """
+    """Write to a temporary file beside `path`, fsync, rename over it: never half a file."""
     _write_atomic(path, lambda fh: torch.save(obj, fh))
 
 
@@ -89,13 +83,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
                               f"{p}: not a regular file; give the checkpoint file `python -m trainer` wrote")
     try:
         ckpt = torch.load(p, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "Unsupported global" in str(exc):
+    except Exception as exc:  # torch's weights-only unpickler raises many types on other bytes
+        if isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc):
             raise CheckpointError(f"{p}: refused — loading it would unpickle code, which a foxhunt checkpoint never "
                                   "needs. Only load checkpoints written by `python -m trainer`") from None
-        raise CheckpointError(f"{p}: not a readable checkpoint (corrupt, truncated, or not written by "
-                              f"torch.save){hint(p, 'a PyTorch checkpoint')}") from None
-    except Exception as exc:  # torch's weights-only unpickler raises many types on other bytes
         raise CheckpointError(f"{p}: not a readable checkpoint (torch.load: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}){hint(p, 'a PyTorch checkpoint')}") \
             from None
@@ -116,8 +107,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 def state_digest(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over a state dict's names, dtypes, shapes and bytes: what a checkpoint stores beside the
-    weights, so that a weight changed on disk (which torch.load does not notice) is refused on load."""
+    """sha256 over a state dict's names, dtypes, shapes and bytes, so load refuses weights changed on disk."""
     h = hashlib.sha256()
     for name in sorted(state):
         t = state[name].detach().cpu().contiguous()

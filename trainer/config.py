@@ -1,8 +1,5 @@
 """The trainer's configuration: one frozen dataclass, a TOML file, and a flag per field.
-
-Precedence: defaults < config file (`--config cfg.toml`) < flags. The resolved config is
-printed at start and stored in every checkpoint as a plain dict.
-"""
+Precedence: defaults < config file (`--config cfg.toml`) < flags."""
 
 from __future__ import annotations
 
@@ -27,6 +24,9 @@ STOPPING_RULES = ("epochs", "patience")  # when a run stops: a resumed run takes
 BUILTIN_NAMES = (STATIC_SYMBOL, *BUILTIN_OBSERVED, *BUILTIN_KNOWN)  # a user column of one of these names is refused
 # What a resumed run takes from its command; everything else is the run's recipe, kept as its checkpoint holds it
 RESUME_OVERRIDABLE = (*STOPPING_RULES, "device", "vram_budget", "threads", "grad_checkpointing", "precision")
+MINIMUMS = {"encoder_length": 1, "horizon": 1, "volatility_window": 2, "epochs": 1, "batch_size": 1, "window_block": 0,
+            "weight_decay": 0, "warmup_steps": 0, "grad_clip": 0, "max_steps_per_epoch": 0, "max_val_windows": 0,
+            "threads": 0, "patience": 0}  # the least value of each numeric field ModelConfig does not check
 AUTO_WINDOW_BLOCK = 16  # window_block 0: blocks of 16 consecutive windows ...
 MIN_BLOCKS_PER_BATCH = 8  # ... but at least 8 blocks in a batch
 
@@ -83,33 +83,20 @@ class TrainConfig:
     def _checks(self, key: Callable[[str], str]) -> list[tuple[bool, str]]:
         """(holds, message) for each rule of the fields ModelConfig does not check."""
         return [
-            (self.encoder_length >= 1, f"{key('encoder_length')} must be >= 1, got {self.encoder_length}"),
-            (self.horizon >= 1, f"{key('horizon')} must be >= 1, got {self.horizon}"),
-            (self.volatility_window >= 2, f"{key('volatility_window')} must be >= 2, got {self.volatility_window}"),
+            *((getattr(self, name) >= least, f"{key(name)} must be >= {least}, got {getattr(self, name)}")
+              for name, least in MINIMUMS.items()),
             (0.0 < self.val_fraction < 1.0, f"{key('val_fraction')} must be between 0 and 1, got {self.val_fraction}"),
             (0.0 <= self.test_fraction < 1.0 - self.val_fraction, f"{key('test_fraction')} must be >= 0 and leave "
              f"room for training ({key('val_fraction')} + {key('test_fraction')} < 1), got {self.test_fraction} with "
              f"{self.val_fraction}"),
-            (self.epochs >= 1, f"{key('epochs')} must be >= 1, got {self.epochs}"),
-            (self.batch_size >= 1, f"{key('batch_size')} must be >= 1, got {self.batch_size}"),
-            (self.window_block >= 0, f"{key('window_block')} must be >= 0 (0 = automatic, 1 = every window shuffled "
-             f"on its own), got {self.window_block}"),
             (self.learning_rate > 0, f"{key('learning_rate')} must be > 0, got {self.learning_rate}"),
-            (self.weight_decay >= 0, f"{key('weight_decay')} must be >= 0, got {self.weight_decay}"),
-            (self.warmup_steps >= 0, f"{key('warmup_steps')} must be >= 0, got {self.warmup_steps}"),
-            (self.grad_clip >= 0, f"{key('grad_clip')} must be >= 0 (0 = no clipping), got {self.grad_clip}"),
-            (self.max_steps_per_epoch >= 0, f"{key('max_steps_per_epoch')} must be >= 0 (0 = all), got "
-             f"{self.max_steps_per_epoch}"),
-            (self.max_val_windows >= 0, f"{key('max_val_windows')} must be >= 0 (0 = all), got {self.max_val_windows}"),
-            (self.threads >= 0, f"{key('threads')} must be >= 0 (0 = torch's default), got {self.threads}"),
             (len(set(self.features)) == len(self.features),
-             f"{key('features')} lists a column more than once ({', '.join(self._repeated_features())}); name each "
-             "once"),
+             f"{key('features')} lists a column more than once "
+             f"({', '.join(sorted({f for f in self.features if self.features.count(f) > 1}))}); name each once"),
             (not (named := [f for f in self.features if f in BUILTIN_NAMES]),
              f"{key('features')} names {', '.join(named)}, the name of a built-in feature (built in: "
              f"{', '.join(BUILTIN_NAMES)}): the model would hold two features of one name; rename the column, "
              "e.g. in pyarrow"),
-            (self.patience >= 0, f"{key('patience')} must be >= 0, got {self.patience}"),
             (self.precision in ("auto", "fp32", "bf16", "fp16"),
              f"{key('precision')} must be auto, fp32, bf16 or fp16, got {self.precision!r}"),
             (self.grad_checkpointing in ("auto", "on", "off"),
@@ -117,9 +104,6 @@ class TrainConfig:
             (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
              f"{key('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
         ]
-
-    def _repeated_features(self) -> list[str]:
-        return sorted({f for f in self.features if self.features.count(f) > 1})
 
     def feature_config(self) -> FeatureConfig:
         return FeatureConfig(self.horizon, self.volatility_window, tuple(self.features), self.calendar_tz)
@@ -245,9 +229,8 @@ def given_fields(args: argparse.Namespace) -> set[str]:
 
 def resumed_config(stored: TrainConfig, now: TrainConfig, given: set[str],
                    label: Callable[[str], str] = str) -> TrainConfig:
-    """A resumed run's config: the checkpoint's recipe, the hardware fields of this command, and its epochs and
-    patience when given (else the checkpoint's, so the schedule is the one the run started). ConfigError naming
-    each field of the recipe that this command sets to another value than the checkpoint holds."""
+    """The checkpoint's recipe with this command's hardware fields and, when given, its epochs and patience;
+    ConfigError naming each recipe field this command changes."""
     changed = [f"{label(k)} {getattr(now, k)!r} (the checkpoint's: {getattr(stored, k)!r})"
                for k in sorted(given - set(RESUME_OVERRIDABLE)) if getattr(now, k) != getattr(stored, k)]
     if changed:

@@ -1,8 +1,7 @@
 """Training data: features computed once into contiguous tensors, windows taken by index.
 
-The split is chronological on one time axis shared by all symbols (so correlated symbols
-cannot leak the future into training), with a purge of H bars after each boundary so no
-target of one split overlaps the next. Normalisation is fitted on the training rows only.
+The split is chronological on one time axis shared by all symbols, with a purge of H bars after
+each boundary so no target of one split overlaps the next. Normalisation fits the training rows.
 """
 
 from __future__ import annotations
@@ -80,12 +79,8 @@ class WindowTensors:
                                             last // NS_PER_DAY)
 
     def future_known(self, anchors: torch.Tensor) -> torch.Tensor:
-        """The decoder's calendar features of the windows ending at `anchors`: [B, H, n_known].
-
-        Computed per batch from the anchors' nominal future times (as the server does), not stored
-        for every bar: stored, they would take H times the memory of the encoder's known features.
-        In a calendar zone, the times are made local with the offsets looked up once for the run.
-        """
+        """The decoder's calendar features of the windows ending at `anchors`: [B, H, n_known], computed per
+        batch from the nominal future times, as the server does (stored, they would take H times the memory)."""
         future = future_timestamps(self._timestamp_ns[anchors.numpy()], self._bar_interval_ns, self._horizon)
         if self._offsets is not None:
             future = future + self._offsets.at(future // NS_PER_SECOND)  # local wall-clock time
@@ -102,14 +97,9 @@ class WindowTensors:
         }
 
     def row_batch(self, anchors: torch.Tensor, share_bars: bool = True) -> dict[str, torch.Tensor]:
-        """The windows ending at `anchors` as bar rows plus indices (the model's forward_rows).
-
-        Overlapping windows share bars; each distinct bar appears once in row_observed/row_known,
-        window_rows maps each window's encoder steps to its rows, and row_window names, for each
-        row, the first window that holds it (whose static context the row takes). With
-        `share_bars=False` every window keeps rows of its own: the most memory a batch can
-        take, which is what the VRAM planner measures.
-        """
+        """The windows ending at `anchors` as distinct bar rows plus indices (the model's forward_rows); each
+        row takes the static context of the first window holding it. `share_bars=False`: rows of its own per
+        window, the most memory a batch can take (what the VRAM planner measures)."""
         if not share_bars:
             return unshared_rows(self.batch(anchors))
         idx = anchors[:, None] + self.offsets  # [B, L]
@@ -171,9 +161,7 @@ def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -
 
 
 def check_resumed_bars(stored: str, now: str, source: str) -> None:
-    """Bars split at the same times may still hold other values (another file of the same calendar, a
-    vendor's corrected history, one symbol of the run's file): a resumed run would pick its best epoch over
-    validation losses of different bars."""
+    """DataError when a resumed run reads other bars than its checkpoint's run did."""
     if stored == now:
         return
     raise DataError(f"--resume: these bars are not the ones the checkpoint's run read (its bars: {source}): they "
@@ -183,8 +171,7 @@ def check_resumed_bars(stored: str, now: str, source: str) -> None:
 
 
 def check_resumed_split(stored: Sequence[int], now: tuple[int, int], test_fraction: float, source: str) -> None:
-    """A resumed run must split its bars where the checkpoint's run did: elsewhere, it would train on bars
-    that run held out, and its best-model choice would compare validation losses over different bars."""
+    """DataError when a resumed run would split its bars elsewhere than its checkpoint's run did."""
     if tuple(int(t) for t in stored) == now:
         return
 
@@ -201,8 +188,7 @@ def check_resumed_split(stored: Sequence[int], now: tuple[int, int], test_fracti
 
 
 def warn_about_constant_features(frame: FeatureFrame, train_rows: np.ndarray) -> None:
-    """Warn about an observed feature that never changes over the training rows (a user column filled with
-    one value, say): normalised to zero, it tells the model nothing, in training and in serving."""
+    """Warn about an observed feature that never changes over the training rows: it tells the model nothing."""
     try:
         spread = spread_of(frame.observed, train_rows)[1]  # [n_observed]
     except ValueError:  # a column without a value: the normalisation's fit says which
@@ -225,9 +211,8 @@ def warn_about_constant_features(frame: FeatureFrame, train_rows: np.ndarray) ->
 
 
 def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int) -> None:
-    """Warn about a symbol the model will know but not have learnt (no training window: its embedding
-    stays as initialised, yet the server forecasts it), and about one whose bars are mostly spaced
-    unlike the run's bar interval (its decoder's future times would be spaced wrongly)."""
+    """Warn about a symbol without a training window (the server forecasts it untrained), and about one whose
+    bars are mostly spaced unlike the run's bar interval (its future times would be spaced wrongly)."""
     anchors = np.sort(train_anchors)
     for s, e in frame.series_bounds:
         symbol = frame.symbols[int(frame.series_id[s])]
@@ -259,7 +244,7 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
     digest = bars_digest(bars, cfg.features)
     try:
         frame = build_frame(bars, cfg.feature_config(), symbols)
-        del bars  # the frame holds what training needs; the bars' columns would double the peak that follows
+        del bars  # the frame holds what training needs; keeping the bars would double the peak
     except ValueError as exc:
         if symbols is None:
             raise

@@ -13,9 +13,16 @@ import torch
 
 log = logging.getLogger("trainer")
 
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 class DeviceError(RuntimeError):
     """The requested device cannot be had; the run must not start."""
+
+
+def no_cuda_reason() -> str:
+    return ("this PyTorch build has no CUDA support" if torch.version.cuda is None
+            else "no CUDA device is visible (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES)")
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -24,23 +31,19 @@ def resolve_device(spec: str) -> torch.device:
         return torch.device("cpu")
     if spec.startswith("cuda"):
         if not torch.cuda.is_available():
-            why = ("this PyTorch build has no CUDA support (torch.version.cuda is None)" if torch.version.cuda is None
-                   else "no CUDA device is visible (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES)")
-            raise DeviceError(f"--device {spec} requested but CUDA is not available: {why}. "
+            raise DeviceError(f"--device {spec} requested but CUDA is not available: {no_cuda_reason()}. "
                               "Use --device cpu to train on the CPU, or --device auto to take CUDA when present")
         dev = torch.device(spec)
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise DeviceError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) visible")
         # always with an index: some CUDA APIs (set_per_process_memory_fraction) refuse a bare "cuda"
         return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
-    if spec == "auto":
-        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        if dev.type == "cpu":
-            log.warning("--device auto: CUDA is not available, training on the CPU")
-        else:
-            log.info("--device auto: training on %s (%s)", dev, torch.cuda.get_device_name(dev))
-        return dev
-    raise DeviceError(f"--device {spec}: expected auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():  # auto: TrainConfig.validate allows no other spec
+        log.warning("--device auto: CUDA is not available, training on the CPU")
+        return torch.device("cpu")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    log.info("--device auto: training on %s (%s)", dev, torch.cuda.get_device_name(dev))
+    return dev
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ def resolve_precision(spec: str, device: torch.device) -> Precision:
         return Precision("fp32", None)
     if spec == "auto":
         spec = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return Precision(spec, {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec])
+    return Precision(spec, AUTOCAST_DTYPES[spec])
 
 
 def autocast_factory(device: torch.device, precision: Precision) -> Callable[[], contextlib.AbstractContextManager]:

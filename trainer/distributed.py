@@ -1,9 +1,5 @@
-"""Training beyond one process on an existing engine: `torchrun` + DistributedDataParallel.
-
-`torchrun --nproc_per_node=N -m trainer ...` sets RANK / WORLD_SIZE / LOCAL_RANK; a plain
-`python -m trainer` has none of them and runs as a world of one with no process group.
-NCCL on GPUs, gloo on the CPU.
-"""
+"""`torchrun --nproc_per_node=N -m trainer ...`: DistributedDataParallel, NCCL on GPUs, gloo on the CPU.
+A plain `python -m trainer` runs as a world of one with no process group."""
 
 from __future__ import annotations
 
@@ -41,8 +37,7 @@ class DistContext:
         return spec
 
     def from_main(self, compute: Callable[[], T]) -> T:
-        """`compute()` run on rank 0 alone, its result on every rank (the others wait at the broadcast): the
-        symbol vocabulary and normalisation, each epoch's validation figures."""
+        """`compute()` run on rank 0 alone, its result on every rank."""
         if not self.enabled:
             return compute()
         box: list[Any] = [compute() if self.is_main else None]
@@ -79,8 +74,7 @@ def init_from_env(device_spec: str) -> DistContext:
 
 
 def shutdown(ctx: DistContext) -> None:
-    """Tear the process group down once every rank is done with it (rank 0 writes the report and the test
-    scores after the last epoch): a rank that leaves while another still talks aborts in gloo's threads."""
+    """Tear the process group down once every rank is done with it (a rank that leaves early aborts gloo)."""
     if ctx.enabled and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

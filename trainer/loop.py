@@ -1,8 +1,5 @@
-"""The training loop: AdamW, warm-up + cosine schedule, clipping, early stopping, exact resume.
-
-Device, precision and the memory plan are decided once before the first step; the loop
-itself has no device branches (an autocast factory and a GradScaler that may be disabled).
-"""
+"""The training loop: AdamW, warm-up + cosine schedule, clipping, early stopping, exact resume. Device,
+precision and the memory plan are decided once before the first step."""
 
 from __future__ import annotations
 
@@ -87,9 +84,8 @@ def build_model(cfg: TrainConfig, data: PreparedData, device: torch.device) -> T
 
 
 def wrap_ddp(net: torch.nn.Module, dist: DistContext, device: torch.device) -> torch.nn.Module:
-    """`net` under DDP when torchrun started the run. Buffers are equal on every rank and never change, so they
-    are not broadcast: a forward holds no collective, and one that runs out of memory can be retried. Gradients
-    are views into DDP's buckets, not a second copy that the plan never counted."""
+    """`net` under DDP when torchrun started the run. Buffers never change, so they are not broadcast (a forward
+    holds no collective and can be retried); gradients are views into DDP's buckets, not a second copy."""
     if not dist.enabled:
         return net
     return DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None,
@@ -97,8 +93,7 @@ def wrap_ddp(net: torch.nn.Module, dist: DistContext, device: torch.device) -> t
 
 
 def steps_per_epoch(cfg: TrainConfig, train_windows: int, world_size: int) -> int:
-    """Optimizer steps of an epoch; a last step too small to give each rank a window is dropped. ConfigError
-    when a step cannot give each rank a window."""
+    """Optimizer steps of an epoch; a last step too small to give each rank a window is dropped."""
     if cfg.batch_size < world_size:
         raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the {world_size} processes torchrun "
                           f"started: each needs a window of every step; raise it to at least {world_size}")
@@ -159,10 +154,8 @@ class Trainer:
         if self.resumed is not None:
             self._restore(self.resumed)
 
-    # ---- set-up ----------------------------------------------------------------------
     def _prepare(self) -> PreparedData:
-        """The bars as tensors; a resume keeps its run's vocabulary and normalisation, and its bars. Under
-        torchrun, rank 0 fits both and every rank takes them."""
+        """The bars as tensors, with the resumed run's vocabulary and normalisation, or under torchrun rank 0's."""
         cfg = self.cfg
         if self.resumed is not None:
             data = prepare(self.parquet, cfg, self.columns, *self.resumed.vocabulary())
@@ -188,10 +181,9 @@ class Trainer:
         log.info("resumed from epoch %d, step %d (best validation loss %.5f at epoch %d)", self.epoch, self.step,
                  self.best_val, self.best_epoch)
 
-    # ---- one epoch ---------------------------------------------------------------------
     def _epoch_anchors(self) -> torch.Tensor:
-        """Training anchors shuffled in blocks of `block_windows` consecutive windows, whose overlapping bars the
-        forward selects once (`forward_rows`). The order depends on (seed, epoch) only, so resume is exact."""
+        """Training anchors shuffled in blocks of `block_windows` consecutive windows (their bars are selected
+        once); the order depends on (seed, epoch) only, so resume is exact."""
         g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.epoch)
         anchors = torch.from_numpy(self.data.train_anchors)
         n, k = anchors.numel(), self.cfg.block_windows
@@ -223,8 +215,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=not self.dist.enabled)
 
     def _optimizer_step(self, anchors: torch.Tensor, step_windows: int) -> float:
-        """One optimizer step over this rank's `anchors` (of the step's `step_windows`), in micro-batches;
-        halves the micro-batch on OOM and tries the step again."""
+        """One optimizer step over this rank's `anchors` in micro-batches; on OOM, halves the micro-batch and
+        tries again."""
         while True:
             try:
                 loss = self._accumulate(anchors, step_windows)
@@ -242,14 +234,9 @@ class Trainer:
         return loss
 
     def _accumulate(self, anchors: torch.Tensor, step_windows: int) -> float:
-        """Gradients of this rank's micro-batches; returns the mean loss over `anchors`.
-
-        Under torchrun, gradients are exchanged once a step, in the backward of the rank's last
-        micro-batch (`no_sync` for the others): ranks may hold unequal shares, or have halved their
-        micro-batch alone, and so make different numbers of micro-steps. Each micro-batch's loss is
-        weighted by its share of the whole step times the ranks, so DDP's mean over ranks is the
-        step's mean over its windows, as one process computes it.
-        """
+        """Gradients of this rank's micro-batches; the mean loss over `anchors`. Under torchrun, gradients are
+        exchanged in the rank's last micro-batch; each loss is weighted by its share of the step times the ranks,
+        so DDP's mean over ranks is the step's mean over its windows."""
         scale = self.dist.world_size / step_windows
         chunks = anchors.split(self.plan.micro_batch)
         total = 0.0
@@ -263,8 +250,8 @@ class Trainer:
         return total
 
     def _after_out_of_memory(self, exc: torch.OutOfMemoryError) -> None:
-        """Frees the step's gradients and halves the micro-batch; re-raises when nothing is left to halve, or
-        when other ranks may already hold part of this step's gradient exchange."""
+        """Frees the step's gradients and halves the micro-batch; re-raises at 1 window, or when other ranks may
+        already be in this step's gradient exchange."""
         self._zero_grad()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -286,7 +273,7 @@ class Trainer:
         t0 = time.perf_counter()
         if self.dist.rank:  # dropout masks of their own on the other ranks; (seed, rank, epoch) keeps resume exact
             torch.manual_seed((self.cfg.seed * 1_000_003 + self.dist.rank) * 1_009 + self.epoch)
-        # disable=None: no bar where stderr is not a terminal (a log file, a pipe), only the epoch lines
+        # disable=None: no bar where stderr is not a terminal
         bar = tqdm(total=anchors.numel(), unit="win", unit_scale=True, disable=None if self.progress else True,
                    leave=False, desc=f"epoch {self.epoch + 1}/{self.cfg.epochs}", dynamic_ncols=True)
         with bar:
@@ -297,8 +284,7 @@ class Trainer:
                 bar.update(step_anchors.numel())
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
         seconds = time.perf_counter() - t0
-        # a step whose loss overflowed is one fp16's gradient scaler skips (the weights stay as they were):
-        # counted, and left out of the epoch's loss; only an epoch of nothing else is NaN here
+        # fp16's gradient scaler skips a step whose loss overflowed: counted, and left out of the epoch's loss
         finite = [x * share for x, share in zip(losses, shares, strict=True) if math.isfinite(x)]
         if len(finite) < len(losses):
             log.warning("epoch %d: %d of %d steps had a non-finite loss", self.epoch + 1, len(losses) - len(finite),
@@ -310,8 +296,7 @@ class Trainer:
     @torch.inference_mode()
     def predict(self, anchors: np.ndarray, batch: int | None = None, outputs: tuple[str, ...] = MODEL_OUTPUTS
                 ) -> dict[str, np.ndarray]:
-        """The model's `outputs` on `anchors` (eval mode, no stored activations); only those are kept, as every
-        window's explanations would take far more memory than its quantiles."""
+        """The model's `outputs` on `anchors` in eval mode; only those are kept."""
         self.model.eval()
         size = batch or self.plan.val_batch
         while True:
@@ -346,7 +331,6 @@ class Trainer:
         return {f"{split}_loss": loss, split: forecast_metrics(pred, target, q),
                 "baseline": forecast_metrics(base, target, q), f"{split}_windows": int(anchors.size)}
 
-    # ---- checkpoints ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         frame = self.data.frame
         sample = self.data.tensors.batch(torch.from_numpy(self.data.val_anchors[:VALIDATION_SAMPLE_WINDOWS]))
@@ -391,7 +375,6 @@ class Trainer:
         """The checkpoint at paths.best when it is this run's best; None when it is missing or another run's."""
         return runs_best(self.paths.best, self.best_epoch, self.history)
 
-    # ---- the run ------------------------------------------------------------------------------
     def run(self, stop_after_epochs: int | None = None) -> TrainResult:
         """Train; `stop_after_epochs` ends this process's part early (as an interruption would)."""
         self._start()
@@ -411,8 +394,8 @@ class Trainer:
         return TrainResult(self.paths, self.history, self.best_val, ran, stopped_early, self.plan)
 
     def _start(self) -> None:
-        """Logs the plan, checks placement; on rank 0, says when nothing is left to train and starts the
-        metrics file from the resumed run's history (a fresh run's first epoch replaces an earlier file)."""
+        """Logs the plan, checks placement; on rank 0, says when nothing is left to train and starts a resumed
+        run's metrics file from its history."""
         log.info("plan: micro-batch %d x %d accumulation = batch %d, gradient checkpointing %s, %s",
                  self.plan.micro_batch, self.plan.accumulation, self.plan.batch_size,
                  "on" if self.plan.grad_checkpointing else "off", self.plan.precision)
@@ -432,7 +415,7 @@ class Trainer:
 
     def _train_and_validate(self) -> dict[str, Any]:
         """One epoch and its validation; the epoch's record. Rank 0 validates and every rank takes its figures,
-        so the best epoch, early stopping and the divergence check are decided alike everywhere."""
+        so all decide alike."""
         self.memory.start()
         train_stats = self.train_epoch()
         train_peak = self.memory.read()
@@ -453,8 +436,8 @@ class Trainer:
         return record
 
     def _save(self, record: dict[str, Any]) -> None:
-        """The epoch's checkpoints, then its metrics line: a logged epoch is a saved one. A fresh run's first
-        best checkpoint removes an earlier run's report and test scores, which judged the model it replaces."""
+        """The epoch's checkpoints, then its metrics line. A fresh run's first best checkpoint removes an earlier
+        run's report and test scores."""
         self._log_epoch(record)
         state = self.state()
         save_atomic(state, self.paths.last)

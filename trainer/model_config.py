@@ -63,15 +63,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise ValueError(f"ModelConfig.from_dict: unknown keys {unknown}")
-        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
-        missing = sorted(required - set(d))
-        if missing:
-            raise ValueError(f"ModelConfig.from_dict: missing keys {missing}")
-        return cls(**d)
+        try:
+            return cls(**d)
+        except TypeError as exc:  # an unknown or a missing key
+            raise ValueError(f"ModelConfig.from_dict: {exc}") from None
 
 
 def check_fields(values: Mapping[str, Any], label: Callable[[str], str]) -> None:

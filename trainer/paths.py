@@ -1,7 +1,4 @@
-"""Where a run's files go: every file a run writes sits beside the checkpoint named by --out.
-
-Free of torch, so that the command line can name them before torch is imported.
-"""
+"""Where a run's files go: beside the checkpoint named by --out. Free of torch."""
 
 from __future__ import annotations
 
@@ -27,6 +24,5 @@ class RunPaths:
 
 
 def run_stem(out: Path) -> str:
-    """The name the files beside --out are named from: ckpt.pt -> ckpt (ckpt.last.pt, ckpt.metrics.jsonl, ...).
-    Only a checkpoint's suffix is dropped: lr0.001 and lr0.003 keep their own."""
+    """ckpt.pt -> ckpt (ckpt.last.pt, ...); only a checkpoint's suffix is dropped, so lr0.001 keeps its own."""
     return out.stem if out.suffix in CHECKPOINT_SUFFIXES else out.name

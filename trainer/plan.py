@@ -1,8 +1,5 @@
-"""How a run uses its device: micro-batch, accumulation, gradient checkpointing, precision.
-
-`TrainPlan` is what the training loop obeys; `trainer.planner` derives it from a VRAM budget
-and a measured memory model. Without a budget the plan is the config taken literally.
-"""
+"""How a run uses its device: micro-batch, accumulation, gradient checkpointing, precision. The loop obeys
+`TrainPlan`; `trainer.planner` derives it from a VRAM budget, else it is the config taken literally."""
 
 from __future__ import annotations
 

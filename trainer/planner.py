@@ -1,20 +1,10 @@
 """The VRAM planner: fit a training run into a device-memory budget before its first step.
 
-The memory model is a sum of named terms, each printed in the plan table:
-
-* persistent: fp32 weights and buffers, one gradient per parameter, AdamW's two fp32 states, and on
-  CUDA what stays resident after a warm-up step (cuBLAS/cuDNN workspaces);
-* under mixed precision, autocast's 16-bit weight copies kept for the backward (2 bytes per parameter);
-* activations per window (and a fixed part) of a training forward + backward, from trial steps at two
-  batch sizes: `torch.cuda.max_memory_allocated` on CUDA; on the CPU the peak bytes of tensor
-  storages alive during the step (a dispatch mode sees each op's outputs). Beside it, what autograd
-  stores for the backward (`saved_tensors_hooks`), the figure gradient checkpointing cuts;
-* `optimizer.step()` temporaries, which come after the activations are freed: max, not a sum;
-* validation: the transient of a forward under `torch.inference_mode()`, gradients freed.
-
-The plan takes the largest micro-batch whose estimated peak fits the budget less a safety
-margin, prefers no gradient checkpointing, and raises accumulation to keep the effective
-batch. If even one window does not fit, planning refuses with `PlanError` (exit status 2).
+Estimated peak = persistent (weights, gradients, AdamW state, CUDA workspaces, 16-bit weight copies)
++ max(activations of a forward + backward, optimizer.step() temporaries). Activations are affine in
+the windows of a micro-batch, measured by two trial steps. The plan takes the largest micro-batch
+that fits the budget less a safety margin, prefers no gradient checkpointing, and raises
+accumulation to keep the effective batch; if one window does not fit, `PlanError`.
 """
 
 from __future__ import annotations
@@ -37,14 +27,14 @@ from torch.utils._pytree import tree_flatten
 
 from features.schema import TARGET
 from trainer.data import ROW_INPUTS
+from trainer.device import AUTOCAST_DTYPES, Precision, autocast_factory
 from trainer.loss import pinball_loss
 from trainer.modeling import TemporalFusionTransformer
 from trainer.plan import TrainPlan, literal_plan
 
 SAFETY_FRACTION = 0.10  # of the budget, kept free for allocator fragmentation, workspaces and estimate error
-MIN_EFFICIENT_MICRO = 4  # below this many windows per micro-step, gradient checkpointing is worth its recompute
-TRIAL_SIZES = (2, 4)  # windows in the two trial steps; at 1 the peak can sit elsewhere, and the slope is too small
-AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIN_EFFICIENT_MICRO = 4  # below this many windows per micro-step, "auto" takes gradient checkpointing
+TRIAL_SIZES = (2, 4)  # windows in the two trial steps
 
 BatchFn = Callable[[int], dict[str, Tensor]]  # n -> a CPU batch of n windows (ROW_INPUTS and TARGET)
 
@@ -56,8 +46,6 @@ class PlanError(ValueError):
         super().__init__(message)
         self.table = table  # the plan table that shows why, when there is one
 
-
-# ---- sizes ---------------------------------------------------------------------------------
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -97,8 +85,6 @@ def usable_bytes(budget: int) -> int:
     return int(budget * (1.0 - SAFETY_FRACTION))
 
 
-# ---- measuring ------------------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class Affine:
@@ -111,21 +97,15 @@ class Affine:
         return math.ceil(self.fixed + self.per_window * windows)
 
     @staticmethod
-    def through(points: Sequence[tuple[int, int]], min_slope: float = 0.0) -> Affine:
-        """The line through two (windows, bytes) points, its slope at least `min_slope`, through the second
-        point, and its intercept at least 0 (each clamp only raises the line beyond the points)."""
+    def through(points: Sequence[tuple[int, int]]) -> Affine:
+        """The line through two (windows, bytes) points, its slope and intercept at least 0."""
         (b1, y1), (b2, y2) = points
-        slope = max(min_slope, (y2 - y1) / (b2 - b1))
+        slope = max(0.0, (y2 - y1) / (b2 - b1))
         return Affine(slope, max(0.0, y2 - slope * b2))
 
 
 class _LiveTensorBytes(TorchDispatchMode):
-    """Peak bytes of tensor storages allocated while active (the CPU's max_memory_allocated).
-
-    Every op's outputs are seen; a storage that is not one of the op's inputs' (views and
-    in-place results are not new memory) is counted until Python's weak reference to it dies,
-    which is when the storage itself is freed.
-    """
+    """Peak bytes of new tensor storages while active, each counted until freed (the CPU's max_memory_allocated)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -162,59 +142,21 @@ class _LiveTensorBytes(TorchDispatchMode):
         super().__exit__(*exc)
 
 
-class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes autograd saves for the backward, by storage, parameters and buffers excluded."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
-        self.storages: dict[int, int] = {}
-
-        def pack(t: Tensor) -> Tensor:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in self.exclude:
-                self.storages[ptr] = storage.nbytes()
-            return t
-
-        super().__init__(pack, lambda t: t)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-
-class _PeakMeter:
-    """Peak bytes allocated inside a `with` block, above what was allocated before it."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.peak = 0
-
-    @contextlib.contextmanager
-    def measure(self) -> Iterator[None]:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            yield
-            torch.cuda.synchronize(self.device)
-            self.peak = int(torch.cuda.max_memory_allocated(self.device)) - base
-        else:
-            with _LiveTensorBytes() as live:
-                yield
-            self.peak = live.peak
-
-
-@dataclass(frozen=True)
-class StepMeasure:
-    """A training forward + backward, as a function of the windows in it."""
-
-    peak: Affine  # peak bytes above what was resident before the step
-    stored: Affine  # bytes autograd saves for the backward (part of `peak`)
-
-
-def _param_storages(model: torch.nn.Module) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+@contextlib.contextmanager
+def _peak_bytes(device: torch.device) -> Iterator[list[int]]:
+    """Peak bytes allocated inside a `with` block above what was allocated before it, in the list it yields."""
+    peak = [0]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield peak
+        torch.cuda.synchronize(device)
+        peak[0] = int(torch.cuda.max_memory_allocated(device)) - base
+    else:
+        with _LiveTensorBytes() as live:
+            yield peak
+        peak[0] = live.peak
 
 
 class Trial:
@@ -223,39 +165,34 @@ class Trial:
     def __init__(self, model: TemporalFusionTransformer, batch_fn: BatchFn, device: torch.device,
                  precision: str) -> None:
         self.model, self.batch_fn, self.device = model, batch_fn, device
-        dtype = AUTOCAST_DTYPES[precision]
-        self.autocast: Callable[[], contextlib.AbstractContextManager[Any]] = (
-            contextlib.nullcontext if dtype is None or device.type != "cuda"
-            else lambda: torch.autocast(device_type="cuda", dtype=dtype))
+        self.autocast = autocast_factory(device, Precision(precision, AUTOCAST_DTYPES[precision]))
         self.quantiles = torch.tensor(model.cfg.quantiles, dtype=torch.float32, device=device)
 
     def _batch(self, n: int) -> dict[str, Tensor]:
         return {k: v.to(self.device) for k, v in self.batch_fn(n).items()}
 
-    def train_step(self, n: int, checkpointing: bool) -> tuple[int, int]:
-        """(peak, stored) bytes of one forward + backward of n windows."""
+    def train_step(self, n: int, checkpointing: bool) -> int:
+        """Peak bytes of one forward + backward of n windows."""
         self.model.train()
         self.model.gradient_checkpointing = checkpointing
-        meter, saved = _PeakMeter(self.device), _SavedBytes(_param_storages(self.model))
-        with meter.measure():
+        with _peak_bytes(self.device) as peak:
             batch = self._batch(n)
-            with saved, self.autocast():
+            with self.autocast():
                 out = self.model.forward_rows(*(batch[name] for name in ROW_INPUTS))
             loss = pinball_loss(out.quantiles.float(), batch[TARGET], self.quantiles).mean()
             loss.backward()
             del out, loss, batch
-        return meter.peak, saved.bytes
+        return peak[0]
 
     def val_step(self, n: int) -> int:
         """Peak bytes of one forward of n windows under inference_mode (as validation runs)."""
         self.model.eval()
-        meter = _PeakMeter(self.device)
-        with meter.measure(), torch.inference_mode():
+        with _peak_bytes(self.device) as peak, torch.inference_mode():
             batch = self._batch(n)
             with self.autocast():
                 out = self.model.forward_rows(*(batch[name] for name in ROW_INPUTS))
             del out, batch
-        return meter.peak
+        return peak[0]
 
     @contextlib.contextmanager
     def restoring(self) -> Iterator[None]:
@@ -280,8 +217,6 @@ class Trial:
                 torch.cuda.set_rng_state_all(cuda_rng)
 
 
-# ---- the memory model -------------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class MemoryModel:
@@ -294,25 +229,18 @@ class MemoryModel:
     cast_bytes: int  # autocast's 16-bit weight copies, when assumed (0 when measured inside the activations)
     step_temp_bytes: int  # temporaries of optimizer.step(), after the activations are freed
     resident_bytes: int  # other memory resident after a warm-up step (CUDA workspaces); 0 on the CPU
-    train: StepMeasure | None  # activations without gradient checkpointing (None = not measured)
-    train_ckpt: StepMeasure | None  # with gradient checkpointing (None = not measured)
+    train: Affine  # peak of forward + backward without gradient checkpointing
+    train_ckpt: Affine  # with gradient checkpointing
     val: Affine  # validation forward under inference_mode
     trial_sizes: tuple[int, int]  # windows in the two measured trial steps
     measured_on: str  # how the activations were measured
-    activation_scale: float = 1.0  # multiplier on measured activations (planning CUDA from a CPU measurement)
-
-    def measure(self, checkpointing: bool) -> StepMeasure:
-        m = self.train_ckpt if checkpointing else self.train
-        if m is None:
-            raise ValueError(f"activations with checkpointing {'on' if checkpointing else 'off'} were not measured")
-        return m
 
     @property
     def persistent_bytes(self) -> int:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.resident_bytes
 
     def activation_bytes(self, windows: int, checkpointing: bool) -> int:
-        return math.ceil(self.measure(checkpointing).peak.at(windows) * self.activation_scale)
+        return (self.train_ckpt if checkpointing else self.train).at(windows)
 
     def train_bytes(self, micro_batch: int, checkpointing: bool) -> int:
         """Peak of a training step: persistent + max(forward/backward, optimizer step)."""
@@ -321,8 +249,7 @@ class MemoryModel:
 
     def val_bytes(self, val_batch: int) -> int:
         """Peak of validation: weights, optimizer state and the transient of one forward (no gradients)."""
-        act = math.ceil(self.val.at(val_batch) * self.activation_scale)
-        return self.weight_bytes + self.optimizer_bytes + self.resident_bytes + self.cast_bytes + act
+        return self.weight_bytes + self.optimizer_bytes + self.resident_bytes + self.cast_bytes + self.val.at(val_batch)
 
 
 def largest_fitting(cost: Callable[[int], int], limit: int, cap: int) -> int:
@@ -347,25 +274,12 @@ class Option:
 
 
 def options_for(mem: MemoryModel, budget: int, batch_size: int) -> list[Option]:
-    """For each measured checkpointing setting, the largest micro-batch that fits."""
-    limit = usable_bytes(budget)
+    """For each checkpointing setting, the largest micro-batch that fits."""
     out = []
     for ckpt in (False, True):
-        if (mem.train_ckpt if ckpt else mem.train) is None:
-            continue
-        mb = largest_fitting(functools.partial(mem.train_bytes, checkpointing=ckpt), limit, batch_size)
+        mb = largest_fitting(functools.partial(mem.train_bytes, checkpointing=ckpt), usable_bytes(budget), batch_size)
         out.append(Option(ckpt, mb, mem.train_bytes(max(mb, 1), ckpt)))
     return out
-
-
-def needs_checkpointing_measure(mem: MemoryModel, budget: int, batch_size: int, mode: str) -> bool:
-    """auto: measure checkpointing only when, without it, the micro-batch would be small (or none fits)."""
-    if mode == "off" or mem.train_ckpt is not None:
-        return False
-    if mode == "on" or mem.train is None:
-        return True
-    off = largest_fitting(lambda n: mem.train_bytes(n, False), usable_bytes(budget), batch_size)
-    return off < min(batch_size, MIN_EFFICIENT_MICRO)
 
 
 def choose_plan(mem: MemoryModel, budget: int, batch_size: int, mode: str, precision: str) -> TrainPlan:
@@ -389,17 +303,11 @@ def choose_plan(mem: MemoryModel, budget: int, batch_size: int, mode: str, preci
 
 
 def _choose_checkpointing(opts: dict[bool, Option], batch_size: int, mode: str) -> tuple[Option, str]:
-    """The option to take, and why. "off" and "on" force gradient checkpointing; "auto" prefers it off (it
-    recomputes each block's forward in the backward, about a third more compute) and turns it on only when,
-    without it, the micro-batch would be under MIN_EFFICIENT_MICRO windows (or zero) and with it at least
-    twice as large."""
-    off, on = opts.get(False), opts.get(True)
-    if mode == "on" or off is None:
-        assert on is not None
-        return on, "gradient checkpointing on (--grad-checkpointing on)"
-    if mode == "off" or on is None:
-        return off, "gradient checkpointing off " + ("(--grad-checkpointing off)" if mode == "off" else
-                                                     f"(micro-batch {off.micro_batch} fits without it)")
+    """The option to take, and why. "auto" prefers checkpointing off (it costs about a third more compute) unless
+    the micro-batch without it is under MIN_EFFICIENT_MICRO windows and with it at least twice as large."""
+    off, on = opts[False], opts[True]
+    if mode != "auto":
+        return (on if mode == "on" else off), f"gradient checkpointing {mode} (--grad-checkpointing {mode})"
     if off.micro_batch >= min(batch_size, MIN_EFFICIENT_MICRO) or (
             off.micro_batch >= 1 and on.micro_batch < 2 * off.micro_batch):
         return off, (f"gradient checkpointing off: micro-batch {off.micro_batch} without it, {on.micro_batch} with "
@@ -409,7 +317,8 @@ def _choose_checkpointing(opts: dict[bool, Option], batch_size: int, mode: str) 
 
 
 def _refusal(mem: MemoryModel, budget: int, opts: dict[bool, Option], mode: str) -> str:
-    best = min(opts.values(), key=lambda o: o.train_bytes)
+    best = min((o for o in opts.values() if mode == "auto" or o.checkpointing == (mode == "on")),
+               key=lambda o: o.train_bytes)
     need = math.ceil(max(best.train_bytes, mem.val_bytes(1)) / (1.0 - SAFETY_FRACTION))
     per_window = ", ".join(f"{format_bytes(mem.activation_bytes(1, c))} with checkpointing {'on' if c else 'off'}"
                            for c in sorted(opts))
@@ -421,8 +330,6 @@ def _refusal(mem: MemoryModel, budget: int, opts: dict[bool, Option], mode: str)
             f"--vram-budget to {budget_flag(need)} or more,{hint} or shrink the model "
             "(--hidden-size, fewer --features, --encoder-length)")
 
-
-# ---- planning a model ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -460,16 +367,11 @@ def assumptions_for(target: Target) -> tuple[str, ...]:
     out = []
     if target.from_cpu:
         out += [
-            "no CUDA here: activations were measured on the CPU in fp32 and are assumed the same size on the card; "
-            "autocast makes matmul outputs 16-bit, but in this model bias adds, layer norms and softmax promote "
-            "back to fp32 and the 16-bit copies of matmul inputs are kept beside them, so no saving is assumed",
-            "16-bit weight copies assumed at 2 bytes per parameter (the CUDA measurement includes them instead)",
-            "CUDA library workspaces (cuBLAS, cuDNN) and the cuDNN LSTM's reserve are not in a CPU measurement: "
-            "they are left to the safety margin",
+            "no CUDA here: activations were measured on the CPU in fp32 and are assumed the same size on the card "
+            "(autocast saves little here: layer norms and softmax promote back to fp32)",
+            "16-bit weight copies assumed at 2 bytes per parameter",
+            "CUDA library workspaces (cuBLAS, cuDNN) are left to the safety margin",
         ]
-        if target.precision != "fp32":
-            out.append(f"precision {target.precision}: --precision auto takes bf16 where the card supports it "
-                       "(Ampere or newer), else fp16; both have the same sizes")
     out += ["optimizer.step(): fused AdamW updates in place; one fp32 temporary per parameter is assumed as a bound",
             "peak is allocated memory (torch.cuda.max_memory_allocated); the cap "
             "(set_per_process_memory_fraction) bounds reserved memory, which is at least that"]
@@ -489,70 +391,47 @@ def persistent_terms(model: torch.nn.Module, target: Target) -> tuple[int, int, 
 
 
 def measure_memory(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target,
-                   checkpointing: Sequence[bool], base: MemoryModel | None = None,
-                   sizes: tuple[int, int] = TRIAL_SIZES) -> MemoryModel:
-    """Persistent terms from the parameters, activations from trial steps on target.measure_device.
-
-    With `base`, only the given checkpointing settings are measured and added to it.
-    """
+                   ) -> MemoryModel:
+    """Persistent terms from the parameters, activations from trial steps on target.measure_device, with and
+    without gradient checkpointing."""
     device = target.measure_device
     n_params, weight_bytes, grad_bytes, optimizer_bytes, cast, step_temp = persistent_terms(model, target)
     trial = Trial(model, batch_fn, device, target.precision if device.type == "cuda" else "fp32")
-    sizes = base.trial_sizes if base else sizes
-    resident = base.resident_bytes if base else 0
-    measures: dict[bool, StepMeasure] = {}
-    val = base.val if base else Affine(0.0, 0.0)
+    resident = 0
     with trial.restoring():
-        if device.type == "cuda" and base is None:
+        if device.type == "cuda":
             trial.train_step(1, False)  # warm-up: library workspaces and lazy initialisation
             torch.cuda.synchronize(device)
             resident = max(0, torch.cuda.memory_allocated(device) - weight_bytes - grad_bytes)
-        for ckpt in checkpointing:
-            points = [(n, *trial.train_step(n, ckpt)) for n in sizes]
-            stored = Affine.through([(n, s) for n, _, s in points])
-            # the peak holds what autograd stores, so it grows at least as fast
-            measures[ckpt] = StepMeasure(Affine.through([(n, p) for n, p, _ in points], stored.per_window), stored)
-        if base is None:
-            for p in model.parameters():
-                p.grad = None  # validation runs with gradients freed
-            val = Affine.through([(n, trial.val_step(n)) for n in sizes])
+        train, train_ckpt = (Affine.through([(n, trial.train_step(n, ckpt)) for n in TRIAL_SIZES])
+                             for ckpt in (False, True))
+        for p in model.parameters():
+            p.grad = None  # validation runs with gradients freed
+        val = Affine.through([(n, trial.val_step(n)) for n in TRIAL_SIZES])
     how = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
            else "bytes of tensor storages allocated, CPU, fp32")
-    return MemoryModel(n_params, weight_bytes, grad_bytes, optimizer_bytes, cast, step_temp, resident,
-                       measures.get(False, base.train if base else None),
-                       measures.get(True, base.train_ckpt if base else None), val, sizes, how)
+    return MemoryModel(n_params, weight_bytes, grad_bytes, optimizer_bytes, cast, step_temp, resident, train,
+                       train_ckpt, val, TRIAL_SIZES, how)
 
 
 def _measure_fitting(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target,
-                     checkpointing: Sequence[bool], budget: int, base: MemoryModel | None = None) -> MemoryModel:
-    """measure_memory; under a CUDA cap too small for the trial sizes, again at 1 and 2 windows."""
-    for sizes in (TRIAL_SIZES, (1, 2)):
-        try:
-            return measure_memory(model, batch_fn, target, checkpointing, base, sizes)
-        except torch.OutOfMemoryError:
-            if target.measure_device.type == "cuda":
-                torch.cuda.empty_cache()
-            if base is not None:
-                break
-    raise PlanError(f"trial steps of {TRIAL_SIZES} and (1, 2) windows ran out of memory under the VRAM cap of "
-                    f"{format_bytes(budget)}: the budget is too small for this model; raise --vram-budget or shrink "
-                    "the model (--hidden-size, fewer --features, --encoder-length)")
+                     budget: int) -> MemoryModel:
+    """measure_memory; PlanError when its trial steps run out of memory under the CUDA cap."""
+    try:
+        return measure_memory(model, batch_fn, target)
+    except torch.OutOfMemoryError:
+        raise PlanError(f"trial steps of {TRIAL_SIZES[0]} and {TRIAL_SIZES[1]} windows ran out of memory under the "
+                        f"VRAM cap of {format_bytes(budget)}: raise --vram-budget or shrink the model (--hidden-size, "
+                        "fewer --features, --encoder-length)") from None
 
 
 def plan_for_model(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target, budget: int,
                    batch_size: int, mode: str) -> PlanReport:
-    """Measure and plan; PlanError (carrying the table) when the budget cannot hold one window.
-
-    Without a budget (or on the CPU, where none applies) the plan is the config taken literally,
-    with its estimated peak.
-    """
+    """Measure and plan; PlanError (carrying the table) when the budget cannot hold one window. Without a
+    budget, or on the CPU, the plan is the config taken literally, with its estimated peak."""
     t0 = time.perf_counter()
     planning = bool(budget) and target.kind == "cuda"
-    if planning:
-        check_model_fits(model, target, budget)
-    mem = _measure_fitting(model, batch_fn, target, [mode == "on"], budget)
-    if planning and needs_checkpointing_measure(mem, budget, batch_size, mode):
-        mem = _measure_fitting(model, batch_fn, target, [True], budget, base=mem)
+    mem = _measure_fitting(model, batch_fn, target, budget)
     if target.measure_device.type == "cuda":  # the trial steps' cached blocks would fragment the real run's pool
         torch.cuda.empty_cache()
     if not planning:
@@ -573,27 +452,11 @@ def plan_for_model(model: TemporalFusionTransformer, batch_fn: BatchFn, target: 
                       time.perf_counter() - t0, notes)
 
 
-def check_model_fits(model: TemporalFusionTransformer, target: Target, budget: int) -> None:
-    """PlanError when the weights, gradients and AdamW state alone exceed the usable budget."""
-    _, weights, grads, optim, cast, _ = persistent_terms(model, target)
-    fixed = weights + grads + optim + cast
-    if fixed <= usable_bytes(budget):
-        return
-    copies = f", their 16-bit copies {format_bytes(cast)}" if cast else ""
-    raise PlanError(f"the VRAM budget {format_bytes(budget)} does not fit even the model: weights "
-                    f"{format_bytes(weights)}, gradients {format_bytes(grads)}, AdamW state {format_bytes(optim)}"
-                    f"{copies} take {format_bytes(fixed)} of {format_bytes(usable_bytes(budget))} usable "
-                    f"({SAFETY_FRACTION:.0%} kept free), before any window's activations. Raise --vram-budget well "
-                    f"above {budget_flag(fixed / (1.0 - SAFETY_FRACTION))} (--plan-only with a larger budget measures "
-                    "a window's activations, and names the budget one window needs if that one falls short too) or "
-                    "shrink the model (--hidden-size, fewer --features, --encoder-length)")
-
-
 def _literal_report(target: Target, budget: int, batch_size: int, mode: str, mem: MemoryModel,
                     seconds: float) -> PlanReport:
     """No budget to plan for: the config taken literally, with its estimated peak."""
     plan = literal_plan(batch_size, mode, target.precision)
-    ckpt = plan.grad_checkpointing  # measured: mode "on" measures with checkpointing, else without
+    ckpt = plan.grad_checkpointing
     estimate = max(mem.train_bytes(batch_size, ckpt), mem.val_bytes(batch_size))
     opts = (Option(ckpt, batch_size, mem.train_bytes(batch_size, ckpt)),)
     notes = ((f"--vram-budget {format_bytes(budget)} is not applicable on the CPU: it caps CUDA device memory",)
@@ -604,12 +467,8 @@ def _literal_report(target: Target, budget: int, batch_size: int, mode: str, mem
 
 def confirm_on_card(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target, mem: MemoryModel,
                     plan: TrainPlan) -> TrainPlan:
-    """One real step of the chosen micro-batch under the cap, with the AdamW state's bytes held beside
-    it (the optimizer allocates them at its first step); on out of memory, a quarter fewer windows.
-
-    The estimate is of allocated memory and extrapolates from two small trial steps; the cap
-    bounds reserved memory. This step proves the plan on the card before training starts.
-    """
+    """One real step of the chosen micro-batch under the cap, the AdamW state's bytes held beside it; on out
+    of memory, a quarter fewer windows. The estimate is of allocated memory, the cap bounds reserved memory."""
     device = target.measure_device
     trial = Trial(model, batch_fn, device, target.precision)
     mb = plan.micro_batch
@@ -641,8 +500,8 @@ def confirm_on_card(model: TemporalFusionTransformer, batch_fn: BatchFn, target:
 
 
 def batch_fn_for(tensors: Any, anchors: np.ndarray) -> BatchFn:
-    """Real windows for trial steps: the first n training anchors (repeated if there are fewer),
-    every window with bars of its own (no bar shared), the most memory n windows can take."""
+    """Real windows for trial steps: the first n training anchors, repeated if fewer, no bar shared (the most
+    memory n windows can take)."""
 
     def fn(n: int) -> dict[str, Tensor]:
         picked = np.resize(anchors, n) if anchors.size else anchors
@@ -652,8 +511,6 @@ def batch_fn_for(tensors: Any, anchors: np.ndarray) -> BatchFn:
 
     return fn
 
-
-# ---- the table ------------------------------------------------------------------------------------
 
 
 def format_report(r: PlanReport, refused: bool = False) -> str:
@@ -694,23 +551,15 @@ def _term_rows(r: PlanReport) -> list[tuple[str, str, str]]:
                      f"autocast's casts, kept for the backward ({cast_how})"))
         rows.append(("resident after warm-up", format_bytes(m.resident_bytes),
                      "cuBLAS/cuDNN workspaces" + (" (measured on CUDA only)" if r.target.from_cpu else "")))
+    bound = "one fp32 copy of the parameters" if on_card else "the largest parameter"
     rows.append(("optimizer.step() temporaries", format_bytes(m.step_temp_bytes),
-                 ("fused AdamW, bounded by one fp32 copy of the parameters" if on_card else "fused AdamW, "
-                  "bounded by the largest parameter") + "; after activations are freed, so max(step, activations), "
-                 "not a sum"))
+                 f"fused AdamW, bounded by {bound}; max(step, activations), not a sum"))
     sizes = f"trial steps of {m.trial_sizes[0]} and {m.trial_sizes[1]} windows"
     for ckpt, s in ((False, m.train), (True, m.train_ckpt)):
-        name = "activations per window" + (", checkpointing" if ckpt else "")
-        rows.append((name, "-", "not measured (not needed)") if s is None else
-                    (name, format_bytes(s.peak.per_window * m.activation_scale),
-                     f"peak of forward+backward, {sizes} ({m.measured_on}); fixed part "
-                     f"{format_bytes(s.peak.fixed * m.activation_scale)}; of it stored for backward "
-                     f"{format_bytes(s.stored.per_window)}/window (saved_tensors_hooks)"))
-    rows.append(("validation per window", format_bytes(m.val.per_window * m.activation_scale),
-                 f"transient of a forward under torch.inference_mode (stores nothing); fixed part "
-                 f"{format_bytes(m.val.fixed * m.activation_scale)}; gradients are freed before it"))
-    if on_card:
-        rows.append(("checkpoint writing", format_bytes(0), "tensors are copied to host memory"))
+        rows.append(("activations per window" + (", checkpointing" if ckpt else ""), format_bytes(s.per_window),
+                     f"peak of forward+backward, {sizes} ({m.measured_on}); fixed part {format_bytes(s.fixed)}"))
+    rows.append(("validation per window", format_bytes(m.val.per_window),
+                 f"transient of a forward under torch.inference_mode; fixed part {format_bytes(m.val.fixed)}"))
     return rows
 
 

@@ -15,9 +15,8 @@ FAN_WINDOWS = 300
 def write_report(path: Path, history: list[dict[str, Any]], outputs: dict[str, np.ndarray], target: np.ndarray,
                  quantiles: tuple[float, ...], observed_names: list[str], known_names: list[str],
                  static_names: list[str]) -> None:
-    """Loss curves, a P-low..P-high fan chart against realised returns on validation (horizon 1),
-    variable importances, and mean attention over encoder positions. `outputs` are the model's
-    named outputs on consecutive validation windows, `target` their realised returns [W, H]."""
+    """Loss curves, a fan chart against realised returns (horizon 1), variable importances and mean
+    attention, from the model's `outputs` on consecutive validation windows and their `target` [W, H]."""
     from matplotlib.figure import Figure  # imported here: a run's start (and --help) need no plotting library
 
     fig = Figure(figsize=(14, 9))  # no pyplot: nothing global, no GUI backend, nothing to close

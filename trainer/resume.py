@@ -48,9 +48,7 @@ class ResumeState:
         check_resumed_bars(self.ckpt["bars_digest"], data.bars_digest, source)
 
     def schedule(self, cfg: TrainConfig, warn: bool) -> tuple[int, int]:
-        """The optimizer steps and epochs of the resumed run's learning-rate schedule, whatever --epochs says now.
-        A resume that trains past them does so at the schedule's floor: stretching the cosine would jump the
-        learning rate back up mid-run."""
+        """The resumed run's schedule length (steps, epochs), whatever --epochs says now: past it, the floor."""
         steps, epochs = int(self.ckpt["schedule_steps"]), int(self.ckpt["schedule_epochs"])
         if cfg.epochs > epochs and warn:
             log.warning("--epochs %d goes past the resumed run's learning-rate schedule (%d epochs, %d optimizer "

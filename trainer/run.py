@@ -20,11 +20,11 @@ from features.metrics import format_q_risk
 from trainer.checkpoint import load_checkpoint
 from trainer.config import TrainConfig, given_fields, resumed_config, setting_label
 from trainer.data import PreparedData, prepare
-from trainer.device import resolve_device, resolve_precision
+from trainer.device import no_cuda_reason, resolve_device, resolve_precision
 from trainer.distributed import shutdown
 from trainer.loop import PlanFn, Trainer, build_model
 from trainer.modeling import TemporalFusionTransformer
-from trainer.plan import TrainPlan, literal_plan
+from trainer.plan import TrainPlan
 from trainer.planner import (
     PlanError,
     PlanReport,
@@ -54,7 +54,11 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     budget = parse_budget(cfg.vram_budget) if cfg.vram_budget else 0
     if args.plan_only:
         return plan_only(args.parquet, cfg, budget, columns, resumed)
-    plan_fn = budget_plan_fn(cfg, budget, _budget_label(args, cfg)) if budget else None
+    label = _budget_label(args, cfg)
+    if budget and cfg.device == "cpu":
+        log.warning("%s is not applicable on the CPU (it caps CUDA device memory): training runs without it", label)
+        budget = 0
+    plan_fn = budget_plan_fn(budget, cfg, label) if budget else None
     trainer = Trainer(args.parquet, cfg, args.out, columns, resume=resumed, progress=not args.no_progress,
                       plan_fn=plan_fn)
     result = trainer.run()
@@ -84,11 +88,6 @@ def _judge_best(trainer: Trainer, report: bool) -> None:
         test_best(trainer, best)
 
 
-def _no_cuda_reason() -> str:
-    return ("this PyTorch build has no CUDA support" if torch.version.cuda is None
-            else "no CUDA device is visible (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES)")
-
-
 def _budget_label(args: argparse.Namespace, cfg: TrainConfig) -> str:
     """How the budget was set, for messages: the flag, or the --config file that holds it."""
     if getattr(args, "cfg_vram_budget", None) is None and getattr(args, "config", None):
@@ -96,21 +95,11 @@ def _budget_label(args: argparse.Namespace, cfg: TrainConfig) -> str:
     return f"--vram-budget {cfg.vram_budget}"
 
 
-def budget_plan_fn(cfg: TrainConfig, budget: int, label: str = "") -> PlanFn:
-    """The Trainer's plan_fn for a run with --vram-budget (PlanError if the budget cannot apply); `label` says
-    how the budget was set."""
-    label = label or f"--vram-budget {cfg.vram_budget}"
-    if cfg.device == "cpu":
-        log.warning("%s is not applicable on the CPU (it caps CUDA device memory): training runs without it", label)
-
-        def not_applicable(model: TemporalFusionTransformer, data: PreparedData, device: torch.device,
-                           precision: str) -> TrainPlan:
-            plan = literal_plan(cfg.batch_size, cfg.grad_checkpointing, precision)
-            return replace(plan, notes=(f"--vram-budget {cfg.vram_budget} not applicable on the CPU",))
-
-        return not_applicable
+def budget_plan_fn(budget: int, cfg: TrainConfig, label: str) -> PlanFn:
+    """The Trainer's plan_fn for a run with a VRAM budget; PlanError without CUDA. `label` says how the budget
+    was set."""
     if not torch.cuda.is_available():
-        raise PlanError(f"{label} caps CUDA device memory, but CUDA is not available here ({_no_cuda_reason()}), so "
+        raise PlanError(f"{label} caps CUDA device memory, but CUDA is not available here ({no_cuda_reason()}), so "
                         "the budget cannot be kept. Use --plan-only to see the plan for a CUDA card, or --device cpu "
                         "to train on the CPU without a budget")
 
@@ -155,11 +144,8 @@ def _plan(model: TemporalFusionTransformer, batch_fn: Callable[[int], dict[str, 
 
 
 def plan_only(parquet: str, cfg: TrainConfig, budget: int, columns: ColumnMap, resumed: ResumeState | None) -> int:
-    """--plan-only: measure, print the plan and exit 0, on any machine.
-
-    The plan is for the device the run would use: --device cuda (or auto with a budget) plans
-    for a CUDA card even where there is none, from a CPU measurement, and says what it assumes.
-    """
+    """--plan-only: measure, print the plan for the device the run would use and exit 0, on any machine
+    (without CUDA, --device cuda or auto with a budget plans for a card from a CPU measurement)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -192,14 +178,13 @@ def _plan_target(cfg: TrainConfig, budget: int) -> Target:
     if wants_cuda:
         why = "--device auto with a VRAM budget" if cfg.device == "auto" else f"--device {cfg.device}"
         return Target("cuda", cpu, "bf16" if cfg.precision == "auto" else cfg.precision,
-                      f"{why}; no CUDA here ({_no_cuda_reason()}): planned for a CUDA card from a CPU measurement")
+                      f"{why}; no CUDA here ({no_cuda_reason()}): planned for a CUDA card from a CPU measurement")
     return Target("cpu", cpu, resolve_precision(cfg.precision, cpu).name,
                   "--device auto: no CUDA here" if cfg.device == "auto" else "--device cpu")
 
 
 def test_best(trainer: Trainer, best: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The best checkpoint's metrics on the held-out test split, logged and written beside it (once, at the
-    end: the test split chose nothing, unlike validation, which chose the epoch)."""
+    """The best checkpoint's metrics on the held-out test split, logged and written beside it."""
     best = best if best is not None else load_checkpoint(trainer.paths.best)
     trainer.model.load_state_dict(best["model_state"])
     result = {"epoch": int(best["epoch"]), **trainer.evaluate(trainer.data.test_anchors, "test")}

@@ -1,9 +1,5 @@
-"""The files beside --out across runs: refusing the bars as --out, and whose best checkpoint is there.
-
-A resumed run writes its best checkpoint only when one of its own epochs beats the best so far;
-until then the best at --out must be the run's own, else the report and test scores would judge
-another run's model.
-"""
+"""The files beside --out across runs: refusing the bars as --out, and whose best checkpoint is there
+(the report and test scores must judge the run's own best model)."""
 
 from __future__ import annotations
 
@@ -53,8 +49,8 @@ def runs_best(path: Path, best_epoch: int, history: list[dict[str, Any]]) -> dic
 
 def adopt_best(paths: RunPaths, resumed: Path, best_epoch: int, best_val: float,
                history: list[dict[str, Any]]) -> None:
-    """When --out's best is not the resumed run's, copy the run's best there from beside the resumed file;
-    when that is nowhere, remove the report and test scores that would judge another model."""
+    """When --out's best is not the resumed run's, copy the run's best there from beside the resumed file; else
+    remove the report and test scores beside --out."""
     if best_epoch == 0 or runs_best(paths.best, best_epoch, history) is not None:
         return
     candidates = [resumed]
