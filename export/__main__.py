@@ -1,26 +1,21 @@
 """`python -m export ckpt.pt model.onnx`: a checkpoint to an ONNX model that has been proved.
 
 The model takes raw features and returns quantiles of cumulative log return [batch, horizon,
-n_quantiles] (normalisation folded in), plus attention and variable-selection weights unless
---no-explain. Its metadata_props carry what the server needs (foxhunt.* keys, see
-features/model_meta.py), including the parity and placement reports.
+n_quantiles], plus attention and variable-selection weights unless --no-explain. Its metadata
+carries what the server needs, including the parity and placement reports.
 
-Checks, in order, before anything is written: onnx.checker (full); input/output names,
-dtypes and the dynamic batch axis; parity against PyTorch on real windows and random
-batches of 1, 7 and 64 (tolerance 1e-4 fp32, 1e-2 fp16, on quantile errors in units of the
-target's std); device placement (every compute node on the required device's provider; only
-shape computation may stay on the CPU). Without --require-device the placement gate is
-reported as not run, never as passed. The output (and the Triton model directory) appear
-only when every check passed: they are written beside their targets and renamed into place.
+Checks, in order, before anything is written: onnx.checker (full); names, dtypes and the dynamic
+batch axis; parity against PyTorch on real windows and random batches of 1, 7 and 64; device
+placement (a gate only with --require-device, else reported as not run). The outputs appear
+only when every check passed.
 
 exit status:
   0  the model (and the Triton repository entry) was written
-  1  a check failed, torch could not export the model, a file could not be written (disk
-     full, a path that became unwritable, a temporary file of the checks); nothing was written
-  2  bad arguments or unusable input (missing, corrupt or pickled checkpoint, bad or
-     unwritable paths, unusable --bars, --require-device cuda where the CUDA provider does
-     not load); nothing was written
-  130  interrupted; nothing was written
+  1  a check failed, torch could not export the model, or a file could not be written
+  2  bad arguments or unusable input (checkpoint, paths, --bars, --require-device cuda without
+     a CUDA provider)
+  130  interrupted
+On 1, 2 and 130 nothing was written.
 """
 
 from __future__ import annotations
@@ -35,10 +30,10 @@ from typing import TYPE_CHECKING
 
 from export.errors import CheckFailed, ExportError, UsageError
 from export.options import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportOptions
-from export.triton import MAX_BATCH_SIZE_LIMIT, check_name
+from export.triton import check_name
 from features.bars import ColumnMap, clash_with_bars
 from features.file_kind import replace_problem
-from features.files import file_argument, unwritable
+from features.files import file_argument
 
 if TYPE_CHECKING:
     from export.pipeline import Tamper
@@ -82,9 +77,8 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
     if args.threads < 1:
         raise UsageError(f"--threads {args.threads}: must be >= 1")
     _check_output(out, args.checkpoint)
-    targets = [(out, "the output")]
     if args.triton_repo is not None:
-        targets.append((_triton_entry(args, out), "--triton-repo"))
+        _check_triton(args, out)
     elif args.triton_name or args.triton_max_batch_size != 256:
         raise UsageError("--triton-name and --triton-max-batch-size only apply with --triton-repo DIR")
     if args.bars is not None and not args.bars.exists():
@@ -93,14 +87,10 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         raise UsageError(f"{problem}; choose another output file")
     if problem := replace_problem(out, "an ONNX model"):
         raise UsageError(problem)
-    for target, what in targets:
-        if blocked := unwritable(target):  # found now, not after minutes of checks
-            raise UsageError(f"{what}: cannot write in {blocked[0]} ({blocked[1]}); choose a directory this user "
-                             "can write to")
     if args.bars is None and (given := ColumnMap.given(args)):
         flags = ", ".join(ColumnMap.flag(f) for f in given)
         raise UsageError(f"{flags}: column mapping applies to --bars only (the checkpoint's own windows need none)")
-    if not args.checkpoint.exists() and not args.checkpoint.is_symlink():  # said before torch's import
+    if not args.checkpoint.exists():  # said before torch's import
         raise UsageError(f"{args.checkpoint}: no such checkpoint file")
     return ExportOptions(checkpoint=args.checkpoint, output=out, opset=args.opset, fp16=args.fp16,
                          explain=args.explain, require_device=args.require_device, triton_repo=args.triton_repo,
@@ -121,23 +111,20 @@ def _check_output(out: Path, checkpoint: Path) -> None:
         raise UsageError(f"{out} is the checkpoint itself; choose another output file")
 
 
-def _triton_entry(args: argparse.Namespace, out: Path) -> Path:
-    """The Triton model directory export will replace, once the --triton-* flags are checked."""
+def _check_triton(args: argparse.Namespace, out: Path) -> None:
     if args.triton_repo.exists() and not args.triton_repo.is_dir():
         raise UsageError(f"--triton-repo {args.triton_repo} is a file, not a directory")
     if problem := check_name(args.triton_name or out.stem):
         raise UsageError(f"{problem}; pass --triton-name NAME")
-    if not 1 <= args.triton_max_batch_size <= MAX_BATCH_SIZE_LIMIT:
-        raise UsageError(f"--triton-max-batch-size {args.triton_max_batch_size}: must be 1..{MAX_BATCH_SIZE_LIMIT} "
-                         "(Triton's max_batch_size is an int32)")
+    if args.triton_max_batch_size < 1:
+        raise UsageError(f"--triton-max-batch-size {args.triton_max_batch_size}: must be >= 1")
     entry: Path = args.triton_repo / (args.triton_name or out.stem)
-    if (entry.exists() or entry.is_symlink()) and not entry.is_dir():
+    if entry.exists() and not entry.is_dir():
         raise UsageError(f"--triton-repo: {entry} exists and is not a directory; the Triton model directory "
                          "would replace it: remove it, or pass --triton-name NAME")
     if out.resolve().is_relative_to(entry.resolve()):
         raise UsageError(f"{out} is inside the Triton model directory {entry.resolve()}, which export replaces as a "
-                         "whole; write the model file elsewhere (the repository gets its own copy)")
-    return entry
+                         "whole; write the model file elsewhere")
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -145,15 +132,11 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int:
-    """Run the export; returns the exit status. `_tamper` is a test hook (see pipeline.run_export)."""
+    """Run the export; returns the exit status. `_tamper`: a test hook (see pipeline.run_export)."""
     args = build_parser().parse_args(argv)
     published: list[Path] = []
     try:
-        try:
-            opts = options_from_args(args)
-        except OSError as exc:  # a directory on the way cannot be searched
-            raise UsageError(f"{exc.filename or exc}: {exc.strerror or exc}; check the permissions of the "
-                             "directories on its way") from None
+        opts = options_from_args(args)
         from export.pipeline import run_export  # torch and onnx (seconds) once the flags hold
 
         run_export(opts, published=published, _tamper=_tamper)

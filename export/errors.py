@@ -10,13 +10,13 @@ class ExportError(Exception):
 
 
 class UsageError(ExportError):
-    """Bad arguments or unusable input (missing, corrupt or pickled checkpoint, bad paths): exit 2."""
+    """Bad arguments or unusable input: exit 2."""
 
     exit_status = 2
 
 
 class CheckFailed(ExportError):
-    """The export ran and one of its checks refused the model (or torch could not export it): exit 1."""
+    """A check refused the model, or torch could not export it: exit 1."""
 
     exit_status = 1
 
@@ -26,6 +26,6 @@ class CheckFailed(ExportError):
 
 
 class WriteFailed(ExportError):
-    """Every check passed but the files could not be written (disk full, say): exit 1, as the trainer's."""
+    """Every check passed but the files could not be written: exit 1."""
 
     exit_status = 1

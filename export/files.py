@@ -1,8 +1,7 @@
-"""All-or-nothing output: everything is staged beside its target, renamed into place only at the end.
+"""All-or-nothing output: everything is staged beside its target and renamed into place at the end.
 
-A failed check, a crash or a kill before `commit` leaves no output file and no model
-directory (only staged temporaries, which `discard` removes); `commit` replaces the model
-directory first and the model file last, rolling the directory back if the file fails.
+`commit` replaces the model directory first and the model file last, rolling the directory back
+if the file fails; before `commit`, nothing but staged temporaries exists.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _link_or_copy(src: str, dst: str) -> None:
-    """A hard link where the file system allows one (no bytes copied), else a copy."""
+    """A hard link where the file system allows one, else a copy."""
     if os.path.islink(src):
         os.symlink(os.readlink(src), dst)
         return
@@ -47,9 +46,7 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def leftovers(target: Path) -> tuple[list[Path], list[Path]]:
-    """What an export killed (SIGKILL, power loss) left beside `target`: staged copies (`.<name>.*.tmp`) and
-    backups of a replaced directory (`.<name>.old-*`). In a Triton repository, Triton would take either for a
-    model."""
+    """What a killed export left beside `target`: staged copies and backups of a replaced directory."""
     if not target.parent.is_dir():
         return [], []
     name = re.escape(target.name)
@@ -62,8 +59,7 @@ def leftovers(target: Path) -> tuple[list[Path], list[Path]]:
 
 @contextlib.contextmanager
 def _naming(target: Path) -> Iterator[None]:
-    """An OSError inside names `target`, what was being written, rather than a staged path or nothing (a full
-    disk's write() gives no file name)."""
+    """An OSError inside names `target` rather than a staged path or nothing (a full disk's write())."""
     try:
         yield
     except OSError as exc:
@@ -93,7 +89,7 @@ class Staging:
         self.discard()
 
     def _parents(self, target: Path) -> None:
-        """`target`'s missing directories made, and noted: discard() removes them again."""
+        """Make `target`'s missing directories; discard() removes them again."""
         if not target.parent.exists():
             missing = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
             target.parent.mkdir(parents=True)
@@ -108,9 +104,8 @@ class Staging:
             _write(Path(tmp), data, self._mode)
 
     def directory(self, target: Path, files: dict[str, bytes], keep_others: bool = False) -> None:
-        """Stage `target` holding `files` (relative path -> content). With `keep_others`, what an existing
-        `target` holds besides the top-level entries of `files` (other Triton versions, labels) is
-        carried into the staged copy as hard links (copies where links fail), so the swap keeps it."""
+        """Stage `target` holding `files` (relative path -> content). With `keep_others`, the other entries of
+        an existing `target` (Triton versions, labels) are linked into the staged copy, so the swap keeps them."""
         with _naming(target):
             self._parents(target)
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
@@ -131,9 +126,8 @@ class Staging:
                         _link_or_copy(str(entry), str(tmp / entry.name))
 
     def commit(self, published: list[Path] | None = None) -> None:
-        """Publish: directories first (swapping out any old one), then files (os.replace). On any error,
-        Ctrl-C included, the directories swapped so far are swapped back. The targets are added to
-        `published` once all are in place."""
+        """Publish directories (swapping out any old one), then files; on any error the swapped directories go
+        back. The targets are added to `published` once all are in place."""
         swapped: list[tuple[Path, Path, Path | None]] = []  # (staged, target, backup)
         try:
             for staged, target in self._dirs:
@@ -152,7 +146,7 @@ class Staging:
         except BaseException:
             for staged, target, backup in reversed(swapped):
                 if not staged.exists() and target.exists():
-                    os.rename(target, staged)  # the new one goes back to staging, discard removes it
+                    os.rename(target, staged)
                 if backup is not None:
                     os.rename(backup, target)
             raise
@@ -160,7 +154,7 @@ class Staging:
             _fsync_dir(parent)
         for _, _, backup in swapped:
             if backup is not None:
-                remove(backup)  # a link (a model directory that was a symlink) is unlinked, what it named kept
+                remove(backup)
         self._files, self._dirs, self._created_parents = [], [], []
 
     def discard(self) -> None:
@@ -168,8 +162,7 @@ class Staging:
             staged.unlink(missing_ok=True)
         for staged, _ in self._dirs:
             shutil.rmtree(staged, ignore_errors=True)
-        # deepest first over every file's and directory's parents (a file's and a directory's may nest)
         for parent in sorted(set(self._created_parents), key=lambda p: len(p.parts), reverse=True):
-            with contextlib.suppress(OSError):  # one holding something else stays
+            with contextlib.suppress(OSError):  # deepest first; one holding something else stays
                 parent.rmdir()
         self._files, self._dirs, self._created_parents = [], [], []

@@ -1,15 +1,9 @@
-"""float32 ONNX graph -> half-precision weights and compute, float32 inputs and outputs.
+"""float32 ONNX graph -> half-precision weights and compute, float32 inputs and outputs (flat graphs).
 
-A small converter of our own for the op set the exporter emits (no subgraphs). Per node:
-
-* fp32: numerically sensitive ops (`KEEP_FP32_OPS`), nodes that read an initializer in
-  `keep_initializers` (the input normalisation: raw features lose too many digits in half),
-  and nodes that produce a graph output.
-* fp16: everything else; LayerNormalization with `stash_type=1` (float32 mean and variance).
-
-Casts go wherever a tensor crosses between the two; a tensor going to half is clipped to
-+-65504 first, so it saturates instead of becoming infinite (inf - inf = NaN). Float
-initializers are stored in the precision of their readers (twice when both read one).
+fp32 stays for sensitive ops (`KEEP_FP32_OPS`), nodes reading a `keep_initializers` tensor (the
+input normalisation) and nodes producing a graph output; the rest runs in half, LayerNormalization
+with float32 statistics. Casts go where a tensor crosses; going to half it is clipped to +-65504
+first, so it saturates rather than becoming inf. Initializers are stored in their readers' precision.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ _TYPE_AGNOSTIC = frozenset({"Shape", "Size", "Cast"})
 
 
 class Fp16Error(ValueError):
-    """A graph this converter does not handle (e.g. one with subgraphs)."""
+    """A graph this converter does not handle."""
 
 
 def _to_half(arr: np.ndarray) -> np.ndarray:
@@ -59,7 +53,7 @@ def _constants_to_initializers(graph: onnx.GraphProto) -> None:
 
 
 def convert_to_fp16(model: onnx.ModelProto, keep_initializers: Iterable[str] = ()) -> onnx.ModelProto:
-    """Return a converted copy of `model`; raises Fp16Error for graphs outside its scope."""
+    """A converted copy of `model`; Fp16Error for graphs with subgraphs."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
@@ -80,13 +74,11 @@ def convert_to_fp16(model: onnx.ModelProto, keep_initializers: Iterable[str] = (
 
 
 class _Converter:
-    """Converts one node at a time, in graph order, inserting the casts between fp32 and fp16 it needs."""
+    """Converts one node at a time, in graph order, inserting the casts it needs."""
 
     def __init__(self, m: onnx.ModelProto, keep_inits: set[str]) -> None:
         g = m.graph
         self.inits = {t.name: t for t in g.initializer}
-        if missing := keep_inits - set(self.inits):
-            raise Fp16Error(f"initializers {sorted(missing)} to keep in float32 are not in the graph")
         self.keep_inits = keep_inits
         self.graph_outputs = {o.name for o in g.output}
         inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
@@ -104,12 +96,12 @@ class _Converter:
                 or any(o in self.graph_outputs for o in node.output))
 
     def cast(self, name: str, to: int) -> str:
-        """The name of `name` cast to `to`, adding the Cast (after a Clip to half's range, going to half) once."""
+        """The name of `name` cast to `to`, adding the Cast (and Clip, going to half) once."""
         key = (name, to)
         if key not in self.casts:
             out = f"{name}__to_{'fp16' if to == HALF else 'fp32'}"
             source = name
-            if to == HALF:  # saturate at half's range rather than overflow to infinity
+            if to == HALF:
                 source = f"{name}__in_fp16_range"
                 self.nodes.append(helper.make_node("Clip", [name, HALF_RANGE[0], HALF_RANGE[1]], [source],
                                                    name=f"{source}__clip"))
@@ -144,7 +136,7 @@ class _Converter:
                 node.input[k] = self.cast(name, want)
 
     def initializers(self) -> list[onnx.TensorProto]:
-        """Float initializers in the precision(s) their readers need, and the Clip bounds if any cast uses them."""
+        """Float initializers in their readers' precision(s), and the Clip bounds if used."""
         out = []
         for name, t in self.inits.items():
             needs = self.init_needs.get(name, {FLOAT}) if t.data_type == FLOAT else {t.data_type}
@@ -159,8 +151,7 @@ class _Converter:
 
 
 def _to_half_attributes(node: onnx.NodeProto) -> None:
-    """A node that runs in half: a float Cast casts to half, ConstantOfShape makes half, LayerNormalization
-    keeps float32 statistics (stash_type=1)."""
+    """A Cast to float casts to half, ConstantOfShape makes half, LayerNormalization keeps float32 statistics."""
     if node.op_type == "Cast":
         to = next(a for a in node.attribute if a.name == "to")
         if to.i == FLOAT:

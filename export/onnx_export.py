@@ -1,9 +1,4 @@
-"""PyTorch TFT -> ONNX ModelProto with the torch.export-based exporter, and the structural checks.
-
-`dynamo=True` (torch.export) treats the batch dimension as a symbol and raises when the model would
-specialise it, where the TorchScript tracer bakes traced values in as constants. The parity check at
-several batch sizes is the proof.
-"""
+"""PyTorch TFT -> ONNX with the torch.export-based exporter (a symbolic batch axis), and the structural checks."""
 
 from __future__ import annotations
 
@@ -55,7 +50,7 @@ def output_names(explain: bool) -> tuple[str, ...]:
 
 
 def expected_shapes(cfg: ModelConfig, explain: bool) -> dict[str, tuple[int, ...]]:
-    """Every input and output's shape without the batch axis, from the model config."""
+    """Every input and output's shape without the batch axis."""
     L, H = cfg.encoder_length, cfg.horizon
     shapes = {
         STATIC_CATEGORICAL: (cfg.n_static,),
@@ -73,24 +68,18 @@ def expected_shapes(cfg: ModelConfig, explain: bool) -> dict[str, tuple[int, ...
 
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
-    """The exporter warns about torch internals (LSTM flat weights, deprecations) and logs
-    optional-package notices; none of it concerns the user, and real failures raise."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "torch._export",
-                                              "onnxscript")]
-    levels = [lg.level for lg in loggers]
+    """Silence the exporter's warnings and notices about torch internals; real failures raise."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
+        logging.disable(logging.WARNING)
         try:
             yield
         finally:
-            for lg, level in zip(loggers, levels, strict=True):
-                lg.setLevel(level)
+            logging.disable(logging.NOTSET)
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
-    """The exception and those it was raised from or while handling, outermost first (at most 8)."""
+    """The exception and its causes, outermost first (at most 8)."""
     chain = [exc]
     while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain and len(chain) < 8:
         chain.append(nxt)
@@ -113,11 +102,8 @@ def _describe(exc: BaseException) -> str:
 
 def export_model(model: TemporalFusionTransformer, example: dict[str, Tensor], opset: int,
                  explain: bool) -> onnx.ModelProto:
-    """Export with named inputs/outputs and a dynamic batch axis; weights inside the proto.
-
-    `example` holds one batch of each input (canonical names) of at least 2 rows: torch.export
-    specialises a dimension whose example size is 0 or 1.
-    """
+    """Export with named inputs/outputs, a dynamic batch axis and the weights inside. `example` has at least 2
+    rows: torch.export specialises a dimension of size 0 or 1."""
     module: nn.Module = model if explain else QuantilesOnly(model)
     module.eval()
     args = tuple(example[name] for name in MODEL_INPUTS)
@@ -140,19 +126,16 @@ def export_model(model: TemporalFusionTransformer, example: dict[str, Tensor], o
 
 
 def _cleaned(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """The exporter's per-node debug records (stack traces with local paths) and its shapes of intermediate
-    values removed: the checker and ONNX Runtime infer their own, and torch writes the LSTM states' as 4-D."""
+    """Drop per-node debug records (local paths) and intermediate shapes (the LSTM states' are written 4-D)."""
     for node in proto.graph.node:
         del node.metadata_props[:]
         node.doc_string = ""
     del proto.graph.value_info[:]
-    if not proto.graph.initializer:
-        raise CheckFailed("torch.onnx.export", "the exported graph carries no weights (initializers)")
     return proto
 
 
 def run_checker(proto: onnx.ModelProto) -> None:
-    """onnx.checker with full_check (type and shape inference); CheckFailed on any error."""
+    """onnx.checker with full_check; CheckFailed on any error."""
     try:
         onnx.checker.check_model(proto, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
@@ -168,8 +151,6 @@ _ELEM: dict[int, str] = {
 
 @dataclass(frozen=True)
 class TensorSig:
-    """One graph input or output as the checks and the Triton config see it."""
-
     name: str
     dtype: str  # float32 | int64 | ...
     dims: tuple[int | str, ...]  # str for a symbolic dimension
@@ -187,7 +168,7 @@ def signature(values: list[onnx.ValueInfoProto]) -> list[TensorSig]:
 
 
 def check_interface(proto: onnx.ModelProto, cfg: ModelConfig, explain: bool, opset: int) -> None:
-    """The requested opset; names in canonical order, dtypes, one shared symbolic batch axis, the other axes right."""
+    """Opset, names in canonical order, dtypes, one shared symbolic batch axis and the other axes."""
     want_shapes = expected_shapes(cfg, explain)
     problems = []
     got_opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)

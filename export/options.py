@@ -1,8 +1,4 @@
-"""What an export is asked to do, and the opsets it can do it in.
-
-Free of torch and onnx, so that `python -m export` checks its flags (and answers --help) before the
-seconds those imports take.
-"""
+"""What an export is asked to do. Free of torch and onnx, so flags are checked before those imports."""
 
 from __future__ import annotations
 
@@ -10,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-MIN_OPSET = 18  # the torch.export-based exporter emits opset 18 or newer (and cannot down-convert Split)
-DEFAULT_OPSET = 18  # what the torch.export-based exporter emits natively
-MAX_OPSET = 23  # the newest opset onnxruntime 1.31 runs (the pinned onnx knows it: a test holds it to that)
+MIN_OPSET = 18  # the torch.export-based exporter's oldest
+DEFAULT_OPSET = 18
+MAX_OPSET = 23  # the newest opset onnxruntime 1.31 runs
 
 
 @dataclass(frozen=True)

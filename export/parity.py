@@ -1,15 +1,9 @@
-"""Parity: ONNX Runtime against PyTorch eager on real windows and on random batches of several sizes.
+"""Parity: ONNX Runtime against PyTorch eager on real windows and random batches of 1, 7 and 64.
 
-Errors per output, all over the whole batch:
-
-* max abs err  max |onnx - torch| in the output's own units (return units for quantiles)
-* max rel err  max abs err / max |torch|: relative to the output's magnitude (stable near zero)
-* scaled err   what the gate compares with the tolerance: for quantiles, |onnx - torch| divided
-               by the target scale of its horizon step (units of the target's std, the units
-               the model was trained in, whatever the asset's volatility); weights as they are
-
-Batch sizes 1, 7 and 64 catch exports that froze a dimension; a shape mismatch or a
-non-finite value fails the check whatever the tolerance.
+Per output over the batch: max abs err, max rel err (abs / max |torch|) and the scaled err the
+gate compares with the tolerance: for quantiles |onnx - torch| / target_scale[h] (units of the
+target's std, whatever the asset's volatility); weights as they are. A shape mismatch or a
+non-finite value fails whatever the tolerance.
 """
 
 from __future__ import annotations
@@ -101,8 +95,7 @@ class ParityReport:
 
 def make_cases(windows: Mapping[str, Tensor | np.ndarray], model: TemporalFusionTransformer,
                batches: Sequence[int] = RANDOM_BATCHES, seed: int = 0) -> list[Case]:
-    """Real windows as they are, then random batches: real windows drawn with replacement plus
-    noise, and random symbol ids, so that every row of a batch differs."""
+    """Real windows, then random batches: real windows resampled plus noise, random symbol ids."""
     real = {name: np.ascontiguousarray(np.asarray(windows[name])) for name in MODEL_INPUTS}
     n = real[STATIC_CATEGORICAL].shape[0]
     if n == 0:
@@ -161,7 +154,7 @@ def compare(case: Case, names: Sequence[str], expected: Sequence[np.ndarray], go
 
 def check_parity(model: TemporalFusionTransformer, run: Any, cases: Sequence[Case], output_names: Sequence[str],
                  precision: str, provider: str) -> ParityReport:
-    """`run(feeds) -> list of arrays` is the ONNX Runtime session's run (kept abstract for tests)."""
+    """`run(feeds) -> list of arrays` is the ONNX Runtime session's run."""
     tolerance = TOLERANCE[precision]
     target_scale = model.target_scale.detach().cpu().numpy().astype(np.float64)
     report = ParityReport(precision, provider, tolerance)

@@ -1,10 +1,6 @@
-"""checkpoint -> proved ONNX model: load, export, check in order, and only then write.
+"""checkpoint -> proved ONNX model: load, export, run the four checks in order, and only then write.
 
-Checks, in order; the first failure raises CheckFailed and nothing is written:
-  1. onnx.checker (full: types and shapes)
-  2. input/output names, dtypes and the dynamic batch axis
-  3. parity against PyTorch on real windows and on random batches of 1, 7 and 64
-  4. device placement (a gate only with --require-device; otherwise reported as not run)
+The first failed check raises CheckFailed and nothing is written.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from export.onnx_export import check_interface, export_model, output_names, run_
 from export.options import ExportOptions
 from export.parity import ParityReport, check_parity, make_cases
 from export.placement import PlacementReport, evaluate, profile_placement
-from export.runtime import CUDA_OPTIONS, Probe, make_session, probe, strict_session_outcome, version_info
+from export.runtime import CUDA_OPTIONS, Probe, make_session, probe, version_info
 from export.triton import VERSION as TRITON_VERSION
 from export.triton import config_pbtxt, newer_versions, repository_files
 from export.windows import saved_windows, windows_from_bars
@@ -66,7 +62,7 @@ def _stderr(msg: str) -> None:
 
 
 def load(opts: ExportOptions) -> tuple[dict[str, Any], TemporalFusionTransformer, str]:
-    """The checkpoint (weights_only), the rebuilt model in eval mode, and the file's sha256; UsageError otherwise."""
+    """The checkpoint, the rebuilt model in eval mode and the file's sha256; UsageError otherwise."""
     try:
         ckpt = load_checkpoint(opts.checkpoint)
     except CheckpointError as exc:
@@ -84,7 +80,7 @@ def load(opts: ExportOptions) -> tuple[dict[str, Any], TemporalFusionTransformer
 
 
 def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOptions) -> ModelMeta:
-    """Everything the server needs, from the checkpoint; parity and placement are added after the checks."""
+    """What the server needs, from the checkpoint; parity and placement are added after the checks."""
     try:
         meta = ModelMeta(
             model_config=cfg.to_dict(),
@@ -96,7 +92,6 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
             bar_interval_ns=int(ckpt["bar_interval_ns"]),
             symbols=tuple(str(s) for s in ckpt["symbols"]),
             checkpoint_sha256=sha,
-            # answers say which model ran: the checkpoint, and what the export changed of its graph
             model_version=sha[:12] + "-fp16" * (opts.precision == "fp16") + "-noexplain" * (not opts.explain),
             explain=opts.explain,
             precision=opts.precision,
@@ -121,19 +116,16 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
     return meta
 
 
-_EXPORTS: OrderedDict[tuple[str, int, bool, str], bytes] = OrderedDict()  # in-process memo of traced graphs
-_EXPORTS_KEPT = 4
+_EXPORTS: OrderedDict[tuple[str, int, bool, str], bytes] = OrderedDict()  # the last 4 graphs traced
 
 
 def _export_cached(model: TemporalFusionTransformer, example: dict[str, torch.Tensor], opts: ExportOptions,
                    sha: str) -> onnx.ModelProto:
-    """export_model, remembered per (checkpoint sha256, opset, explain) within one process: tracing takes
-    seconds, and a process that exports one checkpoint several ways traces each graph once. Every caller
-    gets its own copy."""
+    """export_model, memoised per checkpoint, opset and explain: tracing takes seconds. Each caller gets a copy."""
     key = (sha, opts.opset, opts.explain, str(torch.__version__))
     if key not in _EXPORTS:
         _EXPORTS[key] = export_model(model, example, opts.opset, opts.explain).SerializeToString()
-        while len(_EXPORTS) > _EXPORTS_KEPT:
+        while len(_EXPORTS) > 4:
             _EXPORTS.popitem(last=False)
     _EXPORTS.move_to_end(key)
     return onnx.load_model_from_string(_EXPORTS[key])
@@ -151,8 +143,7 @@ def with_meta(proto: onnx.ModelProto, meta: ModelMeta) -> onnx.ModelProto:
 
 
 def with_digest(proto: onnx.ModelProto, meta: ModelMeta) -> tuple[ModelMeta, bytes, onnx.ModelProto]:
-    """The final model: `meta` plus the graph's digest (`graph_sha256`, which the server checks on load), its
-    bytes and proto."""
+    """`meta` with the graph's digest (checked by the server on load), and the final model's bytes and proto."""
     meta = dataclasses.replace(meta, graph_sha256=graph_digest(with_meta(proto, meta).SerializeToString()))
     final = with_meta(proto, meta)
     return meta, final.SerializeToString(), final
@@ -166,13 +157,11 @@ def _placement(model: bytes, opts: ExportOptions, dev: Probe, feeds: dict[str, n
         report.reason = ("no --require-device given; the table shows where nodes ran on this machine "
                          "(pass --require-device cuda on a GPU machine to prove placement)")
         return report
-    report.strict_session = strict_session_outcome(model, opts.require_device, opts.threads)
     return evaluate(report, opts.require_device)
 
 
 def build_graph(model: TemporalFusionTransformer, windows: dict[str, np.ndarray], opts: ExportOptions, sha: str,
                 meta: ModelMeta, tamper: Tamper | None) -> onnx.ModelProto:
-    """The exported graph (converted to fp16 if asked), with the server's metadata."""
     example = {name: torch.from_numpy(windows[name][:2]) for name in MODEL_INPUTS}
     if example[MODEL_INPUTS[0]].shape[0] < 2:  # torch.export specialises a batch of 1
         example = {name: x.repeat((2,) + (1,) * (x.dim() - 1)) for name, x in example.items()}
@@ -193,9 +182,7 @@ def build_graph(model: TemporalFusionTransformer, windows: dict[str, np.ndarray]
 
 
 def lowest_ir_version(proto: onnx.ModelProto) -> None:
-    """Mark the graph with the oldest ONNX IR version its opsets allow, not the exporter's newest: the model
-    is the same, and runtimes that predate the newer IR (an older Triton's onnxruntime refuses IR 10)
-    load it. Opsets of domains onnx does not know leave the exporter's version."""
+    """The oldest IR version the graph's opsets allow, so older runtimes (an older Triton's) load it too."""
     try:
         lowest = onnx.helper.find_min_ir_version_for(list(proto.opset_import))
     except ValueError:
@@ -205,7 +192,7 @@ def lowest_ir_version(proto: onnx.ModelProto) -> None:
 
 def check_parity_gate(model_bytes: bytes, model: TemporalFusionTransformer, windows: dict[str, np.ndarray],
                       opts: ExportOptions, device: str) -> tuple[ParityReport, dict[str, np.ndarray]]:
-    """Check 3; returns the report and the real windows' feeds (reused by the placement run)."""
+    """Check 3; returns the report and the real windows' feeds, reused by the placement run."""
     session = make_session(model_bytes, device, opts.threads)
     names = [o.name for o in session.get_outputs()]
     cases = make_cases(windows, model)
@@ -224,8 +211,7 @@ def check_parity_gate(model_bytes: bytes, model: TemporalFusionTransformer, wind
 
 def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx.ModelProto, log: Log = _stderr,
                   published: list[Path] | None = None) -> Path | None:
-    """All or nothing: the model file and, with --triton-repo, the Triton model directory (added to
-    `published` once they are in place)."""
+    """All or nothing: the model file and the Triton model directory, added to `published` once in place."""
     triton_dir = None if opts.triton_repo is None else opts.triton_repo / opts.model_name
     try:
         with Staging() as staging:
@@ -251,8 +237,7 @@ def write_outputs(data: bytes, opts: ExportOptions, meta: ModelMeta, final: onnx
 
 
 def _clear_leftovers(target: Path, log: Log, in_triton: bool = False) -> None:
-    """Remove the staged copies a killed export left beside `target`; name a model directory's backup (the only
-    copy of the old model, if the kill came between two renames)."""
+    """Remove the staged copies a killed export left beside `target`; name any backup of a model directory."""
     staged, backups = leftovers(target)
     for path in staged:
         remove(path)
@@ -265,11 +250,8 @@ def _clear_leftovers(target: Path, log: Log, in_triton: bool = False) -> None:
 
 def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path] | None = None,
                _tamper: Tamper | None = None) -> ExportResult:
-    """Export `opts.checkpoint` to `opts.output` (and the Triton repository), or raise ExportError.
-
-    The outputs are appended to `published` once they are in place: a caller interrupted after that knows the
-    export is complete. `_tamper` is a test hook: it may change the exported graph before the checks run.
-    """
+    """Export `opts.checkpoint` or raise ExportError; outputs go to `published` once in place. `_tamper`, a test
+    hook, may change the graph."""
     torch.set_num_threads(opts.threads)
     dev = _device(opts)
     ckpt, model, sha = load(opts)
@@ -293,8 +275,7 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
 
 
 def _device(opts: ExportOptions) -> Probe:
-    """Whether the required device loads (without a requirement: where the model would run here), said before
-    minutes of work."""
+    """Whether the required device loads (else where the model would run here), said before minutes of work."""
     dev = probe(opts.require_device or "cuda")
     if opts.require_device and not dev.available:
         raise UsageError(f"--require-device {opts.require_device}: {dev.reason}. Export on a machine where "
@@ -322,7 +303,6 @@ def _log_checkpoint(opts: ExportOptions, ckpt: dict[str, Any], cfg: ModelConfig,
 
 def _checks(proto: onnx.ModelProto, model: TemporalFusionTransformer, windows: dict[str, np.ndarray], source: str,
             opts: ExportOptions, dev: Probe, log: Log) -> tuple[ParityReport, PlacementReport]:
-    """The four checks in order; CheckFailed at the first that fails."""
     cfg = model.cfg
     run_checker(proto)
     log("[1/4] onnx.checker (full): ok")

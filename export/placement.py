@@ -1,12 +1,8 @@
 """Device placement: which execution provider ran each node, read from ONNX Runtime's profile.
 
-`profile_placement` runs the model once with profiling on any device's session and reads each
-node's `provider` from the per-node kernel events (the graph as ONNX Runtime ran it, after its
-fusions, with any Memcpy nodes it inserted).
-
-The gate: every compute node runs on the required device's provider. Only shape computation
-may stay on the CPU: an op in `SHAPE_OPS` whose inputs (except for Shape/Size, which read only
-metadata) and outputs are integer or bool tensors.
+The gate: every compute node runs on the required device's provider. Only shape computation may
+stay on the CPU: an op in `SHAPE_OPS` whose outputs and inputs (but for Shape/Size, which read
+only metadata) are integer or bool.
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ class NodePlacement:
 
 
 def _types(entries: Any) -> list[str]:
-    """Profile `input_type_shape`/`output_type_shape`: [{"float": [2, 8]}, ...] -> ["float", ...]."""
+    """[{"float": [2, 8]}, ...] -> ["float", ...]."""
     out: list[str] = []
     for entry in entries or []:
         if isinstance(entry, dict):
@@ -64,7 +60,7 @@ def is_shape_computation(op_type: str, input_types: Sequence[str], output_types:
 
 
 def nodes_from_profile(events: list[dict[str, Any]]) -> list[NodePlacement]:
-    """One entry per node that ran, in execution order, from a profile's `*_kernel_time` events."""
+    """One entry per node that ran, in order, from a profile's `*_kernel_time` events."""
     seen: dict[str, NodePlacement] = {}
     for e in events:
         name = str(e.get("name", ""))
@@ -81,7 +77,7 @@ def nodes_from_profile(events: list[dict[str, Any]]) -> list[NodePlacement]:
 
 def profile_placement(model: bytes, device: str, feeds: dict[str, np.ndarray], threads: int = 1
                       ) -> tuple[str, list[NodePlacement]]:
-    """Run `model` once on `device` with profiling; return the session's provider and every node's placement."""
+    """Run `model` once with profiling; the session's provider and every node's placement."""
     with tempfile.TemporaryDirectory(prefix="foxhunt-profile-") as tmp:
         session = make_session(model, device, threads, profile_prefix=os.path.join(tmp, "placement"))
         session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})
@@ -90,7 +86,7 @@ def profile_placement(model: bytes, device: str, feeds: dict[str, np.ndarray], t
             events = json.load(fh)
         provider = session.get_providers()[0]
     nodes = nodes_from_profile(events)
-    if not nodes:
+    if not nodes:  # else the gate would pass on nothing
         raise RuntimeError("the ONNX Runtime profile lists no node kernels; cannot tell where nodes ran")
     return provider, nodes
 
@@ -102,7 +98,6 @@ class PlacementReport:
     nodes: list[NodePlacement]
     gate: str = "not run"  # passed | failed | not run
     reason: str = ""
-    strict_session: str = ""  # informational: a device-only session with CPU fallback disabled
     misplaced: list[NodePlacement] = field(default_factory=list)
 
     @property
@@ -128,11 +123,9 @@ class PlacementReport:
             "memcpy_nodes": sum(n.memcpy for n in self.nodes),
             "cpu_compute_nodes": [{"name": n.name, "op_type": n.op_type} for n in self.cpu_compute],
             "misplaced_nodes": [asdict(n) for n in self.misplaced],
-            "strict_session": self.strict_session,
         }
 
     def table(self) -> str:
-        """Nodes per provider, Memcpy nodes, and (when the gate failed) every CPU-placed compute node."""
         req = f"required: {self.required}" if self.required else "no --require-device"
         lines = [f"placement: nodes as ONNX Runtime ran them on a {self.provider} session ({req})",
                  f"{'provider':<26} {'nodes':>6} {'compute':>8} {'shape-only':>11} {'memcpy':>7}"]
@@ -147,8 +140,6 @@ class PlacementReport:
         elif cpu:
             ops = ", ".join(f"{k} {v}" for k, v in Counter(n.op_type for n in cpu).most_common())
             lines.append(f"CPU-placed compute nodes: {len(cpu)} ({ops})")
-        if self.strict_session:
-            lines.append(f"strict session (device only, session.disable_cpu_ep_fallback=1): {self.strict_session}")
         verdict = {"passed": "placement gate passed", "failed": "placement gate FAILED",
                    "not run": "placement gate NOT RUN"}[self.gate]
         lines.append(f"{verdict}: {self.reason}" if self.reason else verdict)
@@ -156,7 +147,7 @@ class PlacementReport:
 
 
 def evaluate(report: PlacementReport, device: str) -> PlacementReport:
-    """Gate `report` for `device`: every node that is not shape computation or Memcpy on `device`'s provider."""
+    """Gate `report`: every node but shape computation and Memcpy on `device`'s provider."""
     want = DEVICES[device]
     report.required = device
     report.misplaced = [n for n in report.nodes

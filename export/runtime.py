@@ -1,8 +1,4 @@
-"""ONNX Runtime sessions for the checks, and the probe that says whether a device's provider loads.
-
-ONNX Runtime runs a session on the CPU when a provider does not load, so every session made here
-is checked for the provider it got, and the native log says why (features.ort).
-"""
+"""ONNX Runtime sessions for the checks, each checked for the provider it got, and the device probe."""
 
 from __future__ import annotations
 
@@ -27,7 +23,7 @@ def session_options(threads: int, profile_prefix: str | None = None, strict: boo
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
-    so.log_severity_level = 3  # errors only; the probe reads the provider-loading log itself
+    so.log_severity_level = 3  # errors only
     if profile_prefix is not None:
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix
@@ -37,7 +33,7 @@ def session_options(threads: int, profile_prefix: str | None = None, strict: boo
 
 
 def providers_for(device: str) -> list[Any]:
-    """The provider list of a session for `device`: CUDA with the CPU for shape nodes, or the CPU alone."""
+    """CUDA with the CPU for shape nodes, or the CPU alone."""
     return [(CUDA, dict(CUDA_OPTIONS)), CPU] if device == "cuda" else [CPU]
 
 
@@ -56,7 +52,6 @@ def make_session(model: bytes, device: str, threads: int, profile_prefix: str | 
 
 @dataclass(frozen=True)
 class Probe:
-    """Whether a device's execution provider loads here, and if not, why."""
 
     device: str
     available: bool
@@ -76,7 +71,7 @@ def _first_line(exc: Exception) -> str:
 
 
 def probe(device: str) -> Probe:
-    """Try a one-node session on `device` alone with CPU fallback disabled, reading the native log for why not."""
+    """Try a one-node session on `device` alone, CPU fallback disabled; the native log says why not."""
     provider = DEVICES[device]
     if device == "cpu":
         return Probe(device, True)
@@ -96,23 +91,6 @@ def probe(device: str) -> Probe:
             error = _first_line(exc)
     why = provider_failure_reason(log) or error
     return Probe(device, False, f"{provider} is listed by onnxruntime {ort.__version__} but does not load: {why}")
-
-
-def strict_session_outcome(model: bytes, device: str, threads: int) -> str:
-    """Informational: does a `device`-only session with CPU fallback disabled accept the whole graph?
-
-    ONNX Runtime refuses it as soon as any node sits on the CPU, including the shape-computation
-    nodes the CUDA provider hands to the CPU on purpose, so a refusal alone is not a failure.
-    """
-    if device == "cpu":
-        return "not applicable on the CPU"
-    try:
-        with native_stderr():
-            ort.InferenceSession(model, session_options(threads, strict=True),
-                                 providers=[(DEVICES[device], dict(CUDA_OPTIONS))])
-    except Exception as exc:
-        return f"refused: {_first_line(exc)}"
-    return "accepted: every node on " + DEVICES[device]
 
 
 def version_info() -> dict[str, str]:

@@ -1,12 +1,7 @@
-"""A model repository entry that NVIDIA Triton Inference Server loads as it is.
+"""A Triton Inference Server repository entry: DIR/<name>/config.pbtxt and DIR/<name>/1/model.onnx.
 
-    DIR/<name>/config.pbtxt
-    DIR/<name>/1/model.onnx
-
-The config uses the onnxruntime backend with dynamic batching up to `max_batch_size`, runs on
-the GPU with TF32 off (as parity was checked), serves version 1 alone (what export writes;
-config.pbtxt is rewritten by every export), and warms up with all-zero inputs (a valid symbol
-id and finite features) at batch 1 and at the largest batch up to WARMUP_MAX_BATCH.
+The config: onnxruntime backend, dynamic batching, GPU with TF32 off (as parity ran), version 1
+alone, and a warm-up with all-zero inputs at batch 1 and the largest batch up to WARMUP_MAX_BATCH.
 """
 
 from __future__ import annotations
@@ -24,8 +19,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
                 "bool": "TYPE_BOOL"}
 QUEUE_DELAY_US = 100  # how long Triton may hold a request to batch it with others
-MAX_BATCH_SIZE_LIMIT = 2**31 - 1  # ModelConfig.max_batch_size is an int32
-WARMUP_MAX_BATCH = 256  # Triton builds a warm-up batch request by request: a huge max_batch_size must not be one
+WARMUP_MAX_BATCH = 256  # Triton builds a warm-up batch request by request
 
 
 def check_name(name: str) -> str | None:
@@ -56,7 +50,6 @@ def _warmup(name: str, batch: int, inputs: Sequence[TensorSig]) -> str:
 
 def config_pbtxt(name: str, inputs: Sequence[TensorSig], outputs: Sequence[TensorSig], max_batch_size: int,
                  comment: str = "") -> str:
-    """The config.pbtxt text (protobuf text format of Triton's ModelConfig)."""
     warm = [_warmup("zeros_batch_1", 1, inputs)]
     if (largest := min(max_batch_size, WARMUP_MAX_BATCH)) > 1:
         warm.append(_warmup(f"zeros_batch_{largest}", largest, inputs))
@@ -77,7 +70,7 @@ def config_pbtxt(name: str, inputs: Sequence[TensorSig], outputs: Sequence[Tenso
 
 
 def _cuda_options() -> str:
-    """The CUDA provider options parity was checked with, less the device (Triton's instance group places it)."""
+    """The CUDA provider options parity ran with, less the device (the instance group places it)."""
     from export.runtime import CUDA_OPTIONS  # here: the flags' checks import this module, not onnx
 
     params = "\n".join(f"        parameters {{\n          key: \"{k}\"\n          value: \"{v}\"\n        }}"
@@ -87,11 +80,10 @@ def _cuda_options() -> str:
 
 
 def newer_versions(model_dir: Path) -> list[str]:
-    """Version directories of a Triton model above the one export writes (which Triton would serve instead)."""
+    """A Triton model's version directories above the one export writes."""
     return sorted((p.name for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()
                    and int(p.name) > int(VERSION)), key=int)
 
 
 def repository_files(model: bytes, config: str) -> dict[str, bytes]:
-    """Relative path -> content of one model directory."""
     return {"config.pbtxt": config.encode("utf-8"), f"{VERSION}/model.onnx": model}

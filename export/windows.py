@@ -12,7 +12,6 @@ import numpy as np
 from export.errors import UsageError
 from features.bars import BarDataError, Bars, ColumnMap, read_bars
 from features.compute import FeatureConfig, build_frame
-from features.file_kind import describe
 from features.schema import MODEL_INPUTS, STATIC_CATEGORICAL
 from features.windows import anchor_rows, gather_windows
 from trainer.model_config import ModelConfig
@@ -21,8 +20,7 @@ MAX_WINDOWS = 256
 
 
 def only_symbols(bars: Bars, slices: dict[str, slice], keep: list[str]) -> Bars:
-    """The rows of `bars` whose symbol is in `keep`, from its `series_slices()` (still grouped by symbol, in time
-    order)."""
+    """The rows of `bars` whose symbol is in `keep`, given its `series_slices()`."""
     rows = np.concatenate([np.arange(slices[s].start, slices[s].stop) for s in keep])
     return dataclasses.replace(
         bars, timestamp_ns=bars.timestamp_ns[rows], symbol=bars.symbol[rows], open=bars.open[rows],
@@ -46,12 +44,8 @@ def saved_windows(ckpt: dict[str, Any]) -> dict[str, np.ndarray]:
 
 def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column_flags: dict[str, str] | None = None,
                       limit: int = MAX_WINDOWS, log: Callable[[str], None] | None = None) -> dict[str, np.ndarray]:
-    """Up to `limit` windows, evenly spread over the bars, built exactly as training and serving build them.
-    Column names: the training run's, with `column_flags` (field -> column, the flags given) over them. Symbols
-    the model does not know are skipped, and `log` told so."""
-    if path.is_file() and (kind := describe(path)) not in (None, "a parquet file"):
-        raise UsageError(f"--bars {path} is {kind}, not bars: give the parquet file (or directory) of bars the "
-                         "model was trained on, or leave --bars out to check parity on the checkpoint's own windows")
+    """Up to `limit` windows spread evenly over the bars, built as training and serving build them. Columns:
+    the run's names with `column_flags` over them; symbols the model does not know are skipped and logged."""
     try:
         feature_config = FeatureConfig.from_dict(ckpt["feature_config"])
         columns = ColumnMap.from_dict({**(ckpt.get("column_map") or {}), **(column_flags or {})})

@@ -1,7 +1,6 @@
-"""The ONNX model's `metadata_props`: everything the server needs, written by export.
+"""The ONNX model's `metadata_props`: what the server needs, written by export (strings; JSON values).
 
-Torch-free, so the server can read and validate a model file without importing torch.
-Every value is a string; structured values are JSON.
+Torch-free, so the server reads and checks a model file without importing torch.
 """
 
 from __future__ import annotations
@@ -30,10 +29,8 @@ class ModelMetaError(ValueError):
 
 
 def graph_digest(model_bytes: bytes) -> str:
-    """sha256 of a serialized ONNX model without its `metadata_props`: the graph, its weights, opsets and
-    header, as the file stores them. Export records it in the metadata; a loader that computes another knows
-    the graph changed after export's checks (a flipped bit in a weight still parses). ValueError for bytes
-    that are not a protobuf message."""
+    """sha256 of a serialized ONNX model without its `metadata_props`, as the file stores it. Export records
+    it; a loader that computes another knows the graph changed after the checks. ValueError for non-protobuf."""
     data = memoryview(model_bytes)
     digest = hashlib.sha256()
     for number, start, _, end in _fields(data):
@@ -43,8 +40,7 @@ def graph_digest(model_bytes: bytes) -> str:
 
 
 def stored_props(model_bytes: bytes) -> dict[str, str]:
-    """The model's `metadata_props` as the file stores them, read without a runtime session; ValueError for
-    bytes that are not a protobuf message."""
+    """The model's `metadata_props`, read without a session; ValueError for bytes that are not protobuf."""
     data = memoryview(model_bytes)
     props = {}
     for number, _, payload, end in _fields(data):
@@ -54,7 +50,7 @@ def stored_props(model_bytes: bytes) -> dict[str, str]:
                 entry = {n: bytes(record[p:e]).decode("utf-8") for n, _, p, e in _fields(record) if n in (1, 2)}
             except UnicodeDecodeError:  # protobuf strings are UTF-8: a byte of this one was damaged
                 if PREFIX.encode() not in bytes(record):
-                    continue  # not ours: a loader leaves the file to ONNX Runtime, whose error says what it is
+                    continue  # not ours: ONNX Runtime's error says what the file is
                 raise ModelMetaError(f"a metadata record at byte {payload} is not UTF-8 text: the file was damaged "
                                      "after export; copy it again, or re-export the model") from None
             props[entry.get(1, "")] = entry.get(2, "")
@@ -62,7 +58,7 @@ def stored_props(model_bytes: bytes) -> dict[str, str]:
 
 
 def _fields(data: memoryview) -> Iterator[tuple[int, int, int, int]]:
-    """The top-level fields of a protobuf message: (field number, start of its key, start of its payload, end)."""
+    """Top-level protobuf fields: (number, start of key, start of payload, end)."""
     i, n = 0, len(data)
     while i < n:
         start = i
@@ -85,7 +81,6 @@ def _fields(data: memoryview) -> Iterator[tuple[int, int, int, int]]:
 
 
 def _varint(data: memoryview, i: int) -> tuple[int, int]:
-    """The protobuf varint at byte i, and the index after it."""
     value = shift = 0
     while True:
         if i >= len(data) or shift > 63:
@@ -121,12 +116,12 @@ class ModelMeta:
 
     @functools.cached_property
     def symbol_index(self) -> dict[str, int]:
-        """Symbol -> its id, the static input (the vocabulary's order)."""
+        """Symbol -> its id, the static input."""
         return {s: i for i, s in enumerate(self.symbols)}
 
     @property
     def bars_required(self) -> int:
-        """Bars per series a request must carry: warm-up of the rolling features plus the encoder."""
+        """Bars per series a request must carry: the features' warm-up plus the encoder."""
         return self.feature_config.warmup_bars + self.encoder_length
 
     def to_props(self) -> dict[str, str]:
@@ -198,7 +193,7 @@ class ModelMeta:
                              "computes") + " (edited after export?); re-export the model")
         if self.precision not in ("fp32", "fp16"):
             problems.append(f"precision {self.precision!r} is not fp32 or fp16")
-        try:  # the training bars' names and time unit: the scorer reads bars with them
+        try:
             ColumnMap.from_dict(self.column_map)
         except (TypeError, ValueError) as exc:
             problems.append(f"column_map: {exc}")
@@ -253,7 +248,7 @@ def _parse(props: dict[str, str]) -> ModelMeta:
 
 
 def _span_ok(training: dict[str, Any]) -> bool:
-    """The four keys, each an int64 (never a bool) or null, validation_from_ns set, in time order."""
+    """The four keys, each an int64 or null, validation_from_ns set, in time order."""
     if set(training) != set(TRAINING_KEYS) or training["validation_from_ns"] is None:
         return False
     if any(v is not None and (type(v) is not int or not -(2**63) <= v < 2**63) for v in training.values()):
@@ -264,8 +259,7 @@ def _span_ok(training: dict[str, Any]) -> bool:
 
 
 def training_span(ckpt: dict[str, Any]) -> dict[str, Any]:
-    """When the checkpoint's run trained, validated and tested, as UTC nanoseconds: `first_bar_ns`,
-    `validation_from_ns`, `test_from_ns` (None without a test split) and `last_bar_ns`."""
+    """When the checkpoint's run trained, validated and tested, as UTC nanoseconds (TRAINING_KEYS)."""
     val_from, test_from = (int(t) for t in ckpt["split_times_ns"])
     first, last = (int(t) for t in ckpt["data_span_ns"])
     tested = float(ckpt["train_config"]["test_fraction"]) > 0

@@ -1,15 +1,11 @@
-"""ONNX Runtime helpers that export and the server share.
-
-ONNX Runtime does not refuse a provider it cannot load: it logs why on file descriptor 2 and runs the
-session on the CPU. `native_stderr` captures that log and `provider_failure_reason` picks out the reason.
-"""
+"""ONNX Runtime helpers for export and the server. A provider that does not load is logged on file
+descriptor 2, not raised: `native_stderr` captures that log, `provider_failure_reason` reads it."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import io
-import logging
 import os
 import re
 import sys
@@ -18,35 +14,22 @@ from collections.abc import Iterator
 
 import onnxruntime as ort
 
-log = logging.getLogger(__name__)
-
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ORT_LINE = re.compile(r"\[[VIWEF]:onnxruntime:")
 
 
 @functools.cache
 def preload_cuda_libraries() -> None:
-    """Load the CUDA and cuDNN libraries the CUDA provider links against, once per process.
-
-    onnxruntime-gpu does not find them in NVIDIA's pip wheels on its own. A library still missing shows up
-    as the CUDA provider's load failure, which callers report with its reason.
-    """
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        try:
+    """Load the CUDA and cuDNN libraries from NVIDIA's pip wheels once; onnxruntime-gpu does not find them.
+    A library still missing shows up as the provider's load failure."""
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        with contextlib.suppress(Exception), contextlib.redirect_stdout(io.StringIO()):
             ort.preload_dlls(cuda=True, cudnn=True)
-        except Exception as exc:  # surfaces as the provider's load failure
-            print(f"failed: {exc}")
-    if text := printed.getvalue().strip():
-        log.debug("onnxruntime.preload_dlls: %s", text)
 
 
 @contextlib.contextmanager
 def native_stderr() -> Iterator[list[str]]:
-    """Capture file descriptor 2 inside the block; the yielded list receives its non-blank lines, colours
-    removed, when the block ends."""
+    """Capture file descriptor 2 in the block; the yielded list gets its non-blank lines when it ends."""
     lines: list[str] = []
     sys.stderr.flush()
     saved = os.dup(2)
@@ -69,7 +52,6 @@ def is_onnxruntime_line(line: str) -> bool:
 
 
 def strip_ansi(text: str) -> str:
-    """`text` without terminal colour codes."""
     return _ANSI.sub("", text)
 
 

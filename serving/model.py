@@ -1,23 +1,18 @@
 """The ONNX model the server runs: load and check it, place it on a device, warm it up, run it.
 
-`load_model` reads the file once (what is hashed is what is loaded), checks its metadata
-(`features.model_meta`) and graph digest, and creates one ONNX Runtime session; anything
-wrong is a `ModelLoadError`, so a bad file never replaces a good one. `ModelHolder` swaps
-models atomically: a request takes one snapshot of the current model.
+`load_model` reads the file once, checks its metadata and graph digest and creates one session;
+anything wrong is a `ModelLoadError`, so a bad file never replaces a good one. `--device cuda`
+runs on the CUDA provider or raises `DeviceUnavailable`, and refuses a model whose placement
+export did not prove on CUDA; `auto` falls back to the CPU with a warning.
 
-Devices. `cuda` runs on the CUDA execution provider with IO binding, or raises
-`DeviceUnavailable` naming why, and refuses a model whose placement export did not prove
-on CUDA. `cpu` runs on the CPU provider; `auto` tries `cuda` and falls back to `cpu` with a
-warning that GetModelInfo and the log repeat.
-
-Batch sizes. A run of n windows is padded (repeating its last window) to the smallest
-bucket >= n of `batch_buckets(max_batch)`, so the set of shapes the model ever sees is
-small, known in advance and warmed up before the server reports SERVING. Rows of a batch
-are independent in the TFT, so padding changes no result.
+A run of n windows is padded (repeating its last window) to the smallest bucket >= n, so the
+few shapes the model sees are warmed up before SERVING; rows are independent, so padding
+changes no result.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import re
@@ -66,13 +61,6 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"batch of {n} windows exceeds the largest bucket {buckets[-1]}")
-
-
 @dataclass
 class SessionPlacement:
     session: ort.InferenceSession
@@ -113,15 +101,14 @@ class LoadedModel:
     def explain_available(self) -> bool:
         return all(name in self.output_names for name in EXPLAIN_OUTPUTS)
 
-    # ---- running ------------------------------------------------------------------------
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """inputs: canonical name -> [n, ...]; outputs: name -> [n, ...]. Runs of at most the largest bucket."""
+        """inputs: canonical name -> [n, ...]; outputs: name -> [n, ...], in runs of at most the largest bucket."""
         n = int(inputs[STATIC_CATEGORICAL].shape[0])
         top = self.buckets[-1]
         if n > top:
             parts = [self.run({k: v[i:i + top] for k, v in inputs.items()}) for i in range(0, n, top)]
             return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        size = bucket_for(n, self.buckets)
+        size = self.buckets[bisect.bisect_left(self.buckets, n)]  # the smallest bucket >= n
         if size != n:  # pad by repeating the last window (a valid input; rows are independent)
             pad = np.full(size - n, n - 1)
             inputs = {k: np.concatenate([v, v[pad]]) for k, v in inputs.items()}
@@ -132,8 +119,8 @@ class LoadedModel:
         return {name: np.asarray(o)[:n] for name, o in zip(self.output_names, outs, strict=True)}
 
     def _run_bound(self, inputs: dict[str, np.ndarray], device: str) -> list[np.ndarray]:
-        """IO binding (the CUDA path): inputs copied to `device` once, outputs allocated there and copied
-        back, in output_names order. Works on "cpu" too, which is how tests without a GPU run this code."""
+        """IO binding: inputs copied to `device` once, outputs allocated there and copied back. Works on "cpu"
+        too, which is how tests without a GPU run it."""
         binding = self.session.io_binding()
         for name, value in inputs.items():
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, device, self.device_id))
@@ -143,8 +130,7 @@ class LoadedModel:
         return list(binding.copy_outputs_to_cpu())
 
     def _trial_run(self, size: int) -> np.ndarray:
-        """The quantiles of a valid input of `size` windows (dummy_inputs), their shape checked; ModelLoadError
-        when the run fails, saying what may help."""
+        """The quantiles of a dummy input of `size` windows, shape checked; ModelLoadError if the run fails."""
         try:
             q = self.run(dummy_inputs(self.meta, size))[QUANTILES]
         except Exception as exc:
@@ -161,9 +147,8 @@ class LoadedModel:
         return q
 
     def warm_up(self, stop: threading.Event | None = None) -> float:
-        """Run once at every bucket size (first runs allocate and tune); check the outputs. Returns seconds.
-        WarmUpStopped once `stop` is set (SIGTERM): a thread cannot be cancelled, so it looks between runs, and
-        a drain waits for one run at most."""
+        """Run once at every bucket size and check the outputs; returns seconds. WarmUpStopped between runs
+        once `stop` is set (SIGTERM)."""
         start = time.perf_counter()
         for size in self.buckets:
             if stop is not None and stop.is_set():
@@ -188,7 +173,6 @@ def dummy_inputs(meta: ModelMeta, batch: int) -> dict[str, np.ndarray]:
     }
 
 
-# ---- loading -------------------------------------------------------------------------------
 def _session_options(threads: int) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads  # never "all cores": the host runs other work too
@@ -207,9 +191,8 @@ def _no_gpu_reason() -> str:
 
 def _cuda_session(model_bytes: bytes, path: str, device_id: int, threads: int, quiet_failure: bool = False
                   ) -> ort.InferenceSession:
-    """A session whose main provider is CUDA (the CPU takes only the shape computation the CUDA provider hands
-    it), or DeviceUnavailable naming why not. ONNX Runtime's log of the attempt goes to stderr, except with
-    `quiet_failure` when it failed (--device auto: the fallback warning names the reason once)."""
+    """A session whose main provider is CUDA, or DeviceUnavailable naming why not. With `quiet_failure`
+    (--device auto) ONNX Runtime's log of a failed attempt is dropped: the fallback warning names the reason."""
     if CUDA_EP not in ort.get_available_providers():
         raise DeviceUnavailable(f"CUDA requested but this onnxruntime build ({ort.__version__}) has no CUDA "
                                 f"execution provider (available: {', '.join(ort.get_available_providers())}); "
@@ -245,8 +228,7 @@ def _create_session(model_bytes: bytes, path: str, device: str, device_id: int, 
 
 
 def _check_placement(meta: ModelMeta, placement: SessionPlacement, device_requested: str, path: str) -> None:
-    """On CUDA, the model should be one whose placement export proved (every compute node on CUDA):
-    `--device cuda` refuses any other, `--device auto` runs it with a warning."""
+    """On CUDA, `--device cuda` refuses a model whose placement export did not prove; `auto` warns."""
     if placement.device != "cuda":
         return
     gate, required = meta.placement.get("gate"), meta.placement.get("required_device")
@@ -270,14 +252,6 @@ def _new_session(model_bytes: bytes, path: str, providers: Sequence[str | tuple[
             from None
 
 
-def _output_names(session: ort.InferenceSession, meta: ModelMeta, path: str) -> tuple[str, ...]:
-    """The outputs to fetch on every run: the quantiles, then the explain outputs if the metadata says so."""
-    wanted = (QUANTILES, *EXPLAIN_OUTPUTS) if meta.explain else (QUANTILES,)
-    if missing := sorted(set(wanted) - {o.name for o in session.get_outputs()}):
-        raise ModelLoadError(f"{path}: the graph lacks the outputs {missing} its metadata names; re-export the model")
-    return wanted
-
-
 def _read(path: str) -> bytes:
     try:
         if not stat.S_ISREG(Path(path).stat().st_mode):  # a directory, a FIFO, /dev/zero: never read those whole
@@ -291,7 +265,7 @@ def _read(path: str) -> bytes:
 
 
 def _read_meta(model_bytes: bytes, path: str) -> ModelMeta:
-    """The metadata, checked with the graph's digest before ONNX Runtime builds a session (on CUDA, seconds)."""
+    """The metadata, checked with the graph's digest before a session is built."""
     try:
         props = stored_props(model_bytes)
     except ModelMetaError as exc:  # our metadata, damaged
@@ -320,32 +294,31 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
     model_bytes = _read(p)
     meta = _read_meta(model_bytes, p)
     placement = _create_session(model_bytes, p, device, device_id, threads)
-    output_names = _output_names(placement.session, meta, p)
     _check_placement(meta, placement, device, p)
     return LoadedModel(path=p, meta=meta, session=placement.session, sha256=hashlib.sha256(model_bytes).hexdigest(),
                        device_requested=device, device=placement.device, device_id=device_id,
-                       fallback_warning=placement.fallback_warning, output_names=output_names,
+                       fallback_warning=placement.fallback_warning,
+                       output_names=(QUANTILES, *EXPLAIN_OUTPUTS) if meta.explain else (QUANTILES,),
                        buckets=batch_buckets(max_batch))
 
 
 def load_and_warm(path: str | Path, device: str, threads: int, max_batch: int, device_id: int = 0,
                   stop: threading.Event | None = None) -> LoadedModel:
-    """load_model + warm_up: what a SIGHUP reload does before it swaps the model in."""
+    """load_model + warm_up, as a SIGHUP reload does before the swap."""
     model = load_model(path, device, threads, max_batch, device_id)
     model.warm_up(stop)
     return model
 
 
 class WarmUpStopped(Exception):
-    """SIGTERM came while a model warmed up: the warm-up ends between two runs."""
+    """SIGTERM came during a warm-up."""
 
 
 class ModelHolder:
-    """The model being served; `swap` replaces it in one assignment (requests hold their own snapshot)."""
+    """The model being served; `swap` replaces it in one assignment."""
 
     def __init__(self, model: LoadedModel) -> None:
         self._model = model
-        self.generation = 1  # bumped on every swap
 
     @property
     def current(self) -> LoadedModel:
@@ -353,5 +326,4 @@ class ModelHolder:
 
     def swap(self, model: LoadedModel) -> LoadedModel:
         old, self._model = self._model, model
-        self.generation += 1
         return old

