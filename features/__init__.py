@@ -1,8 +1,4 @@
-"""Bars in, feature arrays out: the torch-free half of foxhunt-tft.
-
-The trainer and the server both turn bars into model inputs with this package, so
-training and serving cannot drift apart; importing it never imports torch.
-"""
+"""Bars in, feature arrays out: the torch-free code the trainer and the server share, so they cannot drift."""
 
 import importlib.metadata
 

@@ -1,8 +1,7 @@
 """Reading and validating bars: one parquet file or a directory of them (hive partitions welcome).
 
-Every rule broken by the data becomes one ``Problem`` line that names the file, the column,
-the first offending row (0-based, within that file), the rule and how to fix it. Readers
-raise ``BarDataError`` carrying all problems found; command-line tools print them and exit 2.
+Every broken rule becomes one ``Problem`` naming the file, column, first row (0-based), rule and fix;
+readers raise ``BarDataError`` with all of them, and command-line tools print them and exit 2.
 """
 
 from __future__ import annotations
@@ -60,8 +59,7 @@ class ColumnMap:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, defaults: str = "") -> None:
-        """The column-mapping flags shared by every command that reads bars. `defaults` says where the names not
-        given come from when not from the default layout (export and the scorer: the training run's)."""
+        """The column-mapping flags of every command that reads bars; `defaults` names where unset names come from."""
         title = f"column mapping ({defaults})" if defaults else \
             "column mapping (for parquet layouts other than the default)"
         g = parser.add_argument_group(title)
@@ -81,25 +79,23 @@ class ColumnMap:
 
     @staticmethod
     def given(args: argparse.Namespace) -> dict[str, str]:
-        """The fields whose flags this command was given (a resumed run or an export lays them over the
-        training run's names; the ones not given keep those)."""
+        """The fields whose flags this command was given."""
         values = {f: getattr(args, ColumnMap.dest(f), None) for f in ColumnMap.__dataclass_fields__}
         return {f: v for f, v in values.items() if v is not None}
 
     @staticmethod
     def dest(field_name: str) -> str:
-        """The argparse destination of a field's flag: timestamp -> time_col (--time-col), open -> open_col."""
+        """timestamp -> time_col, open -> open_col."""
         return {"timestamp": "time_col", "default_symbol": "default_symbol", "time_unit": "time_unit"}.get(
             field_name, f"{field_name}_col")
 
     @staticmethod
     def flag(field_name: str) -> str:
-        """A field's flag: timestamp -> --time-col, open -> --open-col."""
+        """timestamp -> --time-col, open -> --open-col."""
         return "--" + ColumnMap.dest(field_name).replace("_", "-")
 
     def one_series_hint(self, path: str | Path, symbol: str) -> str:
-        """For an error that a symbol is not in the bars at `path`: when they have no symbol column (one series,
-        named by --default-symbol), the flag that names it `symbol`; else ''."""
+        """When the bars at `path` have no symbol column, the --default-symbol hint that names them `symbol`."""
         if self.symbol in column_names(path):
             return ""
         return (f"; a file without a {self.symbol!r} column is one series, named by --default-symbol: give "
@@ -112,9 +108,7 @@ class ColumnMap:
 
     @staticmethod
     def inherited(args: argparse.Namespace, stored: dict[str, str] | None, present: set[str]) -> str | None:
-        """For an error about a missing column: a note naming the bar columns whose names `from_args` took from
-        `stored` (the training run's, not the defaults) rather than from a flag, and which are not among the
-        file's columns `present`; None when there are none."""
+        """A note naming the columns taken from the training run's names (no flag) that `present` lacks."""
         default, given = ColumnMap(), ColumnMap.given(args)
         stored = stored or {}
         taken = [f"{ColumnMap.flag(f)} {stored[f]}" for f in (*REQUIRED_COLUMNS, "symbol")
@@ -126,13 +120,11 @@ class ColumnMap:
 
 
 def lacks_a_column(problems: list[Problem]) -> bool:
-    """Whether `problems` (a BarDataError's) include a required column the file does not have."""
     return any(p.rule_id == "missing_column" for p in problems)
 
 
 def column_names(path: str | Path) -> set[str]:
-    """Every column name of the parquet file(s) at `path` (a file or a directory of them), from their schemas;
-    empty where none can be read."""
+    """Every column name in the schemas of the parquet file(s) at `path`."""
     names: set[str] = set()
     for file in list_parquet_files(Path(path)):
         with contextlib.suppress(OSError, pa.ArrowException):
@@ -140,7 +132,7 @@ def column_names(path: str | Path) -> set[str]:
     return names
 
 
-WHOLE_FILE = "-"  # a Problem's column when the problem is the file (unreadable, not there), not one column
+WHOLE_FILE = "-"  # a Problem's column when the problem is the whole file
 
 
 @dataclass(frozen=True)
@@ -153,7 +145,7 @@ class Problem:
     rule: str
     fix: str
     count: int = 1  # rows affected
-    rule_id: str = ""  # which rule (e.g. "nan", "not_positive"): how another context (a request) words its fix
+    rule_id: str = ""  # e.g. "nan": serving.validation words a request's fix by it
 
     def __str__(self) -> str:
         if self.column == WHOLE_FILE:
@@ -171,8 +163,7 @@ class BarDataError(Exception):
         super().__init__("\n".join(str(p) for p in problems))
 
     def lines(self) -> list[str]:
-        """One line per problem, except that a problem of a whole column or file found alike in several files
-        (a wrong --symbol-col over a directory of daily files) is one line that counts the other files."""
+        """One line per problem; a whole-column problem found alike in several files is one line that counts them."""
         first: dict[tuple[str, str, str], int] = {}
         others: list[int] = []
         lines: list[str] = []
@@ -190,11 +181,7 @@ class BarDataError(Exception):
 
 
 class ColumnBlock(Mapping[str, np.ndarray]):
-    """Named columns held as the rows of one `[columns, n]` array: a read-only mapping name -> row.
-
-    Hundreds of user feature columns travel as one block from a request to the features; code that knows
-    the block (`block_for`) takes it whole. The name index is built on the first lookup by name.
-    """
+    """Named columns held as the rows of one `[columns, n]` array; `block_for` takes the block whole."""
 
     __slots__ = ("_index", "block", "names")
 
@@ -220,11 +207,6 @@ class ColumnBlock(Mapping[str, np.ndarray]):
     def __len__(self) -> int:
         return len(self.names)
 
-    @property
-    def length(self) -> int:
-        """Values per column."""
-        return int(self.block.shape[1])
-
 
 def block_for(columns: Mapping[str, np.ndarray], names: tuple[str, ...]) -> np.ndarray | None:
     """The `[len(names), n]` block itself when `columns` holds exactly `names` in this order as one; else None."""
@@ -235,10 +217,7 @@ def block_for(columns: Mapping[str, np.ndarray], names: tuple[str, ...]) -> np.n
 
 @dataclass
 class Bars:
-    """Validated bars as contiguous numpy columns, rows grouped by symbol in time order.
-
-    Columns read from a file may be read-only views of arrow's buffers: copy one before changing it in place.
-    """
+    """Validated bars, rows grouped by symbol in time order. Columns may be read-only views of arrow's buffers."""
 
     timestamp_ns: np.ndarray  # int64 [N]   UTC nanoseconds
     symbol: np.ndarray  # object [N]  symbol per row
@@ -249,7 +228,7 @@ class Bars:
     volume: np.ndarray  # float64 [N]
     user: Mapping[str, np.ndarray] = field(default_factory=dict)  # float64 [N] each (a dict or a ColumnBlock)
     files: list[str] = field(default_factory=list)  # source files, in reading order
-    notes: list[str] = field(default_factory=list)  # how the files were read where a reader should know (no problem)
+    notes: list[str] = field(default_factory=list)  # how the files were read, where a reader should know
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
@@ -260,15 +239,11 @@ class Bars:
 
     def series_slices(self) -> dict[str, slice]:
         """Row range of each symbol (rows are grouped by symbol)."""
-        out: dict[str, slice] = {}
         if len(self) == 0:
-            return out
+            return {}
         change = np.flatnonzero(self.symbol[1:] != self.symbol[:-1]) + 1
-        starts = np.concatenate([[0], change])
-        ends = np.concatenate([change, [len(self)]])
-        for s, e in zip(starts, ends, strict=True):
-            out[str(self.symbol[s])] = slice(int(s), int(e))
-        return out
+        starts, ends = np.concatenate([[0], change]), np.concatenate([change, [len(self)]])
+        return {str(self.symbol[s]): slice(int(s), int(e)) for s, e in zip(starts, ends, strict=True)}
 
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
@@ -280,13 +255,12 @@ def list_parquet_files(path: Path) -> list[Path]:
     if path.is_dir():  # hidden and temporary files (".x", "_x") are skipped, as pyarrow's datasets do
         return sorted((p for p in path.rglob("*") if p.suffix.lower() in PARQUET_SUFFIXES
                        and p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)),
-                      key=lambda p: (_natural_key(p), p.as_posix()))  # a01 and a1: text order decides
+                      key=lambda p: (_natural_key(p), p.as_posix()))
     return []
 
 
 def clash_with_bars(out: Path, bars: Path) -> str | None:
-    """Why writing `out` would destroy or join the bars at `bars` (a file or a directory), else None: `out` is
-    the bars file by some path, or a file that the next read of the directory would take as bars."""
+    """Why writing `out` would replace the bars at `bars` or join them on the next read, else None."""
     try:
         target = out.parent.resolve() / out.name  # what a write replaces: a link itself, not what it points to
         exists = out.exists()
@@ -308,7 +282,7 @@ def clash_with_bars(out: Path, bars: Path) -> str | None:
 
 
 def _natural_key(path: Path) -> tuple[tuple[int, int | str], ...]:
-    """Path order with numbers compared as numbers: part-2 before part-10, as people number their files."""
+    """Path order with numbers compared as numbers: part-2 before part-10."""
     return tuple((0, int(piece)) if piece.isdigit() else (1, piece)
                  for piece in re.split(r"(\d+)", path.as_posix()) if piece)
 
@@ -337,7 +311,7 @@ def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str,
 
 
 def _out_of_range_problem(col: pa.ChunkedArray, file: str, name: str, read_as: str) -> Problem:
-    """The rows of a timestamp column (any unit) or an unsigned integer one beyond int64 nanoseconds."""
+    """The rows of a timestamp or unsigned integer column beyond int64 nanoseconds."""
     top = np.iinfo(np.int64).max
     if pa.types.is_timestamp(col.type):
         unit = col.type.unit
@@ -349,7 +323,7 @@ def _out_of_range_problem(col: pa.ChunkedArray, file: str, name: str, read_as: s
         bad = np.flatnonzero(raw > np.uint64(top))
     row = int(bad[0]) if bad.size else -1
     try:
-        shown = f" ({col[row]})" if bad.size else ""  # as a date, where Python's datetime reaches it
+        shown = f" ({col[row]})" if bad.size else ""
     except (OverflowError, ValueError):
         shown = f" ({raw[row]} {unit})"
     fix = "replace placeholder times such as 9999-12-31 with the bars' real times, or drop those rows"
@@ -360,21 +334,15 @@ def _out_of_range_problem(col: pa.ChunkedArray, file: str, name: str, read_as: s
 
 
 F32_MAX = float(np.finfo(np.float32).max)  # features are float32: a user value beyond this would be infinite
-
-
-# Integer timestamps are nanoseconds. Ones that all fall before this (1973-03-03) are another unit: epoch
-# seconds reach 1e11 only in the year 5138, milliseconds 1e14 in 5138, microseconds 1e17 in 5138.
-PLAUSIBLE_NS = 10**17
+PLAUSIBLE_NS = 10**17  # integer nanoseconds all before this (1973-03-03) are another unit
 
 
 def _unit_of(top: int) -> str:
-    """The --time-unit whose epoch values a latest timestamp of `top` looks like (each reaches the year 5138 at
-    its bound)."""
+    """The --time-unit whose epoch values a latest timestamp of `top` looks like (each bound is the year 5138)."""
     return "s" if top < 10**11 else "ms" if top < 10**14 else "us" if top < 10**17 else "ns"
 
 
 def _unit_problem(file: str, name: str, top: int, read_as: str = "ns") -> Problem:
-    """Integer timestamps whose latest (`top`, as stored) falls before 1973 read in the unit `read_as`."""
     flag = _unit_of(top)
     unit, factor = UNIT_NAMES[flag], NS_PER_UNIT[flag]
     return Problem(file, name, -1, f"integer timestamps (the latest {top}) read as {UNIT_NAMES[read_as]} all "
@@ -388,18 +356,10 @@ def _first_bad(mask: np.ndarray) -> tuple[int, int]:
     return (int(idx[0]), int(idx.size)) if idx.size else (-1, 0)
 
 
-def read_bars(
-    path: str | Path,
-    columns: ColumnMap | None = None,
-    user_columns: tuple[str, ...] = (),
-    symbols: Collection[str] | None = None,
-    check_user_values: bool = True,
-) -> Bars:
-    """Read and validate bars; raise BarDataError listing every problem found.
-
-    With `symbols`, only those symbols' rows are read and checked; problems still name file rows. With
-    `check_user_values` False, user values are left as they are (NaN, inf): a reader that forecasts from some
-    windows checks their rows itself (`unusable_user_rows`), so an indicator's warm-up NaN stops nothing."""
+def read_bars(path: str | Path, columns: ColumnMap | None = None, user_columns: tuple[str, ...] = (),
+              symbols: Collection[str] | None = None, check_user_values: bool = True) -> Bars:
+    """Read and validate bars; raise BarDataError listing every problem. With `symbols`, only their rows are read;
+    with `check_user_values` False, NaN or inf user values stay (the caller skips them: `unusable_user_rows`)."""
     cmap = columns or ColumnMap()
     root = Path(path)
     if problems := _mapping_problems(root, cmap, user_columns):
@@ -412,7 +372,7 @@ def read_bars(
     file_of_part: list[str] = []
     naive: list[str] = []  # files whose arrow timestamps carry no time zone
     file_rows: dict[str, np.ndarray] = {}  # a file read in part: the file's row number of each row read
-    for file in files:  # one file at a time, so that a problem always names its file
+    for file in files:
         part, file_problems, kept, zoneless = _read_file(file, root, cmap, user_columns, symbols)
         problems += file_problems
         if kept is not None:
@@ -433,8 +393,7 @@ def read_bars(
 def _read_file(file: Path, root: Path, cmap: ColumnMap, user_columns: tuple[str, ...],
                symbols: Collection[str] | None) -> tuple[dict[str, np.ndarray] | None, list[Problem],
                                                         np.ndarray | None, bool]:
-    """One file's part (or None), its problems, the file's row of each row read when read in part (else None),
-    and whether its arrow timestamps carry no time zone."""
+    """One file's part (or None), its problems, its rows read when read in part, and whether its times lack a zone."""
     try:
         table = _read_table(file, root)
     except (pa.ArrowException, OSError) as exc:
@@ -445,7 +404,7 @@ def _read_file(file: Path, root: Path, cmap: ColumnMap, user_columns: tuple[str,
         if symbols is not None:
             table, kept = _only_symbols(table, cmap, symbols, user_columns)
         part, problems = _columns_of(table, str(file), cmap, user_columns)
-    except pa.ArrowException as exc:  # a column arrow cannot convert, such as a nested symbol column
+    except pa.ArrowException as exc:
         return None, [Problem(str(file), WHOLE_FILE, -1, f"cannot be read as bars ({exc})",
                               "store the bar columns as numbers and the symbol as text")], None, False
     stamp = table.schema.field(cmap.timestamp).type if part is not None else None
@@ -453,8 +412,7 @@ def _read_file(file: Path, root: Path, cmap: ColumnMap, user_columns: tuple[str,
 
 
 def _mapping_problems(root: Path, cmap: ColumnMap, user_columns: tuple[str, ...]) -> list[Problem]:
-    """A source column mapped to two fields (other than prices sharing one: close-only data may map open, high,
-    low and close to it), or a user feature that is the time or symbol column."""
+    """A column mapped to two fields (prices may share one), or a user feature that is the time or symbol."""
     fields: dict[str, list[str]] = {}
     for field_name in ("timestamp", "symbol", *PRICE_COLUMNS, "volume"):
         fields.setdefault(cmap.source(field_name), []).append(field_name)
@@ -469,10 +427,8 @@ def _mapping_problems(root: Path, cmap: ColumnMap, user_columns: tuple[str, ...]
 
 
 def _read_table(file: Path, root: Path) -> pa.Table:
-    """One parquet file, with its hive partitions (`key=value` directories below `root`) as columns where the
-    file has no column of that name."""
-    # pre_buffer (for object stores) keeps a second copy of a local file's column chunks while the table lives
-    table = pq.ParquetFile(file, pre_buffer=False).read()
+    """One parquet file, with its hive partitions (`key=value` directories) as columns it lacks."""
+    table = pq.ParquetFile(file, pre_buffer=False).read()  # pre_buffer would hold a second copy
     dirs = file.relative_to(root).parts[:-1] if file != root else ()
     for key, value in (map(unquote, d.split("=", 1)) for d in dirs if "=" in d):
         if key not in table.column_names:
@@ -489,12 +445,11 @@ def _naive_note(cmap: ColumnMap, naive: list[str]) -> str:
 
 def _only_symbols(table: pa.Table, cmap: ColumnMap, symbols: Collection[str],
                   user_columns: tuple[str, ...]) -> tuple[pa.Table, np.ndarray | None]:
-    """The rows of `symbols` and their row numbers in the file (None: every row). Only the columns a read uses
-    are taken: a wide file's others, or a type without a take kernel (string_view), cost nothing."""
+    """The rows of `symbols` (the columns a read uses) and their row numbers in the file (None: every row)."""
     count = table.column_names.count(cmap.symbol)
     if count == 0:  # the file is one series, named by the default symbol
         return (table, None) if cmap.default_symbol in symbols else (table.slice(0, 0), np.zeros(0, np.int64))
-    if count > 1:  # which one? _missing_columns names the problem
+    if count > 1:  # _missing_columns names the problem
         return table, None
     text = table.column(cmap.symbol).cast(pa.string())
     keep = pc.fill_null(pc.is_in(text, value_set=pa.array(sorted(symbols), pa.string())), False)
@@ -502,22 +457,20 @@ def _only_symbols(table: pa.Table, cmap: ColumnMap, symbols: Collection[str],
     if kept.size == table.num_rows:
         return table, None
     used = {cmap.source(f) for f in (*REQUIRED_COLUMNS, "symbol")} | set(user_columns)
-    if used <= set(table.column_names):  # else the missing column's problem lists the file's columns
+    if used <= set(table.column_names):
         table = table.select([i for i, name in enumerate(table.column_names) if name in used])
     return table.take(pa.array(kept)), kept
 
 
 def _in_file_rows(problems: list[Problem], file_rows: dict[str, np.ndarray]) -> list[Problem]:
-    """Problems found in files read in part, with their rows numbered as in the file."""
     def fix(p: Problem) -> Problem:
         rows = file_rows.get(p.file)
         return p if rows is None or not 0 <= p.row < rows.size else replace(p, row=int(rows[p.row]))
     return [fix(p) for p in problems]
 
 
-def _columns_of(
-    table: pa.Table, fname: str, cmap: ColumnMap, user_columns: tuple[str, ...]
-) -> tuple[dict[str, np.ndarray] | None, list[Problem]]:
+def _columns_of(table: pa.Table, fname: str, cmap: ColumnMap,
+                user_columns: tuple[str, ...]) -> tuple[dict[str, np.ndarray] | None, list[Problem]]:
     """The file's bar and user columns as numpy arrays (a part), or the problems that stop reading them."""
     problems = _missing_columns(table, fname, cmap, user_columns)
     if problems:
@@ -530,7 +483,7 @@ def _columns_of(
     problems += _symbol_columns(table, fname, cmap, part)
     for fld in (*PRICE_COLUMNS, "volume"):
         col = table.column(cmap.source(fld))
-        if not _numeric(col.type):
+        if not numeric(col.type):
             problems.append(Problem(fname, cmap.source(fld), -1, f"has type {col.type}, not numeric",
                                     "store prices and volume as numbers"))
             continue
@@ -540,7 +493,7 @@ def _columns_of(
     return (None if problems else part), problems
 
 
-def _numeric(t: pa.DataType) -> bool:
+def numeric(t: pa.DataType) -> bool:
     return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t))
 
 
@@ -566,28 +519,27 @@ def _missing_columns(table: pa.Table, fname: str, cmap: ColumnMap, user_columns:
         if uc not in names:
             problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' is missing",
                                     "add the column or drop it from the feature list"))
-        elif not _numeric(utype := table.schema.field(uc).type):
+        elif not numeric(utype := table.schema.field(uc).type):
             problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' has type {utype}, not numeric",
                                     "choose a numeric column"))
     return problems
 
 
 def _symbol_columns(table: pa.Table, fname: str, cmap: ColumnMap, part: dict[str, np.ndarray]) -> list[Problem]:
-    """Adds the symbol of each row to `part`; a null or empty symbol is a problem (a request cannot name it)."""
+    """Adds the symbol of each row to `part`; a null or empty symbol is a problem."""
     n = table.num_rows
     if cmap.symbol not in table.column_names:  # the file is one series, named by the default symbol
         part["symbol"] = np.full(n, cmap.default_symbol, dtype=object)
-        part["symbol_absent"] = np.ones(n, dtype=bool)  # for the hint when such a "series" is out of order
+        part["symbol_absent"] = np.ones(n, dtype=bool)
         if cmap.default_symbol:
             return []
         return [Problem(fname, cmap.symbol, -1, "no such column, so the file is one series, and its name "
                         "(--default-symbol) is empty", "name it: --default-symbol ES, say")]
     symbol = table.column(cmap.symbol)
-    # each row a reference to its file's one string of that symbol, not a string object per row
     codes = pc.dictionary_encode(pc.fill_null(symbol.cast(pa.string()), "")).combine_chunks()
     distinct = np.array(codes.dictionary.to_pylist(), dtype=object)
     part["symbol"] = distinct[np.asarray(codes.indices.to_numpy(zero_copy_only=False), dtype=np.int64)]
-    part["symbol_names"] = distinct  # the file's symbols (whose rows a problem's are)
+    part["symbol_names"] = distinct
     part["symbol_absent"] = np.zeros(n, dtype=bool)
     null = np.asarray(symbol.is_null().to_numpy(zero_copy_only=False))
     problems: list[Problem] = []
@@ -600,8 +552,6 @@ def _symbol_columns(table: pa.Table, fname: str, cmap: ColumnMap, part: dict[str
 
 EXACT_INT = 2**53  # float64 holds every integer up to this, and not all beyond
 PLACEHOLDERS = {2**63 - 1: "INT64_MAX", -(2**63): "INT64_MIN", 2**64 - 1: "UINT64_MAX"}
-# A price or volume past 2^53 (9.0e15) in a float column or a request is a placeholder that went through a float
-# (INT64_MAX is 9.2e18), not data: a fixed-point price of 1e-9 units stays below it up to 9 million.
 PLACEHOLDER_RULE = "most likely a feed's placeholder for a missing value (INT64_MAX or UINT64_MAX as a float)"
 PLACEHOLDER_FIX = "drop or repair those rows; fixed-point prices are fine below 2^53 (9.0e15)"
 
@@ -613,8 +563,7 @@ def valid_price(x: np.ndarray) -> np.ndarray:
 
 
 def _as_float64(col: pa.ChunkedArray, fname: str, name: str, part: dict[str, np.ndarray], key: str) -> list[Problem]:
-    """Adds the column to `part` as float64, or returns the Problem of integers too large for it: such values
-    are placeholders (a feed's INT64_MAX for "no price", as Databento's UNDEF_PRICE) more often than data."""
+    """Adds the column to `part` as float64, or returns the Problem of integers too large for it (placeholders)."""
     if pa.types.is_integer(col.type):
         limit = pa.scalar(EXACT_INT, pa.uint64() if pa.types.is_unsigned_integer(col.type) else pa.int64())
         big = pc.greater(col, limit)
@@ -628,17 +577,13 @@ def _as_float64(col: pa.ChunkedArray, fname: str, name: str, part: dict[str, np.
             return [Problem(fname, name, row, f"{value} is beyond the integers a float64 holds exactly (±2^53){known}",
                             "set missing values to null and drop or repair those rows; write fixed-point prices as "
                             "floats (divided by their scale, e.g. 1e9)", count)]
-    # one float64 chunk without nulls comes as a read-only view of arrow's buffer, not a copy
     part[key] = np.asarray(col.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
     return []
 
 
 def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns: tuple[str, ...]) -> Bars:
-    """The parts' rows as one Bars, grouped by symbol in reading order within a symbol. Consumes the
-    parts' columns one at a time, so that the rows are held about once, not once per step: one file
-    whose rows already come grouped in sorted symbol order is taken as it is, without a copy."""
+    """The parts' rows as one Bars, grouped by symbol; consumes the parts' columns one at a time to hold rows once."""
     symbol = _joined(parts, "symbol")
-    # group rows by symbol, keeping reading order within a symbol (validation checked that order)
     by_symbol = np.argsort(symbol.astype(str), kind="stable")
     order = None if np.array_equal(by_symbol, np.arange(by_symbol.size)) else by_symbol
     symbol = symbol if order is None else symbol[order]
@@ -648,7 +593,7 @@ def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns
         if order is None:
             return column
         column = column[order]
-        pa.default_memory_pool().release_unused()  # the file's buffers just freed, to the system rather than kept
+        pa.default_memory_pool().release_unused()
         return column
 
     return Bars(
@@ -665,18 +610,12 @@ def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns
 
 
 def _joined(parts: list[dict[str, np.ndarray]], key: str) -> np.ndarray:
-    """The parts' `key` columns as one, taken out of the parts (no copy for one part)."""
     arrays = [p.pop(key) for p in parts]
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
-def validate(
-    parts: list[dict[str, np.ndarray]],
-    files: list[str],
-    cmap: ColumnMap,
-    user_columns: tuple[str, ...] = (),
-    check_user_values: bool = True,
-) -> list[Problem]:
+def validate(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap,
+             user_columns: tuple[str, ...] = (), check_user_values: bool = True) -> list[Problem]:
     """Check every row rule per file (value rules) and per symbol across files (order and price-scale rules)."""
     problems: list[Problem] = []
     for part, fname in zip(parts, files, strict=True):
@@ -689,8 +628,7 @@ def validate(
 
 @dataclass(frozen=True)
 class _Rows:
-    """Every row of the parts, in reading order, and the order that groups them by symbol (reading order kept
-    within a symbol): what the cross-file rules share, sorted once."""
+    """Every row of the parts in reading order, and the stable order that groups them by symbol."""
 
     symbol: np.ndarray  # str [N]
     file_idx: np.ndarray  # int [N]
@@ -708,19 +646,14 @@ class _Rows:
         return self.by_symbol[keep[self.by_symbol]]
 
 
-# A close this many times the previous bar's close of its symbol, or this many times smaller, is a change of price
-# units (1e-9 fixed-point integers in one file, dollars in the next), not a market move: no futures market moves
-# a hundredfold in one bar, and the log returns every feature and the target start from would be off by the factor.
-MAX_BAR_PRICE_RATIO = 100.0
+MAX_BAR_PRICE_RATIO = 100.0  # a close this factor off the previous one of its symbol is a change of units
 
 
 def _scale_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap,
                     rows: _Rows) -> list[Problem]:
-    """Closes that jump by MAX_BAR_PRICE_RATIO or more from the previous bar of the same symbol, in reading order
-    (files in path order): one problem per symbol, at its first jump, naming the earlier bar's file when the
-    jump is between files."""
+    """Closes that jump by MAX_BAR_PRICE_RATIO or more from the previous bar of the symbol: one problem per symbol."""
     close = np.concatenate([p["close"] for p in parts])
-    timed = ~np.concatenate([p["timestamp_null"] for p in parts])  # rows without a time have their own problem
+    timed = ~np.concatenate([p["timestamp_null"] for p in parts])
     absent = np.concatenate([p["symbol_absent"] for p in parts])
     order = rows.grouped(timed & valid_price(close))  # bad prices have their own problems
     c, s = close[order], rows.symbol[order]
@@ -728,16 +661,13 @@ def _scale_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
         ratio = c[1:] / c[:-1]
     jumps = np.flatnonzero((s[1:] == s[:-1]) & ((ratio >= MAX_BAR_PRICE_RATIO) | (ratio <= 1 / MAX_BAR_PRICE_RATIO)))
     out: list[Problem] = []
-    symbols, first, count = np.unique(s[1:][jumps], return_index=True, return_counts=True)  # one pass
+    symbols, first, count = np.unique(s[1:][jumps], return_index=True, return_counts=True)
     for symbol, i, n in sorted(zip(symbols, first, count, strict=True), key=lambda t: int(t[1])):
         before, bad = order[jumps[i]], order[jumps[i] + 1]
         earlier = files[rows.file_idx[before]]
         where = "" if rows.file_idx[before] == rows.file_idx[bad] else f" (that bar is in {earlier})"
         fix = ("give every file's prices in one unit (e.g. 1e-9 fixed-point integers in one file and dollars in "
-               "another: convert one of them)")
-        if absent[bad]:  # more likely several symbols' bars read as one series
-            fix += (f"; or, as the file has no '{cmap.symbol}' column, all its rows were read as one series, "
-                    f"{cmap.default_symbol}: if it holds several symbols, map their column with --symbol-col NAME")
+               "another: convert one of them)") + (_one_series_note(cmap) if absent[bad] else "")
         out.append(Problem(files[rows.file_idx[bad]], cmap.close, int(rows.row_in_file[bad]),
                            f"close {close[bad]:.10g} is {close[bad] / close[before]:.3g} times the previous bar's "
                            f"close of {symbol}, {close[before]:.10g}{where}: a change of price units, not a market "
@@ -759,18 +689,16 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
     check("timestamp_null", part["timestamp_null"], cmap.timestamp, "timestamp is null",
           "drop rows without a timestamp")
     for fld in (*PRICE_COLUMNS, "volume"):
-        check("nan", np.isnan(part[fld]), cmap.source(fld), f"{fld} is NaN or null",
-              f"drop or repair rows with missing {fld}")
-    for fld in PRICE_COLUMNS:
-        v = part[fld]
-        check("infinite", np.isinf(v), cmap.source(fld), f"{fld} is infinite", "repair the price")
-        check("not_positive", np.isfinite(v) & (v <= 0), cmap.source(fld), f"{fld} is not positive (prices must be "
-              "> 0)", "drop or repair the row; back-adjusted continuous contracts must be shifted to positive prices")
-        check("placeholder", np.isfinite(v) & (v > EXACT_INT), cmap.source(fld),
-              f"{fld} is beyond 2^53, {PLACEHOLDER_RULE}", PLACEHOLDER_FIX)
+        v, name = part[fld], cmap.source(fld)
+        check("nan", np.isnan(v), name, f"{fld} is NaN or null", f"drop or repair rows with missing {fld}")
+        check("infinite", np.isinf(v), name, f"{fld} is infinite", f"repair the {fld}")
+        check("placeholder", np.isfinite(v) & (v > EXACT_INT), name, f"{fld} is beyond 2^53, {PLACEHOLDER_RULE}",
+              PLACEHOLDER_FIX)
+        if fld != "volume":
+            check("not_positive", np.isfinite(v) & (v <= 0), name, f"{fld} is not positive (prices must be > 0)",
+                  "drop or repair the row; back-adjusted continuous contracts must be shifted to positive prices")
     o, h, lo, c = part["open"], part["high"], part["low"], part["close"]
-    # the range rules apply to rows whose prices are valid: a row with a bad price, or with high < low, is
-    # reported once, not again as a range breach
+    # range rules only on valid prices: a bad row is reported once
     priced = np.all([valid_price(x) for x in (o, h, lo, c)], axis=0)
     check("high_below_low", priced & (h < lo), cmap.high, "high < low (rule: low <= high)",
           "swap or repair high and low")
@@ -779,11 +707,8 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
           "high)", "high must be the bar's maximum: set high = max(open, high, close)")
     check("below_low", ranged & ((o < lo) | (c < lo)), cmap.low, "open or close below low (rule: low <= open, "
           "close)", "low must be the bar's minimum: set low = min(open, low, close)")
-    v = part["volume"]
-    check("infinite", np.isinf(v), cmap.volume, "volume is infinite", "repair the volume")
-    check("negative_volume", v < 0, cmap.volume, "volume is negative (rule: volume >= 0)", "repair the volume")
-    check("placeholder", np.isfinite(v) & (v > EXACT_INT), cmap.volume, f"volume is beyond 2^53, {PLACEHOLDER_RULE}",
-          PLACEHOLDER_FIX)
+    check("negative_volume", part["volume"] < 0, cmap.volume, "volume is negative (rule: volume >= 0)",
+          "repair the volume")
     for uc in user_columns:
         x = part[f"user:{uc}"]
         check("user_not_finite", ~np.isfinite(x), uc, f"user feature '{uc}' is NaN or infinite",
@@ -795,27 +720,29 @@ def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
 
 
 def unusable_values(x: np.ndarray) -> np.ndarray:
-    """Where user values are NaN, infinite or past float32's range (what `read_bars` refuses when it checks user
-    values, and the server refuses in a request): bool, x's shape."""
+    """Where user values are NaN, infinite or past float32's range: bool, x's shape."""
     with np.errstate(invalid="ignore"):
         return ~(np.abs(x) <= F32_MAX)  # NaN compares false
 
 
 def unusable_user_rows(bars: Bars) -> np.ndarray:
-    """Rows where any user column holds an unusable value (`unusable_values`): bool [N]."""
+    """Rows where any user column holds an unusable value: bool [N]."""
     bad = np.zeros(len(bars), dtype=bool)
     for x in bars.user.values():
         bad |= unusable_values(x)
     return bad
 
 
+def _one_series_note(cmap: ColumnMap) -> str:
+    return (f" (the file has no '{cmap.symbol}' column, so all its rows were read as one series, "
+            f"{cmap.default_symbol}: if it holds several symbols, map their column with --symbol-col NAME)")
+
+
 def _whose(part: dict[str, np.ndarray], mask: np.ndarray) -> str:
-    """In a file of several symbols, whose rows a problem's are (a calendar spread's negative prices among a
-    futures download's outrights, say): '; symbol ESH4-ESM4', '; symbols ESH4, NQH4 and 2 others'. '' when the
-    file holds one symbol (a one-market file, a request's series), where it would say nothing new."""
-    if part.get("symbol_names", np.empty(0)).size < 2:  # the file's own dictionary of names: no pass over rows
+    """In a file of several symbols, whose rows a problem's are: '; symbol ESH4', '; symbols A, B and 2 others'."""
+    if part.get("symbol_names", np.empty(0)).size < 2:
         return ""
-    names = [str(x) for x in dict.fromkeys(part["symbol"][mask])]  # in row order: a pass over the bad rows alone
+    names = [str(x) for x in dict.fromkeys(part["symbol"][mask])]
     if len(names) == 1:
         return f"; symbol {names[0]}"
     more = f" and {len(names) - 2} other{'s' if len(names) > 3 else ''}" if len(names) > 2 else ""
@@ -824,9 +751,8 @@ def _whose(part: dict[str, np.ndarray], mask: np.ndarray) -> str:
 
 def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap,
                     rows: _Rows) -> list[Problem]:
-    """Timestamps must strictly increase within each symbol, across files in reading order: files that overlap
-    (each may be in order) are one problem per pair; otherwise the first decrease and the first duplicate.
-    Rows with a null timestamp have their own problem and are left out here."""
+    """Timestamps strictly increase within each symbol, across files in reading order: one problem per
+    overlapping pair of files, else the first decrease and the first duplicate."""
     ts = np.concatenate([p["timestamp"] for p in parts])
     order = rows.grouped(~np.concatenate([p["timestamp_null"] for p in parts]))
     ts_o, sym_o, file_o = ts[order], rows.symbol[order], rows.file_idx[order]
@@ -847,10 +773,8 @@ def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
         if not idx.size:
             continue
         bad = order[idx[0] + 1]
-        if absent[bad]:  # likely several symbols' bars read as one series
-            fix += (f" (the file has no '{cmap.symbol}' column, so all its rows were read as one series, "
-                    f"{cmap.default_symbol}: if it holds several symbols, map their column with --symbol-col NAME)")
-        others = len(np.unique(sym_o[idx + 1])) - 1  # the count is of every symbol's rows: say whose
+        fix += _one_series_note(cmap) if absent[bad] else ""
+        others = len(np.unique(sym_o[idx + 1])) - 1
         more = f" (and {others} other symbol{'s' if others > 1 else ''})" if others else ""
         out.append(Problem(files[rows.file_idx[bad]], cmap.timestamp, int(rows.row_in_file[bad]),
                            f"{rule}; symbol {sym_o[idx[0] + 1]}{more}", fix, int(idx.size), rule_id))
@@ -859,9 +783,8 @@ def _order_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
 
 def _overlap_problems(across: np.ndarray, order: np.ndarray, ts_o: np.ndarray, sym_o: np.ndarray,
                       file_o: np.ndarray, files: list[str], cmap: ColumnMap, rows: _Rows) -> list[Problem]:
-    """One problem per place `across` where a file's bars of a symbol start at or before that symbol's last bar
-    in an earlier file, naming both files. The `_o` arrays are in `order` (grouped by symbol)."""
-    # a symbol's rows of one file are one run of the grouped rows (reading order within a symbol is kept)
+    """One problem per place `across` where a file's bars of a symbol start at or before its last bar in an
+    earlier file. The `_o` arrays are in `order`; a symbol's rows of one file are one run of them."""
     change = np.flatnonzero((sym_o[1:] != sym_o[:-1]) | (file_o[1:] != file_o[:-1])) + 1
     starts, ends = np.concatenate([[0], change]), np.concatenate([change, [ts_o.size]])
     run_of = np.repeat(np.arange(starts.size), ends - starts)
@@ -883,12 +806,11 @@ def _overlap_problems(across: np.ndarray, order: np.ndarray, ts_o: np.ndarray, s
 
 
 def bars_digest(bars: Bars, user_columns: Sequence[str]) -> str:
-    """A digest of the bars a run reads: each symbol's rows, their times, prices and volumes, and the user
-    columns it trains on (the values read, before any feature is computed, so any machine gets the same)."""
+    """A digest of each symbol's rows, times, prices, volumes and the given user columns, as read."""
     h = hashlib.blake2b(digest_size=16)
     for symbol, rows in bars.series_slices().items():
         h.update(f"{symbol}\0{rows.start}\0{rows.stop}\0".encode())
     for column in (bars.timestamp_ns, bars.open, bars.high, bars.low, bars.close, bars.volume,
                    *(bars.user[name] for name in user_columns)):
-        h.update(np.ascontiguousarray(column).tobytes())  # one column at a time: 8 bytes a bar
+        h.update(np.ascontiguousarray(column).tobytes())
     return h.hexdigest()

@@ -1,7 +1,4 @@
-"""`python -m features.check PATH`: validate bars and print a summary to trust before training.
-
-Exit status 0 when the data is usable, 2 with one line per problem when it is not.
-"""
+"""`python -m features.check PATH`: validate bars and print a summary. Exit 0 usable, 2 one line per problem."""
 
 from __future__ import annotations
 
@@ -11,10 +8,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
-from features.bars import REQUIRED_COLUMNS, BarDataError, Bars, ColumnMap, list_parquet_files, read_bars
+from features.bars import REQUIRED_COLUMNS, BarDataError, Bars, ColumnMap, list_parquet_files, numeric, read_bars
 from features.compute import infer_bar_interval_ns
 from features.files import reader_went_away
 
@@ -27,8 +23,7 @@ def format_timestamp(ns: int) -> str:
 
 
 def format_duration(ns: int) -> str:
-    """A duration as people write one: `30s`, `5min`, `59min59s`, `1h`, `17h30min`, `2d17h` (to the second from a
-    minute on, to the minute from an hour on, to the hour from a day on)."""
+    """A duration as people write one: `30s`, `5min`, `59min59s`, `1h`, `17h30min`, `2d17h`."""
     s = ns / 1e9
     if s < 60:
         return f"{s:g}s"
@@ -43,9 +38,7 @@ def format_duration(ns: int) -> str:
 
 
 def spacing_warning(what: str, timestamp_ns: np.ndarray, interval_ns: int) -> str | None:
-    """Why bars mostly further apart than a model's bar interval (5-minute bars to a 1-minute model) make a
-    poor forecast, else None. Served all the same, as a quiet market's bars skip intervals; but the forecast's
-    steps are the model's bars, and it was not trained on bars this far apart."""
+    """A warning when bars are mostly twice the model's bar interval apart or more, else None."""
     spacing = infer_bar_interval_ns(timestamp_ns, np.array([[0, timestamp_ns.size]]))
     if not interval_ns or spacing < 2 * interval_ns:
         return None
@@ -108,13 +101,8 @@ def other_numeric_columns(path: Path, cmap: ColumnMap) -> list[str]:
     """The files' numeric columns that are no bar field: what --features could name."""
     bar_fields = {cmap.source(f) for f in (*REQUIRED_COLUMNS, "symbol")}
     names: dict[str, None] = {}
-    for file in list_parquet_files(path):
-        try:
-            schema = pq.read_schema(file)
-        except (pa.ArrowException, OSError):  # read_bars named it already
-            continue
-        names |= {f.name: None for f in schema if f.name not in bar_fields
-                  and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type) or pa.types.is_decimal(f.type))}
+    for file in list_parquet_files(path):  # read_bars has read every one
+        names |= {f.name: None for f in pq.read_schema(file) if f.name not in bar_fields and numeric(f.type)}
     return list(names)
 
 
@@ -126,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         status = check(args)
-        sys.stdout.flush()  # here, so that a reader gone before the last line is caught too
+        sys.stdout.flush()  # a reader gone before the last line is caught here too
         return status
     except BrokenPipeError:
         return reader_went_away()

@@ -1,9 +1,7 @@
 """Bars -> feature arrays, vectorised in numpy, with no look-ahead.
 
-A feature at bar t uses bars <= t only; the only arrays that look forward are the targets
-(cumulative forward log returns) and the known-future calendar features, which depend on
-timestamps alone. Rows before a series' warm-up (the rolling-volatility window) have NaN
-observed features and never start a window.
+A feature at bar t uses bars <= t only; only the targets (forward log returns) and the calendar
+features (timestamps alone) look forward. Rows in a series' warm-up have NaN observed features.
 """
 
 from __future__ import annotations
@@ -21,9 +19,7 @@ from features.schema import FeatureSchema, FeatureSpec, Kind, Role
 
 NS_PER_SECOND = 1_000_000_000
 NS_PER_DAY = 86_400 * NS_PER_SECOND
-# Bars mostly this many bar intervals (and a day) apart or more, at one or two times of day, are daily bars:
-# the server refuses them for an intraday model, and the trainer says so of a symbol whose bars are like that.
-COARSE_INTERVALS = 20
+COARSE_INTERVALS = 20  # bars mostly this many intervals (and a day) apart are daily bars
 INTERVAL_TOLERANCE_PARTS = 100  # off a grid, spacings within 1/100 of the one before run together
 SNAP_PARTS = 40  # spacings within 1/40 of the commonest are its neighbours; a round duration this near snaps
 
@@ -49,7 +45,6 @@ class FeatureConfig:
 
     @property
     def warmup_bars(self) -> int:
-        """Leading bars of a series whose observed features are undefined."""
         return self.volatility_window
 
     def schema(self) -> FeatureSchema:
@@ -89,13 +84,8 @@ class FeatureFrame:
 
 
 def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -> int:
-    """The bar interval: the most common spacing of consecutive bars of the same series (0 when no two bars of
-    a series follow each other).
-
-    Bars on a grid give it exactly. Bars stamped a little off their grid (a receive or first trade's time)
-    have spacings that are nearly all distinct, so the commonest is taken as it is only when it recurs, in
-    2% of the spacings or more, and is most of the spacings within 2.5% of it; otherwise `_off_grid_interval`
-    finds the bar size among them."""
+    """The most common spacing of consecutive bars of a series (0 when none), when it recurs (2% of spacings)
+    and is most of those within 2.5% of it; else the bars are off their grid: `_off_grid_interval`."""
     diffs = [np.diff(timestamp_ns[s:e]) for s, e in series_bounds if e - s > 1]
     if not diffs:
         return 0
@@ -104,20 +94,18 @@ def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -
     if d.size == 0:
         return 0
     first = np.concatenate([[0], np.flatnonzero(d[1:] != d[:-1]) + 1])  # each distinct spacing's first place
-    values, counts = d[first], np.diff(np.append(first, d.size))  # (d is sorted: no second sort)
+    values, counts = d[first], np.diff(np.append(first, d.size))
     common = int(np.argmax(counts))  # the first of equals: the shortest spacing
     v = int(values[common])
     near = np.searchsorted(d, v + v // SNAP_PARTS, "right") - np.searchsorted(d, v - v // SNAP_PARTS, "left")
     if counts[common] >= min(2, d.size) and 50 * int(counts[common]) >= d.size and 2 * int(counts[common]) >= near:
-        return v  # it recurs, in 2% of the spacings or more, and is most of those near it: a grid's, exactly
+        return v
     return _off_grid_interval(d)
 
 
 def _off_grid_interval(d: np.ndarray) -> int:
-    """The bar size of sorted spacings `d` stamped off their grid: the sorted spacings are cut into runs wherever
-    one is more than 1% above the one before; the largest run (the first of equals) is the bar size's; the
-    median of the spacings within half of its median either side is rounded to the coarsest of a day, an hour,
-    a minute, a second, a millisecond or a microsecond within 2.5% of it (59.997 s -> 60 s)."""
+    """The bar size of sorted off-grid spacings `d`: the median near the largest run of spacings (each within 1%
+    of the one before), snapped to the coarsest round unit within 2.5% (59.997 s -> 60 s)."""
     starts = np.flatnonzero(np.diff(d) > d[:-1] // INTERVAL_TOLERANCE_PARTS) + 1  # where a new run begins
     edges = np.concatenate([[0], starts, [d.size]])
     best = int(np.argmax(np.diff(edges)))
@@ -135,10 +123,7 @@ def _off_grid_interval(d: np.ndarray) -> int:
 
 
 def check_time_zone(name: str) -> None:
-    """ValueError naming the problem when `name` is not an IANA time zone this machine knows.
-
-    UTC needs no zone database; `localtime` and `posixrules` name whatever the machine is set to, which
-    would differ between the machine that trains and the one that serves, so they are refused."""
+    """ValueError when `name` is not an IANA time zone this machine knows; `localtime` (the machine's) is refused."""
     if name == "UTC":
         return
     example = "(e.g. UTC, America/Chicago, Europe/London, Asia/Tokyo)"
@@ -157,9 +142,9 @@ def check_time_zone(name: str) -> None:
 SMALL_ZONE_ROWS = 256  # up to this many series of timestamps, each gets its own two offset look-ups
 
 
-@functools.lru_cache(maxsize=8192)  # a server asks about the same days call after call
+@functools.lru_cache(maxsize=8192)
 def _offset_ns(tz: str, second: int) -> int:
-    """The zone's UTC offset at `second` (since 1970-01-01 00:00 UTC), in ns."""
+    """The zone's UTC offset at `second` (since the Unix epoch), in ns."""
     delta = datetime.fromtimestamp(second, ZoneInfo(tz)).utcoffset()
     return int(delta.total_seconds()) * NS_PER_SECOND if delta is not None else 0
 
@@ -174,12 +159,8 @@ def _change_second(tz: str, lo: int, hi: int) -> int:
 
 
 def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
-    """The zone's UTC offset at each timestamp, in ns (local time = UTC + offset), daylight saving included;
-    one int when it is the same for all of them.
-
-    No zone has changed its offset twice within two days since 1970, so timestamps spanning at most two days
-    with one offset at both ends have it throughout: two cached look-ups, a server's usual case. Otherwise
-    `DayOffsets` answers from one look-up per UTC day."""
+    """The zone's UTC offset at each timestamp in ns (local = UTC + offset); one int when it is the same for all.
+    No zone changed twice within two days since 1970: a two-day span with one offset at both ends has it."""
     ts = np.asarray(timestamp_ns, dtype=np.int64)
     if ts.size == 0:
         return 0
@@ -187,33 +168,29 @@ def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
     if hi - lo <= 2 * 86_400 and (first := _offset_ns(tz, lo)) == _offset_ns(tz, hi):
         return first
     second = ts // NS_PER_SECOND
-    if ts.ndim >= 2 and ts.size // ts.shape[-1] <= SMALL_ZONE_ROWS:  # a server's batch: each series on its own
+    if ts.ndim >= 2 and ts.size // ts.shape[-1] <= SMALL_ZONE_ROWS:  # a server's batch: each series alone
         rows_lo, rows_hi = second.min(axis=-1).reshape(-1), second.max(axis=-1).reshape(-1)
         per_row = [(_offset_ns(tz, int(a)), _offset_ns(tz, int(b))) for a, b in zip(rows_lo, rows_hi, strict=True)]
         if all(a == b for a, b in per_row) and int((rows_hi - rows_lo).max()) <= 2 * 86_400:
             return np.array([a for a, _ in per_row], dtype=np.int64).reshape(*ts.shape[:-1], 1)
     day = second // 86_400
     first_day, last_day = int(day.min()), int(day.max())
-    # every day of the span (no sort) for a history of up to 270 years, else the days present
     days = np.arange(first_day, last_day + 1) if last_day - first_day <= 100_000 else np.unique(day)
     return DayOffsets(tz, days).at(second)
 
 
 class DayOffsets:
-    """A zone's UTC offset on given UTC days, looked up once: per day, the offset at its first and its last
-    second and the second it changes between (found by bisection: changes fall on any minute). `at` then
-    answers any seconds on those days with array operations alone, as a training set's batches ask."""
+    """A zone's UTC offset on given UTC days: per day, the offset at its first and last second and the second
+    it changes (by bisection). `at` answers any seconds on those days with array operations alone."""
 
     NEVER = np.iinfo(np.int64).max
 
     @classmethod
     def span(cls, tz: str, first_day: int, last_day: int) -> DayOffsets:
-        """Every day from `first_day` to `last_day` (days since 1970-01-01 UTC)."""
         return cls(tz, np.arange(first_day, last_day + 1, dtype=np.int64))
 
     def __init__(self, tz: str, days: np.ndarray) -> None:
-        """The offsets on `days` (sorted, distinct, days since 1970-01-01 UTC; at least one)."""
-        self.days = np.asarray(days, dtype=np.int64)  # [D]
+        self.days = np.asarray(days, dtype=np.int64)  # [D] sorted, distinct days since the epoch
         self.contiguous = int(self.days[-1] - self.days[0]) + 1 == self.days.size
         self.start = np.array([_offset_ns(tz, int(d) * 86_400) for d in self.days], dtype=np.int64)  # [D]
         self.end = np.array([_offset_ns(tz, int(d) * 86_400 + 86_399) for d in self.days], dtype=np.int64)  # [D]
@@ -223,26 +200,21 @@ class DayOffsets:
             self.change[k] = _change_second(tz, midnight, midnight + 86_399)
 
     def at(self, second: np.ndarray) -> np.ndarray:
-        """The offset (ns) at each of `second` (seconds since 1970-01-01 UTC, on the table's days), same shape."""
+        """The offset (ns) at each of `second` (on the table's days), same shape."""
         day = second // 86_400
         k = day - self.days[0] if self.contiguous else np.searchsorted(self.days, day)
         return np.where(second >= self.change[k], self.end[k], self.start[k])
 
 
 def known_features(timestamp_ns: np.ndarray, tz: str = "UTC") -> np.ndarray:
-    """Calendar features of any timestamps (past or future), shape [..., 4], float32.
-
-    Time of day and day of week (Monday = 0) in the time zone `tz` (an exchange's, so that a session
-    opens at the same time of day all year, through daylight saving), each as a sin/cos pair so that
-    midnight and the week's wrap-around are continuous.
-    """
+    """Calendar features of any timestamps, float32 [..., 4]: time of day and day of week in the zone `tz`
+    (an exchange's, through daylight saving), each as a sin/cos pair."""
     ts = np.asarray(timestamp_ns, dtype=np.int64)
     if tz != "UTC":
         ts = ts + utc_offset_ns(ts, tz)  # local wall-clock time, as ns since a local 1970-01-01
     tod = (ts % NS_PER_DAY).astype(np.float64) / NS_PER_DAY  # [...]  fraction of the day
     dow = ((ts // NS_PER_DAY + 3) % 7).astype(np.float64) / 7.0  # 1970-01-01 was a Thursday
     out = np.empty((*ts.shape, 4), dtype=np.float32)  # [..., 4]
-    # each sin/cos on a whole contiguous float64 array, then rounded to float32 as it is stored
     tod_angle, dow_angle = 2 * np.pi * tod, 2 * np.pi * dow
     out[..., 0] = np.sin(tod_angle)
     out[..., 1] = np.cos(tod_angle)
@@ -252,36 +224,24 @@ def known_features(timestamp_ns: np.ndarray, tz: str = "UTC") -> np.ndarray:
 
 
 def future_timestamps(last_ns: np.ndarray, bar_interval_ns: int, horizon: int) -> np.ndarray:
-    """Nominal timestamps of the next `horizon` bars after each `last_ns`: [..., H].
-
-    Training and serving both use these nominal times for the decoder's calendar features,
-    so the model never sees a future it could not know at serving time.
-    """
+    """Nominal timestamps of the next `horizon` bars after each `last_ns`, [..., H]: training and serving alike."""
     steps = np.arange(1, horizon + 1, dtype=np.int64) * np.int64(bar_interval_ns)
     return np.asarray(last_ns, dtype=np.int64)[..., None] + steps
 
 
-# Up to this many window cells ([rows, window]) the rolling std runs as a few whole-matrix steps
-# (a server's few bars); above, as one vector step per window offset, which is faster there and
-# keeps no [rows, window] temporaries (a training set's history).
-_SMALL_ROLLING_CELLS = 3072  # measured break-even: about 150 rows at window 20
+_SMALL_ROLLING_CELLS = 3072  # up to this many [rows, window] cells the rolling std runs as whole-matrix steps
 
 
 def _rolling_std(x: np.ndarray, window: int, starts: np.ndarray) -> np.ndarray:
-    """Population std of the last `window` values at each row; NaN until `window` values exist
-    within the row's series (`starts[i]` is the first row of row i's series whose x is defined).
-
-    Two passes over the window (mean, then squared deviations), summed oldest value first: each value
-    depends on the window's values alone, bit for bit, so a server computing from a series' last bars
-    gets exactly what training computed from the whole history (running sums would not). A server's few
-    bars take the matrix path, a training set the loop path: the same sums in the same order.
-    """
+    """Population std of the last `window` values at each row; NaN until `window` values exist in the series
+    (`starts[i]`: row i's first defined row). Two passes, summed oldest first: each value depends on its window
+    alone, bit for bit, so a server's few bars get what training computed. Both paths sum alike."""
     n = x.shape[0]
     ok = np.arange(n) - window + 1 >= starts
     padded = np.concatenate([np.zeros(window - 1), np.where(np.isnan(x), 0.0, x)])  # padded[i + window - 1] = x[i]
     if n * window <= _SMALL_ROLLING_CELLS:
         step = padded.strides[0]
-        # cells[i, k] = padded[i + k]: the view sliding_window_view makes, built directly (0.3 µs, not its 3)
+        # cells[i, k] = padded[i + k]: sliding_window_view's view, built directly
         cells = np.ndarray((n, window), padded.dtype, padded, 0, (step, step))  # [n, window]
         cells.flags.writeable = False
         mean = np.add.accumulate(cells, axis=1)[:, -1] / window  # [n]
@@ -294,7 +254,7 @@ def _rolling_std(x: np.ndarray, window: int, starts: np.ndarray) -> np.ndarray:
         mean += padded[k : k + n]
     mean /= window
     var = np.zeros(n)
-    dev = np.empty(n)  # one scratch array, not two temporaries per step (same operations, same bits)
+    dev = np.empty(n)
     for k in range(window):
         np.subtract(padded[k : k + n], mean, out=dev)
         np.multiply(dev, dev, out=dev)
@@ -309,12 +269,8 @@ ROWS_PER_BLOCK = 1 << 16  # rows of observed features converted at a time (a tra
 def _observed(o: np.ndarray, h: np.ndarray, lo: np.ndarray, c: np.ndarray, v: np.ndarray,
               user: np.ndarray | list[np.ndarray], config: FeatureConfig, starts: np.ndarray, first_row: np.ndarray,
               log_c: np.ndarray) -> np.ndarray:
-    """The observed features of bars grouped by series, float32 [N, n_observed], NaN during each warm-up.
-
-    Bar columns are [N]; `user` is the user columns, as a float64 [n_user, N] block or as a list of
-    [N] columns (the same values either way); `starts` [S] are the series' first rows, `first_row` [N]
-    each row's, `log_c` = log(c). The one place observed features are computed, for training and serving.
-    """
+    """Observed features of bars grouped by series, float32 [N, n_observed], NaN in each warm-up; for training
+    and serving. `user`: a float64 [n_user, N] block or [N] columns; `starts` [S], `first_row` [N]."""
     n = c.shape[0]
     log_return = np.full(n, np.nan)
     log_return[1:] = log_c[1:] - log_c[:-1]
@@ -322,13 +278,12 @@ def _observed(o: np.ndarray, h: np.ndarray, lo: np.ndarray, c: np.ndarray, v: np
     vol = _rolling_std(log_return, config.volatility_window, first_row + 1)
     cols = [log_return, np.log(h / lo), np.log(c / o), np.log1p(v), vol]
     if isinstance(user, list):
-        # [n_observed, rows] converted on the way in, then written as rows, a block of rows at a time: the
-        # same float32 values as stacking float64 columns and converting, without a whole [n_observed, N] copy
+        # a block of rows at a time: no whole [n_observed, N] float64 copy
         observed = np.empty((n, len(cols) + len(user)), dtype=np.float32)  # [N, n_observed]
         columns = cols + user
         for r in range(0, n, ROWS_PER_BLOCK):
             observed[r:r + ROWS_PER_BLOCK] = np.array([x[r:r + ROWS_PER_BLOCK] for x in columns], dtype=np.float32).T
-    else:  # the block's columns in one step each way, with the same float64 -> float32 rounding
+    else:
         observed = np.empty((n, len(cols) + user.shape[0]), dtype=np.float32)  # [N, n_observed]
         observed[:, :len(cols)] = np.array(cols, dtype=np.float32).T
         observed[:, len(cols):] = user.T
@@ -350,13 +305,8 @@ class LatestWindows:
 def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
                    volume: np.ndarray, user: np.ndarray | list[np.ndarray], config: FeatureConfig,
                    encoder_length: int, bar_interval_ns: int) -> LatestWindows:
-    """The window at the last bar of each of B series of n bars each, from those bars alone: what a server
-    forecasts from. Bar columns are [B, n] (validated, oldest first); `user` is a float64 [n_user, B * n]
-    block or a list of [B * n] columns, series after series (as `_observed` takes them).
-
-    Bit for bit what `build_frame` + `gather_windows` give at those bars from a series' whole history, once
-    n >= warm-up + L: the same `_observed` and `known_features`, without a Bars or a FeatureFrame.
-    """
+    """The window at the last bar of each of B series of n bars ([B, n] columns, oldest first): what a server
+    forecasts from. Bit for bit what `build_frame` + `gather_windows` give there once n >= warm-up + L."""
     b, n = close.shape
     L = encoder_length
     if n < config.warmup_bars + L:
@@ -376,7 +326,7 @@ def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray
     )
 
 
-@functools.lru_cache(maxsize=32)  # every frame and model meta asks; the schema only depends on the columns
+@functools.lru_cache(maxsize=32)
 def _schema(user_columns: tuple[str, ...]) -> FeatureSchema:
     specs = [FeatureSpec(STATIC_SYMBOL, Role.STATIC, Kind.CATEGORICAL)]
     specs += [FeatureSpec(n, Role.OBSERVED, Kind.REAL) for n in BUILTIN_OBSERVED]
@@ -387,13 +337,8 @@ def _schema(user_columns: tuple[str, ...]) -> FeatureSchema:
 
 def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = None,
                 bar_interval_ns: int | None = None, targets: bool = True) -> FeatureFrame:
-    """Compute every feature array of `bars` (already validated, grouped by symbol in time order).
-
-    `symbols` fixes the vocabulary (the trained model's); symbols outside it raise ValueError.
-    `bar_interval_ns` fixes the bar spacing (the trained model's) instead of inferring it from
-    `bars`, so a server that sees a few bars spaces future steps exactly as training did.
-    `targets=False` skips the forward returns (a server forecasts them; they stay all NaN).
-    """
+    """Every feature array of validated `bars`. `symbols` and `bar_interval_ns` fix the trained model's
+    vocabulary and bar spacing; `targets=False` leaves the forward returns NaN."""
     slices = bars.series_slices()
     vocab = list(symbols) if symbols is not None else sorted(slices)
     unknown = [s for s in slices if s not in vocab]
@@ -402,7 +347,7 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
     n = len(bars)
     bounds = np.array([[sl.start, sl.stop] for sl in slices.values()], dtype=np.int64).reshape(-1, 2)
     series_id = np.repeat(np.array([vocab.index(name) for name in slices], dtype=np.int64), bounds[:, 1] - bounds[:, 0])
-    first_row = np.repeat(bounds[:, 0], bounds[:, 1] - bounds[:, 0])  # [N]  first row of each row's series
+    first_row = np.repeat(bounds[:, 0], bounds[:, 1] - bounds[:, 0])  # [N]
     log_c = np.log(bars.close)
     user_block = block_for(bars.user, config.user_columns)  # [n_user, N] when the columns come as one block
     user = user_block if user_block is not None else [bars.user[u] for u in config.user_columns]

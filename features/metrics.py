@@ -12,8 +12,8 @@ def pinball(pred: np.ndarray, target: np.ndarray, quantiles: np.ndarray) -> np.n
 
 
 def forecast_metrics(pred: np.ndarray, target: np.ndarray, quantiles: tuple[float, ...]) -> dict[str, object]:
-    """Pinball loss (mean), q-risk (2 sum QL / sum |y|, as in the TFT paper) per quantile (None where every
-    target is 0: it is undefined there), and the share of targets inside [lowest, highest] quantile."""
+    """Mean pinball loss, q-risk (2 sum QL / sum |y|; None when every target is 0) per quantile, and the share
+    of targets inside [lowest, highest] quantile."""
     q = np.asarray(quantiles, dtype=np.float64)
     ql = pinball(pred.astype(np.float64), target.astype(np.float64), q)  # [W, H, Q]
     denom = float(np.abs(target).sum())

@@ -27,9 +27,6 @@ class NormStats:
     def apply(self, x: np.ndarray) -> np.ndarray:
         return ((x - self.mean) / self.std).astype(np.float32)
 
-    def invert(self, z: np.ndarray) -> np.ndarray:
-        return (z * self.std + self.mean).astype(np.float32)
-
     def to_dict(self) -> dict[str, Any]:
         return {"mean": self.mean.astype(float).tolist(), "std": self.std.astype(float).tolist()}
 
@@ -38,14 +35,12 @@ class NormStats:
         return NormStats(np.asarray(d["mean"], dtype=np.float32), np.asarray(d["std"], dtype=np.float32))
 
 
-COLUMNS_PER_BLOCK = 16  # columns fitted at a time: a training set's rows x 225 columns in float64, several times over,
-# would take far more memory than the features themselves
+COLUMNS_PER_BLOCK = 16  # columns fitted at a time, to bound the float64 temporaries
 
 
 def spread_of(x: np.ndarray, rows: np.ndarray | slice | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and standard deviation (float64 [C]) of each column of `x[rows]` (all rows if None), ignoring NaN
-    and infinities; x is [N, C] or [N, ..., C]. A block of columns at a time; ValueError when a column has
-    no finite value."""
+    """Mean and std (float64 [C]) of each column of `x[rows]`, ignoring NaN and inf; ValueError for a column
+    with no finite value."""
     picked = slice(None) if rows is None else rows
     n_cols = x.shape[-1]
     mean, std = np.empty(n_cols), np.empty(n_cols)

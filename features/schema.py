@@ -1,8 +1,4 @@
-"""The feature schema as data, and the canonical tensor names every stage uses.
-
-One set of names travels from the dataset to the model's ``forward``, the ONNX input
-and output names, the server's request validation and the proto. Change them here only.
-"""
+"""The feature schema as data, and the canonical tensor names every stage (dataset, model, ONNX, server) uses."""
 
 from __future__ import annotations
 
@@ -10,14 +6,12 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-# ---- canonical tensor names (model inputs) -------------------------------------------
+# canonical tensor names: model inputs, model outputs and the target
 STATIC_CATEGORICAL = "static_categorical"  # int64   [B, n_static]        symbol id
 ENCODER_OBSERVED = "encoder_observed"  # float32 [B, L, n_observed]  past bars' observed features
 ENCODER_KNOWN = "encoder_known"  # float32 [B, L, n_known]     calendar features of past bars
 DECODER_KNOWN = "decoder_known"  # float32 [B, H, n_known]     calendar features of future bars
 MODEL_INPUTS: tuple[str, ...] = (STATIC_CATEGORICAL, ENCODER_OBSERVED, ENCODER_KNOWN, DECODER_KNOWN)
-
-# ---- canonical tensor names (model outputs) ------------------------------------------
 QUANTILES = "quantiles"  # float32 [B, H, Q]          cumulative log-return quantiles
 ATTENTION = "attention"  # float32 [B, H, L + H]      decoder attention, mean over heads
 STATIC_WEIGHTS = "static_weights"  # float32 [B, n_static]
@@ -25,8 +19,6 @@ ENCODER_WEIGHTS = "encoder_weights"  # float32 [B, L, n_observed + n_known]
 DECODER_WEIGHTS = "decoder_weights"  # float32 [B, H, n_known]
 EXPLAIN_OUTPUTS: tuple[str, ...] = (ATTENTION, STATIC_WEIGHTS, ENCODER_WEIGHTS, DECODER_WEIGHTS)
 MODEL_OUTPUTS: tuple[str, ...] = (QUANTILES, *EXPLAIN_OUTPUTS)
-
-# ---- target ---------------------------------------------------------------------------
 TARGET = "target"  # float32 [B, H]  log(close[t+h] / close[t]), h = 1..H
 
 

@@ -1,26 +1,19 @@
 """Sample 1-minute futures bars, deterministic per seed.
 
-What is planted (and measured by tests/test_synth.py from the generator's output):
-
-* Sessions: regular trading hours only, 14:30-21:00 UTC (390 one-minute bars) on
-  weekdays; no bars overnight or at weekends, so every series has session breaks.
-* Volatility clustering: GARCH(1,1) variance (alpha 0.08, beta 0.90) driven by a shock
-  common to all symbols, so absolute returns are autocorrelated.
-* U-shaped intraday volatility and volume: both scale with 0.6 + 1.6 * x^2, where x runs
-  from -1 at the open to +1 at the close.
-* A weak, learnable predictable component: one-minute log returns follow AR(1) with
-  coefficient 0.15 within a session (momentum), plus the predictable volatility above.
-* Correlated symbols: each symbol's shock is 0.8 common factor, 0.6 own noise.
-* Overnight gaps: the first bar of a session opens away from the last close.
-* OHLC consistency: open and close on the tick grid, high >= max(open, close),
-  low <= min(open, close); volume is a positive integer.
+What is planted (tests/test_synth.py measures it):
+* Sessions 14:30-21:00 UTC (390 one-minute bars) on weekdays, with an overnight gap at each open.
+* Volatility clustering: GARCH(1,1) (alpha 0.08, beta 0.90) on a shock common to all symbols.
+* U-shaped intraday volatility and volume: 0.6 + 1.6 * x^2, x from -1 at the open to +1 at the close.
+* A weak, learnable signal: AR(1) log returns with coefficient 0.15 within a session.
+* Correlated symbols: each shock is 0.8 common factor, 0.6 own noise.
+* Consistent OHLC on the tick grid; volume a positive integer.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +37,7 @@ KNOWN_SYMBOLS: dict[str, tuple[float, float, float]] = {
 }
 
 
-def session_timestamps(n_bars: int, start: datetime) -> np.ndarray:
+def session_timestamps(n_bars: int, start: date) -> np.ndarray:
     """The first `n_bars` RTH minute timestamps (ns, UTC) from `start`'s date, weekdays only."""
     day0 = int(datetime(start.year, start.month, start.day, tzinfo=UTC).timestamp()) * NS_PER_SECOND
     n_days_needed = n_bars // SESSION_BARS + 1
@@ -61,16 +54,13 @@ def intraday_shape(minute_of_session: np.ndarray) -> np.ndarray:
     return np.asarray(0.6 + 1.6 * x * x)
 
 
-def generate(symbols: list[str], n_bars: int, seed: int, start: datetime | None = None,
+def generate(symbols: list[str], n_bars: int, seed: int, start: date | None = None,
              extra_features: int = 0) -> pa.Table:
-    """Bars of every symbol on a shared session calendar, as an arrow table.
-
-    `extra_features` adds numeric columns f000, f001, ... that stand in for a desk's own
-    indicators: trailing means of log returns over 2..31 bars (no look-ahead) plus noise.
-    """
+    """Bars of every symbol on a shared session calendar. `extra_features` adds indicator columns f000, f001, ...:
+    trailing means of log returns over 2..31 bars plus noise."""
     rng = np.random.default_rng(seed)
     extra_rng = np.random.default_rng(seed + 1_000_003)  # separate stream: bars do not depend on extras
-    ts = session_timestamps(n_bars, start or datetime(2024, 1, 2, tzinfo=UTC))
+    ts = session_timestamps(n_bars, start or date(2024, 1, 2))
     minute = ((ts - SESSION_OPEN_NS) % NS_PER_DAY) // (60 * NS_PER_SECOND)
     z_common = rng.standard_normal(n_bars)
     h = _garch_variance(z_common)
@@ -147,12 +137,6 @@ def _ar1(shocks: np.ndarray, reset: np.ndarray) -> np.ndarray:
     return r
 
 
-def write_parquet_atomic(table: pa.Table, out: Path) -> None:
-    """Write to a temporary file beside `out`, then rename: no half-written file on failure."""
-    with atomic_output(out) as tmp:
-        pq.write_table(table, tmp)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m features.synth", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -160,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--symbols", default="ES,NQ", help="comma-separated symbols (default ES,NQ)")
     p.add_argument("--bars", type=int, default=20000, help="bars per symbol (default 20000)")
     p.add_argument("--seed", type=int, default=7, help="random seed: the same seed writes the same bars (default 7)")
-    p.add_argument("--start", default="2024-01-02", help="first session date, YYYY-MM-DD (UTC; default 2024-01-02)")
+    p.add_argument("--start", type=date.fromisoformat, default=date(2024, 1, 2),
+                   help="first session date, YYYY-MM-DD (UTC; default 2024-01-02)")
     p.add_argument("--extra-features", type=int, default=0, metavar="N",
                    help="also write N numeric indicator columns f000..f{N-1} (e.g. 220 for the production preset)")
     args = p.parse_args(argv)
@@ -169,16 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--symbols: give at least one symbol, e.g. --symbols ES,NQ")
     if args.bars < 1:
         p.error("--bars must be at least 1")
-    try:
-        start = datetime.strptime(args.start, "%Y-%m-%d").replace(tzinfo=UTC)
-    except ValueError:
-        p.error(f"--start {args.start!r}: expected a date as YYYY-MM-DD")
     if args.extra_features < 0:
         p.error("--extra-features must be >= 0")
     if args.out.is_dir():
         p.error(f"--out {args.out} is a directory; give the parquet file's name, e.g. {args.out / 'bars.parquet'}")
-    table = generate(symbols, args.bars, args.seed, start, args.extra_features)
-    write_parquet_atomic(table, args.out)
+    table = generate(symbols, args.bars, args.seed, args.start, args.extra_features)
+    with atomic_output(args.out) as tmp:
+        pq.write_table(table, tmp)
     print(f"wrote {table.num_rows} bars ({len(symbols)} symbols x {args.bars}) to {args.out}", file=sys.stderr)
     return 0
 

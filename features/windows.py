@@ -1,8 +1,5 @@
-"""Windows by index: a window is named by its anchor row t, the last encoder bar.
-
-Encoder rows are t-L+1..t, decoder steps are the next H bars, the target is row t's
-forward returns. Windows never cross a series boundary and never start in the warm-up.
-"""
+"""Windows by anchor row t, the last encoder bar: encoder rows t-L+1..t, then H decoder steps and row t's
+targets. Windows never cross a series boundary nor start in the warm-up."""
 
 from __future__ import annotations
 
@@ -12,18 +9,10 @@ from features.compute import FeatureFrame, future_timestamps, known_features
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
 
 
-def anchor_rows(
-    frame: FeatureFrame,
-    encoder_length: int,
-    require_targets: bool = True,
-    row_range: tuple[np.ndarray, np.ndarray] | None = None,
-) -> np.ndarray:
-    """All valid anchors, int64 [W].
-
-    `row_range` optionally gives per-series [lo, hi) bounds (arrays aligned with
-    `frame.series_bounds`) that the anchor and, if `require_targets`, its H target rows
-    must lie in; encoder rows may reach back before `lo` (inputs, not targets).
-    """
+def anchor_rows(frame: FeatureFrame, encoder_length: int, require_targets: bool = True,
+                row_range: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """All valid anchors, int64 [W]. `row_range`: per-series [lo, hi) bounds for the anchor and its targets
+    (encoder rows may reach back before `lo`)."""
     horizon = frame.config.horizon
     out = []
     for i, (s, e) in enumerate(frame.series_bounds):

@@ -1,36 +1,12 @@
 """`python -m serving.score --model model.onnx --parquet bars.parquet --out forecasts.parquet`: forecasts
 for every bar of a history, offline, for backtests and evaluation.
 
-Reads the bars with the training run's column names (the mapping flags win), computes the features with
-the same code as the trainer and the server, and runs the ONNX model on the window ending at every bar
-that has its warm-up and encoder bars before it, in batches (`--device cpu|cuda|auto`; no gRPC, no torch).
-`--symbols`, `--start` and `--end` (ISO 8601, UTC unless they carry an offset) choose the forecast origins;
-earlier bars still feed the windows. `--symbols` reads and checks only those symbols' bars.
-
-The output is one row per origin and horizon step, in series and time order:
-
-    symbol      string
-    origin      timestamp[ns, UTC]   the window's last bar: the forecast is made at its close
-    h           int16                1..horizon: the h-th next bar
-    time        timestamp[ns, UTC]   that bar's nominal time (origin + h bar intervals), as the server gives it
-    close       float64              the origin's close
-    ret_q<q>    float64              quantile q of the cumulative log return from `close` to bar h
-    price_q<q>  float64              the same quantile as a price (close * exp(ret)), in the file's units
-    actual_ret  float64              the realised log return to the h-th next bar of the file (NaN past its end)
-    actual_time timestamp[ns, UTC]   the time of that bar (null past the end): later than `time` across a gap
-    split       string               where the origin falls in the model's training run: before, train,
-                                     validation, test or after its bars. Train and validation are in-sample.
-
-A summary follows on stderr: windows per symbol and, per split, the pinball loss and how often the realised
-return fell inside the outer quantiles; a warning names the in-sample origins.
-
-Symbols the model does not know or with too few bars are skipped with a warning, and so are the origins
-whose windows the server refuses: bars mostly closer than half the model's bar interval, daily bars for an
-intraday model, and non-finite user feature values.
-
-The file is written under a temporary name and renamed when complete: an error, Ctrl-C or SIGTERM leaves
-no partial file. Exit status: 0 done, 1 the output could not be written, 2 bad arguments, bars or model,
-130 interrupted.
+Runs the ONNX model on the window ending at every bar with its warm-up and encoder bars (the bars read with
+the training run's column names; the flags win). `--symbols`, `--start` and `--end` choose the origins.
+One row per origin and horizon step: symbol, origin, h, time, close, ret_q<q>, price_q<q>, actual_ret,
+actual_time, split (see docs/serving.md); a summary per split follows on stderr. Origins the server would
+refuse are skipped with a warning. The file is written atomically. Exit status: 0 done, 1 the output could
+not be written, 2 bad arguments, bars or model, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -40,7 +16,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -85,8 +61,7 @@ FIRST_NS_DATE, LAST_NS_DATE = datetime(1678, 1, 1, tzinfo=UTC), datetime(2262, 1
 
 
 def parse_time(text: str, flag: str) -> int:
-    """An ISO 8601 date or time (`2024-01-02`, `2024-01-02T14:30`, `...Z`, `...+01:00`; UTC without an
-    offset) as int64 nanoseconds since the Unix epoch."""
+    """An ISO 8601 date or time (UTC without an offset) as int64 nanoseconds since the Unix epoch."""
     try:
         when = datetime.fromisoformat(text.strip())
     except ValueError:
@@ -116,28 +91,24 @@ def origins(frame: FeatureFrame, encoder_length: int, start_ns: int | None, end_
     """Every anchor (window end) with its warm-up and encoder bars, in [start_ns, end_ns): int64 [W]."""
     anchors = anchor_rows(frame, encoder_length, require_targets=False)
     ts = frame.timestamp_ns[anchors]
-    keep = np.ones(anchors.shape[0], dtype=bool)
-    if start_ns is not None:
-        keep &= ts >= start_ns
-    if end_ns is not None:
-        keep &= ts < end_ns
-    return anchors[keep]
+    lo = np.iinfo(np.int64).min if start_ns is None else start_ns
+    hi = np.iinfo(np.int64).max if end_ns is None else end_ns
+    return anchors[(ts >= lo) & (ts < hi)]
 
 
 def _flagged_in_windows(flag: np.ndarray, anchors: np.ndarray, rows: int) -> np.ndarray:
     """How many of the `rows` rows ending at each anchor are flagged (flag: bool [N]). int64 [W]."""
     count = np.zeros(flag.shape[0] + 1, dtype=np.int64)
-    np.cumsum(flag, out=count[1:])  # count[r + 1]: flagged rows among 0..r
+    np.cumsum(flag, out=count[1:])
     return np.asarray(count[anchors + 1] - count[anchors - rows + 1])
 
 
 def refused_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int,
                     interval_ns: int) -> tuple[np.ndarray, np.ndarray]:
-    """Which windows the server would refuse, by the rules of `serving.validation`: finer bars than the model's
-    (most gaps between the `bars_required` bars ending at each anchor under half the bar interval), and daily
-    bars to an intraday model (`daily_bars`). bool [W] each."""
+    """The windows `serving.validation` refuses: finer bars (most gaps under half the bar interval) and daily
+    bars to an intraday model. bool [W] each."""
     ts, n = frame.timestamp_ns, bars_required
-    gaps = n - 1  # a window's gaps are those before its rows a - n + 2 .. a: gap[r] flags the one before row r
+    gaps = n - 1  # short[r] flags the gap before row r
     short = np.zeros(ts.shape[0], dtype=bool)
     short[1:] = ts[1:] < ts[:-1] + interval_ns // 2
     finer = 2 * _flagged_in_windows(short, anchors, gaps) > gaps
@@ -159,7 +130,7 @@ def model_inputs(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int) 
 
 def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndarray,
                    quantiles: Sequence[float], split: np.ndarray) -> pa.Table:
-    """One row per anchor and horizon step. log_return: [W, H, Q] float32 from the model; split: [W] (split_of)."""
+    """One row per anchor and horizon step. log_return: [W, H, Q]; split: [W] (split_of)."""
     w, h = log_return.shape[:2]
     close = frame.close[anchors]  # [W]
     ret = log_return.astype(np.float64)
@@ -179,8 +150,7 @@ def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndar
     for j, level in enumerate(quantiles):
         columns[f"price_q{level:g}"] = pa.array(price[:, :, j].ravel())
     columns["actual_ret"] = pa.array(frame.targets[anchors].astype(np.float64).ravel())  # NaN past the file
-    # the bar actual_ret reaches: the h-th next bar of the file, which across a gap or a session close is later
-    # than `time` (training's targets count bars the same way); null past the series' end
+    # the h-th next bar of the file, which actual_ret reaches; null past the series' end
     later = anchors[:, None] + np.arange(1, h + 1)  # [W, H] rows
     ends = frame.series_bounds[np.searchsorted(frame.series_bounds[:, 0], anchors, side="right") - 1, 1]  # [W]
     inside = later < ends[:, None]
@@ -195,8 +165,7 @@ SPLITS = ("before", "train", "validation", "test", "after")
 
 
 def split_of(origin_ns: np.ndarray, training: dict[str, Any]) -> np.ndarray:
-    """Which part of the model's training run each origin falls in (an index into SPLITS; -1 unknown):
-    before its first bar, train, validation, test, or after its last bar. By the origin's time."""
+    """Which part of the model's training run each origin's time falls in: an index into SPLITS, -1 unknown."""
     out = np.full(origin_ns.shape, -1, dtype=np.int8)
     val_from = training.get("validation_from_ns")
     if val_from is None:
@@ -213,14 +182,8 @@ def split_of(origin_ns: np.ndarray, training: dict[str, Any]) -> np.ndarray:
     return out
 
 
-def batches(anchors: np.ndarray, size: int) -> Iterator[np.ndarray]:
-    for i in range(0, anchors.shape[0], size):
-        yield anchors[i:i + size]
-
-
 class Summary:
-    """Windows per symbol and per part of the training run, and, where the realised return is in the file, the
-    pinball loss and outer-band coverage per part."""
+    """Windows per symbol and split, and per split the pinball loss and outer-band coverage where realised."""
 
     def __init__(self, quantiles: Sequence[float], training: dict[str, Any]) -> None:
         self.q = np.asarray(quantiles, dtype=np.float64)
@@ -232,7 +195,7 @@ class Summary:
         self.scored = np.zeros(len(SPLITS) + 1, dtype=np.int64)
 
     def add(self, frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndarray, split: np.ndarray) -> None:
-        """log_return: [W, H, Q]; split: [W] (split_of; -1, unknown, counts in the last slot)."""
+        """log_return: [W, H, Q]; split: [W] (split_of; -1 counts in the last slot)."""
         for sid, count in zip(*np.unique(frame.series_id[anchors], return_counts=True), strict=True):
             name = frame.symbols[int(sid)]
             self.windows[name] = self.windows.get(name, 0) + int(count)
@@ -267,7 +230,7 @@ class Summary:
         return out
 
     def in_sample(self) -> int:
-        """Origins in the bars the model was trained on or chosen on (train, validation)."""
+        """Origins in the train and validation splits."""
         return int(self.origins[1] + self.origins[2])
 
 
@@ -301,7 +264,7 @@ def _write_forecasts(tmp: str, model: LoadedModel, frame: FeatureFrame, anchors:
     writer: pq.ParquetWriter | None = None
     pending: list[pa.Table] = []
     try:
-        for i, chunk in enumerate(batches(anchors, batch)):
+        for i, chunk in enumerate(np.split(anchors, range(batch, anchors.size, batch))):
             q = model.run(model_inputs(frame, chunk, meta.encoder_length))[QUANTILES]  # [B, H, Q]
             split = split_of(frame.timestamp_ns[chunk], meta.training)  # [B]
             pending.append(forecast_table(frame, chunk, q, meta.quantiles, split))
@@ -317,8 +280,7 @@ def _write_forecasts(tmp: str, model: LoadedModel, frame: FeatureFrame, anchors:
 
 
 def _refused(frame: FeatureFrame, anchors: np.ndarray, meta: ModelMeta, unusable_rows: np.ndarray) -> np.ndarray:
-    """The windows the server would refuse, each kind named in a warning per symbol: bool [W]. ScoreError when
-    every window is refused."""
+    """The windows the server would refuse, warned of per symbol: bool [W]. ScoreError when all are."""
     step = format_duration(meta.bar_interval_ns)
     finer, daily = refused_windows(frame, anchors, meta.bars_required, meta.bar_interval_ns)
     unusable = _flagged_in_windows(unusable_rows, anchors, meta.bars_required) > 0
@@ -344,15 +306,13 @@ def _refused(frame: FeatureFrame, anchors: np.ndarray, meta: ModelMeta, unusable
 
 
 def out_of_sample_hint(training: dict[str, Any], last_scored_ns: int) -> str:
-    """The --start that keeps only origins the run did not train or choose on: its test split's first bar, else
-    just after its last bar (rounded up to a microsecond, what --start reads). When the scored bars end before
-    that, no --start helps: later bars do."""
+    """The --start that keeps only origins the run neither trained nor chose on, or why later bars are needed."""
     test_from, last = training.get("test_from_ns"), training.get("last_bar_ns")
     cut = test_from if test_from is not None else None if last is None else last + 1
     if cut is None:
         return "the split column marks them"
     start = f"{np.datetime64(-(-cut // 1_000), 'us')}Z"
-    if last_scored_ns < cut:  # the bars the run neither trained nor chose on begin later: named, not --start
+    if last_scored_ns < cut:
         edge = (f"before {format_timestamp(test_from)}, where the run's test split begins" if test_from is not None
                 else f"by {format_timestamp(cut - 1)}, the run's last bar")
         return (f"these bars end {edge}: score bars that go on past it for forecasts the model has not seen "
@@ -399,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    stored: dict[str, str] | None = None  # the training run's column names, from the model
+    stored: dict[str, str] | None = None  # the training run's column names
     try:
         start_ns, end_ns = _time_range(args)
         _check_out(args.out, args.parquet)
@@ -410,7 +370,6 @@ def _run(args: argparse.Namespace) -> int:
         asked = list(dict.fromkeys(s.strip() for s in (args.symbols or "").split(",") if s.strip()))  # each once
         if args.symbols is not None and not asked:
             raise ScoreError(f"--symbols {args.symbols!r} names no symbol; give e.g. {','.join(meta.symbols)}")
-        # with --symbols, only their bars are read and checked: a bad bar of another symbol stops nothing
         bars = read_bars(args.parquet, columns, tuple(meta.feature_config.user_columns), symbols=asked or None,
                          check_user_values=False)  # windows with unusable user values are skipped, as refused
         wanted = _wanted_symbols(meta, bars, asked, args.parquet, columns)
@@ -456,8 +415,7 @@ def _check_out(out: Path, bars: Path) -> None:
 
 
 def _wanted_symbols(meta: ModelMeta, bars: Bars, asked: list[str], path: Path, columns: ColumnMap) -> list[str]:
-    """The symbols to score: those asked for, or the model's in the file; the others, and those with too few
-    bars or bars further apart than the model's, get a warning."""
+    """Those asked for, or the model's in the file; warns of the others and of too few or too sparse bars."""
     slices = bars.series_slices()
     present = set(slices)
     if asked:

@@ -424,7 +424,6 @@ def test_norm_stats_fit_on_a_slice_and_apply_to_another() -> None:
     z = stats.apply(x[3:])
     assert z.dtype == np.float32
     np.testing.assert_allclose(z, [[97 / math.sqrt(8 / 3), -12.0, 997.0]], rtol=1e-6)
-    np.testing.assert_allclose(stats.invert(stats.apply(x[3:])), x[3:], rtol=1e-6)
     assert np.isnan(stats.apply(x[1:2])[0, 2])  # NaN stays NaN
     rows = NormStats.fit(x, np.array([0, 2]))  # index arrays work too
     np.testing.assert_allclose(rows.mean, [3.0, 5.0, 3.0])
@@ -586,7 +585,7 @@ def test_a_frame_without_targets_has_the_same_features(sample: Bars) -> None:
 def test_a_column_block_is_a_read_only_mapping_of_its_rows() -> None:
     block = np.arange(12, dtype=np.float64).reshape(3, 4)
     cols = ColumnBlock(("b", "a", "c"), block)
-    assert list(cols) == ["b", "a", "c"] and len(cols) == 3 and cols.length == 4
+    assert list(cols) == ["b", "a", "c"] and len(cols) == 3
     assert "a" in cols and "z" not in cols and 3 not in cols
     np.testing.assert_array_equal(cols["a"], block[1])
     assert np.shares_memory(cols["c"], block)  # a view of the block's row, not a copy
