@@ -1,12 +1,9 @@
 """Micro-batching: the windows of concurrent calls gathered into one ONNX Runtime run.
 
-A batch closes when it holds `max_batch` windows, or when its first call has waited `max_delay_s`,
-or, with `wait="adaptive"` (the default), as soon as no other call is ready to join: a lone call
-never waits for company, and under load batches grow by themselves. `wait="fixed"` always waits
-the delay unless the batch fills up. Only calls with the same key (model snapshot) share a batch,
-so a reload never mixes models. A call whose deadline passed while queued, or that was cancelled,
-never runs. Batches run one at a time on one worker thread; ONNX Runtime releases the GIL, so the
-event loop keeps receiving calls meanwhile.
+A batch closes at `max_batch` windows, when its first call has waited `max_delay_s`, or, with
+`wait="adaptive"` (the default), as soon as no other call is ready to join; `wait="fixed"` waits the
+delay unless the batch fills up. Only calls with the same key (model snapshot) share a batch. Expired
+or cancelled calls never run. Batches run one at a time on one worker thread.
 """
 
 from __future__ import annotations
@@ -42,17 +39,6 @@ class BatchObserver(Protocol):
     def on_expired(self) -> None: ...
 
 
-class _NoObserver:
-    def on_batch(self, windows: int, calls: int, inference_s: float) -> None:
-        pass
-
-    def on_queue_time(self, seconds: float) -> None:
-        pass
-
-    def on_expired(self) -> None:
-        pass
-
-
 @dataclass(eq=False)
 class _Item(Generic[K, P, R]):
     key: K
@@ -66,13 +52,11 @@ class _Item(Generic[K, P, R]):
 class MicroBatcher(Generic[K, P, R]):
     def __init__(self, process: Process[K, P, R], max_batch: int, max_delay_s: float, wait: str = "adaptive",
                  observer: BatchObserver | None = None) -> None:
-        if max_batch < 1 or max_delay_s < 0 or wait not in WAIT_POLICIES:
-            raise ValueError(f"need max_batch >= 1, max_delay_s >= 0 and wait in {WAIT_POLICIES}")
         self._process = process
         self.max_batch = max_batch
         self.max_delay_s = max_delay_s
         self.wait = wait
-        self._observer: BatchObserver = observer or _NoObserver()
+        self._observer = observer
         self._queue: deque[_Item[K, P, R]] = deque()
         self._arrived = asyncio.Event()
         self._closing = False
@@ -91,11 +75,8 @@ class MicroBatcher(Generic[K, P, R]):
         self._executor.shutdown(wait=True)
 
     async def submit(self, key: K, payload: P, n: int, deadline: float | None = None) -> R:
-        """The result for `payload` (n windows), computed in a batch with other calls on the same key.
-
-        A call of more than max_batch windows runs as a batch of its own. Raises NotReady once close()
-        has begun, and QueueDeadlineExceeded when `deadline` (time.monotonic()) passes before it runs.
-        """
+        """The result for `payload` (n windows), computed in a batch with other calls on the same key (alone when
+        n > max_batch). NotReady once close() has begun; QueueDeadlineExceeded when `deadline` passes first."""
         if self._closing:
             raise NotReady("the server is shutting down; retry on another replica")
         item: _Item[K, P, R] = _Item(key, payload, n, asyncio.get_running_loop().create_future(), deadline,
@@ -163,7 +144,8 @@ class MicroBatcher(Generic[K, P, R]):
             if it.future.done():  # cancelled by its caller (deadline at the client, disconnect)
                 continue
             if it.deadline is not None and now >= it.deadline:
-                self._observer.on_expired()
+                if self._observer is not None:
+                    self._observer.on_expired()
                 it.future.set_exception(QueueDeadlineExceeded(
                     f"deadline exceeded after {(now - it.enqueued) * 1e3:,.1f} ms in the queue; not run"))
             elif it.key is key and (not batch or windows + it.n <= self.max_batch):
@@ -177,15 +159,16 @@ class MicroBatcher(Generic[K, P, R]):
     async def _run(self, key: K, batch: list[_Item[K, P, R]]) -> None:
         """Run one batch on the worker thread and hand each call its result; a failed run fails its calls."""
         started = time.monotonic()
-        for it in batch:
-            self._observer.on_queue_time(started - it.enqueued)
         payloads = [it.payload for it in batch]
         try:
             results = await asyncio.get_running_loop().run_in_executor(self._executor, self._process, key, payloads)
         except Exception as exc:
             log.exception("inference failed for a batch of %d calls", len(batch))
             results = [exc] * len(batch)
-        self._observer.on_batch(sum(it.n for it in batch), len(batch), time.monotonic() - started)
+        if self._observer is not None:
+            for it in batch:
+                self._observer.on_queue_time(started - it.enqueued)
+            self._observer.on_batch(sum(it.n for it in batch), len(batch), time.monotonic() - started)
         for it, result in zip(batch, results, strict=True):
             if it.future.done():
                 continue

@@ -1,16 +1,17 @@
-"""Domain errors of the server and the one place that maps them to gRPC status codes.
-
-The servicer's `rpc` decorator answers with `status_of(exc)`. Anything else is a bug: logged with
-its traceback and answered INTERNAL, and the server keeps serving.
-"""
+"""Domain errors of the server and the one place that maps them to gRPC status codes (`status_of`).
+Any other exception is a bug: logged with its traceback, answered INTERNAL, and the server keeps serving."""
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections.abc import Sequence
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
+
+log = logging.getLogger("serving")
 
 
 class ServingError(Exception):
@@ -20,10 +21,8 @@ class ServingError(Exception):
 
 
 class RequestError(ServingError):
-    """The request breaks the contract; the message says what to fix.
-
-    `field` is the field at fault as google.rpc.BadRequest paths name it (`series[1].close`); `violations`
-    gives several (field, what is wrong) pairs instead, one per problem the message lists."""
+    """The request breaks the contract; the message says what to fix. `field` is the field at fault as
+    google.rpc.BadRequest names it (`series[1].close`); `violations` gives several (field, problem) pairs."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -33,8 +32,6 @@ class RequestError(ServingError):
 
 
 class ExplainUnavailable(ServingError):
-    """`explain` asked of a model exported without its interpretability outputs."""
-
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -45,8 +42,6 @@ class Overloaded(ServingError):
 
 
 class ResponseTooLarge(ServingError):
-    """The answer would exceed --max-message-bytes; the caller should send fewer series (or no explain)."""
-
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -76,11 +71,11 @@ class ConfigError(Exception):
 
 MAX_DETAILS_BYTES = 2000  # status messages are cut here: they travel in a trailer (gRPC: 8 KiB of metadata)
 MAX_PROBLEMS = 5  # problems one RequestError lists
+VIOLATION_BYTES = 300  # one field violation's description, at most
 
 
 def bounded(text: str, limit: int = 48) -> str:
-    """`text` as a quoted literal (control characters escaped) of at most about `limit` characters: how an error
-    message repeats a caller's string."""
+    """How an error message repeats a caller's string: quoted, escaped, about `limit` characters at most."""
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}... ({len(text)} characters)"
@@ -91,47 +86,31 @@ def _header_length(text: str) -> int:
     return sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in text.encode("utf-8", "replace"))
 
 
-def cap_details(message: str) -> str:
-    """A status message of at most MAX_DETAILS_BYTES on the wire (percent-encoded), cut on a character."""
-    if _header_length(message) <= MAX_DETAILS_BYTES:
-        return message
-    room, kept = MAX_DETAILS_BYTES - 20, []
-    for ch in message:
-        room -= _header_length(ch)
-        if room < 0:
-            break
-        kept.append(ch)
-    return "".join(kept) + " ... (message cut)"
+def _cut(text: str, limit: int) -> str:
+    """`text` within `limit` bytes as grpc-message (which also bounds its UTF-8 size), cut on a character."""
+    if _header_length(text) <= limit:
+        return text
+    sizes = itertools.accumulate(_header_length(ch) for ch in text)
+    return text[:sum(1 for size in sizes if size <= limit - 4)] + " ..."
 
 
-VIOLATION_BYTES = 300  # one field violation's description, at most
-
-
-def status_details(exc: BaseException, code: grpc.StatusCode,
-                   message: str) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
-    """The status message and the trailing metadata to end a call with. A request error carries a
-    google.rpc.BadRequest in `grpc-status-details-bin`, one field violation per problem, so that a client
-    finds the field at fault without parsing the message; other errors carry none.
-
-    A message capped by status_of and at most MAX_PROBLEMS violations of VIOLATION_BYTES keep the trailers
-    within the 8 KiB of metadata a client accepts by default."""
+def status_details(exc: BaseException, code: grpc.StatusCode, message: str) -> tuple[tuple[str, str | bytes], ...]:
+    """The trailing metadata to end a call with: a request error carries a google.rpc.BadRequest (one field
+    violation per problem) in `grpc-status-details-bin`, others none. Capped message and violations keep the
+    trailers within the 8 KiB a client accepts by default."""
     if not isinstance(exc, RequestError):
-        return message, ()
+        return ()
     bad = error_details_pb2.BadRequest(field_violations=[
         error_details_pb2.BadRequest.FieldViolation(field=f, description=_cut(d, VIOLATION_BYTES))
         for f, d in exc.violations])
     status = status_pb2.Status(code=code.value[0], message=message)  # from_call checks the two messages agree
     status.details.add().Pack(bad)
-    return message, tuple(rpc_status.to_status(status).trailing_metadata)
-
-
-def _cut(text: str, limit: int) -> str:
-    data = text.encode("utf-8", "replace")
-    return text if len(data) <= limit else data[:max(0, limit - 4)].decode("utf-8", "ignore") + " ..."
+    return tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a caller gets for `exc`."""
+    """The status code and message a caller gets for `exc`; a bug is logged with its traceback."""
     if isinstance(exc, ServingError):
-        return exc.code, cap_details(str(exc))
+        return exc.code, _cut(str(exc), MAX_DETAILS_BYTES)
+    log.error("answered INTERNAL: %s", type(exc).__name__, exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); the server log has the details"

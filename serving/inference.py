@@ -1,9 +1,6 @@
 """One micro-batch on the inference thread: the features of every series at once, one model run.
-
-Each call's rows depend on its own bars only, so splitting the rows back per call gives what running
-the call alone gives. One call never fails another: a call whose features or outputs are not finite
-gets its own RequestError, and if the batch fails as a whole, each call is rerun alone.
-"""
+One call never fails another: a call whose features or outputs are not finite gets its own RequestError,
+and if the batch fails as a whole, each call runs alone."""
 
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ class Result:
 
 def run_batch(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]], steps: StepTimes | None = None
               ) -> list[Result | Exception]:
-    """Per call, in order: its Result, or the RequestError that says what to fix in it. With `steps`, the
-    time of the features (with their checks) and of the model run are added to it."""
+    """Per call, in order: its Result, or the RequestError that says what to fix in it; step times go to `steps`."""
     steps = steps or StepTimes()
     try:
         return _run_together(model, calls, steps)
@@ -54,8 +50,7 @@ def run_batch(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]], step
 
 
 def _nonfinite_output(outputs: dict[str, np.ndarray], call: Sequence[SeriesColumns]) -> RequestError | None:
-    """A call whose bars passed every check but drive the model out of range (features far outside
-    what it was trained on) gets an error, never a NaN or infinite forecast."""
+    """An error, never a NaN or infinite forecast, for a call whose bars drive the model out of range."""
     for name, out in outputs.items():
         bad = ~np.isfinite(out.reshape(out.shape[0], -1)).all(axis=1)  # [n]
         if bad.any():
@@ -67,7 +62,6 @@ def _nonfinite_output(outputs: dict[str, np.ndarray], call: Sequence[SeriesColum
 
 
 def _finite(arrays: dict[str, np.ndarray]) -> bool:
-    """Every value of every array is finite: one pass per array over the whole batch."""
     return all(bool(np.isfinite(a).all()) for a in arrays.values())
 
 

@@ -1,12 +1,5 @@
-"""Prometheus metrics of the server, in their own registry, served on --metrics-port.
-
-Requests by method and status code (`other` for other services and unknown methods), handler latency,
-open streams, queue and batch times, time per serving step, batch sizes, deadlines expired in the
-queue, forecasts with a warning, calls in flight, readiness, the model and where it runs, SIGHUP
-reloads by file and result, the build, and prometheus_client's process, GC and platform collectors.
-Counters of the usual answers and of reloads exist at zero from the start, so that `increase()` sees
-their first event. Latency buckets start at 50 µs: a lone call spends about 1 ms in the handler.
-"""
+"""Prometheus metrics of the server, in their own registry, served on --metrics-port. Counters of the usual
+answers and of reloads exist at zero from the start, so that `increase()` sees their first event."""
 
 from __future__ import annotations
 
@@ -35,22 +28,17 @@ from serving.model import LoadedModel
 FORECASTER = "/foxhunt.tft.v1.Forecaster/"
 FORECASTER_METHODS = ("Predict", "PredictStream", "GetModelInfo")
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
-                   0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+                   0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # a lone call takes about 1 ms
 RELOADED_FILES = ("model", "tls", "tokens")  # what a SIGHUP re-reads (tls and tokens when the server uses them)
 USUAL_CODES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED",
                "INTERNAL")
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
-
-
 STEPS = ("parse", "features", "run", "response")
 
 
 class StepTimes(Collector):
-    """Seconds spent in each step of serving a call, summed, and how many times each ran.
-
-    Plain additions on the request path, turned into counters only when scraped: the steps are
-    microseconds long. A batch's steps run on the one worker thread; parse and response on the loop.
-    """
+    """Seconds spent in each serving step, summed, and how many times each ran: plain additions on the
+    request path (the steps are microseconds long), turned into counters only when scraped."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(STEPS, 0.0)
@@ -76,7 +64,7 @@ class Metrics:
     """All metrics of one server; also the batcher's observer."""
 
     def __init__(self, registry: CollectorRegistry | None = None, tokens: bool = False) -> None:
-        """`tokens`: calls need a token (--auth-token-file), so UNAUTHENTICATED is a usual code too."""
+        # tokens: calls need a token (--auth-token-file), so UNAUTHENTICATED is a usual code too
         disable_created_metrics()  # no `_created` series beside every counter and histogram
         r = self.registry = registry or CollectorRegistry()
         self._httpd: WSGIServer | None = None  # the /metrics endpoint, once serve_http started it
@@ -117,12 +105,10 @@ class Metrics:
         r.register(self.steps)
 
     def count(self, method: str, code: grpc.StatusCode) -> None:
-        """An answer given outside the servicer (by an interceptor), by full method name; unknown names count
-        as `other`, so the label set stays bounded."""
+        """An answer given by an interceptor, by full method name; unknown names count as `other`."""
         name = method[len(FORECASTER):] if method.startswith(FORECASTER) else ""
         self.requests.labels(name if name in FORECASTER_METHODS else "other", code.name).inc()
 
-    # ---- batcher observer -------------------------------------------------------------------
     def on_batch(self, windows: int, calls: int, inference_s: float) -> None:
         self.batch_windows.observe(windows)
         self.batch_calls.observe(calls)
@@ -134,7 +120,6 @@ class Metrics:
     def on_expired(self) -> None:
         self.expired.inc()
 
-    # ---- model ------------------------------------------------------------------------------
     def set_model(self, model: LoadedModel) -> None:
         self.model.info({
             "version": model.version,

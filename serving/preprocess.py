@@ -1,9 +1,5 @@
-"""Checked request columns -> model inputs, with the trainer's own feature code.
-
-`features.latest_windows` computes the window at each series' last bar with the functions training
-uses, bit for bit (tests/test_features.py): no training/serving skew. The decoder's future bar times
-use the model's bar interval, as in training.
-"""
+"""Checked request columns -> model inputs, with the trainer's own feature code (`features.latest_windows`,
+bit for bit): no training/serving skew."""
 
 from __future__ import annotations
 
@@ -17,14 +13,7 @@ from features.compute import latest_windows
 from features.model_meta import ModelMeta
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL
 from serving.errors import RequestError
-from serving.validation import SeriesColumns
-
-INPUT_DTYPES: dict[str, type[np.generic]] = {
-    STATIC_CATEGORICAL: np.int64,
-    ENCODER_OBSERVED: np.float32,
-    ENCODER_KNOWN: np.float32,
-    DECODER_KNOWN: np.float32,
-}
+from serving.validation import BAR_COLUMNS, SeriesColumns
 
 
 @dataclass
@@ -38,21 +27,14 @@ class Prepared:
     future_timestamp_ns: np.ndarray  # int64 [B, H]
     encoder_timestamp_ns: np.ndarray  # int64 [B, L]
 
-    def __len__(self) -> int:
-        return len(self.symbols)
-
     def rows(self, start: int, stop: int) -> Prepared:
         return Prepared(self.symbols[start:stop], {k: v[start:stop] for k, v in self.inputs.items()},
                         self.last_timestamp_ns[start:stop], self.last_close[start:stop],
                         self.future_timestamp_ns[start:stop], self.encoder_timestamp_ns[start:stop])
 
 
-BAR_COLUMNS = ("timestamp_ns", "open", "high", "low", "close", "volume")
-
-
 def prepare(series: Sequence[SeriesColumns], meta: ModelMeta) -> Prepared:
-    """Model inputs for the window ending at each series' last bar (series already validated, each with at
-    least bars_required bars, of which the last bars_required are read)."""
+    """Model inputs for the window ending at each validated series' last bar (its last bars_required bars)."""
     n = meta.bars_required
     names = tuple(meta.feature_config.user_columns)
     user: np.ndarray | list[np.ndarray]

@@ -1,8 +1,5 @@
-"""The Forecaster servicer: thin glue from RPCs to the pure functions and the batcher.
-
-Errors become status codes in one place, the `rpc` decorator (via serving.errors.status_of),
-which also counts every answer by code and times it.
-"""
+"""The Forecaster servicer: thin glue from RPCs to the pure functions and the batcher; the `rpc`
+decorator maps errors to status codes (serving.errors.status_of), counts and times every answer."""
 
 from __future__ import annotations
 
@@ -12,8 +9,7 @@ import logging
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -60,11 +56,8 @@ class Limits:
 
 
 class Admission:
-    """At most `limit` Predict calls and PredictStream requests in flight; the next one is refused, not queued.
-
-    Refusals are logged at WARNING without flooding: the first after a quiet spell at once, then one line per
-    `log_every_s` with their count while they go on. `schedule(delay, fn)` runs fn later (the event loop's
-    call_later by default) and returns False when it cannot."""
+    """At most `limit` Predict calls and stream requests in flight; the next is refused, not queued. The first
+    refusal after a quiet spell is logged at once, then their count every `log_every_s` (run by `schedule`)."""
 
     def __init__(self, limit: int, metrics: Metrics, log_every_s: float = 60.0,
                  schedule: Callable[[float, Callable[[], None]], bool] | None = None) -> None:
@@ -99,7 +92,6 @@ class Admission:
         self._counting = bool(self._schedule(self._log_every_s, self._count))
 
     def _count(self) -> None:
-        """The refusals of the last log_every_s, if any; the count goes on while they do."""
         if not self._uncounted:
             self._counting = False  # quiet: the next refusal gets a line at once
             return
@@ -108,30 +100,17 @@ class Admission:
         self._uncounted = 0
         self._counting = bool(self._schedule(self._log_every_s, self._count))
 
-    @contextmanager
-    def admit(self) -> Iterator[None]:
-        self.take()
-        try:
-            yield
-        finally:
-            self.give_back()
-
 
 def series_that_fit(response: pb.PredictResponse, limit: int) -> int:
     """How many of the response's forecasts any response within `limit` bytes can hold: its fixed part (the
     model version) plus that many of its largest forecast as sent (tag, length, bytes)."""
-    wire = [1 + _varint_size(n) + n for n in (f.ByteSize() for f in response.forecasts)]
+    wire = [1 + max(1, (n.bit_length() + 6) // 7) + n for n in (f.ByteSize() for f in response.forecasts)]
     fixed = response.ByteSize() - sum(wire)
     return max(0, limit - fixed) // max(wire) if wire else 0
 
 
-def _varint_size(n: int) -> int:
-    return max(1, (n.bit_length() + 6) // 7)
-
-
 def caller_gone(context: aio.ServicerContext[Any, Any]) -> bool:
-    """The call's deadline has passed: gRPC would fail to deliver anything the handler sends and log that as an
-    ERROR with a traceback. A client's cancel reaches the handler as asyncio.CancelledError instead."""
+    """The call's deadline has passed (a client's cancel reaches the handler as asyncio.CancelledError)."""
     remaining = context.time_remaining()
     return remaining is not None and remaining <= 0
 
@@ -155,8 +134,6 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
             except Exception as exc:
                 code, message = status_of(exc)
                 error = exc
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed", method)
                 gone = caller_gone(context)  # no status can reach it: nothing is sent
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if gone else code
             finally:
@@ -164,8 +141,7 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
                 self.metrics.latency.labels(method).observe(time.perf_counter() - start)
             if gone:
                 raise asyncio.CancelledError
-            message, details = status_details(error, code, message)
-            await context.abort(code, message, details)  # raises; the server stays up
+            await context.abort(code, message, status_details(error, code, message))  # raises; the server stays up
             raise AssertionError("unreachable")  # pragma: no cover
 
         return wrapper
@@ -188,9 +164,8 @@ class StreamAnswer:
 
 
 class _Stream:
-    """One PredictStream's reader: it reads a request only once one of `window` slots is free, and queues
-    the task of its answer; None in the queue ends the answers. It stops reading when cancelled (shutdown) or,
-    with `max_age_s`, at about that age (jittered, so that streams opened together do not end together)."""
+    """One PredictStream's reader: it reads a request once one of `window` slots is free and queues the task
+    of its answer (None ends them). It stops when cancelled, or at about `max_age_s` (jittered)."""
 
     def __init__(self, requests: AsyncIterator[pb.PredictRequest],
                  answer: Callable[[pb.PredictRequest], Awaitable[StreamAnswer]], window: int,
@@ -215,8 +190,7 @@ class _Stream:
         self.reader.cancel()
 
     def close(self) -> list[StreamAnswer]:
-        """Stop reading; cancel the answers still running (each settles itself) and return the finished
-        ones that were never sent."""
+        """Stop reading; cancel the answers still running and return the finished ones never sent."""
         if self._timer is not None:
             self._timer.cancel()
         self.reader.cancel()
@@ -249,13 +223,15 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
     @rpc("Predict")
     async def Predict(self, request: pb.PredictRequest,
                       context: aio.ServicerContext[pb.PredictRequest, pb.PredictResponse]) -> pb.PredictResponse:
-        with self.admission.admit():
+        self.admission.take()
+        try:
             return await self._predict(request, context)
+        finally:
+            self.admission.give_back()
 
     async def _predict(self, request: pb.PredictRequest, context: aio.ServicerContext[Any, Any],
                        wrapper_bytes: int = 0) -> pb.PredictResponse:
-        """One request's forecasts, for Predict and each request of PredictStream (whose answer adds
-        `wrapper_bytes` to the response). The caller holds the request's admission slot."""
+        """One request's forecasts (a stream's answer adds `wrapper_bytes`); the caller holds its admission slot."""
         if self.draining:
             raise NotReady("the server is shutting down; retry on another replica")
         if not self.ready:
@@ -293,15 +269,11 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
 
     async def PredictStream(self, requests: AsyncIterator[pb.PredictRequest],
                             context: aio.ServicerContext[pb.PredictRequest, pb.PredictStreamResponse]) -> None:
-        """Each request as Predict answers it, in request order; a failed request's error travels in its
-        answer.
+        """Each request as Predict answers it, in request order; a failed request's error travels in its answer.
 
-        At most --max-batch requests per stream are read ahead of their answers; they run concurrently and
-        batch together. Past that the stream is not read, and HTTP/2 flow control holds the caller. A request
-        holds its admission slot until its answer is sent, so unread answers stay bounded across streams.
-        On shutdown (end_streams) or at --max-connection-age, the stream stops reading, answers what it has
-        read, then ends UNAVAILABLE. Answers go out with context.write, whose failure (the caller gone) ends
-        the handler quietly."""
+        At most --max-batch requests are read ahead of their answers (then HTTP/2 flow control holds the caller),
+        each holding its admission slot until sent. On shutdown or at --max-connection-age the stream stops
+        reading, answers what it has read, then ends UNAVAILABLE."""
         if self.draining:
             await self._end_stream(context, "the server is shutting down; open the stream on another replica")
         window = min(self.limits.max_concurrent, self.limits.max_batch)
@@ -341,14 +313,12 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         return True
 
     async def _end_stream(self, context: aio.ServicerContext[Any, Any], message: str) -> None:
-        """End the stream UNAVAILABLE (counted), so that the caller opens another."""
         self.metrics.requests.labels("PredictStream", grpc.StatusCode.UNAVAILABLE.name).inc()
         await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
     async def _stream_answer(self, request: pb.PredictRequest, context: aio.ServicerContext[Any, Any]
                              ) -> StreamAnswer:
-        """The answer to one request of a stream. `_settle` counts it and gives its admission slot back once
-        it is sent or will never be."""
+        """The answer to one request of a stream; `_settle` counts it and gives its slot back."""
         start = time.perf_counter()
         held = False
         try:
@@ -357,7 +327,7 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
                                    f"{MAX_REQUEST_ID_CHARS} (it is echoed in the answer)", "request_id")
             self.admission.take()
             held = True
-            # the answer adds the request_id and the response's tag and length (at most 5 bytes) to the response
+            # the answer adds the request_id and the response's tag and length (at most 6 bytes)
             wrapper = pb.PredictStreamResponse(request_id=request.request_id).ByteSize() + 6
             response = await self._predict(request, context, wrapper)
             return StreamAnswer(pb.PredictStreamResponse(request_id=request.request_id, response=response),
@@ -370,16 +340,13 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             if held:
                 self.admission.give_back()
             code, message = status_of(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("PredictStream request failed")
             echo = request.request_id if len(request.request_id) <= MAX_REQUEST_ID_CHARS else ""
             fields = [f for f, _ in exc.violations] if isinstance(exc, RequestError) else []
             return StreamAnswer(pb.PredictStreamResponse(request_id=echo, error=pb.StreamError(
                 code=code.value[0], code_name=code.name, message=message, fields=fields)), code, False, start)
 
     def _settle(self, answer: StreamAnswer, context: aio.ServicerContext[Any, Any], sent: bool) -> None:
-        """Count what the caller got for one request (unsent: the deadline or the cancel), time it from the
-        request's arrival, and give back its admission slot."""
+        """Count and time what the caller got for one request (unsent: the deadline or the cancel); free its slot."""
         code = answer.code if sent else (grpc.StatusCode.DEADLINE_EXCEEDED if caller_gone(context)
                                          else grpc.StatusCode.CANCELLED)
         self.metrics.requests.labels("PredictStream", code.name).inc()
@@ -388,8 +355,7 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             self.admission.give_back()
 
     def end_streams(self) -> None:
-        """Stop reading every open PredictStream (shutdown): each answers what it has read, then ends
-        UNAVAILABLE."""
+        """Stop reading every open PredictStream: each answers what it has read, then ends UNAVAILABLE."""
         for reader in self._stream_readers:
             reader.cancel()
 

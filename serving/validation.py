@@ -1,9 +1,5 @@
 """Request columns -> checked numpy columns, or a RequestError that names the field, the rule and the fix.
-
-The value and order rules of a bar are the data contract's own: when a fast vectorised check finds
-anything wrong, `features.bars.validate` names each broken rule, its column and first row, as it does
-for a parquet file (the "file" being `series[i] (SYMBOL)`), with a request's fix.
-"""
+When a fast check finds a bad value, `features.bars.validate` names each broken rule, as for a file."""
 
 from __future__ import annotations
 
@@ -56,14 +52,8 @@ class SeriesColumns:
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
 
-    @property
-    def user_block(self) -> np.ndarray | None:
-        """The user columns as one [columns, n] block, when they are held that way."""
-        return self.user.block if isinstance(self.user, ColumnBlock) else None
-
     def user_matrix(self, names: Sequence[str]) -> np.ndarray:
-        """float64 [len(names), n]: the named user columns as rows; the block itself, not a copy, when it
-        holds exactly these columns in this order (a packed request in the model's order)."""
+        """float64 [len(names), n]: the named user columns as rows; the block itself when it holds exactly these."""
         block = block_for(self.user, tuple(names))
         if block is not None:
             return block
@@ -76,13 +66,11 @@ class SeriesColumns:
             user = ColumnBlock(tuple(user_columns), self.user_matrix(user_columns)[:, -n:])  # [U, n]
         return SeriesColumns(
             self.symbol, self.timestamp_ns[-n:], self.open[-n:], self.high[-n:], self.low[-n:], self.close[-n:],
-            self.volume[-n:], user,
-        )
+            self.volume[-n:], user)
 
 
 def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
-    """request.series[index] as numpy columns (no value checks): copies, except that a packed block's
-    user columns are read-only views of its bytes."""
+    """request.series[index] as numpy columns (no value checks); a packed block stays a read-only view."""
     user: Mapping[str, np.ndarray] = {}
     if series.user_feature_names or series.user_features_raw:
         user = _packed_user_columns(series, index)
@@ -128,13 +116,7 @@ def _packed_user_columns(series: pb.Series, index: int) -> ColumnBlock:
 
 
 def _field(i: int, name: str = "") -> str:
-    """The path of series i's field `name` (or of the series), as google.rpc.BadRequest names fields."""
     return f"series[{i}].{name}" if name else f"series[{i}]"
-
-
-def _user_field(s: SeriesColumns) -> str:
-    """The field a series' user values came in: the packed block, or the columns one by one."""
-    return "user_features_raw" if isinstance(s.user, ColumnBlock) else "user_features"
 
 
 def _label(i: int, symbol: str) -> str:
@@ -200,10 +182,8 @@ def _check_time_range(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
 
 
 def daily_bars(ts: np.ndarray, interval_ns: int) -> bool:
-    """Whether bars (timestamps of one window, strictly increasing) are daily bars sent to an intraday model:
-    most gaps a day and COARSE_INTERVALS of the model's intervals or more, with most bars at one or two times
-    of day (two across a daylight-saving change; a thin market's bars fall at any minute). The server refuses
-    such a request and `serving.score` skips such an origin."""
+    """Whether one window's (increasing) timestamps are daily bars sent to an intraday model: most gaps at
+    least a day and COARSE_INTERVALS intervals, most bars at one or two times of day (daylight saving)."""
     far, gaps = max(NS_PER_DAY, COARSE_INTERVALS * interval_ns), ts.shape[0] - 1
     if int(ts[-1]) - int(ts[0]) < (gaps // 2 + 1) * far:  # too short a span for most gaps to be that long
         return False
@@ -214,9 +194,8 @@ def daily_bars(ts: np.ndarray, interval_ns: int) -> bool:
 
 
 def _check_spacing(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
-    """Most gaps between the bars the model reads must be at least half the model's bar interval: closer bars
-    are timestamps in another unit or bars of a finer size. Wider gaps are served (a quiet market skips
-    intervals), short of daily bars sent to an intraday model (`daily_bars`)."""
+    """Most gaps between the bars the model reads must be at least half its bar interval (closer bars are
+    timestamps in another unit or finer bars); wider gaps are served, short of daily bars (`daily_bars`)."""
     interval = meta.bar_interval_ns
     ts = s.timestamp_ns[-meta.bars_required:]  # strictly increasing; + half cannot overflow (_check_time_range)
     too_close = 2 * int(np.count_nonzero(ts[1:] < ts[:-1] + interval // 2)) > ts.shape[0] - 1
@@ -247,8 +226,8 @@ def _span(ns: int) -> str:
 
 
 def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
-    """Every value and order rule of `features.bars.validate` holds, in fewer passes: low <= min(open, close)
-    and max(open, close) <= high with low > 0 and high <= 2^53 cover every price rule; NaN fails a comparison."""
+    """Every rule of `features.bars.validate` holds, in fewer passes: low <= min(open, close), max(open, close)
+    <= high, low > 0 and high <= 2^53 cover the price rules; NaN fails a comparison."""
     o, h, lo, c, v = s.open, s.high, s.low, s.close, s.volume
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         ok = bool((lo > 0).all() and (h <= EXACT_INT).all() and (np.minimum(o, c) >= lo).all()
@@ -272,8 +251,7 @@ def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> 
     return [_for_the_wire(p) for p in validate([part], [_label(i, s.symbol)], WIRE_COLUMNS, user_columns)]
 
 
-# How a request is told of a broken bar rule (features.bars' rule ids) where a file's wording does not fit:
-# (the rule, None for the file's wording; the fix), {column} being the field at fault.
+# rule id -> (the rule, None for the file's wording; the fix) where a file's wording does not fit a request
 SEND_BARS_IN_ORDER = "send the bars oldest first, one per timestamp"
 SEND_USABLE_USER_VALUES = "send a finite value within float32's range for every bar, as in the training data"
 REQUEST_WORDING: dict[str, tuple[str | None, str]] = {
@@ -305,8 +283,9 @@ def _refuse_values(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> N
         raise RequestError(f"{_label(i, s.symbol)}: bars break the bar contract (prices finite and > 0, low <= "
                            "open, close <= high, volume >= 0, timestamps strictly increasing)", _field(i))
     more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
+    user_field = "user_features_raw" if isinstance(s.user, ColumnBlock) else "user_features"
     raise RequestError("; ".join(str(p) for p in problems[:MAX_PROBLEMS]) + more, violations=[
-        (_field(i, p.column if p.column in BAR_COLUMNS else _user_field(s)), str(p)) for p in problems[:MAX_PROBLEMS]])
+        (_field(i, p.column if p.column in BAR_COLUMNS else user_field), str(p)) for p in problems[:MAX_PROBLEMS]])
 
 
 def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> None:

@@ -1,9 +1,5 @@
-"""Numpy in, numpy out: the messages a strategy engine's own code builds and reads.
-
-`make_series` turns a symbol's latest bars into a request `Series` (user columns packed as the server
-reads them fastest); `forecast_arrays` turns a `Forecast` back into [horizon, quantile] arrays. No
-channel is opened here: the caller keeps its own channel, deadlines and retries.
-"""
+"""Numpy in, numpy out: `make_series` builds a request `Series` from a symbol's latest bars and
+`forecast_arrays` reads a `Forecast` as [horizon, quantile] arrays. The caller keeps its own channel."""
 
 from __future__ import annotations
 
@@ -21,14 +17,9 @@ PRICE_FIELDS = ("open", "high", "low", "close", "volume")
 def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: ArrayLike, low: ArrayLike,
                 close: ArrayLike, volume: ArrayLike, user: Mapping[str, ArrayLike] | None = None,
                 packed: bool = True) -> pb.Series:
-    """One series of a PredictRequest: the bars oldest first (send GetModelInfo.bars_required of them),
-    `timestamp_ns` in UTC nanoseconds, `user` the model's user feature columns by name
-    (GetModelInfo.user_feature_columns; sent in the mapping's order, fastest in the model's).
-
-    `packed` (the default) sends the user columns as one block (user_feature_names +
-    user_features_raw), else as one `Column` each. Raises ValueError naming a column of the wrong shape
-    or type; the bars' values are the server's to check.
-    """
+    """One series of a PredictRequest: GetModelInfo.bars_required bars oldest first, `timestamp_ns` in UTC
+    nanoseconds, `user` the model's user feature columns by name (fastest in the model's order), packed as one
+    block unless `packed` is False. Raises ValueError naming a column of the wrong shape or type."""
     ts = np.asarray(timestamp_ns)
     if ts.ndim != 1:
         raise ValueError(f"timestamp_ns has shape {ts.shape}; give one value per bar (a 1-D array)")

@@ -22,7 +22,7 @@ from features.schema import STATIC_CATEGORICAL
 from serving.batcher import MicroBatcher
 from serving.errors import NotReady, QueueDeadlineExceeded, RequestError, status_of
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
-from serving.model import batch_buckets, bucket_for
+from serving.model import batch_buckets
 from serving.postprocess import price_quantiles
 from serving.preprocess import prepare
 from serving.validation import columns_from_proto, parse_request, validate_series
@@ -278,17 +278,17 @@ def test_a_packed_block_in_the_models_order_is_used_as_sent() -> None:
         return pb.Series.FromString(s.SerializeToString())
 
     packed_ab = columns_from_proto(wire(["a", "b"], True))
-    assert packed_ab.user_matrix(["a", "b"]) is packed_ab.user_block  # the request's bytes, as sent
+    assert packed_ab.user_matrix(["a", "b"]) is packed_ab.user.block  # the request's bytes, as sent
     plain = columns_from_proto(wire(["a", "b", "c"], False))
-    assert plain.user_block is None
+    assert not hasattr(plain.user, "block")
     for s, names in ((packed_ab, ["b", "a"]), (packed_ab, ["b"]), (plain, ["c", "a"])):
         got = s.user_matrix(names)
-        assert got is not s.user_block
+        assert got is not getattr(s.user, "block", None)
         np.testing.assert_array_equal(got, np.array([values[u] for u in names]))
     for s in (packed_ab, plain):
         cut = s.tail(5, ["b", "a"])
-        assert list(cut.user) == ["b", "a"] and cut.user_block is not None and cut.user_block.shape == (2, 5)
-        for row, u in zip(cut.user_block, ["b", "a"], strict=True):  # the block's rows are the columns
+        assert list(cut.user) == ["b", "a"] and cut.user.block.shape == (2, 5)
+        for row, u in zip(cut.user.block, ["b", "a"], strict=True):  # the block's rows are the columns
             np.testing.assert_array_equal(row, values[u][-5:])
             assert np.shares_memory(row, cut.user[u])
 
@@ -381,7 +381,6 @@ def test_price_quantiles() -> None:
 def test_batch_buckets() -> None:
     assert batch_buckets(64) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
     assert batch_buckets(10) == (1, 2, 3, 4, 6, 8, 10) and batch_buckets(1) == (1,)
-    assert bucket_for(5, batch_buckets(64)) == 6 and bucket_for(64, batch_buckets(64)) == 64
 
 
 # ---- the micro-batcher -----------------------------------------------------------------------------------
@@ -802,7 +801,8 @@ def test_a_request_error_names_each_field_at_fault_and_its_details_fit_a_trailer
     with pytest.raises(RequestError) as info:
         parse_request(_req(series("NQ"), s), META)
     code, message = status_of(info.value)
-    sent, [(key, value)] = status_details(info.value, code, message)
+    [(key, value)] = status_details(info.value, code, message)
+    sent = message
     status = status_pb2.Status.FromString(value)
     bad = error_details_pb2.BadRequest()
     assert key == "grpc-status-details-bin" and status.code == 3 and status.message == sent == message
@@ -819,12 +819,13 @@ def test_a_request_error_names_each_field_at_fault_and_its_details_fit_a_trailer
     with pytest.raises(RequestError) as info:
         parse_request(_req(packed), META)
     assert [f for f, _ in info.value.violations] == ["series[0].user_features_raw"]
-    assert status_details(NotReady("warming up"), grpc.StatusCode.UNAVAILABLE, "warming up") == ("warming up", ())
+    assert status_details(NotReady("warming up"), grpc.StatusCode.UNAVAILABLE, "warming up") == ()
     # the longest messages: ASCII (a byte each on the wire) and non-ASCII (each byte percent-encoded: 3 characters)
     for text in ("x" * 5000, "é" * MAX_DETAILS_BYTES, "螺纹钢" * MAX_DETAILS_BYTES):
         huge = RequestError(text, violations=[(f"series[{i}].user_features", "y" * 5000) for i in range(5)])
         code, message = status_of(huge)
-        sent, [(_, value)] = status_details(huge, code, message)
+        [(_, value)] = status_details(huge, code, message)
+        sent = message
         header = urllib.parse.quote(sent, safe="")
         assert len(header) + len(base64.b64encode(value)) + 64 < 8192, (len(header), len(value))
         assert status_pb2.Status.FromString(value).message == sent  # one message: from_call checks they agree
