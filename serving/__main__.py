@@ -4,15 +4,8 @@ Binds 127.0.0.1:50051 unless told otherwise (--port 0 picks a free port); prints
 `metrics on HOST:PORT` with --metrics-port) on stdout once bound, and logs to stderr. Health (grpc.health.v1)
 is NOT_SERVING until the model has run at every batch size it will see, then SERVING.
 
-Signals: SIGHUP re-reads the model, TLS and token files (each checked first: a bad one is refused and the
-current one keeps serving). SIGTERM or SIGINT drains: new calls are refused, in-flight ones get --grace
-seconds, then the process exits 0; with --drain-delay, a second signal skips the rest of the delay.
-
-Access: --tls-cert/--tls-key serve TLS only; --tls-client-ca also requires client certificates signed by that
-CA. --auth-token-file requires `authorization: Bearer <token>` on every RPC but the health service.
-
-Workers: --workers N starts N such servers on one port (SO_REUSEPORT), each with its own model session and
-interpreter; --metrics-port M gives them M, M+1, ...; signals are forwarded to all of them.
+Signals: SIGHUP re-reads the model, TLS and token files (a bad one is refused, the current one keeps serving).
+SIGTERM or SIGINT drains: new calls are refused, in-flight ones get --grace seconds, then the process exits 0.
 
 Exit status: 0 after a clean drain; 2 for bad arguments, a model that fails its checks, unusable TLS or token
 files, a port that cannot be bound, or --device cuda without a usable CUDA provider (one error line on stderr).
@@ -182,9 +175,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
 
 
 def raise_open_file_limit() -> None:
-    """Raise this process's soft limit on open files to its hard limit, as Go's runtime does for its servers:
-    each client connection is a file, and at a soft limit of 1,024 a burst of idle connections would leave
-    new callers, health checks and /metrics hanging."""
+    """Raise the soft limit on open files to the hard limit, as Go's runtime does: each client connection is
+    a file, and at 1,024 a burst of idle connections would leave new callers and health checks hanging."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = FD_LIMIT_CAP if hard == resource.RLIM_INFINITY else hard
     if soft != resource.RLIM_INFINITY and soft < target:

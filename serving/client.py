@@ -1,14 +1,8 @@
 """`python -m serving.client --target HOST:PORT --parquet bars.parquet --symbol ES`: print a forecast.
 
 Asks the server what the model needs (GetModelInfo), reads the bars with the column names the model was
-trained from (GetModelInfo.bar_columns; the mapping flags given here win), sends the latest `bars_required`
-bars of the symbol and prints the forecast as a table: per horizon step, the nominal future bar time (step h is
-the h-th next bar) and the quantiles of cumulative log return and of price. `--json` prints the response;
-`--explain` adds each variable's mean selection weight and the bars the attention weighs most; `--info`
-prints GetModelInfo alone.
-
-TLS and tokens: `--tls-ca ca.pem` (or `--tls` for the system's roots) connects with TLS, `--tls-cert/--tls-key`
-adds a client certificate, and `--auth-token-file` sends the file's first token as a bearer token.
+trained from (the mapping flags given here win), sends the latest `bars_required` bars of the symbol and prints
+a table: per horizon step, the nominal bar time and the quantiles of cumulative log return and of price.
 
 Exit status: 0 done; 2 bad arguments, bars, or TLS/token files; 1 the server answered an error or could not be
 reached (the status code and message are printed); 130 interrupted; 141 the reader of the output went away.
@@ -53,11 +47,8 @@ from serving.wire import ExplanationArrays, forecast_arrays, make_series
 
 def series_from_bars(bars: Bars, symbol: str, n: int, user_columns: tuple[str, ...] | list[str] = (),
                      packed: bool = False) -> pb.Series:
-    """The last `n` bars of `symbol` as a request Series (KeyError if the symbol is absent).
-
-    `packed` sends the user columns as one little-endian float64 block (user_feature_names +
-    user_features_raw) instead of one repeated field each: far cheaper for wide models.
-    """
+    """The last `n` bars of `symbol` as a request Series; `packed` sends the user columns as one float64
+    block (user_features_raw), far cheaper for wide models."""
     rows = bars.series_slices()[symbol]
     sl = slice(max(rows.start, rows.stop - n), rows.stop)
     return make_series(symbol, bars.timestamp_ns[sl], bars.open[sl], bars.high[sl], bars.low[sl], bars.close[sl],
@@ -87,9 +78,8 @@ def format_forecast(f: pb.Forecast) -> str:
 
 
 def format_explanation(e: ExplanationArrays, top: int = 5) -> list[str]:
-    """Each group's variables by mean selection weight (the largest `top` of each), and the past bars the
-    decoder's attention weighs most, averaged over the horizon steps (the columns after the encoder's bars are
-    the forecast steps themselves: their share is given as one figure)."""
+    """Each group's `top` variables by mean selection weight, and the past bars the attention weighs most,
+    averaged over the horizon steps (the forecast steps' own share as one figure)."""
     lines = []
     for label, w in (("static", e.static), ("encoder", e.encoder), ("decoder", e.decoder)):
         mean = w.weights.mean(axis=0, dtype=np.float64)  # [variables]
@@ -275,10 +265,8 @@ def _symbol(args: argparse.Namespace, info: pb.ModelInfo) -> str:
 
 
 def _symbol_bars(args: argparse.Namespace, info: pb.ModelInfo, symbol: str) -> Bars:
-    """The symbol's bars, read with the training run's column names under the flags, at least bars_required.
-
-    Its bars only: a bad bar of another symbol does not stop this forecast; and the user columns are checked
-    only in the bars sent (build_request): an indicator's warm-up NaN in its first rows does not stop it."""
+    """The symbol's bars only, at least bars_required; user columns are checked only in the bars sent
+    (build_request), so that an indicator's warm-up NaN in the first rows does not stop a forecast."""
     trained = {k: v for k, v in info.bar_columns.items() if k in ColumnMap.__dataclass_fields__}
     columns = ColumnMap.from_args(args, trained)
     user = tuple(info.user_feature_columns)

@@ -1,10 +1,8 @@
 """`python -m serving.health_probe --target HOST:PORT`: exit 0 if the server is SERVING, else 1.
 
-Asks the standard health service (grpc.health.v1.Health/Check) once, for the whole server (`--service ''`, the
-default) or one service, within `--timeout` seconds. For Docker's HEALTHCHECK: 0 healthy, 1 for every failure
-(NOT_SERVING while warming up or draining, no answer, unreadable TLS files, bad arguments: Docker reserves 2).
-One line says what it saw (stdout when healthy, stderr otherwise). TLS flags are the client's; the health
-service needs no token, but `--auth-token-file` is accepted, so one set of client flags works everywhere.
+Asks grpc.health.v1.Health/Check once, within `--timeout` seconds. For Docker's HEALTHCHECK: 0 healthy, 1 for
+every failure (NOT_SERVING, no answer, unreadable TLS files, bad arguments: Docker reserves 2). One line says
+what it saw. The TLS and token flags are the client's, so one set of client flags works everywhere.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The server's log on stderr: text lines (the default) or one JSON object a line (`--log-format json`), for
-a log pipeline that indexes fields rather than parsing lines.
-
-A JSON record holds `time` (UTC, ISO 8601 with milliseconds), `level`, `logger`, `message`, `worker` (with
---workers) and `exception` (a traceback, when there is one). Lines that native code writes itself (gRPC's
-C core, ONNX Runtime's logger) keep their own format in either mode.
+"""The server's log on stderr: text lines, or one JSON object a line (`--log-format json`) with `time` (UTC,
+ISO 8601), `level`, `logger`, `message`, `worker` and `exception`. Native code's own lines keep their format.
 """
 
 from __future__ import annotations
@@ -40,8 +36,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure(level: str, fmt: str = "text", worker: int | None = None) -> None:
-    """The root logger on stderr at `level`, in `fmt`; each line of a --workers worker says whose it is. As
-    logging.basicConfig, nothing changes where the root logger has handlers already (a host program's)."""
+    """The root logger on stderr at `level`, in `fmt`; a worker's lines say whose they are. As basicConfig,
+    nothing changes where the root logger has handlers already."""
     global _json
     if logging.getLogger().handlers:
         return

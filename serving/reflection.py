@@ -1,9 +1,8 @@
 """Server reflection: what generic clients (grpcurl, grpcui, Postman) discover the services by.
 
-grpcio-reflection serves `grpc.reflection.v1alpha.ServerReflection` alone and cannot find a service's methods.
-Two additions, as gRPC's C++ and Go servers have them: the same servicer also answers as
-`grpc.reflection.v1.ServerReflection` (v1's messages are v1alpha's under another package, field for field), and a
-method (`foxhunt.tft.v1.Forecaster.Predict`, what `grpcurl describe` asks for) is found in its service's file.
+grpcio-reflection serves only `grpc.reflection.v1alpha` and cannot find a method. Here, as in gRPC's C++ and
+Go servers, the servicer also answers as `grpc.reflection.v1` (the same messages under another package), and a
+method (what `grpcurl describe` asks for) is found in its service's file.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ _V1ALPHA, _V1 = "grpc.reflection.v1alpha", "grpc.reflection.v1"
 
 
 def _v1_file() -> descriptor_pb2.FileDescriptorProto:
-    """grpc/reflection/v1/reflection.proto: v1alpha's file under the v1 package (v1alpha's options, which name
-    v1alpha's packages in other languages, left out)."""
+    """grpc/reflection/v1/reflection.proto: v1alpha's file under the v1 package, without its options."""
     file = descriptor_pb2.FileDescriptorProto()
     reflection_pb2.DESCRIPTOR.CopyToProto(file)
     file.name, file.package = "grpc/reflection/v1/reflection.proto", _V1

@@ -1,14 +1,8 @@
-"""Who may call the server, and what reaches its code: TLS, bearer tokens, undecodable messages.
+"""Who may call the server: TLS (mutual with a client CA), bearer tokens, and the clients' side of both.
 
-Server side: ReloadableTls (TLS, and with a client CA mutual TLS; SIGHUP re-reads the files), read_tokens and
-TokenAuth (`--auth-token-file`: every RPC but the health service needs `authorization: Bearer <token>`),
-MessageGuard (a request that does not parse is INVALID_ARGUMENT) and UnknownMethods (counts calls to methods no
-service has). Client side (serving.client, serving.health_probe): add_client_arguments, open_channel,
-call_metadata, first_call_error.
-
-The token file holds one token a line (blank lines and `#` comments ignored), so that an operator rotates tokens
-without downtime: add the new one, SIGHUP, move the clients, remove the old one, SIGHUP. Tokens are compared as
-SHA-256 digests against every configured token (no early exit), and never logged or echoed.
+The token file holds one token a line, so that an operator rotates tokens without downtime: add the new one,
+SIGHUP, move the clients, remove the old one, SIGHUP. Tokens are compared as SHA-256 digests against every
+configured token (no early exit), and never logged or echoed.
 """
 
 from __future__ import annotations
@@ -18,18 +12,18 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import inspect
 import ipaddress
 import logging
 import ssl
 import stat
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from serving.errors import ConfigError, bounded
@@ -72,8 +66,7 @@ def _token_lines(data: bytes, path: Path, flag: str) -> list[tuple[int, str]]:
 
 
 def read_tokens(path: Path, flag: str = "--auth-token-file") -> list[str]:
-    """The server's tokens: one a line, printable ASCII without spaces, >= MIN_TOKEN_CHARS. Errors name the
-    line, never its content."""
+    """The server's tokens, one a line; errors name the line, never its content."""
     lines = _token_lines(read_file(path, "token", flag), path, flag)
     if not lines:
         raise ConfigError(f"{flag} {path}: no token in the file (blank lines and '#' comments are ignored)")
@@ -149,9 +142,8 @@ def check_tls_files(cert: Path, key: Path, client_ca: Path | None = None) -> Non
     except ssl.SSLError as exc:
         raise ConfigError(f"--tls-cert {cert} with --tls-key {key}: OpenSSL refuses the pair ({exc.reason or exc}); "
                           "give the certificate chain and its own unencrypted private key") from None
-    except OSError as exc:  # after SSLError, which is one: a file gone since it was read
-        raise ConfigError(f"--tls-cert {cert} with --tls-key {key}: cannot read them ({exc.strerror or exc})") \
-            from None
+    except OSError as exc:  # after SSLError, which is one: a file gone since it was read (a renewal)
+        raise ConfigError(f"--tls-cert {cert} with --tls-key {key}: cannot read them: {exc.strerror or exc}") from None
     _check_dates(cert)
     if client_ca is not None:
         try:
@@ -166,9 +158,8 @@ CERT_RENEW_WARNING_S = 7 * 86_400  # a certificate that expires sooner is named 
 
 
 def _check_dates(cert: Path, now: float | None = None) -> None:
-    """ConfigError for a certificate that has expired or is not valid yet (every client would refuse the
-    handshake while health looks fine); a warning when it expires within a week. Read with CPython's own
-    certificate decoder; where that is missing the dates go unchecked."""
+    """ConfigError for a certificate expired or not valid yet (health would look fine while every handshake
+    fails); a warning when it expires within a week. Unchecked where CPython's decoder is missing."""
     decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
     if decode is None:
         return
@@ -210,8 +201,7 @@ def _digest(token: str | bytes) -> bytes:
 
 def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str,
              on_refuse: Callable[[str], None] | None = None) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that answers `code` without reading the request; `on_refuse` is
-    told the caller's address."""
+    """A handler of `handler`'s shape that answers `code` without reading the request."""
 
     async def refuse(request_or_iterator: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         if on_refuse is not None:
@@ -228,9 +218,8 @@ def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, messa
 
 
 class RefusalLog:
-    """Token refusals at WARNING without flooding: the first after a quiet spell at once, with the caller's address
-    and reason, then one line per `every_s` with their count while they go on; each held back one at DEBUG.
-    `schedule(delay, fn)` runs fn later (the event loop's call_later by default) and returns False when it cannot."""
+    """Token refusals at WARNING without flooding: the first at once, then one line per `every_s` with their
+    count while they go on. `schedule(delay, fn)` runs fn later, False when it cannot."""
 
     def __init__(self, every_s: float = 60.0, schedule: Callable[[float, Callable[[], None]], bool] | None = None) \
             -> None:
@@ -271,7 +260,7 @@ def later(delay: float, fn: Callable[[], None]) -> bool:
 
 class TokenAuth(aio.ServerInterceptor):
     """Bearer-token check on every RPC except the services in `open_services`: a call without a valid
-    `authorization: Bearer <token>` is UNAUTHENTICATED before its request is decoded, unknown methods too."""
+    `authorization: Bearer <token>` is UNAUTHENTICATED before its request is decoded."""
 
     def __init__(self, tokens: Sequence[str], open_services: Sequence[str] = OPEN_SERVICES,
                  count: Counter | None = None) -> None:
@@ -321,98 +310,8 @@ class TokenAuth(aio.ServerInterceptor):
                         lambda peer: self.refusals(method, peer, problem))
 
 
-class Malformed:
-    """Stands in for a request message that did not parse; the guard answers INVALID_ARGUMENT for it."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-
-def _safe(deserializer: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any] | None:
-    if deserializer is None:
-        return None
-
-    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)  # Message.FromString's class
-    expected = f"{descriptor.full_name} message" if descriptor is not None else f"request message of {method}"
-
-    def decode(data: bytes) -> Any:
-        try:
-            return deserializer(data)
-        except Exception as exc:  # protobuf's DecodeError, and anything else a parser may raise
-            reason = str(exc).rsplit(": ", 1)[-1][:200] if str(exc) else type(exc).__name__
-            return Malformed(f"the request ({len(data)} bytes) is not a valid {expected} ({reason.rstrip('.')}); "
-                             "send that message serialised with the .proto in protos/")
-
-    return decode
-
-
-Behavior = Any  # a servicer method: (request or request iterator, context) -> response(s)
-OnMalformed = Callable[[], None]
-
-
-def _guard_unary(behavior: Behavior, on_malformed: OnMalformed) -> Behavior:
-    if inspect.isasyncgenfunction(behavior):
-        async def stream_out(request: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            if isinstance(request, Malformed):
-                on_malformed()
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-            async for response in behavior(request, context):
-                yield response
-
-        return stream_out
-
-    async def unary_in(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-        if isinstance(request, Malformed):
-            on_malformed()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        result = behavior(request, context)
-        return await result if inspect.isawaitable(result) else result
-
-    return unary_in
-
-
-class MalformedRequest(Exception):
-    """Raised from a guarded request stream at an undecodable message; the guard answers INVALID_ARGUMENT once
-    it comes through, so the answers to the messages before it go out first."""
-
-
-def _guard_stream(behavior: Behavior, on_malformed: OnMalformed) -> Behavior:
-    def checked(requests: Any) -> AsyncIterator[Any]:
-        async def gen() -> AsyncIterator[Any]:
-            async for request in requests:
-                if isinstance(request, Malformed):
-                    raise MalformedRequest(request.message)
-                yield request
-
-        return gen()
-
-    async def refuse(exc: MalformedRequest, context: aio.ServicerContext[Any, Any]) -> None:
-        on_malformed()
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-
-    if inspect.isasyncgenfunction(behavior):
-        async def stream_out(requests: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            try:
-                async for response in behavior(checked(requests), context):
-                    yield response
-            except MalformedRequest as exc:
-                await refuse(exc, context)
-
-        return stream_out
-
-    async def unary_out(requests: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-        try:
-            result = behavior(checked(requests), context)
-            return await result if inspect.isawaitable(result) else result
-        except MalformedRequest as exc:
-            await refuse(exc, context)
-
-    return unary_out
-
-
 class UnknownMethods(aio.ServerInterceptor):
-    """Counts the calls to methods no service has, which gRPC answers UNIMPLEMENTED itself. First in the
-    chain, so that a call TokenAuth refuses (and counts) is not counted a second time."""
+    """Counts calls to methods no service has (gRPC answers UNIMPLEMENTED); first, so TokenAuth's are not."""
 
     def __init__(self, count: Counter) -> None:
         self._count = count
@@ -427,46 +326,24 @@ class UnknownMethods(aio.ServerInterceptor):
         return handler
 
 
-class MessageGuard(aio.ServerInterceptor):
-    """A request that does not parse answers INVALID_ARGUMENT saying so, on every service (gRPC's own answer
-    is UNKNOWN with the parser's exception class). The behaviour never sees the bad bytes."""
+class OneLineDecodeErrors(logging.Filter):
+    """gRPC answers a request that does not parse with UNKNOWN naming the message type, and logs it with a
+    traceback: here one WARNING line, so that junk bytes cannot flood the log with tracebacks."""
 
-    def __init__(self, count: Counter | None = None) -> None:
-        self._count = count
-        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}  # method -> (own, guarded)
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, DecodeError):
+            record.msg, record.args = f"{record.getMessage()}: {exc}", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:  # an unknown method: UnknownMethods counts it
-            return handler
-        method = handler_call_details.method
-        cached = self._guarded.get(method)  # only methods a service registered get here: a bounded set
-        if cached is None or cached[0] is not handler:
-            cached = (handler, self._guard(handler, method))
-            self._guarded[method] = cached
-        return cached[1]
 
-    def _guard(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        def on_malformed() -> None:
-            if self._count is not None:
-                self._count(method, grpc.StatusCode.INVALID_ARGUMENT)
+_ONE_LINE = OneLineDecodeErrors()  # one instance: addFilter adds it once
 
-        decode = _safe(handler.request_deserializer, method)
-        encode = handler.response_serializer
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary, on_malformed), decode,
-                                                       encode)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(_guard_unary(handler.unary_stream, on_malformed), decode,
-                                                        encode)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(_guard_stream(handler.stream_unary, on_malformed), decode,
-                                                        encode)
-        return grpc.stream_stream_rpc_method_handler(_guard_stream(handler.stream_stream, on_malformed), decode,
-                                                     encode)
+
+def one_line_decode_errors() -> None:
+    logging.getLogger("grpc._cython.cygrpc").addFilter(_ONE_LINE)  # where gRPC logs what a handler raised
 
 
 # ---- clients --------------------------------------------------------------------------------------------
@@ -525,8 +402,7 @@ UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 
 
 def first_call_error(method: str, exc: grpc.RpcError, target: str) -> str:
-    """One line for a tool's first call that failed: gRPC's own words, with the target and what to check when no
-    server answered."""
+    """One line for a tool's first failed call: gRPC's words, and what to check when no server answered."""
     code, details = exc.code(), exc.details()
     if code in UNREACHED:
         return (f"cannot reach --target {target}: {code.name}: {details}; is a server running there "

@@ -1,11 +1,7 @@
 """The gRPC server: build it, warm it up, reload on SIGHUP, drain on SIGTERM.
 
-    build_server(config, model) -> ForecastServer   everything wired, nothing started
-    serve(config) -> exit status                     load, start, run until SIGTERM/SIGINT
-
 At start: read the TLS and token files, load the model, bind (each failure is one line and exit 2), print
 `listening on HOST:PORT` with health NOT_SERVING, warm up at every padded batch size, then health SERVING.
-Interceptors, in order: UnknownMethods, TokenAuth (the token is checked before a request is decoded), MessageGuard.
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ from serving.inference import run_batch
 from serving.metrics import Metrics
 from serving.model import LoadedModel, ModelHolder, WarmUpStopped, load_and_warm, load_model
 from serving.reflection import enable_server_reflection
-from serving.security import MessageGuard, ReloadableTls, TokenAuth, UnknownMethods, is_loopback, read_tokens
+from serving.security import ReloadableTls, TokenAuth, UnknownMethods, is_loopback, one_line_decode_errors, read_tokens
 from serving.servicer import Batcher, ForecasterServicer, Limits
 
 log = logging.getLogger("serving")
@@ -90,10 +86,8 @@ class ServerConfig:
 
 
 def connection_age_options(age_s: float) -> list[tuple[str, int]]:
-    """gRPC's connection age (gRFC A9): after about `age_s` a connection is told to go away, its calls in flight
-    get CONNECTION_AGE_GRACE_S more, and the client reconnects without an error. Behind an L4 balancer (a
-    Kubernetes Service, SO_REUSEPORT across --workers) that spreads long-lived clients over new replicas. A
-    PredictStream ends itself once about `age_s` old, within that grace: no stream is cut mid-request."""
+    """gRPC's connection age (gRFC A9): a connection goes away after about `age_s`, its calls get
+    CONNECTION_AGE_GRACE_S more, and the client reconnects: an L4 balancer then spreads clients over replicas."""
     if not age_s:
         return []
     return [("grpc.max_connection_age_ms", math.ceil(age_s * 1000)),
@@ -158,12 +152,10 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_time_ms", 60_000),  # ping idle connections; a dead peer's calls end
         ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.http2.max_pings_without_data", 0),  # ... however long a connection stays idle
-        # clients' keepalive pings are welcome every CLIENT_PING_MIN_MS or slower, calls in flight or not (by
-        # gRPC's default a ping without a call in flight is abuse, and the third closes the connection)
+        # clients' keepalive pings are welcome every CLIENT_PING_MIN_MS, calls in flight or not
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", CLIENT_PING_MIN_MS),
-        # a stream whose client never reads its answer holds that answer's memory: a bound per connection, far
-        # above --max-concurrent, so that an overloaded server answers RESOURCE_EXHAUSTED, not UNAVAILABLE
+        # streams per connection: bounded (unread answers hold memory), far above --max-concurrent
         ("grpc.max_concurrent_streams", min(max(4 * config.max_concurrent, config.max_concurrent + 1024), INT32_MAX)),
         *connection_age_options(config.max_connection_age_s),
     ]
@@ -201,8 +193,8 @@ class ForecastServer:
         self.health = DrainingHealth()
         self.credentials, self.tls = access.credentials, access.tls
         self.auth = TokenAuth(access.tokens, count=self.metrics.count) if access.tokens else None
-        interceptors = [i for i in (UnknownMethods(self.metrics.count), self.auth, MessageGuard(self.metrics.count))
-                        if i is not None]
+        interceptors = [i for i in (UnknownMethods(self.metrics.count), self.auth) if i is not None]
+        one_line_decode_errors()
         self.grpc = aio.server(interceptors=interceptors, options=grpc_options(config))
         pb_grpc.add_ForecasterServicer_to_server(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -217,8 +209,7 @@ class ForecastServer:
             await self.health.set(name, status)
 
     async def start(self) -> int:
-        """Bind and start answering (health NOT_SERVING until warm_up); returns the bound port. OSError naming
-        the address when gRPC cannot bind it (gRPC logs why on its own line)."""
+        """Bind and start answering (health NOT_SERVING until warm_up); the bound port, or OSError."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = host_port(self.config.host, self.config.port)
         try:
@@ -285,7 +276,9 @@ class ForecastServer:
             log.info("reload stopped by SIGTERM; the drain goes on with model %s", old.version)
             return
         except Exception as exc:  # a bad file, or an unexpected failure: neither takes the server down
-            self._refuse_reload(old, str(exc), traceback=not isinstance(exc, ModelLoadError))
+            self.metrics.reloads.labels("model", "refused").inc()
+            log.error("reload refused, still serving model %s: %s", old.version, exc,
+                      exc_info=not isinstance(exc, ModelLoadError))
             return
         self.holder.swap(new)
         self.metrics.set_model(new)
@@ -295,16 +288,10 @@ class ForecastServer:
         if changed := contract_changes(old.meta, new.meta):  # what callers build requests from (GetModelInfo)
             log.warning("the reloaded model asks callers for something else: %s", "; ".join(changed))
 
-    def _refuse_reload(self, old: LoadedModel, problem: str, traceback: bool = False) -> None:
-        self.metrics.reloads.labels("model", "refused").inc()
-        log.error("reload refused, still serving model %s: %s", old.version, problem, exc_info=traceback)
-
     async def stop(self, grace_s: float) -> None:
         """Health NOT_SERVING, refuse new calls, let in-flight ones finish within grace_s, stop the batcher.
-
-        gRPC's own shutdown starts only once the calls in flight have finished (DRAIN_SETTLE_S after the signal
-        at the earliest, grace_s at the latest): until then the handler answers calls that still arrive with
-        UNAVAILABLE (retriable), where gRPC's shutdown would cancel them (CANCELLED, grpc/grpc#41785)."""
+        gRPC's shutdown starts once the calls in flight have finished: until then new calls get UNAVAILABLE
+        (retriable) from the handler, where gRPC's shutdown would answer CANCELLED (grpc/grpc#41785)."""
         self.stopping.set()
         await self._drain_delay()
         self.servicer.ready = False
@@ -324,8 +311,8 @@ class ForecastServer:
         log.info("drained in %.3f s", time.monotonic() - started)
 
     async def _drain_delay(self) -> None:
-        """--drain-delay: health NOT_SERVING while calls are still served, so that a balancer polling health stops
-        routing here before the drain; a second stop signal cuts it short. Not for a server never SERVING."""
+        """--drain-delay: health NOT_SERVING while calls are still served, so that a balancer stops routing
+        here before the drain; a second stop signal cuts it short."""
         if not (self.config.drain_delay_s > 0 and self.servicer.ready):
             return
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -373,8 +360,7 @@ EVENT_LOOPS = ("uvloop", "asyncio")
 
 
 def run_server(config: ServerConfig) -> int:
-    """`serve(config)` on the configured event loop, to the end; its exit status. uvloop, the default, spends
-    less interpreter time on each of the hand-overs gRPC's asyncio stack makes per call (BENCHMARKS.md)."""
+    """`serve(config)` on the configured event loop (uvloop spends less interpreter time per call)."""
     if config.event_loop == "asyncio":
         return asyncio.run(serve(config))
     try:
@@ -386,9 +372,8 @@ def run_server(config: ServerConfig) -> int:
 
 
 class Signals:
-    """The event loop's signal handlers. SIGHUP re-reads the TLS, token and model files; one that comes while the
-    server starts waits for the warm-up. SIGTERM or SIGINT (or, for a --workers worker, stdin's end) drains; a
-    second one cuts --drain-delay short."""
+    """SIGHUP re-reads the TLS, token and model files (once warm); SIGTERM, SIGINT or a worker's stdin EOF
+    drains, and a second one cuts --drain-delay short."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -401,8 +386,7 @@ class Signals:
         loop.add_signal_handler(signal.SIGHUP, self.on_hup)
 
     def serving(self, server: ForecastServer) -> None:
-        """From here a stop signal drains: before `listening on` is printed, so that a --workers supervisor that
-        forwards one as it reads that line stops the worker cleanly."""
+        """From here (before `listening on` is printed) a stop signal drains."""
         self.server = server
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.on_stop, sig)
@@ -495,8 +479,7 @@ async def _listen(server: ForecastServer, config: ServerConfig) -> None:
 
 
 async def _warm_up_until_stopped(server: ForecastServer, signals: Signals) -> None:
-    """Warm up, then serve until a stop signal. A warm-up that fails (the model loads but cannot run) stops the
-    server and raises; a stop signal during the warm-up ends it between two runs."""
+    """Warm up, then serve until a stop signal; a warm-up that fails stops the server and raises."""
     loop = asyncio.get_running_loop()
     warm = loop.create_task(server.warm_up())
     stopping = loop.create_task(signals.stop.wait())

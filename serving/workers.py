@@ -1,11 +1,7 @@
-"""`python -m serving --workers N`: N server processes sharing one port, each with its own interpreter.
-
-The workers start one after the other on one HOST:PORT (SO_REUSEPORT: the kernel spreads new connections over
-them), so that a bad model or flag stops the first with its own message; --metrics-port M gives them M, M+1, ...
-This process prints `listening on HOST:PORT` once all listen, forwards SIGHUP, SIGTERM and SIGINT to them (each
-worker in a process group of its own, so that a terminal's Ctrl-C reaches it once), and exits 0 when all drained.
-A worker that exits on its own stops the others and gives the status. Each worker's stdin is a pipe from this
-process: if this process dies, even by SIGKILL, the workers drain and exit rather than keep the port.
+"""`python -m serving --workers N`: N server processes sharing one port (SO_REUSEPORT), started one after the
+other so that a bad model or flag stops the first with its own message. This process prints `listening on` once
+all listen, forwards SIGHUP, SIGTERM and SIGINT, and exits 0 when all drained; a worker that exits on its own
+stops the others. Each worker's stdin is a pipe from here: if this process dies, the workers drain and exit.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ START_TIMEOUT_S = 300.0  # a worker must print `listening on` within this (model
 
 
 def server_args(config: ServerConfig, log_level: str, log_format: str = "text") -> list[str]:
-    """The command line of one worker: every ServerConfig field as its flag (`--flag=value`, so that a
-    value starting with '-' stays a value)."""
+    """A worker's command line: each field as `--flag=value` (a value starting with '-' stays a value)."""
     values: list[tuple[str, object]] = [
         ("--model", config.model_path), ("--host", config.host), ("--port", config.port),
         ("--device", config.device), ("--device-id", config.device_id), ("--threads", config.threads),
@@ -52,9 +47,8 @@ def server_args(config: ServerConfig, log_level: str, log_format: str = "text") 
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
-    """A socket bound with SO_REUSEPORT (not listening) to `host`'s first address: it picks the port when `port`
-    is 0 and holds it until the workers have bound. OSError when anyone holds the port: a probe binds it first
-    without SO_REUSEPORT, which another --workers set's sockets would let through."""
+    """A socket bound with SO_REUSEPORT (not listening) that picks the port when `port` is 0 and holds it while
+    the workers bind. OSError when anyone holds the port: a probe binds it first without SO_REUSEPORT."""
     family, kind, proto, _name, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
     with socket.socket(family, kind, proto) as probe:
@@ -143,8 +137,7 @@ class Supervisor:
         _stop([w for w in self.workers if w.index in self.listening], signum)
 
     def start(self, n: int) -> list[str] | int:
-        """Start the workers one after the other: their metrics addresses, or the exit status when one did not
-        start (it said why), took too long, or this process was told to stop meanwhile."""
+        """Start the workers one after the other: their metrics addresses, or the exit status when one did not."""
         metrics: list[str] = []
         for i in range(n):
             w = self._spawn(i)
@@ -166,8 +159,7 @@ class Supervisor:
                                             metrics_port=c.metrics_port + i if c.metrics_port else c.metrics_port)
         cmd = [sys.executable, "-m", "serving", *server_args(worker_config, self.log_level, self.log_format),
                f"--worker-index={i}"]
-        # stdin is the worker's lifeline; its own process group: a terminal's Ctrl-C or hang-up reaches it once,
-        # forwarded by this process (a second SIGINT would cut --drain-delay short, a second SIGHUP reload again)
+        # stdin is the worker's lifeline; its own process group: a terminal's Ctrl-C reaches it once, from here
         w = Worker(i, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                        process_group=0))
         self.workers.append(w)
@@ -208,7 +200,7 @@ class Supervisor:
 
 
 def run_workers(config: ServerConfig, n: int, log_level: str, log_format: str = "text") -> int:
-    """Start n workers on one port, forward signals, return the exit status (see the module docstring)."""
+    """Start n workers on one port, forward signals, return the exit status."""
     try:
         placeholder = reserve_port(config.host, config.port)
     except OSError as exc:

@@ -23,23 +23,24 @@ def bars(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sigkill_mid_epoch_then_resume_finishes(tmp_path: Path, bars: Path) -> None:
+    """Killed after its first epoch's metrics line (never early stopping, far from its last epoch): the last
+    checkpoint is whole, and a resume from it finishes."""
     out = tmp_path / "ckpt.pt"
     flags = list(TINY_TRAIN_FLAGS)
-    flags[flags.index("--epochs") + 1] = "40"
-    flags[flags.index("--max-steps-per-epoch") + 1] = "25"
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--parquet", str(bars), "--out", str(out), *flags],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    flags[flags.index("--epochs") + 1] = "100000"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--parquet", str(bars), "--out", str(out), *flags,
+                             "--patience", "0"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         metrics = out.with_suffix(".metrics.jsonl")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        while not (metrics.exists() and "\n" in metrics.read_text()):  # pytest's timeout bounds the wait
+            assert proc.poll() is None, f"the trainer exited {proc.returncode} before its first epoch ended"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)  # inside epoch 3: epochs 1 and 2 were saved before their metrics lines
+        proc.send_signal(signal.SIGKILL)  # epoch 1 was saved before its metrics line
         proc.wait(timeout=30)
     finally:
         proc.kill()
     last = load_checkpoint(out.with_suffix(".last.pt"))  # never half-written
-    assert 2 <= last["epoch"] < 40
+    assert 1 <= last["epoch"] < 100000
     # what a kill in the middle of a write leaves (the kill above rarely lands in one): save_atomic's temp names
     partial = [tmp_path / ".ckpt.pt.k1ll3d_x.tmp", tmp_path / ".ckpt.last.pt.abcdefgh.tmp",
                tmp_path / ".ckpt.report.png.r3p0rt_x.tmp", tmp_path / ".ckpt.test.json.t35t_xyz.tmp"]
