@@ -296,7 +296,9 @@ def test_the_server_raises_its_open_file_limit(art: Model) -> None:
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert line.startswith("listening on"), line
+        if not line.startswith("listening on"):
+            proc.wait(timeout=30)
+            pytest.fail(f"no 'listening on' line (exit {proc.returncode}): {proc.stderr.read()[-3000:]}")
         soft_now, _ = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)
         assert soft_now == (1 << 20 if hard == resource.RLIM_INFINITY else hard)
     finally:
