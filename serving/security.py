@@ -396,9 +396,9 @@ def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     return ((AUTH_HEADER, f"Bearer {read_client_token(args.auth_token_file)}"),)
 
 
-# the codes of a call that never reached a server: no connection, a target gRPC cannot use, no answer in time
-UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
-                       grpc.StatusCode.INTERNAL})
+# the codes of a call that never reached a server: no connection, no answer in time, a target gRPC cannot use
+# (UNKNOWN: "the target uri is not valid")
+UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN})
 
 
 def first_call_error(method: str, exc: grpc.RpcError, target: str) -> str:

@@ -290,9 +290,12 @@ def test_the_server_raises_its_open_file_limit(art: Model) -> None:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard <= 256:
         pytest.skip(f"the hard open-file limit here is {hard}: nothing to raise to")
-    proc = subprocess.Popen([sys.executable, "-m", "serving", "--model", str(art.model), "--port", "0", "--device",
-                             "cpu"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    # the limit is set in the child's own interpreter: preexec_fn is unsafe in this threaded test process
+    start = (f"import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, {hard})); "
+             f"sys.argv = ['serving', '--model', {str(art.model)!r}, '--port', '0', '--device', 'cpu']; "
+             "runpy.run_module('serving', run_name='__main__', alter_sys=True)")
+    proc = subprocess.Popen([sys.executable, "-c", start], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -518,6 +521,8 @@ def test_a_failed_first_call_says_whether_a_server_answered() -> None:
     answered = Failed(grpc.StatusCode.INVALID_ARGUMENT, "series[0] (ES): too few bars")
     assert first_call_error("Predict", answered, "10.0.0.5:50051") == \
         "Predict: INVALID_ARGUMENT: series[0] (ES): too few bars"
+    failed = Failed(grpc.StatusCode.INTERNAL, "internal error")  # a server answered: no hint to start one
+    assert first_call_error("GetModelInfo", failed, "10.0.0.5:50051") == "GetModelInfo: INTERNAL: internal error"
 
 
 def test_client_usage_errors_are_argparses(capsys: pytest.CaptureFixture[str]) -> None:

@@ -386,6 +386,11 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
              "--patience", "5", "--no-report"])
     assert r.returncode == 0 and "resume: patience 3 -> 5" in r.stderr, r.stderr[-3000:]
     assert "nothing to train" not in r.stderr and load_checkpoint(tmp_path / "g" / "ckpt.last.pt")["epoch"] == 3
+    # resumed from an earlier epoch than the run's latest beside --out: said, before that latest is replaced
+    r = run([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "g" / "ckpt.pt"), "--epochs", "3",
+             "--patience", "5", "--no-report"])
+    assert r.returncode == 0 and (f"resuming from epoch 2, but {tmp_path / 'g' / 'ckpt.last.pt'} is at epoch 3 and "
+                                  "this run replaces it") in r.stderr, r.stderr[-3000:]
     # a fresh run into b with no report and no test split: the earlier run's report and test scores go
     r = run([*train, "--out", str(tmp_path / "b" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
     assert r.returncode == 0 and "ckpt.test.json" in r.stderr and "from an earlier run" in r.stderr, r.stderr[-3000:]
@@ -834,12 +839,19 @@ def test_an_out_that_is_a_link_becomes_a_file_and_what_it_named_is_kept(
     assert file_sha256(release) == kept
 
 
-def test_an_out_that_names_the_bars_is_refused_before_any_training(tmp_path: Path, bars: Path) -> None:
+def test_an_out_over_the_bars_a_file_or_a_directory_is_refused_before_training(tmp_path: Path, bars: Path) -> None:
     own = tmp_path / "own.parquet"  # --out naming the bars themselves would replace them with the checkpoint
     shutil.copy(bars, own)
     r = run(["-m", "trainer", "--parquet", str(own), "--out", str(own), *TINY_TRAIN_FLAGS])
     assert r.returncode == 2 and f"--out {own}: {own} is the bars file {own} itself" in r.stderr, r.stderr[-2000:]
     assert own.read_bytes() == bars.read_bytes() and "epoch 1" not in r.stderr
+    notes = tmp_path / "notes.txt"  # a file of the user's, not a checkpoint: never replaced
+    notes.write_text("mine")
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(notes), *TINY_TRAIN_FLAGS])
+    assert r.returncode == 2 and f"{notes} exists and is not a PyTorch checkpoint" in r.stderr, r.stderr[-2000:]
+    assert notes.read_text() == "mine"
+    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path), *TINY_TRAIN_FLAGS])
+    assert r.returncode == 2 and f"--out {tmp_path} is a directory" in r.stderr, r.stderr[-2000:]
 
 
 def test_symbols_the_model_cannot_learn_or_space_rightly_are_warned_about(tmp_path: Path,

@@ -406,12 +406,26 @@ class Trainer:
         if self._patience_spent() or self.epoch >= self.cfg.epochs:
             log.warning("nothing to train: %s", self._why_finished())
         if self.resumed is not None:
+            self._warn_if_behind_last(self.resumed.path)
             adopt_best(self.paths, self.resumed.path, self.best_epoch, self.best_val, self.history)
             self.paths.metrics.parent.mkdir(parents=True, exist_ok=True)
             self.paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         elif old := [p for p in (self.paths.best, self.paths.last) if p.exists()]:
             log.warning("%s: from an earlier run; this run replaces them as its epochs finish",
                         ", ".join(str(p) for p in old))
+
+    def _warn_if_behind_last(self, resumed: Path) -> None:
+        """Resuming the best checkpoint while --out's latest is further along replaces the later epochs."""
+        last = self.paths.last
+        if not last.is_file() or last.resolve() == resumed.resolve():
+            return
+        try:
+            later = int(torch.load(last, map_location="cpu", weights_only=True, mmap=True)["epoch"])
+        except Exception:  # not a checkpoint of ours: nothing to compare with
+            return
+        if later > self.epoch:
+            log.warning("resuming from epoch %d, but %s is at epoch %d and this run replaces it; resume from %s "
+                        "to keep those epochs", self.epoch, last, later, last)
 
     def _train_and_validate(self) -> dict[str, Any]:
         """One epoch and its validation; the epoch's record. Rank 0 validates and every rank takes its figures,
@@ -436,8 +450,8 @@ class Trainer:
         return record
 
     def _save(self, record: dict[str, Any]) -> None:
-        """The epoch's checkpoints, then its metrics line. A fresh run's first best checkpoint removes an earlier
-        run's report and test scores."""
+        """The epoch's checkpoints, then its metrics line. A fresh run's best checkpoint removes an earlier run's
+        report and test scores."""
         self._log_epoch(record)
         state = self.state()
         save_atomic(state, self.paths.last)

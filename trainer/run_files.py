@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from features.bars import clash_with_bars
+from features.file_kind import replace_problem
 from trainer.checkpoint import CheckpointError, copy_atomic, load_checkpoint, remove_stale_temp_files
 from trainer.config import ConfigError
 from trainer.paths import RunPaths, run_stem
@@ -17,11 +18,17 @@ log = logging.getLogger("trainer")
 
 
 def prepare_out(out: Path, parquet: Path) -> RunPaths:
-    """The run's files; ConfigError when one of them is the bars. Clears temp files a killed run left."""
+    """The run's files; ConfigError when one of them is the bars, a directory or a file of another kind.
+    Clears temp files a killed run left."""
     paths = RunPaths.for_out(out)
     for written in astuple(paths):
         if problem := clash_with_bars(written, parquet):
             raise ConfigError(f"--out {out}: {problem}; give another --out")
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; name the checkpoint file, e.g. --out {out / 'ckpt.pt'}")
+    for ckpt in (paths.best, paths.last):
+        if problem := replace_problem(ckpt, "a PyTorch checkpoint"):
+            raise ConfigError(f"--out {out}: {problem}")
     for written in (paths.best, paths.last, paths.report, paths.test):  # the files written through temp files
         for stale in remove_stale_temp_files(written):
             log.warning("removed %s, a partial write left by a killed run", stale)
@@ -49,8 +56,8 @@ def runs_best(path: Path, best_epoch: int, history: list[dict[str, Any]]) -> dic
 
 def adopt_best(paths: RunPaths, resumed: Path, best_epoch: int, best_val: float,
                history: list[dict[str, Any]]) -> None:
-    """When --out's best is not the resumed run's, copy the run's best there from beside the resumed file; else
-    remove the report and test scores beside --out."""
+    """When --out's best is not the resumed run's, copy the run's best there from beside the resumed file; when
+    none is found, remove the report and test scores beside --out."""
     if best_epoch == 0 or runs_best(paths.best, best_epoch, history) is not None:
         return
     candidates = [resumed]
