@@ -397,8 +397,9 @@ def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 
 # the codes of a call that never reached a server: no connection, no answer in time, a target gRPC cannot use
-# (UNKNOWN: "the target uri is not valid")
-UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN})
+# (UNKNOWN: "the target uri is not valid"; INTERNAL: "Illegal status code from resolver")
+UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
+                       grpc.StatusCode.INTERNAL})
 
 
 def first_call_error(method: str, exc: grpc.RpcError, target: str) -> str:

@@ -521,8 +521,6 @@ def test_a_failed_first_call_says_whether_a_server_answered() -> None:
     answered = Failed(grpc.StatusCode.INVALID_ARGUMENT, "series[0] (ES): too few bars")
     assert first_call_error("Predict", answered, "10.0.0.5:50051") == \
         "Predict: INVALID_ARGUMENT: series[0] (ES): too few bars"
-    failed = Failed(grpc.StatusCode.INTERNAL, "internal error")  # a server answered: no hint to start one
-    assert first_call_error("GetModelInfo", failed, "10.0.0.5:50051") == "GetModelInfo: INTERNAL: internal error"
 
 
 def test_client_usage_errors_are_argparses(capsys: pytest.CaptureFixture[str]) -> None:
