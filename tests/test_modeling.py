@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -177,8 +178,11 @@ def test_batched_variable_grns_equal_one_grn_per_variable() -> None:
 # ---- normalisation -------------------------------------------------------------------
 
 
-def test_target_scale_scales_quantiles_and_nothing_else() -> None:
-    model = make_model()
+FIXED = dataclasses.replace(TINY, quantile_scale="fixed")
+
+
+def test_target_scale_scales_fixed_quantiles_and_nothing_else() -> None:
+    model = make_model(FIXED)
     inputs = make_inputs(TINY, 4)
     before = model(*inputs)
     scale = np.array([2.0, 0.5, 3.0], dtype=np.float32)
@@ -188,8 +192,21 @@ def test_target_scale_scales_quantiles_and_nothing_else() -> None:
     torch.testing.assert_close(after.encoder_weights, before.encoder_weights)
 
 
+def test_an_untrained_model_forecasts_the_encoder_bars_gaussian_volatility() -> None:
+    """quantile_scale "volatility": before training, q(h) = sqrt(h) * rms(encoder log returns) * z_q, the
+    rolling-volatility forecast, with a median at zero drift."""
+    model = make_model()
+    static, obs, enc_k, dec_k = make_inputs(TINY, 4)
+    obs[..., 0] *= torch.tensor([0.5, 1.0, 2.0, 4.0])[:, None]  # windows of different volatility
+    sigma = obs[..., 0].square().mean(dim=1).sqrt()  # [B]; the floor (1% of target_scale 1) is negligible
+    z = torch.tensor([-1.2815516, 0.0, 1.2815516])
+    scale = sigma[:, None, None] * torch.arange(1, H + 1).sqrt()[None, :, None]  # [B, H, 1]
+    got = model(static, obs, enc_k, dec_k).quantiles
+    assert bool(((got - scale * z).abs() <= 0.02 * scale).all()), (got / scale, z)
+
+
 def test_input_normalization_is_folded_into_the_model() -> None:
-    plain, fitted = make_model(), make_model()
+    plain, fitted = make_model(FIXED), make_model(FIXED)
     o_mean, o_std = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.1, 3.0, 2.0])
     k_mean, k_std = torch.tensor([5.0, 0.0]), torch.tensor([2.0, 0.01])
     fitted.set_normalization(o_mean, o_std, k_mean, k_std, torch.ones(H))

@@ -22,7 +22,7 @@ from features.files import umask
 from trainer.model_config import ModelConfig
 from trainer.modeling import TemporalFusionTransformer
 
-FORMAT = "foxhunt-tft-checkpoint/1"
+FORMAT = "foxhunt-tft-checkpoint/2"
 REQUIRED_KEYS = ("format", "model_config", "train_config", "feature_config", "feature_schema", "normalization",
                  "symbols", "bar_interval_ns", "column_map", "model_state", "model_state_sha256")
 

@@ -48,6 +48,7 @@ class TrainConfig:
     lstm_layers: int = 1  # layers of the LSTM encoder and decoder
     variable_hidden_size: int = 0  # per-variable embedding width in variable selection (0 = hidden_size)
     quantiles: tuple[float, ...] = (0.1, 0.5, 0.9)  # forecast quantile levels, increasing
+    quantile_scale: str = "volatility"  # volatility: relative to the encoder bars' volatility | fixed: one scale
     # ---- optimisation ----
     epochs: int = 10  # maximum epochs
     batch_size: int = 256  # effective batch (windows per optimizer step)
@@ -121,6 +122,7 @@ class TrainConfig:
             horizon=self.horizon,
             quantiles=tuple(self.quantiles),
             variable_hidden_size=self.variable_hidden_size,
+            quantile_scale=self.quantile_scale,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+QUANTILE_SCALES = ("volatility", "fixed")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -22,6 +24,7 @@ class ModelConfig:
     horizon: int = 5  # H: future bars it forecasts
     quantiles: tuple[float, ...] = (0.1, 0.5, 0.9)  # predicted quantile levels, strictly increasing
     variable_hidden_size: int = 0  # per-variable embedding size inside variable selection; 0 = hidden_size
+    quantile_scale: str = "volatility"  # volatility: quantiles in units of the encoder's trailing volatility; fixed
 
     def __post_init__(self) -> None:
         # accept lists (e.g. from JSON) but store tuples, so the config stays hashable
@@ -87,6 +90,9 @@ def check_fields(values: Mapping[str, Any], label: Callable[[str], str]) -> None
                          f"{label('attention_heads')} {values['attention_heads']}")
     if not 0.0 <= values["dropout"] < 1.0:
         raise ValueError(f"{label('dropout')} must be in [0, 1), got {values['dropout']}")
+    if values["quantile_scale"] not in QUANTILE_SCALES:
+        raise ValueError(f"{label('quantile_scale')} must be {' or '.join(QUANTILE_SCALES)}, got "
+                         f"{values['quantile_scale']!r}")
     qs = tuple(values["quantiles"])
     if not qs or any(not 0.0 < q < 1.0 for q in qs) or any(b <= a for a, b in itertools.pairwise(qs)):
         raise ValueError(f"{label('quantiles')} must be non-empty, strictly increasing, in (0, 1); got "

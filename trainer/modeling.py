@@ -20,9 +20,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from features.compute import BUILTIN_OBSERVED
 from trainer.model_config import ModelConfig
 
 T = TypeVar("T")
+LOG_RETURN = BUILTIN_OBSERVED.index("log_return")  # the observed feature the volatility scale reads
 
 
 class TFTOutput(NamedTuple):
@@ -257,16 +259,34 @@ class AttentionBlock(nn.Module):
 
 
 class QuantileHead(nn.Module):
-    """Linear to Q raw values, made non-crossing: q_0 = r_0, q_i = q_{i-1} + softplus(r_i)."""
+    """Linear to Q raw values, made non-crossing: q_0 = p_0 + r_0, q_i = q_{i-1} + softplus(r_i + b_i), where
+    softplus(b_i) = p_i - p_{i-1}. With a `prior` (increasing [Q]) the projection starts near zero (no bias,
+    weights 1/100 of nn.Linear's), so the head starts by returning about the prior; without one, p = b = 0."""
 
-    def __init__(self, hidden_size: int, n_quantiles: int) -> None:
+    prior: Tensor
+    step_bias: Tensor
+
+    def __init__(self, hidden_size: int, n_quantiles: int, prior: Tensor | None = None) -> None:
         super().__init__()
         self.proj = nn.Linear(hidden_size, n_quantiles)
+        gaps = torch.zeros(n_quantiles - 1) if prior is None else prior[1:] - prior[:-1]  # [Q-1]
+        self.register_buffer("prior", torch.zeros(1) if prior is None else prior[:1].clone(), persistent=False)
+        self.register_buffer("step_bias", gaps + torch.log(-torch.expm1(-gaps)) if prior is not None else gaps,
+                             persistent=False)  # softplus^-1(gaps)
+        if prior is not None:
+            with torch.no_grad():
+                self.proj.weight.mul_(0.01)
+                self.proj.bias.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
         raw = self.proj(x)  # [B, H, Q]
-        steps = torch.cat([raw[..., :1], F.softplus(raw[..., 1:])], dim=-1)  # [B, H, Q]
+        steps = torch.cat([raw[..., :1] + self.prior, F.softplus(raw[..., 1:] + self.step_bias)], dim=-1)  # [B, H, Q]
         return torch.cumsum(steps, dim=-1)  # [B, H, Q]
+
+
+def gaussian_quantiles(levels: tuple[float, ...]) -> Tensor:
+    """Standard normal quantiles of `levels`: [Q]."""
+    return torch.special.ndtri(torch.tensor(levels, dtype=torch.float64)).float()
 
 
 # ---- the model -----------------------------------------------------------------------------
@@ -278,6 +298,7 @@ class TemporalFusionTransformer(nn.Module):
     known_mean: Tensor
     known_std: Tensor
     target_scale: Tensor
+    horizon_root: Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -307,7 +328,10 @@ class TemporalFusionTransformer(nn.Module):
         self.attention_block = AttentionBlock(cfg)
         self.positionwise_grn = GatedResidualNetwork(d, d, d, p)
         self.output_gate = GateAddNorm(d, 0.0)  # no dropout this late, as in the paper's code and pytorch-forecasting
-        self.head = QuantileHead(d, cfg.n_quantiles)
+        # quantile_scale "volatility": the head starts from the Gaussian forecast of the encoder's volatility
+        volatility = cfg.quantile_scale == "volatility"
+        self.head = QuantileHead(d, cfg.n_quantiles, gaussian_quantiles(cfg.quantiles) if volatility else None)
+        self.register_buffer("horizon_root", torch.arange(1, cfg.horizon + 1).float().sqrt(), persistent=False)
 
     # ---- normalisation ---------------------------------------------------------------------
     def set_normalization(
@@ -378,7 +402,7 @@ class TemporalFusionTransformer(nn.Module):
         statics = self._run(self.static_encoder, static_categorical)  # 4 x [B, D], [B, n_static]
         c_sel = statics[0]
         enc_x, enc_w = self._run(self._select_encoder, observed, enc_known, c_sel.unsqueeze(1))  # [B, L, D], [B, L, V]
-        return self._decode(statics, enc_x, enc_w, decoder_known)
+        return self._decode(statics, enc_x, enc_w, decoder_known, encoder_observed[..., LOG_RETURN])
 
     def forward_rows(
         self, static_categorical: Tensor, row_observed: Tensor, row_known: Tensor, row_window: Tensor,
@@ -400,7 +424,8 @@ class TemporalFusionTransformer(nn.Module):
         b, length = window_rows.shape
         enc_x = row_x.index_select(0, window_rows.flatten()).view(b, length, row_x.shape[-1])  # [B, L, D]
         enc_w = row_w.index_select(0, window_rows.flatten()).view(b, length, row_w.shape[-1])  # [B, L, V]
-        return self._decode(statics, enc_x, enc_w, decoder_known)
+        returns = row_observed[:, LOG_RETURN].index_select(0, window_rows.flatten()).view(b, length)  # [B, L]
+        return self._decode(statics, enc_x, enc_w, decoder_known, returns)
 
     def _select_rows(self, observed: Tensor, known: Tensor, c_selection: Tensor, row_window: Tensor
                      ) -> tuple[Tensor, Tensor]:
@@ -409,9 +434,10 @@ class TemporalFusionTransformer(nn.Module):
 
     def _decode(
         self, statics: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], enc_x: Tensor, enc_w: Tensor,
-        decoder_known: Tensor,
+        decoder_known: Tensor, encoder_returns: Tensor,
     ) -> TFTOutput:
-        # enc_x [B, L, D] and enc_w [B, L, V] from encoder variable selection; decoder_known raw [B, H, n_known]
+        # enc_x [B, L, D] and enc_w [B, L, V] from encoder variable selection; decoder_known raw [B, H, n_known];
+        # encoder_returns [B, L] raw 1-bar log returns of the encoder bars
         L = self.cfg.encoder_length
         c_sel, c_enr, c_h, c_c, static_w = statics  # 4 x [B, D], [B, n_static]
         dec_known = (decoder_known - self.known_mean) / self.known_std  # [B, H, n_known]
@@ -422,8 +448,17 @@ class TemporalFusionTransformer(nn.Module):
         x, attn = self._run(self.attention_block, enriched)  # [B, H, D], [B, H, T]
         x = self._run(self.positionwise_grn, x)  # [B, H, D]
         x = self.output_gate(x, temporal[:, L:])  # [B, H, D]
-        quantiles = self.head(x) * self.target_scale[None, :, None]  # [B, H, Q] in return units
+        quantiles = self.head(x) * self._scale(encoder_returns)  # [B, H, Q] in return units
         return TFTOutput(quantiles, attn, static_w, enc_w, dec_w)
+
+    def _scale(self, encoder_returns: Tensor) -> Tensor:
+        """The unit of the head's output: [B or 1, H, 1]. "volatility": the encoder bars' root mean square
+        1-bar return times sqrt(h) (at least 1% of the training returns' spread, for bars that never move);
+        "fixed": each horizon's training target spread."""
+        if self.cfg.quantile_scale == "fixed":
+            return self.target_scale[None, :, None]  # [1, H, 1]
+        sigma = encoder_returns.float().square().mean(dim=1).sqrt().clamp_min(0.01 * self.target_scale[0])  # [B]
+        return sigma[:, None, None] * self.horizon_root[None, :, None]  # [B, H, 1]
 
 
 class RowsForward(nn.Module):
