@@ -6,6 +6,9 @@ budget that cannot hold the run, or a diverged loss, 3 out of memory with nothin
 
 `--vram-budget 4GiB` fits micro-batch, accumulation and gradient checkpointing to the budget and
 caps the process's CUDA memory to it; `--plan-only` prints that plan and exits, on any machine.
+
+`--tracking tensorboard:DIR` or `--tracking mlflow:URI` also logs the config, each epoch's figures, the report
+picture and the best checkpoint's sha256 to TensorBoard or MLflow.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from features.bars import BarDataError, ColumnMap
 from features.files import file_argument
 from trainer.config import ConfigError, TrainConfig, add_config_flags, config_from_args
 from trainer.paths import RunPaths
+from trainer.tracking import TrackingError, check_spec
 
 log = logging.getLogger("trainer")
 
@@ -42,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is none anyway where stderr is not a terminal)")
     p.add_argument("--no-report", action="store_true", help="skip the report picture")
+    p.add_argument("--tracking", metavar="SCHEME:TARGET",
+                   help="also log the run to tensorboard:DIR (event files under DIR/RUN; needs the extra "
+                        "foxhunt-tft[tensorboard]) or mlflow:URI (an MLflow run named RUN; needs foxhunt-tft[mlflow])")
+    p.add_argument("--tracking-run", metavar="RUN",
+                   help="the tracked run's name (default: --out's stem, e.g. ckpt, which a resumed run shares)")
     ColumnMap.add_arguments(p)
     add_config_flags(p)
     return p
@@ -96,6 +105,18 @@ def _where_to_continue(args: argparse.Namespace, before: tuple[int, int, int] | 
     return "no epoch finished, so nothing was saved (files already beside --out are an earlier run's); start again"
 
 
+def _early_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with --parquet or --tracking, found before torch is imported; None when nothing is."""
+    if not Path(args.parquet).exists():
+        return f"--parquet {args.parquet}: no such file or directory; pass a parquet file or a directory of them"
+    if args.tracking is not None:
+        try:
+            check_spec(args.tracking)
+        except TrackingError as exc:
+            return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))  # under torchrun: rank 0 tells the run; the others only what goes wrong
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
@@ -106,9 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         p.error(f"--resume {args.resume}: give --out (where the run's best checkpoint goes): the resumed file is not "
                 "a run's own ckpt.last.pt, so where its run wrote is unknown")
-    if not Path(args.parquet).exists():  # said first, not under the resolved config and the device choice
-        print(f"error: --parquet {args.parquet}: no such file or directory; pass a parquet file or a directory "
-              "of them", file=sys.stderr)
+    if problem := _early_problem(args):  # said first, not under the resolved config and the device choice
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     args.command = ["python", "-m", "trainer", *(sys.argv[1:] if argv is None else argv)]
     try:
@@ -156,7 +176,7 @@ def _train(args: argparse.Namespace, cfg: TrainConfig) -> int:
             raise
         print(_host_memory_error(exc), file=sys.stderr)
         return 3
-    except OSError as exc:
+    except (OSError, TrackingError) as exc:  # a file, or the tracking server, that cannot take the run's output
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

@@ -375,8 +375,10 @@ class Trainer:
         """The checkpoint at paths.best when it is this run's best; None when it is missing or another run's."""
         return runs_best(self.paths.best, self.best_epoch, self.history)
 
-    def run(self, stop_after_epochs: int | None = None) -> TrainResult:
-        """Train; `stop_after_epochs` ends this process's part early (as an interruption would)."""
+    def run(self, stop_after_epochs: int | None = None,
+            on_epoch: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
+        """Train; `stop_after_epochs` ends this process's part early (as an interruption would). On rank 0,
+        `on_epoch` takes each epoch's record once its checkpoints and metrics line are written."""
         self._start()
         stopped_early = self._patience_spent()
         ran = 0
@@ -385,6 +387,8 @@ class Trainer:
             ran += 1
             if self.dist.is_main:
                 self._save(record)
+                if on_epoch is not None:
+                    on_epoch(record)
             if self._patience_spent():
                 stopped_early = True
                 log.info("early stopping: no validation improvement for %d epochs (best %.5f at epoch %d)",

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -17,13 +18,14 @@ import torch
 from features.bars import ColumnMap
 from features.files import atomic_output
 from features.metrics import format_q_risk
-from trainer.checkpoint import load_checkpoint
+from trainer.checkpoint import file_sha256, load_checkpoint
 from trainer.config import TrainConfig, given_fields, resumed_config, setting_label
 from trainer.data import PreparedData, prepare
 from trainer.device import no_cuda_reason, resolve_device, resolve_precision
 from trainer.distributed import shutdown
-from trainer.loop import PlanFn, Trainer, build_model
+from trainer.loop import PlanFn, Trainer, TrainResult, build_model
 from trainer.modeling import TemporalFusionTransformer
+from trainer.paths import run_stem
 from trainer.plan import TrainPlan
 from trainer.planner import (
     PlanError,
@@ -37,6 +39,7 @@ from trainer.planner import (
 )
 from trainer.report import write_report
 from trainer.resume import ResumeState
+from trainer.tracking import Tracker, epoch_scalars, forecast_scalars, open_tracker
 
 log = logging.getLogger("trainer")
 
@@ -61,9 +64,7 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     plan_fn = budget_plan_fn(budget, cfg, label) if budget else None
     trainer = Trainer(args.parquet, cfg, args.out, columns, resume=resumed, progress=not args.no_progress,
                       plan_fn=plan_fn)
-    result = trainer.run()
-    if trainer.dist.is_main and result.history:  # rank 0 alone writes files
-        _judge_best(trainer, report=not args.no_report)
+    result = _train_and_judge(args, trainer)
     log.info("best validation loss %.5f at epoch %d; checkpoint %s (resume from %s), metrics %s%s",
              trainer.best_val, trainer.best_epoch, result.paths.best, result.paths.last, result.paths.metrics,
              "" if args.no_report else f", report {result.paths.report}")
@@ -71,10 +72,37 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     return 0
 
 
-def _judge_best(trainer: Trainer, report: bool) -> None:
-    """The report and the test scores of the run's best checkpoint, when it is at --out."""
-    wanted = [what for what, on in (("the report", report), ("the test split", trainer.data.test_anchors.size > 0))
-              if on]
+def _train_and_judge(args: argparse.Namespace, trainer: Trainer) -> TrainResult:
+    """The epochs, then the judgement of the best model; with --tracking, rank 0 logs both as they come."""
+    with _tracker(args, trainer) as tracker:
+        on_epoch = None if tracker is None else lambda r: tracker.log_metrics(epoch_scalars(r), int(r["epoch"]))
+        result = trainer.run(on_epoch=on_epoch)
+        if trainer.dist.is_main and result.history:  # rank 0 alone writes files
+            _judge_best(trainer, report=not args.no_report, tracker=tracker)
+    return result
+
+
+@contextlib.contextmanager
+def _tracker(args: argparse.Namespace, trainer: Trainer) -> Iterator[Tracker | None]:
+    """--tracking's tracker with the run's config logged, on rank 0 (else None); closed however the run ends, so
+    what it logged is kept. The run is --tracking-run, or --out's stem, which a resumed run shares."""
+    spec = getattr(args, "tracking", None)
+    if spec is None or not trainer.dist.is_main:
+        yield None
+        return
+    tracker = open_tracker(spec, getattr(args, "tracking_run", None) or run_stem(Path(args.out)))
+    try:
+        tracker.log_params({"parquet": trainer.parquet, **trainer.cfg.to_dict()})
+        yield tracker
+    finally:
+        tracker.close()
+
+
+def _judge_best(trainer: Trainer, report: bool, tracker: Tracker | None = None) -> None:
+    """The report and the test scores of the run's best checkpoint, when it is at --out; with a tracker, they
+    and the checkpoint's sha256 are logged."""
+    wanted = [what for what, on in (("the report", report), ("the test split", trainer.data.test_anchors.size > 0),
+                                    ("the tracked checkpoint sha256", tracker is not None)) if on]
     if not wanted:
         return
     best = trainer.runs_best()
@@ -84,8 +112,22 @@ def _judge_best(trainer: Trainer, report: bool) -> None:
         return
     if report:
         _report(trainer, best)
-    if trainer.data.test_anchors.size:
-        test_best(trainer, best)
+    test = test_best(trainer, best) if trainer.data.test_anchors.size else None
+    if tracker is not None:
+        _track_best(tracker, trainer, report, test)
+
+
+def _track_best(tracker: Tracker, trainer: Trainer, report: bool, test: dict[str, Any] | None) -> None:
+    """The best checkpoint in the tracker: its path, epoch and sha256 as tags, its report picture, its test
+    scores at step = its epoch."""
+    tracker.set_tag("checkpoint", str(trainer.paths.best))
+    tracker.set_tag("best_epoch", str(trainer.best_epoch))
+    tracker.set_tag("checkpoint_sha256", file_sha256(trainer.paths.best))
+    if report:
+        tracker.log_image("report", trainer.paths.report)
+    if test is not None:
+        tracker.log_metrics({"loss/test": test["test_loss"], **forecast_scalars("test", test["test"])},
+                            test["epoch"])
 
 
 def _budget_label(args: argparse.Namespace, cfg: TrainConfig) -> str:
