@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	Python %d.%d; this project needs 3.11 (pyproject.toml): make $(MAKECMDGOALS) PYTHON=python3.11" % v)'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,eval,tensorboard]'
 	touch $(STAMP)
 
 install: $(STAMP)

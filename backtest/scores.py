@@ -1,0 +1,148 @@
+"""Scores of every forecaster on the backtest's out-of-sample origins, per fold and over all folds.
+
+`backtest_scores` returns (every value a plain number, list or dict, ready for json.dump):
+
+    quantiles: [Q]              the forecast quantile levels
+    horizon: H                  steps per forecast
+    forecasters: [names]        in the order given; baselines: the names among BASELINES
+    folds: {"0": block, ...}    one block per fold, keyed by the fold number
+    all: block                  every origin of every fold together
+
+    block:
+      origins: W                origins scored (rows per origin and symbol)
+      forecasters: {name: {
+        pinball_mean            mean pinball loss over origins, steps and quantiles
+        pinball_by_step [H], pinball_by_quantile [Q], pinball [H][Q]
+        q_risk [Q]              2 * sum(pinball) / sum(|y|) per quantile (Lim et al.); None when every y is 0
+        q_risk_by_step [H][Q]   the same per step
+        coverage [Q]            share of realised returns y below the forecast quantile, a tie counting half
+                                (ticked prices make y == 0 common; a zero median is neither above nor below it)
+        interval {lower, upper, nominal, coverage}
+                                the outer interval [lowest, highest quantile]: levels, nominal width, and the
+                                share of y inside it
+        pit {nominal [Q+1], observed [Q+1]}
+                                shares of y in the bins below, between and above the forecast quantiles
+                                (differences of coverage; quantiles do not cross)
+        ratio_to {baseline: r, ..., best_baseline: r}, best_baseline: name
+                                only for names starting with "model": its pinball_mean over each baseline's,
+                                and over the lowest baseline pinball_mean in this block
+      }}
+    all.fold_mean_ratio_to_best_baseline: {model name: mean over folds of ratio_to.best_baseline}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from backtest.baselines import BASELINES
+from features.metrics import pinball
+
+MAX_SUMMARY_FOLDS = 8  # more folds than this: the summary shows the overall rows only, to stay on one screen
+
+
+def backtest_scores(forecasts: Mapping[str, np.ndarray], actual: np.ndarray, fold: np.ndarray,
+                    quantiles: Sequence[float]) -> dict[str, Any]:
+    """Scores of each forecast [W, H, Q] against the realised h-bar log returns `actual` [W, H], per `fold` [W]
+    and over all; the layout is in the module docstring."""
+    q = np.asarray(quantiles, dtype=np.float64)
+    folds = {str(k): _block(forecasts, actual, fold == k, q) for k in np.unique(fold).tolist()}
+    every = _block(forecasts, actual, np.ones(actual.shape[0], dtype=bool), q)
+    every["fold_mean_ratio_to_best_baseline"] = {
+        name: float(np.mean([b["forecasters"][name]["ratio_to"]["best_baseline"] for b in folds.values()]))
+        for name, s in every["forecasters"].items() if s.get("best_baseline")}
+    return {"quantiles": q.tolist(), "horizon": int(actual.shape[1]), "forecasters": list(forecasts),
+            "baselines": [b for b in BASELINES if b in forecasts], "folds": folds, "all": every}
+
+
+def _block(forecasts: Mapping[str, np.ndarray], actual: np.ndarray, rows: np.ndarray, q: np.ndarray) -> dict[str, Any]:
+    y = actual[rows].astype(np.float64)  # [w, H]
+    scores = {name: _forecaster_scores(f[rows].astype(np.float64), y, q) for name, f in forecasts.items()}
+    baselines = {b: scores[b]["pinball_mean"] for b in BASELINES if b in scores}
+    for name, s in scores.items():
+        if name.startswith("model") and baselines:
+            best = min(baselines, key=baselines.__getitem__)
+            s["ratio_to"] = {b: s["pinball_mean"] / v for b, v in baselines.items()}
+            s["ratio_to"]["best_baseline"] = s["pinball_mean"] / baselines[best]
+            s["best_baseline"] = best
+    return {"origins": int(rows.sum()), "forecasters": scores}
+
+
+def _forecaster_scores(pred: np.ndarray, y: np.ndarray, q: np.ndarray) -> dict[str, Any]:
+    """One forecaster's figures on one block: pred [w, H, Q], y [w, H]."""
+    ql = pinball(pred, y, q)  # [w, H, Q]
+    abs_by_step = np.abs(y).sum(axis=0)  # [H]
+    # A tie counts half: ticked prices make y == 0 common, and a zero median is neither above nor below it.
+    below = (y[..., None] < pred) + 0.5 * (y[..., None] == pred)  # [w, H, Q]
+    coverage = below.mean(axis=(0, 1))  # [Q]
+    inside = (y >= pred[..., 0]) & (y <= pred[..., -1])  # [w, H]
+    return {
+        "pinball_mean": float(ql.mean()),
+        "pinball_by_step": ql.mean(axis=(0, 2)).tolist(),
+        "pinball_by_quantile": ql.mean(axis=(0, 1)).tolist(),
+        "pinball": ql.mean(axis=0).tolist(),
+        "q_risk": _q_risk(ql.sum(axis=(0, 1)), float(abs_by_step.sum())),
+        "q_risk_by_step": [_q_risk(s, float(a)) for s, a in zip(ql.sum(axis=0), abs_by_step, strict=True)],
+        "coverage": coverage.tolist(),
+        "interval": {"lower": float(q[0]), "upper": float(q[-1]), "nominal": float(q[-1] - q[0]),
+                     "coverage": float(inside.mean())},
+        "pit": {"nominal": np.diff(q, prepend=0.0, append=1.0).tolist(),
+                "observed": np.diff(coverage, prepend=0.0, append=1.0).tolist()},
+    }
+
+
+def _q_risk(pinball_sum: np.ndarray, abs_sum: float) -> list[float | None]:
+    """2 * sum(pinball) / sum(|y|) per quantile; None when every y is 0."""
+    return [2.0 * float(v) / abs_sum if abs_sum > 0 else None for v in pinball_sum]
+
+
+def summary_lines(scores: dict[str, Any]) -> list[str]:
+    """A one-screen summary: each forecaster's mean pinball per fold and overall, then for each model its ratio
+    to the best baseline, the outer interval's coverage and the P50's (when 0.5 is a quantile)."""
+    q = scores["quantiles"]
+    blocks = dict(scores["folds"]) if len(scores["folds"]) <= MAX_SUMMARY_FOLDS else {}
+    blocks["all"] = scores["all"]
+    total = scores["all"]["origins"]
+    lines = [f"backtest: {len(scores['folds'])} folds, {total} origins, horizon {scores['horizon']}, "
+             f"quantiles {' '.join(f'{x:g}' for x in q)}"]
+    if len(scores["folds"]) > MAX_SUMMARY_FOLDS:
+        lines.append(f"(per-fold figures: over {MAX_SUMMARY_FOLDS} folds, see the JSON file)")
+    lines += _pinball_table(blocks, scores["forecasters"])
+    models = [n for n in scores["forecasters"] if n.startswith("model")]
+    if models:
+        lines += _model_table(blocks, models, q)
+    if fold_mean := scores["all"]["fold_mean_ratio_to_best_baseline"]:
+        lines.append("mean over folds of the ratio to the best baseline: "
+                     + ", ".join(f"{m} {r:.3f}" for m, r in fold_mean.items()))
+    return lines
+
+
+def _pinball_table(blocks: dict[str, Any], names: list[str]) -> list[str]:
+    widths = [max(len(n), 11) for n in names]
+    head = f"{'fold':>4} {'origins':>8}  " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
+    rows = [f"{k:>4} {b['origins']:>8}  " + " ".join(f"{b['forecasters'][n]['pinball_mean']:>{w}.4e}"
+                                                     for n, w in zip(names, widths, strict=True))
+            for k, b in blocks.items()]
+    return ["mean pinball loss (lower is better)", head, *rows]
+
+
+def _model_table(blocks: dict[str, Any], models: list[str], q: list[float]) -> list[str]:
+    p50 = q.index(0.5) if 0.5 in q else None
+    outer = f"P{q[0] * 100:g}-P{q[-1] * 100:g}"
+    cols = f"{'/ best baseline':>18} {outer + ' cov':>12}" + (f" {'P50 cov':>8}" if p50 is not None else "")
+    width = len(cols)
+    head1 = (f"{'':>4}  " + " | ".join(f"{m[:width]:^{width}}" for m in models)).rstrip()
+    head2 = f"{'fold':>4}  " + " | ".join(cols for _ in models)
+    rows = [f"{k:>4}  " + " | ".join(_model_cells(b["forecasters"][m], p50) for m in models)
+            for k, b in blocks.items()]
+    nominal = q[-1] - q[0]
+    return [f"model: mean pinball / the best baseline's; {outer} coverage (nominal {nominal * 100:g}%)",
+            head1, head2, *rows]
+
+
+def _model_cells(s: dict[str, Any], p50: int | None) -> str:
+    ratio = f"{s['ratio_to']['best_baseline']:.3f} ({s['best_baseline']})" if "ratio_to" in s else "n/a"
+    cells = f"{ratio:>18} {s['interval']['coverage'] * 100:>11.1f}%"
+    return cells + (f" {s['coverage'][p50] * 100:>7.1f}%" if p50 is not None else "")
