@@ -7,7 +7,8 @@ carries what the server needs, including the parity and placement reports.
 Checks, in order, before anything is written: onnx.checker (full); names, dtypes and the dynamic
 batch axis; parity against PyTorch on real windows and random batches of 1, 7 and 64; device
 placement (a gate only with --require-device, else reported as not run). The outputs appear
-only when every check passed.
+only when every check passed. With --calibrate, conformal offsets fitted on the run's validation
+split are folded into the graph first, and the checks prove the calibrated model.
 
 exit status:
   0  the model (and the Triton repository entry) was written
@@ -61,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max_batch_size in config.pbtxt (default 256)")
     p.add_argument("--bars", type=Path,
                    help="rebuild the parity check's real windows from these bars (parquet file or directory) "
-                        "instead of the checkpoint's saved validation sample")
+                        "instead of the checkpoint's saved validation sample; with --calibrate, the run's bars to "
+                        "rebuild its validation split from")
+    p.add_argument("--calibrate", action="store_true",
+                   help="fit conformal offsets (one per horizon step and quantile) on the run's validation split, "
+                        "rebuilt from its bars (--bars, else the checkpoint's data source), and fold them into "
+                        "the model; the metadata and GetModelInfo report the coverage before and after")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for PyTorch and ONNX Runtime during the checks (default 1)")
     ColumnMap.add_arguments(p, "with --bars only; a name not given is the training run's")
@@ -95,7 +101,8 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
     return ExportOptions(checkpoint=args.checkpoint, output=out, opset=args.opset, fp16=args.fp16,
                          explain=args.explain, require_device=args.require_device, triton_repo=args.triton_repo,
                          triton_name=args.triton_name, triton_max_batch_size=args.triton_max_batch_size,
-                         bars=args.bars, column_flags=ColumnMap.given(args), threads=args.threads)
+                         bars=args.bars, column_flags=ColumnMap.given(args), threads=args.threads,
+                         calibrate=args.calibrate)
 
 
 def _check_output(out: Path, checkpoint: Path) -> None:

@@ -28,21 +28,23 @@ from features.schema import (
     STATIC_WEIGHTS,
 )
 from trainer.model_config import ModelConfig
-from trainer.modeling import TemporalFusionTransformer
+from trainer.modeling import TFTOutput
 
 BATCH = "batch"  # the name of the dynamic batch axis of every input and output
 
 
 class QuantilesOnly(nn.Module):
-    """The TFT without its interpretability outputs (`--no-explain`): one output, the quantiles."""
+    """The TFT (or its CalibratedModel) without its interpretability outputs (`--no-explain`): one output, the
+    quantiles."""
 
-    def __init__(self, model: TemporalFusionTransformer) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor,
                 decoder_known: Tensor) -> Tensor:
-        return self.model(static_categorical, encoder_observed, encoder_known, decoder_known).quantiles  # [B, H, Q]
+        out: TFTOutput = self.model(static_categorical, encoder_observed, encoder_known, decoder_known)
+        return out.quantiles  # [B, H, Q]
 
 
 def output_names(explain: bool) -> tuple[str, ...]:
@@ -100,8 +102,7 @@ def _describe(exc: BaseException) -> str:
     return text
 
 
-def export_model(model: TemporalFusionTransformer, example: dict[str, Tensor], opset: int,
-                 explain: bool) -> onnx.ModelProto:
+def export_model(model: nn.Module, example: dict[str, Tensor], opset: int, explain: bool) -> onnx.ModelProto:
     """Export with named inputs/outputs, a dynamic batch axis and the weights inside. `example` has at least 2
     rows: torch.export specialises a dimension of size 0 or 1."""
     module: nn.Module = model if explain else QuantilesOnly(model)

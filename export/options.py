@@ -25,6 +25,7 @@ class ExportOptions:
     bars: Path | None = None  # rebuild parity windows from these bars instead of the saved sample
     column_flags: dict[str, str] = dataclasses.field(default_factory=dict)  # --bars' names given, over the run's
     threads: int = 1
+    calibrate: bool = False  # fold conformal offsets fitted on the run's validation split into the graph
 
     @property
     def precision(self) -> str:

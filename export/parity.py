@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from features.schema import (
     DECODER_KNOWN,
@@ -121,7 +121,7 @@ def make_cases(windows: Mapping[str, Tensor | np.ndarray], model: TemporalFusion
     return cases
 
 
-def reference_outputs(model: TemporalFusionTransformer, case: Case, explain: bool) -> list[np.ndarray]:
+def reference_outputs(model: nn.Module, case: Case, explain: bool) -> list[np.ndarray]:
     """PyTorch eager, fp32, CPU: the truth the ONNX model must reproduce."""
     with torch.inference_mode():
         out = model(*(torch.from_numpy(case.inputs[name]) for name in MODEL_INPUTS))
@@ -153,14 +153,15 @@ def compare(case: Case, names: Sequence[str], expected: Sequence[np.ndarray], go
 
 
 def check_parity(model: TemporalFusionTransformer, run: Any, cases: Sequence[Case], output_names: Sequence[str],
-                 precision: str, provider: str) -> ParityReport:
-    """`run(feeds) -> list of arrays` is the ONNX Runtime session's run."""
+                 precision: str, provider: str, reference: nn.Module | None = None) -> ParityReport:
+    """`run(feeds) -> list of arrays` is the ONNX Runtime session's run; `reference`, the module exported (the
+    calibrated model wrapping `model`), is `model` when not given."""
     tolerance = TOLERANCE[precision]
     target_scale = model.target_scale.detach().cpu().numpy().astype(np.float64)
     report = ParityReport(precision, provider, tolerance)
     explain = len(output_names) > 1
     for case in cases:
-        expected = reference_outputs(model, case, explain)
+        expected = reference_outputs(model if reference is None else reference, case, explain)
         got = run(case.inputs)
         report.rows.extend(compare(case, output_names, expected, got, target_scale, tolerance))
     return report

@@ -19,8 +19,10 @@ from typing import Any
 import numpy as np
 import onnx
 import torch
+from torch import nn
 
 from export import fp16 as fp16_mod
+from export.calibrate import OFFSETS, CalibratedModel, calibrate
 from export.errors import CheckFailed, UsageError, WriteFailed
 from export.files import Staging, leftovers, remove
 from export.onnx_export import check_interface, export_model, output_names, run_checker, signature
@@ -92,7 +94,8 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
             bar_interval_ns=int(ckpt["bar_interval_ns"]),
             symbols=tuple(str(s) for s in ckpt["symbols"]),
             checkpoint_sha256=sha,
-            model_version=sha[:12] + "-fp16" * (opts.precision == "fp16") + "-noexplain" * (not opts.explain),
+            model_version=sha[:12] + "-fp16" * (opts.precision == "fp16") + "-noexplain" * (not opts.explain)
+            + "-calibrated" * opts.calibrate,
             explain=opts.explain,
             precision=opts.precision,
             column_map=dict(ckpt["column_map"]),
@@ -107,7 +110,9 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
                 "torch_exporter": "torch.onnx.export(dynamo=True) (torch.export)",
                 "trained_with_torch": str(ckpt["torch_version"]),
                 **({"fp16_kept_fp32_ops": sorted(fp16_mod.KEEP_FP32_OPS),
-                    "fp16_kept_fp32_initializers": list(NORMALIZATION_INITIALIZERS)} if opts.fp16 else {}),
+                    "fp16_kept_fp32_initializers": [*NORMALIZATION_INITIALIZERS,
+                                                    *([OFFSETS] if opts.calibrate else [])]}
+                   if opts.fp16 else {}),
             },
         )
         meta.check()
@@ -116,15 +121,17 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
     return meta
 
 
-_EXPORTS: OrderedDict[tuple[str, int, bool, str], bytes] = OrderedDict()  # the last 4 graphs traced
+_EXPORTS: OrderedDict[tuple[str, int, bool, str, str], bytes] = OrderedDict()  # the last 4 graphs traced
 
 
-def _export_cached(model: TemporalFusionTransformer, example: dict[str, torch.Tensor], opts: ExportOptions,
+def _export_cached(net: nn.Module, example: dict[str, torch.Tensor], opts: ExportOptions,
                    sha: str) -> onnx.ModelProto:
-    """export_model, memoised per checkpoint, opset and explain: tracing takes seconds. Each caller gets a copy."""
-    key = (sha, opts.opset, opts.explain, str(torch.__version__))
+    """export_model, memoised per checkpoint, opset, explain and calibration: tracing takes seconds. Each caller
+    gets a copy."""
+    calibration = net.digest() if isinstance(net, CalibratedModel) else ""
+    key = (sha, opts.opset, opts.explain, str(torch.__version__), calibration)
     if key not in _EXPORTS:
-        _EXPORTS[key] = export_model(model, example, opts.opset, opts.explain).SerializeToString()
+        _EXPORTS[key] = export_model(net, example, opts.opset, opts.explain).SerializeToString()
         while len(_EXPORTS) > 4:
             _EXPORTS.popitem(last=False)
     _EXPORTS.move_to_end(key)
@@ -160,17 +167,19 @@ def _placement(model: bytes, opts: ExportOptions, dev: Probe, feeds: dict[str, n
     return evaluate(report, opts.require_device)
 
 
-def build_graph(model: TemporalFusionTransformer, windows: dict[str, np.ndarray], opts: ExportOptions, sha: str,
+def build_graph(net: nn.Module, windows: dict[str, np.ndarray], opts: ExportOptions, sha: str,
                 meta: ModelMeta, tamper: Tamper | None) -> onnx.ModelProto:
+    """`net`, the TFT or its CalibratedModel, as an ONNX graph (fp16 with --fp16) with `meta`."""
     example = {name: torch.from_numpy(windows[name][:2]) for name in MODEL_INPUTS}
     if example[MODEL_INPUTS[0]].shape[0] < 2:  # torch.export specialises a batch of 1
         example = {name: x.repeat((2,) + (1,) * (x.dim() - 1)) for name, x in example.items()}
-    proto = _export_cached(model, example, opts, sha)
+    proto = _export_cached(net, example, opts, sha)
     if opts.fp16:
-        keep = [t.name for t in proto.graph.initializer if t.name.rsplit(".", 1)[-1] in NORMALIZATION_INITIALIZERS]
+        kept = (*NORMALIZATION_INITIALIZERS, *((OFFSETS,) if isinstance(net, CalibratedModel) else ()))
+        keep = [t.name for t in proto.graph.initializer if t.name.rsplit(".", 1)[-1] in kept]
         try:
-            if len(keep) != len(NORMALIZATION_INITIALIZERS):
-                raise fp16_mod.Fp16Error(f"expected the normalisation initializers {list(NORMALIZATION_INITIALIZERS)} "
+            if len(keep) != len(kept):
+                raise fp16_mod.Fp16Error(f"expected the initializers kept in float32 {list(kept)} "
                                          f"in the exported graph, found {keep}")
             proto = fp16_mod.convert_to_fp16(proto, keep)
         except fp16_mod.Fp16Error as exc:
@@ -190,14 +199,16 @@ def lowest_ir_version(proto: onnx.ModelProto) -> None:
     proto.ir_version = min(proto.ir_version, lowest)
 
 
-def check_parity_gate(model_bytes: bytes, model: TemporalFusionTransformer, windows: dict[str, np.ndarray],
-                      opts: ExportOptions, device: str) -> tuple[ParityReport, dict[str, np.ndarray]]:
-    """Check 3; returns the report and the real windows' feeds, reused by the placement run."""
+def check_parity_gate(model_bytes: bytes, model: TemporalFusionTransformer, net: nn.Module,
+                      windows: dict[str, np.ndarray], opts: ExportOptions, device: str
+                      ) -> tuple[ParityReport, dict[str, np.ndarray]]:
+    """Check 3: the graph against `net`, what was exported; returns the report and the real windows' feeds, reused
+    by the placement run."""
     session = make_session(model_bytes, device, opts.threads)
     names = [o.name for o in session.get_outputs()]
     cases = make_cases(windows, model)
     parity = check_parity(model, lambda feeds: session.run(names, feeds), cases, names, opts.precision,
-                          session.get_providers()[0])
+                          session.get_providers()[0], reference=net)
     parity.provider_options = dict(CUDA_OPTIONS) if device == "cuda" else {}
     print_report(parity.table(), REPORT_ALSO)
     if not parity.passed:
@@ -259,11 +270,14 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
     windows, source = _real_windows(opts, ckpt, model.cfg, log)
     _log_checkpoint(opts, ckpt, model.cfg, meta, sha, f"{windows[MODEL_INPUTS[0]].shape[0]} real windows {source}",
                     log)
+    calibration = calibrate(ckpt, model, opts.bars, opts.column_flags, log) if opts.calibrate else None
+    net = model if calibration is None else CalibratedModel(model, calibration.offsets)
     log(f"exporting with torch.onnx.export(dynamo=True), opset {opts.opset}, {opts.precision}"
         f"{'' if opts.explain else ', quantiles only'} ...")
-    proto = build_graph(model, windows, opts, sha, meta, _tamper)
-    parity, placement = _checks(proto, model, windows, source, opts, dev, log)
-    meta = dataclasses.replace(meta, parity=parity.to_dict(), placement=placement.to_dict())
+    proto = build_graph(net, windows, opts, sha, meta, _tamper)
+    parity, placement = _checks(proto, model, net, windows, source, opts, dev, log)
+    meta = dataclasses.replace(meta, parity=parity.to_dict(), placement=placement.to_dict(),
+                               calibration=None if calibration is None else calibration.to_dict())
     meta, data, final = with_digest(proto, meta)
     triton_dir = write_outputs(data, opts, meta, final, log, published)
     log(f"wrote {opts.output} ({len(data) / 2**20:.2f} MiB, {meta.precision}, opset {opts.opset}, sha256 "
@@ -301,8 +315,8 @@ def _log_checkpoint(opts: ExportOptions, ckpt: dict[str, Any], cfg: ModelConfig,
             "its best checkpoint (ckpt.pt beside ckpt.last.pt): export that one for the best model")
 
 
-def _checks(proto: onnx.ModelProto, model: TemporalFusionTransformer, windows: dict[str, np.ndarray], source: str,
-            opts: ExportOptions, dev: Probe, log: Log) -> tuple[ParityReport, PlacementReport]:
+def _checks(proto: onnx.ModelProto, model: TemporalFusionTransformer, net: nn.Module, windows: dict[str, np.ndarray],
+            source: str, opts: ExportOptions, dev: Probe, log: Log) -> tuple[ParityReport, PlacementReport]:
     cfg = model.cfg
     run_checker(proto)
     log("[1/4] onnx.checker (full): ok")
@@ -310,7 +324,7 @@ def _checks(proto: onnx.ModelProto, model: TemporalFusionTransformer, windows: d
     log(f"[2/4] opset {opts.opset}; inputs {list(MODEL_INPUTS)} and outputs {list(output_names(opts.explain))}: "
         "names, dtypes, dynamic batch axis ok")
     model_bytes = proto.SerializeToString()
-    parity, feeds = check_parity_gate(model_bytes, model, windows, opts, dev.device if dev.available else "cpu")
+    parity, feeds = check_parity_gate(model_bytes, model, net, windows, opts, dev.device if dev.available else "cpu")
     parity.real_windows = f"{windows[MODEL_INPUTS[0]].shape[0]} {source}"
     log(f"[3/4] parity: ok (max scaled error {max(r.scaled for r in parity.rows):.2e} <= {parity.tolerance:g})")
     if opts.precision == "fp16" and parity.provider == "CPUExecutionProvider":

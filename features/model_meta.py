@@ -113,6 +113,8 @@ class ModelMeta:
     placement: dict[str, Any] = field(default_factory=dict)  # the placement gate's report
     training: dict[str, Any] = field(default_factory=dict)  # the training run's bars in time (training_span)
     graph_sha256: str = ""  # graph_digest of the model file as exported
+    # export --calibrate's conformal offsets [H][Q] and validation coverage (export.calibrate); None: uncalibrated
+    calibration: dict[str, Any] | None = None
 
     @functools.cached_property
     def symbol_index(self) -> dict[str, int]:
@@ -146,6 +148,7 @@ class ModelMeta:
             "placement": self.placement,
             "training": self.training,
             "graph_sha256": self.graph_sha256,
+            **({} if self.calibration is None else {"calibration": self.calibration}),
         }
         return {PREFIX + k: v if isinstance(v, str) else json.dumps(v) for k, v in values.items()}
 
@@ -200,6 +203,10 @@ class ModelMeta:
         if not _span_ok(self.training):
             problems.append(f"training must map {', '.join(TRAINING_KEYS)} to int64 nanoseconds (or null; "
                             f"validation_from_ns set) in time order, not {self.training!r}")
+        if self.calibration is not None and not _offsets_ok(self.calibration.get("offsets"), self.horizon,
+                                                            len(self.quantiles)):
+            problems.append(f"calibration offsets must be {self.horizon} rows (horizon) of {len(self.quantiles)} "
+                            "numbers (quantiles)")
         if problems:
             raise ModelMetaError("model metadata is inconsistent: " + "; ".join(problems))
 
@@ -244,7 +251,15 @@ def _parse(props: dict[str, str]) -> ModelMeta:
         placement=dict(get("placement")),
         training=training,
         graph_sha256=text("graph_sha256"),
+        calibration=dict(get("calibration")) if PREFIX + "calibration" in props else None,
     )
+
+
+def _offsets_ok(offsets: Any, horizon: int, n_quantiles: int) -> bool:
+    """A list of `horizon` lists of `n_quantiles` numbers."""
+    return (isinstance(offsets, list) and len(offsets) == horizon
+            and all(isinstance(row, list) and len(row) == n_quantiles
+                    and all(isinstance(x, int | float) for x in row) for row in offsets))
 
 
 def _span_ok(training: dict[str, Any]) -> bool:

@@ -161,9 +161,22 @@ def format_model_info(info: pb.ModelInfo) -> str:
          f"max concurrent {info.max_concurrent}"),
         ("explain", "available" if info.explain_available else "not in this model"),
         ("checksums", f"model {info.model_sha256[:12]}, checkpoint {info.checkpoint_sha256[:12]}"),
+        ("calibration", _calibration(info)),
     ]
     width = max(len(label) for label, _ in facts) + 2
     return "\n".join(f"{label:<{width}}{value}" for label, value in facts)
+
+
+def _calibration(info: pb.ModelInfo) -> str:
+    """The validation coverage before -> after the calibration folded into the model, or that there is none."""
+    if not info.HasField("calibration"):
+        return "none (the quantiles are the model's own)"
+    c = info.calibration
+    shares = [f"q{q:g} {b:.3f} -> {a:.3f}" for q, b, a in zip(info.quantiles, c.coverage_before, c.coverage_after,
+                                                            strict=True)]
+    nominal = info.quantiles[-1] - info.quantiles[0]
+    return (f"{c.method} on {c.validation_windows} validation windows; coverage {', '.join(shares)}; "
+            f"{nominal:.0%} interval {c.interval_coverage_before:.3f} -> {c.interval_coverage_after:.3f}")
 
 
 def _connect(args: argparse.Namespace) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]] | None:

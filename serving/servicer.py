@@ -399,4 +399,22 @@ def model_info(model: LoadedModel, limits: Limits) -> pb.ModelInfo:
         server_version=package_version(),
         bar_columns=meta.column_map,
         calendar_tz=meta.feature_config.calendar_tz,
+        calibration=calibration_info(meta.calibration, meta.quantiles),
+    )
+
+
+def calibration_info(calibration: dict[str, Any] | None, quantiles: tuple[float, ...]) -> pb.Calibration | None:
+    """ModelMeta.calibration as the wire's Calibration; None (the field unset) for an uncalibrated model."""
+    if calibration is None:
+        return None
+    before, after = calibration["coverage_before"], calibration["coverage_after"]
+    levels = [f"{q:g}" for q in quantiles]
+    return pb.Calibration(
+        method=calibration["method"],
+        validation_windows=calibration["validation_windows"],
+        offsets=[x for row in calibration["offsets"] for x in row],  # row-major [H, Q]
+        coverage_before=[before[q] for q in levels],
+        coverage_after=[after[q] for q in levels],
+        interval_coverage_before=before["interval"],
+        interval_coverage_after=after["interval"],
     )

@@ -161,7 +161,7 @@ class Feature(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[FeatureRole, str]] = ..., kind: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("bars_required", "bar_interval_ns", "encoder_length", "horizon", "quantiles", "features", "symbols", "user_feature_columns", "explain_available", "model_version", "checkpoint_sha256", "model_sha256", "model_path", "loaded_at_unix_ns", "precision", "device_requested", "provider", "providers", "fallback_warning", "max_batch", "max_message_bytes", "max_concurrent", "torch_imported", "server_version", "bar_columns", "calendar_tz")
+    __slots__ = ("bars_required", "bar_interval_ns", "encoder_length", "horizon", "quantiles", "features", "symbols", "user_feature_columns", "explain_available", "model_version", "checkpoint_sha256", "model_sha256", "model_path", "loaded_at_unix_ns", "precision", "device_requested", "provider", "providers", "fallback_warning", "max_batch", "max_message_bytes", "max_concurrent", "torch_imported", "server_version", "bar_columns", "calendar_tz", "calibration")
     class BarColumnsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class ModelInfo(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     BAR_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     CALENDAR_TZ_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     bars_required: int
     bar_interval_ns: int
     encoder_length: int
@@ -221,4 +222,23 @@ class ModelInfo(_message.Message):
     server_version: str
     bar_columns: _containers.ScalarMap[str, str]
     calendar_tz: str
-    def __init__(self, bars_required: _Optional[int] = ..., bar_interval_ns: _Optional[int] = ..., encoder_length: _Optional[int] = ..., horizon: _Optional[int] = ..., quantiles: _Optional[_Iterable[float]] = ..., features: _Optional[_Iterable[_Union[Feature, _Mapping]]] = ..., symbols: _Optional[_Iterable[str]] = ..., user_feature_columns: _Optional[_Iterable[str]] = ..., explain_available: _Optional[bool] = ..., model_version: _Optional[str] = ..., checkpoint_sha256: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., loaded_at_unix_ns: _Optional[int] = ..., precision: _Optional[str] = ..., device_requested: _Optional[str] = ..., provider: _Optional[str] = ..., providers: _Optional[_Iterable[str]] = ..., fallback_warning: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., torch_imported: _Optional[bool] = ..., server_version: _Optional[str] = ..., bar_columns: _Optional[_Mapping[str, str]] = ..., calendar_tz: _Optional[str] = ...) -> None: ...
+    calibration: Calibration
+    def __init__(self, bars_required: _Optional[int] = ..., bar_interval_ns: _Optional[int] = ..., encoder_length: _Optional[int] = ..., horizon: _Optional[int] = ..., quantiles: _Optional[_Iterable[float]] = ..., features: _Optional[_Iterable[_Union[Feature, _Mapping]]] = ..., symbols: _Optional[_Iterable[str]] = ..., user_feature_columns: _Optional[_Iterable[str]] = ..., explain_available: _Optional[bool] = ..., model_version: _Optional[str] = ..., checkpoint_sha256: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., loaded_at_unix_ns: _Optional[int] = ..., precision: _Optional[str] = ..., device_requested: _Optional[str] = ..., provider: _Optional[str] = ..., providers: _Optional[_Iterable[str]] = ..., fallback_warning: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., torch_imported: _Optional[bool] = ..., server_version: _Optional[str] = ..., bar_columns: _Optional[_Mapping[str, str]] = ..., calendar_tz: _Optional[str] = ..., calibration: _Optional[_Union[Calibration, _Mapping]] = ...) -> None: ...
+
+class Calibration(_message.Message):
+    __slots__ = ("method", "validation_windows", "offsets", "coverage_before", "coverage_after", "interval_coverage_before", "interval_coverage_after")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_COVERAGE_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_COVERAGE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    validation_windows: int
+    offsets: _containers.RepeatedScalarFieldContainer[float]
+    coverage_before: _containers.RepeatedScalarFieldContainer[float]
+    coverage_after: _containers.RepeatedScalarFieldContainer[float]
+    interval_coverage_before: float
+    interval_coverage_after: float
+    def __init__(self, method: _Optional[str] = ..., validation_windows: _Optional[int] = ..., offsets: _Optional[_Iterable[float]] = ..., coverage_before: _Optional[_Iterable[float]] = ..., coverage_after: _Optional[_Iterable[float]] = ..., interval_coverage_before: _Optional[float] = ..., interval_coverage_after: _Optional[float] = ...) -> None: ...

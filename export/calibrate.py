@@ -1,0 +1,170 @@
+"""`--calibrate`: conformalised quantile regression (CQR) on the run's validation split, folded into the graph.
+
+For each horizon step h and quantile level q, the offset is a finite-sample conformal quantile of the
+validation residuals r = y - q_hat[h, q], sorted ascending r_(1) <= ... <= r_(n):
+
+    q >= 0.5: offset = r_(k), k = ceil((n + 1) q)              so P(y <= q_hat + offset) >= q
+    q <  0.5: offset = r_(k), k = n + 1 - ceil((n + 1)(1 - q))  so P(y >= q_hat + offset) >= 1 - q
+
+with k clipped to 1..n. The calibrated forecast is q_hat + offset with a running maximum over the
+quantile axis, so the quantiles still never cross. CalibratedModel does this inside the exported
+graph: the server and `serving.score` apply it with no code of their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from export.errors import UsageError
+from features.bars import BarDataError, ColumnMap, bars_digest, read_bars
+from features.schema import MODEL_INPUTS
+from trainer.config import TrainConfig
+from trainer.data import DataError, Normalization, PreparedData, prepare
+from trainer.modeling import TemporalFusionTransformer, TFTOutput
+
+METHOD = "cqr"  # conformalised quantile regression, one additive offset per horizon step and quantile
+OFFSETS = "calibration_offsets"  # the offsets' initializer in the ONNX graph
+BATCH = 1024  # validation windows per forward
+
+
+def non_crossing(q: Tensor) -> Tensor:
+    """Running maximum over the last (quantile) axis, unrolled: [..., Q] -> [..., Q]."""
+    cols = [q[..., 0]]
+    for j in range(1, q.shape[-1]):
+        cols.append(torch.maximum(cols[-1], q[..., j]))
+    return torch.stack(cols, dim=-1)
+
+
+class CalibratedModel(nn.Module):
+    """The TFT with its quantiles shifted by per-(step, quantile) offsets and kept non-crossing."""
+
+    def __init__(self, model: TemporalFusionTransformer, offsets: np.ndarray) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer(OFFSETS, torch.as_tensor(offsets, dtype=torch.float32))  # [H, Q]
+
+    def adjust(self, quantiles: Tensor) -> Tensor:
+        offsets: Tensor = getattr(self, OFFSETS)
+        return non_crossing(quantiles + offsets)  # [B, H, Q]
+
+    def forward(self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor,
+                decoder_known: Tensor) -> TFTOutput:
+        out: TFTOutput = self.model(static_categorical, encoder_observed, encoder_known, decoder_known)
+        return out._replace(quantiles=self.adjust(out.quantiles))
+
+    def digest(self) -> str:
+        """Names the offsets, so a calibrated graph is cached apart from another calibration's."""
+        return hashlib.sha256(getattr(self, OFFSETS).numpy().tobytes()).hexdigest()
+
+
+def conformal_rank(n: int, q: float) -> int:
+    """The 1-based rank of the residual taken as the offset of level `q` among `n` (see the module's docstring)."""
+    eps = 1e-9  # (n + 1) q that is an integer in exact arithmetic stays that integer
+    k = math.ceil((n + 1) * q - eps) if q >= 0.5 else n + 1 - math.ceil((n + 1) * (1 - q) - eps)
+    return min(max(k, 1), n)
+
+
+def conformal_offsets(pred: np.ndarray, target: np.ndarray, quantiles: Sequence[float]) -> np.ndarray:
+    """pred [W, H, Q], target [W, H] -> offsets float32 [H, Q]."""
+    residuals = np.sort(target[..., None].astype(np.float64) - pred, axis=0)  # [W, H, Q]
+    ranks = [conformal_rank(residuals.shape[0], q) for q in quantiles]
+    return np.stack([residuals[k - 1, :, j] for j, k in enumerate(ranks)], axis=-1).astype(np.float32)  # [H, Q]
+
+
+def coverage(pred: np.ndarray, target: np.ndarray, quantiles: Sequence[float]) -> dict[str, float]:
+    """Share of targets at or below each quantile ("0.1": ...), and inside [lowest, highest] ("interval")."""
+    below = (target[..., None] <= pred).mean(axis=(0, 1))  # [Q]
+    inside = (target >= pred[..., 0]) & (target <= pred[..., -1])  # [W, H]
+    return {**{f"{q:g}": float(v) for q, v in zip(quantiles, below, strict=True)}, "interval": float(inside.mean())}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    offsets: np.ndarray  # float32 [H, Q], in return units
+    windows: int  # validation windows fitted on
+    quantiles: tuple[float, ...]
+    before: dict[str, float]  # coverage() of the uncalibrated model on the validation windows
+    after: dict[str, float]  # coverage() of the calibrated model on the same windows
+    bars: str  # the bars the validation split was rebuilt from (logged; a local path, kept out of the metadata)
+
+    @property
+    def nominal(self) -> dict[str, float]:
+        """What each coverage should be: the level, and for the interval the outer levels' difference."""
+        return {**{f"{q:g}": q for q in self.quantiles}, "interval": round(self.quantiles[-1] - self.quantiles[0], 12)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """ModelMeta.calibration."""
+        return {"method": METHOD, "offsets": self.offsets.astype(float).tolist(), "validation_windows": self.windows,
+                "nominal": self.nominal, "coverage_before": self.before, "coverage_after": self.after}
+
+    def table(self) -> str:
+        lines = [f"calibration ({METHOD}) on {self.windows} validation windows of {self.bars}: coverage "
+                 "(share of targets at or below each quantile; inside the outer interval)",
+                 f"{'quantile':<10} {'nominal':>7}  {'before':>6}  {'after':>6}"]
+        for key in self.before:
+            lines.append(f"{key:<10} {self.nominal[key]:>7.3f}  {self.before[key]:>6.3f}  {self.after[key]:>6.3f}")
+        return "\n".join(lines)
+
+
+def validation_data(ckpt: dict[str, Any], bars: Path | None, column_flags: dict[str, str]) -> PreparedData:
+    """The run's data rebuilt with the trainer's own code: same bars (refused otherwise), split and normalisation."""
+    source = Path(bars) if bars is not None else Path(str(ckpt["data_source"]))
+    flag = f"--bars {source}" if bars is not None else f"the run's bars {source}"
+    if bars is None and not source.exists():
+        raise UsageError(f"--calibrate: the run's bars {source} (the checkpoint's data_source) are not there; pass "
+                         "--bars with the bars the run trained on")
+    cfg = TrainConfig.from_dict(ckpt["train_config"])
+    columns = ColumnMap.from_dict({**ckpt["column_map"], **column_flags})
+    try:
+        digest = bars_digest(read_bars(source, columns, tuple(cfg.features)), cfg.features)
+        if digest != ckpt["bars_digest"]:
+            raise UsageError(f"--calibrate: {flag} are not the bars the checkpoint's run trained on (its bars: "
+                             f"{ckpt['data_source']}): their symbols, rows or values differ; calibrate with the "
+                             "run's bars")
+        return prepare(source, cfg, columns, [str(s) for s in ckpt["symbols"]],
+                       Normalization.from_dict(ckpt["normalization"]))
+    except BarDataError as exc:
+        raise UsageError(f"--calibrate: {flag}: {'; '.join(exc.lines()[:3])}") from None
+    except DataError as exc:
+        raise UsageError(f"--calibrate: {flag}: {exc}") from None
+
+
+@torch.inference_mode()
+def predict(model: nn.Module, data: PreparedData, anchors: np.ndarray) -> np.ndarray:
+    """The model's quantiles on the windows ending at `anchors`, eval mode: [W, H, Q]."""
+    model.eval()
+    parts = []
+    for chunk in torch.from_numpy(anchors).split(BATCH):
+        batch = data.tensors.batch(chunk)
+        parts.append(model(*(batch[name] for name in MODEL_INPUTS)).quantiles.float().numpy())
+    return np.concatenate(parts)
+
+
+def fit(model: TemporalFusionTransformer, data: PreparedData, bars: str) -> Calibration:
+    """Offsets from the validation residuals, and coverage on the validation windows before and after."""
+    anchors = data.val_anchors
+    quantiles = tuple(model.cfg.quantiles)
+    pred = predict(model, data, anchors)  # [W, H, Q]
+    target = data.frame.targets[anchors]  # [W, H]
+    offsets = conformal_offsets(pred, target, quantiles)  # [H, Q]
+    after = CalibratedModel(model, offsets).adjust(torch.from_numpy(pred)).numpy()  # [W, H, Q]
+    return Calibration(offsets, int(anchors.size), quantiles, coverage(pred, target, quantiles),
+                       coverage(after, target, quantiles), bars)
+
+
+def calibrate(ckpt: dict[str, Any], model: TemporalFusionTransformer, bars: Path | None,
+              column_flags: dict[str, str], log: Callable[[str], None]) -> Calibration:
+    """--calibrate: rebuild the run's validation split, fit the offsets and log the coverage table."""
+    data = validation_data(ckpt, bars, column_flags)
+    calibration = fit(model, data, str(bars if bars is not None else ckpt["data_source"]))
+    log(calibration.table())
+    return calibration
