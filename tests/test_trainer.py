@@ -50,7 +50,7 @@ from trainer.modeling import TemporalFusionTransformer
 # Enough training for the model to learn the planted volatility clustering (about 20 s on one thread).
 LEARN_FLAGS = ("--hidden-size", "16", "--encoder-length", "30", "--horizon", "3", "--batch-size", "64",
                "--epochs", "5", "--max-steps-per-epoch", "40", "--learning-rate", "3e-3", "--dropout", "0",
-               "--threads", "1", "--device", "cpu", "--no-progress")
+               "--patience", "0", "--threads", "1", "--device", "cpu", "--no-progress")
 
 
 @pytest.fixture(scope="module")

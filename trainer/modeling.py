@@ -457,7 +457,8 @@ class TemporalFusionTransformer(nn.Module):
         "fixed": each horizon's training target spread."""
         if self.cfg.quantile_scale == "fixed":
             return self.target_scale[None, :, None]  # [1, H, 1]
-        sigma = encoder_returns.float().square().mean(dim=1).sqrt().clamp_min(0.01 * self.target_scale[0])  # [B]
+        rms = encoder_returns.float().square().mean(dim=1).sqrt()  # [B]
+        sigma = torch.maximum(rms, 0.01 * self.target_scale[:1])  # [B]; Max, which fp16 graphs run in half
         return sigma[:, None, None] * self.horizon_root[None, :, None]  # [B, H, 1]
 
 
