@@ -1,0 +1,76 @@
+"""A fold's forecasts at its origins: the exported model through ONNX Runtime, and the baselines."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from backtest.baselines import baseline_forecasts
+from features.compute import FeatureFrame
+from features.schema import QUANTILES
+from serving.model import LoadedModel
+from serving.score import model_inputs
+
+BATCH = 1024  # windows per ONNX Runtime run
+
+
+def model_forecasts(model: LoadedModel, frame: FeatureFrame, anchors: np.ndarray) -> np.ndarray:
+    """The model's quantiles at `anchors`, the windows built as serving.score builds them: [W, H, Q]."""
+    parts = [model.run(model_inputs(frame, chunk, model.meta.encoder_length))[QUANTILES]
+             for chunk in np.split(anchors, range(BATCH, anchors.size, BATCH))]
+    return np.concatenate(parts).astype(np.float64)
+
+
+def baselines_at(frame: FeatureFrame, anchors: np.ndarray, cuts: np.ndarray, quantiles: Sequence[float],
+                 window: int) -> dict[str, np.ndarray]:
+    """Each baseline's quantiles at `anchors` (grouped by series, as fold_origins gives them), fitted per
+    series on its rows before `cuts` [S]: name -> [W, H, Q]."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for i, (s, e) in enumerate(frame.series_bounds):
+        here = anchors[(anchors >= s) & (anchors < e)]
+        if here.size == 0:
+            continue
+        symbol = frame.symbols[int(frame.series_id[s])]
+        got = baseline_forecasts(frame.close[s:e], int(cuts[i] - s), here - s, frame.config.horizon, quantiles,
+                                 window, series=symbol)
+        for name, values in got.items():
+            parts.setdefault(name, []).append(values)
+    return {name: np.concatenate(values) for name, values in parts.items()}
+
+
+def column(name: str, h: int, q: float) -> str:
+    """The forecasts file's column of forecaster `name`, step h (1-based), quantile q."""
+    return f"{name}_h{h}_q{q:g}"
+
+
+def fold_table(fold: int, frame: FeatureFrame, anchors: np.ndarray, forecasts: Mapping[str, np.ndarray],
+               quantiles: Sequence[float]) -> pa.Table:
+    """One row per origin and symbol: fold, symbol, origin, close, each forecaster's quantiles per step
+    (`column`), and the realised h-bar log returns actual_h1..actual_hH."""
+    horizon = frame.config.horizon
+    columns: dict[str, pa.Array] = {
+        "fold": pa.array(np.full(anchors.size, fold, dtype=np.int16)),
+        "symbol": pa.array(np.asarray(frame.symbols, dtype=object)[frame.series_id[anchors]], type=pa.string()),
+        "origin": pa.array(frame.timestamp_ns[anchors], type=pa.timestamp("ns", tz="UTC")),
+        "close": pa.array(frame.close[anchors]),
+    }
+    for name, values in forecasts.items():
+        for h in range(horizon):
+            for j, q in enumerate(quantiles):
+                columns[column(name, h + 1, q)] = pa.array(values[:, h, j])
+    for h in range(horizon):
+        columns[f"actual_h{h + 1}"] = pa.array(frame.targets[anchors, h].astype(np.float64))
+    return pa.table(columns)
+
+
+def table_arrays(table: pa.Table, names: Sequence[str], horizon: int, quantiles: Sequence[float]
+                 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """fold_table's columns back as arrays: forecasts name -> [W, H, Q], actual [W, H], fold [W]."""
+    def grid(name: str) -> np.ndarray:
+        return np.stack([np.stack([table.column(column(name, h, q)).to_numpy() for q in quantiles], axis=-1)
+                         for h in range(1, horizon + 1)], axis=1)
+
+    actual = np.stack([table.column(f"actual_h{h}").to_numpy() for h in range(1, horizon + 1)], axis=1)
+    return {name: grid(name) for name in names}, actual, table.column("fold").to_numpy().astype(np.int64)

@@ -1,0 +1,188 @@
+"""The walk-forward backtest: per fold, train, export, forecast at the fold's origins; then score them all.
+
+Each fold lives in OUT/foldK: its training bars (train.parquet), the trainer's files (ckpt.pt, ...), the
+exported models (model.onnx calibrated, model_uncalibrated.onnx) and its forecasts (forecasts.parquet,
+written last). A fold whose forecasts exist is done: a killed run resumes at the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from backtest.baselines import BASELINES
+from backtest.folds import BacktestError, Fold, bars_before, cut_rows, fold_origins, make_folds, write_bars
+from backtest.forecast import baselines_at, fold_table, model_forecasts, table_arrays
+from backtest.plots import write_figure
+from backtest.scores import backtest_scores, summary_lines
+from features.bars import Bars, ColumnMap, bars_digest, read_bars
+from features.compute import build_frame
+from features.files import atomic_output
+from serving.model import LoadedModel, load_model
+from serving.score import only_symbols
+from trainer.config import TrainConfig, flag_name
+
+log = logging.getLogger("backtest")
+MODELS = ("model", "model_uncalibrated")  # the calibrated export, and the same checkpoint without calibration
+FORECASTERS = (*MODELS, *BASELINES)
+
+
+@dataclass(frozen=True)
+class BacktestPlan:
+    parquet: Path
+    out: Path
+    folds: int
+    test_span: float  # share of the distinct bar times the test spans cover
+    embargo: int  # bars after each cut that are not origins (>= the horizon)
+    vol_window: int  # bars of the rolling-volatility baseline
+    config: TrainConfig  # every fold's training recipe (test_fraction 0: the folds are the test)
+    columns: ColumnMap
+    tracking: str | None = None  # --tracking of the trainer, e.g. tensorboard:runs
+    threads: int = 1  # ONNX Runtime threads (the trainer's --threads)
+
+    def record(self, digest: str) -> dict[str, Any]:
+        """What a resumed run must share with the run that made OUT."""
+        return {"parquet": str(self.parquet), "bars_digest": digest, "folds": self.folds,
+                "test_span": self.test_span, "embargo": self.embargo, "vol_window": self.vol_window,
+                "train_config": self.config.to_dict(), "columns": self.columns.to_dict()}
+
+
+def run_backtest(plan: BacktestPlan) -> dict[str, Any]:
+    """Every fold, then the forecasts, scores.json, backtest.png and the summary; returns the scores."""
+    cfg = plan.config
+    bars = read_bars(plan.parquet, plan.columns, tuple(cfg.features))
+    folds = make_folds(bars.timestamp_ns, plan.folds, plan.test_span)
+    _claim(plan.out, plan.record(bars_digest(bars, cfg.features)))
+    tables = []
+    for fold in folds:
+        path = plan.out / f"fold{fold.index}" / "forecasts.parquet"
+        if path.exists():
+            log.info("fold %d of %d: done before, kept (%s)", fold.index, len(folds), path)
+        else:
+            _run_fold(plan, bars, fold, len(folds))
+        tables.append(pq.read_table(path))
+    return _finish(plan, pa.concat_tables(tables))
+
+
+def _claim(out: Path, record: dict[str, Any]) -> None:
+    """Write OUT/backtest.json, or check that it holds these settings (a resume)."""
+    path = out / "backtest.json"
+    if path.exists():
+        stored = json.loads(path.read_text())
+        if changed := sorted(k for k in record if stored.get(k) != record[k]):
+            raise BacktestError(f"--out {out} holds a backtest with other {', '.join(changed)}: rerun with its "
+                                "settings to resume it, or give another --out")
+        log.info("resuming the backtest in %s", out)
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_output(path) as tmp:
+        Path(tmp).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _run_fold(plan: BacktestPlan, bars: Bars, fold: Fold, n_folds: int) -> None:
+    """Train, export and forecast one fold; its forecasts file is written last."""
+    where = plan.out / f"fold{fold.index}"
+    where.mkdir(parents=True, exist_ok=True)
+    log.info("fold %d of %d: training on the bars before %s", fold.index, n_folds, np.datetime64(fold.cut_ns, "ns"))
+    write_bars(bars_before(bars, fold.cut_ns), where / "train.parquet")
+    _train(plan, where, fold.index)
+    models = {name: _export(where, name, plan.threads) for name in MODELS}
+    meta = models["model"].meta
+    frame = build_frame(only_symbols(bars, [s for s in meta.symbols if s in bars.series_slices()]),
+                        meta.feature_config, list(meta.symbols), meta.bar_interval_ns)
+    anchors = fold_origins(frame, fold, meta.encoder_length, plan.embargo)
+    if anchors.size == 0:
+        raise BacktestError(f"fold {fold.index}: no test origin with its targets in the file; give more bars or "
+                            "fewer --folds")
+    forecasts = {name: model_forecasts(m, frame, anchors) for name, m in models.items()}
+    forecasts.update(baselines_at(frame, anchors, cut_rows(frame, fold.cut_ns), meta.quantiles, plan.vol_window))
+    with atomic_output(where / "forecasts.parquet") as tmp:
+        pq.write_table(fold_table(fold.index, frame, anchors, forecasts, meta.quantiles), tmp)
+    log.info("fold %d of %d: %d origins forecast", fold.index, n_folds, anchors.size)
+
+
+def trainer_flags(cfg: TrainConfig) -> list[str]:
+    """Every field of `cfg` as the trainer's flags."""
+    out = []
+    for f in fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        out += [flag_name(f.name), ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+                if isinstance(value, tuple) else str(value)]
+    return out
+
+
+def _train(plan: BacktestPlan, where: Path, index: int) -> None:
+    command = [sys.executable, "-m", "trainer", "--parquet", str(where / "train.parquet"), "--out",
+               str(where / "ckpt.pt"), "--no-progress", *trainer_flags(plan.config)]
+    if plan.tracking:
+        command += ["--tracking", plan.tracking, "--tracking-run", f"{plan.out.name}-fold{index}"]
+    code = subprocess.run(command, check=False).returncode
+    if code:
+        raise BacktestError(f"fold {index}: the trainer exited with status {code} (its message is above); fix "
+                            f"that, then rerun this command to resume at fold {index}")
+
+
+def _export(where: Path, name: str, threads: int) -> LoadedModel:
+    """The fold's checkpoint exported (calibrated for "model"), its checks' tables in export.log; loaded."""
+    from export.errors import ExportError
+    from export.options import ExportOptions
+    from export.pipeline import run_export
+
+    output = where / f"{name}.onnx"
+    opts = ExportOptions(checkpoint=where / "ckpt.pt", output=output, calibrate=name == "model", threads=threads)
+    with open(where / "export.log", "a") as report, contextlib.redirect_stdout(report):
+        try:
+            run_export(opts, log=lambda line: print(line, file=report, flush=True))
+        except ExportError as exc:
+            raise BacktestError(f"{where.name}: export of {output.name} failed: {exc} (see {where / 'export.log'})"
+                                ) from None
+    return load_model(output, "cpu", threads, max_batch=1024)
+
+
+def _finish(plan: BacktestPlan, table: pa.Table) -> dict[str, Any]:
+    quantiles = plan.config.quantiles
+    forecasts, actual, fold = table_arrays(table, FORECASTERS, plan.config.horizon, quantiles)
+    scores = backtest_scores(forecasts, actual, fold, quantiles)
+    with atomic_output(plan.out / "forecasts.parquet") as tmp:
+        pq.write_table(table, tmp)
+    with atomic_output(plan.out / "scores.json") as tmp:
+        Path(tmp).write_text(json.dumps(scores, indent=2) + "\n")
+    write_figure(plan.out / "backtest.png", scores)
+    if plan.tracking:
+        _track(plan, scores)
+    return scores
+
+
+def _track(plan: BacktestPlan, scores: dict[str, Any]) -> None:
+    """Each fold's mean pinball per forecaster, at step = fold, and the figure, in the run OUT's name."""
+    from trainer.tracking import open_tracker
+
+    tracker = open_tracker(str(plan.tracking), plan.out.name)
+    try:
+        tracker.log_params(plan.record(""))
+        for k, block in scores["folds"].items():
+            tracker.log_metrics(_fold_metrics(block), step=int(k))
+        tracker.log_image("backtest", plan.out / "backtest.png")
+    finally:
+        tracker.close()
+
+
+def _fold_metrics(block: dict[str, Any]) -> dict[str, float]:
+    return {f"{name}/pinball_mean": float(s["pinball_mean"]) for name, s in block["forecasters"].items()}
+
+
+def print_summary(scores: dict[str, Any], out: Path, lines: Sequence[str] | None = None) -> None:
+    for line in lines if lines is not None else summary_lines(scores):
+        print(line)
+    print(f"wrote {out / 'forecasts.parquet'}, {out / 'scores.json'}, {out / 'backtest.png'}")

@@ -1,0 +1,124 @@
+"""`python -m backtest`: a real 3-fold walk-forward run of a tiny model on sample bars with volatility
+clustering, its files, its embargo, its resume, and its forecasts against `serving.score`'s."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+from artifacts import make_bars, run
+
+from backtest.baselines import BASELINES
+
+pytestmark = pytest.mark.slow
+
+HORIZON = 3
+TINY_CONFIG = ("--hidden-size", "8", "--attention-heads", "2", "--encoder-length", "20", "--horizon", str(HORIZON),
+               "--volatility-window", "10", "--batch-size", "32", "--epochs", "1", "--max-steps-per-epoch", "5",
+               "--max-val-windows", "200", "--threads", "1", "--device", "cpu")
+FORECASTERS = ("model", "model_uncalibrated", *BASELINES)
+
+
+@pytest.fixture(scope="module")
+def backtest(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """bars.parquet (2 symbols x 2400 bars), the backtest's --out directory, and its summary (stdout)."""
+    work = tmp_path_factory.mktemp("backtest")
+    bars = make_bars(work / "bars.parquet", bars=2400)
+    out = work / "bt"
+    r = run(["-m", "backtest", "--parquet", str(bars), "--folds", "3", "--test-span", "0.4", "--out", str(out),
+             *TINY_CONFIG], timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return bars, out, r.stdout
+
+
+def test_writes_forecasts_scores_figure_and_a_summary(backtest: tuple[Path, Path, str]) -> None:
+    _, out, summary = backtest
+    table = pq.read_table(out / "forecasts.parquet")
+    assert sorted(set(table.column("fold").to_pylist())) == [1, 2, 3]
+    assert set(table.column("symbol").to_pylist()) == {"ES", "NQ"}
+    keys = list(zip(table.column("symbol").to_pylist(), table.column("origin").to_pylist(), strict=True))
+    assert len(keys) == len(set(keys))  # a row per origin and symbol
+    for name in FORECASTERS:
+        for h in range(1, HORIZON + 1):
+            low, high = (table.column(f"{name}_h{h}_q{q}").to_numpy() for q in ("0.1", "0.9"))
+            assert np.all(np.isfinite(low)) and np.all(low <= high), name
+    scores = json.loads((out / "scores.json").read_text())
+    assert sorted(scores["folds"]) == ["1", "2", "3"]
+    for block in (*scores["folds"].values(), scores["all"]):
+        ratio = block["forecasters"]["model"]["ratio_to"]
+        assert ratio["best_baseline"] == pytest.approx(
+            block["forecasters"]["model"]["pinball_mean"]
+            / min(block["forecasters"][b]["pinball_mean"] for b in BASELINES))
+    assert (out / "backtest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "garch" in summary and "fold" in summary
+
+
+def test_no_fold_trains_on_bars_its_targets_reach(backtest: tuple[Path, Path, str]) -> None:
+    """Embargo: each test origin lies at least the horizon's bars after its fold's last training bar, so no
+    training window's target (which ends by that bar) reaches a test origin's targets."""
+    bars_path, out, _ = backtest
+    bars = pq.read_table(bars_path)
+    times = {s: np.sort(np.asarray(bars.filter(pc.equal(bars.column("symbol"), s)).column("timestamp").cast("int64")))
+             for s in ("ES", "NQ")}
+    table = pq.read_table(out / "forecasts.parquet")
+    for k in (1, 2, 3):
+        train = pq.read_table(out / f"fold{k}" / "train.parquet")
+        fold = table.filter(pc.equal(table.column("fold"), k))
+        for symbol, ts in times.items():
+            last_train = int(np.asarray(train.filter(pc.equal(train.column("symbol"), symbol)).column("timestamp")
+                                        .cast("int64")).max())
+            origins = np.asarray(fold.filter(pc.equal(fold.column("symbol"), symbol)).column("origin").cast("int64"))
+            bars_between = np.searchsorted(ts, origins.min()) - np.searchsorted(ts, last_train)
+            assert bars_between >= HORIZON, (k, symbol, bars_between)
+            assert int(ts[np.searchsorted(ts, last_train)]) == last_train  # the training bars are the file's
+
+
+def test_model_forecasts_are_the_exported_models_as_serving_score_runs_it(backtest: tuple[Path, Path, str],
+                                                                          tmp_path: Path) -> None:
+    bars, out, _ = backtest
+    fold = pq.read_table(out / "fold2" / "forecasts.parquet")
+    origins = np.asarray(fold.column("origin").cast("int64"))
+    scored = tmp_path / "scored.parquet"
+    start, end = (np.datetime_as_string(np.datetime64(int(t), "ns")) for t in (origins.min(), origins.max() + 1000))
+    r = run(["-m", "serving.score", "--model", str(out / "fold2" / "model.onnx"), "--parquet", str(bars),
+             "--out", str(scored), "--start", start, "--end", end, "--threads", "1"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    score = pq.read_table(scored)
+    score = score.filter(pc.equal(score.column("h"), 1))
+    want = {(s, int(t)): v for s, t, v in zip(score.column("symbol").to_pylist(),
+                                              np.asarray(score.column("origin").cast("int64")),
+                                              score.column("ret_q0.9").to_pylist(), strict=True)}
+    got = zip(fold.column("symbol").to_pylist(), origins, fold.column("model_h1_q0.9").to_pylist(), strict=True)
+    pairs = [(v, want[(s, int(t))]) for s, t, v in got]
+    assert len(pairs) == fold.num_rows > 0
+    np.testing.assert_allclose(*zip(*pairs, strict=True), rtol=1e-6)
+
+
+def test_a_rerun_resumes_at_the_first_unfinished_fold(backtest: tuple[Path, Path, str]) -> None:
+    bars, out, _ = backtest
+    before = json.loads((out / "scores.json").read_text())
+    (out / "fold3" / "forecasts.parquet").unlink()  # as a run killed during fold 3 leaves it
+    r = run(["-m", "backtest", "--parquet", str(bars), "--folds", "3", "--test-span", "0.4", "--out", str(out),
+             *TINY_CONFIG], timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "fold 1 of 3: done before, kept" in r.stderr and "fold 2 of 3: done before, kept" in r.stderr
+    assert "fold 3 of 3: training" in r.stderr and "fold 2 of 3: training" not in r.stderr
+    after = json.loads((out / "scores.json").read_text())
+    assert after["folds"]["1"] == before["folds"]["1"]
+
+
+def test_a_rerun_with_other_settings_is_refused(backtest: tuple[Path, Path, str]) -> None:
+    bars, out, _ = backtest
+    r = run(["-m", "backtest", "--parquet", str(bars), "--folds", "2", "--test-span", "0.4", "--out", str(out),
+             *TINY_CONFIG])
+    assert r.returncode == 2
+    assert f"--out {out} holds a backtest with other folds" in r.stderr
+
+
+def test_an_embargo_shorter_than_the_horizon_is_refused(tmp_path: Path) -> None:
+    r = run(["-m", "backtest", "--parquet", str(tmp_path / "none.parquet"), "--embargo", "1", *TINY_CONFIG])
+    assert r.returncode == 2 and "--embargo 1 is less than the horizon (3)" in r.stderr
