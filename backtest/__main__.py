@@ -69,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from backtest.folds import BacktestError
     from backtest.run import BacktestPlan, print_summary, run_backtest
+    from trainer.tracking import TrackingError, check_spec
 
     try:
+        if args.tracking:
+            check_spec(args.tracking)
         cfg = replace(config_from_args(args), test_fraction=0.0)
         embargo = cfg.horizon if args.embargo is None else args.embargo
         if embargo < cfg.horizon:
@@ -80,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
                             args.vol_window or cfg.encoder_length, cfg, ColumnMap.from_args(args, None),
                             args.tracking, cfg.threads or 1)
         scores = run_backtest(plan)
-    except (BacktestError, ConfigError) as exc:
+    except (BacktestError, ConfigError, TrackingError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BarDataError as exc:

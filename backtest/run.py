@@ -134,13 +134,15 @@ def _train(plan: BacktestPlan, where: Path, index: int) -> None:
 
 
 def _export(where: Path, name: str, threads: int) -> LoadedModel:
-    """The fold's checkpoint exported (calibrated for "model"), its checks' tables in export.log; loaded."""
+    """The fold's checkpoint exported, quantiles only (calibrated for "model"), its checks' tables in
+    export.log; loaded."""
     from export.errors import ExportError
     from export.options import ExportOptions
     from export.pipeline import run_export
 
     output = where / f"{name}.onnx"
-    opts = ExportOptions(checkpoint=where / "ckpt.pt", output=output, calibrate=name == "model", threads=threads)
+    opts = ExportOptions(checkpoint=where / "ckpt.pt", output=output, explain=False, calibrate=name == "model",
+                         threads=threads)
     with open(where / "export.log", "a") as report, contextlib.redirect_stdout(report):
         try:
             run_export(opts, log=lambda line: print(line, file=report, flush=True))
@@ -179,7 +181,15 @@ def _track(plan: BacktestPlan, scores: dict[str, Any]) -> None:
 
 
 def _fold_metrics(block: dict[str, Any]) -> dict[str, float]:
-    return {f"{name}/pinball_mean": float(s["pinball_mean"]) for name, s in block["forecasters"].items()}
+    """A fold's figures as scalars: each forecaster's mean pinball and interval coverage, each model's ratio
+    to the best baseline."""
+    out = {}
+    for name, s in block["forecasters"].items():
+        out[f"{name}/pinball_mean"] = float(s["pinball_mean"])
+        out[f"{name}/interval_coverage"] = float(s["interval"]["coverage"])
+        if "ratio_to" in s:
+            out[f"{name}/ratio_to_best_baseline"] = float(s["ratio_to"]["best_baseline"])
+    return out
 
 
 def print_summary(scores: dict[str, Any], out: Path, lines: Sequence[str] | None = None) -> None:

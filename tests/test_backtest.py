@@ -30,7 +30,7 @@ def backtest(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]
     bars = make_bars(work / "bars.parquet", bars=2400)
     out = work / "bt"
     r = run(["-m", "backtest", "--parquet", str(bars), "--folds", "3", "--test-span", "0.4", "--out", str(out),
-             *TINY_CONFIG], timeout=600)
+             "--tracking", f"tensorboard:{work / 'tb'}", *TINY_CONFIG], timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return bars, out, r.stdout
 
@@ -55,6 +55,24 @@ def test_writes_forecasts_scores_figure_and_a_summary(backtest: tuple[Path, Path
             / min(block["forecasters"][b]["pinball_mean"] for b in BASELINES))
     assert (out / "backtest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "garch" in summary and "fold" in summary
+
+
+def test_each_folds_training_and_scores_are_tracked(backtest: tuple[Path, Path, str]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, out, _ = backtest
+    runs = out.parent / "tb"
+    assert sorted(p.name for p in runs.iterdir()) == ["bt", "bt-fold1", "bt-fold2", "bt-fold3"]
+    scores = json.loads((out / "scores.json").read_text())
+    events = EventAccumulator(str(runs / "bt"), size_guidance={"scalars": 0})
+    events.Reload()
+    ratio = events.Scalars("model/ratio_to_best_baseline")
+    assert [e.step for e in ratio] == [1, 2, 3]
+    assert [e.value for e in ratio] == pytest.approx(
+        [scores["folds"][k]["forecasters"]["model"]["ratio_to"]["best_baseline"] for k in ("1", "2", "3")])
+    fold = EventAccumulator(str(runs / "bt-fold2"), size_guidance={"scalars": 0})
+    fold.Reload()
+    assert fold.Scalars("loss/val")  # the fold's training, epoch by epoch
 
 
 def test_no_fold_trains_on_bars_its_targets_reach(backtest: tuple[Path, Path, str]) -> None:
@@ -103,7 +121,7 @@ def test_a_rerun_resumes_at_the_first_unfinished_fold(backtest: tuple[Path, Path
     before = json.loads((out / "scores.json").read_text())
     (out / "fold3" / "forecasts.parquet").unlink()  # as a run killed during fold 3 leaves it
     r = run(["-m", "backtest", "--parquet", str(bars), "--folds", "3", "--test-span", "0.4", "--out", str(out),
-             *TINY_CONFIG], timeout=600)
+             "--tracking", f"tensorboard:{out.parent / 'tb'}", *TINY_CONFIG], timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "fold 1 of 3: done before, kept" in r.stderr and "fold 2 of 3: done before, kept" in r.stderr
     assert "fold 3 of 3: training" in r.stderr and "fold 2 of 3: training" not in r.stderr
