@@ -193,16 +193,23 @@ def test_target_scale_scales_fixed_quantiles_and_nothing_else() -> None:
 
 
 def test_an_untrained_model_forecasts_the_encoder_bars_gaussian_volatility() -> None:
-    """quantile_scale "volatility": before training, q(h) = sqrt(h) * rms(encoder log returns) * z_q, the
-    rolling-volatility forecast, with a median at zero drift."""
+    """quantile_scale "volatility": before training, q(h) = sqrt(h) * ewma_rms(encoder log returns) * z_q, the
+    RiskMetrics forecast (decay 0.94 per bar), with a median at zero drift."""
     model = make_model()
     static, obs, enc_k, dec_k = make_inputs(TINY, 4)
     obs[..., 0] *= torch.tensor([0.5, 1.0, 2.0, 4.0])[:, None]  # windows of different volatility
-    sigma = obs[..., 0].square().mean(dim=1).sqrt()  # [B]; the floor (1% of target_scale 1) is negligible
+    weights = 0.94 ** torch.arange(L - 1, -1, -1).float()  # the last bar weighs most
+    sigma = (obs[..., 0].square() * weights / weights.sum()).sum(dim=1).sqrt()  # [B]; the floor is negligible
     z = torch.tensor([-1.2815516, 0.0, 1.2815516])
     scale = sigma[:, None, None] * torch.arange(1, H + 1).sqrt()[None, :, None]  # [B, H, 1]
     got = model(static, obs, enc_k, dec_k).quantiles
     assert bool(((got - scale * z).abs() <= 0.02 * scale).all()), (got / scale, z)
+    later = obs.clone()
+    later[:, -1, 0] = 10.0  # a big last return moves the scale more than the same return first
+    earlier = obs.clone()
+    earlier[:, 0, 0] = 10.0
+    assert bool((model(static, later, enc_k, dec_k).quantiles[:, :, -1] >
+                 model(static, earlier, enc_k, dec_k).quantiles[:, :, -1]).all())
 
 
 def test_input_normalization_is_folded_into_the_model() -> None:

@@ -25,6 +25,7 @@ from trainer.model_config import ModelConfig
 
 T = TypeVar("T")
 LOG_RETURN = BUILTIN_OBSERVED.index("log_return")  # the observed feature the volatility scale reads
+VOL_DECAY = 0.94  # the volatility scale's starting weight decay per bar (RiskMetrics'); trained with the model
 
 
 class TFTOutput(NamedTuple):
@@ -299,6 +300,7 @@ class TemporalFusionTransformer(nn.Module):
     known_std: Tensor
     target_scale: Tensor
     horizon_root: Tensor
+    bar_age: Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -332,6 +334,9 @@ class TemporalFusionTransformer(nn.Module):
         volatility = cfg.quantile_scale == "volatility"
         self.head = QuantileHead(d, cfg.n_quantiles, gaussian_quantiles(cfg.quantiles) if volatility else None)
         self.register_buffer("horizon_root", torch.arange(1, cfg.horizon + 1).float().sqrt(), persistent=False)
+        self.register_buffer("bar_age", torch.arange(cfg.encoder_length - 1, -1, -1).float(), persistent=False)  # [L]
+        if volatility:
+            self.vol_decay_logit = nn.Parameter(torch.tensor(math.log(VOL_DECAY / (1.0 - VOL_DECAY))))
 
     # ---- normalisation ---------------------------------------------------------------------
     def set_normalization(
@@ -452,12 +457,13 @@ class TemporalFusionTransformer(nn.Module):
         return TFTOutput(quantiles, attn, static_w, enc_w, dec_w)
 
     def _scale(self, encoder_returns: Tensor) -> Tensor:
-        """The unit of the head's output: [B or 1, H, 1]. "volatility": the encoder bars' root mean square
-        1-bar return times sqrt(h) (at least 1% of the training returns' spread, for bars that never move);
-        "fixed": each horizon's training target spread."""
+        """The unit of the head's output: [B or 1, H, 1]. "volatility": the encoder bars' exponentially weighted
+        root mean square 1-bar return (decay per bar learnt, from VOL_DECAY) times sqrt(h), at least 1% of the
+        training returns' spread (for bars that never move); "fixed": each horizon's training target spread."""
         if self.cfg.quantile_scale == "fixed":
             return self.target_scale[None, :, None]  # [1, H, 1]
-        rms = encoder_returns.float().square().mean(dim=1).sqrt()  # [B]
+        weights = torch.sigmoid(self.vol_decay_logit) ** self.bar_age  # [L], the last bar's 1
+        rms = (encoder_returns.float().square() * (weights / weights.sum())).sum(dim=1).sqrt()  # [B]
         sigma = torch.maximum(rms, 0.01 * self.target_scale[:1])  # [B]; Max, which fp16 graphs run in half
         return sigma[:, None, None] * self.horizon_root[None, :, None]  # [B, H, 1]
 
