@@ -1,14 +1,16 @@
 """`--calibrate`: conformalised quantile regression (CQR) on the run's validation split, folded into the graph.
 
 For each horizon step h and quantile level q, the offset is a finite-sample conformal quantile of the
-validation residuals r = y - q_hat[h, q], sorted ascending r_(1) <= ... <= r_(n):
+validation residuals in units of the model's forecast scale s (the encoder bars' volatility, or the fixed
+per-step scale): r = (y - q_hat[h, q]) / s[h], sorted ascending r_(1) <= ... <= r_(n):
 
     q >= 0.5: offset = r_(k), k = ceil((n + 1) q)              so P(y <= q_hat + offset) >= q
     q <  0.5: offset = r_(k), k = n + 1 - ceil((n + 1)(1 - q))  so P(y >= q_hat + offset) >= 1 - q
 
-with k clipped to 1..n. The calibrated forecast is q_hat + offset with a running maximum over the
-quantile axis, so the quantiles still never cross. CalibratedModel does this inside the exported
-graph: the server and `serving.score` apply it with no code of their own.
+with k clipped to 1..n. The calibrated forecast is q_hat + offset * s with a running maximum over the
+quantile axis, so the quantiles still never cross. Scaled offsets widen with the window's volatility: a
+validation split in a turbulent period does not leave a calm one's intervals too wide. CalibratedModel
+does this inside the exported graph: the server and `serving.score` apply it with no code of their own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import Tensor, nn
 
 from export.errors import UsageError
 from features.bars import BarDataError, ColumnMap, bars_digest, read_bars
-from features.schema import MODEL_INPUTS
+from features.schema import ENCODER_OBSERVED, MODEL_INPUTS
 from trainer.config import TrainConfig
 from trainer.data import DataError, Normalization, PreparedData, prepare
 from trainer.modeling import TemporalFusionTransformer, TFTOutput
@@ -34,6 +36,7 @@ from trainer.modeling import TemporalFusionTransformer, TFTOutput
 METHOD = "cqr"  # conformalised quantile regression, one additive offset per horizon step and quantile
 OFFSETS = "calibration_offsets"  # the offsets' initializer in the ONNX graph
 BATCH = 1024  # validation windows per forward
+OFFSET_UNITS = "the model's forecast scale of each window (TemporalFusionTransformer.forecast_scale)"
 
 
 def non_crossing(q: Tensor) -> Tensor:
@@ -45,21 +48,23 @@ def non_crossing(q: Tensor) -> Tensor:
 
 
 class CalibratedModel(nn.Module):
-    """The TFT with its quantiles shifted by per-(step, quantile) offsets and kept non-crossing."""
+    """The TFT with its quantiles shifted by per-(step, quantile) offsets times its forecast scale, kept
+    non-crossing."""
 
     def __init__(self, model: TemporalFusionTransformer, offsets: np.ndarray) -> None:
         super().__init__()
         self.model = model
         self.register_buffer(OFFSETS, torch.as_tensor(offsets, dtype=torch.float32))  # [H, Q]
 
-    def adjust(self, quantiles: Tensor) -> Tensor:
+    def adjust(self, quantiles: Tensor, scale: Tensor) -> Tensor:
+        """quantiles [B, H, Q], scale [B or 1, H, 1] -> [B, H, Q]."""
         offsets: Tensor = getattr(self, OFFSETS)
-        return non_crossing(quantiles + offsets)  # [B, H, Q]
+        return non_crossing(quantiles + offsets * scale)  # [B, H, Q]
 
     def forward(self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor,
                 decoder_known: Tensor) -> TFTOutput:
         out: TFTOutput = self.model(static_categorical, encoder_observed, encoder_known, decoder_known)
-        return out._replace(quantiles=self.adjust(out.quantiles))
+        return out._replace(quantiles=self.adjust(out.quantiles, self.model.forecast_scale(encoder_observed)))
 
     def digest(self) -> str:
         """Names the offsets, so a calibrated graph is cached apart from another calibration's."""
@@ -73,9 +78,10 @@ def conformal_rank(n: int, q: float) -> int:
     return min(max(k, 1), n)
 
 
-def conformal_offsets(pred: np.ndarray, target: np.ndarray, quantiles: Sequence[float]) -> np.ndarray:
-    """pred [W, H, Q], target [W, H] -> offsets float32 [H, Q]."""
-    residuals = np.sort(target[..., None].astype(np.float64) - pred, axis=0)  # [W, H, Q]
+def conformal_offsets(pred: np.ndarray, target: np.ndarray, quantiles: Sequence[float], scale: np.ndarray
+                      ) -> np.ndarray:
+    """pred [W, H, Q], target [W, H], scale [W, H, 1] -> offsets float32 [H, Q], in units of the scale."""
+    residuals = np.sort((target[..., None].astype(np.float64) - pred) / scale, axis=0)  # [W, H, Q]
     ranks = [conformal_rank(residuals.shape[0], q) for q in quantiles]
     return np.stack([residuals[k - 1, :, j] for j, k in enumerate(ranks)], axis=-1).astype(np.float32)  # [H, Q]
 
@@ -103,7 +109,8 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         """ModelMeta.calibration."""
-        return {"method": METHOD, "offsets": self.offsets.astype(float).tolist(), "validation_windows": self.windows,
+        return {"method": METHOD, "offsets": self.offsets.astype(float).tolist(), "offset_units": OFFSET_UNITS,
+                "validation_windows": self.windows,
                 "nominal": self.nominal, "coverage_before": self.before, "coverage_after": self.after}
 
     def table(self) -> str:
@@ -139,24 +146,27 @@ def validation_data(ckpt: dict[str, Any], bars: Path | None, column_flags: dict[
 
 
 @torch.inference_mode()
-def predict(model: nn.Module, data: PreparedData, anchors: np.ndarray) -> np.ndarray:
-    """The model's quantiles on the windows ending at `anchors`, eval mode: [W, H, Q]."""
+def predict(model: TemporalFusionTransformer, data: PreparedData, anchors: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """The model's quantiles [W, H, Q] and forecast scale [W, H, 1] on the windows ending at `anchors`."""
     model.eval()
-    parts = []
+    quantiles, scales = [], []
     for chunk in torch.from_numpy(anchors).split(BATCH):
         batch = data.tensors.batch(chunk)
-        parts.append(model(*(batch[name] for name in MODEL_INPUTS)).quantiles.float().numpy())
-    return np.concatenate(parts)
+        quantiles.append(model(*(batch[name] for name in MODEL_INPUTS)).quantiles.float().numpy())
+        scale = model.forecast_scale(batch[ENCODER_OBSERVED])  # [B or 1, H, 1]
+        scales.append(scale.expand(chunk.numel(), -1, -1).float().numpy())
+    return np.concatenate(quantiles), np.concatenate(scales)
 
 
 def fit(model: TemporalFusionTransformer, data: PreparedData, bars: str) -> Calibration:
     """Offsets from the validation residuals, and coverage on the validation windows before and after."""
     anchors = data.val_anchors
     quantiles = tuple(model.cfg.quantiles)
-    pred = predict(model, data, anchors)  # [W, H, Q]
+    pred, scale = predict(model, data, anchors)  # [W, H, Q], [W, H, 1]
     target = data.frame.targets[anchors]  # [W, H]
-    offsets = conformal_offsets(pred, target, quantiles)  # [H, Q]
-    after = CalibratedModel(model, offsets).adjust(torch.from_numpy(pred)).numpy()  # [W, H, Q]
+    offsets = conformal_offsets(pred, target, quantiles, scale)  # [H, Q]
+    after = CalibratedModel(model, offsets).adjust(torch.from_numpy(pred), torch.from_numpy(scale)).numpy()
     return Calibration(offsets, int(anchors.size), quantiles, coverage(pred, target, quantiles),
                        coverage(after, target, quantiles), bars)
 

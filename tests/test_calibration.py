@@ -23,12 +23,12 @@ from export.options import ExportOptions
 from export.pipeline import run_export
 from features.bars import ColumnMap
 from features.model_meta import ModelMeta
-from features.schema import MODEL_INPUTS, QUANTILES
+from features.schema import ENCODER_OBSERVED, MODEL_INPUTS, QUANTILES
 from serving.client import format_model_info
 from serving.model import load_model
 from serving.servicer import Limits, model_info
 from tests.artifacts import make_bars, make_checkpoint, run
-from trainer.checkpoint import load_checkpoint
+from trainer.checkpoint import load_checkpoint, model_from_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import Normalization, prepare
 
@@ -104,7 +104,9 @@ def test_offsets_are_added_to_the_uncalibrated_model(ckpt: Path, calibrated: Pat
     assert plain.meta.calibration is None and again.meta.calibration is not None
     assert not model_info(load_model(plain.output), LIMITS).HasField("calibration")
     offsets = np.asarray(again.meta.calibration["offsets"], dtype=np.float32)  # [H, Q]
-    shifted = forecast(plain.output, validation) + offsets  # [W, H, Q]
+    net = model_from_checkpoint(load_checkpoint(ckpt))
+    scale = net.forecast_scale(torch.from_numpy(validation[ENCODER_OBSERVED])).detach().numpy()  # [W, H, 1]
+    shifted = forecast(plain.output, validation) + offsets * scale  # [W, H, Q]: offsets in units of the scale
     uncrossed = np.all(np.diff(shifted, axis=-1) >= 0, axis=(1, 2))  # [W]
     assert uncrossed.mean() > 0.5
     scale = float(np.abs(shifted).max())

@@ -456,6 +456,11 @@ class TemporalFusionTransformer(nn.Module):
         quantiles = self.head(x) * self._scale(encoder_returns)  # [B, H, Q] in return units
         return TFTOutput(quantiles, attn, static_w, enc_w, dec_w)
 
+    def forecast_scale(self, encoder_observed: Tensor) -> Tensor:
+        """The unit the quantiles are forecast in, of windows with these raw encoder_observed [B, L, n_obs]:
+        [B or 1, H, 1]."""
+        return self._scale(encoder_observed[..., LOG_RETURN])
+
     def _scale(self, encoder_returns: Tensor) -> Tensor:
         """The unit of the head's output: [B or 1, H, 1]. "volatility": the encoder bars' exponentially weighted
         root mean square 1-bar return (decay per bar learnt, from VOL_DECAY) times sqrt(h), at least 1% of the
