@@ -99,8 +99,9 @@ def _run_fold(plan: BacktestPlan, bars: Bars, fold: Fold, n_folds: int) -> None:
     _train(plan, where, fold.index)
     models = {name: _export(where, name, plan.threads) for name in MODELS}
     meta = models["model"].meta
-    frame = build_frame(only_symbols(bars, [s for s in meta.symbols if s in bars.series_slices()]),
-                        meta.feature_config, list(meta.symbols), meta.bar_interval_ns)
+    present = bars.series_slices()
+    frame = build_frame(only_symbols(bars, [s for s in meta.symbols if s in present]), meta.feature_config,
+                        list(meta.symbols), meta.bar_interval_ns)
     anchors = fold_origins(frame, fold, meta.encoder_length, plan.embargo)
     if anchors.size == 0:
         raise BacktestError(f"fold {fold.index}: no test origin with its targets in the file; give more bars or "
