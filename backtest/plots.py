@@ -52,7 +52,8 @@ def _fold_ratios(ax: Any, scores: dict[str, Any]) -> None:
     models = [n for n, s in scores["all"]["forecasters"].items() if "ratio_to" in s]
     for name in models:
         ratios = [scores["folds"][k]["forecasters"][name]["ratio_to"]["best_baseline"] for k in folds]
-        ax.plot(folds, ratios, "o-", label=name)
+        ax.plot([int(k) for k in folds], ratios, "o-", label=name)
+    ax.set_xticks([int(k) for k in folds])
     ax.axhline(1.0, color="grey", ls="--", label="best baseline")
     ax.set(title="mean pinball / the fold's best baseline (below 1: the model wins)", xlabel="fold", ylabel="ratio")
     ax.legend()
