@@ -113,7 +113,8 @@ class ModelMeta:
     placement: dict[str, Any] = field(default_factory=dict)  # the placement gate's report
     training: dict[str, Any] = field(default_factory=dict)  # the training run's bars in time (training_span)
     graph_sha256: str = ""  # graph_digest of the model file as exported
-    # export --calibrate's conformal offsets [H][Q] (in forecast-scale units) and validation coverage (export.calibrate); None: uncalibrated
+    # export --calibrate's conformal offsets [H][Q], in forecast-scale units, and validation coverage
+    # (export.calibrate); None: uncalibrated
     calibration: dict[str, Any] | None = None
 
     @functools.cached_property

@@ -4,13 +4,17 @@ clustering, its files, its embargo, its resume, and its forecasts against `servi
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-from artifacts import make_bars, run
+from artifacts import REPO, make_bars, run
 
 from backtest.baselines import BASELINES
 
@@ -23,20 +27,45 @@ TINY_CONFIG = ("--hidden-size", "8", "--attention-heads", "2", "--encoder-length
 FORECASTERS = ("model", "model_uncalibrated", *BASELINES)
 
 
+class Runs(NamedTuple):
+    bars: Path
+    out: Path  # the backtest's --out
+    stopped: str  # stderr of the run stopped by SIGTERM as fold 3 began
+    resumed: subprocess.CompletedProcess[str]  # the same command again, to the end
+
+
+def interrupted_at_fold_3(command: list[str]) -> str:
+    """Start `command`, SIGTERM it once it logs fold 3's start, and return its stderr (exit status 130)."""
+    proc = subprocess.Popen([sys.executable, *command], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    seen = []
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        seen.append(line)
+        if "fold 3 of 3: training" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 130, "".join(seen)[-3000:] + rest[-3000:]
+    return "".join(seen) + rest
+
+
 @pytest.fixture(scope="module")
-def backtest(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
-    """bars.parquet (2 symbols x 2400 bars), the backtest's --out directory, and its summary (stdout)."""
+def backtest(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """bars.parquet (2 symbols x 2400 bars) and a 3-fold backtest of them, stopped as fold 3 began and resumed."""
     work = tmp_path_factory.mktemp("backtest")
     bars = make_bars(work / "bars.parquet", bars=2400)
     out = work / "bt"
-    r = run(["-m", "backtest", "--parquet", str(bars), "--folds", "3", "--test-span", "0.4", "--out", str(out),
-             "--tracking", f"tensorboard:{work / 'tb'}", *TINY_CONFIG], timeout=600)
+    command = ["-m", "backtest", "--parquet", str(bars), "--folds", "3", "--test-span", "0.4", "--out", str(out),
+               "--tracking", f"tensorboard:{work / 'tb'}", *TINY_CONFIG]
+    stopped = interrupted_at_fold_3(command)
+    r = run(command, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return bars, out, r.stdout
+    return Runs(bars, out, stopped, r)
 
 
-def test_writes_forecasts_scores_figure_and_a_summary(backtest: tuple[Path, Path, str]) -> None:
-    _, out, summary = backtest
+def test_writes_forecasts_scores_figure_and_a_summary(backtest: Runs) -> None:
+    out, summary = backtest.out, backtest.resumed.stdout
     table = pq.read_table(out / "forecasts.parquet")
     assert sorted(set(table.column("fold").to_pylist())) == [1, 2, 3]
     assert set(table.column("symbol").to_pylist()) == {"ES", "NQ"}
@@ -57,10 +86,10 @@ def test_writes_forecasts_scores_figure_and_a_summary(backtest: tuple[Path, Path
     assert "garch" in summary and "fold" in summary
 
 
-def test_each_folds_training_and_scores_are_tracked(backtest: tuple[Path, Path, str]) -> None:
+def test_each_folds_training_and_scores_are_tracked(backtest: Runs) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _, out, _ = backtest
+    out = backtest.out
     runs = out.parent / "tb"
     assert sorted(p.name for p in runs.iterdir()) == ["bt", "bt-fold1", "bt-fold2", "bt-fold3"]
     scores = json.loads((out / "scores.json").read_text())
@@ -75,10 +104,10 @@ def test_each_folds_training_and_scores_are_tracked(backtest: tuple[Path, Path, 
     assert fold.Scalars("loss/val")  # the fold's training, epoch by epoch
 
 
-def test_no_fold_trains_on_bars_its_targets_reach(backtest: tuple[Path, Path, str]) -> None:
+def test_no_fold_trains_on_bars_its_targets_reach(backtest: Runs) -> None:
     """Embargo: each test origin lies at least the horizon's bars after its fold's last training bar, so no
     training window's target (which ends by that bar) reaches a test origin's targets."""
-    bars_path, out, _ = backtest
+    bars_path, out = backtest.bars, backtest.out
     bars = pq.read_table(bars_path)
     times = {s: np.sort(np.asarray(bars.filter(pc.equal(bars.column("symbol"), s)).column("timestamp").cast("int64")))
              for s in ("ES", "NQ")}
@@ -95,9 +124,9 @@ def test_no_fold_trains_on_bars_its_targets_reach(backtest: tuple[Path, Path, st
             assert int(ts[np.searchsorted(ts, last_train)]) == last_train  # the training bars are the file's
 
 
-def test_model_forecasts_are_the_exported_models_as_serving_score_runs_it(backtest: tuple[Path, Path, str],
+def test_model_forecasts_are_the_exported_models_as_serving_score_runs_it(backtest: Runs,
                                                                           tmp_path: Path) -> None:
-    bars, out, _ = backtest
+    bars, out = backtest.bars, backtest.out
     fold = pq.read_table(out / "fold2" / "forecasts.parquet")
     origins = np.asarray(fold.column("origin").cast("int64"))
     scored = tmp_path / "scored.parquet"
@@ -116,21 +145,16 @@ def test_model_forecasts_are_the_exported_models_as_serving_score_runs_it(backte
     np.testing.assert_allclose(*zip(*pairs, strict=True), rtol=1e-6)
 
 
-def test_a_rerun_resumes_at_the_first_unfinished_fold(backtest: tuple[Path, Path, str]) -> None:
-    bars, out, _ = backtest
-    before = json.loads((out / "scores.json").read_text())
-    (out / "fold3" / "forecasts.parquet").unlink()  # as a run killed during fold 3 leaves it
-    r = run(["-m", "backtest", "--parquet", str(bars), "--folds", "3", "--test-span", "0.4", "--out", str(out),
-             "--tracking", f"tensorboard:{out.parent / 'tb'}", *TINY_CONFIG], timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "fold 1 of 3: done before, kept" in r.stderr and "fold 2 of 3: done before, kept" in r.stderr
-    assert "fold 3 of 3: training" in r.stderr and "fold 2 of 3: training" not in r.stderr
-    after = json.loads((out / "scores.json").read_text())
-    assert after["folds"]["1"] == before["folds"]["1"]
+def test_a_stopped_run_resumes_at_the_first_unfinished_fold(backtest: Runs) -> None:
+    assert "interrupted: rerun the command to resume at the first unfinished fold" in backtest.stopped
+    log = backtest.resumed.stderr
+    assert "fold 1 of 3: done before, kept" in log and "fold 2 of 3: done before, kept" in log
+    assert "fold 3 of 3: training" in log and "fold 2 of 3: training" not in log
+    assert not list(backtest.out.glob("**/*.tmp"))  # nothing half-written was left by the stop
 
 
-def test_a_rerun_with_other_settings_is_refused(backtest: tuple[Path, Path, str]) -> None:
-    bars, out, _ = backtest
+def test_a_rerun_with_other_settings_is_refused(backtest: Runs) -> None:
+    bars, out = backtest.bars, backtest.out
     r = run(["-m", "backtest", "--parquet", str(bars), "--folds", "2", "--test-span", "0.4", "--out", str(out),
              *TINY_CONFIG])
     assert r.returncode == 2
