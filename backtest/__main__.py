@@ -13,6 +13,7 @@ interrupted.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import signal
 import sys
@@ -72,6 +73,9 @@ def _run(args: argparse.Namespace) -> int:
     from trainer.tracking import TrackingError, check_spec
 
     try:
+        if importlib.util.find_spec("arch") is None:
+            raise BacktestError("python -m backtest needs the arch package for its GARCH baseline: "
+                                "pip install 'foxhunt-tft[eval]'")
         if args.tracking:
             check_spec(args.tracking)
         cfg = replace(config_from_args(args), test_fraction=0.0)

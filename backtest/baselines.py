@@ -13,6 +13,8 @@ from statistics import NormalDist
 
 import numpy as np
 
+from backtest.folds import BacktestError
+
 BASELINES = ("climatology", "rolling_vol", "garch")
 
 
@@ -64,8 +66,9 @@ def garch_forecast(log_returns: np.ndarray, train_end: int, origins: np.ndarray,
         warnings.simplefilter("ignore", ConvergenceWarning)  # a failed fit raises below, by its flag
         fit = model.fit(disp="off")
     if fit.convergence_flag != 0:
-        raise RuntimeError(f"{series}: the GARCH(1,1)-t fit on {train_end} training bars did not converge "
-                           f"({fit.optimization_result.message})")
+        raise BacktestError(f"{series}: the GARCH(1,1)-t fit on {train_end} training bars did not converge "
+                            f"({fit.optimization_result.message}); give the folds more training bars (a smaller "
+                            "--test-span or fewer --folds)")
     # The backcast reads the first bars, which are training bars; each variance uses returns up to its row.
     seen = returns[: int(origins.max())] / scale  # up to the last origin's row: later bars change nothing
     fixed = arch_model(seen, mean="Zero", vol="GARCH", p=1, q=1, dist="t").fix(fit.params)

@@ -12,7 +12,6 @@ import json
 import logging
 import subprocess
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -63,7 +62,8 @@ def run_backtest(plan: BacktestPlan) -> dict[str, Any]:
     cfg = plan.config
     bars = read_bars(plan.parquet, plan.columns, tuple(cfg.features))
     folds = make_folds(bars.timestamp_ns, plan.folds, plan.test_span)
-    _claim(plan.out, plan.record(bars_digest(bars, cfg.features)))
+    record = plan.record(bars_digest(bars, cfg.features))
+    _claim(plan.out, record)
     tables = []
     for fold in folds:
         path = plan.out / f"fold{fold.index}" / "forecasts.parquet"
@@ -72,7 +72,7 @@ def run_backtest(plan: BacktestPlan) -> dict[str, Any]:
         else:
             _run_fold(plan, bars, fold, len(folds))
         tables.append(pq.read_table(path))
-    return _finish(plan, pa.concat_tables(tables))
+    return _finish(plan, pa.concat_tables(tables), record)
 
 
 def _claim(out: Path, record: dict[str, Any]) -> None:
@@ -153,7 +153,7 @@ def _export(where: Path, name: str, threads: int) -> LoadedModel:
     return load_model(output, "cpu", threads, max_batch=1024)
 
 
-def _finish(plan: BacktestPlan, table: pa.Table) -> dict[str, Any]:
+def _finish(plan: BacktestPlan, table: pa.Table, record: dict[str, Any]) -> dict[str, Any]:
     quantiles = plan.config.quantiles
     forecasts, actual, fold = table_arrays(table, FORECASTERS, plan.config.horizon, quantiles)
     scores = backtest_scores(forecasts, actual, fold, quantiles)
@@ -163,17 +163,17 @@ def _finish(plan: BacktestPlan, table: pa.Table) -> dict[str, Any]:
         Path(tmp).write_text(json.dumps(scores, indent=2) + "\n")
     write_figure(plan.out / "backtest.png", scores)
     if plan.tracking:
-        _track(plan, scores)
+        _track(plan, scores, record)
     return scores
 
 
-def _track(plan: BacktestPlan, scores: dict[str, Any]) -> None:
+def _track(plan: BacktestPlan, scores: dict[str, Any], record: dict[str, Any]) -> None:
     """Each fold's mean pinball per forecaster, at step = fold, and the figure, in the run OUT's name."""
     from trainer.tracking import open_tracker
 
     tracker = open_tracker(str(plan.tracking), plan.out.name)
     try:
-        tracker.log_params(plan.record(""))
+        tracker.log_params(record)
         for k, block in scores["folds"].items():
             tracker.log_metrics(_fold_metrics(block), step=int(k))
         tracker.log_image("backtest", plan.out / "backtest.png")
@@ -193,7 +193,7 @@ def _fold_metrics(block: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def print_summary(scores: dict[str, Any], out: Path, lines: Sequence[str] | None = None) -> None:
-    for line in lines if lines is not None else summary_lines(scores):
+def print_summary(scores: dict[str, Any], out: Path) -> None:
+    for line in summary_lines(scores):
         print(line)
     print(f"wrote {out / 'forecasts.parquet'}, {out / 'scores.json'}, {out / 'backtest.png'}")
