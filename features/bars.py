@@ -227,6 +227,7 @@ class Bars:
     close: np.ndarray  # float64 [N]
     volume: np.ndarray  # float64 [N]
     user: Mapping[str, np.ndarray] = field(default_factory=dict)  # float64 [N] each (a dict or a ColumnBlock)
+    labels: Mapping[str, np.ndarray] = field(default_factory=dict)  # str [N] each: categorical user columns
     files: list[str] = field(default_factory=list)  # source files, in reading order
     notes: list[str] = field(default_factory=list)  # how the files were read, where a reader should know
 
@@ -287,7 +288,7 @@ def _natural_key(path: Path) -> tuple[tuple[int, int | str], ...]:
                  for piece in re.split(r"(\d+)", path.as_posix()) if piece)
 
 
-def _timestamps_ns(col: pa.ChunkedArray, file: str, name: str,
+def timestamps_ns(col: pa.ChunkedArray, file: str, name: str,
                    unit: str = "ns") -> tuple[np.ndarray | None, Problem | None]:
     """The column as int64 UTC nanoseconds (nulls as 0: the null mask names them), or its Problem."""
     t = col.type
@@ -357,12 +358,14 @@ def _first_bad(mask: np.ndarray) -> tuple[int, int]:
 
 
 def read_bars(path: str | Path, columns: ColumnMap | None = None, user_columns: tuple[str, ...] = (),
-              symbols: Collection[str] | None = None, check_user_values: bool = True) -> Bars:
+              symbols: Collection[str] | None = None, check_user_values: bool = True,
+              label_columns: tuple[str, ...] = ()) -> Bars:
     """Read and validate bars; raise BarDataError listing every problem. With `symbols`, only their rows are read;
-    with `check_user_values` False, NaN or inf user values stay (the caller skips them: `unusable_user_rows`)."""
+    with `check_user_values` False, NaN or inf user values stay (the caller skips them: `unusable_user_rows`).
+    `label_columns`: categorical user columns (strings, dictionary or integer columns), read as text."""
     cmap = columns or ColumnMap()
     root = Path(path)
-    if problems := _mapping_problems(root, cmap, user_columns):
+    if problems := _mapping_problems(root, cmap, (*user_columns, *label_columns)):
         raise BarDataError(problems)
     files = list_parquet_files(root)
     if not files:
@@ -373,7 +376,7 @@ def read_bars(path: str | Path, columns: ColumnMap | None = None, user_columns: 
     naive: list[str] = []  # files whose arrow timestamps carry no time zone
     file_rows: dict[str, np.ndarray] = {}  # a file read in part: the file's row number of each row read
     for file in files:
-        part, file_problems, kept, zoneless = _read_file(file, root, cmap, user_columns, symbols)
+        part, file_problems, kept, zoneless = _read_file(file, root, cmap, user_columns, symbols, label_columns)
         problems += file_problems
         if kept is not None:
             file_rows[str(file)] = kept
@@ -384,15 +387,15 @@ def read_bars(path: str | Path, columns: ColumnMap | None = None, user_columns: 
     problems = problems or validate(parts, file_of_part, cmap, user_columns, check_user_values)
     if problems:
         raise BarDataError(_in_file_rows(problems, file_rows))
-    bars = _assemble(parts, file_of_part, user_columns)
+    bars = _assemble(parts, file_of_part, user_columns, label_columns)
     if naive:
         bars.notes.append(_naive_note(cmap, naive))
     return bars
 
 
 def _read_file(file: Path, root: Path, cmap: ColumnMap, user_columns: tuple[str, ...],
-               symbols: Collection[str] | None) -> tuple[dict[str, np.ndarray] | None, list[Problem],
-                                                        np.ndarray | None, bool]:
+               symbols: Collection[str] | None, label_columns: tuple[str, ...] = ()
+               ) -> tuple[dict[str, np.ndarray] | None, list[Problem], np.ndarray | None, bool]:
     """One file's part (or None), its problems, its rows read when read in part, and whether its times lack a zone."""
     try:
         table = _read_table(file, root)
@@ -402,8 +405,8 @@ def _read_file(file: Path, root: Path, cmap: ColumnMap, user_columns: tuple[str,
     kept = None
     try:
         if symbols is not None:
-            table, kept = _only_symbols(table, cmap, symbols, user_columns)
-        part, problems = _columns_of(table, str(file), cmap, user_columns)
+            table, kept = _only_symbols(table, cmap, symbols, (*user_columns, *label_columns))
+        part, problems = _columns_of(table, str(file), cmap, user_columns, label_columns)
     except pa.ArrowException as exc:
         return None, [Problem(str(file), WHOLE_FILE, -1, f"cannot be read as bars ({exc})",
                               "store the bar columns as numbers and the symbol as text")], None, False
@@ -469,13 +472,13 @@ def _in_file_rows(problems: list[Problem], file_rows: dict[str, np.ndarray]) -> 
     return [fix(p) for p in problems]
 
 
-def _columns_of(table: pa.Table, fname: str, cmap: ColumnMap,
-                user_columns: tuple[str, ...]) -> tuple[dict[str, np.ndarray] | None, list[Problem]]:
+def _columns_of(table: pa.Table, fname: str, cmap: ColumnMap, user_columns: tuple[str, ...],
+                label_columns: tuple[str, ...] = ()) -> tuple[dict[str, np.ndarray] | None, list[Problem]]:
     """The file's bar and user columns as numpy arrays (a part), or the problems that stop reading them."""
-    problems = _missing_columns(table, fname, cmap, user_columns)
+    problems = _missing_columns(table, fname, cmap, user_columns) + _label_problems(table, fname, label_columns)
     if problems:
         return None, problems
-    ts, p = _timestamps_ns(table.column(cmap.timestamp), fname, cmap.timestamp, cmap.time_unit)
+    ts, p = timestamps_ns(table.column(cmap.timestamp), fname, cmap.timestamp, cmap.time_unit)
     if p is not None or ts is None:
         return None, [p] if p else []
     part = {"timestamp": ts,
@@ -490,7 +493,35 @@ def _columns_of(table: pa.Table, fname: str, cmap: ColumnMap,
         problems += _as_float64(col, fname, cmap.source(fld), part, fld)
     for uc in user_columns:
         problems += _as_float64(table.column(uc), fname, uc, part, f"user:{uc}")
+    for lc in label_columns:
+        part[f"label:{lc}"] = np.asarray(table.column(lc).cast(pa.string()).to_numpy(zero_copy_only=False),
+                                         dtype=object)
     return (None if problems else part), problems
+
+
+def labels_type(t: pa.DataType) -> bool:
+    """Whether a column can hold categories: text, dictionary-encoded or integer."""
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_dictionary(t)
+                or pa.types.is_integer(t))
+
+
+def _label_problems(table: pa.Table, fname: str, label_columns: tuple[str, ...]) -> list[Problem]:
+    """A categorical column that is missing, of floats, or with nulls."""
+    problems = []
+    for lc in label_columns:
+        if lc not in table.column_names:
+            problems.append(Problem(fname, lc, -1, f"categorical feature column '{lc}' is missing",
+                                    "add the column or drop it from the feature lists"))
+        elif not labels_type(ltype := table.schema.field(lc).type):
+            fix = ("cast it to integers or text if its values are categories, or leave it out of "
+                   "--categorical-features to use it as a real") if pa.types.is_floating(ltype) else \
+                "store categories as text, a dictionary or integers"
+            problems.append(Problem(fname, lc, -1, f"categorical feature column '{lc}' has type {ltype}", fix))
+        elif (nulls := table.column(lc).null_count):
+            row, _ = _first_bad(np.asarray(table.column(lc).is_null().to_numpy(zero_copy_only=False), dtype=bool))
+            problems.append(Problem(fname, lc, row, f"categorical feature '{lc}' is null",
+                                    "fill in a label for every bar (e.g. 'none')", nulls))
+    return problems
 
 
 def numeric(t: pa.DataType) -> bool:
@@ -521,7 +552,7 @@ def _missing_columns(table: pa.Table, fname: str, cmap: ColumnMap, user_columns:
                                     "add the column or drop it from the feature list"))
         elif not numeric(utype := table.schema.field(uc).type):
             problems.append(Problem(fname, uc, -1, f"user feature column '{uc}' has type {utype}, not numeric",
-                                    "choose a numeric column"))
+                                    "choose a numeric column, or name it in --categorical-features too"))
     return problems
 
 
@@ -581,7 +612,8 @@ def _as_float64(col: pa.ChunkedArray, fname: str, name: str, part: dict[str, np.
     return []
 
 
-def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns: tuple[str, ...]) -> Bars:
+def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns: tuple[str, ...],
+              label_columns: tuple[str, ...] = ()) -> Bars:
     """The parts' rows as one Bars, grouped by symbol; consumes the parts' columns one at a time to hold rows once."""
     symbol = _joined(parts, "symbol")
     by_symbol = np.argsort(symbol.astype(str), kind="stable")
@@ -605,6 +637,7 @@ def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns
         close=take("close"),
         volume=take("volume"),
         user={uc: take(f"user:{uc}") for uc in dict.fromkeys(user_columns)},  # a name given twice is one column
+        labels={lc: take(f"label:{lc}") for lc in dict.fromkeys(label_columns)},
         files=list(files),
     )
 
@@ -805,12 +838,15 @@ def _overlap_problems(across: np.ndarray, order: np.ndarray, ts_o: np.ndarray, s
     return out
 
 
-def bars_digest(bars: Bars, user_columns: Sequence[str]) -> str:
-    """A digest of each symbol's rows, times, prices, volumes and the given user columns, as read."""
+def bars_digest(bars: Bars, user_columns: Sequence[str], label_columns: Sequence[str] = ()) -> str:
+    """A digest of each symbol's rows, times, prices, volumes and the given user columns (reals, then the labels of
+    categorical ones), as read."""
     h = hashlib.blake2b(digest_size=16)
     for symbol, rows in bars.series_slices().items():
         h.update(f"{symbol}\0{rows.start}\0{rows.stop}\0".encode())
     for column in (bars.timestamp_ns, bars.open, bars.high, bars.low, bars.close, bars.volume,
                    *(bars.user[name] for name in user_columns)):
         h.update(np.ascontiguousarray(column).tobytes())
+    for name in label_columns:
+        h.update("\0".join(np.asarray(bars.labels[name], dtype=str).tolist()).encode() + b"\1")
     return h.hexdigest()

@@ -7,7 +7,7 @@ features (timestamps alone) look forward. Rows in a series' warm-up have NaN obs
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
@@ -15,6 +15,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 import numpy as np
 
 from features.bars import Bars, block_for
+from features.categories import encode, fit_vocabulary
 from features.schema import FeatureSchema, FeatureSpec, Kind, Role
 
 NS_PER_SECOND = 1_000_000_000
@@ -30,34 +31,117 @@ STATIC_SYMBOL = "symbol"
 
 @dataclass(frozen=True)
 class FeatureConfig:
-    """How bars become features; saved with every checkpoint and model."""
+    """How bars become features; saved with every checkpoint and model.
+
+    User columns come in three roles: observed (`user_columns`, encoder only), known for future bars
+    (`known_columns`, encoder and decoder) and static (`static_columns`, constant per series). Those named in
+    `categorical_columns` are labels, embedded by id with the `vocabularies` fitted on the training split."""
 
     horizon: int = 5  # forecast steps H: targets are log(close[t+h]/close[t]) for h = 1..H
     volatility_window: int = 20  # bars in the rolling standard deviation of log returns
-    user_columns: tuple[str, ...] = ()  # extra numeric parquet columns used as observed features
+    user_columns: tuple[str, ...] = ()  # user columns observed up to the last bar (encoder only)
     calendar_tz: str = "UTC"  # IANA time zone of the calendar features (time of day, day of week)
+    known_columns: tuple[str, ...] = ()  # user columns whose future values the caller knows
+    static_columns: tuple[str, ...] = ()  # user columns constant within a series
+    categorical_columns: tuple[str, ...] = ()  # which user columns, of any role, are categorical
+    vocabularies: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (column, sorted labels) once fitted
 
     def __post_init__(self) -> None:
         if self.horizon < 1 or self.volatility_window < 1:
             raise ValueError(f"horizon ({self.horizon}) and volatility_window ({self.volatility_window}) "
                              "must be at least 1")
         check_time_zone(self.calendar_tz)
+        check_roles(self)
 
     @property
     def warmup_bars(self) -> int:
         return self.volatility_window
 
+    def _real(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(n for n in names if n not in self.categorical_columns)
+
+    def _categorical(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(n for n in names if n in self.categorical_columns)
+
+    @property
+    def observed_user(self) -> tuple[str, ...]:
+        """Observed user variables in the model's order: reals, then categoricals."""
+        return self._real(self.user_columns) + self._categorical(self.user_columns)
+
+    @property
+    def known_user(self) -> tuple[str, ...]:
+        """Known user variables in the model's order: reals, then categoricals."""
+        return self._real(self.known_columns) + self._categorical(self.known_columns)
+
+    @property
+    def static_categoricals(self) -> tuple[str, ...]:
+        return self._categorical(self.static_columns)
+
+    @property
+    def static_reals(self) -> tuple[str, ...]:
+        return self._real(self.static_columns)
+
+    @property
+    def real_columns(self) -> tuple[str, ...]:
+        """Every real user column a file must hold: observed, known, static."""
+        return self._real(self.user_columns) + self._real(self.known_columns) + self.static_reals
+
+    @property
+    def series_reals(self) -> tuple[str, ...]:
+        """The real user columns sent per bar (the wire's user_features): observed, then known."""
+        return self._real(self.user_columns) + self._real(self.known_columns)
+
+    @property
+    def series_categoricals(self) -> tuple[str, ...]:
+        """The categorical user columns sent per bar: observed, then known."""
+        return self._categorical(self.user_columns) + self._categorical(self.known_columns)
+
+    @property
+    def has_user_inputs(self) -> bool:
+        """Whether any user column beyond observed reals is used (known, static or categorical)."""
+        return bool(self.known_columns or self.static_columns or self.categorical_columns)
+
+    def vocabulary(self, name: str) -> tuple[str, ...]:
+        return dict(self.vocabularies)[name]
+
     def schema(self) -> FeatureSchema:
-        return _schema(self.user_columns)
+        return _schema(self)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"horizon": self.horizon, "volatility_window": self.volatility_window,
-                "user_columns": list(self.user_columns), "calendar_tz": self.calendar_tz}
+        d: dict[str, Any] = {"horizon": self.horizon, "volatility_window": self.volatility_window,
+                             "user_columns": list(self.user_columns), "calendar_tz": self.calendar_tz}
+        if self.has_user_inputs:  # a model without them keeps the same metadata
+            d |= {"known_columns": list(self.known_columns), "static_columns": list(self.static_columns),
+                  "categorical_columns": list(self.categorical_columns),
+                  "vocabularies": {name: list(v) for name, v in self.vocabularies}}
+        return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> FeatureConfig:
         return FeatureConfig(int(d["horizon"]), int(d["volatility_window"]), tuple(d["user_columns"]),
-                             str(d["calendar_tz"]))
+                             str(d["calendar_tz"]), tuple(d.get("known_columns", ())),
+                             tuple(d.get("static_columns", ())), tuple(d.get("categorical_columns", ())),
+                             tuple((name, tuple(v)) for name, v in d.get("vocabularies", {}).items()))
+
+
+ROLE_FLAGS = {"user_columns": "--features", "known_columns": "--known-features", "static_columns": "--static-features"}
+
+
+def check_roles(config: FeatureConfig) -> None:
+    """ValueError for a user column in two roles, or a categorical column in none."""
+    seen: dict[str, str] = {}
+    for field_name, flag in ROLE_FLAGS.items():
+        for name in getattr(config, field_name):
+            if name in seen and seen[name] != flag:
+                raise ValueError(f"user feature {name!r} is given to {seen[name]} and {flag}: a column has one "
+                                 "role; keep it in one of them")
+            seen[name] = flag
+    if stray := [c for c in config.categorical_columns if c not in seen]:
+        raise ValueError(f"--categorical-features {', '.join(stray)}: not given a role; add each to --features, "
+                         "--known-features or --static-features too")
+    if config.vocabularies and (lacking := [c for c in config.categorical_columns
+                                            if c not in dict(config.vocabularies)]):
+        raise ValueError(f"no vocabulary for categorical feature(s) {', '.join(lacking)}")
 
 
 @dataclass
@@ -69,11 +153,14 @@ class FeatureFrame:
     timestamp_ns: np.ndarray  # int64   [N]
     series_id: np.ndarray  # int64   [N]     index into `symbols`
     series_bounds: np.ndarray  # int64   [S, 2]  [start, end) rows of each series present
-    observed: np.ndarray  # float32 [N, n_observed]   NaN during warm-up
-    known: np.ndarray  # float32 [N, n_known]
+    observed: np.ndarray  # float32 [N, n_observed]   NaN during warm-up; categorical columns hold ids
+    known: np.ndarray  # float32 [N, n_known]         calendar, then user known reals and ids
     close: np.ndarray  # float64 [N]
     targets: np.ndarray  # float32 [N, H]   NaN where t + h is past the series end
     bar_interval_ns: int  # most common spacing of consecutive bars
+    static_ids: np.ndarray | None = None  # int64 [N, n_static_categorical_user]  constant per series
+    static_real: np.ndarray | None = None  # float32 [N, n_static_real]  constant per series
+    unseen: dict[str, np.ndarray] = field(default_factory=dict)  # categorical column -> bool [N] label unseen
     schema: FeatureSchema = field(init=False)
 
     def __post_init__(self) -> None:
@@ -304,9 +391,13 @@ class LatestWindows:
 
 def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
                    volume: np.ndarray, user: np.ndarray | list[np.ndarray], config: FeatureConfig,
-                   encoder_length: int, bar_interval_ns: int) -> LatestWindows:
+                   encoder_length: int, bar_interval_ns: int, known: np.ndarray | None = None,
+                   future_known: np.ndarray | None = None) -> LatestWindows:
     """The window at the last bar of each of B series of n bars ([B, n] columns, oldest first): what a server
-    forecasts from. Bit for bit what `build_frame` + `gather_windows` give there once n >= warm-up + L."""
+    forecasts from. `user`: the observed user variables (config.observed_user; categoricals as ids) as a
+    [n_user, B * n] block or [B * n] columns; `known` float32 [B, n, n_known_user] and `future_known`
+    [B, H, n_known_user]: the known user variables of the bars and of the H future bars (config.known_user).
+    Bit for bit what `build_frame` + `gather_windows` give there once n >= warm-up + L."""
     b, n = close.shape
     L = encoder_length
     if n < config.warmup_bars + L:
@@ -318,27 +409,40 @@ def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray
     observed = _observed(open_.reshape(-1), high.reshape(-1), low.reshape(-1), c, volume.reshape(-1), user, config,
                          starts, first_row, np.log(c))  # [B * n, n_observed]
     future = future_timestamps(timestamp_ns[:, -1], bar_interval_ns, config.horizon)  # [B, H]
+    encoder_known = known_features(timestamp_ns[:, n - L:], config.calendar_tz)  # [B, L, 4]
+    decoder_known = known_features(future, config.calendar_tz)  # [B, H, 4]
+    if config.known_columns and known is not None and future_known is not None:
+        encoder_known = np.concatenate([encoder_known, known[:, n - L:]], axis=-1, dtype=np.float32)
+        decoder_known = np.concatenate([decoder_known, future_known], axis=-1, dtype=np.float32)
     return LatestWindows(
         encoder_observed=np.ascontiguousarray(observed.reshape(b, n, -1)[:, n - L:]),  # [B, L, n_observed]
-        encoder_known=known_features(timestamp_ns[:, n - L:], config.calendar_tz),  # [B, L, n_known]
-        decoder_known=known_features(future, config.calendar_tz),  # [B, H, n_known]
+        encoder_known=encoder_known,  # [B, L, n_known]
+        decoder_known=decoder_known,  # [B, H, n_known]
         future_timestamp_ns=future,
     )
 
 
 @functools.lru_cache(maxsize=32)
-def _schema(user_columns: tuple[str, ...]) -> FeatureSchema:
-    specs = [FeatureSpec(STATIC_SYMBOL, Role.STATIC, Kind.CATEGORICAL)]
-    specs += [FeatureSpec(n, Role.OBSERVED, Kind.REAL) for n in BUILTIN_OBSERVED]
-    specs += [FeatureSpec(n, Role.OBSERVED, Kind.REAL, source="user") for n in user_columns]
-    specs += [FeatureSpec(n, Role.KNOWN, Kind.REAL) for n in BUILTIN_KNOWN]
+def _schema(config: FeatureConfig) -> FeatureSchema:
+    """Static: the symbol, user categoricals, user reals. Observed and known: built-in, then user reals, then user
+    categoricals: the column order of every array of that role."""
+    cat, real = Kind.CATEGORICAL, Kind.REAL
+
+    def user(names: tuple[str, ...], role: Role) -> list[FeatureSpec]:
+        return [FeatureSpec(n, role, cat if n in config.categorical_columns else real, source="user") for n in names]
+
+    specs = [FeatureSpec(STATIC_SYMBOL, Role.STATIC, cat)]
+    specs += user(config.static_categoricals + config.static_reals, Role.STATIC)
+    specs += [FeatureSpec(n, Role.OBSERVED, real) for n in BUILTIN_OBSERVED] + user(config.observed_user, Role.OBSERVED)
+    specs += [FeatureSpec(n, Role.KNOWN, real) for n in BUILTIN_KNOWN] + user(config.known_user, Role.KNOWN)
     return FeatureSchema(tuple(specs))
 
 
 def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = None,
                 bar_interval_ns: int | None = None, targets: bool = True) -> FeatureFrame:
     """Every feature array of validated `bars`. `symbols` and `bar_interval_ns` fix the trained model's
-    vocabulary and bar spacing; `targets=False` leaves the forward returns NaN."""
+    vocabulary and bar spacing; `targets=False` leaves the forward returns NaN. ValueError names a static user
+    column that varies within a series."""
     slices = bars.series_slices()
     vocab = list(symbols) if symbols is not None else sorted(slices)
     unknown = [s for s in slices if s not in vocab]
@@ -346,15 +450,21 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
         raise ValueError(f"unknown symbol(s) {', '.join(unknown)}; the model knows {', '.join(vocab)}")
     n = len(bars)
     bounds = np.array([[sl.start, sl.stop] for sl in slices.values()], dtype=np.int64).reshape(-1, 2)
+    check_static(bars, config, bounds)
     series_id = np.repeat(np.array([vocab.index(name) for name in slices], dtype=np.int64), bounds[:, 1] - bounds[:, 0])
     first_row = np.repeat(bounds[:, 0], bounds[:, 1] - bounds[:, 0])  # [N]
     log_c = np.log(bars.close)
-    user_block = block_for(bars.user, config.user_columns)  # [n_user, N] when the columns come as one block
-    user = user_block if user_block is not None else [bars.user[u] for u in config.user_columns]
+    ids, unseen = encode_labels(bars, config)
+    user_block = None if config.categorical_columns else block_for(bars.user, config.user_columns)  # [n_user, N]
+    user = user_block if user_block is not None else [column(bars, ids, u) for u in config.observed_user]
     observed = _observed(bars.open, bars.high, bars.low, bars.close, bars.volume, user, config, bounds[:, 0],
                          first_row, log_c)
     forward = _forward_returns(log_c, bounds, config.horizon) if targets else \
         np.full((n, config.horizon), np.nan, dtype=np.float32)
+    known = known_features(bars.timestamp_ns, config.calendar_tz)  # [N, 4]
+    if config.known_columns:
+        known = np.concatenate([known, np.stack([column(bars, ids, u) for u in config.known_user], axis=1)],
+                               axis=1, dtype=np.float32)  # [N, n_known]
     return FeatureFrame(
         config=config,
         symbols=vocab,
@@ -362,11 +472,53 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
         series_id=series_id,
         series_bounds=bounds,
         observed=observed,
-        known=known_features(bars.timestamp_ns, config.calendar_tz),  # [N, n_known]
+        known=known,
         close=bars.close.astype(np.float64),
         targets=forward,
         bar_interval_ns=bar_interval_ns or infer_bar_interval_ns(bars.timestamp_ns, bounds),
+        static_ids=np.stack([ids[u] for u in config.static_categoricals], axis=1) if config.static_categoricals
+        else None,  # [N, n_static_categorical_user]
+        static_real=np.stack([bars.user[u] for u in config.static_reals], axis=1).astype(np.float32)
+        if config.static_reals else None,  # [N, n_static_real]
+        unseen=unseen,
     )
+
+
+def column(bars: Bars, ids: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """A user column as float64 [N]: its values, or a categorical's ids."""
+    return ids[name].astype(np.float64) if name in ids else np.asarray(bars.user[name], dtype=np.float64)
+
+
+def encode_labels(bars: Bars, config: FeatureConfig) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Each categorical column's ids (int64 [N]) in its vocabulary, and where its label is unseen (bool [N])."""
+    ids, unseen = {}, {}
+    for name in config.categorical_columns:
+        ids[name], unseen[name] = encode(bars.labels[name], config.vocabulary(name))
+    return ids, unseen
+
+
+def with_vocabularies(config: FeatureConfig, bars: Bars, before_ns: int) -> FeatureConfig:
+    """`config` with each categorical column's vocabulary fitted on the bars before `before_ns` (the training
+    split); unchanged when it has no categorical column."""
+    if not config.categorical_columns:
+        return config
+    rows = bars.timestamp_ns < before_ns
+    fitted = tuple((name, fit_vocabulary(np.asarray(bars.labels[name])[rows])) for name in config.categorical_columns)
+    return replace(config, vocabularies=fitted)
+
+
+def check_static(bars: Bars, config: FeatureConfig, bounds: np.ndarray) -> None:
+    """ValueError naming a static user column whose value changes within a series, and where."""
+    for name in config.static_columns:
+        values = np.asarray(bars.labels[name] if name in config.categorical_columns else bars.user[name])
+        for s, e in bounds:
+            if (moved := np.flatnonzero(values[s:e] != values[s])).size:
+                row = int(s + moved[0])
+                first, then = values[s:s + 1].tolist()[0], values[row:row + 1].tolist()[0]
+                when = str(np.datetime64(int(bars.timestamp_ns[row]), "ns"))[:19].replace("T", " ")
+                raise ValueError(f"static feature {name!r} varies within series {bars.symbol[s]} ({first!r} at "
+                                 f"its first bar, {then!r} at {when} UTC): a static feature holds one value per "
+                                 "series; give a changing column with --known-features or --features instead")
 
 
 def _forward_returns(log_c: np.ndarray, bounds: np.ndarray, horizon: int) -> np.ndarray:

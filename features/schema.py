@@ -7,10 +7,12 @@ from enum import StrEnum
 from typing import Any
 
 # canonical tensor names: model inputs, model outputs and the target
-STATIC_CATEGORICAL = "static_categorical"  # int64   [B, n_static]        symbol id
+# A categorical variable's values in a float32 tensor are its ids (exact integers, 0 the unknown slot).
+STATIC_CATEGORICAL = "static_categorical"  # int64   [B, n_static_cat]    symbol id, then user static ids
 ENCODER_OBSERVED = "encoder_observed"  # float32 [B, L, n_observed]  past bars' observed features
-ENCODER_KNOWN = "encoder_known"  # float32 [B, L, n_known]     calendar features of past bars
-DECODER_KNOWN = "decoder_known"  # float32 [B, H, n_known]     calendar features of future bars
+ENCODER_KNOWN = "encoder_known"  # float32 [B, L, n_known]     known features of past bars
+DECODER_KNOWN = "decoder_known"  # float32 [B, H, n_known]     known features of future bars
+STATIC_REAL = "static_real"  # float32 [B, n_static_real]     user static reals; an input only when there are some
 MODEL_INPUTS: tuple[str, ...] = (STATIC_CATEGORICAL, ENCODER_OBSERVED, ENCODER_KNOWN, DECODER_KNOWN)
 QUANTILES = "quantiles"  # float32 [B, H, Q]          cumulative log-return quantiles
 ATTENTION = "attention"  # float32 [B, H, L + H]      decoder attention, mean over heads
@@ -75,6 +77,18 @@ class FeatureSchema:
     @property
     def static(self) -> list[str]:
         return self.names(Role.STATIC)
+
+    def categorical(self, role: Role) -> list[str]:
+        return [f.name for f in self.features if f.role == role and f.kind == Kind.CATEGORICAL]
+
+    @property
+    def static_reals(self) -> list[str]:
+        return [f.name for f in self.features if f.role == Role.STATIC and f.kind == Kind.REAL]
+
+    @property
+    def model_inputs(self) -> tuple[str, ...]:
+        """The model's input tensors, in order: MODEL_INPUTS, then STATIC_REAL when there are static reals."""
+        return (*MODEL_INPUTS, STATIC_REAL) if self.static_reals else MODEL_INPUTS
 
     @property
     def user_columns(self) -> list[str]:

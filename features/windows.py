@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 from features.compute import FeatureFrame, future_timestamps, known_features
-from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
+from features.schema import (
+    DECODER_KNOWN,
+    ENCODER_KNOWN,
+    ENCODER_OBSERVED,
+    STATIC_CATEGORICAL,
+    STATIC_REAL,
+    TARGET,
+)
 
 
 def anchor_rows(frame: FeatureFrame, encoder_length: int, require_targets: bool = True,
@@ -14,6 +21,7 @@ def anchor_rows(frame: FeatureFrame, encoder_length: int, require_targets: bool 
     """All valid anchors, int64 [W]. `row_range`: per-series [lo, hi) bounds for the anchor and its targets
     (encoder rows may reach back before `lo`)."""
     horizon = frame.config.horizon
+    require_targets = require_targets or bool(frame.config.known_columns)  # the decoder reads H future rows
     out = []
     for i, (s, e) in enumerate(frame.series_bounds):
         first = s + frame.config.warmup_bars + encoder_length - 1
@@ -32,11 +40,29 @@ def gather_windows(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int
     horizon = frame.config.horizon
     idx = anchors[:, None] + np.arange(-encoder_length + 1, 1)  # [B, L]
     fut = future_timestamps(frame.timestamp_ns[anchors], frame.bar_interval_ns, horizon)  # [B, H]
-    return {
-        STATIC_CATEGORICAL: frame.series_id[anchors][:, None].astype(np.int64),  # [B, 1]
+    out = {
+        STATIC_CATEGORICAL: static_categorical(frame, anchors),  # [B, n_static_cat]
         ENCODER_OBSERVED: frame.observed[idx],  # [B, L, n_observed]
         ENCODER_KNOWN: frame.known[idx],  # [B, L, n_known]
-        DECODER_KNOWN: known_features(fut, frame.config.calendar_tz),  # [B, H, n_known]
+        DECODER_KNOWN: decoder_known(frame, anchors, known_features(fut, frame.config.calendar_tz)),  # [B, H, n_known]
         TARGET: frame.targets[anchors],  # [B, H]
     }
+    if frame.static_real is not None:
+        out[STATIC_REAL] = frame.static_real[anchors]  # [B, n_static_real]
+    return out
+
+
+def static_categorical(frame: FeatureFrame, anchors: np.ndarray) -> np.ndarray:
+    """int64 [B, n_static_cat]: each window's symbol id, then its user static categoricals' ids."""
+    symbol = frame.series_id[anchors][:, None].astype(np.int64)  # [B, 1]
+    return symbol if frame.static_ids is None else np.concatenate([symbol, frame.static_ids[anchors]], axis=1)
+
+
+def decoder_known(frame: FeatureFrame, anchors: np.ndarray, calendar: np.ndarray) -> np.ndarray:
+    """float32 [B, H, n_known]: the future bars' `calendar` [B, H, 4], then the user known variables of the H rows
+    after each anchor (anchor_rows keeps them inside the series)."""
+    if not frame.config.known_columns:
+        return calendar
+    rows = anchors[:, None] + np.arange(1, frame.config.horizon + 1)  # [B, H]
+    return np.concatenate([calendar, frame.known[rows][..., calendar.shape[-1]:]], axis=-1)
 
