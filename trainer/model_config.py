@@ -13,8 +13,8 @@ QUANTILE_SCALES = ("volatility", "fixed")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    n_observed: int  # real variables known only up to the last bar (encoder only)
-    n_known: int  # real variables known for every bar, past and future (encoder and decoder)
+    n_observed: int  # variables known only up to the last bar (encoder only): reals, then categoricals
+    n_known: int  # variables known for every bar, past and future (encoder and decoder): reals, then categoricals
     static_cardinalities: tuple[int, ...]  # vocabulary size of each static categorical, e.g. (n_symbols,)
     hidden_size: int = 64  # width of every block (d_model)
     attention_heads: int = 4  # heads of the interpretable attention; must divide hidden_size
@@ -25,10 +25,14 @@ class ModelConfig:
     quantiles: tuple[float, ...] = (0.1, 0.5, 0.9)  # predicted quantile levels, strictly increasing
     variable_hidden_size: int = 0  # per-variable embedding size inside variable selection; 0 = hidden_size
     quantile_scale: str = "volatility"  # volatility: quantiles in units of the encoder's trailing volatility; fixed
+    observed_cardinalities: tuple[int, ...] = ()  # embedding rows of each observed categorical (the last columns)
+    known_cardinalities: tuple[int, ...] = ()  # embedding rows of each known categorical (the last columns)
+    n_static_real: int = 0  # static real variables (the static_real input)
 
     def __post_init__(self) -> None:
         # accept lists (e.g. from JSON) but store tuples, so the config stays hashable
-        object.__setattr__(self, "static_cardinalities", tuple(int(c) for c in self.static_cardinalities))
+        for name in ("static_cardinalities", "observed_cardinalities", "known_cardinalities"):
+            object.__setattr__(self, name, tuple(int(c) for c in getattr(self, name)))
         object.__setattr__(self, "quantiles", tuple(float(q) for q in self.quantiles))
         self.validate()
 
@@ -40,6 +44,18 @@ class ModelConfig:
     @property
     def n_static(self) -> int:
         return len(self.static_cardinalities)
+
+    @property
+    def n_static_vars(self) -> int:
+        return self.n_static + self.n_static_real
+
+    @property
+    def n_observed_real(self) -> int:
+        return self.n_observed - len(self.observed_cardinalities)
+
+    @property
+    def n_known_real(self) -> int:
+        return self.n_known - len(self.known_cardinalities)
 
     @property
     def n_encoder_vars(self) -> int:
@@ -60,7 +76,8 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["static_cardinalities"] = list(self.static_cardinalities)
+        for name in ("static_cardinalities", "observed_cardinalities", "known_cardinalities"):
+            d[name] = list(getattr(self, name))
         d["quantiles"] = list(self.quantiles)
         return d
 
@@ -85,6 +102,15 @@ def check_fields(values: Mapping[str, Any], label: Callable[[str], str]) -> None
     if not cards or min(cards) < 1:
         raise ValueError(f"{label('static_cardinalities')} needs at least one static categorical, each with a "
                          f"vocabulary of >= 1, got {cards}")
+    # observed categoricals follow at least one real (log_return, which the volatility scale reads)
+    limits = (("observed_cardinalities", values["n_observed"] - 1), ("known_cardinalities", values["n_known"]))
+    for name, most in limits:
+        cards = tuple(values.get(name, ()))
+        if len(cards) > most or (cards and min(cards) < 1):
+            raise ValueError(f"{label(name)} must give a vocabulary of >= 1 for each of at most {most} variables, "
+                             f"got {cards}")
+    if values.get("n_static_real", 0) < 0:
+        raise ValueError(f"{label('n_static_real')} must be >= 0, got {values['n_static_real']}")
     if values["hidden_size"] % values["attention_heads"]:
         raise ValueError(f"{label('hidden_size')} {values['hidden_size']} must be divisible by "
                          f"{label('attention_heads')} {values['attention_heads']}")

@@ -33,7 +33,7 @@ class TFTOutput(NamedTuple):
 
     quantiles: Tensor  # [B, H, Q] cumulative log-return quantiles, non-crossing
     attention: Tensor  # [B, H, L+H] decoder rows, mean over heads
-    static_weights: Tensor  # [B, n_static]
+    static_weights: Tensor  # [B, n_static_vars]: categoricals, then reals
     encoder_weights: Tensor  # [B, L, n_observed + n_known]
     decoder_weights: Tensor  # [B, H, n_known]
 
@@ -164,16 +164,34 @@ class RealEmbedding(nn.Module):
         return x.unsqueeze(-1) * self.weight + self.bias  # [..., V] -> [..., V, E]
 
 
-class StaticEmbedding(nn.Module):
-    """One nn.Embedding per static categorical, stacked along a variable dimension."""
+class CategoricalEmbedding(nn.Module):
+    """One nn.Embedding per categorical variable, stacked along a variable dimension."""
 
     def __init__(self, cardinalities: tuple[int, ...], size: int) -> None:
         super().__init__()
         self.embeddings = nn.ModuleList(nn.Embedding(n, size) for n in cardinalities)
 
-    def forward(self, s: Tensor) -> Tensor:
-        # s: [B, n_static] int64
-        return torch.stack([emb(s[:, i]) for i, emb in enumerate(self.embeddings)], dim=1)  # [B, n_static, E]
+    def forward(self, ids: Tensor) -> Tensor:
+        # ids: [..., V] int64 (or float32 holding exact integers: the time-varying inputs)
+        ids = ids.long()
+        return torch.stack([emb(ids[..., i]) for i, emb in enumerate(self.embeddings)], dim=-2)  # [..., V, E]
+
+
+class MixedEmbedding(nn.Module):
+    """A role's variables: the first columns reals (RealEmbedding), the last ones categorical ids (one embedding
+    each), concatenated in column order."""
+
+    def __init__(self, n_real: int, cardinalities: tuple[int, ...], size: int) -> None:
+        super().__init__()
+        self.n_real = n_real
+        self.real = RealEmbedding(n_real, size)
+        self.categorical = CategoricalEmbedding(cardinalities, size) if cardinalities else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [..., V] normalised reals, then raw ids
+        if self.categorical is None:
+            return self.real(x)  # [..., V, E]
+        return torch.cat([self.real(x[..., :self.n_real]), self.categorical(x[..., self.n_real:])], dim=-2)
 
 
 class VariableSelectionNetwork(nn.Module):
@@ -198,17 +216,23 @@ class VariableSelectionNetwork(nn.Module):
 
 
 class StaticCovariateEncoder(nn.Module):
-    """Static VSN, then four GRNs: contexts for selection, enrichment, LSTM h0 and c0."""
+    """Static VSN over the categoricals then the reals, then four GRNs: contexts for selection, enrichment, LSTM
+    h0 and c0."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.hidden_size
-        self.embedding = StaticEmbedding(cfg.static_cardinalities, cfg.var_hidden)
-        self.vsn = VariableSelectionNetwork(cfg.n_static, cfg.var_hidden, d, cfg.dropout)
+        self.embedding = CategoricalEmbedding(cfg.static_cardinalities, cfg.var_hidden)
+        self.real_embedding = RealEmbedding(cfg.n_static_real, cfg.var_hidden) if cfg.n_static_real else None
+        self.vsn = VariableSelectionNetwork(cfg.n_static_vars, cfg.var_hidden, d, cfg.dropout)
         self.contexts = nn.ModuleList(GatedResidualNetwork(d, d, d, cfg.dropout) for _ in range(4))
 
-    def forward(self, s: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        x, weights = self.vsn(self.embedding(s))  # [B, D], [B, n_static]
+    def forward(self, s: Tensor, reals: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        # s: [B, n_static] int64; reals: [B, n_static_real] normalised
+        emb = self.embedding(s)  # [B, n_static, E]
+        if self.real_embedding is not None and reals is not None:
+            emb = torch.cat([emb, self.real_embedding(reals)], dim=1)  # [B, n_static_vars, E]
+        x, weights = self.vsn(emb)  # [B, D], [B, n_static_vars]
         c_selection, c_enrichment, c_h, c_c = (grn(x) for grn in self.contexts)  # 4 x [B, D]
         return c_selection, c_enrichment, c_h, c_c, weights
 
@@ -298,6 +322,8 @@ class TemporalFusionTransformer(nn.Module):
     observed_std: Tensor
     known_mean: Tensor
     known_std: Tensor
+    static_mean: Tensor
+    static_std: Tensor
     target_scale: Tensor
     horizon_root: Tensor
     bar_age: Tensor
@@ -314,10 +340,17 @@ class TemporalFusionTransformer(nn.Module):
         self.register_buffer("known_mean", torch.zeros(cfg.n_known))
         self.register_buffer("known_std", torch.ones(cfg.n_known))
         self.register_buffer("target_scale", torch.ones(cfg.horizon))
+        if cfg.n_static_real:
+            self.register_buffer("static_mean", torch.zeros(cfg.n_static_real))
+            self.register_buffer("static_std", torch.ones(cfg.n_static_real))
         # variable selection
         self.static_encoder = StaticCovariateEncoder(cfg)
-        self.observed_embedding = RealEmbedding(cfg.n_observed, e)
-        self.known_embedding = RealEmbedding(cfg.n_known, e)  # shared by encoder and decoder
+        self.observed_embedding = RealEmbedding(cfg.n_observed_real, e)
+        self.known_embedding = RealEmbedding(cfg.n_known_real, e)  # shared by encoder and decoder
+        # categoricals' embeddings, shared by encoder and decoder; None without them (state as before)
+        self.observed_categorical = CategoricalEmbedding(cfg.observed_cardinalities, e) \
+            if cfg.observed_cardinalities else None
+        self.known_categorical = CategoricalEmbedding(cfg.known_cardinalities, e) if cfg.known_cardinalities else None
         self.encoder_vsn = VariableSelectionNetwork(cfg.n_encoder_vars, e, d, p, context_size=d)
         self.decoder_vsn = VariableSelectionNetwork(cfg.n_known, e, d, p, context_size=d)
         # sequence to sequence
@@ -346,8 +379,11 @@ class TemporalFusionTransformer(nn.Module):
         known_mean: Tensor | np.ndarray,
         known_std: Tensor | np.ndarray,
         target_scale: Tensor | np.ndarray,
+        static_mean: Tensor | np.ndarray | None = None,
+        static_std: Tensor | np.ndarray | None = None,
     ) -> None:
-        """Copy fitted statistics into the buffers; stds and scales must be finite and > 0."""
+        """Copy fitted statistics into the buffers; stds and scales must be finite and > 0. Entries of categorical
+        columns are stored but not used (ids are never normalised)."""
         values = {
             "observed_mean": observed_mean,
             "observed_std": observed_std,
@@ -355,6 +391,10 @@ class TemporalFusionTransformer(nn.Module):
             "known_std": known_std,
             "target_scale": target_scale,
         }
+        if self.cfg.n_static_real:
+            if static_mean is None or static_std is None:
+                raise ValueError("static_mean and static_std are needed: the model has static reals")
+            values |= {"static_mean": static_mean, "static_std": static_std}
         for name, value in values.items():
             buf: Tensor = getattr(self, name)
             t = torch.as_tensor(value).detach().to(dtype=buf.dtype, device=buf.device)
@@ -362,7 +402,7 @@ class TemporalFusionTransformer(nn.Module):
                 raise ValueError(f"{name}: expected shape {tuple(buf.shape)}, got {tuple(t.shape)}")
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name}: contains NaN or inf")
-            if name != "observed_mean" and name != "known_mean" and not bool((t > 0).all()):
+            if not name.endswith("_mean") and not bool((t > 0).all()):
                 raise ValueError(f"{name}: every entry must be > 0, got {t.tolist()}")
             with torch.no_grad():
                 buf.copy_(t)
@@ -376,12 +416,27 @@ class TemporalFusionTransformer(nn.Module):
 
     def _select_encoder(self, observed: Tensor, known: Tensor, c_selection: Tensor) -> tuple[Tensor, Tensor]:
         # observed [..., n_obs], known [..., n_known]; c_selection broadcastable to [..., D]
-        emb = torch.cat([self.observed_embedding(observed), self.known_embedding(known)], dim=-2)  # [..., V, E]
+        emb = torch.cat([self._embed_observed(observed), self._embed_known(known)], dim=-2)  # [..., V, E]
         return self.encoder_vsn(emb, c_selection)  # [..., D], [..., V]
 
     def _select_decoder(self, known: Tensor, c_selection: Tensor) -> tuple[Tensor, Tensor]:
-        emb = self.known_embedding(known)  # [B, H, n_known, E]
+        emb = self._embed_known(known)  # [B, H, n_known, E]
         return self.decoder_vsn(emb, c_selection.unsqueeze(1))  # [B, H, D], [B, H, n_known]
+
+    def _embed_observed(self, observed: Tensor) -> Tensor:
+        # observed: [..., n_obs] normalised reals, then raw ids -> [..., n_obs, E]
+        if self.observed_categorical is None:
+            return self.observed_embedding(observed)
+        n = self.cfg.n_observed_real
+        return torch.cat([self.observed_embedding(observed[..., :n]), self.observed_categorical(observed[..., n:])],
+                         dim=-2)
+
+    def _embed_known(self, known: Tensor) -> Tensor:
+        # known: [..., n_known] normalised reals, then raw ids -> [..., n_known, E]
+        if self.known_categorical is None:
+            return self.known_embedding(known)
+        n = self.cfg.n_known_real
+        return torch.cat([self.known_embedding(known[..., :n]), self.known_categorical(known[..., n:])], dim=-2)
 
     def _lstm_stage(self, enc_x: Tensor, dec_x: Tensor, c_h: Tensor, c_c: Tensor) -> Tensor:
         n = self.cfg.lstm_layers
@@ -396,22 +451,31 @@ class TemporalFusionTransformer(nn.Module):
         return self.lstm_gate(lstm_out, selected)  # [B, T, D]
 
     def _normalize(self, observed: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
-        return (observed - self.observed_mean) / self.observed_std, (known - self.known_mean) / self.known_std
+        return (_standardize(observed, self.observed_mean, self.observed_std, self.cfg.n_observed_real),
+                _standardize(known, self.known_mean, self.known_std, self.cfg.n_known_real))
+
+    def _statics(self, static_categorical: Tensor, static_real: Tensor | None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        # static_categorical [B, n_static] int64; static_real [B, n_static_real] raw, when the model has them
+        reals = (static_real - self.static_mean) / self.static_std if static_real is not None else None
+        return self._run(self.static_encoder, static_categorical, reals)  # 4 x [B, D], [B, n_static_vars]
 
     def forward(
-        self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor, decoder_known: Tensor
+        self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor, decoder_known: Tensor,
+        static_real: Tensor | None = None,
     ) -> TFTOutput:
-        # static_categorical [B, n_static] int64; encoder_observed [B, L, n_obs];
-        # encoder_known [B, L, n_known]; decoder_known [B, H, n_known]; all raw (unnormalised)
+        # static_categorical [B, n_static] int64; encoder_observed [B, L, n_obs]; encoder_known [B, L, n_known];
+        # decoder_known [B, H, n_known]; static_real [B, n_static_real] (when cfg.n_static_real); all raw, with
+        # categorical columns as ids
         observed, enc_known = self._normalize(encoder_observed, encoder_known)  # [B, L, n_obs], [B, L, n_known]
-        statics = self._run(self.static_encoder, static_categorical)  # 4 x [B, D], [B, n_static]
+        statics = self._statics(static_categorical, static_real)  # 4 x [B, D], [B, n_static_vars]
         c_sel = statics[0]
         enc_x, enc_w = self._run(self._select_encoder, observed, enc_known, c_sel.unsqueeze(1))  # [B, L, D], [B, L, V]
         return self._decode(statics, enc_x, enc_w, decoder_known, encoder_observed[..., LOG_RETURN])
 
     def forward_rows(
         self, static_categorical: Tensor, row_observed: Tensor, row_known: Tensor, row_window: Tensor,
-        window_rows: Tensor, decoder_known: Tensor,
+        window_rows: Tensor, decoder_known: Tensor, static_real: Tensor | None = None,
     ) -> TFTOutput:
         """The forward of overlapping windows, each distinct bar's encoder variable selection run once.
 
@@ -422,7 +486,7 @@ class TemporalFusionTransformer(nn.Module):
         # static_categorical [B, n_static]; row_observed [R, n_obs]; row_known [R, n_known]; row_window [R];
         # window_rows [B, L] int64 in [0, R); decoder_known [B, H, n_known]
         observed, known = self._normalize(row_observed, row_known)  # [R, n_obs], [R, n_known]
-        statics = self._run(self.static_encoder, static_categorical)  # 4 x [B, D], [B, n_static]
+        statics = self._statics(static_categorical, static_real)  # 4 x [B, D], [B, n_static_vars]
         row_x, row_w = self._run(self._select_rows, observed, known, statics[0], row_window)  # [R, D], [R, V]
         # index_select, not row_x[window_rows]: on the CPU its backward (index_add_) sums shared bars in a
         # fixed order, so runs repeat exactly
@@ -445,7 +509,7 @@ class TemporalFusionTransformer(nn.Module):
         # encoder_returns [B, L] raw 1-bar log returns of the encoder bars
         L = self.cfg.encoder_length
         c_sel, c_enr, c_h, c_c, static_w = statics  # 4 x [B, D], [B, n_static]
-        dec_known = (decoder_known - self.known_mean) / self.known_std  # [B, H, n_known]
+        dec_known = _standardize(decoder_known, self.known_mean, self.known_std, self.cfg.n_known_real)
         dec_x, dec_w = self._run(self._select_decoder, dec_known, c_sel)  # [B, H, D], [B, H, n_known]
         temporal = self._run(self._lstm_stage, enc_x, dec_x, c_h, c_c)  # [B, T, D]
 
@@ -471,6 +535,14 @@ class TemporalFusionTransformer(nn.Module):
         rms = (encoder_returns.float().square() * (weights / weights.sum())).sum(dim=1).sqrt()  # [B]
         sigma = torch.maximum(rms, 0.01 * self.target_scale[:1])  # [B]; Max, which fp16 graphs run in half
         return sigma[:, None, None] * self.horizon_root[None, :, None]  # [B, H, 1]
+
+
+def _standardize(x: Tensor, mean: Tensor, std: Tensor, n_real: int) -> Tensor:
+    """(x - mean) / std on the first n_real columns of x [..., V]; the rest (categorical ids) as they are."""
+    z = (x - mean) / std  # [..., V]: whole buffers, which an fp16 export keeps in float32 by name
+    if n_real == x.shape[-1]:
+        return z
+    return torch.cat([z[..., :n_real], x[..., n_real:]], dim=-1)
 
 
 class RowsForward(nn.Module):
