@@ -12,7 +12,9 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from features.categories import cardinality
 from features.compute import BUILTIN_KNOWN, BUILTIN_OBSERVED, STATIC_SYMBOL, FeatureConfig, check_time_zone
+from features.schema import Role
 from trainer.model_config import ModelConfig, check_fields
 
 
@@ -20,6 +22,7 @@ class ConfigError(ValueError):
     """A config file or flag that cannot be used; the message says what to change."""
 
 
+FEATURE_LISTS = ("features", "known_features", "static_features", "categorical_features")  # user column names
 STOPPING_RULES = ("epochs", "patience")  # when a run stops: a resumed run takes them when given, else its own
 BUILTIN_NAMES = (STATIC_SYMBOL, *BUILTIN_OBSERVED, *BUILTIN_KNOWN)  # a user column of one of these names is refused
 # What a resumed run takes from its command; everything else is the run's recipe, kept as its checkpoint holds it
@@ -37,7 +40,10 @@ class TrainConfig:
     encoder_length: int = 60  # past bars the encoder sees (L)
     horizon: int = 5  # future bars forecast (H)
     volatility_window: int = 20  # bars in the rolling-volatility feature
-    features: tuple[str, ...] = ()  # extra numeric parquet columns used as observed features
+    features: tuple[str, ...] = ()  # extra parquet columns used as observed features (known up to the last bar)
+    known_features: tuple[str, ...] = ()  # parquet columns known for future bars too (e.g. a scheduled release)
+    static_features: tuple[str, ...] = ()  # parquet columns constant within a symbol (e.g. its exchange)
+    categorical_features: tuple[str, ...] = ()  # which user columns, of any role, are categories (text or integers)
     calendar_tz: str = "UTC"  # time zone of the time-of-day and day-of-week features, e.g. America/Chicago
     val_fraction: float = 0.15  # last share of the bars (distinct timestamps) used for validation
     test_fraction: float = 0.0  # share of the bars after validation held out as a test split (0 = none)
@@ -78,6 +84,7 @@ class TrainConfig:
             model = {f.name: getattr(self, f.name) for f in fields(ModelConfig) if hasattr(self, f.name)}
             check_fields({**model, "n_observed": 1, "n_known": 1, "static_cardinalities": (1,)}, label)
             check_time_zone(self.calendar_tz)
+            self.feature_config()  # a column in two roles, a categorical column in none
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
@@ -91,13 +98,7 @@ class TrainConfig:
              f"room for training ({key('val_fraction')} + {key('test_fraction')} < 1), got {self.test_fraction} with "
              f"{self.val_fraction}"),
             (self.learning_rate > 0, f"{key('learning_rate')} must be > 0, got {self.learning_rate}"),
-            (len(set(self.features)) == len(self.features),
-             f"{key('features')} lists a column more than once "
-             f"({', '.join(sorted({f for f in self.features if self.features.count(f) > 1}))}); name each once"),
-            (not (named := [f for f in self.features if f in BUILTIN_NAMES]),
-             f"{key('features')} names {', '.join(named)}, the name of a built-in feature (built in: "
-             f"{', '.join(BUILTIN_NAMES)}): the model would hold two features of one name; rename the column, "
-             "e.g. in pyarrow"),
+            *(check for name in FEATURE_LISTS for check in self._name_checks(name, key)),
             (self.precision in ("auto", "fp32", "bf16", "fp16"),
              f"{key('precision')} must be auto, fp32, bf16 or fp16, got {self.precision!r}"),
             (self.grad_checkpointing in ("auto", "on", "off"),
@@ -106,14 +107,42 @@ class TrainConfig:
              f"{key('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
         ]
 
-    def feature_config(self) -> FeatureConfig:
-        return FeatureConfig(self.horizon, self.volatility_window, tuple(self.features), self.calendar_tz)
+    def _name_checks(self, name: str, key: Callable[[str], str]) -> list[tuple[bool, str]]:
+        """(holds, message): the feature list `name` names each column once, and no built-in feature."""
+        names: tuple[str, ...] = getattr(self, name)
+        twice = sorted({f for f in names if names.count(f) > 1})
+        builtin = [f for f in names if f in BUILTIN_NAMES]
+        return [
+            (not twice, f"{key(name)} lists a column more than once ({', '.join(twice)}); name each once"),
+            (not builtin, f"{key(name)} names {', '.join(builtin)}, the name of a built-in feature (built in: "
+             f"{', '.join(BUILTIN_NAMES)}): the model would hold two features of one name; rename the column, "
+             "e.g. in pyarrow"),
+        ]
 
-    def model_config(self, n_observed: int, n_known: int, n_symbols: int) -> ModelConfig:
+    def feature_config(self) -> FeatureConfig:
+        """The features this run computes, before its categorical vocabularies are fitted; ValueError for a
+        column in two roles or a categorical column in none."""
+        return FeatureConfig(self.horizon, self.volatility_window, tuple(self.features), self.calendar_tz,
+                             tuple(self.known_features), tuple(self.static_features),
+                             tuple(self.categorical_features))
+
+    def model_config(self, n_observed: int, n_known: int, n_symbols: int,
+                     features: FeatureConfig | None = None) -> ModelConfig:
+        """The TFT for `n_observed` and `n_known` variables of each role (reals and categoricals) and `n_symbols`
+        symbols; `features` (fitted, with vocabularies) sizes the embeddings of the user categoricals."""
+        schema = (features or self.feature_config()).schema()
+        vocabularies = dict(features.vocabularies) if features is not None else {}
+
+        def rows(names: list[str]) -> tuple[int, ...]:  # embedding rows of each categorical: labels + unknown
+            return tuple(cardinality(vocabularies.get(n, ())) for n in names)
+
         return ModelConfig(
             n_observed=n_observed,
             n_known=n_known,
-            static_cardinalities=(n_symbols,),
+            static_cardinalities=(n_symbols, *rows(schema.categorical(Role.STATIC)[1:])),  # the symbol, then user
+            observed_cardinalities=rows(schema.categorical(Role.OBSERVED)),
+            known_cardinalities=rows(schema.categorical(Role.KNOWN)),
+            n_static_real=len(schema.static_reals),
             hidden_size=self.hidden_size,
             attention_heads=self.attention_heads,
             dropout=self.dropout,

@@ -14,21 +14,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from features.bars import ColumnMap, bars_digest, read_bars
+from features.bars import Bars, ColumnMap, bars_digest, read_bars
 from features.check import format_timestamp
 from features.compute import (
+    BUILTIN_KNOWN,
     COARSE_INTERVALS,
     NS_PER_DAY,
     NS_PER_SECOND,
     DayOffsets,
+    FeatureConfig,
     FeatureFrame,
     build_frame,
     future_timestamps,
     infer_bar_interval_ns,
     known_features,
+    with_vocabularies,
 )
 from features.normalize import MIN_STD, NormStats, spread_of
-from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
+from features.schema import (
+    DECODER_KNOWN,
+    ENCODER_KNOWN,
+    ENCODER_OBSERVED,
+    STATIC_CATEGORICAL,
+    STATIC_REAL,
+    TARGET,
+    Role,
+)
+from features.windows import static_categorical
 from trainer.config import TrainConfig
 
 ROW_OBSERVED = "row_observed"  # float32 [R, n_obs]  observed features of each distinct bar of a batch
@@ -38,26 +50,34 @@ WINDOW_ROWS = "window_rows"  # int64 [B, L]  each window's encoder bars, as indi
 ROW_INPUTS = (STATIC_CATEGORICAL, ROW_OBSERVED, ROW_KNOWN, ROW_WINDOW, WINDOW_ROWS, DECODER_KNOWN)  # forward_rows
 
 
+def row_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """forward_rows' arguments from a row batch: ROW_INPUTS, then STATIC_REAL when the model has static reals."""
+    return (*(batch[name] for name in ROW_INPUTS), *((batch[STATIC_REAL],) if STATIC_REAL in batch else ()))
+
+
 class DataError(ValueError):
     """Data that cannot be trained on (too few bars, an empty split); the message says why."""
 
 
 @dataclass
 class Normalization:
-    observed: NormStats
-    known: NormStats
+    observed: NormStats  # categorical columns: mean 0, std 1 (the model reads their ids raw)
+    known: NormStats  # likewise
     target_scale: np.ndarray  # float32 [H]  std of each horizon's target on the training windows
+    static: NormStats | None = None  # of the user static reals; None when the model has none
 
     def to_dict(self) -> dict[str, object]:
-        return {"observed": self.observed.to_dict(), "known": self.known.to_dict(),
-                "target_scale": self.target_scale.astype(float).tolist()}
+        d = {"observed": self.observed.to_dict(), "known": self.known.to_dict(),
+             "target_scale": self.target_scale.astype(float).tolist()}
+        return d | ({"static": self.static.to_dict()} if self.static is not None else {})
 
     @staticmethod
     def from_dict(d: dict[str, object]) -> Normalization:
-        obs, kn = d["observed"], d["known"]
+        obs, kn, st = d["observed"], d["known"], d.get("static")
         assert isinstance(obs, dict) and isinstance(kn, dict)
         return Normalization(NormStats.from_dict(obs), NormStats.from_dict(kn),
-                             np.asarray(d["target_scale"], dtype=np.float32))
+                             np.asarray(d["target_scale"], dtype=np.float32),
+                             NormStats.from_dict(st) if isinstance(st, dict) else None)
 
 
 class WindowTensors:
@@ -67,7 +87,11 @@ class WindowTensors:
         self.encoder_length = encoder_length
         self.observed = torch.from_numpy(frame.observed)  # [N, n_obs]  NaN in warm-ups: zeroed per batch
         self.known = torch.from_numpy(frame.known)  # [N, n_known]
-        self.series_id = torch.from_numpy(frame.series_id)  # [N]
+        self.static_categorical = torch.from_numpy(  # [N, n_static_cat]  symbol id, then user static ids
+            frame.series_id[:, None] if frame.static_ids is None else static_categorical(frame, np.arange(len(frame))))
+        self.static_real = None if frame.static_real is None else torch.from_numpy(frame.static_real)  # [N, n_sr]
+        # [N, n_known_user]  the user known variables, which the decoder reads from the H rows after the anchor
+        self.known_user = self.known[:, len(BUILTIN_KNOWN):] if frame.config.known_columns else None
         self.targets = torch.from_numpy(np.nan_to_num(frame.targets, nan=0.0))  # [N, H]
         self.offsets = torch.arange(-encoder_length + 1, 1)  # [L]
         self._timestamp_ns = frame.timestamp_ns  # int64 [N]
@@ -79,17 +103,29 @@ class WindowTensors:
                                             last // NS_PER_DAY)
 
     def future_known(self, anchors: torch.Tensor) -> torch.Tensor:
-        """The decoder's calendar features of the windows ending at `anchors`: [B, H, n_known], computed per
-        batch from the nominal future times, as the server does (stored, they would take H times the memory)."""
+        """The decoder's known features of the windows ending at `anchors`: [B, H, n_known]. The calendar is
+        computed per batch from the nominal future times, as the server does (stored, it would take H times the
+        memory); the user known variables are those of the H rows after each anchor (features.windows.decoder_known)."""
         future = future_timestamps(self._timestamp_ns[anchors.numpy()], self._bar_interval_ns, self._horizon)
         if self._offsets is not None:
             future = future + self._offsets.at(future // NS_PER_SECOND)  # local wall-clock time
-        return torch.from_numpy(known_features(future))  # [B, H, n_known]
+        calendar = torch.from_numpy(known_features(future))  # [B, H, 4]
+        if self.known_user is None:
+            return calendar
+        rows = anchors[:, None] + torch.arange(1, self._horizon + 1)  # [B, H]
+        return torch.cat([calendar, self.known_user[rows]], dim=-1)  # [B, H, n_known]
+
+    def statics(self, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The static inputs of the windows ending at `anchors`: STATIC_CATEGORICAL, and STATIC_REAL if any."""
+        out = {STATIC_CATEGORICAL: self.static_categorical[anchors]}  # [B, n_static_cat]
+        if self.static_real is not None:
+            out[STATIC_REAL] = self.static_real[anchors]  # [B, n_static_real]
+        return out
 
     def batch(self, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
         idx = anchors[:, None] + self.offsets  # [B, L]
         return {
-            STATIC_CATEGORICAL: self.series_id[anchors][:, None],  # [B, 1]
+            **self.statics(anchors),  # [B, n_static_cat] (and [B, n_static_real])
             ENCODER_OBSERVED: torch.nan_to_num(self.observed[idx], nan=0.0),  # [B, L, n_obs]
             ENCODER_KNOWN: self.known[idx],  # [B, L, n_known]
             DECODER_KNOWN: self.future_known(anchors),  # [B, H, n_known]
@@ -107,7 +143,7 @@ class WindowTensors:
         window_of = torch.arange(anchors.numel()).repeat_interleave(self.encoder_length)  # [B*L]
         first = torch.full((rows.numel(),), anchors.numel(), dtype=torch.int64)
         return {
-            STATIC_CATEGORICAL: self.series_id[anchors][:, None],  # [B, 1]
+            **self.statics(anchors),  # [B, n_static_cat] (and [B, n_static_real])
             ROW_OBSERVED: torch.nan_to_num(self.observed[rows], nan=0.0),  # [R, n_obs]
             ROW_KNOWN: self.known[rows],  # [R, n_known]
             ROW_WINDOW: first.scatter_reduce_(0, inverse.flatten(), window_of, reduce="amin"),  # [R]
@@ -128,7 +164,7 @@ def unshared_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ROW_WINDOW: torch.arange(b).repeat_interleave(length),  # [B*L]
         WINDOW_ROWS: torch.arange(b * length).view(b, length),  # [B, L]
         DECODER_KNOWN: batch[DECODER_KNOWN],  # [B, H, n_known]
-        **({TARGET: batch[TARGET]} if TARGET in batch else {}),
+        **{name: batch[name] for name in (STATIC_REAL, TARGET) if name in batch},  # [B, n_static_real], [B, H]
     }
 
 
@@ -150,14 +186,21 @@ class PreparedData:
 
 def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -> tuple[np.ndarray, ...]:
     """Per-series row boundaries: train [s, b_val), val [b_val + H, b_test), test [b_test + H, e)."""
-    ts_sorted = np.unique(frame.timestamp_ns)
-    n = ts_sorted.size
-    cut_val = ts_sorted[min(n - 1, int(n * (1.0 - val_fraction - test_fraction)))]
-    cut_test = ts_sorted[min(n - 1, int(n * (1.0 - test_fraction)))] if test_fraction > 0 else ts_sorted[-1] + 1
+    cut_val, cut_test = split_times(frame.timestamp_ns, val_fraction, test_fraction)
     starts, ends = frame.series_bounds[:, 0], frame.series_bounds[:, 1]
     b_val = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_val) for s, e in frame.series_bounds])
     b_test = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_test) for s, e in frame.series_bounds])
     return starts, ends, b_val, b_test, np.array([cut_val, cut_test])
+
+
+def split_times(timestamp_ns: np.ndarray, val_fraction: float, test_fraction: float) -> tuple[int, int]:
+    """The first timestamp of validation and of test (past the last bar when there is no test split), as shares
+    of the distinct timestamps."""
+    ts_sorted = np.unique(timestamp_ns)
+    n = ts_sorted.size
+    cut_val = ts_sorted[min(n - 1, int(n * (1.0 - val_fraction - test_fraction)))]
+    cut_test = ts_sorted[min(n - 1, int(n * (1.0 - test_fraction)))] if test_fraction > 0 else ts_sorted[-1] + 1
+    return int(cut_val), int(cut_test)
 
 
 def check_resumed_bars(stored: str, now: str, source: str) -> None:
@@ -188,26 +231,41 @@ def check_resumed_split(stored: Sequence[int], now: tuple[int, int], test_fracti
 
 
 def warn_about_constant_features(frame: FeatureFrame, train_rows: np.ndarray) -> None:
-    """Warn about an observed feature that never changes over the training rows: it tells the model nothing."""
+    """Warn about an observed or known real feature that never changes over the training rows: it tells the model
+    nothing. Categorical columns are left out (a label the training split never changes is worth no warning here)."""
+    schema = frame.schema
     try:
         spread = spread_of(frame.observed, train_rows)[1]  # [n_observed]
+        known_spread = spread_of(frame.known, train_rows)[1]  # [n_known]
     except ValueError:  # a column without a value: the normalisation's fit says which
         return
-    flat = [name for name, sd in zip(frame.schema.observed, spread, strict=True) if not sd >= MIN_STD]
-    user = set(frame.schema.user_columns)
+    categorical = {*schema.categorical(Role.OBSERVED), *schema.categorical(Role.KNOWN)}
+    user = set(schema.user_columns) - categorical
+    flat = [name for name, sd in zip(schema.observed, spread, strict=True) if not sd >= MIN_STD and
+            name not in categorical]
+    flat_known = [name for name, sd in zip(schema.known, known_spread, strict=True) if not sd >= MIN_STD and
+                  name in user]
     if flat_user := [name for name in flat if name in user]:
         log.warning("user feature(s) %s never change over the training bars: the model learns nothing from them; "
                     "check the column(s) or drop them from --features", ", ".join(flat_user))
+    if flat_known:
+        log.warning("known feature(s) %s never change over the training bars: the model learns nothing from them; "
+                    "check the column(s) or drop them from --known-features", ", ".join(flat_known))
     if flat_builtin := [name for name in flat if name not in user]:
-        why = []
-        if set(flat_builtin) - {"log_volume"}:
-            why.append("bars whose open, high and low equal their close (close-only data) do this for the price "
-                       "features")
-        if "log_volume" in flat_builtin:
-            why.append("a volume that never changes (a feed without volume, all zero) does it for log_volume")
-        log.warning("built-in feature(s) %s never change over the training bars: the model learns nothing from "
-                    "them (harmless). %s; check the columns and their mapping flags", ", ".join(flat_builtin),
-                    "; ".join(why)[:1].upper() + "; ".join(why)[1:])
+        _warn_flat_builtin(flat_builtin)
+
+
+def _warn_flat_builtin(flat_builtin: list[str]) -> None:
+    """The warning for built-in features that never change, with the data that causes it."""
+    why = []
+    if set(flat_builtin) - {"log_volume"}:
+        why.append("bars whose open, high and low equal their close (close-only data) do this for the price "
+                   "features")
+    if "log_volume" in flat_builtin:
+        why.append("a volume that never changes (a feed without volume, all zero) does it for log_volume")
+    log.warning("built-in feature(s) %s never change over the training bars: the model learns nothing from "
+                "them (harmless). %s; check the columns and their mapping flags", ", ".join(flat_builtin),
+                "; ".join(why)[:1].upper() + "; ".join(why)[1:])
 
 
 def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int) -> None:
@@ -234,22 +292,21 @@ def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int)
 
 
 def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = None,
-            symbols: list[str] | None = None, normalization: Normalization | None = None) -> PreparedData:
-    """Read bars, compute features, split, fit normalisation (unless given, as on resume)."""
-    bars = read_bars(parquet, columns, tuple(cfg.features))
+            symbols: list[str] | None = None, normalization: Normalization | None = None,
+            features: FeatureConfig | None = None) -> PreparedData:
+    """Read bars, compute features, split, fit the categorical vocabularies and the normalisation (unless given,
+    as on resume: `symbols`, `normalization` and `features`, the run's fitted feature config)."""
+    fc = features or cfg.feature_config()
+    bars = read_bars(parquet, columns, fc.real_columns, label_columns=fc.categorical_columns)
     for note in bars.notes:
         log.info("bars: %s", note)
     if len(bars) == 0:
         raise DataError(f"{parquet}: no bars (the file holds no rows); give bars to train on")
-    digest = bars_digest(bars, cfg.features)
-    try:
-        frame = build_frame(bars, cfg.feature_config(), symbols)
-        del bars  # the frame holds what training needs; keeping the bars would double the peak
-    except ValueError as exc:
-        if symbols is None:
-            raise
-        raise DataError(f"{exc}: a resumed run keeps its checkpoint's symbols; drop the other symbols' bars, or "
-                        "start a new run (without --resume) to train on them") from None
+    digest = training_digest(bars, fc)
+    if features is None:  # vocabularies of the training split: the bars before validation
+        fc = with_vocabularies(fc, bars, split_times(bars.timestamp_ns, cfg.val_fraction, cfg.test_fraction)[0])
+    frame = _frame(bars, fc, symbols)
+    del bars  # the frame holds what training needs; keeping the bars would double the peak
     starts, ends, b_val, b_test, cuts = split_rows(frame, cfg.val_fraction, cfg.test_fraction)
     train, val, test = split_anchors(frame, cfg, starts, ends, b_val, b_test)
     if normalization is None:
@@ -259,6 +316,22 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
     clim = np.quantile(frame.targets[train], cfg.quantiles, axis=0).T.astype(np.float32)  # [H, Q]
     return PreparedData(frame, WindowTensors(frame, cfg.encoder_length), train, val, test, normalization, clim,
                         (int(cuts[0]), int(cuts[1])), digest)
+
+
+def training_digest(bars: Bars, config: FeatureConfig) -> str:
+    """bars_digest of the bars and every user column the run reads: its reals, and its categoricals' labels."""
+    return bars_digest(bars, config.real_columns, config.categorical_columns)
+
+
+def _frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None) -> FeatureFrame:
+    """build_frame, its refusals (a static column varying within a series, a resumed run's unknown symbol) as
+    DataError."""
+    try:
+        return build_frame(bars, config, symbols)
+    except ValueError as exc:
+        resumed = symbols is not None and not set(bars.series_slices()) <= set(symbols)
+        raise DataError(f"{exc}: a resumed run keeps its checkpoint's symbols; drop the other symbols' bars, or "
+                        "start a new run (without --resume) to train on them" if resumed else str(exc)) from None
 
 
 def split_anchors(frame: FeatureFrame, cfg: TrainConfig, starts: np.ndarray, ends: np.ndarray, b_val: np.ndarray,
@@ -295,5 +368,19 @@ def fit_normalization(frame: FeatureFrame, train: np.ndarray, train_rows: np.nda
                         f"spread of {float(spread.min()):.3g}, so there is no scale to forecast in. Give bars with "
                         "trades (a flat, carried price has nothing to learn), a longer history or more symbols")
     warn_about_constant_features(frame, train_rows)
-    return Normalization(NormStats.fit(frame.observed, train_rows), NormStats.fit(frame.known, train_rows),
-                         NormStats.fit(frame.targets, train).std)
+    schema = frame.schema
+    static = NormStats.fit(frame.static_real, train_rows) if frame.static_real is not None else None
+    return Normalization(_raw_categoricals(NormStats.fit(frame.observed, train_rows), schema.observed,
+                                           schema.categorical(Role.OBSERVED)),
+                         _raw_categoricals(NormStats.fit(frame.known, train_rows), schema.known,
+                                           schema.categorical(Role.KNOWN)),
+                         NormStats.fit(frame.targets, train).std, static)
+
+
+def _raw_categoricals(stats: NormStats, names: list[str], categorical: list[str]) -> NormStats:
+    """`stats` with mean 0 and std 1 for the categorical columns: their ids enter the model as they are."""
+    if not categorical:
+        return stats
+    cat = np.isin(np.array(names), categorical)  # [C]
+    return NormStats(np.where(cat, 0.0, stats.mean).astype(np.float32),
+                     np.where(cat, 1.0, stats.std).astype(np.float32))

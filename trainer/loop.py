@@ -20,11 +20,12 @@ from tqdm import tqdm
 
 from features import package_version
 from features.bars import ColumnMap
+from features.compute import FeatureConfig
 from features.metrics import climatology_forecast, forecast_metrics, format_q_risk, pinball
 from features.schema import MODEL_OUTPUTS, QUANTILES, TARGET
 from trainer.checkpoint import FORMAT, save_atomic, state_digest
 from trainer.config import ConfigError, TrainConfig
-from trainer.data import ROW_INPUTS, Normalization, PreparedData, prepare
+from trainer.data import Normalization, PreparedData, prepare, row_inputs
 from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
 from trainer.distributed import DistContext, init_from_env
 from trainer.loss import pinball_loss
@@ -78,8 +79,10 @@ def build_model(cfg: TrainConfig, data: PreparedData, device: torch.device) -> T
     """The TFT for these data, its normalisation folded in, on `device`."""
     frame, n = data.frame, data.normalization
     model = TemporalFusionTransformer(cfg.model_config(len(frame.schema.observed), len(frame.schema.known),
-                                                       len(frame.symbols)))
-    model.set_normalization(n.observed.mean, n.observed.std, n.known.mean, n.known.std, n.target_scale)
+                                                       len(frame.symbols), frame.config))
+    model.set_normalization(n.observed.mean, n.observed.std, n.known.mean, n.known.std, n.target_scale,
+                            static_mean=n.static.mean if n.static is not None else None,
+                            static_std=n.static.std if n.static is not None else None)
     return model.to(device)
 
 
@@ -155,7 +158,7 @@ class Trainer:
             self._restore(self.resumed)
 
     def _prepare(self) -> PreparedData:
-        """The bars as tensors, with the resumed run's vocabulary and normalisation, or under torchrun rank 0's."""
+        """The bars as tensors, with the resumed run's vocabularies and normalisation, or under torchrun rank 0's."""
         cfg = self.cfg
         if self.resumed is not None:
             data = prepare(self.parquet, cfg, self.columns, *self.resumed.vocabulary())
@@ -164,12 +167,13 @@ class Trainer:
         if not self.dist.enabled:
             return prepare(self.parquet, cfg, self.columns)
 
-        def fitted() -> tuple[list[str], dict[str, Any]]:
+        def fitted() -> tuple[list[str], dict[str, Any], dict[str, Any]]:
             first = prepare(self.parquet, cfg, self.columns)
-            return first.frame.symbols, first.normalization.to_dict()
+            return first.frame.symbols, first.normalization.to_dict(), first.frame.config.to_dict()
 
-        symbols, norm = self.dist.from_main(fitted)
-        return prepare(self.parquet, cfg, self.columns, symbols, Normalization.from_dict(norm))
+        symbols, norm, features = self.dist.from_main(fitted)
+        return prepare(self.parquet, cfg, self.columns, symbols, Normalization.from_dict(norm),
+                       FeatureConfig.from_dict(features))
 
     def _restore(self, resumed: ResumeState) -> None:
         resumed.restore(self.model, self.optimizer, self.scheduler, self.scaler, self.device)
@@ -194,7 +198,7 @@ class Trainer:
 
     def _forward(self, batch: dict[str, torch.Tensor], net: torch.nn.Module | None = None) -> TFTOutput:
         with self.autocast():
-            out: TFTOutput = (net or self.rows_model)(*(batch[name] for name in ROW_INPUTS))
+            out: TFTOutput = (net or self.rows_model)(*row_inputs(batch))
         return out
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

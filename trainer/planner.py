@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from features.schema import TARGET
-from trainer.data import ROW_INPUTS
+from trainer.data import row_inputs
 from trainer.device import AUTOCAST_DTYPES, Precision, autocast_factory
 from trainer.loss import pinball_loss
 from trainer.modeling import TemporalFusionTransformer
@@ -36,7 +36,7 @@ SAFETY_FRACTION = 0.10  # of the budget, kept free for allocator fragmentation, 
 MIN_EFFICIENT_MICRO = 4  # below this many windows per micro-step, "auto" takes gradient checkpointing
 TRIAL_SIZES = (2, 4)  # windows in the two trial steps
 
-BatchFn = Callable[[int], dict[str, Tensor]]  # n -> a CPU batch of n windows (ROW_INPUTS and TARGET)
+BatchFn = Callable[[int], dict[str, Tensor]]  # n -> a CPU batch of n windows (row_inputs and TARGET)
 
 
 class PlanError(ValueError):
@@ -178,7 +178,7 @@ class Trial:
         with _peak_bytes(self.device) as peak:
             batch = self._batch(n)
             with self.autocast():
-                out = self.model.forward_rows(*(batch[name] for name in ROW_INPUTS))
+                out = self.model.forward_rows(*row_inputs(batch))
             loss = pinball_loss(out.quantiles.float(), batch[TARGET], self.quantiles).mean()
             loss.backward()
             del out, loss, batch
@@ -190,7 +190,7 @@ class Trial:
         with _peak_bytes(self.device) as peak, torch.inference_mode():
             batch = self._batch(n)
             with self.autocast():
-                out = self.model.forward_rows(*(batch[name] for name in ROW_INPUTS))
+                out = self.model.forward_rows(*row_inputs(batch))
             del out, batch
         return peak[0]
 

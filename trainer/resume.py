@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from features.bars import ColumnMap
+from features.compute import FeatureConfig
 from trainer.checkpoint import load_checkpoint
 from trainer.config import RESUME_OVERRIDABLE, STOPPING_RULES, TrainConfig, resumed_config
 from trainer.data import Normalization, PreparedData, check_resumed_bars, check_resumed_split
@@ -37,9 +38,11 @@ class ResumeState:
     def columns(self) -> ColumnMap:
         return ColumnMap.from_dict(self.ckpt["column_map"])
 
-    def vocabulary(self) -> tuple[list[str], Normalization]:
-        """The symbols and normalisation the run fitted: a resume keeps both."""
-        return list(self.ckpt["symbols"]), Normalization.from_dict(self.ckpt["normalization"])
+    def vocabulary(self) -> tuple[list[str], Normalization, FeatureConfig]:
+        """The symbols, normalisation and feature config (with its categorical vocabularies) the run fitted: a
+        resume keeps them."""
+        return (list(self.ckpt["symbols"]), Normalization.from_dict(self.ckpt["normalization"]),
+                FeatureConfig.from_dict(self.ckpt["feature_config"]))
 
     def check_data(self, data: PreparedData, test_fraction: float) -> None:
         """DataError unless these bars are the ones the run read, split where it split them."""

@@ -191,8 +191,7 @@ def plan_only(parquet: str, cfg: TrainConfig, budget: int, columns: ColumnMap, r
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    symbols, norm = resumed.vocabulary() if resumed else (None, None)
-    data = prepare(parquet, cfg, columns, symbols, norm)
+    data = prepare(parquet, cfg, columns, *resumed.vocabulary()) if resumed else prepare(parquet, cfg, columns)
     target = _plan_target(cfg, budget)
     model = build_model(cfg, data, target.measure_device)
     notes: tuple[str, ...] = ()
