@@ -39,7 +39,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from export.onnx_export import export_model
+from export.onnx_export import export_model, input_names
 from export.options import DEFAULT_OPSET
 from features.compute import FeatureConfig, build_frame
 from features.schema import MODEL_INPUTS
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     windows, _ = realistic_windows(args, max(2, *args.batches))  # export takes an example of 2 windows
     model = build_model(args, windows)
     t0 = time.perf_counter()
-    example = {name: torch.from_numpy(windows[name][:2]) for name in MODEL_INPUTS}
+    names = input_names(model.cfg)
+    example = {name: torch.from_numpy(windows[name][:2]) for name in names}
     onnx_bytes = export_model(model, example, DEFAULT_OPSET, explain=True).SerializeToString()
     export_s = time.perf_counter() - t0
     cfg = model.cfg
@@ -178,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         print("-" * len(head))
         ratios: dict[int, float] = {}
         for batch in args.batches:
-            feeds = {name: windows[name][:batch] for name in MODEL_INPUTS}
-            tensors = tuple(torch.from_numpy(feeds[name]) for name in MODEL_INPUTS)
+            feeds = {name: windows[name][:batch] for name in names}
+            tensors = tuple(torch.from_numpy(feeds[name]) for name in names)
             with torch.inference_mode():
                 expected = model(*tensors).quantiles.numpy()
             diff = float(np.abs(session.run(["quantiles"], feeds)[0] - expected).max())

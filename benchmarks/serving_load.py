@@ -79,10 +79,10 @@ import psutil
 from grpc import aio
 
 from features.bars import BarDataError, Bars, read_bars
+from features.compute import FeatureConfig
 from features.model_meta import ModelMeta
 from features.ort import preload_cuda_libraries
-from features.schema import MODEL_INPUTS
-from serving.client import series_from_bars
+from serving.client import FutureValues, UserInputs, series_from_bars
 from serving.errors import ModelLoadError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
@@ -137,21 +137,32 @@ def request_pool(bars: Bars, meta: ModelMeta, size: int, seed: int = 0, packed: 
     """`size` one-series requests ending at random bars of random symbols (user columns packed into one
     block with `packed`)."""
     rng = np.random.default_rng(seed)
+    fc = meta.feature_config
     slices = {s: sl for s, sl in bars.series_slices().items() if s in meta.symbols}
     need = meta.bars_required
-    symbols = [s for s, sl in slices.items() if sl.stop - sl.start >= need]
+    after = meta.horizon if fc.known_columns else 0  # bars after the origin: the known columns' future values
+    symbols = [s for s, sl in slices.items() if sl.stop - sl.start >= need + after]
     if not symbols:
-        raise SystemExit(f"no symbol of the model ({', '.join(meta.symbols)}) has {need} bars in the parquet file")
+        raise SystemExit(f"no symbol of the model ({', '.join(meta.symbols)}) has {need + after} bars in the "
+                         "parquet file")
+    inputs = user_inputs(fc)
     pool = []
     for _ in range(size):
         sym = symbols[int(rng.integers(len(symbols)))]
         sl = slices[sym]
-        end = int(rng.integers(sl.start + need, sl.stop + 1))
-        sub = Bars(bars.timestamp_ns[:end], bars.symbol[:end], bars.open[:end], bars.high[:end], bars.low[:end],
-                   bars.close[:end], bars.volume[:end], {u: v[:end] for u, v in bars.user.items()})
-        series = series_from_bars(sub, sym, need, list(meta.feature_config.user_columns), packed=packed)
+        end = int(rng.integers(sl.start + need, sl.stop + 1 - after))
+        future = FutureValues({c: bars.user[c][end:end + after] for c in fc.known_columns if c in bars.user},
+                              {c: bars.labels[c][end:end + after] for c in fc.known_columns if c in bars.labels})
+        series = series_from_bars(bars, sym, need, list(fc.series_reals), packed=packed, last=end - 1, inputs=inputs,
+                                  future=future)
         pool.append(pb.PredictRequest(series=[series]))
     return pool
+
+
+def user_inputs(fc: FeatureConfig) -> UserInputs:
+    """The user columns a request of the model carries, by role."""
+    return UserInputs(reals=fc.series_reals, labels=fc.series_categoricals, static=fc.static_columns,
+                      known=fc.known_columns, categorical=frozenset(fc.categorical_columns))
 
 
 # ---- bare ONNX Runtime ---------------------------------------------------------------------------
@@ -179,7 +190,8 @@ def bare_ort(model: Path, threads: int, provider: str, pool: list[pb.PredictRequ
             raise SystemExit(f"bare ONNX Runtime baseline wanted {provider} but got {session.get_providers()}")
         run = functools.partial(session.run, None)
     columns = [[columns_from_proto(s) for s in r.series] for r in pool]
-    feeds = [{k: v for k, v in prepare(c, meta).inputs.items() if k in MODEL_INPUTS} for c in columns]
+    feeds = [{k: v for k, v in prepare(c, meta).inputs.items() if k in meta.feature_schema.model_inputs}
+             for c in columns]
     for f in feeds[:20]:
         run(f)
     latencies: list[float] = []
@@ -210,7 +222,8 @@ def model_and_bars(p: argparse.ArgumentParser, model: Path, parquet: Path, max_b
     its user columns. A bad file of either ends the command with its message (exit 2), no traceback."""
     try:
         loaded = load_and_warm(model, "cpu", 1, max_batch) if warm else load_model(model, max_batch=max_batch)
-        return loaded, read_bars(parquet, user_columns=tuple(loaded.meta.feature_config.user_columns))
+        fc = loaded.meta.feature_config
+        return loaded, read_bars(parquet, user_columns=fc.real_columns, label_columns=fc.categorical_columns)
     except (ModelLoadError, BarDataError) as exc:
         p.error(str(exc))
 

@@ -27,10 +27,11 @@ import torch
 from torch import Tensor, nn
 
 from export.errors import UsageError
-from features.bars import BarDataError, ColumnMap, bars_digest, read_bars
-from features.schema import ENCODER_OBSERVED, MODEL_INPUTS
+from export.onnx_export import input_names
+from features.bars import BarDataError, ColumnMap
+from features.schema import ENCODER_OBSERVED
 from trainer.config import TrainConfig
-from trainer.data import DataError, Normalization, PreparedData, prepare
+from trainer.data import Normalization, PreparedData, prepare
 from trainer.modeling import TemporalFusionTransformer, TFTOutput
 
 METHOD = "cqr"  # conformalised quantile regression, one additive offset per horizon step and quantile
@@ -62,8 +63,8 @@ class CalibratedModel(nn.Module):
         return non_crossing(quantiles + offsets * scale)  # [B, H, Q]
 
     def forward(self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor,
-                decoder_known: Tensor) -> TFTOutput:
-        out: TFTOutput = self.model(static_categorical, encoder_observed, encoder_known, decoder_known)
+                decoder_known: Tensor, static_real: Tensor | None = None) -> TFTOutput:
+        out: TFTOutput = self.model(static_categorical, encoder_observed, encoder_known, decoder_known, static_real)
         return out._replace(quantiles=self.adjust(out.quantiles, self.model.forecast_scale(encoder_observed)))
 
     def digest(self) -> str:
@@ -131,18 +132,17 @@ def validation_data(ckpt: dict[str, Any], bars: Path | None, column_flags: dict[
                          "--bars with the bars the run trained on")
     cfg = TrainConfig.from_dict(ckpt["train_config"])
     columns = ColumnMap.from_dict({**ckpt["column_map"], **column_flags})
-    try:
-        digest = bars_digest(read_bars(source, columns, tuple(cfg.features)), cfg.features)
-        if digest != ckpt["bars_digest"]:
-            raise UsageError(f"--calibrate: {flag} are not the bars the checkpoint's run trained on (its bars: "
-                             f"{ckpt['data_source']}): their symbols, rows or values differ; calibrate with the "
-                             "run's bars")
-        return prepare(source, cfg, columns, [str(s) for s in ckpt["symbols"]],
+    try:  # the trainer's own reading (every feature column) and digest of the bars read
+        data = prepare(source, cfg, columns, [str(s) for s in ckpt["symbols"]],
                        Normalization.from_dict(ckpt["normalization"]))
     except BarDataError as exc:
         raise UsageError(f"--calibrate: {flag}: {'; '.join(exc.lines()[:3])}") from None
-    except DataError as exc:
+    except ValueError as exc:  # DataError, or features the bars cannot give (a static column that varies)
         raise UsageError(f"--calibrate: {flag}: {exc}") from None
+    if data.bars_digest != ckpt["bars_digest"]:
+        raise UsageError(f"--calibrate: {flag} are not the bars the checkpoint's run trained on (its bars: "
+                         f"{ckpt['data_source']}): their symbols, rows or values differ; calibrate with the run's bars")
+    return data
 
 
 @torch.inference_mode()
@@ -153,7 +153,7 @@ def predict(model: TemporalFusionTransformer, data: PreparedData, anchors: np.nd
     quantiles, scales = [], []
     for chunk in torch.from_numpy(anchors).split(BATCH):
         batch = data.tensors.batch(chunk)
-        quantiles.append(model(*(batch[name] for name in MODEL_INPUTS)).quantiles.float().numpy())
+        quantiles.append(model(*(batch[name] for name in input_names(model.cfg))).quantiles.float().numpy())
         scale = model.forecast_scale(batch[ENCODER_OBSERVED])  # [B or 1, H, 1]
         scales.append(scale.expand(chunk.numel(), -1, -1).float().numpy())
     return np.concatenate(quantiles), np.concatenate(scales)

@@ -1,9 +1,13 @@
 """float32 ONNX graph -> half-precision weights and compute, float32 inputs and outputs (flat graphs).
 
 fp32 stays for sensitive ops (`KEEP_FP32_OPS`), nodes reading a `keep_initializers` tensor (the
-input normalisation) and nodes producing a graph output; the rest runs in half, LayerNormalization
-with float32 statistics. Casts go where a tensor crosses; going to half it is clipped to +-65504
-first, so it saturates rather than becoming inf. Initializers are stored in their readers' precision.
+input normalisation) or a slice or reshape of one, nodes producing a graph output, and ops that only
+move values (`MOVE_OPS`) whose float inputs are all float32: the graph's inputs reach their first
+computing node undigested, raw features with all their digits and categorical ids (exact integers in
+float32, which half holds only up to 2048) exact to their Cast to int64. The rest runs in half,
+LayerNormalization with float32 statistics. Casts go where a tensor crosses; going to half it is
+clipped to +-65504 first, so it saturates rather than becoming inf. Initializers are stored in their
+readers' precision.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ KEEP_FP32_OPS = frozenset({
 })
 # ops that read any element type without computing on the values: never cast their inputs
 _TYPE_AGNOSTIC = frozenset({"Shape", "Size", "Cast"})
+# ops whose output values are some of their float inputs' values: they keep float32 when all those inputs are
+MOVE_OPS = frozenset({
+    "Slice", "Gather", "GatherElements", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Concat", "Split",
+    "Expand", "Tile", "Flatten", "Identity", "Where",
+})
 
 
 class Fp16Error(ValueError):
@@ -79,7 +88,7 @@ class _Converter:
     def __init__(self, m: onnx.ModelProto, keep_inits: set[str]) -> None:
         g = m.graph
         self.inits = {t.name: t for t in g.initializer}
-        self.keep_inits = keep_inits
+        self.kept = set(keep_inits)  # the kept initializers, and slices or reshapes of them
         self.graph_outputs = {o.name for o in g.output}
         inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
         self.elem: dict[str, int] = {  # element type of every tensor in the float32 graph
@@ -92,8 +101,14 @@ class _Converter:
         self.casts: dict[tuple[str, int], str] = {}
 
     def runs_fp32(self, node: onnx.NodeProto) -> bool:
-        return (node.op_type in KEEP_FP32_OPS or any(i in self.keep_inits for i in node.input)
-                or any(o in self.graph_outputs for o in node.output))
+        return (node.op_type in KEEP_FP32_OPS or any(i in self.kept for i in node.input)
+                or any(o in self.graph_outputs for o in node.output) or self._moves_fp32(node))
+
+    def _moves_fp32(self, node: onnx.NodeProto) -> bool:
+        """A MOVE_OPS node whose float inputs are all float32 tensors (graph inputs, kept or fp32 results)."""
+        floats = [i for i in node.input if i and self.elem.get(i) == FLOAT]
+        return (node.op_type in MOVE_OPS and bool(floats)
+                and all(i in self.kept if i in self.inits else self.dtype.get(i) == FLOAT for i in floats))
 
     def cast(self, name: str, to: int) -> str:
         """The name of `name` cast to `to`, adding the Cast (and Clip, going to half) once."""
@@ -112,6 +127,9 @@ class _Converter:
 
     def convert(self, node: onnx.NodeProto) -> None:
         want = FLOAT if self.runs_fp32(node) else HALF
+        floats = [i for i in node.input if i and self.elem.get(i) == FLOAT]
+        if node.op_type in MOVE_OPS and floats and all(i in self.kept for i in floats):
+            self.kept.update(node.output)  # e.g. the normalisation's mean[:n_real]
         if node.op_type not in _TYPE_AGNOSTIC:
             self._convert_inputs(node, want)
         if want == HALF:

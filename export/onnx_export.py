@@ -25,6 +25,7 @@ from features.schema import (
     MODEL_OUTPUTS,
     QUANTILES,
     STATIC_CATEGORICAL,
+    STATIC_REAL,
     STATIC_WEIGHTS,
 )
 from trainer.model_config import ModelConfig
@@ -42,9 +43,15 @@ class QuantilesOnly(nn.Module):
         self.model = model
 
     def forward(self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor,
-                decoder_known: Tensor) -> Tensor:
-        out: TFTOutput = self.model(static_categorical, encoder_observed, encoder_known, decoder_known)
+                decoder_known: Tensor, static_real: Tensor | None = None) -> Tensor:
+        out: TFTOutput = self.model(static_categorical, encoder_observed, encoder_known, decoder_known, static_real)
         return out.quantiles  # [B, H, Q]
+
+
+def input_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The model's inputs in order, as its feature schema's `model_inputs`: MODEL_INPUTS, then STATIC_REAL when it
+    has static reals."""
+    return (*MODEL_INPUTS, STATIC_REAL) if cfg.n_static_real else MODEL_INPUTS
 
 
 def output_names(explain: bool) -> tuple[str, ...]:
@@ -59,13 +66,14 @@ def expected_shapes(cfg: ModelConfig, explain: bool) -> dict[str, tuple[int, ...
         ENCODER_OBSERVED: (L, cfg.n_observed),
         ENCODER_KNOWN: (L, cfg.n_known),
         DECODER_KNOWN: (H, cfg.n_known),
+        STATIC_REAL: (cfg.n_static_real,),
         QUANTILES: (H, cfg.n_quantiles),
         ATTENTION: (H, L + H),
-        STATIC_WEIGHTS: (cfg.n_static,),
+        STATIC_WEIGHTS: (cfg.n_static_vars,),
         ENCODER_WEIGHTS: (L, cfg.n_encoder_vars),
         DECODER_WEIGHTS: (H, cfg.n_known),
     }
-    return {name: shapes[name] for name in (*MODEL_INPUTS, *output_names(explain))}
+    return {name: shapes[name] for name in (*input_names(cfg), *output_names(explain))}
 
 
 @contextlib.contextmanager
@@ -103,18 +111,18 @@ def _describe(exc: BaseException) -> str:
 
 
 def export_model(model: nn.Module, example: dict[str, Tensor], opset: int, explain: bool) -> onnx.ModelProto:
-    """Export with named inputs/outputs, a dynamic batch axis and the weights inside. `example` has at least 2
-    rows: torch.export specialises a dimension of size 0 or 1."""
+    """Export with named inputs/outputs, a dynamic batch axis and the weights inside. `example`: the model's
+    inputs (input_names) in order, each with at least 2 rows: torch.export specialises a dimension of size 0 or 1."""
     module: nn.Module = model if explain else QuantilesOnly(model)
     module.eval()
-    args = tuple(example[name] for name in MODEL_INPUTS)
+    names = list(example)  # the forward's leading parameters; a model without static reals leaves static_real out
     batch = torch.export.Dim(BATCH, min=1)
     try:
         with _quiet_exporter(), torch.no_grad():
             program = torch.onnx.export(
-                module, args, None, input_names=list(MODEL_INPUTS), output_names=list(output_names(explain)),
+                module, tuple(example.values()), None, input_names=names, output_names=list(output_names(explain)),
                 opset_version=opset, dynamo=True, external_data=False,
-                dynamic_shapes={name: {0: batch} for name in MODEL_INPUTS}, optimize=True,
+                dynamic_shapes={name: {0: batch} for name in names}, optimize=True,
                 verify=False,  # the parity check follows, with real windows and several batch sizes
                 report=False, verbose=False)
     except Exception as exc:  # torch raises many unrelated types here; all mean "cannot export"
@@ -176,8 +184,8 @@ def check_interface(proto: onnx.ModelProto, cfg: ModelConfig, explain: bool, ops
     if got_opset != opset:
         problems.append(f"the graph is opset {got_opset}, --opset asked for {opset}")
     inputs, outputs = signature(list(proto.graph.input)), signature(list(proto.graph.output))
-    if [i.name for i in inputs] != list(MODEL_INPUTS):
-        problems.append(f"inputs are {[i.name for i in inputs]}, expected {list(MODEL_INPUTS)}")
+    if [i.name for i in inputs] != list(input_names(cfg)):
+        problems.append(f"inputs are {[i.name for i in inputs]}, expected {list(input_names(cfg))}")
     if [o.name for o in outputs] != list(output_names(explain)):
         problems.append(f"outputs are {[o.name for o in outputs]}, expected {list(output_names(explain))}")
     batch_names = set()

@@ -16,13 +16,14 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from export.onnx_export import input_names
 from features.schema import (
     DECODER_KNOWN,
     ENCODER_KNOWN,
     ENCODER_OBSERVED,
-    MODEL_INPUTS,
     QUANTILES,
     STATIC_CATEGORICAL,
+    STATIC_REAL,
 )
 from trainer.modeling import TemporalFusionTransformer
 
@@ -34,7 +35,7 @@ NOISE = 0.5  # random batches: real windows resampled, plus this many feature st
 @dataclass(frozen=True)
 class Case:
     name: str
-    inputs: dict[str, np.ndarray]  # canonical input name -> array with a leading batch axis
+    inputs: dict[str, np.ndarray]  # canonical input name -> array with a leading batch axis, in the model's order
 
     @property
     def batch(self) -> int:
@@ -62,6 +63,7 @@ class ParityReport:
     rows: list[Row] = field(default_factory=list)
     provider_options: dict[str, str] = field(default_factory=dict)  # what the checked session was given
     real_windows: str = ""  # where the "real windows" case came from: the checkpoint's sample, or --bars
+    inputs: list[str] = field(default_factory=list)  # the model inputs every case feeds
 
     @property
     def passed(self) -> bool:
@@ -74,13 +76,13 @@ class ParityReport:
         worst = max((r.scaled for r in self.rows), default=float("nan"))
         return {"passed": self.passed, "precision": self.precision, "provider": self.provider,
                 "provider_options": self.provider_options, "tolerance": self.tolerance, "max_scaled_error": worst,
-                "real_windows": self.real_windows,
+                "real_windows": self.real_windows, "inputs": self.inputs,
                 "scaled_error": "quantiles: |onnx - torch| / target_scale[h]; weights: |onnx - torch|",
                 "rows": [asdict(r) for r in self.rows]}
 
     def table(self) -> str:
         head = (f"parity: ONNX Runtime ({self.provider}) vs PyTorch eager (CPU, fp32); model {self.precision}, "
-                f"tolerance {self.tolerance:g} on the scaled error")
+                f"tolerance {self.tolerance:g} on the scaled error; every case feeds {', '.join(self.inputs)}")
         cols = f"{'case':<22} {'batch':>5}  {'output':<16} {'max abs err':>11}  {'max rel err':>11}  " \
                f"{'scaled err':>10}  {'tolerance':>9}  pass"
         lines = [head, cols, "-" * len(cols)]
@@ -95,36 +97,51 @@ class ParityReport:
 
 def make_cases(windows: Mapping[str, Tensor | np.ndarray], model: TemporalFusionTransformer,
                batches: Sequence[int] = RANDOM_BATCHES, seed: int = 0) -> list[Case]:
-    """Real windows, then random batches: real windows resampled plus noise, random symbol ids."""
-    real = {name: np.ascontiguousarray(np.asarray(windows[name])) for name in MODEL_INPUTS}
+    """Real windows, then random batches: real windows resampled with noise on the reals, random category ids."""
+    real = {name: np.ascontiguousarray(np.asarray(windows[name])) for name in input_names(model.cfg)}
     n = real[STATIC_CATEGORICAL].shape[0]
     if n == 0:
         raise ValueError("no real windows to check parity on")
-    cases = [Case("real windows", real)]
     rng = np.random.default_rng(seed)
-    obs_std = model.observed_std.detach().cpu().numpy()
-    known_std = model.known_std.detach().cpu().numpy()
-    cards = np.asarray(model.cfg.static_cardinalities)
-    for b in batches:
-        idx = rng.integers(0, n, size=b)
+    return [Case("real windows", real), *(Case(f"random batch {b}", _random_batch(real, model, b, rng))
+                                          for b in batches)]
 
-        def noisy(name: str, std: np.ndarray, idx: np.ndarray = idx) -> np.ndarray:
-            x = real[name][idx]
-            return (x + NOISE * std * rng.standard_normal(x.shape)).astype(np.float32)
 
-        cases.append(Case(f"random batch {b}", {
-            STATIC_CATEGORICAL: (rng.integers(0, 1 << 30, size=(b, cards.size)) % cards).astype(np.int64),
-            ENCODER_OBSERVED: noisy(ENCODER_OBSERVED, obs_std),
-            ENCODER_KNOWN: noisy(ENCODER_KNOWN, known_std),
-            DECODER_KNOWN: noisy(DECODER_KNOWN, known_std),
-        }))
-    return cases
+def _random_batch(real: dict[str, np.ndarray], model: TemporalFusionTransformer, b: int, rng: np.random.Generator
+                  ) -> dict[str, np.ndarray]:
+    """`b` real windows drawn with replacement: reals plus NOISE stds of Gaussian noise; every categorical column
+    (the static ids, the last columns of the time-varying inputs) redrawn uniformly from its vocabulary."""
+    cfg = model.cfg
+    idx = rng.integers(0, real[STATIC_CATEGORICAL].shape[0], size=b)
+
+    def noisy(name: str, std: Tensor, cards: tuple[int, ...] = ()) -> np.ndarray:
+        x = real[name][idx]  # [b, ..., V]
+        x = (x + NOISE * std.detach().cpu().numpy() * rng.standard_normal(x.shape)).astype(np.float32)
+        if cards:  # ids as exact integers, one column per categorical variable
+            x[..., x.shape[-1] - len(cards):] = random_ids(rng, x.shape[:-1], cards)  # exact in float32
+        return x
+
+    out = {
+        STATIC_CATEGORICAL: random_ids(rng, (b,), cfg.static_cardinalities),  # [b, n_static]
+        ENCODER_OBSERVED: noisy(ENCODER_OBSERVED, model.observed_std, cfg.observed_cardinalities),  # [b, L, n_obs]
+        ENCODER_KNOWN: noisy(ENCODER_KNOWN, model.known_std, cfg.known_cardinalities),  # [b, L, n_known]
+        DECODER_KNOWN: noisy(DECODER_KNOWN, model.known_std, cfg.known_cardinalities),  # [b, H, n_known]
+    }
+    if cfg.n_static_real:
+        out[STATIC_REAL] = noisy(STATIC_REAL, model.static_std)  # [b, n_static_real]
+    return out
+
+
+def random_ids(rng: np.random.Generator, shape: tuple[int, ...], cardinalities: Sequence[int]) -> np.ndarray:
+    """int64 [*shape, len(cardinalities)]: ids drawn uniformly from [0, cardinality) of each column."""
+    cards = np.asarray(cardinalities, dtype=np.int64)
+    return rng.integers(0, 1 << 30, size=(*shape, cards.size)) % cards
 
 
 def reference_outputs(model: nn.Module, case: Case, explain: bool) -> list[np.ndarray]:
     """PyTorch eager, fp32, CPU: the truth the ONNX model must reproduce."""
     with torch.inference_mode():
-        out = model(*(torch.from_numpy(case.inputs[name]) for name in MODEL_INPUTS))
+        out = model(*(torch.from_numpy(x) for x in case.inputs.values()))
     tensors = list(out) if explain else [out.quantiles]
     return [t.detach().cpu().float().numpy() for t in tensors]
 
@@ -158,7 +175,7 @@ def check_parity(model: TemporalFusionTransformer, run: Any, cases: Sequence[Cas
     calibrated model wrapping `model`), is `model` when not given."""
     tolerance = TOLERANCE[precision]
     target_scale = model.target_scale.detach().cpu().numpy().astype(np.float64)
-    report = ParityReport(precision, provider, tolerance)
+    report = ParityReport(precision, provider, tolerance, inputs=list(cases[0].inputs) if cases else [])
     explain = len(output_names) > 1
     for case in cases:
         expected = reference_outputs(model if reference is None else reference, case, explain)

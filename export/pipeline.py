@@ -25,7 +25,7 @@ from export import fp16 as fp16_mod
 from export.calibrate import OFFSETS, CalibratedModel, calibrate
 from export.errors import CheckFailed, UsageError, WriteFailed
 from export.files import Staging, leftovers, remove
-from export.onnx_export import check_interface, export_model, output_names, run_checker, signature
+from export.onnx_export import check_interface, export_model, input_names, output_names, run_checker, signature
 from export.options import ExportOptions
 from export.parity import ParityReport, check_parity, make_cases
 from export.placement import PlacementReport, evaluate, profile_placement
@@ -37,13 +37,14 @@ from features import package_version
 from features.compute import FeatureConfig
 from features.files import link_note, print_report
 from features.model_meta import ModelMeta, graph_digest, training_span
-from features.schema import MODEL_INPUTS, FeatureSchema
+from features.schema import STATIC_CATEGORICAL, FeatureSchema
 from trainer.checkpoint import CheckpointError, file_sha256, load_checkpoint, model_from_checkpoint
 from trainer.model_config import ModelConfig
 from trainer.modeling import TemporalFusionTransformer
 
 # the model's normalisation buffers: kept float32 in --fp16 models (raw features need the digits)
 NORMALIZATION_INITIALIZERS = ("observed_mean", "observed_std", "known_mean", "known_std")
+STATIC_NORMALIZATION = ("static_mean", "static_std")  # also, in a model with static reals
 REPORT_ALSO = "the model's metadata keeps the parity and placement reports"  # when stdout cannot take them
 
 Tamper = Callable[[onnx.ModelProto], None]
@@ -110,8 +111,7 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
                 "torch_exporter": "torch.onnx.export(dynamo=True) (torch.export)",
                 "trained_with_torch": str(ckpt["torch_version"]),
                 **({"fp16_kept_fp32_ops": sorted(fp16_mod.KEEP_FP32_OPS),
-                    "fp16_kept_fp32_initializers": [*NORMALIZATION_INITIALIZERS,
-                                                    *([OFFSETS] if opts.calibrate else [])]}
+                    "fp16_kept_fp32_initializers": list(fp32_initializers(cfg, opts.calibrate))}
                    if opts.fp16 else {}),
             },
         )
@@ -119,6 +119,12 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
     except (KeyError, TypeError, ValueError) as exc:
         raise UsageError(f"{opts.checkpoint}: the checkpoint's feature metadata is unusable: {exc}") from None
     return meta
+
+
+def fp32_initializers(cfg: ModelConfig, calibrated: bool) -> tuple[str, ...]:
+    """The buffers an --fp16 graph keeps in float32: the input normalisation and the calibration offsets."""
+    return (*NORMALIZATION_INITIALIZERS, *(STATIC_NORMALIZATION if cfg.n_static_real else ()),
+            *((OFFSETS,) if calibrated else ()))
 
 
 _EXPORTS: OrderedDict[tuple[str, int, bool, str, str], bytes] = OrderedDict()  # the last 4 graphs traced
@@ -145,7 +151,8 @@ def with_meta(proto: onnx.ModelProto, meta: ModelMeta) -> onnx.ModelProto:
     onnx.helper.set_model_props(out, meta.to_props())
     out.producer_name, out.producer_version = "foxhunt-tft export", package_version()
     out.doc_string = (f"foxhunt-tft Temporal Fusion Transformer ({meta.precision}), checkpoint sha256 "
-                      f"{meta.checkpoint_sha256}; inputs {', '.join(MODEL_INPUTS)}; see metadata_props foxhunt.*")
+                      f"{meta.checkpoint_sha256}; inputs {', '.join(i.name for i in proto.graph.input)}; see "
+                      "metadata_props foxhunt.*")
     return out
 
 
@@ -167,15 +174,15 @@ def _placement(model: bytes, opts: ExportOptions, dev: Probe, feeds: dict[str, n
     return evaluate(report, opts.require_device)
 
 
-def build_graph(net: nn.Module, windows: dict[str, np.ndarray], opts: ExportOptions, sha: str,
+def build_graph(net: nn.Module, cfg: ModelConfig, windows: dict[str, np.ndarray], opts: ExportOptions, sha: str,
                 meta: ModelMeta, tamper: Tamper | None) -> onnx.ModelProto:
-    """`net`, the TFT or its CalibratedModel, as an ONNX graph (fp16 with --fp16) with `meta`."""
-    example = {name: torch.from_numpy(windows[name][:2]) for name in MODEL_INPUTS}
-    if example[MODEL_INPUTS[0]].shape[0] < 2:  # torch.export specialises a batch of 1
+    """`net`, the TFT of `cfg` or its CalibratedModel, as an ONNX graph (fp16 with --fp16) with `meta`."""
+    example = {name: torch.from_numpy(windows[name][:2]) for name in input_names(cfg)}
+    if example[STATIC_CATEGORICAL].shape[0] < 2:  # torch.export specialises a batch of 1
         example = {name: x.repeat((2,) + (1,) * (x.dim() - 1)) for name, x in example.items()}
     proto = _export_cached(net, example, opts, sha)
     if opts.fp16:
-        kept = (*NORMALIZATION_INITIALIZERS, *((OFFSETS,) if isinstance(net, CalibratedModel) else ()))
+        kept = fp32_initializers(cfg, isinstance(net, CalibratedModel))
         keep = [t.name for t in proto.graph.initializer if t.name.rsplit(".", 1)[-1] in kept]
         try:
             if len(keep) != len(kept):
@@ -268,13 +275,13 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
     ckpt, model, sha = load(opts)
     meta = base_meta(ckpt, model.cfg, sha, opts)
     windows, source = _real_windows(opts, ckpt, model.cfg, log)
-    _log_checkpoint(opts, ckpt, model.cfg, meta, sha, f"{windows[MODEL_INPUTS[0]].shape[0]} real windows {source}",
-                    log)
+    _log_checkpoint(opts, ckpt, model.cfg, meta, sha,
+                    f"{windows[STATIC_CATEGORICAL].shape[0]} real windows {source}", log)
     calibration = calibrate(ckpt, model, opts.bars, opts.column_flags, log) if opts.calibrate else None
     net = model if calibration is None else CalibratedModel(model, calibration.offsets)
     log(f"exporting with torch.onnx.export(dynamo=True), opset {opts.opset}, {opts.precision}"
         f"{'' if opts.explain else ', quantiles only'} ...")
-    proto = build_graph(net, windows, opts, sha, meta, _tamper)
+    proto = build_graph(net, model.cfg, windows, opts, sha, meta, _tamper)
     parity, placement = _checks(proto, model, net, windows, source, opts, dev, log)
     meta = dataclasses.replace(meta, parity=parity.to_dict(), placement=placement.to_dict(),
                                calibration=None if calibration is None else calibration.to_dict())
@@ -321,11 +328,11 @@ def _checks(proto: onnx.ModelProto, model: TemporalFusionTransformer, net: nn.Mo
     run_checker(proto)
     log("[1/4] onnx.checker (full): ok")
     check_interface(proto, cfg, opts.explain, opts.opset)
-    log(f"[2/4] opset {opts.opset}; inputs {list(MODEL_INPUTS)} and outputs {list(output_names(opts.explain))}: "
+    log(f"[2/4] opset {opts.opset}; inputs {list(input_names(cfg))} and outputs {list(output_names(opts.explain))}: "
         "names, dtypes, dynamic batch axis ok")
     model_bytes = proto.SerializeToString()
     parity, feeds = check_parity_gate(model_bytes, model, net, windows, opts, dev.device if dev.available else "cpu")
-    parity.real_windows = f"{windows[MODEL_INPUTS[0]].shape[0]} {source}"
+    parity.real_windows = f"{windows[STATIC_CATEGORICAL].shape[0]} {source}"
     log(f"[3/4] parity: ok (max scaled error {max(r.scaled for r in parity.rows):.2e} <= {parity.tolerance:g})")
     if opts.precision == "fp16" and parity.provider == "CPUExecutionProvider":
         log("warning: --fp16 parity ran on ONNX Runtime's CPU provider, which computes most fp16 nodes in fp32: "

@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 
 from export.errors import UsageError
+from export.onnx_export import input_names
 from features.bars import BarDataError, Bars, ColumnMap, read_bars
 from features.compute import FeatureConfig, build_frame
-from features.schema import MODEL_INPUTS, STATIC_CATEGORICAL
+from features.schema import STATIC_CATEGORICAL
 from features.windows import anchor_rows, gather_windows
 from trainer.model_config import ModelConfig
 
@@ -25,31 +26,35 @@ def only_symbols(bars: Bars, slices: dict[str, slice], keep: list[str]) -> Bars:
     return dataclasses.replace(
         bars, timestamp_ns=bars.timestamp_ns[rows], symbol=bars.symbol[rows], open=bars.open[rows],
         high=bars.high[rows], low=bars.low[rows], close=bars.close[rows], volume=bars.volume[rows],
-        user={name: column[rows] for name, column in bars.user.items()}, files=list(bars.files),
+        user={name: column[rows] for name, column in bars.user.items()},
+        labels={name: column[rows] for name, column in bars.labels.items()}, files=list(bars.files),
         notes=list(bars.notes))
 
 
-def _as_fed(windows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The windows as the trainer feeds them: int64 symbol ids, float32 features with NaN as 0."""
+def _as_fed(windows: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The model's inputs (input_names) as the trainer feeds them: int64 static ids, float32 features with NaN
+    as 0."""
     out = {STATIC_CATEGORICAL: np.ascontiguousarray(windows[STATIC_CATEGORICAL], dtype=np.int64)}
-    for name in MODEL_INPUTS[1:]:
-        out[name] = np.ascontiguousarray(np.nan_to_num(windows[name].astype(np.float32), nan=0.0))
+    for name in input_names(cfg)[1:]:
+        out[name] = np.ascontiguousarray(np.nan_to_num(np.asarray(windows[name], dtype=np.float32), nan=0.0))
     return out
 
 
 def saved_windows(ckpt: dict[str, Any]) -> dict[str, np.ndarray]:
     """The checkpoint's `validation_sample`: real validation windows written by the trainer."""
-    return _as_fed({name: ckpt["validation_sample"][name].numpy() for name in MODEL_INPUTS})
+    sample = {name: tensor.numpy() for name, tensor in ckpt["validation_sample"].items()}
+    return _as_fed(sample, ModelConfig.from_dict(ckpt["model_config"]))
 
 
 def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column_flags: dict[str, str] | None = None,
                       limit: int = MAX_WINDOWS, log: Callable[[str], None] | None = None) -> dict[str, np.ndarray]:
     """Up to `limit` windows spread evenly over the bars, built as training and serving build them. Columns:
-    the run's names with `column_flags` over them; symbols the model does not know are skipped and logged."""
+    the run's names with `column_flags` over them; symbols the model does not know are skipped and logged.
+    Categorical columns take the checkpoint's vocabularies."""
     try:
         feature_config = FeatureConfig.from_dict(ckpt["feature_config"])
         columns = ColumnMap.from_dict({**(ckpt.get("column_map") or {}), **(column_flags or {})})
-        bars = read_bars(path, columns, tuple(feature_config.user_columns))
+        bars = read_bars(path, columns, feature_config.real_columns, label_columns=feature_config.categorical_columns)
         symbols = [str(s) for s in ckpt["symbols"]]
         slices = bars.series_slices()
         if unknown := [s for s in slices if s not in symbols]:
@@ -74,4 +79,4 @@ def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column
         raise UsageError(f"--bars {path}: no complete window; each needs {feature_config.warmup_bars} warm-up bars "
                          f"plus {cfg.encoder_length} encoder bars of one symbol")
     pick = anchors[np.unique(np.linspace(0, anchors.size - 1, min(limit, anchors.size)).astype(np.int64))]
-    return _as_fed(gather_windows(frame, pick, cfg.encoder_length))
+    return _as_fed(gather_windows(frame, pick, cfg.encoder_length), cfg)

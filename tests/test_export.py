@@ -149,7 +149,8 @@ def test_metadata_round_trip_equals_the_checkpoint(exported: Path, ckpt: Path) -
 def test_interface_names_and_dynamic_batch(exported: Path) -> None:
     model = onnx.load(str(exported))
     onnx.checker.check_model(model, full_check=True)
-    assert [i.name for i in model.graph.input] == list(MODEL_INPUTS)
+    assert [i.name for i in model.graph.input] == list(MODEL_INPUTS)  # no static_real without static reals
+    assert json.loads(props(exported)["foxhunt.parity"])["inputs"] == list(MODEL_INPUTS)
     assert [o.name for o in model.graph.output] == list(MODEL_OUTPUTS)
     for v in (*model.graph.input, *model.graph.output):
         first = v.type.tensor_type.shape.dim[0]
