@@ -37,6 +37,8 @@ from features.schema import (
     EXPLAIN_OUTPUTS,
     QUANTILES,
     STATIC_CATEGORICAL,
+    STATIC_REAL,
+    Role,
 )
 from serving.errors import DeviceUnavailable, ModelLoadError
 
@@ -162,15 +164,21 @@ class LoadedModel:
 
 
 def dummy_inputs(meta: ModelMeta, batch: int) -> dict[str, np.ndarray]:
-    """A valid input of `batch` windows: symbol ids cycle through the vocabulary, features are zero."""
+    """A valid input of `batch` windows for each of the model's inputs (`feature_schema.model_inputs`): symbol
+    ids cycle through the vocabulary; every other value is zero, which is also a valid id (the unknown slot) for
+    the user categoricals."""
     schema, L, H = meta.feature_schema, meta.encoder_length, meta.horizon
     n_obs, n_known = len(schema.observed), len(schema.known)
-    return {
-        STATIC_CATEGORICAL: (np.arange(batch) % len(meta.symbols)).astype(np.int64)[:, None],  # [B, 1]
+    static = np.zeros((batch, len(schema.categorical(Role.STATIC))), dtype=np.int64)  # [B, n_static_cat]
+    static[:, 0] = np.arange(batch) % len(meta.symbols)
+    inputs: dict[str, np.ndarray] = {
+        STATIC_CATEGORICAL: static,
         ENCODER_OBSERVED: np.zeros((batch, L, n_obs), dtype=np.float32),
         ENCODER_KNOWN: np.zeros((batch, L, n_known), dtype=np.float32),
         DECODER_KNOWN: np.zeros((batch, H, n_known), dtype=np.float32),
+        STATIC_REAL: np.zeros((batch, len(schema.static_reals)), dtype=np.float32),
     }
+    return {name: inputs[name] for name in schema.model_inputs}
 
 
 def _session_options(threads: int) -> ort.SessionOptions:

@@ -73,7 +73,7 @@ def build_response(prepared: Prepared, outputs: dict[str, np.ndarray], meta: Mod
             log_return=q[b].ravel().tolist(),
             price=prices[b].ravel().tolist(),
             model_version=version,
-            warnings=warnings.get(b, ()),
+            warnings=(*warnings.get(b, ()), *(f"series[{b}] ({symbol}): {note}" for note in prepared.notes[b])),
         )
         if explain:
             f.explanation.CopyFrom(explanation(prepared, outputs, meta, b))

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from features.bars import block_for
+from features.categories import encode, unseen_note
 from features.compute import latest_windows
 from features.model_meta import ModelMeta
-from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL
+from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, STATIC_REAL
 from serving.errors import RequestError
 from serving.validation import BAR_COLUMNS, SeriesColumns
 
@@ -26,40 +27,120 @@ class Prepared:
     last_close: np.ndarray  # float64 [B]
     future_timestamp_ns: np.ndarray  # int64 [B, H]
     encoder_timestamp_ns: np.ndarray  # int64 [B, L]
+    # [B]: what each window's forecast adds to Forecast.warnings (labels unseen in training); () each for a
+    # model without categorical user features
+    notes: list[tuple[str, ...]]
 
     def rows(self, start: int, stop: int) -> Prepared:
         return Prepared(self.symbols[start:stop], {k: v[start:stop] for k, v in self.inputs.items()},
                         self.last_timestamp_ns[start:stop], self.last_close[start:stop],
-                        self.future_timestamp_ns[start:stop], self.encoder_timestamp_ns[start:stop])
+                        self.future_timestamp_ns[start:stop], self.encoder_timestamp_ns[start:stop],
+                        self.notes[start:stop])
 
 
 def prepare(series: Sequence[SeriesColumns], meta: ModelMeta) -> Prepared:
     """Model inputs for the window ending at each validated series' last bar (its last bars_required bars)."""
     n = meta.bars_required
-    names = tuple(meta.feature_config.user_columns)
+    config = meta.feature_config
+    coded = [encode_series(s, meta) for s in series] if config.categorical_columns else None
     user: np.ndarray | list[np.ndarray]
     if len(series) == 1:  # a lone series: [1, n] views of its columns, no copies
         s = series[0]
         ts, o, h, lo, c, v = (getattr(s, name)[None, -n:] for name in BAR_COLUMNS)
-        block = block_for(s.user, names)
-        user = block[:, -n:] if block is not None else [s.user[u][-n:] for u in names]
-    else:  # [B, n] each; the user columns as one [columns, B * n] block, joined once
+    else:  # [B, n] each
         ts, o, h, lo, c, v = (np.stack([getattr(s, name)[-n:] for s in series]) for name in BAR_COLUMNS)
-        user = np.concatenate([s.user_matrix(names)[:, -n:] for s in series], axis=1) if names else []
+    if coded is None:
+        user = _observed_reals(series, config.user_columns, n)
+    else:  # reals, then categorical ids: [n_observed_user, B * n]
+        user = [np.concatenate(rows) for rows in zip(*(x.observed for x in coded), strict=True)]
+    known = future_known = None
+    if config.known_columns:
+        known, future_known = _known_blocks(series, coded, meta)
     with np.errstate(all="ignore"):  # overflowing features (inf, NaN) are the caller's: nonfinite_problem names them
         # nominal future bar times from the model's bar interval, exactly as in training
-        w = latest_windows(ts, o, h, lo, c, v, user, meta.feature_config, meta.encoder_length, meta.bar_interval_ns)
+        w = latest_windows(ts, o, h, lo, c, v, user, config, meta.encoder_length, meta.bar_interval_ns,
+                           known=known, future_known=future_known)
     index = meta.symbol_index
     static = np.array([[index[s.symbol]] for s in series], dtype=np.int64)  # [B, 1]
+    if config.static_categoricals:
+        static = np.concatenate([static, np.array([x.static for x in coded or ()], dtype=np.int64)], axis=1)
+    inputs = {STATIC_CATEGORICAL: static, ENCODER_OBSERVED: w.encoder_observed, ENCODER_KNOWN: w.encoder_known,
+              DECODER_KNOWN: w.decoder_known}
+    if config.static_reals:  # [B, n_static_real], float64 -> float32 as in training
+        inputs[STATIC_REAL] = np.array([[s.static_reals[u] for u in config.static_reals] for s in series],
+                                       dtype=np.float64).astype(np.float32)
     return Prepared(
         symbols=[s.symbol for s in series],
-        inputs={STATIC_CATEGORICAL: static, ENCODER_OBSERVED: w.encoder_observed, ENCODER_KNOWN: w.encoder_known,
-                DECODER_KNOWN: w.decoder_known},
+        inputs=inputs,
         last_timestamp_ns=ts[:, -1],
         last_close=c[:, -1],
         future_timestamp_ns=w.future_timestamp_ns,
         encoder_timestamp_ns=ts[:, n - meta.encoder_length:],
+        notes=[x.notes for x in coded] if coded is not None else [()] * len(series),
     )
+
+
+def _observed_reals(series: Sequence[SeriesColumns], names: tuple[str, ...], n: int
+                    ) -> np.ndarray | list[np.ndarray]:
+    """The observed real user columns of the last n bars: [n_user, B * n], or [n] columns of a lone series."""
+    if len(series) == 1:  # views of the lone series' columns, no copies
+        s = series[0]
+        block = block_for(s.user, names)
+        return block[:, -n:] if block is not None else [s.user[u][-n:] for u in names]
+    return np.concatenate([s.user_matrix(names)[:, -n:] for s in series], axis=1) if names else []
+
+
+@dataclass
+class Encoded:
+    """One series' user variables of the model's roles, categoricals as ids (float64, exact), and its notes."""
+
+    observed: list[np.ndarray]  # config.observed_user order: float64 [n] each
+    known: list[np.ndarray]  # config.known_user order: float64 [n] each
+    future: list[np.ndarray]  # config.known_user order: float64 [H] each
+    static: list[int]  # config.static_categoricals order: ids
+    notes: tuple[str, ...]  # labels unseen in training, as Forecast.warnings says them
+
+
+def encode_series(s: SeriesColumns, meta: ModelMeta) -> Encoded:
+    """The series' user variables with each label encoded in the model's vocabulary (unseen: the unknown id 0).
+    Notes name the unseen labels among the values the model reads: the encoder bars, the future bars, statics."""
+    config, n, L = meta.feature_config, meta.bars_required, meta.encoder_length
+    ids: dict[str, np.ndarray] = {}  # categorical column -> float64 ids of its bars [n] (and future bars [H])
+    future_ids: dict[str, np.ndarray] = {}
+    unseen: dict[str, np.ndarray] = {}
+    read: dict[str, np.ndarray] = {}  # the labels the model reads, as sent
+    for name in config.series_categoricals:
+        labels = s.labels[name][-n:]
+        if name in s.future_labels:  # a known categorical: the future bars' labels too
+            labels = np.concatenate([labels, s.future_labels[name]])
+        coded, mask = encode(labels, config.vocabulary(name))
+        ids[name], future_ids[name] = coded[:n].astype(np.float64), coded[n:].astype(np.float64)
+        unseen[name], read[name] = mask[n - L:], labels[n - L:]
+    static = []
+    for name in config.static_categoricals:
+        label = np.array([s.static_labels[name]])
+        coded, unseen[name] = encode(label, config.vocabulary(name))
+        static.append(int(coded[0]))
+        read[name] = label
+
+    def values(name: str) -> np.ndarray:
+        return ids[name] if name in ids else np.asarray(s.user[name][-n:], dtype=np.float64)
+
+    return Encoded(observed=[values(u) for u in config.observed_user], known=[values(u) for u in config.known_user],
+                   future=[future_ids[u] if u in future_ids else s.future[u] for u in config.known_user],
+                   static=static, notes=tuple(unseen_note(unseen, read)))
+
+
+def _known_blocks(series: Sequence[SeriesColumns], coded: list[Encoded] | None, meta: ModelMeta
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """float64 [B, n, n_known_user] and [B, H, n_known_user]: the known user variables of the bars and of the
+    future bars (config.known_user order; categoricals as ids)."""
+    n, names = meta.bars_required, meta.feature_config.known_user
+    if coded is None:  # known reals only
+        known = np.stack([np.stack([s.user[u][-n:] for u in names], axis=-1) for s in series])
+        return known, np.stack([np.stack([s.future[u] for u in names], axis=-1) for s in series])
+    return (np.stack([np.stack(x.known, axis=-1) for x in coded]),
+            np.stack([np.stack(x.future, axis=-1) for x in coded]))
 
 
 def nonfinite_problem(prepared: Prepared, series: Sequence[SeriesColumns], meta: ModelMeta) -> RequestError | None:

@@ -17,7 +17,8 @@ import grpc
 from grpc import aio
 
 from features import package_version
-from features.schema import Role
+from features.model_meta import ModelMeta
+from features.schema import Kind, Role
 from serving.batcher import MicroBatcher
 from serving.errors import (
     ExplainUnavailable,
@@ -377,10 +378,9 @@ def model_info(model: LoadedModel, limits: Limits) -> pb.ModelInfo:
         encoder_length=meta.encoder_length,
         horizon=meta.horizon,
         quantiles=list(meta.quantiles),
-        features=[pb.Feature(name=f.name, role=ROLES[f.role], kind=f.kind.value, source=f.source)
-                  for f in meta.feature_schema.features],
+        features=features_info(meta),
         symbols=list(meta.symbols),
-        user_feature_columns=list(meta.feature_config.user_columns),
+        user_feature_columns=list(meta.feature_config.series_reals),
         explain_available=model.explain_available,
         model_version=model.version,
         checkpoint_sha256=meta.checkpoint_sha256,
@@ -401,6 +401,15 @@ def model_info(model: LoadedModel, limits: Limits) -> pb.ModelInfo:
         calendar_tz=meta.feature_config.calendar_tz,
         calibration=calibration_info(meta.calibration, meta.quantiles),
     )
+
+
+def features_info(meta: ModelMeta) -> list[pb.Feature]:
+    """Every model variable with its role, kind and source; a user categorical with its vocabulary."""
+    config = meta.feature_config
+    return [pb.Feature(name=f.name, role=ROLES[f.role], kind=f.kind.value, source=f.source,
+                       vocabulary=config.vocabulary(f.name) if f.source == "user" and f.kind == Kind.CATEGORICAL
+                       else ())
+            for f in meta.feature_schema.features]
 
 
 def calibration_info(calibration: dict[str, Any] | None, quantiles: tuple[float, ...]) -> pb.Calibration | None:

@@ -48,6 +48,11 @@ class SeriesColumns:
     volume: np.ndarray  # float64 [n]
     # float64 [n] each, as sent; a ColumnBlock (rows are the columns) when packed or after `tail`
     user: Mapping[str, np.ndarray] = field(default_factory=dict)
+    labels: Mapping[str, np.ndarray] = field(default_factory=dict)  # time-varying categoricals: str [n] each
+    future: Mapping[str, np.ndarray] = field(default_factory=dict)  # known reals' future bars: float64 [H] each
+    future_labels: Mapping[str, np.ndarray] = field(default_factory=dict)  # known categoricals' future: str [H]
+    static_reals: Mapping[str, float] = field(default_factory=dict)  # static real column -> its value
+    static_labels: Mapping[str, str] = field(default_factory=dict)  # static categorical column -> its label
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
@@ -59,14 +64,16 @@ class SeriesColumns:
             return block
         return np.array([self.user[u] for u in names]) if names else np.empty((0, len(self)))
 
-    def tail(self, n: int, user_columns: Sequence[str]) -> SeriesColumns:
-        """The last `n` bars, with only the model's user columns (as one block)."""
+    def tail(self, n: int, user_columns: Sequence[str], label_columns: Sequence[str] = ()) -> SeriesColumns:
+        """The last `n` bars, with only the model's user columns (as one block) and categorical columns; the
+        future and static values as they are."""
         user: Mapping[str, np.ndarray] = {}
         if user_columns:
             user = ColumnBlock(tuple(user_columns), self.user_matrix(user_columns)[:, -n:])  # [U, n]
         return SeriesColumns(
             self.symbol, self.timestamp_ns[-n:], self.open[-n:], self.high[-n:], self.low[-n:], self.close[-n:],
-            self.volume[-n:], user)
+            self.volume[-n:], user, {c: self.labels[c][-n:] for c in label_columns}, self.future, self.future_labels,
+            self.static_reals, self.static_labels)
 
 
 def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
@@ -80,7 +87,7 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
             raise RequestError(f"{_label(index, series.symbol)}: user feature column {bounded(col.name)} is sent "
                                "twice; send each column once", _field(index, "user_features"))
         plain[col.name] = np.asarray(col.values, dtype=np.float64)
-    return SeriesColumns(
+    columns = SeriesColumns(
         symbol=series.symbol,
         timestamp_ns=np.asarray(series.timestamp_ns, dtype=np.int64),
         open=np.asarray(series.open, dtype=np.float64),
@@ -90,6 +97,32 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
         volume=np.asarray(series.volume, dtype=np.float64),
         user=plain or user,  # both forms at once are refused by _packed_user_columns
     )
+    if series.future_features or series.categorical_features or series.future_categorical_features \
+            or series.static_features or series.static_categorical_features:
+        _covariates_from_proto(series, index, columns)
+    return columns
+
+
+def _covariates_from_proto(series: pb.Series, index: int, columns: SeriesColumns) -> None:
+    """The series' known, static and categorical user values into `columns` (no value checks)."""
+    columns.future = _named(series.future_features, index, series.symbol, "future_features", np.float64)
+    columns.labels = _named(series.categorical_features, index, series.symbol, "categorical_features", str)
+    columns.future_labels = _named(series.future_categorical_features, index, series.symbol,
+                                   "future_categorical_features", str)
+    columns.static_reals = dict(series.static_features)
+    columns.static_labels = dict(series.static_categorical_features)
+
+
+def _named(items: Sequence[pb.Column | pb.Labels], index: int, symbol: str, field_name: str,
+           dtype: type) -> dict[str, np.ndarray]:
+    """Repeated Column or Labels -> name -> array; a name sent twice is refused."""
+    out: dict[str, np.ndarray] = {}
+    for item in items:
+        if item.name in out:
+            raise RequestError(f"{_label(index, symbol)}: {field_name} column {bounded(item.name)} is sent twice; "
+                               "send each column once", _field(index, field_name))
+        out[item.name] = np.asarray(item.values, dtype=dtype)
+    return out
 
 
 def _packed_user_columns(series: pb.Series, index: int) -> ColumnBlock:
@@ -143,7 +176,7 @@ def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     label = _label(i, s.symbol)
     if len(s) == 0 and all(getattr(s, c).shape[0] == 0 for c in BAR_COLUMNS):  # a symbol alone: no bars at all
         _refuse_too_few(i, label, 0, meta)
-    need = meta.feature_config.user_columns
+    need = meta.feature_config.series_reals
     block = block_for(s.user, need)  # a block of exactly the model's columns: no column-by-column steps
     missing = [] if block is not None else [u for u in need if u not in s.user]
     if missing:
@@ -168,6 +201,54 @@ def _refuse_too_few(i: int, label: str, n: int, meta: ModelMeta) -> NoReturn:
         f"({meta.feature_config.warmup_bars} warm-up bars for the rolling features + {meta.encoder_length} encoder "
         f"bars); send the most recent {required} bars, oldest first (GetModelInfo.bars_required)",
         _field(i, "timestamp_ns"))
+
+
+def _check_covariates(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
+    """The known, static and categorical user values a model with such features needs: each column present,
+    with one value per bar sent (categoricals) or per future bar (known columns), future and static reals usable."""
+    config, horizon = meta.feature_config, meta.horizon
+    known_reals = tuple(c for c in config.known_columns if c not in config.categorical_columns)
+    known_labels = tuple(c for c in config.known_columns if c in config.categorical_columns)
+    per_future_bar = "one per future bar (GetModelInfo.horizon)"
+    _check_counts(i, s, "future_features", s.future, known_reals, horizon, "value", per_future_bar)
+    _check_counts(i, s, "categorical_features", s.labels, config.series_categoricals, len(s), "label",
+                  "one per bar sent (len(timestamp_ns))")
+    _check_counts(i, s, "future_categorical_features", s.future_labels, known_labels, horizon, "label",
+                  per_future_bar)
+    for field_name, given, need in (("static_features", s.static_reals, config.static_reals),
+                                    ("static_categorical_features", s.static_labels, config.static_categoricals)):
+        if missing := [c for c in need if c not in given]:
+            raise RequestError(f"{_label(i, s.symbol)}: {field_name} lacks {', '.join(map(repr, missing))}; this "
+                               f"model needs the series' value of each of {', '.join(need)} there",
+                               _field(i, field_name))
+    for name in known_reals:
+        _check_usable(i, s, "future_features", name, s.future[name])
+    for name in config.static_reals:
+        _check_usable(i, s, "static_features", name, np.array([s.static_reals[name]]))
+
+
+def _check_counts(i: int, s: SeriesColumns, field_name: str, given: Mapping[str, np.ndarray], need: Sequence[str],
+                  count: int, unit: str, per: str) -> None:
+    """Every column of `need` in `given`, with exactly `count` values."""
+    if missing := [c for c in need if c not in given]:
+        raise RequestError(f"{_label(i, s.symbol)}: {field_name} column(s) {', '.join(map(repr, missing))} missing; "
+                           f"this model needs exactly {count} {unit}s, {per}, for each of {', '.join(need)}",
+                           _field(i, field_name))
+    for name in need:
+        if (k := given[name].shape[0]) != count:
+            raise RequestError(f"{_label(i, s.symbol)}: {field_name} column {name!r} has {k} {unit}s; it needs "
+                               f"exactly {count} {unit}s, {per}", _field(i, field_name))
+
+
+def _check_usable(i: int, s: SeriesColumns, field_name: str, name: str, values: np.ndarray) -> None:
+    """Finite values within float32's range, as for the user columns of the bars."""
+    with np.errstate(invalid="ignore"):
+        bad = np.flatnonzero(~(np.abs(values) <= F32_MAX))
+    if bad.size:
+        where = f", value {int(bad[0])}" if values.shape[0] > 1 else ""
+        raise RequestError(f"{_label(i, s.symbol)}: {field_name} column {name!r}{where}: {values[bad[0]]} is not a "
+                           "finite number within float32's range; send finite values, as in the training data",
+                           _field(i, field_name))
 
 
 def _check_time_range(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
@@ -294,10 +375,13 @@ def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> None:
         raise RequestError(f"empty request: PredictRequest.series is empty; send at least one series with its most "
                            f"recent {meta.bars_required} bars", "series")
     seen: dict[str, int] = {}
-    user_columns = tuple(meta.feature_config.user_columns)
+    config = meta.feature_config
+    user_columns = config.series_reals
     for i, s in enumerate(series):
         _check_identity(i, s, meta, seen)
         _check_shape(i, s, meta)
+        if config.has_user_inputs:
+            _check_covariates(i, s, meta)
         _check_time_range(i, s, meta)
         if not _looks_valid(s, user_columns):
             _refuse_values(i, s, user_columns)
@@ -308,5 +392,5 @@ def parse_request(request: pb.PredictRequest, meta: ModelMeta) -> list[SeriesCol
     """The request's series as checked numpy columns, trimmed to the bars the model reads."""
     series = [columns_from_proto(s, i) for i, s in enumerate(request.series)]
     validate_series(series, meta)
-    user_columns = tuple(meta.feature_config.user_columns)
-    return [s.tail(meta.bars_required, user_columns) for s in series]
+    config = meta.feature_config
+    return [s.tail(meta.bars_required, config.series_reals, config.series_categoricals) for s in series]

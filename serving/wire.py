@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,10 +16,18 @@ PRICE_FIELDS = ("open", "high", "low", "close", "volume")
 
 def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: ArrayLike, low: ArrayLike,
                 close: ArrayLike, volume: ArrayLike, user: Mapping[str, ArrayLike] | None = None,
-                packed: bool = True) -> pb.Series:
+                packed: bool = True, *, future: Mapping[str, ArrayLike] | None = None,
+                labels: Mapping[str, Sequence[str | int] | np.ndarray] | None = None,
+                future_labels: Mapping[str, Sequence[str | int] | np.ndarray] | None = None,
+                static: Mapping[str, float | str] | None = None) -> pb.Series:
     """One series of a PredictRequest: GetModelInfo.bars_required bars oldest first, `timestamp_ns` in UTC
-    nanoseconds, `user` the model's user feature columns by name (fastest in the model's order), packed as one
-    block unless `packed` is False. Raises ValueError naming a column of the wrong shape or type."""
+    nanoseconds, `user` the model's real user feature columns by name (GetModelInfo.user_feature_columns,
+    fastest in that order), packed as one block unless `packed` is False. A model with known, static or
+    categorical user features also takes: `future`, each known real column's values for the H future bars;
+    `labels`, each time-varying categorical column's labels, one per bar; `future_labels`, each known
+    categorical column's labels for the H future bars; `static`, each static column's value (a str goes to
+    static_categorical_features, a number to static_features). Integer labels are sent as their decimal text.
+    Raises ValueError naming a column of the wrong shape or type."""
     ts = np.asarray(timestamp_ns)
     if ts.ndim != 1:
         raise ValueError(f"timestamp_ns has shape {ts.shape}; give one value per bar (a 1-D array)")
@@ -31,6 +39,7 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
                                                                          strict=True)}
     series = pb.Series(symbol=symbol, timestamp_ns=ts.astype(np.int64).tolist(),
                        **{name: col.tolist() for name, col in columns.items()})
+    _add_covariates(series, n, future or {}, labels or {}, future_labels or {}, static or {})
     if user is None or len(user) == 0:  # a DataFrame has no truth value
         return series
     names = list(user)
@@ -48,14 +57,51 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
     return series
 
 
-def _column(name: str, values: ArrayLike, n: int) -> np.ndarray:
+def _add_covariates(series: pb.Series, n: int, future: Mapping[str, ArrayLike],
+                    labels: Mapping[str, Sequence[str | int] | np.ndarray],
+                    future_labels: Mapping[str, Sequence[str | int] | np.ndarray],
+                    static: Mapping[str, float | str]) -> None:
+    """The known, categorical and static user values into `series`."""
+    series.future_features.extend(pb.Column(name=name, values=_column(f"future feature {name!r}", v).tolist())
+                                  for name, v in future.items())
+    series.categorical_features.extend(pb.Labels(name=name, values=_labels(f"labels {name!r}", v, n))
+                                       for name, v in labels.items())
+    series.future_categorical_features.extend(pb.Labels(name=name, values=_labels(f"future labels {name!r}", v))
+                                              for name, v in future_labels.items())
+    for name, value in static.items():
+        if isinstance(value, str):
+            series.static_categorical_features[name] = value
+        elif isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool):
+            series.static_features[name] = float(value)
+        else:
+            raise ValueError(f"static feature {name!r} is {value!r}; give a number (a static real) or a str (a "
+                             "static categorical's label)")
+
+
+def _column(name: str, values: ArrayLike, n: int | None = None) -> np.ndarray:
+    """float64 [n] (any length when n is None), or ValueError naming the column."""
     try:
         col = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError) as exc:  # numpy's message names neither the column nor the fix
         raise ValueError(f"{name} is not numeric ({exc}); give numbers, one per bar") from None
-    if col.ndim != 1 or col.shape[0] != n:
-        raise ValueError(f"{name} has shape {col.shape}, timestamp_ns has {n} bars; give one value per bar")
+    if col.ndim != 1 or (n is not None and col.shape[0] != n):
+        raise ValueError(f"{name} has shape {col.shape}" + (f", timestamp_ns has {n} bars; give one value per bar"
+                                                            if n is not None else "; give a 1-D array"))
     return col
+
+
+def _labels(name: str, values: Sequence[str | int] | np.ndarray, n: int | None = None) -> list[str]:
+    """Labels as the wire's text: strs as they are, integers as their decimal text; ValueError for others."""
+    array = np.asarray(values)
+    if array.ndim != 1 or (n is not None and array.shape[0] != n):
+        raise ValueError(f"{name} has shape {array.shape}" + (f", timestamp_ns has {n} bars; give one label per bar"
+                                                              if n is not None else "; give a 1-D sequence"))
+    if array.dtype.kind in "iuU":  # integers (their text) or str
+        return [str(x) for x in array.tolist()]
+    for x in array.tolist():
+        if not isinstance(x, str | int) or isinstance(x, bool):
+            raise ValueError(f"{name} holds {x!r} ({type(x).__name__}); give labels as str or integers")
+    return [str(x) for x in array.tolist()]
 
 
 @dataclass(frozen=True)

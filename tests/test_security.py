@@ -421,9 +421,9 @@ PATHLIKE = ("path", "file", "dir", "url", "uri", "location", "filename")
 
 
 def test_requests_carry_no_paths() -> None:
-    """Every string a request can carry is a symbol, a user-feature column name or the request_id a stream
-    only echoes back, and its one bytes field is the packed block of user-feature values (decoded as float64
-    only); none names a file."""
+    """Every string a request can carry is a symbol, a user-feature column name, a category label (looked up in
+    the model's vocabularies) or the request_id a stream only echoes back, and its one bytes field is the packed
+    block of user-feature values (decoded as float64 only); none names a file."""
     service = pb.DESCRIPTOR.services_by_name["Forecaster"]
     strings: set[str] = set()
     seen: set[str] = set()
@@ -444,10 +444,13 @@ def test_requests_carry_no_paths() -> None:
         walk(method.input_type)
     assert strings == {"foxhunt.tft.v1.Series.symbol", "foxhunt.tft.v1.Column.name",
                        "foxhunt.tft.v1.Series.user_feature_names", "foxhunt.tft.v1.Series.user_features_raw",
-                       "foxhunt.tft.v1.PredictRequest.request_id"}
+                       "foxhunt.tft.v1.PredictRequest.request_id", "foxhunt.tft.v1.Labels.name",
+                       "foxhunt.tft.v1.Labels.values", "foxhunt.tft.v1.Series.StaticFeaturesEntry.key",
+                       "foxhunt.tft.v1.Series.StaticCategoricalFeaturesEntry.key",
+                       "foxhunt.tft.v1.Series.StaticCategoricalFeaturesEntry.value"}
 
 
-READERS = {"open", "read_bytes", "read_text", "read_bars", "InferenceSession", "load", "load_model",
+READERS = {"open", "read_bytes", "read_text", "read_bars", "read_table", "InferenceSession", "load", "load_model",
            "TemporaryFile", "write_bytes", "write_text", "unlink", "remove", "rename", "replace", "mkdir"}
 
 
@@ -477,6 +480,7 @@ def test_the_server_opens_only_its_own_files() -> None:
         "server.serve:load_model",  # --model
         "security.read_file:read_bytes",  # --tls-*, --auth-token-file (server and clients)
         "client._symbol_bars:read_bars",  # the client's own --parquet
+        "client.read_future:read_table",  # the client's own --future
         # the offline scorer (python -m serving.score, no server): its --model and --parquet (--out is written by
         # features.files.atomic_output)
         "score._run:load_model", "score._run:read_bars",

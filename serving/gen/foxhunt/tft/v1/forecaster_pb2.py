@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66oxhunt/tft/v1/forecaster.proto\x12\x0e\x66oxhunt.tft.v1\"&\n\x06\x43olumn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x01\"\xdc\x01\n\x06Series\x12\x0e\n\x06symbol\x18\x01 \x01(\t\x12\x14\n\x0ctimestamp_ns\x18\x02 \x03(\x03\x12\x0c\n\x04open\x18\x03 \x03(\x01\x12\x0c\n\x04high\x18\x04 \x03(\x01\x12\x0b\n\x03low\x18\x05 \x03(\x01\x12\r\n\x05\x63lose\x18\x06 \x03(\x01\x12\x0e\n\x06volume\x18\x07 \x03(\x01\x12-\n\ruser_features\x18\x08 \x03(\x0b\x32\x16.foxhunt.tft.v1.Column\x12\x1a\n\x12user_feature_names\x18\t \x03(\t\x12\x19\n\x11user_features_raw\x18\n \x01(\x0c\"]\n\x0ePredictRequest\x12&\n\x06series\x18\x01 \x03(\x0b\x32\x16.foxhunt.tft.v1.Series\x12\x0f\n\x07\x65xplain\x18\x02 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"D\n\x0fVariableWeights\x12\x11\n\tvariables\x18\x01 \x03(\t\x12\r\n\x05steps\x18\x02 \x01(\x05\x12\x0f\n\x07weights\x18\x03 \x03(\x02\"\x9d\x02\n\x0b\x45xplanation\x12\x16\n\x0e\x61ttention_rows\x18\x01 \x01(\x05\x12\x16\n\x0e\x61ttention_cols\x18\x02 \x01(\x05\x12\x11\n\tattention\x18\x03 \x03(\x02\x12\x1e\n\x16\x61ttention_timestamp_ns\x18\x04 \x03(\x03\x12\x37\n\x0estatic_weights\x18\x05 \x01(\x0b\x32\x1f.foxhunt.tft.v1.VariableWeights\x12\x38\n\x0f\x65ncoder_weights\x18\x06 \x01(\x0b\x32\x1f.foxhunt.tft.v1.VariableWeights\x12\x38\n\x0f\x64\x65\x63oder_weights\x18\x07 \x01(\x0b\x32\x1f.foxhunt.tft.v1.VariableWeights\"\x87\x02\n\x08\x46orecast\x12\x0e\n\x06symbol\x18\x01 \x01(\t\x12\x19\n\x11last_timestamp_ns\x18\x02 \x01(\x03\x12\x12\n\nlast_close\x18\x03 \x01(\x01\x12\x14\n\x0ctimestamp_ns\x18\x04 \x03(\x03\x12\x17\n\x0fquantile_levels\x18\x05 \x03(\x01\x12\x0f\n\x07horizon\x18\x06 \x01(\x05\x12\x12\n\nlog_return\x18\x07 \x03(\x01\x12\r\n\x05price\x18\x08 \x03(\x01\x12\x30\n\x0b\x65xplanation\x18\t \x01(\x0b\x32\x1b.foxhunt.tft.v1.Explanation\x12\x15\n\rmodel_version\x18\n \x01(\t\x12\x10\n\x08warnings\x18\x0b \x03(\t\"U\n\x0fPredictResponse\x12+\n\tforecasts\x18\x01 \x03(\x0b\x32\x18.foxhunt.tft.v1.Forecast\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"\x8a\x01\n\x15PredictStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1f.foxhunt.tft.v1.PredictResponse\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1b.foxhunt.tft.v1.StreamError\"O\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x11\n\tcode_name\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06\x66ields\x18\x04 \x03(\t\"\x15\n\x13GetModelInfoRequest\"`\n\x07\x46\x65\x61ture\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x04role\x18\x02 \x01(\x0e\x32\x1b.foxhunt.tft.v1.FeatureRole\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\t\"\xff\x05\n\tModelInfo\x12\x15\n\rbars_required\x18\x01 \x01(\x05\x12\x17\n\x0f\x62\x61r_interval_ns\x18\x02 \x01(\x03\x12\x16\n\x0e\x65ncoder_length\x18\x03 \x01(\x05\x12\x0f\n\x07horizon\x18\x04 \x01(\x05\x12\x11\n\tquantiles\x18\x05 \x03(\x01\x12)\n\x08\x66\x65\x61tures\x18\x06 \x03(\x0b\x32\x17.foxhunt.tft.v1.Feature\x12\x0f\n\x07symbols\x18\x07 \x03(\t\x12\x1c\n\x14user_feature_columns\x18\x08 \x03(\t\x12\x19\n\x11\x65xplain_available\x18\t \x01(\x08\x12\x15\n\rmodel_version\x18\n \x01(\t\x12\x19\n\x11\x63heckpoint_sha256\x18\x0b \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x0c \x01(\t\x12\x12\n\nmodel_path\x18\r \x01(\t\x12\x19\n\x11loaded_at_unix_ns\x18\x0e \x01(\x03\x12\x11\n\tprecision\x18\x0f \x01(\t\x12\x18\n\x10\x64\x65vice_requested\x18\x10 \x01(\t\x12\x10\n\x08provider\x18\x11 \x01(\t\x12\x11\n\tproviders\x18\x12 \x03(\t\x12\x18\n\x10\x66\x61llback_warning\x18\x13 \x01(\t\x12\x11\n\tmax_batch\x18\x14 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x15 \x01(\x03\x12\x16\n\x0emax_concurrent\x18\x16 \x01(\x05\x12\x16\n\x0etorch_imported\x18\x17 \x01(\x08\x12\x16\n\x0eserver_version\x18\x18 \x01(\t\x12>\n\x0b\x62\x61r_columns\x18\x19 \x03(\x0b\x32).foxhunt.tft.v1.ModelInfo.BarColumnsEntry\x12\x13\n\x0b\x63\x61lendar_tz\x18\x1a \x01(\t\x12\x30\n\x0b\x63\x61libration\x18\x1b \x01(\x0b\x32\x1b.foxhunt.tft.v1.Calibration\x1a\x31\n\x0f\x42\x61rColumnsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbe\x01\n\x0b\x43\x61libration\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1a\n\x12validation_windows\x18\x02 \x01(\x05\x12\x0f\n\x07offsets\x18\x03 \x03(\x01\x12\x17\n\x0f\x63overage_before\x18\x04 \x03(\x01\x12\x16\n\x0e\x63overage_after\x18\x05 \x03(\x01\x12 \n\x18interval_coverage_before\x18\x06 \x01(\x01\x12\x1f\n\x17interval_coverage_after\x18\x07 \x01(\x01*w\n\x0b\x46\x65\x61tureRole\x12\x1c\n\x18\x46\x45\x41TURE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x46\x45\x41TURE_ROLE_STATIC\x10\x01\x12\x19\n\x15\x46\x45\x41TURE_ROLE_OBSERVED\x10\x02\x12\x16\n\x12\x46\x45\x41TURE_ROLE_KNOWN\x10\x03\x32\x84\x02\n\nForecaster\x12J\n\x07Predict\x12\x1e.foxhunt.tft.v1.PredictRequest\x1a\x1f.foxhunt.tft.v1.PredictResponse\x12Z\n\rPredictStream\x12\x1e.foxhunt.tft.v1.PredictRequest\x1a%.foxhunt.tft.v1.PredictStreamResponse(\x01\x30\x01\x12N\n\x0cGetModelInfo\x12#.foxhunt.tft.v1.GetModelInfoRequest\x1a\x19.foxhunt.tft.v1.ModelInfoB\'\n\x12\x63om.foxhunt.tft.v1B\x0f\x46orecasterProtoP\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66oxhunt/tft/v1/forecaster.proto\x12\x0e\x66oxhunt.tft.v1\"&\n\x06\x43olumn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x01\"&\n\x06Labels\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\t\"\x9a\x05\n\x06Series\x12\x0e\n\x06symbol\x18\x01 \x01(\t\x12\x14\n\x0ctimestamp_ns\x18\x02 \x03(\x03\x12\x0c\n\x04open\x18\x03 \x03(\x01\x12\x0c\n\x04high\x18\x04 \x03(\x01\x12\x0b\n\x03low\x18\x05 \x03(\x01\x12\r\n\x05\x63lose\x18\x06 \x03(\x01\x12\x0e\n\x06volume\x18\x07 \x03(\x01\x12-\n\ruser_features\x18\x08 \x03(\x0b\x32\x16.foxhunt.tft.v1.Column\x12\x1a\n\x12user_feature_names\x18\t \x03(\t\x12\x19\n\x11user_features_raw\x18\n \x01(\x0c\x12/\n\x0f\x66uture_features\x18\x0b \x03(\x0b\x32\x16.foxhunt.tft.v1.Column\x12\x34\n\x14\x63\x61tegorical_features\x18\x0c \x03(\x0b\x32\x16.foxhunt.tft.v1.Labels\x12;\n\x1b\x66uture_categorical_features\x18\r \x03(\x0b\x32\x16.foxhunt.tft.v1.Labels\x12\x43\n\x0fstatic_features\x18\x0e \x03(\x0b\x32*.foxhunt.tft.v1.Series.StaticFeaturesEntry\x12Z\n\x1bstatic_categorical_features\x18\x0f \x03(\x0b\x32\x35.foxhunt.tft.v1.Series.StaticCategoricalFeaturesEntry\x1a\x35\n\x13StaticFeaturesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a@\n\x1eStaticCategoricalFeaturesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"]\n\x0ePredictRequest\x12&\n\x06series\x18\x01 \x03(\x0b\x32\x16.foxhunt.tft.v1.Series\x12\x0f\n\x07\x65xplain\x18\x02 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"D\n\x0fVariableWeights\x12\x11\n\tvariables\x18\x01 \x03(\t\x12\r\n\x05steps\x18\x02 \x01(\x05\x12\x0f\n\x07weights\x18\x03 \x03(\x02\"\x9d\x02\n\x0b\x45xplanation\x12\x16\n\x0e\x61ttention_rows\x18\x01 \x01(\x05\x12\x16\n\x0e\x61ttention_cols\x18\x02 \x01(\x05\x12\x11\n\tattention\x18\x03 \x03(\x02\x12\x1e\n\x16\x61ttention_timestamp_ns\x18\x04 \x03(\x03\x12\x37\n\x0estatic_weights\x18\x05 \x01(\x0b\x32\x1f.foxhunt.tft.v1.VariableWeights\x12\x38\n\x0f\x65ncoder_weights\x18\x06 \x01(\x0b\x32\x1f.foxhunt.tft.v1.VariableWeights\x12\x38\n\x0f\x64\x65\x63oder_weights\x18\x07 \x01(\x0b\x32\x1f.foxhunt.tft.v1.VariableWeights\"\x87\x02\n\x08\x46orecast\x12\x0e\n\x06symbol\x18\x01 \x01(\t\x12\x19\n\x11last_timestamp_ns\x18\x02 \x01(\x03\x12\x12\n\nlast_close\x18\x03 \x01(\x01\x12\x14\n\x0ctimestamp_ns\x18\x04 \x03(\x03\x12\x17\n\x0fquantile_levels\x18\x05 \x03(\x01\x12\x0f\n\x07horizon\x18\x06 \x01(\x05\x12\x12\n\nlog_return\x18\x07 \x03(\x01\x12\r\n\x05price\x18\x08 \x03(\x01\x12\x30\n\x0b\x65xplanation\x18\t \x01(\x0b\x32\x1b.foxhunt.tft.v1.Explanation\x12\x15\n\rmodel_version\x18\n \x01(\t\x12\x10\n\x08warnings\x18\x0b \x03(\t\"U\n\x0fPredictResponse\x12+\n\tforecasts\x18\x01 \x03(\x0b\x32\x18.foxhunt.tft.v1.Forecast\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"\x8a\x01\n\x15PredictStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1f.foxhunt.tft.v1.PredictResponse\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1b.foxhunt.tft.v1.StreamError\"O\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x11\n\tcode_name\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06\x66ields\x18\x04 \x03(\t\"\x15\n\x13GetModelInfoRequest\"t\n\x07\x46\x65\x61ture\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x04role\x18\x02 \x01(\x0e\x32\x1b.foxhunt.tft.v1.FeatureRole\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\t\x12\x12\n\nvocabulary\x18\x05 \x03(\t\"\xff\x05\n\tModelInfo\x12\x15\n\rbars_required\x18\x01 \x01(\x05\x12\x17\n\x0f\x62\x61r_interval_ns\x18\x02 \x01(\x03\x12\x16\n\x0e\x65ncoder_length\x18\x03 \x01(\x05\x12\x0f\n\x07horizon\x18\x04 \x01(\x05\x12\x11\n\tquantiles\x18\x05 \x03(\x01\x12)\n\x08\x66\x65\x61tures\x18\x06 \x03(\x0b\x32\x17.foxhunt.tft.v1.Feature\x12\x0f\n\x07symbols\x18\x07 \x03(\t\x12\x1c\n\x14user_feature_columns\x18\x08 \x03(\t\x12\x19\n\x11\x65xplain_available\x18\t \x01(\x08\x12\x15\n\rmodel_version\x18\n \x01(\t\x12\x19\n\x11\x63heckpoint_sha256\x18\x0b \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x0c \x01(\t\x12\x12\n\nmodel_path\x18\r \x01(\t\x12\x19\n\x11loaded_at_unix_ns\x18\x0e \x01(\x03\x12\x11\n\tprecision\x18\x0f \x01(\t\x12\x18\n\x10\x64\x65vice_requested\x18\x10 \x01(\t\x12\x10\n\x08provider\x18\x11 \x01(\t\x12\x11\n\tproviders\x18\x12 \x03(\t\x12\x18\n\x10\x66\x61llback_warning\x18\x13 \x01(\t\x12\x11\n\tmax_batch\x18\x14 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x15 \x01(\x03\x12\x16\n\x0emax_concurrent\x18\x16 \x01(\x05\x12\x16\n\x0etorch_imported\x18\x17 \x01(\x08\x12\x16\n\x0eserver_version\x18\x18 \x01(\t\x12>\n\x0b\x62\x61r_columns\x18\x19 \x03(\x0b\x32).foxhunt.tft.v1.ModelInfo.BarColumnsEntry\x12\x13\n\x0b\x63\x61lendar_tz\x18\x1a \x01(\t\x12\x30\n\x0b\x63\x61libration\x18\x1b \x01(\x0b\x32\x1b.foxhunt.tft.v1.Calibration\x1a\x31\n\x0f\x42\x61rColumnsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbe\x01\n\x0b\x43\x61libration\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1a\n\x12validation_windows\x18\x02 \x01(\x05\x12\x0f\n\x07offsets\x18\x03 \x03(\x01\x12\x17\n\x0f\x63overage_before\x18\x04 \x03(\x01\x12\x16\n\x0e\x63overage_after\x18\x05 \x03(\x01\x12 \n\x18interval_coverage_before\x18\x06 \x01(\x01\x12\x1f\n\x17interval_coverage_after\x18\x07 \x01(\x01*w\n\x0b\x46\x65\x61tureRole\x12\x1c\n\x18\x46\x45\x41TURE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x46\x45\x41TURE_ROLE_STATIC\x10\x01\x12\x19\n\x15\x46\x45\x41TURE_ROLE_OBSERVED\x10\x02\x12\x16\n\x12\x46\x45\x41TURE_ROLE_KNOWN\x10\x03\x32\x84\x02\n\nForecaster\x12J\n\x07Predict\x12\x1e.foxhunt.tft.v1.PredictRequest\x1a\x1f.foxhunt.tft.v1.PredictResponse\x12Z\n\rPredictStream\x12\x1e.foxhunt.tft.v1.PredictRequest\x1a%.foxhunt.tft.v1.PredictStreamResponse(\x01\x30\x01\x12N\n\x0cGetModelInfo\x12#.foxhunt.tft.v1.GetModelInfoRequest\x1a\x19.foxhunt.tft.v1.ModelInfoB\'\n\x12\x63om.foxhunt.tft.v1B\x0f\x46orecasterProtoP\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,38 +32,48 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.gen.foxhunt.tft.v1.
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\022com.foxhunt.tft.v1B\017ForecasterProtoP\001'
+  _globals['_SERIES_STATICFEATURESENTRY']._loaded_options = None
+  _globals['_SERIES_STATICFEATURESENTRY']._serialized_options = b'8\001'
+  _globals['_SERIES_STATICCATEGORICALFEATURESENTRY']._loaded_options = None
+  _globals['_SERIES_STATICCATEGORICALFEATURESENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFO_BARCOLUMNSENTRY']._loaded_options = None
   _globals['_MODELINFO_BARCOLUMNSENTRY']._serialized_options = b'8\001'
-  _globals['_FEATUREROLE']._serialized_start=2426
-  _globals['_FEATUREROLE']._serialized_end=2545
+  _globals['_FEATUREROLE']._serialized_start=2932
+  _globals['_FEATUREROLE']._serialized_end=3051
   _globals['_COLUMN']._serialized_start=51
   _globals['_COLUMN']._serialized_end=89
-  _globals['_SERIES']._serialized_start=92
-  _globals['_SERIES']._serialized_end=312
-  _globals['_PREDICTREQUEST']._serialized_start=314
-  _globals['_PREDICTREQUEST']._serialized_end=407
-  _globals['_VARIABLEWEIGHTS']._serialized_start=409
-  _globals['_VARIABLEWEIGHTS']._serialized_end=477
-  _globals['_EXPLANATION']._serialized_start=480
-  _globals['_EXPLANATION']._serialized_end=765
-  _globals['_FORECAST']._serialized_start=768
-  _globals['_FORECAST']._serialized_end=1031
-  _globals['_PREDICTRESPONSE']._serialized_start=1033
-  _globals['_PREDICTRESPONSE']._serialized_end=1118
-  _globals['_PREDICTSTREAMRESPONSE']._serialized_start=1121
-  _globals['_PREDICTSTREAMRESPONSE']._serialized_end=1259
-  _globals['_STREAMERROR']._serialized_start=1261
-  _globals['_STREAMERROR']._serialized_end=1340
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1342
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1363
-  _globals['_FEATURE']._serialized_start=1365
-  _globals['_FEATURE']._serialized_end=1461
-  _globals['_MODELINFO']._serialized_start=1464
-  _globals['_MODELINFO']._serialized_end=2231
-  _globals['_MODELINFO_BARCOLUMNSENTRY']._serialized_start=2182
-  _globals['_MODELINFO_BARCOLUMNSENTRY']._serialized_end=2231
-  _globals['_CALIBRATION']._serialized_start=2234
-  _globals['_CALIBRATION']._serialized_end=2424
-  _globals['_FORECASTER']._serialized_start=2548
-  _globals['_FORECASTER']._serialized_end=2808
+  _globals['_LABELS']._serialized_start=91
+  _globals['_LABELS']._serialized_end=129
+  _globals['_SERIES']._serialized_start=132
+  _globals['_SERIES']._serialized_end=798
+  _globals['_SERIES_STATICFEATURESENTRY']._serialized_start=679
+  _globals['_SERIES_STATICFEATURESENTRY']._serialized_end=732
+  _globals['_SERIES_STATICCATEGORICALFEATURESENTRY']._serialized_start=734
+  _globals['_SERIES_STATICCATEGORICALFEATURESENTRY']._serialized_end=798
+  _globals['_PREDICTREQUEST']._serialized_start=800
+  _globals['_PREDICTREQUEST']._serialized_end=893
+  _globals['_VARIABLEWEIGHTS']._serialized_start=895
+  _globals['_VARIABLEWEIGHTS']._serialized_end=963
+  _globals['_EXPLANATION']._serialized_start=966
+  _globals['_EXPLANATION']._serialized_end=1251
+  _globals['_FORECAST']._serialized_start=1254
+  _globals['_FORECAST']._serialized_end=1517
+  _globals['_PREDICTRESPONSE']._serialized_start=1519
+  _globals['_PREDICTRESPONSE']._serialized_end=1604
+  _globals['_PREDICTSTREAMRESPONSE']._serialized_start=1607
+  _globals['_PREDICTSTREAMRESPONSE']._serialized_end=1745
+  _globals['_STREAMERROR']._serialized_start=1747
+  _globals['_STREAMERROR']._serialized_end=1826
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1828
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1849
+  _globals['_FEATURE']._serialized_start=1851
+  _globals['_FEATURE']._serialized_end=1967
+  _globals['_MODELINFO']._serialized_start=1970
+  _globals['_MODELINFO']._serialized_end=2737
+  _globals['_MODELINFO_BARCOLUMNSENTRY']._serialized_start=2688
+  _globals['_MODELINFO_BARCOLUMNSENTRY']._serialized_end=2737
+  _globals['_CALIBRATION']._serialized_start=2740
+  _globals['_CALIBRATION']._serialized_end=2930
+  _globals['_FORECASTER']._serialized_start=3054
+  _globals['_FORECASTER']._serialized_end=3314
 # @@protoc_insertion_point(module_scope)

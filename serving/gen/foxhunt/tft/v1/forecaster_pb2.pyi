@@ -26,8 +26,30 @@ class Column(_message.Message):
     values: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, name: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class Labels(_message.Message):
+    __slots__ = ("name", "values")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    values: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., values: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class Series(_message.Message):
-    __slots__ = ("symbol", "timestamp_ns", "open", "high", "low", "close", "volume", "user_features", "user_feature_names", "user_features_raw")
+    __slots__ = ("symbol", "timestamp_ns", "open", "high", "low", "close", "volume", "user_features", "user_feature_names", "user_features_raw", "future_features", "categorical_features", "future_categorical_features", "static_features", "static_categorical_features")
+    class StaticFeaturesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class StaticCategoricalFeaturesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SYMBOL_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +60,11 @@ class Series(_message.Message):
     USER_FEATURES_FIELD_NUMBER: _ClassVar[int]
     USER_FEATURE_NAMES_FIELD_NUMBER: _ClassVar[int]
     USER_FEATURES_RAW_FIELD_NUMBER: _ClassVar[int]
+    FUTURE_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CATEGORICAL_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FUTURE_CATEGORICAL_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    STATIC_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    STATIC_CATEGORICAL_FEATURES_FIELD_NUMBER: _ClassVar[int]
     symbol: str
     timestamp_ns: _containers.RepeatedScalarFieldContainer[int]
     open: _containers.RepeatedScalarFieldContainer[float]
@@ -48,7 +75,12 @@ class Series(_message.Message):
     user_features: _containers.RepeatedCompositeFieldContainer[Column]
     user_feature_names: _containers.RepeatedScalarFieldContainer[str]
     user_features_raw: bytes
-    def __init__(self, symbol: _Optional[str] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., open: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ..., low: _Optional[_Iterable[float]] = ..., close: _Optional[_Iterable[float]] = ..., volume: _Optional[_Iterable[float]] = ..., user_features: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., user_feature_names: _Optional[_Iterable[str]] = ..., user_features_raw: _Optional[bytes] = ...) -> None: ...
+    future_features: _containers.RepeatedCompositeFieldContainer[Column]
+    categorical_features: _containers.RepeatedCompositeFieldContainer[Labels]
+    future_categorical_features: _containers.RepeatedCompositeFieldContainer[Labels]
+    static_features: _containers.ScalarMap[str, float]
+    static_categorical_features: _containers.ScalarMap[str, str]
+    def __init__(self, symbol: _Optional[str] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., open: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ..., low: _Optional[_Iterable[float]] = ..., close: _Optional[_Iterable[float]] = ..., volume: _Optional[_Iterable[float]] = ..., user_features: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., user_feature_names: _Optional[_Iterable[str]] = ..., user_features_raw: _Optional[bytes] = ..., future_features: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., categorical_features: _Optional[_Iterable[_Union[Labels, _Mapping]]] = ..., future_categorical_features: _Optional[_Iterable[_Union[Labels, _Mapping]]] = ..., static_features: _Optional[_Mapping[str, float]] = ..., static_categorical_features: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
     __slots__ = ("series", "explain", "request_id")
@@ -149,16 +181,18 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Feature(_message.Message):
-    __slots__ = ("name", "role", "kind", "source")
+    __slots__ = ("name", "role", "kind", "source", "vocabulary")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    VOCABULARY_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: FeatureRole
     kind: str
     source: str
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[FeatureRole, str]] = ..., kind: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    vocabulary: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[FeatureRole, str]] = ..., kind: _Optional[str] = ..., source: _Optional[str] = ..., vocabulary: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("bars_required", "bar_interval_ns", "encoder_length", "horizon", "quantiles", "features", "symbols", "user_feature_columns", "explain_available", "model_version", "checkpoint_sha256", "model_sha256", "model_path", "loaded_at_unix_ns", "precision", "device_requested", "provider", "providers", "fallback_warning", "max_batch", "max_message_bytes", "max_concurrent", "torch_imported", "server_version", "bar_columns", "calendar_tz", "calibration")
