@@ -66,17 +66,20 @@ def bars_before(bars: Bars, cut_ns: int) -> Bars:
     keep = bars.timestamp_ns < cut_ns
     return replace(bars, timestamp_ns=bars.timestamp_ns[keep], symbol=bars.symbol[keep], open=bars.open[keep],
                    high=bars.high[keep], low=bars.low[keep], close=bars.close[keep], volume=bars.volume[keep],
-                   user={name: np.asarray(column)[keep] for name, column in bars.user.items()})
+                   user={name: np.asarray(column)[keep] for name, column in bars.user.items()},
+                   labels={name: np.asarray(column)[keep] for name, column in bars.labels.items()})
 
 
 def write_bars(bars: Bars, path: Path) -> None:
-    """`bars` as a parquet file in the default column layout (user columns by their names), atomically."""
+    """`bars` as a parquet file in the default column layout (user columns by their names, categorical ones as
+    text), atomically."""
     table = pa.table({
         "timestamp": pa.array(bars.timestamp_ns, type=pa.timestamp("ns", tz="UTC")),
         "symbol": pa.array(bars.symbol.astype(str), type=pa.string()),
         **{name: pa.array(np.asarray(getattr(bars, name), dtype=np.float64))
            for name in ("open", "high", "low", "close", "volume")},
         **{name: pa.array(np.asarray(column, dtype=np.float64)) for name, column in bars.user.items()},
+        **{name: pa.array(np.asarray(column).astype(str), type=pa.string()) for name, column in bars.labels.items()},
     })
     with atomic_output(path) as tmp:
         pq.write_table(table, tmp)

@@ -60,9 +60,10 @@ class BacktestPlan:
 def run_backtest(plan: BacktestPlan) -> dict[str, Any]:
     """Every fold, then the forecasts, scores.json, backtest.png and the summary; returns the scores."""
     cfg = plan.config
-    bars = read_bars(plan.parquet, plan.columns, tuple(cfg.features))
+    fc = cfg.feature_config()
+    bars = read_bars(plan.parquet, plan.columns, fc.real_columns, label_columns=fc.categorical_columns)
     folds = make_folds(bars.timestamp_ns, plan.folds, plan.test_span)
-    record = plan.record(bars_digest(bars, cfg.features))
+    record = plan.record(bars_digest(bars, fc.real_columns, fc.categorical_columns))
     _claim(plan.out, record)
     tables = []
     for fold in folds:

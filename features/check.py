@@ -1,4 +1,5 @@
-"""`python -m features.check PATH`: validate bars and print a summary. Exit 0 usable, 2 one line per problem."""
+"""`python -m features.check PATH`: validate bars and print a summary, with each user feature's role and kind.
+Exit 0 usable, 2 one line per problem."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from features.bars import REQUIRED_COLUMNS, BarDataError, Bars, ColumnMap, list_parquet_files, numeric, read_bars
-from features.compute import infer_bar_interval_ns
+from features.compute import FeatureConfig, check_static, infer_bar_interval_ns
 from features.files import reader_went_away
 
 
@@ -51,11 +52,16 @@ def spacing_warning(what: str, timestamp_ns: np.ndarray, interval_ns: int) -> st
 SESSION_BREAK_NS = 3_600_000_000_000  # a gap longer than an hour is a session's end, not a quiet market's bars
 
 
-def summarize(bars: Bars) -> str:
-    """Human-readable summary: symbols, rows, date range, bar interval, session gaps."""
+def series_bounds(bars: Bars) -> np.ndarray:
+    """[start, end) rows of each series: int64 [S, 2]."""
+    return np.array([[sl.start, sl.stop] for sl in bars.series_slices().values()], dtype=np.int64).reshape(-1, 2)
+
+
+def summarize(bars: Bars, config: FeatureConfig | None = None) -> str:
+    """Human-readable summary: symbols, rows, date range, bar interval, session gaps, and the user features of
+    `config` (by default the bars' user columns, observed reals)."""
     slices = bars.series_slices()
-    bounds = np.array([[sl.start, sl.stop] for sl in slices.values()], dtype=np.int64).reshape(-1, 2)
-    interval = infer_bar_interval_ns(bars.timestamp_ns, bounds)
+    interval = infer_bar_interval_ns(bars.timestamp_ns, series_bounds(bars))
     lines = [
         f"files: {len(bars.files)}",
         f"rows: {len(bars)}",
@@ -74,10 +80,40 @@ def summarize(bars: Bars) -> str:
             notes.append(f"{sym}'s bars are mostly {format_duration(own)} apart, the file's most common spacing is "
                          f"{step}: a model trained on all of them takes {step} bars{refused}; if they are bars of "
                          "another size, train them separately (a thin market's bars that skip intervals are fine)")
-    if bars.user:
-        lines.append(f"user feature columns: {', '.join(bars.user)}")
+    lines += feature_lines(bars, config or FeatureConfig(user_columns=tuple(bars.user)))
     lines += [f"note: {note}" for note in (*notes, *bars.notes)]
     return "\n".join(lines)
+
+
+ROLES = (("user_columns", "observed"), ("known_columns", "known"), ("static_columns", "static"))
+MAX_LABELS = 8  # labels a categorical feature's line shows before it counts the rest
+
+
+def feature_lines(bars: Bars, config: FeatureConfig) -> list[str]:
+    """One line per user feature: its role, its kind and, for a categorical, its distinct labels."""
+    lines = []
+    for field, role in ROLES:
+        for name in getattr(config, field):
+            if name not in config.categorical_columns:
+                lines.append(f"  {name}: {role} real")
+                continue
+            labels = np.unique(np.asarray(bars.labels[name]).astype(str))
+            shown = ", ".join(labels[:MAX_LABELS]) + (", ..." if labels.size > MAX_LABELS else "")
+            lines.append(f"  {name}: {role} categorical, {labels.size} distinct label(s): {shown}")
+    return ["user features:", *lines] if lines else []
+
+
+def static_problems(path: str, bars: Bars, config: FeatureConfig) -> list[str]:
+    """One line per static feature whose value changes within a series (where it first does)."""
+    problems = []
+    for name in config.static_columns:
+        categorical = (name,) if name in config.categorical_columns else ()
+        one = FeatureConfig(static_columns=(name,), categorical_columns=categorical)
+        try:
+            check_static(bars, one, series_bounds(bars))
+        except ValueError as exc:
+            problems.append(f"{path}: {exc}")
+    return problems
 
 
 def _gaps(ts: np.ndarray, interval: int) -> str:
@@ -109,7 +145,11 @@ def other_numeric_columns(path: Path, cmap: ColumnMap) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m features.check", description=__doc__)
     p.add_argument("path", help="a parquet file or a directory of them")
-    p.add_argument("--features", default="", help="comma-separated extra numeric columns to check as features")
+    p.add_argument("--features", default="", help="comma-separated numeric columns to check as observed features")
+    p.add_argument("--known-features", default="", help="comma-separated columns known for future bars")
+    p.add_argument("--static-features", default="", help="comma-separated columns constant within a series")
+    p.add_argument("--categorical-features", default="",
+                   help="which of the columns above are categorical (text, dictionary or integer columns)")
     ColumnMap.add_arguments(p)
     args = p.parse_args(argv)
     try:
@@ -120,18 +160,42 @@ def main(argv: list[str] | None = None) -> int:
         return reader_went_away()
 
 
+def names(text: str) -> tuple[str, ...]:
+    """A comma-separated flag's names, as the trainer reads them: stripped, empty ones dropped."""
+    return tuple(c.strip() for c in text.split(",") if c.strip())
+
+
+def feature_config(args: argparse.Namespace) -> FeatureConfig:
+    """The user features the flags name; ValueError for a name in two roles or a categorical in none."""
+    return FeatureConfig(user_columns=names(args.features), known_columns=names(args.known_features),
+                         static_columns=names(args.static_features),
+                         categorical_columns=names(args.categorical_features))
+
+
+def print_problems(path: str, lines: list[str]) -> int:
+    print(f"{path}: {len(lines)} problem(s) found", file=sys.stderr)
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
+    return 2
+
+
 def check(args: argparse.Namespace) -> int:
     """Print the summary of the bars `args` names, or their problems (exit status 2)."""
-    user = tuple(c.strip() for c in args.features.split(",") if c.strip())
     try:
-        bars = read_bars(args.path, ColumnMap.from_args(args), user)
-    except BarDataError as exc:
-        print(f"{args.path}: {len(exc.problems)} problem(s) found", file=sys.stderr)
-        for line in exc.lines():
-            print(f"  {line}", file=sys.stderr)
+        config = feature_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(summarize(bars))
-    if not user and (others := other_numeric_columns(Path(args.path), ColumnMap.from_args(args))):
+    try:
+        bars = read_bars(args.path, ColumnMap.from_args(args), config.real_columns,
+                         label_columns=config.categorical_columns)
+    except BarDataError as exc:
+        return print_problems(args.path, exc.lines())
+    if problems := static_problems(args.path, bars, config):
+        return print_problems(args.path, problems)
+    print(summarize(bars, config))
+    named = (*config.user_columns, *config.known_columns, *config.static_columns)
+    if not named and (others := other_numeric_columns(Path(args.path), ColumnMap.from_args(args))):
         shown = ", ".join(others[:MAX_LISTED]) + (f" ... ({len(others)} in all)" if len(others) > MAX_LISTED else "")
         how = f"add --features {','.join(others)}" if len(others) <= MAX_LISTED else "name those to use in --features"
         print(f"note: columns not checked as features: {shown}; the trainer checks the ones its --features names "

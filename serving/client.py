@@ -1,8 +1,11 @@
 """`python -m serving.client --target HOST:PORT --parquet bars.parquet --symbol ES`: print a forecast.
 
 Asks the server what the model needs (GetModelInfo), reads the bars with the column names the model was
-trained from (the mapping flags given here win), sends the latest `bars_required` bars of the symbol and prints
-a table: per horizon step, the nominal bar time and the quantiles of cumulative log return and of price.
+trained from (the mapping flags given here win), sends the latest `bars_required` bars of the symbol (those up
+to `--origin`) and prints a table: per horizon step, the nominal bar time and the quantiles of cumulative log
+return and of price. A model with user features also gets each categorical's labels per bar, each static
+feature's value once, and each known feature's values for the H bars after the origin: from the bars file when
+it holds them, else from `--future FILE`.
 
 Exit status: 0 done; 2 bad arguments, bars, or TLS/token files; 1 the server answered an error or could not be
 reached (the status code and message are printed); 130 interrupted; 141 the reader of the output went away.
@@ -13,11 +16,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from google.protobuf import json_format
 
 from features.bars import (
@@ -25,16 +32,21 @@ from features.bars import (
     Bars,
     ColumnMap,
     column_names,
+    labels_type,
     lacks_a_column,
+    numeric,
     read_bars,
+    timestamps_ns,
     unusable_user_rows,
     unusable_values,
 )
-from features.check import format_timestamp
+from features.check import format_timestamp, series_bounds
+from features.compute import FeatureConfig, check_static
 from features.files import reader_went_away
 from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
+from serving.score import ScoreError, parse_time
 from serving.security import (
     add_client_arguments,
     call_metadata,
@@ -45,14 +57,63 @@ from serving.security import (
 from serving.wire import ExplanationArrays, forecast_arrays, make_series
 
 
+@dataclass(frozen=True)
+class UserInputs:
+    """What the served model asks of each series beyond the bars (GetModelInfo.features, source user)."""
+
+    reals: tuple[str, ...] = ()  # real columns sent per bar: observed, then known (user_feature_columns)
+    labels: tuple[str, ...] = ()  # categorical columns sent per bar: observed, then known
+    static: tuple[str, ...] = ()  # columns sent once per series: reals and categoricals
+    known: tuple[str, ...] = ()  # columns whose values for the H bars after the origin are sent too
+    categorical: frozenset[str] = frozenset()
+
+    @staticmethod
+    def of(info: pb.ModelInfo) -> UserInputs:
+        user = [f for f in info.features if f.source == "user"]
+        categorical = frozenset(f.name for f in user if f.kind == "categorical")
+        return UserInputs(reals=tuple(info.user_feature_columns),
+                          labels=tuple(f.name for f in user if f.role != pb.FEATURE_ROLE_STATIC
+                                       and f.name in categorical),
+                          static=tuple(f.name for f in user if f.role == pb.FEATURE_ROLE_STATIC),
+                          known=tuple(f.name for f in user if f.role == pb.FEATURE_ROLE_KNOWN),
+                          categorical=categorical)
+
+    @property
+    def real_columns(self) -> tuple[str, ...]:
+        """The real columns to read from the bars: those sent per bar, then the static reals."""
+        return self.reals + tuple(c for c in self.static if c not in self.categorical)
+
+    @property
+    def label_columns(self) -> tuple[str, ...]:
+        """The categorical columns to read from the bars: those sent per bar, then the static ones."""
+        return self.labels + tuple(c for c in self.static if c in self.categorical)
+
+
+@dataclass
+class FutureValues:
+    """The known columns' values for the H bars after the origin."""
+
+    reals: dict[str, np.ndarray] = field(default_factory=dict)  # known real column -> float64 [H]
+    labels: dict[str, np.ndarray] = field(default_factory=dict)  # known categorical column -> str [H]
+
+
 def series_from_bars(bars: Bars, symbol: str, n: int, user_columns: tuple[str, ...] | list[str] = (),
-                     packed: bool = False) -> pb.Series:
-    """The last `n` bars of `symbol` as a request Series; `packed` sends the user columns as one float64
-    block (user_features_raw), far cheaper for wide models."""
+                     packed: bool = False, *, last: int | None = None, inputs: UserInputs | None = None,
+                     future: FutureValues | None = None) -> pb.Series:
+    """The `n` bars of `symbol` up to row `last` (default: its latest) as a request Series; `packed` sends the
+    user columns as one float64 block (user_features_raw), far cheaper for wide models. `inputs` adds the
+    labels per bar and the static values (at row `last`); `future` the known columns' future values."""
     rows = bars.series_slices()[symbol]
-    sl = slice(max(rows.start, rows.stop - n), rows.stop)
+    stop = rows.stop if last is None else last + 1
+    sl = slice(max(rows.start, stop - n), stop)
+    inputs = inputs or UserInputs()
+    static = {c: str(bars.labels[c][stop - 1]) if c in inputs.categorical else float(bars.user[c][stop - 1])
+              for c in inputs.static}
+    future = future or FutureValues()
     return make_series(symbol, bars.timestamp_ns[sl], bars.open[sl], bars.high[sl], bars.low[sl], bars.close[sl],
-                       bars.volume[sl], {u: bars.user[u][sl] for u in user_columns}, packed=packed)
+                       bars.volume[sl], {u: bars.user[u][sl] for u in user_columns}, packed=packed,
+                       labels={c: bars.labels[c][sl] for c in inputs.labels}, static=static,
+                       future=future.reals, future_labels=future.labels)
 
 
 def _time(ns: int) -> str:
@@ -110,14 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=10.0, help="deadline per call in seconds (default 10)")
     p.add_argument("--packed", action="store_true",
                    help="send the user feature columns as one packed float64 block (user_features_raw)")
+    p.add_argument("--origin", help="forecast from the symbol's last bar at or before this time, ISO 8601 UTC "
+                                    "(default: its latest bar)")
+    p.add_argument("--future", help="parquet file of the known features' values for the bars after the origin: "
+                                    "symbol, timestamp and the known columns (a model with known features needs "
+                                    "them where the bars file ends at the origin)")
     ColumnMap.add_arguments(p, "a name not given is the served model's training run's, from GetModelInfo")
     add_client_arguments(p)
     args = p.parse_args(argv)
     check_client_arguments(p, args)
     if args.info:
-        if args.parquet or args.symbol or args.explain or args.packed or ColumnMap.given(args):
+        if args.parquet or args.symbol or args.explain or args.packed or args.origin or args.future \
+                or ColumnMap.given(args):
             p.error("--info prints the model's information alone: leave out --parquet, --symbol, --explain, "
-                    "--packed and the column flags")
+                    "--packed, --origin, --future and the column flags")
         return _interrupted_is_130(_info, args)
     if not args.parquet:
         p.error("the following arguments are required: --parquet (or --info for the model alone)")
@@ -143,6 +210,7 @@ def format_model_info(info: pb.ModelInfo) -> str:
     by_role: dict[str, list[str]] = {}
     for f in info.features:
         by_role.setdefault(roles.get(f.role, "other"), []).append(f.name)
+    labelled = [f for f in info.features if f.vocabulary]  # user categoricals: the labels seen in training
     facts = [
         ("model", f"{info.model_version} ({info.precision}), server {info.server_version}"),
         ("runs on", f"{info.provider} (--device {info.device_requested})"
@@ -156,6 +224,7 @@ def format_model_info(info: pb.ModelInfo) -> str:
         ("user columns", ", ".join(info.user_feature_columns) or "(none)"),
         ("bar columns", ", ".join(f"{k}={v}" for k, v in sorted(info.bar_columns.items())) or "(not recorded)"),
         *((f"{role} features", ", ".join(names)) for role, names in by_role.items()),
+        *([("labels", "; ".join(f"{f.name}: {', '.join(f.vocabulary)}" for f in labelled))] if labelled else []),
         ("calendar", f"time of day and day of week in {info.calendar_tz}"),
         ("limits", f"max batch {info.max_batch} windows, max message {info.max_message_bytes:,} bytes, "
          f"max concurrent {info.max_concurrent}"),
@@ -249,22 +318,116 @@ def _forecast(args: argparse.Namespace) -> int:
 
 
 def build_request(args: argparse.Namespace, info: pb.ModelInfo) -> pb.PredictRequest:
-    """The request for the latest bars of the symbol; Refused says why there is none."""
+    """The request for the symbol's bars up to the origin; Refused says why there is none."""
     if args.explain and not info.explain_available:
         raise Refused("--explain: the server's model was exported without explain outputs (export --no-explain); "
                       "drop --explain, or serve a model exported with them")
     symbol = _symbol(args, info)
-    bars = _symbol_bars(args, info, symbol)
-    rows = bars.series_slices()[symbol]
-    sent = slice(rows.stop - info.bars_required, rows.stop)
+    inputs = UserInputs.of(info)
+    if args.future and not inputs.known:
+        raise Refused("--future: the server's model has no known features, so it takes no future values; leave "
+                      "--future out")
+    bars = _symbol_bars(args, info, symbol, inputs)
+    last = _origin_row(args, info, bars, symbol)
+    sent = slice(last + 1 - info.bars_required, last + 1)
     if (bad := np.flatnonzero(unusable_user_rows(bars)[sent])).size:
-        names = [u for u in info.user_feature_columns if unusable_values(bars.user[u][sent]).any()]
+        names = [u for u in inputs.real_columns if unusable_values(bars.user[u][sent]).any()]
         raise Refused(f"{args.parquet}: user feature column(s) {', '.join(names)} NaN, infinite or past float32's "
-                      f"range in {bad.size} of the latest {info.bars_required} {symbol} bars, which a forecast sends "
-                      f"(the first at {format_timestamp(int(bars.timestamp_ns[sent][bad[0]]))}); the model reads "
-                      "finite values in every bar: fill them in")
-    series = series_from_bars(bars, symbol, info.bars_required, list(info.user_feature_columns), packed=args.packed)
+                      f"range in {bad.size} of the latest {info.bars_required} {symbol} bars"
+                      f"{' up to --origin' if args.origin else ''}, which a forecast sends (the first at "
+                      f"{format_timestamp(int(bars.timestamp_ns[sent][bad[0]]))}); the model reads finite values in "
+                      "every bar: fill them in")
+    future = _future_values(args, info, inputs, bars, symbol, last) if inputs.known else None
+    series = series_from_bars(bars, symbol, info.bars_required, list(info.user_feature_columns), packed=args.packed,
+                              last=last, inputs=inputs, future=future)
     return pb.PredictRequest(series=[series], explain=args.explain)
+
+
+def _origin_row(args: argparse.Namespace, info: pb.ModelInfo, bars: Bars, symbol: str) -> int:
+    """The row of the forecast's last bar: the symbol's latest, or its last at or before --origin."""
+    rows = bars.series_slices()[symbol]
+    if args.origin is None:
+        return rows.stop - 1
+    try:
+        origin_ns = parse_time(args.origin, "--origin")
+    except ScoreError as exc:
+        raise Refused(str(exc)) from None
+    up_to = int(np.searchsorted(bars.timestamp_ns[rows], origin_ns, side="right"))  # bars at or before it
+    if up_to < info.bars_required:
+        raise Refused(f"--origin {args.origin}: {args.parquet} has {up_to} bars of {symbol} up to it; the model needs "
+                      f"the latest {info.bars_required} (GetModelInfo.bars_required): give a later --origin")
+    return rows.start + up_to - 1
+
+
+def _future_values(args: argparse.Namespace, info: pb.ModelInfo, inputs: UserInputs, bars: Bars, symbol: str,
+                   last: int) -> FutureValues:
+    """The known columns' values for the H bars after row `last`: from --future when given, else the bars."""
+    h, rows = info.horizon, bars.series_slices()[symbol]
+    after = f"the {h} bars after {format_timestamp(int(bars.timestamp_ns[last]))}"
+    if args.future:
+        return read_future(Path(args.future), _columns(args, info), symbol, int(bars.timestamp_ns[last]), inputs, h,
+                           after)
+    if (have := rows.stop - 1 - last) < h:
+        raise _too_few(inputs, after, h, f"{args.parquet} has {have} {symbol} bar(s) after it: give them with "
+                       f"--future FILE (symbol, timestamp and {', '.join(inputs.known)} of the next {h} bars)")
+    ahead = slice(last + 1, last + 1 + h)
+    reals = {c: bars.user[c][ahead] for c in inputs.known if c not in inputs.categorical}
+    if bad := [c for c, v in reals.items() if unusable_values(v).any()]:
+        raise Refused(f"{args.parquet}: known feature column(s) {', '.join(bad)} NaN, infinite or past float32's "
+                      f"range in {after}, which a forecast sends: fill them in")
+    return FutureValues(reals, {c: bars.labels[c][ahead] for c in inputs.known if c in inputs.categorical})
+
+
+def read_future(path: Path, columns: ColumnMap, symbol: str, after_ns: int, inputs: UserInputs, horizon: int,
+                after: str) -> FutureValues:
+    """The first `horizon` rows of `symbol` after `after_ns` in the --future file: each known column's values."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise Refused(f"--future {path}: cannot read it as a parquet file ({exc})") from None
+    if missing := [c for c in (columns.timestamp, *inputs.known) if c not in table.column_names]:
+        raise Refused(f"--future {path}: no column {', '.join(missing)}; it needs {columns.timestamp}, "
+                      f"{columns.symbol} and the known features {', '.join(inputs.known)}")
+    if columns.symbol in table.column_names:
+        table = table.filter(pc.equal(table.column(columns.symbol).cast(pa.string()), symbol))
+    ts, problem = timestamps_ns(table.column(columns.timestamp), f"--future {path}", columns.timestamp,
+                                columns.time_unit)
+    if problem is not None or ts is None:
+        raise Refused(str(problem))
+    order = np.argsort(ts, kind="stable")
+    rows = order[ts[order] > after_ns][:horizon]
+    if rows.size < horizon:
+        raise _too_few(inputs, after, horizon, f"--future {path} has {rows.size} {symbol} row(s) after it: give "
+                       f"{', '.join(inputs.known)} of the next {horizon} bars")
+    future = FutureValues()
+    for c in inputs.known:
+        values = table.column(c).take(pa.array(rows))
+        _future_column(path, c, values, c in inputs.categorical, future, after)
+    return future
+
+
+def _too_few(inputs: UserInputs, after: str, horizon: int, source: str) -> Refused:
+    """The refusal of a forecast whose known features lack future values, naming the first known column."""
+    return Refused(f"known feature {inputs.known[0]!r}: the model needs its values for {after} (the forecast's "
+                   f"{horizon} steps), and {source}")
+
+
+def _future_column(path: Path, name: str, values: pa.ChunkedArray, categorical: bool, into: FutureValues,
+                  after: str) -> None:
+    """One known column's future values into `into`; Refused for nulls, the wrong type or unusable reals."""
+    where = f"--future {path}: known feature {name!r}"
+    if values.null_count:
+        raise Refused(f"{where} is null in {values.null_count} of {after}: fill in every value")
+    if categorical:
+        if not labels_type(values.type):
+            raise Refused(f"{where} has type {values.type}; give its labels as text or integers, as in training")
+        into.labels[name] = np.asarray(values.cast(pa.string()).to_numpy(zero_copy_only=False), dtype=object)
+        return
+    if not numeric(values.type):
+        raise Refused(f"{where} has type {values.type}; give numbers")
+    into.reals[name] = np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.float64)
+    if unusable_values(into.reals[name]).any():
+        raise Refused(f"{where} is NaN, infinite or past float32's range in {after}: fill it in")
 
 
 def _symbol(args: argparse.Namespace, info: pb.ModelInfo) -> str:
@@ -277,14 +440,21 @@ def _symbol(args: argparse.Namespace, info: pb.ModelInfo) -> str:
     return str(args.symbol)
 
 
-def _symbol_bars(args: argparse.Namespace, info: pb.ModelInfo, symbol: str) -> Bars:
+def _columns(args: argparse.Namespace, info: pb.ModelInfo) -> ColumnMap:
+    """The bar column names: the flags', else the training run's (GetModelInfo.bar_columns)."""
+    trained = {k: v for k, v in info.bar_columns.items() if k in ColumnMap.__dataclass_fields__}
+    return ColumnMap.from_args(args, trained)
+
+
+def _symbol_bars(args: argparse.Namespace, info: pb.ModelInfo, symbol: str, inputs: UserInputs) -> Bars:
     """The symbol's bars only, at least bars_required; user columns are checked only in the bars sent
     (build_request), so that an indicator's warm-up NaN in the first rows does not stop a forecast."""
     trained = {k: v for k, v in info.bar_columns.items() if k in ColumnMap.__dataclass_fields__}
-    columns = ColumnMap.from_args(args, trained)
-    user = tuple(info.user_feature_columns)
+    columns = _columns(args, info)
+    user = inputs.real_columns
     try:
-        bars = read_bars(args.parquet, columns, user, symbols=[symbol], check_user_values=False)
+        bars = read_bars(args.parquet, columns, user, symbols=[symbol], check_user_values=False,
+                         label_columns=inputs.label_columns)
     except BarDataError as exc:
         lines = [f"{args.parquet}: {len(exc.problems)} problem(s) in the {symbol} bars:",
                  *(f"  {line}" for line in exc.lines())]
@@ -302,7 +472,18 @@ def _symbol_bars(args: argparse.Namespace, info: pb.ModelInfo, symbol: str) -> B
     if rows.stop - rows.start < info.bars_required:
         raise Refused(f"{args.parquet} has {rows.stop - rows.start} bars of {symbol}; the model needs the latest "
                       f"{info.bars_required} (GetModelInfo.bars_required): give more history")
+    _check_static(args, bars, inputs)
     return bars
+
+
+def _check_static(args: argparse.Namespace, bars: Bars, inputs: UserInputs) -> None:
+    """Refused when a static feature changes within the symbol's bars: the request carries one value."""
+    config = FeatureConfig(static_columns=inputs.static,
+                           categorical_columns=tuple(c for c in inputs.static if c in inputs.categorical))
+    try:
+        check_static(bars, config, series_bounds(bars))
+    except ValueError as exc:
+        raise Refused(f"{args.parquet}: {exc}") from None
 
 
 if __name__ == "__main__":

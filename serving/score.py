@@ -5,8 +5,11 @@ Runs the ONNX model on the window ending at every bar with its warm-up and encod
 the training run's column names; the flags win). `--symbols`, `--start` and `--end` choose the origins.
 One row per origin and horizon step: symbol, origin, h, time, close, ret_q<q>, price_q<q>, actual_ret,
 actual_time, split (see docs/serving.md); a summary per split follows on stderr. Origins the server would
-refuse are skipped with a warning. The file is written atomically. Exit status: 0 done, 1 the output could
-not be written, 2 bad arguments, bars or model, 130 interrupted.
+refuse are skipped with a warning, and so are, for a model with known features, the origins within H bars of
+their series' end: the decoder reads the known values of the H bars after each origin from the file. Labels of
+a categorical feature unseen in training are forecast with the unknown category and noted. The file is written
+atomically. Exit status: 0 done, 1 the output could not be written, 2 bad arguments, bars or model, 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -34,14 +37,16 @@ from features.bars import (
     lacks_a_column,
     read_bars,
     unusable_user_rows,
+    unusable_values,
 )
+from features.categories import unseen_note
 from features.check import format_duration, format_timestamp, spacing_warning
 from features.compute import COARSE_INTERVALS, NS_PER_DAY, FeatureFrame, build_frame, future_timestamps
 from features.file_kind import replace_problem
 from features.files import atomic_output, file_argument, link_note
 from features.metrics import pinball
 from features.model_meta import ModelMeta
-from features.schema import MODEL_INPUTS, QUANTILES, STATIC_CATEGORICAL
+from features.schema import QUANTILES, STATIC_CATEGORICAL
 from features.windows import anchor_rows, gather_windows
 from serving.errors import ModelLoadError
 from serving.model import DEVICES, LoadedModel, load_model
@@ -84,16 +89,36 @@ def only_symbols(bars: Bars, symbols: Sequence[str]) -> Bars:
         return np.concatenate([col[sl] for sl in parts]) if parts else col[:0]
 
     return Bars(take(bars.timestamp_ns), take(bars.symbol), take(bars.open), take(bars.high), take(bars.low),
-                take(bars.close), take(bars.volume), {u: take(bars.user[u]) for u in bars.user}, bars.files)
+                take(bars.close), take(bars.volume), {u: take(bars.user[u]) for u in bars.user},
+                {c: take(bars.labels[c]) for c in bars.labels}, bars.files)
+
+
+def _in_range(ts: np.ndarray, start_ns: int | None, end_ns: int | None) -> np.ndarray:
+    """Which of the times `ts` lie in [start_ns, end_ns): bool, ts's shape."""
+    lo = np.iinfo(np.int64).min if start_ns is None else start_ns
+    hi = np.iinfo(np.int64).max if end_ns is None else end_ns
+    return (ts >= lo) & (ts < hi)
 
 
 def origins(frame: FeatureFrame, encoder_length: int, start_ns: int | None, end_ns: int | None) -> np.ndarray:
-    """Every anchor (window end) with its warm-up and encoder bars, in [start_ns, end_ns): int64 [W]."""
+    """Every anchor (window end) with its warm-up and encoder bars, in [start_ns, end_ns): int64 [W]. A model
+    with known features also needs the H bars after it, whose known values its decoder reads."""
     anchors = anchor_rows(frame, encoder_length, require_targets=False)
-    ts = frame.timestamp_ns[anchors]
-    lo = np.iinfo(np.int64).min if start_ns is None else start_ns
-    hi = np.iinfo(np.int64).max if end_ns is None else end_ns
-    return anchors[(ts >= lo) & (ts < hi)]
+    return anchors[_in_range(frame.timestamp_ns[anchors], start_ns, end_ns)]
+
+
+def origins_without_future(frame: FeatureFrame, encoder_length: int, start_ns: int | None,
+                           end_ns: int | None) -> dict[str, int]:
+    """Per symbol, the origins in range that a model with known features cannot forecast: those within H bars
+    of their series' end, where the file holds no future known values. Empty for a model without them."""
+    if not frame.config.known_columns:
+        return {}
+    h, out = frame.config.horizon, {}
+    for s, e in frame.series_bounds:
+        first = max(s + frame.config.warmup_bars + encoder_length - 1, e - h)
+        if n := int(_in_range(frame.timestamp_ns[first:e], start_ns, end_ns).sum()):
+            out[frame.symbols[int(frame.series_id[s])]] = n
+    return out
 
 
 def _flagged_in_windows(flag: np.ndarray, anchors: np.ndarray, rows: int) -> np.ndarray:
@@ -122,10 +147,41 @@ def refused_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int
 
 
 def model_inputs(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int) -> dict[str, np.ndarray]:
-    """The windows ending at `anchors` as the model takes them (float32, warm-up NaN as zero, as in training)."""
+    """The windows ending at `anchors` as the model takes them, its own inputs (schema.model_inputs): ids int64,
+    the rest float32 with warm-up NaN as zero, as in training."""
     w = gather_windows(frame, anchors, encoder_length)
-    out = {name: np.nan_to_num(np.asarray(w[name], dtype=np.float32), nan=0.0) for name in MODEL_INPUTS[1:]}
-    return {STATIC_CATEGORICAL: w[STATIC_CATEGORICAL].astype(np.int64), **out}
+    return {name: w[name].astype(np.int64) if name == STATIC_CATEGORICAL else
+            np.nan_to_num(np.asarray(w[name], dtype=np.float32), nan=0.0) for name in frame.schema.model_inputs}
+
+
+def read_span(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int,
+              name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The first and last row whose value of user column `name` each window reads: int64 [W] each. A static
+    column is read at the anchor; the others over the encoder bars, and a known one over the H bars after them."""
+    fc = frame.config
+    if name in fc.static_columns:
+        return anchors, anchors
+    return anchors - encoder_length + 1, anchors + (fc.horizon if name in fc.known_columns else 0)
+
+
+def unseen_lines(frame: FeatureFrame, bars: Bars, anchors: np.ndarray, encoder_length: int) -> list[str]:
+    """One line per categorical column whose windows read labels unseen in training (forecast with the unknown
+    category), with how many windows did."""
+    lines = []
+    for name, unseen in frame.unseen.items():
+        first, last = read_span(frame, anchors, encoder_length, name)  # [W] each
+        edges = np.zeros(len(frame) + 1, dtype=np.int64)
+        np.add.at(edges, first, 1)
+        np.add.at(edges, last + 1, -1)
+        mask = unseen & (np.cumsum(edges[:-1]) > 0)  # [N] unseen labels some window reads
+        if not mask.any():
+            continue
+        count = np.zeros(len(frame) + 1, dtype=np.int64)  # count[r]: unseen rows read before row r
+        np.cumsum(mask, out=count[1:])
+        hit = int(np.sum(count[last + 1] > count[first]))
+        note = unseen_note({name: mask}, {name: bars.labels[name]})[0]
+        lines.append(f"{note} ({hit:,} of {anchors.size:,} windows)")
+    return lines
 
 
 def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndarray,
@@ -239,22 +295,38 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
     """Write the forecasts of every origin to `out` (atomically); returns the summary."""
     meta: ModelMeta = model.meta
     chosen = only_symbols(bars, symbols)
-    frame = build_frame(chosen, meta.feature_config, list(meta.symbols), meta.bar_interval_ns)
+    try:
+        frame = build_frame(chosen, meta.feature_config, list(meta.symbols), meta.bar_interval_ns)
+    except ValueError as exc:  # a static feature that varies within a series
+        raise ScoreError(str(exc)) from None
     anchors = origins(frame, meta.encoder_length, start_ns, end_ns)
-    anchors = anchors[~_refused(frame, anchors, meta, unusable_user_rows(chosen))]
+    for symbol, count in origins_without_future(frame, meta.encoder_length, start_ns, end_ns).items():
+        log.warning("skipped %s origin(s) of %s: within %d bars of its last bar, where the file holds no future "
+                    "values of the known feature(s) %s that the model reads", f"{count:,}", symbol, meta.horizon,
+                    ", ".join(meta.feature_config.known_columns))
+    anchors = anchors[~_refused(frame, anchors, meta, unusable_user_rows(chosen), _unusable_known_rows(chosen, meta))]
     if anchors.size == 0:
-        ranged = start_ns is not None or end_ns is not None
-        span = (f" (the bars run from {format_timestamp(int(frame.timestamp_ns.min()))} to "
-                f"{format_timestamp(int(frame.timestamp_ns.max()))})" if ranged and frame.timestamp_ns.size else "")
-        raise ScoreError(f"no forecast origin{' inside --start/--end' if ranged else ''}{span}: each origin needs "
-                         f"{meta.bars_required} bars of its symbol up to it ({meta.feature_config.warmup_bars} "
-                         f"warm-up + {meta.encoder_length} encoder bars)"
-                         + (", which may lie before --start" if start_ns is not None else ""))
+        raise ScoreError(_no_origin(frame, meta, start_ns, end_ns))
+    for line in unseen_lines(frame, chosen, anchors, meta.encoder_length):
+        log.warning("note: %s", line)
     summary = Summary(meta.quantiles, meta.training)
     with atomic_output(out) as tmp:
         log.info("scoring %s windows into %s", f"{anchors.size:,}", out)
         _write_forecasts(tmp, model, frame, anchors, batch, summary)
     return summary
+
+
+def _no_origin(frame: FeatureFrame, meta: ModelMeta, start_ns: int | None, end_ns: int | None) -> str:
+    """Why no window is left to forecast."""
+    ranged = start_ns is not None or end_ns is not None
+    span = (f" (the bars run from {format_timestamp(int(frame.timestamp_ns.min()))} to "
+            f"{format_timestamp(int(frame.timestamp_ns.max()))})" if ranged and frame.timestamp_ns.size else "")
+    future = (f", and the {meta.horizon} bars after it, whose known features the model reads"
+              if meta.feature_config.known_columns else "")
+    return (f"no forecast origin{' inside --start/--end' if ranged else ''}{span}: each origin needs "
+            f"{meta.bars_required} bars of its symbol up to it ({meta.feature_config.warmup_bars} "
+            f"warm-up + {meta.encoder_length} encoder bars){future}"
+            + (", which may lie before --start" if start_ns is not None else ""))
 
 
 def _write_forecasts(tmp: str, model: LoadedModel, frame: FeatureFrame, anchors: np.ndarray, batch: int,
@@ -279,11 +351,25 @@ def _write_forecasts(tmp: str, model: LoadedModel, frame: FeatureFrame, anchors:
             writer.close()
 
 
-def _refused(frame: FeatureFrame, anchors: np.ndarray, meta: ModelMeta, unusable_rows: np.ndarray) -> np.ndarray:
-    """The windows the server would refuse, warned of per symbol: bool [W]. ScoreError when all are."""
+def _unusable_known_rows(bars: Bars, meta: ModelMeta) -> np.ndarray:
+    """Rows where a known real user column holds a value the model cannot read: bool [N]."""
+    bad = np.zeros(len(bars), dtype=bool)
+    for name in meta.feature_config.known_user:
+        if name in bars.user:  # a real column (categoricals are labels)
+            bad |= unusable_values(bars.user[name])
+    return bad
+
+
+def _refused(frame: FeatureFrame, anchors: np.ndarray, meta: ModelMeta, unusable_rows: np.ndarray,
+             unusable_known: np.ndarray) -> np.ndarray:
+    """The windows the server would refuse, warned of per symbol: bool [W]. ScoreError when all are.
+    unusable_rows: bool [N] rows with an unusable user value; unusable_known: those of a known column, which
+    the decoder reads in the H bars after the anchor."""
     step = format_duration(meta.bar_interval_ns)
     finer, daily = refused_windows(frame, anchors, meta.bars_required, meta.bar_interval_ns)
     unusable = _flagged_in_windows(unusable_rows, anchors, meta.bars_required) > 0
+    if meta.feature_config.known_columns:  # the decoder reads the H bars after the anchor too
+        unusable |= _flagged_in_windows(unusable_known, anchors + meta.horizon, meta.horizon) > 0
     fix = f"resample them to {step}, or use a model trained on this interval"
     for refused, why in ((finer, f"bars are mostly closer than half the model's bar interval of {step} (finer bars, "
                                  f"or another time unit), which the server refuses; {fix}"),
@@ -370,8 +456,9 @@ def _run(args: argparse.Namespace) -> int:
         asked = list(dict.fromkeys(s.strip() for s in (args.symbols or "").split(",") if s.strip()))  # each once
         if args.symbols is not None and not asked:
             raise ScoreError(f"--symbols {args.symbols!r} names no symbol; give e.g. {','.join(meta.symbols)}")
-        bars = read_bars(args.parquet, columns, tuple(meta.feature_config.user_columns), symbols=asked or None,
-                         check_user_values=False)  # windows with unusable user values are skipped, as refused
+        fc = meta.feature_config
+        bars = read_bars(args.parquet, columns, fc.real_columns, symbols=asked or None, check_user_values=False,
+                         label_columns=fc.categorical_columns)  # windows with unusable user values are skipped
         wanted = _wanted_symbols(meta, bars, asked, args.parquet, columns)
         summary = score(model, bars, args.out, wanted, start_ns, end_ns, args.batch)
     except (ScoreError, ModelLoadError) as exc:
@@ -433,10 +520,12 @@ def _wanted_symbols(meta: ModelMeta, bars: Bars, asked: list[str], path: Path, c
                          + (" (or another of the model's symbols)" if hint and len(meta.symbols) > 1 else ""))
     for s in [] if asked else sorted(present - set(meta.symbols)):
         log.warning("skipped %s: not one of the model's symbols (%s)", s, ", ".join(meta.symbols))
+    after = meta.horizon if meta.feature_config.known_columns else 0  # bars after the origin: known features
     for s in wanted:
-        if (rows := slices[s].stop - slices[s].start) < meta.bars_required:
-            log.warning("skipped %s: %d bars, a forecast needs %d (%d warm-up + %d encoder)", s, rows,
-                        meta.bars_required, meta.feature_config.warmup_bars, meta.encoder_length)
+        if (rows := slices[s].stop - slices[s].start) < meta.bars_required + after:
+            log.warning("skipped %s: %d bars, a forecast needs %d (%d warm-up + %d encoder%s)", s, rows,
+                        meta.bars_required + after, meta.feature_config.warmup_bars, meta.encoder_length,
+                        f" + {after} after it" if after else "")
         elif warning := spacing_warning(f"the {s} bars", bars.timestamp_ns[slices[s]], meta.bar_interval_ns):
             log.warning("%s", warning)
     return wanted
