@@ -1,4 +1,4 @@
-"""`python -m backtest`: a real 3-fold walk-forward run of a tiny model on sample bars with volatility
+"""`python -m backtest`: a real 2-fold walk-forward run of a tiny model on sample bars with volatility
 clustering, its files, its embargo, its resume, and its forecasts against `serving.score`'s."""
 
 from __future__ import annotations
@@ -30,19 +30,19 @@ FORECASTERS = ("model", "model_uncalibrated", *BASELINES)
 class Runs(NamedTuple):
     bars: Path
     out: Path  # the backtest's --out
-    stopped: str  # stderr of the run stopped by SIGTERM as fold 3 began
+    stopped: str  # stderr of the run stopped by SIGTERM as fold 2 began
     resumed: subprocess.CompletedProcess[str]  # the same command again, to the end
 
 
-def interrupted_at_fold_3(command: list[str]) -> str:
-    """Start `command`, SIGTERM it once it logs fold 3's start, and return its stderr (exit status 130)."""
+def interrupted_at_fold_2(command: list[str]) -> str:
+    """Start `command`, SIGTERM it once it logs fold 2's start, and return its stderr (exit status 130)."""
     proc = subprocess.Popen([sys.executable, *command], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
     seen = []
     assert proc.stderr is not None
     for line in proc.stderr:
         seen.append(line)
-        if "fold 3 of 3: training" in line:
+        if "fold 2 of 2: training" in line:
             proc.send_signal(signal.SIGTERM)
             break
     rest = proc.communicate(timeout=300)[1]
@@ -52,13 +52,13 @@ def interrupted_at_fold_3(command: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def backtest(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """bars.parquet (2 symbols x 2400 bars) and a 3-fold backtest of them, stopped as fold 3 began and resumed."""
+    """bars.parquet (2 symbols x 2400 bars) and a 2-fold backtest of them, stopped as fold 2 began and resumed."""
     work = tmp_path_factory.mktemp("backtest")
     bars = make_bars(work / "bars.parquet", bars=2400)
     out = work / "bt"
-    command = ["-m", "backtest", "--parquet", str(bars), "--folds", "3", "--test-span", "0.4", "--out", str(out),
+    command = ["-m", "backtest", "--parquet", str(bars), "--folds", "2", "--test-span", "0.4", "--out", str(out),
                "--tracking", f"tensorboard:{work / 'tb'}", *TINY_CONFIG]
-    stopped = interrupted_at_fold_3(command)
+    stopped = interrupted_at_fold_2(command)
     r = run(command, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return Runs(bars, out, stopped, r)
@@ -67,7 +67,7 @@ def backtest(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 def test_writes_forecasts_scores_figure_and_a_summary(backtest: Runs) -> None:
     out, summary = backtest.out, backtest.resumed.stdout
     table = pq.read_table(out / "forecasts.parquet")
-    assert sorted(set(table.column("fold").to_pylist())) == [1, 2, 3]
+    assert sorted(set(table.column("fold").to_pylist())) == [1, 2]
     assert set(table.column("symbol").to_pylist()) == {"ES", "NQ"}
     keys = list(zip(table.column("symbol").to_pylist(), table.column("origin").to_pylist(), strict=True))
     assert len(keys) == len(set(keys))  # a row per origin and symbol
@@ -76,7 +76,7 @@ def test_writes_forecasts_scores_figure_and_a_summary(backtest: Runs) -> None:
             low, high = (table.column(f"{name}_h{h}_q{q}").to_numpy() for q in ("0.1", "0.9"))
             assert np.all(np.isfinite(low)) and np.all(low <= high), name
     scores = json.loads((out / "scores.json").read_text())
-    assert sorted(scores["folds"]) == ["1", "2", "3"]
+    assert sorted(scores["folds"]) == ["1", "2"]
     for block in (*scores["folds"].values(), scores["all"]):
         ratio = block["forecasters"]["model"]["ratio_to"]
         assert ratio["best_baseline"] == pytest.approx(
@@ -91,14 +91,14 @@ def test_each_folds_training_and_scores_are_tracked(backtest: Runs) -> None:
 
     out = backtest.out
     runs = out.parent / "tb"
-    assert sorted(p.name for p in runs.iterdir()) == ["bt", "bt-fold1", "bt-fold2", "bt-fold3"]
+    assert sorted(p.name for p in runs.iterdir()) == ["bt", "bt-fold1", "bt-fold2"]
     scores = json.loads((out / "scores.json").read_text())
     events = EventAccumulator(str(runs / "bt"), size_guidance={"scalars": 0})
     events.Reload()
     ratio = events.Scalars("model/ratio_to_best_baseline")
-    assert [e.step for e in ratio] == [1, 2, 3]
+    assert [e.step for e in ratio] == [1, 2]
     assert [e.value for e in ratio] == pytest.approx(
-        [scores["folds"][k]["forecasters"]["model"]["ratio_to"]["best_baseline"] for k in ("1", "2", "3")])
+        [scores["folds"][k]["forecasters"]["model"]["ratio_to"]["best_baseline"] for k in ("1", "2")])
     fold = EventAccumulator(str(runs / "bt-fold2"), size_guidance={"scalars": 0})
     fold.Reload()
     assert fold.Scalars("loss/val")  # the fold's training, epoch by epoch
@@ -112,7 +112,7 @@ def test_no_fold_trains_on_bars_its_targets_reach(backtest: Runs) -> None:
     times = {s: np.sort(np.asarray(bars.filter(pc.equal(bars.column("symbol"), s)).column("timestamp").cast("int64")))
              for s in ("ES", "NQ")}
     table = pq.read_table(out / "forecasts.parquet")
-    for k in (1, 2, 3):
+    for k in (1, 2):
         train = pq.read_table(out / f"fold{k}" / "train.parquet")
         fold = table.filter(pc.equal(table.column("fold"), k))
         for symbol, ts in times.items():
@@ -148,14 +148,14 @@ def test_model_forecasts_are_the_exported_models_as_serving_score_runs_it(backte
 def test_a_stopped_run_resumes_at_the_first_unfinished_fold(backtest: Runs) -> None:
     assert "interrupted: rerun the command to resume at the first unfinished fold" in backtest.stopped
     log = backtest.resumed.stderr
-    assert "fold 1 of 3: done before, kept" in log and "fold 2 of 3: done before, kept" in log
-    assert "fold 3 of 3: training" in log and "fold 2 of 3: training" not in log
+    assert "fold 1 of 2: done before, kept" in log
+    assert "fold 2 of 2: training" in log and "fold 1 of 2: training" not in log
     assert not list(backtest.out.glob("**/*.tmp"))  # nothing half-written was left by the stop
 
 
 def test_a_rerun_with_other_settings_is_refused(backtest: Runs) -> None:
     bars, out = backtest.bars, backtest.out
-    r = run(["-m", "backtest", "--parquet", str(bars), "--folds", "2", "--test-span", "0.4", "--out", str(out),
+    r = run(["-m", "backtest", "--parquet", str(bars), "--folds", "3", "--test-span", "0.4", "--out", str(out),
              *TINY_CONFIG])
     assert r.returncode == 2
     assert f"--out {out} holds a backtest with other folds" in r.stderr
