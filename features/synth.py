@@ -7,12 +7,25 @@ What is planted (tests/test_synth.py measures it):
 * A weak, learnable signal: AR(1) log returns with coefficient 0.15 within a session.
 * Correlated symbols: each shock is 0.8 common factor, 0.6 own noise.
 * Consistent OHLC on the tick grid; volume a positive integer.
+
+Covariates, each only when asked for (`Covariates`; without them the bars are exactly as above):
+* A scheduled event (`--event 15:00`): a 0/1 column set on the event bar at those times of day, on every
+  `--event-every` Nth session from the first. Volatility is x4 (`--event-jump`) on the event bar and decays back
+  with an e-folding of 3 bars (x1.1 ten bars on), within the session.
+* A static volatility scale (`--vol-scale`): one value per symbol, 0.5 to 2 geometrically spaced in the order
+  the symbols are given, that multiplies the symbol's volatility (its overnight gaps included).
+* A volatility regime (`--regime`): "calm" (volatility x0.7) and "volatile" (x1.4), common to all symbols,
+  alternating every `--regime-sessions` sessions, starting calm.
+* The symbol's exchange (`--exchange`): a static label ("CME", "NYMEX", "COMEX", else "OTHER") with no effect.
+The random draws are the same with or without covariates: they scale the same shocks.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
 
@@ -35,6 +48,52 @@ KNOWN_SYMBOLS: dict[str, tuple[float, float, float]] = {
     "CL": (75.0, 0.01, 0.0007),
     "GC": (2000.0, 0.1, 0.0003),
 }
+EXCHANGES = {"ES": "CME", "NQ": "CME", "CL": "NYMEX", "GC": "COMEX"}  # others: "OTHER"
+EVENT_JUMP = 4.0  # volatility multiplier on the event bar
+EVENT_DECAY_BARS = 3.0  # e-folding of the jump, in bars
+EVENT_TAIL_BARS = 30  # bars the jump lasts: past them it is below 1e-4
+REGIME_VOL = {"calm": 0.7, "volatile": 1.4}  # volatility multiplier per regime label
+VOL_SCALE_RANGE = (0.5, 2.0)  # the first and the last symbol's volatility scale
+
+
+@dataclass(frozen=True)
+class Covariates:
+    """Optional planted inputs and their column names; the defaults plant none."""
+
+    event_times: tuple[str, ...] = ()  # bar start times "HH:MM" (UTC) of the scheduled event; () no event
+    event_every: int = 1  # the event falls on every Nth session, the first included
+    event_column: str = "event"  # 0/1 int8 column: 1 on the event bar
+    event_jump: float = EVENT_JUMP  # volatility multiplier on the event bar
+    vol_scale_column: str | None = None  # float64 column: the symbol's volatility multiplier; None no column
+    regime_column: str | None = None  # string column "calm"/"volatile"; None no regime
+    regime_sessions: int = 5  # sessions per regime before it switches
+    exchange_column: str | None = None  # string column: the symbol's exchange; None no column
+
+    def __post_init__(self) -> None:
+        for text in self.event_times:
+            event_minute(text)
+        if self.event_every < 1 or self.regime_sessions < 1:
+            raise ValueError("event_every and regime_sessions must be at least 1")
+        if not self.event_jump > 0:
+            raise ValueError("event_jump must be positive")
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns these covariates add, in the order they are written."""
+        names = [self.event_column if self.event_times else None, self.vol_scale_column, self.regime_column,
+                 self.exchange_column]
+        return [n for n in names if n is not None]
+
+
+def event_minute(text: str) -> int:
+    """The minute of the session of a bar start time "HH:MM" (UTC); ValueError outside the session."""
+    if (hh_mm := re.fullmatch(r"([01]?\d|2[0-3]):([0-5]\d)", text.strip())) is None:
+        raise ValueError(f"event time {text!r}: give a time of day as HH:MM (UTC), e.g. 15:00")
+    minute = int(hh_mm[1]) * 60 + int(hh_mm[2]) - SESSION_OPEN_NS // (60 * NS_PER_SECOND)
+    if not 0 <= minute < SESSION_BARS:
+        raise ValueError(f"event time {text!r}: sessions run 14:30-21:00 UTC; give a bar start from 14:30 to "
+                         "20:59, e.g. 15:00")
+    return minute
 
 
 def session_timestamps(n_bars: int, start: date) -> np.ndarray:
@@ -54,34 +113,94 @@ def intraday_shape(minute_of_session: np.ndarray) -> np.ndarray:
     return np.asarray(0.6 + 1.6 * x * x)
 
 
+def vol_scales(symbols: list[str]) -> dict[str, float]:
+    """Each symbol's volatility multiplier: VOL_SCALE_RANGE geometrically spaced in the order given."""
+    lo, hi = np.log2(VOL_SCALE_RANGE)
+    steps = np.linspace(lo, hi, len(symbols)) if len(symbols) > 1 else np.zeros(1)
+    return {s: float(2.0 ** v) for s, v in zip(symbols, steps, strict=True)}
+
+
 def generate(symbols: list[str], n_bars: int, seed: int, start: date | None = None,
-             extra_features: int = 0) -> pa.Table:
+             extra_features: int = 0, covariates: Covariates | None = None) -> pa.Table:
     """Bars of every symbol on a shared session calendar. `extra_features` adds indicator columns f000, f001, ...:
-    trailing means of log returns over 2..31 bars plus noise."""
+    trailing means of log returns over 2..31 bars plus noise. `covariates` adds its columns after those."""
+    cov = covariates or Covariates()
+    extra_names = [f"f{k:03d}" for k in range(extra_features)]
+    taken = ["timestamp", "symbol", "open", "high", "low", "close", "volume", *extra_names]
+    if len({*taken, *cov.columns}) < len(taken) + len(cov.columns):
+        raise ValueError(f"covariate columns {cov.columns}: give each a name of its own, not one of the bars' "
+                         "columns or another covariate's")
     rng = np.random.default_rng(seed)
     extra_rng = np.random.default_rng(seed + 1_000_003)  # separate stream: bars do not depend on extras
     ts = session_timestamps(n_bars, start or date(2024, 1, 2))
     minute = ((ts - SESSION_OPEN_NS) % NS_PER_DAY) // (60 * NS_PER_SECOND)
+    session = np.unique(ts // NS_PER_DAY, return_inverse=True)[1].reshape(-1)  # [N] session number from 0
     z_common = rng.standard_normal(n_bars)
     h = _garch_variance(z_common)
-    extra_names = [f"f{k:03d}" for k in range(extra_features)]
-    columns: dict[str, list[np.ndarray]] = {k: [] for k in ("timestamp", "symbol", "open", "high", "low",
-                                                           "close", "volume", *extra_names)}
+    shared, boost = _shared_covariates(cov, minute, session)
+    scales = vol_scales(symbols)
+    parts: list[dict[str, np.ndarray]] = []
     for sym in symbols:
-        bars = _symbol_bars(KNOWN_SYMBOLS.get(sym, (100.0, 0.01, 0.0005)), z_common, h, minute, rng)
-        bars["timestamp"], bars["symbol"] = ts, np.full(n_bars, sym, dtype=object)
+        price0, tick, base_vol = KNOWN_SYMBOLS.get(sym, (100.0, 0.01, 0.0005))
+        if cov.vol_scale_column is not None:
+            base_vol *= scales[sym]
+        bars = _symbol_bars((price0, tick, base_vol), z_common, h, minute, rng, boost)
+        bars = {"timestamp": ts, "symbol": np.full(n_bars, sym, dtype=object), **bars}
         close = bars["close"]
         for k, name in enumerate(extra_names):
             bars[name] = (_trailing_mean(np.diff(np.log(close), prepend=np.log(close[0])), 2 + k % 30) * 1e4
                           + extra_rng.standard_normal(n_bars))
-        for name, values in bars.items():
-            columns[name].append(values)
-    return pa.table({
-        "timestamp": pa.array(np.concatenate(columns["timestamp"]), type=pa.timestamp("ns", tz="UTC")),
-        "symbol": pa.array(np.concatenate(columns["symbol"]).astype(str), type=pa.string()),
-        **{k: pa.array(np.concatenate(columns[k])) for k in ("open", "high", "low", "close", "volume",
-                                                               *extra_names)},
-    })
+        parts.append({**bars, **shared, **_static_covariates(cov, sym, scales[sym], n_bars)})
+    return _to_table(parts, [*taken, *cov.columns])
+
+
+def _shared_covariates(cov: Covariates, minute: np.ndarray,
+                       session: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """The columns common to all symbols (event flag, regime label) and their volatility multiplier [N]; None
+    when there are none."""
+    out: dict[str, np.ndarray] = {}
+    boost = np.ones(minute.shape[0])
+    if cov.event_times:
+        event = (session % cov.event_every == 0) & np.isin(minute, [event_minute(t) for t in cov.event_times])
+        out[cov.event_column] = event.astype(np.int8)
+        boost *= _event_multiplier(event, minute, cov.event_jump)
+    if cov.regime_column is not None:
+        regime = (session // cov.regime_sessions) % 2  # [N] index into REGIME_VOL, calm first
+        out[cov.regime_column] = np.array(list(REGIME_VOL), dtype=object)[regime]
+        boost *= np.array(list(REGIME_VOL.values()))[regime]
+    return out, boost if out else None
+
+
+def _event_multiplier(event: np.ndarray, minute: np.ndarray, jump: float) -> np.ndarray:
+    """Volatility multiplier [N]: 1 plus (jump - 1) * exp(-k / EVENT_DECAY_BARS) for each event k bars back in the
+    same session."""
+    out = np.ones(event.shape[0])
+    for k in range(min(EVENT_TAIL_BARS, event.shape[0])):
+        back = np.zeros_like(event)
+        back[k:] = event[:event.shape[0] - k] & (minute[k:] >= k)  # the event k bars back, same session
+        out += (jump - 1.0) * np.exp(-k / EVENT_DECAY_BARS) * back
+    return out
+
+
+def _static_covariates(cov: Covariates, symbol: str, scale: float, n_bars: int) -> dict[str, np.ndarray]:
+    """The symbol's constant columns: volatility scale and exchange, when asked for."""
+    out: dict[str, np.ndarray] = {}
+    if cov.vol_scale_column is not None:
+        out[cov.vol_scale_column] = np.full(n_bars, scale)
+    if cov.exchange_column is not None:
+        out[cov.exchange_column] = np.full(n_bars, EXCHANGES.get(symbol, "OTHER"), dtype=object)
+    return out
+
+
+def _to_table(parts: list[dict[str, np.ndarray]], names: list[str]) -> pa.Table:
+    """One table of the symbols' columns, symbol after symbol; text columns as strings."""
+    def column(name: str) -> pa.Array:
+        values = np.concatenate([p[name] for p in parts])
+        if name == "timestamp":
+            return pa.array(values, type=pa.timestamp("ns", tz="UTC"))
+        return pa.array(values.astype(str), type=pa.string()) if values.dtype == object else pa.array(values)
+
+    return pa.table({name: column(name) for name in names})
 
 
 def _garch_variance(z_common: np.ndarray) -> np.ndarray:
@@ -97,14 +216,17 @@ def _garch_variance(z_common: np.ndarray) -> np.ndarray:
 
 
 def _symbol_bars(spec: tuple[float, float, float], z_common: np.ndarray, h: np.ndarray, minute: np.ndarray,
-                 rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """One symbol's open, high, low, close and volume; spec is (start price, tick size, base volatility)."""
+                 rng: np.random.Generator, boost: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """One symbol's open, high, low, close and volume; spec is (start price, tick size, base volatility);
+    boost [N] multiplies the volatility of each bar (its gap included)."""
     price0, tick, base_vol = spec
     n_bars = z_common.shape[0]
     shape, session_start = intraday_shape(minute), minute == 0
     z = COMMON_WEIGHT * z_common + np.sqrt(1 - COMMON_WEIGHT**2) * rng.standard_normal(n_bars)
     sigma = base_vol * shape * np.sqrt(h)  # [N]
     gaps = np.where(session_start, rng.standard_normal(n_bars) * base_vol * 8.0, 0.0)
+    if boost is not None:
+        sigma, gaps = sigma * boost, gaps * boost
     r = _ar1(sigma * z, session_start)
     log_p = np.log(price0) + np.cumsum(r + gaps)
     close = np.round(np.exp(log_p) / tick) * tick
@@ -137,7 +259,7 @@ def _ar1(shocks: np.ndarray, reset: np.ndarray) -> np.ndarray:
     return r
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m features.synth", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="parquet file to write")
@@ -148,6 +270,30 @@ def main(argv: list[str] | None = None) -> int:
                    help="first session date, YYYY-MM-DD (UTC; default 2024-01-02)")
     p.add_argument("--extra-features", type=int, default=0, metavar="N",
                    help="also write N numeric indicator columns f000..f{N-1} (e.g. 220 for the production preset)")
+    c = p.add_argument_group("covariates (each adds a column; none by default)")
+    c.add_argument("--event", default="", metavar="HH:MM[,HH:MM]",
+                   help="plant a scheduled event at these bar start times (UTC), e.g. 15:00: a 0/1 column set on "
+                        "the event bar, after which volatility jumps (--event-jump) and decays over ~10 bars")
+    c.add_argument("--event-every", type=int, default=1, metavar="N",
+                   help="the event falls on every Nth session from the first (default 1: every session; an N that "
+                        "is not a multiple of 5 picks days that no weekday pattern predicts)")
+    c.add_argument("--event-jump", type=float, default=EVENT_JUMP, metavar="X",
+                   help=f"volatility multiplier on the event bar (default {EVENT_JUMP:g})")
+    c.add_argument("--event-column", default="event", metavar="NAME", help="the event column's name (default event)")
+    c.add_argument("--vol-scale", nargs="?", const="vol_scale", metavar="NAME",
+                   help="a static real per symbol, 0.5 to 2 in --symbols order, that multiplies its volatility "
+                        "(column NAME, default vol_scale)")
+    c.add_argument("--regime", nargs="?", const="regime", metavar="NAME",
+                   help="a label 'calm' (volatility x0.7) or 'volatile' (x1.4), alternating every "
+                        "--regime-sessions sessions (column NAME, default regime)")
+    c.add_argument("--regime-sessions", type=int, default=5, metavar="N", help="sessions per regime (default 5)")
+    c.add_argument("--exchange", nargs="?", const="exchange", metavar="NAME",
+                   help="a static label per symbol, its exchange, with no effect (column NAME, default exchange)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     symbols = [s.strip() for s in args.symbols.split(",") if s.strip()]
     if not symbols:
@@ -158,10 +304,24 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--extra-features must be >= 0")
     if args.out.is_dir():
         p.error(f"--out {args.out} is a directory; give the parquet file's name, e.g. {args.out / 'bars.parquet'}")
-    table = generate(symbols, args.bars, args.seed, args.start, args.extra_features)
+    for flag, value in (("--event-every", args.event_every), ("--regime-sessions", args.regime_sessions)):
+        if value < 1:
+            p.error(f"{flag} must be at least 1")
+    if not args.event_jump > 0:
+        p.error("--event-jump must be positive, e.g. 4")
+    try:
+        covariates = Covariates(
+            event_times=tuple(t for t in args.event.split(",") if t.strip()), event_every=args.event_every,
+            event_column=args.event_column, event_jump=args.event_jump, vol_scale_column=args.vol_scale,
+            regime_column=args.regime, regime_sessions=args.regime_sessions, exchange_column=args.exchange)
+        table = generate(symbols, args.bars, args.seed, args.start, args.extra_features, covariates)
+    except ValueError as exc:
+        p.error(f"--event: {exc}" if str(exc).startswith("event time") else str(exc))
     with atomic_output(args.out) as tmp:
         pq.write_table(table, tmp)
-    print(f"wrote {table.num_rows} bars ({len(symbols)} symbols x {args.bars}) to {args.out}", file=sys.stderr)
+    added = f"; covariates: {', '.join(covariates.columns)}" if covariates.columns else ""
+    print(f"wrote {table.num_rows} bars ({len(symbols)} symbols x {args.bars}){added} to {args.out}",
+          file=sys.stderr)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ import pyarrow.compute as pc
 import pytest
 
 from features import read_bars
-from features.synth import KNOWN_SYMBOLS, SESSION_BARS, generate
+from features.compute import FeatureConfig, build_frame, with_vocabularies
+from features.synth import KNOWN_SYMBOLS, SESSION_BARS, Covariates, generate
 
 NS_PER_MINUTE = 60 * 10**9
 NS_PER_DAY = 86_400 * 10**9
@@ -171,7 +173,10 @@ def test_cli_writes_readable_bars(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "words"),
     [(["--bars", "0"], "--bars"), (["--bars", "x"], "--bars"), (["--symbols", " , "], "--symbols"),
-     (["--start", "2024-13-45"], "--start"), ([], "--out"), (["--out", "."], "is a directory")],
+     (["--start", "2024-13-45"], "--start"), ([], "--out"), (["--out", "."], "is a directory"),
+     (["--event", "9:30"], "sessions run 14:30-21:00 UTC"), (["--event", "15h"], "HH:MM"),
+     (["--event", "15:00", "--event-every", "0"], "--event-every"), (["--event-jump", "0"], "--event-jump"),
+     (["--regime", "close"], "a name of its own")],
 )
 def test_cli_bad_arguments(tmp_path: Path, args: list[str], words: str) -> None:
     out = [] if "--out" in args or words == "--out" else ["--out", str(tmp_path / "x.parquet")]
@@ -189,3 +194,110 @@ def test_extra_feature_columns_leave_the_bars_unchanged() -> None:
         assert wide.column(name).equals(plain.column(name)), name
     f1 = wide.column("f001").to_numpy()  # trailing mean over 3 bars, scaled, plus unit noise
     assert np.isfinite(f1).all() and 0.5 < f1.std() < 50
+
+
+def digest(table: pa.Table) -> str:
+    """sha256 of the column names, types and values."""
+    h = hashlib.sha256()
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        h.update(f"{name}:{col.type};".encode())
+        if pa.types.is_string(col.type):
+            h.update("\n".join(col.to_pylist()).encode())
+        else:
+            h.update((col.cast(pa.int64()) if pa.types.is_timestamp(col.type) else col).to_numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_without_covariates_the_bars_are_as_before() -> None:
+    # digests of the generator's output before covariates existed: the same seed still writes the same bars
+    assert digest(generate(["ES", "CL"], 1500, seed=3)) == (
+        "70f278fe1c55ae75a615c3a9535ee1fe4a37a54551b79babc29fe862541ab5c3")
+    assert digest(generate(["ES", "ZZ"], 800, seed=5, extra_features=2, covariates=Covariates())) == (
+        "5a79b1514d9d6981676bb6ab66956be987b0190c9d9c43285137e1cbf0a4fe6d")
+
+
+EVENTS = Covariates(event_times=("15:00", "18:00"), event_every=3)  # minutes 30 and 210 of sessions 0, 3, 6, ...
+
+
+@pytest.fixture(scope="module")
+def with_event() -> pa.Table:
+    return generate(["ES", "NQ"], N_BARS, seed=11, covariates=EVENTS)
+
+
+def test_event_flag_on_the_scheduled_bars(with_event: pa.Table, es: Series) -> None:
+    assert with_event.column_names == [*table_columns(), "event"]
+    assert with_event.schema.field("event").type == pa.int8()
+    flag = with_event.filter(pc.equal(with_event.column("symbol"), "ES")).column("event").to_numpy()
+    session = np.unique(es.ts // NS_PER_DAY, return_inverse=True)[1]  # session number from 0
+    planted = np.isin(es.minute, [30, 210]) & (session % 3 == 0)
+    np.testing.assert_array_equal(flag, planted.astype(np.int8))
+    assert flag.sum() == 2 * 17 + 1  # sessions 0, 3, ..., 51; the last (110 bars) reaches 15:00 only
+    nq_flag = with_event.filter(pc.equal(with_event.column("symbol"), "NQ")).column("event").to_numpy()
+    np.testing.assert_array_equal(nq_flag, flag)  # one calendar of events for all symbols
+
+
+def test_volatility_jumps_after_the_event_and_only_then(with_event: pa.Table, es: Series) -> None:
+    s = Series(with_event, "ES")
+    day = np.unique(s.ts // NS_PER_DAY, return_inverse=True)[1]
+    event_day = day % 3 == 0
+    abs_ret = np.abs(s.ret)
+
+    def ratio(minutes: np.ndarray) -> float:
+        at = np.isin(s.minute, minutes)
+        return float(np.nanmean(abs_ret[at & event_day]) / np.nanmean(abs_ret[at & ~event_day]))
+
+    after = np.array([30, 31, 32, 210, 211, 212])  # the event bar and the next two: planted x4, x3.2, x2.5
+    assert ratio(after) > 2.0, ratio(after)
+    assert 0.75 < ratio(np.arange(100, 180)) < 1.33  # far from the events: the same volatility on both days
+    first = int(np.flatnonzero(with_event.column("event").to_numpy())[0])
+    plain = es.close[:first]  # the same shocks: nothing moves before the first event
+    np.testing.assert_array_equal(s.close[:first], plain)
+    assert not np.array_equal(s.close[first:], es.close[first:])
+
+
+def test_vol_scale_multiplies_each_symbols_volatility() -> None:
+    t = generate(["A", "B", "C"], 8000, seed=11, covariates=Covariates(vol_scale_column="vol_scale"))
+    assert t.schema.field("vol_scale").type == pa.float64()
+    scale, vol = [], []
+    for sym in ("A", "B", "C"):
+        column = t.filter(pc.equal(t.column("symbol"), sym)).column("vol_scale").to_numpy()
+        assert np.unique(column).size == 1  # static: one value per symbol
+        scale.append(column[0])
+        vol.append(np.nanstd(Series(t, sym).ret))
+    assert scale == [0.5, 1.0, 2.0]  # geometric 0.5 to 2 in the order given
+    for k in (1, 2):
+        assert 1.7 < vol[k] / vol[k - 1] < 2.3, vol  # the same base volatility otherwise
+
+
+def test_regime_labels_alternate_and_change_volatility() -> None:
+    t = generate(["ES", "NQ"], N_BARS, seed=11, covariates=Covariates(regime_column="regime", regime_sessions=3))
+    s = Series(t, "ES")
+    label = t.filter(pc.equal(t.column("symbol"), "ES")).column("regime").to_numpy(zero_copy_only=False)
+    day = np.unique(s.ts // NS_PER_DAY, return_inverse=True)[1]
+    per_session = [set(label[day == d]) for d in range(day.max() + 1)]
+    assert all(len(x) == 1 for x in per_session)  # one regime per session
+    assert [x.pop() for x in per_session[:7]] == ["calm"] * 3 + ["volatile"] * 3 + ["calm"]
+    calm, volatile = (np.nanstd(s.ret[label == x]) for x in ("calm", "volatile"))
+    assert 1.6 < volatile / calm < 2.5, (calm, volatile)  # planted x0.7 against x1.4
+
+
+def test_cli_covariates_read_as_the_trainer_reads_them(tmp_path: Path) -> None:
+    out = tmp_path / "bars.parquet"
+    res = run_synth("--out", str(out), "--symbols", "ES,CL", "--bars", "1200", "--event", "15:00,19:30",
+                    "--event-every", "2", "--vol-scale", "--regime", "--regime-sessions", "1", "--exchange", "venue")
+    assert res.returncode == 0, res.stderr
+    assert "covariates: event, vol_scale, regime, venue" in res.stderr
+    config = FeatureConfig(known_columns=("event",), static_columns=("vol_scale", "venue"),
+                           user_columns=("regime",), categorical_columns=("regime", "venue"))
+    bars = read_bars(out, None, config.real_columns, label_columns=config.categorical_columns)
+    assert sorted(bars.labels["venue"].tolist()[::1200]) == ["CME", "NYMEX"]
+    assert set(bars.labels["regime"].tolist()) == {"calm", "volatile"}
+    config = with_vocabularies(config, bars, int(bars.timestamp_ns.max()) + 1)
+    assert config.vocabulary("regime") == ("calm", "volatile")
+    frame = build_frame(bars, config)  # refuses a static column that varies within a series
+    assert frame.static_real is not None and sorted(np.unique(frame.static_real).tolist()) == [0.5, 2.0]
+    assert int(bars.user["event"].sum()) == 2 * 2 * 2  # sessions 0 and 2 of 4, two times, two symbols
+
+
+def table_columns() -> list[str]:
+    return ["timestamp", "symbol", "open", "high", "low", "close", "volume"]
