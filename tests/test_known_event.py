@@ -1,6 +1,6 @@
 """A scheduled event given as a known-future input is used by the model: trained through `python -m trainer` on
-sample bars whose volatility jumps at planted events, the decoder's variable selection weighs the event flag far
-more on the future bars that hold an event than on the others (an untrained model weighs it about alike).
+sample bars whose volatility jumps at planted events, the decoder's variable selection weighs the event flag over
+3x more on the future bars that hold an event than on the others (the same model untrained: about 2x or less).
 The loss it saves is measured in benchmarks/known_event.py (BENCHMARKS.md)."""
 
 from __future__ import annotations
