@@ -99,6 +99,12 @@ def test_bad_categorical_and_static_columns_are_named(bars_path: Path, tmp_path:
         build_frame(read_bars(moving, None, config.real_columns, label_columns=config.categorical_columns), config)
     assert "static feature 'scale' varies within series NQ" in str(varies.value)
     assert "--known-features" in str(varies.value)
+    missing = tmp_path / "missing.parquet"  # a static value left NaN is no change within the series
+    pq.write_table(t.set_column(t.column_names.index("scale"), "scale", pa.array(np.full(t.num_rows, np.nan))),
+                   missing)
+    bars = read_bars(missing, None, config.real_columns, check_user_values=False,
+                     label_columns=config.categorical_columns)
+    assert build_frame(bars, config).static_real is not None
 
 
 def test_windows_carry_every_input_and_serving_computes_the_same(bars_path: Path) -> None:
@@ -168,6 +174,20 @@ def test_the_model_reads_every_new_input() -> None:
     again = model.forward_rows(rows[STATIC_CATEGORICAL], rows["row_observed"], rows["row_known"],
                                rows["row_window"], rows["window_rows"], rows[DECODER_KNOWN], x[4])
     torch.testing.assert_close(again.quantiles, out.quantiles)
+
+
+def test_an_unseen_label_enters_as_a_neutral_zero_embedding_and_training_keeps_it() -> None:
+    torch.manual_seed(0)
+    model = TemporalFusionTransformer(CFG).train()
+    x = inputs()
+    x[1][..., -1] = torch.arange(CFG.encoder_length).float() % 4  # the unknown id 0 among the observed ids
+    model(*x).quantiles.square().mean().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert model.observed_categorical is not None and model.known_categorical is not None
+    tables = [e.weight.detach() for e in (*model.static_encoder.embedding.embeddings,
+                                          *model.observed_categorical.embeddings, *model.known_categorical.embeddings)
+              if isinstance(e, torch.nn.Embedding)]
+    assert [float(t[0].abs().max()) == 0.0 for t in tables] == [False, True, True, True]  # symbol 0 is a symbol
 
 
 def test_a_model_without_new_features_keeps_its_parameters() -> None:

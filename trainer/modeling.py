@@ -165,33 +165,20 @@ class RealEmbedding(nn.Module):
 
 
 class CategoricalEmbedding(nn.Module):
-    """One nn.Embedding per categorical variable, stacked along a variable dimension."""
+    """One nn.Embedding per categorical variable, stacked along a variable dimension. Id 0 of a user
+    categorical is its unknown slot, which no training label reaches: a fixed zero vector (`padding_idx`), so an
+    unseen label enters as a neutral input, not as an untrained random one. The first `without_slot` variables
+    (the symbol) have no such slot."""
 
-    def __init__(self, cardinalities: tuple[int, ...], size: int) -> None:
+    def __init__(self, cardinalities: tuple[int, ...], size: int, without_slot: int = 0) -> None:
         super().__init__()
-        self.embeddings = nn.ModuleList(nn.Embedding(n, size) for n in cardinalities)
+        self.embeddings = nn.ModuleList(nn.Embedding(n, size, padding_idx=None if i < without_slot else 0)
+                                        for i, n in enumerate(cardinalities))
 
     def forward(self, ids: Tensor) -> Tensor:
         # ids: [..., V] int64 (or float32 holding exact integers: the time-varying inputs)
         ids = ids.long()
         return torch.stack([emb(ids[..., i]) for i, emb in enumerate(self.embeddings)], dim=-2)  # [..., V, E]
-
-
-class MixedEmbedding(nn.Module):
-    """A role's variables: the first columns reals (RealEmbedding), the last ones categorical ids (one embedding
-    each), concatenated in column order."""
-
-    def __init__(self, n_real: int, cardinalities: tuple[int, ...], size: int) -> None:
-        super().__init__()
-        self.n_real = n_real
-        self.real = RealEmbedding(n_real, size)
-        self.categorical = CategoricalEmbedding(cardinalities, size) if cardinalities else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [..., V] normalised reals, then raw ids
-        if self.categorical is None:
-            return self.real(x)  # [..., V, E]
-        return torch.cat([self.real(x[..., :self.n_real]), self.categorical(x[..., self.n_real:])], dim=-2)
 
 
 class VariableSelectionNetwork(nn.Module):
@@ -222,7 +209,7 @@ class StaticCovariateEncoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.hidden_size
-        self.embedding = CategoricalEmbedding(cfg.static_cardinalities, cfg.var_hidden)
+        self.embedding = CategoricalEmbedding(cfg.static_cardinalities, cfg.var_hidden, without_slot=1)  # the symbol
         self.real_embedding = RealEmbedding(cfg.n_static_real, cfg.var_hidden) if cfg.n_static_real else None
         self.vsn = VariableSelectionNetwork(cfg.n_static_vars, cfg.var_hidden, d, cfg.dropout)
         self.contexts = nn.ModuleList(GatedResidualNetwork(d, d, d, cfg.dropout) for _ in range(4))
