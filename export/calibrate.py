@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from export.errors import UsageError
 from export.onnx_export import input_names
 from features.bars import BarDataError, ColumnMap
+from features.compute import FeatureConfig
 from features.schema import ENCODER_OBSERVED
 from trainer.config import TrainConfig
 from trainer.data import Normalization, PreparedData, prepare
@@ -134,7 +135,7 @@ def validation_data(ckpt: dict[str, Any], bars: Path | None, column_flags: dict[
     columns = ColumnMap.from_dict({**ckpt["column_map"], **column_flags})
     try:  # the trainer's own reading (every feature column) and digest of the bars read
         data = prepare(source, cfg, columns, [str(s) for s in ckpt["symbols"]],
-                       Normalization.from_dict(ckpt["normalization"]))
+                       Normalization.from_dict(ckpt["normalization"]), FeatureConfig.from_dict(ckpt["feature_config"]))
     except BarDataError as exc:
         raise UsageError(f"--calibrate: {flag}: {'; '.join(exc.lines()[:3])}") from None
     except ValueError as exc:  # DataError, or features the bars cannot give (a static column that varies)

@@ -512,7 +512,10 @@ def check_static(bars: Bars, config: FeatureConfig, bounds: np.ndarray) -> None:
     for name in config.static_columns:
         values = np.asarray(bars.labels[name] if name in config.categorical_columns else bars.user[name])
         for s, e in bounds:
-            if (moved := np.flatnonzero(values[s:e] != values[s])).size:
+            same = values[s:e] == values[s]
+            if name not in config.categorical_columns:
+                same |= np.isnan(values[s:e]) & np.isnan(values[s])  # NaN is the values' check's to name
+            if (moved := np.flatnonzero(~same)).size:
                 row = int(s + moved[0])
                 first, then = values[s:s + 1].tolist()[0], values[row:row + 1].tolist()[0]
                 when = str(np.datetime64(int(bars.timestamp_ns[row]), "ns"))[:19].replace("T", " ")

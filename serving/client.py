@@ -4,8 +4,8 @@ Asks the server what the model needs (GetModelInfo), reads the bars with the col
 trained from (the mapping flags given here win), sends the latest `bars_required` bars of the symbol (those up
 to `--origin`) and prints a table: per horizon step, the nominal bar time and the quantiles of cumulative log
 return and of price. A model with user features also gets each categorical's labels per bar, each static
-feature's value once, and each known feature's values for the H bars after the origin: from the bars file when
-it holds them, else from `--future FILE`.
+feature's value once, and each known feature's values for the H bars after the origin: from `--future FILE`
+when given, else from the bars file's H bars after the origin.
 
 Exit status: 0 done; 2 bad arguments, bars, or TLS/token files; 1 the server answered an error or could not be
 reached (the status code and message are printed); 130 interrupted; 141 the reader of the output went away.
