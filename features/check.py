@@ -105,12 +105,12 @@ def feature_lines(bars: Bars, config: FeatureConfig) -> list[str]:
 
 def static_problems(path: str, bars: Bars, config: FeatureConfig) -> list[str]:
     """One line per static feature whose value changes within a series (where it first does)."""
-    problems = []
+    problems, bounds = [], series_bounds(bars)
     for name in config.static_columns:
         categorical = (name,) if name in config.categorical_columns else ()
         one = FeatureConfig(static_columns=(name,), categorical_columns=categorical)
         try:
-            check_static(bars, one, series_bounds(bars))
+            check_static(bars, one, bounds)
         except ValueError as exc:
             problems.append(f"{path}: {exc}")
     return problems
