@@ -230,6 +230,8 @@ class Bars:
     labels: Mapping[str, np.ndarray] = field(default_factory=dict)  # str [N] each: categorical user columns
     files: list[str] = field(default_factory=list)  # source files, in reading order
     notes: list[str] = field(default_factory=list)  # how the files were read, where a reader should know
+    contract: np.ndarray | None = None  # object [N]: each bar's contract, in a continuous series of a root
+    log_offset: np.ndarray | None = None  # float64 [N]: added to log(close) so no return spans a roll
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])

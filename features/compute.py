@@ -16,6 +16,7 @@ import numpy as np
 
 from features.bars import Bars, block_for
 from features.categories import encode, fit_vocabulary
+from features.contracts import ContractConfig
 from features.schema import FeatureSchema, FeatureSpec, Kind, Role
 
 NS_PER_SECOND = 1_000_000_000
@@ -45,6 +46,7 @@ class FeatureConfig:
     static_columns: tuple[str, ...] = ()  # user columns constant within a series
     categorical_columns: tuple[str, ...] = ()  # which user columns, of any role, are categorical
     vocabularies: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (column, sorted labels) once fitted
+    contracts: ContractConfig | None = None  # per-contract bars rolled into one series per root; None: as given
 
     def __post_init__(self) -> None:
         if self.horizon < 1 or self.volatility_window < 1:
@@ -114,6 +116,8 @@ class FeatureConfig:
             d |= {"known_columns": list(self.known_columns), "static_columns": list(self.static_columns),
                   "categorical_columns": list(self.categorical_columns),
                   "vocabularies": {name: list(v) for name, v in self.vocabularies}}
+        if self.contracts is not None:
+            d["contracts"] = self.contracts.to_dict()
         return d
 
     @staticmethod
@@ -121,7 +125,8 @@ class FeatureConfig:
         return FeatureConfig(int(d["horizon"]), int(d["volatility_window"]), tuple(d["user_columns"]),
                              str(d["calendar_tz"]), tuple(d.get("known_columns", ())),
                              tuple(d.get("static_columns", ())), tuple(d.get("categorical_columns", ())),
-                             tuple((name, tuple(v)) for name, v in d.get("vocabularies", {}).items()))
+                             tuple((name, tuple(v)) for name, v in d.get("vocabularies", {}).items()),
+                             ContractConfig.from_dict(d["contracts"]) if d.get("contracts") else None)
 
 
 ROLE_FLAGS = {"user_columns": "--features", "known_columns": "--known-features", "static_columns": "--static-features"}
@@ -392,11 +397,12 @@ class LatestWindows:
 def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
                    volume: np.ndarray, user: np.ndarray | list[np.ndarray], config: FeatureConfig,
                    encoder_length: int, bar_interval_ns: int, known: np.ndarray | None = None,
-                   future_known: np.ndarray | None = None) -> LatestWindows:
+                   future_known: np.ndarray | None = None, log_offset: np.ndarray | None = None) -> LatestWindows:
     """The window at the last bar of each of B series of n bars ([B, n] columns, oldest first): what a server
     forecasts from. `user`: the observed user variables (config.observed_user; categoricals as ids) as a
     [n_user, B * n] block or [B * n] columns; `known` float32 [B, n, n_known_user] and `future_known`
-    [B, H, n_known_user]: the known user variables of the bars and of the H future bars (config.known_user).
+    [B, H, n_known_user]: the known user variables of the bars and of the H future bars (config.known_user);
+    `log_offset` [B, n]: a continuous series' roll offsets (`features.rolls`), added to log(close).
     Bit for bit what `build_frame` + `gather_windows` give there once n >= warm-up + L."""
     b, n = close.shape
     L = encoder_length
@@ -406,8 +412,9 @@ def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray
     starts = np.arange(b, dtype=np.int64) * n  # [B]  first row of each series
     first_row = np.repeat(starts, n)  # [B * n]
     c = close.reshape(-1)
+    log_c = np.log(c) if log_offset is None else np.log(c) + log_offset.reshape(-1)
     observed = _observed(open_.reshape(-1), high.reshape(-1), low.reshape(-1), c, volume.reshape(-1), user, config,
-                         starts, first_row, np.log(c))  # [B * n, n_observed]
+                         starts, first_row, log_c)  # [B * n, n_observed]
     future = future_timestamps(timestamp_ns[:, -1], bar_interval_ns, config.horizon)  # [B, H]
     encoder_known = known_features(timestamp_ns[:, n - L:], config.calendar_tz)  # [B, L, 4]
     decoder_known = known_features(future, config.calendar_tz)  # [B, H, 4]
@@ -453,7 +460,7 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
     check_static(bars, config, bounds)
     series_id = np.repeat(np.array([vocab.index(name) for name in slices], dtype=np.int64), bounds[:, 1] - bounds[:, 0])
     first_row = np.repeat(bounds[:, 0], bounds[:, 1] - bounds[:, 0])  # [N]
-    log_c = np.log(bars.close)
+    log_c = np.log(bars.close) if bars.log_offset is None else np.log(bars.close) + bars.log_offset
     ids, unseen = encode_labels(bars, config)
     user_block = None if config.categorical_columns else block_for(bars.user, config.user_columns)  # [n_user, N]
     user = user_block if user_block is not None else [column(bars, ids, u) for u in config.observed_user]

@@ -1,0 +1,186 @@
+"""Futures contract names -> roots, and how a run treats contracts (`ContractConfig`, saved with every model).
+
+A name is read CME-style: root + month code + 1- or 2-digit year (ESH5, ESH25, CLZ24, 6EM5). A mapping file
+(`--roots FILE`, CSV `contract,root[,expiration]`) or a bars column (`--roots COLUMN`) names roots that do not
+follow that pattern.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MONTH_CODES = "FGHJKMNQUVXZ"  # January .. December
+CONTRACT_PATTERN = "root + month code (FGHJKMNQUVXZ) + 1- or 2-digit year, e.g. ESH5, ESH25, CLZ24, 6EM5"
+_NAME = re.compile(r"(?P<root>[A-Z0-9]{1,6}?)(?P<month>[FGHJKMNQUVXZ])(?P<year>\d{1,2})")
+ROLL_RULES = "volume, calendar:N (N sessions before expiry) or none"
+ROOTS_FIX = ("map the names to roots with --roots FILE (a CSV with a header row: contract,root[,expiration]) or "
+             "--roots COLUMN (a bars column holding each bar's root)")
+
+
+def parse_contract(name: str) -> tuple[str, int, str] | None:
+    """(root, month 1..12, year digits) of a CME-style contract name; None when the name is not one."""
+    m = _NAME.fullmatch(name)
+    if m is None or not any(ch.isalpha() for ch in m["root"]):
+        return None
+    return m["root"], MONTH_CODES.index(m["month"]) + 1, m["year"]
+
+
+def contract_month(name: str, first_ns: int) -> int | None:
+    """The contract's delivery month as year * 12 + month - 1, resolving a 1-digit year to the decade that puts it
+    at or after the year before its first bar (`first_ns`); None when the name is not CME-style."""
+    parsed = parse_contract(name)
+    if parsed is None:
+        return None
+    _, month, digits = parsed
+    if len(digits) == 2:
+        year = 2000 + int(digits)
+    else:
+        first_year = int(str(np.datetime64(int(first_ns), "ns").astype("datetime64[Y]"))) - 1
+        year = first_year + (int(digits) - first_year) % 10
+    return year * 12 + month - 1
+
+
+@dataclass(frozen=True)
+class ContractConfig:
+    """How per-contract bars become one continuous series per root; saved in the feature config."""
+
+    roll: str = "volume"  # "volume" | "calendar:N" | "none"
+    adjust: str = "none"  # "none": the contracts' own prices | "ratio": ratio back-adjusted to the latest contract
+    volume: str = "front"  # "front": the front's volume | "root": the sum over the root's contracts at that bar
+    contract_column: str = ""  # column of raw contract names; "" = the symbol column
+    root_column: str = ""  # bars column naming each bar's root; "" = the mapping, else the pattern
+    roots: tuple[tuple[str, str], ...] = ()  # contract -> root, from a --roots file
+    expirations: tuple[tuple[str, str], ...] = ()  # contract -> "YYYY-MM-DD"
+
+    def __post_init__(self) -> None:
+        if roll_sessions(self.roll) is None and self.roll not in ("volume", "none"):
+            raise ValueError(f"--roll {self.roll}: expected {ROLL_RULES}")
+        if self.adjust not in ("none", "ratio"):
+            raise ValueError(f"--adjust {self.adjust}: expected none or ratio")
+        if self.volume not in ("front", "root"):
+            raise ValueError(f"--volume {self.volume}: expected front or root")
+
+    def root_of(self, contract: str) -> str | None:
+        """The contract's root: from the mapping file, else the CME-style pattern; None when neither maps it."""
+        mapped = dict(self.roots).get(contract)
+        if mapped is not None:
+            return mapped
+        parsed = parse_contract(contract)
+        return parsed[0] if parsed is not None else None
+
+    def expiration(self, contract: str) -> np.datetime64 | None:
+        day = dict(self.expirations).get(contract)
+        return np.datetime64(day, "D") if day is not None else None
+
+    def describe(self) -> str:
+        """One line: the roll rule and how contract names map to roots."""
+        names = "a --roots file" if self.roots else f"the bars' {self.root_column!r} column" if self.root_column \
+            else CONTRACT_PATTERN
+        return f"roll {self.roll}, adjust {self.adjust}, volume {self.volume}; contract names -> roots by {names}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"roll": self.roll, "adjust": self.adjust, "volume": self.volume,
+                "contract_column": self.contract_column, "root_column": self.root_column,
+                "roots": dict(self.roots), "expirations": dict(self.expirations)}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> ContractConfig:
+        return ContractConfig(str(d["roll"]), str(d["adjust"]), str(d["volume"]), str(d["contract_column"]),
+                              str(d["root_column"]), tuple(sorted(d["roots"].items())),
+                              tuple(sorted(d["expirations"].items())))
+
+
+def roll_sessions(rule: str) -> int | None:
+    """N of a `calendar:N` rule; None for other rules."""
+    m = re.fullmatch(r"calendar:(\d+)", rule)
+    return int(m[1]) if m else None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The contract flags of every command that reads bars."""
+    g = parser.add_argument_group("futures contracts (per-contract bars -> one continuous series per root)")
+    g.add_argument("--contract-col", metavar="NAME",
+                   help="column of raw contract names, e.g. ESH5 (default: the symbol column)")
+    g.add_argument("--roots", metavar="FILE|COLUMN",
+                   help="contract -> root: a CSV file with a header row contract,root[,expiration], or a bars "
+                        "column naming each bar's root (default: " + CONTRACT_PATTERN + ")")
+    g.add_argument("--roll", metavar="RULE",
+                   help="how the front contract is chosen: volume (the default for contract names: the next "
+                        "contract from the session after the first one its volume exceeds the front's), "
+                        "calendar:N (N sessions before expiry) or none (the file is continuous already)")
+    g.add_argument("--adjust", choices=("none", "ratio"),
+                   help="the continuous series' prices: each contract's own (none, the default) or ratio "
+                        "back-adjusted to the latest contract; returns are within a contract either way")
+    g.add_argument("--volume", dest="volume_mode", choices=("front", "root"),
+                   help="a continuous bar's volume: the front contract's (default) or the sum over the root's")
+    g.add_argument("--expiration-col", metavar="NAME",
+                   help="column of each contract's expiration, for --roll calendar:N (default expiration)")
+
+
+def given(args: argparse.Namespace) -> bool:
+    """Whether any contract flag was given."""
+    return any(getattr(args, k, None) is not None for k in ("contract_col", "roots", "roll", "adjust", "volume_mode"))
+
+
+def read_mapping(path: Path) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """(contract -> root, contract -> expiration day) from a CSV mapping file; ValueError names a bad row."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or not {"contract", "root"} <= set(rows[0]):
+        raise ValueError(f"--roots {path}: expected a CSV with a header row contract,root[,expiration]")
+    roots, days = {}, {}
+    for i, row in enumerate(rows, start=2):
+        contract, root = (row.get("contract") or "").strip(), (row.get("root") or "").strip()
+        if not contract or not root:
+            raise ValueError(f"--roots {path}: line {i} lacks a contract or a root")
+        roots[contract] = root
+        if (row.get("expiration") or "").strip():
+            days[contract] = expiration_day(row["expiration"], f"--roots {path} line {i}")
+    return tuple(sorted(roots.items())), tuple(sorted(days.items()))
+
+
+def expiration_day(text: str, where: str) -> str:
+    """An expiration (ISO date or timestamp text) as "YYYY-MM-DD"; ValueError names `where`."""
+    try:
+        return str(np.datetime64(text.strip().replace("Z", "").split("+")[0][:26], "D"))
+    except ValueError:
+        raise ValueError(f"{where}: expiration {text!r} is not a date; give YYYY-MM-DD") from None
+
+
+def from_args(args: argparse.Namespace, names: Sequence[str], has_columns: Sequence[str] = ()) -> ContractConfig | None:
+    """The run's ContractConfig from its flags and the bars' names (contract column values), or None for plain
+    series: names that are not contract names and no contract flag, or `--roll none` without --contract-col.
+    ValueError (one line) for a name no rule maps while contracts are asked for."""
+    roll = args.roll or "volume"
+    if args.roll == "none" and args.contract_col is None:
+        return None
+    roots: tuple[tuple[str, str], ...] = ()
+    days: tuple[tuple[str, str], ...] = ()
+    root_column = ""
+    if args.roots is not None:
+        if Path(args.roots).is_file():
+            roots, days = read_mapping(Path(args.roots))
+        elif args.roots in has_columns:
+            root_column = args.roots
+        else:
+            raise ValueError(f"--roots {args.roots}: no such file, and the bars have no such column; "
+                             + ROOTS_FIX)
+    cfg = ContractConfig(roll, args.adjust or "none", args.volume_mode or "front", args.contract_col or "",
+                         root_column, roots, days)
+    unmapped = [n for n in names if cfg.root_of(n) is None] if not root_column else []
+    if unmapped and not given(args) and len(unmapped) == len(names):
+        return None  # plain series, as the names are not contracts
+    if unmapped:
+        shown = ", ".join(repr(n) for n in unmapped[:3]) + (f" and {len(unmapped) - 3} more" if len(unmapped) > 3
+                                                             else "")
+        raise ValueError(f"contract name(s) {shown} name no root: contract names are read as {CONTRACT_PATTERN}; "
+                         + ROOTS_FIX + (" (or --roll none: each name its own series)" if args.roll is None else ""))
+    return cfg

@@ -1,0 +1,275 @@
+"""Per-contract bars -> one continuous series per root, by a roll rule; one implementation for training, checks,
+scoring and serving.
+
+At a roll the new front's first return is taken against the new contract's own previous close (its last bar
+before the roll; the bar's own open when it has none), never against the old contract's: each row's
+`log_offset` (0 in the latest contract) is added to log(close), which is ratio back-adjustment in log space.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from features.bars import Bars, ColumnBlock, ColumnMap, list_parquet_files
+from features.compute import NS_PER_DAY, FeatureConfig, utc_offset_ns
+from features.contracts import ContractConfig, contract_month, expiration_day, from_args, roll_sessions
+
+
+@dataclass(frozen=True)
+class Roll:
+    """The front of `root` moves from `old` to `new` at `timestamp_ns` (the first bar of `new` as front)."""
+
+    root: str
+    old: str
+    new: str
+    timestamp_ns: int
+
+    def line(self) -> str:
+        when = str(np.datetime64(self.timestamp_ns, "ns"))[:16].replace("T", " ")
+        return f"{self.root} {when} UTC: {self.old} -> {self.new}"
+
+    def to_dict(self) -> dict[str, str | int]:
+        return {"root": self.root, "old": self.old, "new": self.new, "timestamp_ns": self.timestamp_ns}
+
+
+@dataclass(frozen=True)
+class Front:
+    """One root's continuous series as rows of its per-contract bars."""
+
+    rows: np.ndarray  # int64 [M]  the chosen rows, in time order
+    log_offset: np.ndarray  # float64 [M]  added to log(close); 0 in the latest contract
+    volume: np.ndarray  # float64 [M]  the continuous bar's volume (the front's, or the root's sum)
+    rolls: list[tuple[str, str, int]]  # (old, new, first timestamp of new)
+
+
+def sessions(timestamp_ns: np.ndarray, tz: str) -> np.ndarray:
+    """Each bar's session: its calendar day in `tz`, as days since 1970-01-01, int64 [n]."""
+    ts = np.asarray(timestamp_ns, dtype=np.int64)
+    return (ts + utc_offset_ns(ts, tz)) // NS_PER_DAY
+
+
+def front_rows(timestamp_ns: np.ndarray, contract: np.ndarray, open_: np.ndarray, close: np.ndarray,
+               volume: np.ndarray, cfg: ContractConfig, tz: str, root: str) -> Front:
+    """The continuous series of one root's rows (any contracts, any order; [n] each) by `cfg`'s roll rule.
+    ValueError (one line) for input the rule cannot take."""
+    names = np.asarray(contract).astype(str)
+    order = np.lexsort((names, timestamp_ns))
+    ts, names = np.asarray(timestamp_ns, dtype=np.int64)[order], names[order]
+    contracts = _ordered_contracts(ts, names, cfg, root)
+    unique, inverse = np.unique(names, return_inverse=True)
+    place = {c: i for i, c in enumerate(contracts)}
+    col = np.array([place[str(u)] for u in unique], dtype=np.int64)[inverse.reshape(-1)]  # [n] expiry-order index
+    day = sessions(ts, tz)
+    days, s_of = np.unique(day, return_inverse=True)
+    if cfg.roll == "none":
+        chosen = _continuous_as_given(ts, names, root)
+    else:
+        front = _volume_fronts(s_of, col, np.asarray(volume, np.float64)[order], len(days), len(contracts)) \
+            if cfg.roll == "volume" else _calendar_fronts(days, s_of, col, contracts, cfg, root)
+        chosen = np.flatnonzero(col == front[s_of])
+    rows = order[chosen]
+    vol = np.asarray(volume, np.float64)
+    if cfg.volume == "root":
+        stamps, at = np.unique(ts, return_inverse=True)
+        vol_sum = np.zeros(stamps.size)
+        np.add.at(vol_sum, at, vol[order])
+        chosen_vol = vol_sum[at[chosen]]
+    else:
+        chosen_vol = vol[rows]
+    log_offset, rolls = _offsets(ts, names, chosen, np.asarray(open_, np.float64)[order],
+                                 np.asarray(close, np.float64)[order])
+    return Front(rows, log_offset, chosen_vol, rolls)
+
+
+def _ordered_contracts(ts: np.ndarray, names: np.ndarray, cfg: ContractConfig, root: str) -> list[str]:
+    """The root's contracts in expiry order: by expiration when known, else by contract month."""
+    unique, first_row = np.unique(names, return_index=True)
+    first = {str(n): int(ts[i]) for n, i in zip(unique, first_row, strict=True)}
+
+    def key(name: str) -> tuple[int, int, str]:
+        exp = cfg.expiration(name)
+        if exp is not None:  # months since 1970-01, then the day
+            return int(exp.astype("datetime64[M]").astype(np.int64)), int(exp.astype(np.int64)), name
+        month = contract_month(name, first[name])
+        if month is None:  # a name mapped by --roots without a month code: by its first bar
+            return int(np.datetime64(first[name], "ns").astype("datetime64[M]").astype(np.int64)), first[name], name
+        return month - 1970 * 12, 0, name
+
+    ordered = sorted(first, key=key)
+    keys = [key(n)[:2] for n in ordered]
+    for a, b, ka, kb in zip(ordered, ordered[1:], keys, keys[1:], strict=False):
+        if ka == kb:
+            raise ValueError(f"root {root}: {a} and {b} are one contract month under two names; give each "
+                             "contract one name")
+    return ordered
+
+
+def _volume_fronts(s_of: np.ndarray, col: np.ndarray, volume: np.ndarray, n_sessions: int,
+                   n_contracts: int) -> np.ndarray:
+    """The front contract of each session, int64 [S]: the previous session's volume leader among later contracts
+    takes over once it outvolumes the front; never back."""
+    vol = np.zeros((n_sessions, n_contracts))  # [S, C]
+    np.add.at(vol, (s_of, col), volume)
+    traded = np.zeros((n_sessions, n_contracts), dtype=bool)
+    traded[s_of, col] = True
+    last = np.where(traded.any(axis=0), n_sessions - 1 - np.argmax(traded[::-1], axis=0), -1)  # [C]
+    front = np.empty(n_sessions, dtype=np.int64)
+    f = int(np.argmax(vol[0]))
+    for s in range(n_sessions):
+        if s > 0:
+            later = vol[s - 1, f + 1:]
+            if later.size and later.max() > vol[s - 1, f]:
+                f = f + 1 + int(np.argmax(later))
+            elif last[f] < s:  # the front has stopped trading: the next contract that trades this session
+                nxt = np.flatnonzero(traded[s, f + 1:])
+                f = f + 1 + int(nxt[0]) if nxt.size else f
+        front[s] = f
+    return front
+
+
+def _calendar_fronts(days: np.ndarray, s_of: np.ndarray, col: np.ndarray, contracts: list[str],
+                     cfg: ContractConfig, root: str) -> np.ndarray:
+    """The front of each session, int64 [S]: the first contract (expiry order) trading that session with more
+    than N weekday sessions left to its expiration."""
+    n = roll_sessions(cfg.roll)
+    missing = [c for c in contracts if cfg.expiration(c) is None]
+    if missing:
+        raise ValueError(f"--roll {cfg.roll} needs each contract's expiration: {', '.join(missing[:3])} of root "
+                         f"{root} {'has' if len(missing) == 1 else 'have'} none; add an expiration column "
+                         "(--expiration-col NAME) or an expiration column in the --roots file, or use --roll volume")
+    expiry = np.array([cfg.expiration(c) for c in contracts], dtype="datetime64[D]")  # [C]
+    traded = np.zeros((days.size, len(contracts)), dtype=bool)
+    traded[s_of, col] = True
+    left = np.busday_count(days.astype("datetime64[D]")[:, None], expiry[None, :])  # [S, C]
+    ok = traded & (left > (n or 0))
+    return np.where(ok.any(axis=1), np.argmax(ok, axis=1), -1)
+
+
+def _continuous_as_given(ts: np.ndarray, names: np.ndarray, root: str) -> np.ndarray:
+    """Every row, for a file continuous already; ValueError when two contracts claim one bar."""
+    if (same := np.flatnonzero(ts[1:] == ts[:-1])).size:
+        i = int(same[0])
+        when = str(np.datetime64(int(ts[i]), "ns"))[:16].replace("T", " ")
+        raise ValueError(f"root {root} at {when} UTC: {names[i]} and {names[i + 1]} both claim the bar as front, "
+                         "and --roll none takes the file as continuous already; choose the front with --roll volume "
+                         "or --roll calendar:N")
+    return np.arange(ts.size)
+
+
+def _offsets(ts: np.ndarray, names: np.ndarray, chosen: np.ndarray, open_: np.ndarray, close: np.ndarray
+             ) -> tuple[np.ndarray, list[tuple[str, str, int]]]:
+    """log offsets of the chosen rows (float64 [M]) and the rolls, from time-sorted rows of all contracts."""
+    picked = names[chosen]
+    at = np.flatnonzero(picked[1:] != picked[:-1]) + 1  # [R] first chosen row of each new front
+    steps = np.zeros(chosen.size)
+    rolls = []
+    for k in at:
+        new_row, old_row = int(chosen[k]), int(chosen[k - 1])
+        before = np.flatnonzero((names[:new_row] == picked[k]) & (ts[:new_row] < ts[new_row]))
+        ref = close[before[-1]] if before.size else open_[new_row]  # the new contract's own previous price
+        steps[k] = np.log(ref) - np.log(close[old_row])
+        rolls.append((str(picked[k - 1]), str(picked[k]), int(ts[new_row])))
+    # a row's offset: the sum of the steps of every later roll (the latest contract's rows: 0)
+    offset = np.cumsum(steps[::-1])[::-1]
+    return np.concatenate([offset[1:], [0.0]]) if offset.size else offset, rolls
+
+
+def continuous(bars: Bars, config: FeatureConfig) -> tuple[Bars, list[Roll]]:
+    """One continuous series per root (roots sorted) of per-contract `bars`, and the rolls; `bars` itself and no
+    rolls when the model takes its series as they are (`config.contracts` None)."""
+    cfg = config.contracts
+    if cfg is None:
+        return bars, []
+    names = bars.symbol.astype(str)
+    root = _roots(bars, cfg, names)
+    parts: list[np.ndarray] = []
+    offsets, volumes, rolls = [], [], []
+    for r in sorted(set(root.tolist())):
+        rows = np.flatnonzero(root == r)
+        f = front_rows(bars.timestamp_ns[rows], names[rows], bars.open[rows], bars.close[rows], bars.volume[rows],
+                       cfg, config.calendar_tz, r)
+        parts.append(rows[f.rows])
+        offsets.append(f.log_offset)
+        volumes.append(f.volume)
+        rolls += [Roll(r, old, new, t) for old, new, t in f.rolls]
+    take = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    offset = np.concatenate(offsets) if offsets else np.zeros(0)
+    out = _taken(bars, take, root[take], names[take].astype(object), np.concatenate(volumes) if volumes
+                 else np.zeros(0), offset)
+    return (_ratio_adjusted(out) if cfg.adjust == "ratio" else out), rolls
+
+
+def _roots(bars: Bars, cfg: ContractConfig, names: np.ndarray) -> np.ndarray:
+    """Each row's root, str [N]; ValueError names a contract that maps to none."""
+    if cfg.root_column:
+        return np.asarray(bars.labels[cfg.root_column]).astype(str)
+    unique, inverse = np.unique(names, return_inverse=True)
+    mapped = [cfg.root_of(n) for n in unique]
+    if (bad := [n for n, m in zip(unique, mapped, strict=True) if m is None]):
+        from features.contracts import CONTRACT_PATTERN, ROOTS_FIX
+        raise ValueError(f"contract name(s) {', '.join(repr(str(b)) for b in bad[:3])} name no root: contract names "
+                         f"are read as {CONTRACT_PATTERN}; {ROOTS_FIX}")
+    return np.array(mapped, dtype=str)[inverse.reshape(-1)]
+
+
+def _taken(bars: Bars, take: np.ndarray, root: np.ndarray, contract: np.ndarray, volume: np.ndarray,
+           offset: np.ndarray) -> Bars:
+    user = ColumnBlock(bars.user.names, bars.user.block[:, take]) if isinstance(bars.user, ColumnBlock) \
+        else {k: v[take] for k, v in bars.user.items()}
+    return Bars(bars.timestamp_ns[take], root.astype(object), bars.open[take], bars.high[take], bars.low[take],
+                bars.close[take], volume, user, {k: v[take] for k, v in bars.labels.items()}, list(bars.files),
+                list(bars.notes), contract=contract, log_offset=offset)
+
+
+def _ratio_adjusted(bars: Bars) -> Bars:
+    """Prices back-adjusted by each row's ratio (the latest contract's unchanged); no offset left to add."""
+    assert bars.log_offset is not None
+    k = np.exp(bars.log_offset)
+    return replace(bars, open=bars.open * k, high=bars.high * k, low=bars.low * k, close=bars.close * k,
+                   log_offset=None)
+
+
+def reading(cmap: ColumnMap, cfg: ContractConfig | None) -> tuple[ColumnMap, tuple[str, ...]]:
+    """The column map to read per-contract bars with (the contract column as the symbol) and the label columns
+    the roll needs (the root column)."""
+    if cfg is None:
+        return cmap, ()
+    cmap = replace(cmap, symbol=cfg.contract_column) if cfg.contract_column else cmap
+    return cmap, (cfg.root_column,) if cfg.root_column else ()
+
+
+def scan(path: str | Path, cmap: ColumnMap, args: argparse.Namespace) -> ContractConfig | None:
+    """A run's ContractConfig from its flags and the names (and any expirations) in the bars at `path`; None for
+    plain series. ValueError (one line) for contract input no rule can take."""
+    column = args.contract_col or cmap.symbol
+    exp_col = getattr(args, "expiration_col", None) or "expiration"
+    names: set[str] = set()
+    days: dict[str, str] = {}
+    present: set[str] = set()
+    for file in list_parquet_files(Path(path)):
+        schema = pq.read_schema(file)
+        present |= set(schema.names)
+        if column not in schema.names:
+            continue
+        wanted = [column] + ([exp_col] if exp_col in schema.names else [])
+        table = pq.read_table(file, columns=wanted)
+        text = table.column(column).cast(pa.string())
+        names |= {str(n) for n in text.unique().to_pylist() if n is not None}
+        if exp_col in schema.names:
+            both = pa.table({"c": text, "e": table.column(exp_col).cast(pa.string())}).group_by("c").aggregate(
+                [("e", "max")])
+            days |= {c: expiration_day(e, f"column {exp_col!r} of {file}") for c, e in
+                     zip(both.column("c").to_pylist(), both.column("e_max").to_pylist(), strict=True) if c and e}
+    if args.contract_col is not None and column not in present:
+        raise ValueError(f"--contract-col {column}: the bars have no such column; name the column of raw contract "
+                         "names (e.g. symbol or raw_symbol)")
+    cfg = from_args(args, sorted(names), sorted(present))
+    if cfg is not None and days:
+        cfg = replace(cfg, expirations=tuple(sorted({**days, **dict(cfg.expirations)}.items())))
+    return cfg
