@@ -16,6 +16,7 @@ from typing import Any
 
 from features.bars import ColumnMap
 from features.compute import FeatureConfig
+from features.contracts import ContractConfig
 from features.schema import FeatureSchema
 
 FORMAT = "foxhunt-tft-onnx/1"
@@ -121,6 +122,19 @@ class ModelMeta:
     def symbol_index(self) -> dict[str, int]:
         """Symbol -> its id, the static input."""
         return {s: i for i, s in enumerate(self.symbols)}
+
+    @property
+    def contracts(self) -> ContractConfig | None:
+        """How the model's training bars were rolled from futures contracts into its roots; None: plain series."""
+        return self.feature_config.contracts
+
+    def root_of(self, name: str) -> str | None:
+        """The model symbol a request's `name` forecasts: the name itself when the model knows it, else (a model of
+        futures roots) the root of a contract name, when the model knows that root; None otherwise."""
+        if name in self.symbol_index:
+            return name
+        root = self.contracts.root_of(name) if self.contracts is not None else None
+        return root if root in self.symbol_index else None
 
     @property
     def bars_required(self) -> int:

@@ -59,9 +59,9 @@ def prepare(series: Sequence[SeriesColumns], meta: ModelMeta) -> Prepared:
     with np.errstate(all="ignore"):  # overflowing features (inf, NaN) are the caller's: nonfinite_problem names them
         # nominal future bar times from the model's bar interval, exactly as in training
         w = latest_windows(ts, o, h, lo, c, v, user, config, meta.encoder_length, meta.bar_interval_ns,
-                           known=known, future_known=future_known)
+                           known=known, future_known=future_known, log_offset=_log_offsets(series, n))
     index = meta.symbol_index
-    static = np.array([[index[s.symbol]] for s in series], dtype=np.int64)  # [B, 1]
+    static = np.array([[index[s.root or s.symbol]] for s in series], dtype=np.int64)  # [B, 1]
     if config.static_categoricals:
         static = np.concatenate([static, np.array([x.static for x in coded or ()], dtype=np.int64)], axis=1)
     inputs = {STATIC_CATEGORICAL: static, ENCODER_OBSERVED: w.encoder_observed, ENCODER_KNOWN: w.encoder_known,
@@ -78,6 +78,14 @@ def prepare(series: Sequence[SeriesColumns], meta: ModelMeta) -> Prepared:
         encoder_timestamp_ns=ts[:, n - meta.encoder_length:],
         notes=[x.notes for x in coded] if coded is not None else [()] * len(series),
     )
+
+
+def _log_offsets(series: Sequence[SeriesColumns], n: int) -> np.ndarray | None:
+    """float64 [B, n]: the roll offsets of the last n bars (0 for a series without rolls); None when no series has
+    any (adding 0 to a log changes nothing, so a batch may mix both)."""
+    if all(s.log_offset is None for s in series):
+        return None
+    return np.stack([np.zeros(n) if s.log_offset is None else s.log_offset[-n:] for s in series])
 
 
 def _observed_reals(series: Sequence[SeriesColumns], names: tuple[str, ...], n: int

@@ -17,6 +17,7 @@ import grpc
 from grpc import aio
 
 from features import package_version
+from features.contracts import CONTRACT_PATTERN
 from features.model_meta import ModelMeta
 from features.schema import Kind, Role
 from serving.batcher import MicroBatcher
@@ -400,6 +401,8 @@ def model_info(model: LoadedModel, limits: Limits) -> pb.ModelInfo:
         bar_columns=meta.column_map,
         calendar_tz=meta.feature_config.calendar_tz,
         calibration=calibration_info(meta.calibration, meta.quantiles),
+        contract_pattern=CONTRACT_PATTERN if meta.contracts is not None else "",
+        roll_rule=meta.contracts.describe() if meta.contracts is not None else "",
     )
 
 

@@ -27,6 +27,8 @@ from features.bars import (
 )
 from features.compute import COARSE_INTERVALS, NS_PER_DAY
 from features.model_meta import ModelMeta
+from features.rolls import front_rows
+from serving.contracts import foreign_contract, unknown_symbol
 from serving.errors import MAX_PROBLEMS, RequestError, bounded
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 
@@ -53,6 +55,9 @@ class SeriesColumns:
     future_labels: Mapping[str, np.ndarray] = field(default_factory=dict)  # known categoricals' future: str [H]
     static_reals: Mapping[str, float] = field(default_factory=dict)  # static real column -> its value
     static_labels: Mapping[str, str] = field(default_factory=dict)  # static categorical column -> its label
+    contracts: np.ndarray | None = None  # str [n]: each bar's futures contract, when sent (Series.contracts)
+    log_offset: np.ndarray | None = None  # float64 [n]: a rolled series' offsets added to log(close) (features.rolls)
+    root: str = ""  # the model symbol it forecasts, once validated: the symbol, or a contract's root
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
@@ -73,7 +78,19 @@ class SeriesColumns:
         return SeriesColumns(
             self.symbol, self.timestamp_ns[-n:], self.open[-n:], self.high[-n:], self.low[-n:], self.close[-n:],
             self.volume[-n:], user, {c: self.labels[c][-n:] for c in label_columns}, self.future, self.future_labels,
-            self.static_reals, self.static_labels)
+            self.static_reals, self.static_labels, None if self.contracts is None else self.contracts[-n:],
+            None if self.log_offset is None else self.log_offset[-n:], self.root)
+
+    def take(self, rows: np.ndarray, label: str | None = None) -> SeriesColumns:
+        """The bars at `rows` (int64 [m]) with every per-bar column; `label` replaces the symbol."""
+        user: Mapping[str, np.ndarray] = ColumnBlock(self.user.names, self.user.block[:, rows]) \
+            if isinstance(self.user, ColumnBlock) else {k: v[rows] for k, v in self.user.items()}
+        return SeriesColumns(
+            self.symbol if label is None else label, self.timestamp_ns[rows], self.open[rows], self.high[rows],
+            self.low[rows], self.close[rows], self.volume[rows], user, {k: v[rows] for k, v in self.labels.items()},
+            self.future, self.future_labels, self.static_reals, self.static_labels,
+            None if self.contracts is None else self.contracts[rows],
+            None if self.log_offset is None else self.log_offset[rows], self.root)
 
 
 def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
@@ -96,6 +113,7 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
         close=np.asarray(series.close, dtype=np.float64),
         volume=np.asarray(series.volume, dtype=np.float64),
         user=plain or user,  # both forms at once are refused by _packed_user_columns
+        contracts=np.asarray(series.contracts, dtype=str) if series.contracts else None,
     )
     if series.future_features or series.categorical_features or series.future_categorical_features \
             or series.static_features or series.static_categorical_features:
@@ -159,17 +177,21 @@ def _label(i: int, symbol: str) -> str:
 
 
 def _check_identity(i: int, s: SeriesColumns, meta: ModelMeta, seen: dict[str, int]) -> None:
+    """The model symbol the series forecasts into `s.root`: its symbol, or a futures model's root of it."""
     known = ", ".join(meta.symbols)
     if not s.symbol:
         raise RequestError(f"series[{i}]: symbol is empty; set it to one of the model's symbols: {known}",
                            _field(i, "symbol"))
-    if s.symbol not in meta.symbols:
-        raise RequestError(f"series[{i}]: unknown symbol {bounded(s.symbol)}; the model knows {known}",
+    root = meta.root_of(s.symbol)
+    if root is None:
+        raise RequestError(f"series[{i}]: {unknown_symbol(s.symbol, meta)}", _field(i, "symbol"))
+    if root in seen:
+        whose = "" if root == s.symbol else f" (root {root})"
+        raise RequestError(f"series[{i}]: symbol {bounded(s.symbol)}{whose} already appears in series[{seen[root]}]; "
+                           f"send each {'root' if meta.contracts else 'symbol'} at most once per request",
                            _field(i, "symbol"))
-    if s.symbol in seen:
-        raise RequestError(f"series[{i}]: symbol {bounded(s.symbol)} already appears in series[{seen[s.symbol]}]; "
-                           "send each symbol at most once per request", _field(i, "symbol"))
-    seen[s.symbol] = i
+    seen[root] = i
+    s.root = root
 
 
 def _check_shape(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
@@ -323,13 +345,13 @@ def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
         return bool((np.abs(s.user_matrix(user_columns)) <= F32_MAX).all())  # finite, and within float32's range
 
 
-def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> list[Problem]:
+def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...], label: str = "") -> list[Problem]:
     n = len(s)
     part = {"timestamp": s.timestamp_ns, "timestamp_null": np.zeros(n, dtype=bool),
             "symbol": np.full(n, s.symbol, dtype=object), "symbol_absent": np.zeros(n, dtype=bool),
             "open": s.open, "high": s.high, "low": s.low,
             "close": s.close, "volume": s.volume} | {f"user:{u}": s.user[u] for u in user_columns}
-    return [_for_the_wire(p) for p in validate([part], [_label(i, s.symbol)], WIRE_COLUMNS, user_columns)]
+    return [_for_the_wire(p) for p in validate([part], [label or _label(i, s.symbol)], WIRE_COLUMNS, user_columns)]
 
 
 # rule id -> (the rule, None for the file's wording; the fix) where a file's wording does not fit a request
@@ -357,40 +379,79 @@ def _for_the_wire(p: Problem) -> Problem:
                                fix=fix.format(column=p.column))
 
 
-def _refuse_values(i: int, s: SeriesColumns, user_columns: tuple[str, ...]) -> NoReturn:
-    """A RequestError listing the first MAX_PROBLEMS broken value and order rules of series i."""
-    problems = _value_problems(i, s, user_columns)
+def _refuse_values(i: int, s: SeriesColumns, user_columns: tuple[str, ...], label: str = "") -> NoReturn:
+    """A RequestError listing the first MAX_PROBLEMS broken value and order rules of series i (`label`: how
+    messages name it, when not as `series[i] (symbol)`)."""
+    problems = _value_problems(i, s, user_columns, label)
     if not problems:  # the fast check and the contract disagree: still refuse, never guess
-        raise RequestError(f"{_label(i, s.symbol)}: bars break the bar contract (prices finite and > 0, low <= "
-                           "open, close <= high, volume >= 0, timestamps strictly increasing)", _field(i))
+        raise RequestError(f"{label or _label(i, s.symbol)}: bars break the bar contract (prices finite and > 0, "
+                           "low <= open, close <= high, volume >= 0, timestamps strictly increasing)", _field(i))
     more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
     user_field = "user_features_raw" if isinstance(s.user, ColumnBlock) else "user_features"
     raise RequestError("; ".join(str(p) for p in problems[:MAX_PROBLEMS]) + more, violations=[
         (_field(i, p.column if p.column in BAR_COLUMNS else user_field), str(p)) for p in problems[:MAX_PROBLEMS]])
 
 
-def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> None:
-    """Raise RequestError naming the first series that breaks the contract and what to fix."""
+def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> list[SeriesColumns]:
+    """The series as the model reads them (a series with per-bar contracts: its front contract's bars), or a
+    RequestError naming the first series that breaks the contract and what to fix."""
     if not series:
         raise RequestError(f"empty request: PredictRequest.series is empty; send at least one series with its most "
                            f"recent {meta.bars_required} bars", "series")
     seen: dict[str, int] = {}
     config = meta.feature_config
     user_columns = config.series_reals
+    out = []
     for i, s in enumerate(series):
         _check_identity(i, s, meta, seen)
         _check_shape(i, s, meta)
         if config.has_user_inputs:
             _check_covariates(i, s, meta)
+        if s.contracts is not None:
+            s = _front_series(i, s, meta)
         _check_time_range(i, s, meta)
         if not _looks_valid(s, user_columns):
             _refuse_values(i, s, user_columns)
         _check_spacing(i, s, meta)
+        out.append(s)
+    return out
+
+
+def _front_series(i: int, s: SeriesColumns, meta: ModelMeta) -> SeriesColumns:
+    """The continuous series of a series' per-contract bars, by the model's roll rule (`features.rolls`): its
+    front contract's bars, their roll offsets and the roll rule's volume."""
+    label, cfg = _label(i, s.symbol), meta.contracts
+    assert s.contracts is not None
+    if cfg is None:
+        raise RequestError(f"{label}: contracts sent, but this model was not trained on futures contracts "
+                           "(GetModelInfo.roll_rule is empty); send one series' bars without contracts",
+                           _field(i, "contracts"))
+    if (k := s.contracts.shape[0]) != len(s):
+        raise RequestError(f"{label}: contracts has {k} names, timestamp_ns has {len(s)} bars; send one contract "
+                           "name per bar (or none: the bars are then one continuous series)", _field(i, "contracts"))
+    if problem := foreign_contract(s.contracts, s.root, cfg):
+        raise RequestError(f"{label}: {problem}", _field(i, "contracts"))
+    user_columns = meta.feature_config.series_reals
+    for name in np.unique(s.contracts).tolist():  # each contract's bars: the bar contract, timestamps increasing
+        own = s.take(np.flatnonzero(s.contracts == name))
+        if not _looks_valid(own, user_columns):
+            _refuse_values(i, own, user_columns, f"{label}, contract {bounded(name)}")
+    try:
+        front = front_rows(s.timestamp_ns, s.contracts, s.open, s.close, s.volume, cfg,
+                           meta.feature_config.calendar_tz, s.root)
+    except ValueError as exc:
+        raise RequestError(f"{label}: {exc}", _field(i, "contracts")) from None
+    rolled = s.take(front.rows)
+    rolled.volume, rolled.log_offset = front.volume, front.log_offset
+    if len(rolled) < meta.bars_required:
+        raise RequestError(f"{label}: the roll rule keeps {len(rolled)} of the {len(s)} bars sent (the front "
+                           f"contract's), the model needs at least {meta.bars_required}; send more of the front "
+                           "contract's bars (GetModelInfo.bars_required, roll_rule)", _field(i, "timestamp_ns"))
+    return rolled
 
 
 def parse_request(request: pb.PredictRequest, meta: ModelMeta) -> list[SeriesColumns]:
     """The request's series as checked numpy columns, trimmed to the bars the model reads."""
-    series = [columns_from_proto(s, i) for i, s in enumerate(request.series)]
-    validate_series(series, meta)
+    series = validate_series([columns_from_proto(s, i) for i, s in enumerate(request.series)], meta)
     config = meta.feature_config
     return [s.tail(meta.bars_required, config.series_reals, config.series_categoricals) for s in series]

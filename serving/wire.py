@@ -19,7 +19,8 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
                 packed: bool = True, *, future: Mapping[str, ArrayLike] | None = None,
                 labels: Mapping[str, Sequence[str | int] | np.ndarray] | None = None,
                 future_labels: Mapping[str, Sequence[str | int] | np.ndarray] | None = None,
-                static: Mapping[str, float | str] | None = None) -> pb.Series:
+                static: Mapping[str, float | str] | None = None,
+                contracts: Sequence[str] | np.ndarray | None = None) -> pb.Series:
     """One series of a PredictRequest: GetModelInfo.bars_required bars oldest first, `timestamp_ns` in UTC
     nanoseconds, `user` the model's real user feature columns by name (GetModelInfo.user_feature_columns,
     fastest in that order), packed as one block unless `packed` is False. A model with known, static or
@@ -27,6 +28,8 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
     `labels`, each time-varying categorical column's labels, one per bar; `future_labels`, each known
     categorical column's labels for the H future bars; `static`, each static column's value (a str goes to
     static_categorical_features, a number to static_features). Integer labels are sent as their decimal text.
+    A futures model (GetModelInfo.roll_rule set) also takes `contracts`: each bar's contract name (ESM5), so that
+    the bars may span a roll; the server picks the front contract as training did.
     Raises ValueError naming a column of the wrong shape or type."""
     ts = np.asarray(timestamp_ns)
     if ts.ndim != 1:
@@ -40,6 +43,8 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
     series = pb.Series(symbol=symbol, timestamp_ns=ts.astype(np.int64).tolist(),
                        **{name: col.tolist() for name, col in columns.items()})
     _add_covariates(series, n, future or {}, labels or {}, future_labels or {}, static or {})
+    if contracts is not None:
+        series.contracts.extend(_names("contracts", contracts, n))
     if user is None or len(user) == 0:  # a DataFrame has no truth value
         return series
     names = list(user)
@@ -102,6 +107,16 @@ def _labels(name: str, values: Sequence[str | int] | np.ndarray, n: int | None =
         if not isinstance(x, str | int) or isinstance(x, bool):
             raise ValueError(f"{name} holds {x!r} ({type(x).__name__}); give labels as str or integers")
     return [str(x) for x in array.tolist()]
+
+
+def _names(name: str, values: Sequence[str] | np.ndarray, n: int) -> list[str]:
+    """One str per bar, or ValueError naming the column."""
+    array = np.asarray(values, dtype=object)
+    if array.ndim != 1 or array.shape[0] != n:
+        raise ValueError(f"{name} has shape {array.shape}, timestamp_ns has {n} bars; give one contract name per bar")
+    if bad := [x for x in array.tolist() if not isinstance(x, str) or not x]:
+        raise ValueError(f"{name} holds {bad[0]!r}; give each bar's contract name as a str, e.g. 'ESM5'")
+    return list(array.tolist())
 
 
 @dataclass(frozen=True)

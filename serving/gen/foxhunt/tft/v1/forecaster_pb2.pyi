@@ -35,7 +35,7 @@ class Labels(_message.Message):
     def __init__(self, name: _Optional[str] = ..., values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Series(_message.Message):
-    __slots__ = ("symbol", "timestamp_ns", "open", "high", "low", "close", "volume", "user_features", "user_feature_names", "user_features_raw", "future_features", "categorical_features", "future_categorical_features", "static_features", "static_categorical_features")
+    __slots__ = ("symbol", "timestamp_ns", "open", "high", "low", "close", "volume", "user_features", "user_feature_names", "user_features_raw", "future_features", "categorical_features", "future_categorical_features", "static_features", "static_categorical_features", "contracts")
     class StaticFeaturesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class Series(_message.Message):
     FUTURE_CATEGORICAL_FEATURES_FIELD_NUMBER: _ClassVar[int]
     STATIC_FEATURES_FIELD_NUMBER: _ClassVar[int]
     STATIC_CATEGORICAL_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CONTRACTS_FIELD_NUMBER: _ClassVar[int]
     symbol: str
     timestamp_ns: _containers.RepeatedScalarFieldContainer[int]
     open: _containers.RepeatedScalarFieldContainer[float]
@@ -80,7 +81,8 @@ class Series(_message.Message):
     future_categorical_features: _containers.RepeatedCompositeFieldContainer[Labels]
     static_features: _containers.ScalarMap[str, float]
     static_categorical_features: _containers.ScalarMap[str, str]
-    def __init__(self, symbol: _Optional[str] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., open: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ..., low: _Optional[_Iterable[float]] = ..., close: _Optional[_Iterable[float]] = ..., volume: _Optional[_Iterable[float]] = ..., user_features: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., user_feature_names: _Optional[_Iterable[str]] = ..., user_features_raw: _Optional[bytes] = ..., future_features: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., categorical_features: _Optional[_Iterable[_Union[Labels, _Mapping]]] = ..., future_categorical_features: _Optional[_Iterable[_Union[Labels, _Mapping]]] = ..., static_features: _Optional[_Mapping[str, float]] = ..., static_categorical_features: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    contracts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, symbol: _Optional[str] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., open: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ..., low: _Optional[_Iterable[float]] = ..., close: _Optional[_Iterable[float]] = ..., volume: _Optional[_Iterable[float]] = ..., user_features: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., user_feature_names: _Optional[_Iterable[str]] = ..., user_features_raw: _Optional[bytes] = ..., future_features: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., categorical_features: _Optional[_Iterable[_Union[Labels, _Mapping]]] = ..., future_categorical_features: _Optional[_Iterable[_Union[Labels, _Mapping]]] = ..., static_features: _Optional[_Mapping[str, float]] = ..., static_categorical_features: _Optional[_Mapping[str, str]] = ..., contracts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
     __slots__ = ("series", "explain", "request_id")
@@ -195,7 +197,7 @@ class Feature(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[FeatureRole, str]] = ..., kind: _Optional[str] = ..., source: _Optional[str] = ..., vocabulary: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("bars_required", "bar_interval_ns", "encoder_length", "horizon", "quantiles", "features", "symbols", "user_feature_columns", "explain_available", "model_version", "checkpoint_sha256", "model_sha256", "model_path", "loaded_at_unix_ns", "precision", "device_requested", "provider", "providers", "fallback_warning", "max_batch", "max_message_bytes", "max_concurrent", "torch_imported", "server_version", "bar_columns", "calendar_tz", "calibration")
+    __slots__ = ("bars_required", "bar_interval_ns", "encoder_length", "horizon", "quantiles", "features", "symbols", "user_feature_columns", "explain_available", "model_version", "checkpoint_sha256", "model_sha256", "model_path", "loaded_at_unix_ns", "precision", "device_requested", "provider", "providers", "fallback_warning", "max_batch", "max_message_bytes", "max_concurrent", "torch_imported", "server_version", "bar_columns", "calendar_tz", "calibration", "contract_pattern", "roll_rule")
     class BarColumnsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +232,8 @@ class ModelInfo(_message.Message):
     BAR_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     CALENDAR_TZ_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_PATTERN_FIELD_NUMBER: _ClassVar[int]
+    ROLL_RULE_FIELD_NUMBER: _ClassVar[int]
     bars_required: int
     bar_interval_ns: int
     encoder_length: int
@@ -257,7 +261,9 @@ class ModelInfo(_message.Message):
     bar_columns: _containers.ScalarMap[str, str]
     calendar_tz: str
     calibration: Calibration
-    def __init__(self, bars_required: _Optional[int] = ..., bar_interval_ns: _Optional[int] = ..., encoder_length: _Optional[int] = ..., horizon: _Optional[int] = ..., quantiles: _Optional[_Iterable[float]] = ..., features: _Optional[_Iterable[_Union[Feature, _Mapping]]] = ..., symbols: _Optional[_Iterable[str]] = ..., user_feature_columns: _Optional[_Iterable[str]] = ..., explain_available: _Optional[bool] = ..., model_version: _Optional[str] = ..., checkpoint_sha256: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., loaded_at_unix_ns: _Optional[int] = ..., precision: _Optional[str] = ..., device_requested: _Optional[str] = ..., provider: _Optional[str] = ..., providers: _Optional[_Iterable[str]] = ..., fallback_warning: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., torch_imported: _Optional[bool] = ..., server_version: _Optional[str] = ..., bar_columns: _Optional[_Mapping[str, str]] = ..., calendar_tz: _Optional[str] = ..., calibration: _Optional[_Union[Calibration, _Mapping]] = ...) -> None: ...
+    contract_pattern: str
+    roll_rule: str
+    def __init__(self, bars_required: _Optional[int] = ..., bar_interval_ns: _Optional[int] = ..., encoder_length: _Optional[int] = ..., horizon: _Optional[int] = ..., quantiles: _Optional[_Iterable[float]] = ..., features: _Optional[_Iterable[_Union[Feature, _Mapping]]] = ..., symbols: _Optional[_Iterable[str]] = ..., user_feature_columns: _Optional[_Iterable[str]] = ..., explain_available: _Optional[bool] = ..., model_version: _Optional[str] = ..., checkpoint_sha256: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., loaded_at_unix_ns: _Optional[int] = ..., precision: _Optional[str] = ..., device_requested: _Optional[str] = ..., provider: _Optional[str] = ..., providers: _Optional[_Iterable[str]] = ..., fallback_warning: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., torch_imported: _Optional[bool] = ..., server_version: _Optional[str] = ..., bar_columns: _Optional[_Mapping[str, str]] = ..., calendar_tz: _Optional[str] = ..., calibration: _Optional[_Union[Calibration, _Mapping]] = ..., contract_pattern: _Optional[str] = ..., roll_rule: _Optional[str] = ...) -> None: ...
 
 class Calibration(_message.Message):
     __slots__ = ("method", "validation_windows", "offsets", "coverage_before", "coverage_after", "interval_coverage_before", "interval_coverage_after")
