@@ -7,6 +7,7 @@ features (timestamps alone) look forward. Rows in a series' warm-up have NaN obs
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -16,7 +17,7 @@ import numpy as np
 
 from features.bars import Bars, block_for
 from features.categories import encode, fit_vocabulary
-from features.contracts import ContractConfig
+from features.contracts import ContractConfig, roll_sessions
 from features.schema import FeatureSchema, FeatureSpec, Kind, Role
 
 NS_PER_SECOND = 1_000_000_000
@@ -27,6 +28,8 @@ SNAP_PARTS = 40  # spacings within 1/40 of the commonest are its neighbours; a r
 
 BUILTIN_OBSERVED: tuple[str, ...] = ("log_return", "log_range", "log_body", "log_volume", "volatility")
 BUILTIN_KNOWN: tuple[str, ...] = ("tod_sin", "tod_cos", "dow_sin", "dow_cos")
+# after the calendar, for a model rolling by `calendar:N` (expirations known, so known ahead; a volume roll is not)
+CONTRACT_KNOWN: tuple[str, ...] = ("sessions_to_expiry", "roll_session")
 STATIC_SYMBOL = "symbol"
 
 
@@ -105,6 +108,12 @@ class FeatureConfig:
 
     def vocabulary(self, name: str) -> tuple[str, ...]:
         return dict(self.vocabularies)[name]
+
+    @property
+    def contract_known(self) -> tuple[str, ...]:
+        """The built-in known contract features: CONTRACT_KNOWN for a `calendar:N` roll, else none."""
+        rolls_by_calendar = self.contracts is not None and roll_sessions(self.contracts.roll) is not None
+        return CONTRACT_KNOWN if rolls_by_calendar else ()
 
     def schema(self) -> FeatureSchema:
         return _schema(self)
@@ -397,12 +406,14 @@ class LatestWindows:
 def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
                    volume: np.ndarray, user: np.ndarray | list[np.ndarray], config: FeatureConfig,
                    encoder_length: int, bar_interval_ns: int, known: np.ndarray | None = None,
-                   future_known: np.ndarray | None = None, log_offset: np.ndarray | None = None) -> LatestWindows:
+                   future_known: np.ndarray | None = None, log_offset: np.ndarray | None = None,
+                   roots: Sequence[str] | None = None) -> LatestWindows:
     """The window at the last bar of each of B series of n bars ([B, n] columns, oldest first): what a server
     forecasts from. `user`: the observed user variables (config.observed_user; categoricals as ids) as a
     [n_user, B * n] block or [B * n] columns; `known` float32 [B, n, n_known_user] and `future_known`
     [B, H, n_known_user]: the known user variables of the bars and of the H future bars (config.known_user);
-    `log_offset` [B, n]: a continuous series' roll offsets (`features.rolls`), added to log(close).
+    `log_offset` [B, n]: a continuous series' roll offsets (`features.rolls`), added to log(close); `roots` [B]:
+    each series' root, for a `calendar:N` model's contract features (config.contract_known).
     Bit for bit what `build_frame` + `gather_windows` give there once n >= warm-up + L."""
     b, n = close.shape
     L = encoder_length
@@ -418,6 +429,9 @@ def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray
     future = future_timestamps(timestamp_ns[:, -1], bar_interval_ns, config.horizon)  # [B, H]
     encoder_known = known_features(timestamp_ns[:, n - L:], config.calendar_tz)  # [B, L, 4]
     decoder_known = known_features(future, config.calendar_tz)  # [B, H, 4]
+    if config.contract_known:
+        encoder_known, decoder_known = _with_contract_known(config, roots, timestamp_ns[:, n - L:], future,
+                                                            encoder_known, decoder_known)
     if config.known_columns and known is not None and future_known is not None:
         encoder_known = np.concatenate([encoder_known, known[:, n - L:]], axis=-1, dtype=np.float32)
         decoder_known = np.concatenate([decoder_known, future_known], axis=-1, dtype=np.float32)
@@ -427,6 +441,22 @@ def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray
         decoder_known=decoder_known,  # [B, H, n_known]
         future_timestamp_ns=future,
     )
+
+
+def _with_contract_known(config: FeatureConfig, roots: Sequence[str] | None, encoder_ns: np.ndarray,
+                         future_ns: np.ndarray, encoder_known: np.ndarray, decoder_known: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """The calendar features [B, L, 4] and [B, H, 4] followed by the contract features of the encoder bars
+    (encoder_ns [B, L]) and of the future bars (future_ns [B, H])."""
+    from features.rolls import contract_known  # features.rolls builds on this module
+
+    assert config.contracts is not None
+    if roots is None:
+        raise ValueError("latest_windows: a calendar-rolled model's contract features need each series' root (roots=)")
+    root = np.asarray(roots, dtype=str)[:, None]  # [B, 1]
+    tz = config.calendar_tz
+    return (np.concatenate([encoder_known, contract_known(encoder_ns, root, config.contracts, tz)], axis=-1),
+            np.concatenate([decoder_known, contract_known(future_ns, root, config.contracts, tz)], axis=-1))
 
 
 @functools.lru_cache(maxsize=32)
@@ -441,7 +471,8 @@ def _schema(config: FeatureConfig) -> FeatureSchema:
     specs = [FeatureSpec(STATIC_SYMBOL, Role.STATIC, cat)]
     specs += user(config.static_categoricals + config.static_reals, Role.STATIC)
     specs += [FeatureSpec(n, Role.OBSERVED, real) for n in BUILTIN_OBSERVED] + user(config.observed_user, Role.OBSERVED)
-    specs += [FeatureSpec(n, Role.KNOWN, real) for n in BUILTIN_KNOWN] + user(config.known_user, Role.KNOWN)
+    specs += [FeatureSpec(n, Role.KNOWN, real) for n in BUILTIN_KNOWN + config.contract_known]
+    specs += user(config.known_user, Role.KNOWN)
     return FeatureSchema(tuple(specs))
 
 
@@ -469,6 +500,12 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
     forward = _forward_returns(log_c, bounds, config.horizon) if targets else \
         np.full((n, config.horizon), np.nan, dtype=np.float32)
     known = known_features(bars.timestamp_ns, config.calendar_tz)  # [N, 4]
+    if config.contract_known:
+        from features.rolls import contract_known  # features.rolls builds on this module
+
+        assert config.contracts is not None
+        known = np.concatenate([known, contract_known(bars.timestamp_ns, bars.symbol, config.contracts,
+                                                      config.calendar_tz)], axis=1)  # [N, 6]
     if config.known_columns:
         known = np.concatenate([known, np.stack([column(bars, ids, u) for u in config.known_user], axis=1)],
                                axis=1, dtype=np.float32)  # [N, n_known]

@@ -273,3 +273,49 @@ def scan(path: str | Path, cmap: ColumnMap, args: argparse.Namespace) -> Contrac
     if cfg is not None and days:
         cfg = replace(cfg, expirations=tuple(sorted({**days, **dict(cfg.expirations)}.items())))
     return cfg
+
+
+def calendar_expiries(cfg: ContractConfig, root: str) -> np.ndarray:
+    """The expirations of `root`'s contracts in the config (those a `--roots` file or expiration column gave),
+    sorted: datetime64[D] [C]."""
+    days = [day for contract, day in cfg.expirations if cfg.root_of(contract) == root]
+    return np.sort(np.array(days, dtype="datetime64[D]"))
+
+
+def _rule_front(day: np.ndarray, expiry: np.ndarray, n: int) -> np.ndarray:
+    """Under `calendar:n`, each day's front as an index into the sorted `expiry` [C]: the first contract with more
+    than n weekday sessions left; -1 where none has. day: datetime64[D] [m] -> int64 [m]."""
+    left = np.busday_count(day[:, None], expiry[None, :])  # [m, C]  weekday sessions to each expiration
+    ok = left > n
+    return np.where(ok.any(axis=1), np.argmax(ok, axis=1), -1)
+
+
+def contract_known(timestamp_ns: np.ndarray, roots: np.ndarray, cfg: ContractConfig, tz: str) -> np.ndarray:
+    """The known contract features of a `calendar:N` model at any bar times, float32 [..., 2]: weekday sessions from
+    the bar's session to its front's expiration, and 1.0 in the first session of a new front. Both come from the
+    rule and the known expirations alone, so future bars get them exactly as past ones. `timestamp_ns` int64
+    [...]; `roots` str, broadcastable to it. A weekend day belongs to the weekday session after it (as in
+    np.busday_count). ValueError (one line) past the last known expiration's roll."""
+    ts = np.asarray(timestamp_ns, dtype=np.int64)
+    root = np.broadcast_to(np.asarray(roots).astype(str), ts.shape)
+    days, at = np.unique(sessions(ts, tz).reshape(-1), return_inverse=True)  # [D] distinct sessions
+    out = np.zeros((ts.size, 2), dtype=np.float32)  # [n, 2]
+    n = roll_sessions(cfg.roll) or 0
+    flat_root, at = root.reshape(-1), at.reshape(-1)
+    for r in np.unique(flat_root).tolist():
+        rows = np.flatnonzero(flat_root == r)
+        used = np.unique(at[rows])
+        day = days[used].astype("datetime64[D]")  # [d]
+        expiry = calendar_expiries(cfg, r)
+        session = np.busday_offset(day, 0, roll="forward")  # the weekday session of each day
+        front = _rule_front(session, expiry, n)
+        if (none := np.flatnonzero(front < 0)).size:
+            last = f"its last known expiration is {expiry[-1]}" if expiry.size else "none of its contracts has one"
+            raise ValueError(f"root {r}: on {day[none[0]]} no contract with a known expiration has more than {n} "
+                             f"sessions left (--roll {cfg.roll}; {last}); give the coming contracts' expirations in "
+                             "the --roots file (contract,root,expiration) and retrain")
+        before = _rule_front(np.busday_offset(session, -1), expiry, n)
+        place = np.searchsorted(used, at[rows])
+        out[rows, 0] = np.busday_count(day, expiry[front])[place]
+        out[rows, 1] = (front != before)[place]
+    return out.reshape(*ts.shape, 2)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from features.compute import FeatureFrame, future_timestamps, known_features
+from features.compute import BUILTIN_KNOWN, FeatureFrame, future_timestamps, known_features
+from features.rolls import contract_known
 from features.schema import (
     DECODER_KNOWN,
     ENCODER_KNOWN,
@@ -59,10 +60,17 @@ def static_categorical(frame: FeatureFrame, anchors: np.ndarray) -> np.ndarray:
 
 
 def decoder_known(frame: FeatureFrame, anchors: np.ndarray, calendar: np.ndarray) -> np.ndarray:
-    """float32 [B, H, n_known]: the future bars' `calendar` [B, H, 4], then the user known variables of the H rows
-    after each anchor (anchor_rows keeps them inside the series)."""
-    if not frame.config.known_columns:
-        return calendar
-    rows = anchors[:, None] + np.arange(1, frame.config.horizon + 1)  # [B, H]
-    return np.concatenate([calendar, frame.known[rows][..., calendar.shape[-1]:]], axis=-1)
-
+    """float32 [B, H, n_known]: the future bars' `calendar` [B, H, 4] and, for a calendar-rolled model, their
+    contract features (from the rule at the nominal future times, as a server computes them); then the user known
+    variables of the H rows after each anchor (anchor_rows keeps them inside the series)."""
+    parts = [calendar]
+    if frame.config.contract_known:
+        assert frame.config.contracts is not None
+        future = future_timestamps(frame.timestamp_ns[anchors], frame.bar_interval_ns, frame.config.horizon)
+        roots = np.asarray(frame.symbols)[frame.series_id[anchors]][:, None]  # [B, 1]
+        parts.append(contract_known(future, roots, frame.config.contracts, frame.config.calendar_tz))  # [B, H, 2]
+    if frame.config.known_columns:
+        rows = anchors[:, None] + np.arange(1, frame.config.horizon + 1)  # [B, H]
+        builtin = len(BUILTIN_KNOWN) + len(frame.config.contract_known)
+        parts.append(frame.known[rows][..., builtin:])
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)

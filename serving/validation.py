@@ -25,9 +25,9 @@ from features.bars import (
     block_for,
     validate,
 )
-from features.compute import COARSE_INTERVALS, NS_PER_DAY
+from features.compute import COARSE_INTERVALS, NS_PER_DAY, future_timestamps
 from features.model_meta import ModelMeta
-from features.rolls import front_rows
+from features.rolls import contract_known, front_rows
 from serving.contracts import foreign_contract, unknown_symbol
 from serving.errors import MAX_PROBLEMS, RequestError, bounded
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
@@ -284,6 +284,17 @@ def _check_time_range(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
                            _field(i, "timestamp_ns"))
 
 
+def _check_known_front(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
+    """A calendar-rolled model's forecast bars need a front among the contracts whose expirations it knows."""
+    cfg = meta.feature_config.contracts
+    assert cfg is not None
+    future = future_timestamps(s.timestamp_ns[-1:], meta.bar_interval_ns, meta.horizon)  # [1, H]
+    try:
+        contract_known(future, np.array([s.root or s.symbol]), cfg, meta.feature_config.calendar_tz)
+    except ValueError as exc:
+        raise RequestError(f"{_label(i, s.symbol)}: {exc}", _field(i, "timestamp_ns")) from None
+
+
 def daily_bars(ts: np.ndarray, interval_ns: int) -> bool:
     """Whether one window's (increasing) timestamps are daily bars sent to an intraday model: most gaps at
     least a day and COARSE_INTERVALS intervals, most bars at one or two times of day (daylight saving)."""
@@ -410,6 +421,8 @@ def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> list[Se
         if s.contracts is not None:
             s = _front_series(i, s, meta)
         _check_time_range(i, s, meta)
+        if meta.feature_config.contract_known:
+            _check_known_front(i, s, meta)
         if not _looks_valid(s, user_columns):
             _refuse_values(i, s, user_columns)
         _check_spacing(i, s, meta)
