@@ -18,6 +18,20 @@ Covariates, each only when asked for (`Covariates`; without them the bars are ex
   alternating every `--regime-sessions` sessions, starting calm.
 * The symbol's exchange (`--exchange`): a static label ("CME", "NYMEX", "COMEX", else "OTHER") with no effect.
 The random draws are the same with or without covariates: they scale the same shocks.
+
+Per-contract futures bars (`--contracts`, `generate_contracts`), laid out as Databento's ohlcv-1m: columns
+ts_event (bar start), rtype (33), publisher_id (1), instrument_id (one per contract, the same in every file),
+open, high, low, close, volume and symbol (the raw contract name), rows in ts_event then instrument_id order:
+* Each `--symbols` name is a root with quarterly contracts H, M, U, Z, named root + month code + 1-digit year
+  (ESH4). A contract expires on the third Friday of its month at 13:30 UTC, so its last bars are the day before.
+* One price path per root, drawn exactly as the plain bars of that symbol; a contract's prices are that path
+  times (1 + `--roll-gap`) ** k, k counting the root's contracts in the file from 0, on the tick grid: each
+  contract trades `--roll-gap` (default 0.01) above the one before it at the same minute.
+* Overlapping trading: a contract trades from 10 sessions before the previous contract's expiry to its own. Of
+  the root's volume it takes 2% for the first 5 of those sessions, then 10%, 30%, 60%, 80%, 90% in the 5
+  sessions of the roll week, the front the rest: the next contract's volume first exceeds the front's in the
+  third session before the front's expiry. Deferred bars whose volume rounds to 0 are left out.
+* With `--expiration-col NAME`, a column holding each contract's expiration (timestamp, UTC).
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import zlib
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -34,6 +49,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from features.compute import NS_PER_DAY, NS_PER_SECOND
+from features.contracts import MONTH_CODES
 from features.files import atomic_output
 
 SESSION_OPEN_NS = (14 * 3600 + 30 * 60) * NS_PER_SECOND  # 14:30 UTC
@@ -48,12 +64,23 @@ KNOWN_SYMBOLS: dict[str, tuple[float, float, float]] = {
     "CL": (75.0, 0.01, 0.0007),
     "GC": (2000.0, 0.1, 0.0003),
 }
+OTHER_SYMBOL = (100.0, 0.01, 0.0005)  # (start price, tick size, volatility) of a symbol not in KNOWN_SYMBOLS
 EXCHANGES = {"ES": "CME", "NQ": "CME", "CL": "NYMEX", "GC": "COMEX"}  # others: "OTHER"
 EVENT_JUMP = 4.0  # volatility multiplier on the event bar
 EVENT_DECAY_BARS = 3.0  # e-folding of the jump, in bars
 EVENT_TAIL_BARS = 30  # bars the jump lasts: past them it is below 1e-4
 REGIME_VOL = {"calm": 0.7, "volatile": 1.4}  # volatility multiplier per regime label
 VOL_SCALE_RANGE = (0.5, 2.0)  # the first and the last symbol's volatility scale
+DEFAULT_START = date(2024, 1, 2)  # the first session: a Tuesday early in a quarter (contracts H4, M4, ...)
+EXPIRY_NS = (13 * 3600 + 30 * 60) * NS_PER_SECOND  # 13:30 UTC on the expiry day
+LEAD_SESSIONS = 10  # a contract trades from this many sessions before the previous contract's expiry
+ROLL_SHARES = (0.1, 0.3, 0.6, 0.8, 0.9)  # the next contract's volume share 5, 4, 3, 2, 1 sessions before expiry
+DEFERRED_SHARE = 0.02  # its share in the sessions before the roll week
+ROLL_GAP = 0.01  # each contract's prices are (1 + ROLL_GAP) times the previous contract's
+PRICES = ("open", "high", "low", "close")
+CONTRACT_COLUMNS = ("ts_event", "rtype", "publisher_id", "instrument_id", *PRICES, "volume", "symbol")
+RTYPE_OHLCV_1M = 33  # Databento's record type of 1-minute OHLCV bars
+PUBLISHER_ID = 1  # Databento's CME Globex MDP 3.0 publisher
 
 
 @dataclass(frozen=True)
@@ -132,7 +159,7 @@ def generate(symbols: list[str], n_bars: int, seed: int, start: date | None = No
                          "columns or another covariate's")
     rng = np.random.default_rng(seed)
     extra_rng = np.random.default_rng(seed + 1_000_003)  # separate stream: bars do not depend on extras
-    ts = session_timestamps(n_bars, start or date(2024, 1, 2))
+    ts = session_timestamps(n_bars, start or DEFAULT_START)
     minute = ((ts - SESSION_OPEN_NS) % NS_PER_DAY) // (60 * NS_PER_SECOND)
     session = np.unique(ts // NS_PER_DAY, return_inverse=True)[1].reshape(-1)  # [N] session number from 0
     z_common = rng.standard_normal(n_bars)
@@ -141,7 +168,7 @@ def generate(symbols: list[str], n_bars: int, seed: int, start: date | None = No
     scales = vol_scales(symbols)
     parts: list[dict[str, np.ndarray]] = []
     for sym in symbols:
-        price0, tick, base_vol = KNOWN_SYMBOLS.get(sym, (100.0, 0.01, 0.0005))
+        price0, tick, base_vol = KNOWN_SYMBOLS.get(sym, OTHER_SYMBOL)
         if cov.vol_scale_column is not None:
             base_vol *= scales[sym]
         bars = _symbol_bars((price0, tick, base_vol), z_common, h, minute, rng, boost)
@@ -259,6 +286,115 @@ def _ar1(shocks: np.ndarray, reset: np.ndarray) -> np.ndarray:
     return r
 
 
+def contract_name(root: str, year: int, month: int) -> str:
+    """The raw contract symbol: root + month code + the year's last digit, e.g. ESH5."""
+    return f"{root}{MONTH_CODES[month - 1]}{year % 10}"
+
+
+def expiry_date(year: int, month: int) -> date:
+    """The third Friday of the month, when a quarterly equity index future expires."""
+    first_friday = 1 + (4 - date(year, month, 1).weekday()) % 7
+    return date(year, month, first_friday + 14)
+
+
+def instrument_id(root: str, year: int, month: int) -> int:
+    """A contract's instrument id: the same in every file, whatever the start or the other roots."""
+    return zlib.crc32(f"{root} {year:04d}-{month:02d}".encode())
+
+
+def quarterly_contracts(first: date, last: date) -> list[tuple[int, int]]:
+    """(year, month) of the quarterly contracts trading between sessions `first` and `last`: the front at `first`,
+    then each next one whose trading starts (LEAD_SESSIONS before the one before expires) by `last`."""
+    year, month = first.year, (first.month - 1) // 3 * 3 + 3
+    if expiry_date(year, month) <= first:
+        year, month = (year + 1, 3) if month == 12 else (year, month + 3)
+    out = [(year, month)]
+    while np.busday_offset(expiry_date(*out[-1]), -LEAD_SESSIONS) <= np.datetime64(last):
+        year, month = out[-1]
+        out.append((year + 1, 3) if month == 12 else (year, month + 3))
+    return out
+
+
+def next_share(sessions_left: np.ndarray) -> np.ndarray:
+    """The next contract's share of the root's volume [N], given the sessions left to the front's expiry [N]
+    (1 on its last session): ROLL_SHARES in the roll week, DEFERRED_SHARE in the LEAD_SESSIONS before it."""
+    roll = np.asarray(ROLL_SHARES)[np.clip(len(ROLL_SHARES) - sessions_left, 0, len(ROLL_SHARES) - 1)]
+    share = np.where(sessions_left <= LEAD_SESSIONS, DEFERRED_SHARE, 0.0)
+    return np.asarray(np.where((sessions_left >= 1) & (sessions_left <= len(ROLL_SHARES)), roll, share))
+
+
+def contract_shares(days: np.ndarray, contracts: list[tuple[int, int]]) -> np.ndarray:
+    """Each contract's share of the root's volume on each bar's day (datetime64[D] [N]): [C, N], 0 where it does
+    not trade. A contract is the front from the previous one's expiry to its own; before that it is the next."""
+    expiry = [np.datetime64(expiry_date(*c)) for c in contracts]
+    shares = np.zeros((len(contracts), days.shape[0]))
+    for k in range(len(contracts)):
+        as_front = 1.0 - next_share(np.busday_count(days, expiry[k]))
+        if k == 0:
+            shares[k] = as_front
+            continue
+        as_next = next_share(np.busday_count(days, expiry[k - 1]))
+        shares[k] = np.where(days >= expiry[k - 1], as_front, as_next)
+    return np.where(days[None, :] < np.asarray(expiry)[:, None], shares, 0.0)
+
+
+def generate_contracts(roots: list[str], n_bars: int, seed: int, start: date | None = None,
+                       roll_gap: float = ROLL_GAP, expiration_column: str | None = None) -> pa.Table:
+    """Per-contract bars of each root over its first `n_bars` session minutes, Databento ohlcv-1m columns; the
+    roots' price paths are `generate(roots, n_bars, seed, start)`'s. `expiration_column` adds each contract's
+    expiration."""
+    if expiration_column in CONTRACT_COLUMNS:
+        raise ValueError(f"--expiration-col {expiration_column}: give a name of its own, not one of the bars' "
+                         "columns, e.g. expiration")
+    underlying = generate(roots, n_bars, seed, start)
+    ts = underlying.column("timestamp").cast(pa.int64()).to_numpy()[:n_bars]  # [N] the same for every root
+    days = (ts // NS_PER_DAY).astype("datetime64[D]")
+    contracts = quarterly_contracts(days[0].item(), days[-1].item())
+    shares = contract_shares(days, contracts)  # [C, N]
+    parts = []
+    for i, root in enumerate(roots):
+        bars = {k: underlying.column(k).to_numpy()[i * n_bars:(i + 1) * n_bars] for k in (*PRICES, "volume")}
+        parts += [_contract_part(root, c, ts, bars, (shares[k], (1.0 + roll_gap) ** k))
+                  for k, c in enumerate(contracts)]
+    columns = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    order = np.lexsort((columns["instrument_id"], columns["ts_event"]))  # [M] by time, then instrument
+    return _contract_table({k: v[order] for k, v in columns.items()}, expiration_column)
+
+
+def _contract_part(root: str, contract: tuple[int, int], ts: np.ndarray, bars: dict[str, np.ndarray],
+                   share_factor: tuple[np.ndarray, float]) -> dict[str, np.ndarray]:
+    """One contract's rows: the root's prices [N] times its carry factor, on the tick grid, and its share [N] of
+    the root's volume; bars whose volume rounds to 0 are left out, except in the front and the roll week."""
+    share, factor = share_factor
+    tick = KNOWN_SYMBOLS.get(root, OTHER_SYMBOL)[1]
+    volume = np.round(bars["volume"] * share)
+    volume = np.where(share > DEFERRED_SHARE, np.maximum(volume, 1), volume)
+    rows = volume > 0
+    out = {k: np.round(bars[k][rows] * factor / tick) * tick for k in PRICES}
+    exp = expiry_date(*contract)
+    expiration = int(datetime(exp.year, exp.month, exp.day, tzinfo=UTC).timestamp()) * NS_PER_SECOND + EXPIRY_NS
+    n = int(rows.sum())
+    return {"ts_event": ts[rows], "instrument_id": np.full(n, instrument_id(root, *contract), dtype=np.uint32),
+            **out, "volume": volume[rows].astype(np.uint64),
+            "symbol": np.full(n, contract_name(root, *contract), dtype=object),
+            "expiration": np.full(n, expiration, dtype=np.int64)}
+
+
+def _contract_table(columns: dict[str, np.ndarray], expiration_column: str | None) -> pa.Table:
+    """The Databento-like table of the sorted rows."""
+    n = columns["ts_event"].shape[0]
+    utc = pa.timestamp("ns", tz="UTC")
+    table = {"ts_event": pa.array(columns["ts_event"], type=utc),
+             "rtype": pa.array(np.full(n, RTYPE_OHLCV_1M, dtype=np.uint8)),
+             "publisher_id": pa.array(np.full(n, PUBLISHER_ID, dtype=np.uint16)),
+             "instrument_id": pa.array(columns["instrument_id"]),
+             **{k: pa.array(columns[k]) for k in PRICES}, "volume": pa.array(columns["volume"]),
+             "symbol": pa.array(columns["symbol"].astype(str), type=pa.string())}
+    if expiration_column is not None:
+        table[expiration_column] = pa.array(columns["expiration"], type=utc)
+    return pa.table(table)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m features.synth", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -266,8 +402,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--symbols", default="ES,NQ", help="comma-separated symbols (default ES,NQ)")
     p.add_argument("--bars", type=int, default=20000, help="bars per symbol (default 20000)")
     p.add_argument("--seed", type=int, default=7, help="random seed: the same seed writes the same bars (default 7)")
-    p.add_argument("--start", type=date.fromisoformat, default=date(2024, 1, 2),
-                   help="first session date, YYYY-MM-DD (UTC; default 2024-01-02)")
+    p.add_argument("--start", type=date.fromisoformat, default=DEFAULT_START,
+                   help=f"first session date, YYYY-MM-DD (UTC; default {DEFAULT_START})")
     p.add_argument("--extra-features", type=int, default=0, metavar="N",
                    help="also write N numeric indicator columns f000..f{N-1} (e.g. 220 for the production preset)")
     c = p.add_argument_group("covariates (each adds a column; none by default)")
@@ -289,6 +425,15 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--regime-sessions", type=int, default=5, metavar="N", help="sessions per regime (default 5)")
     c.add_argument("--exchange", nargs="?", const="exchange", metavar="NAME",
                    help="a static label per symbol, its exchange, with no effect (column NAME, default exchange)")
+    f = p.add_argument_group("futures contracts (per-contract bars, Databento ohlcv-1m columns)")
+    f.add_argument("--contracts", action="store_true",
+                   help="write each root's quarterly contracts (ESH4, ESM4, ...) with overlapping trading around "
+                        "each roll, instead of one series per symbol: --symbols are the roots, --bars the minutes "
+                        "per root")
+    f.add_argument("--roll-gap", type=float, metavar="X",
+                   help=f"each contract trades X above the previous one, relatively (default {ROLL_GAP:g})")
+    f.add_argument("--expiration-col", metavar="NAME",
+                   help="also write each contract's expiration (third Friday, 13:30 UTC) in column NAME")
     return p
 
 
@@ -302,8 +447,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--bars must be at least 1")
     if args.extra_features < 0:
         p.error("--extra-features must be >= 0")
+    if not args.contracts and (args.roll_gap is not None or args.expiration_col is not None):
+        p.error("--roll-gap and --expiration-col shape per-contract bars: add --contracts")
     if args.out.is_dir():
         p.error(f"--out {args.out} is a directory; give the parquet file's name, e.g. {args.out / 'bars.parquet'}")
+    if args.contracts:
+        return _write_contracts(p, args, symbols)
     for flag, value in (("--event-every", args.event_every), ("--regime-sessions", args.regime_sessions)):
         if value < 1:
             p.error(f"{flag} must be at least 1")
@@ -322,6 +471,26 @@ def main(argv: list[str] | None = None) -> int:
     added = f"; covariates: {', '.join(covariates.columns)}" if covariates.columns else ""
     print(f"wrote {table.num_rows} bars ({len(symbols)} symbols x {args.bars}){added} to {args.out}",
           file=sys.stderr)
+    return 0
+
+
+def _write_contracts(p: argparse.ArgumentParser, args: argparse.Namespace, roots: list[str]) -> int:
+    """`--contracts`: the per-contract bars of the roots."""
+    if args.extra_features or args.event or args.vol_scale or args.regime or args.exchange:
+        p.error("--contracts writes bars without covariates or --extra-features; drop those flags or --contracts")
+    gap = ROLL_GAP if args.roll_gap is None else args.roll_gap
+    if not gap > -1:
+        p.error(f"--roll-gap {gap:g}: give a relative gap above -1, e.g. 0.01 (1%)")
+    try:
+        table = generate_contracts(roots, args.bars, args.seed, args.start, gap, args.expiration_col)
+    except ValueError as exc:
+        p.error(str(exc))
+    with atomic_output(args.out) as tmp:
+        pq.write_table(table, tmp)
+    first_seen = dict.fromkeys(table.column("symbol").to_pylist())  # each root's contracts in time order
+    names = sorted(first_seen, key=lambda name: name[:-2])  # by root, stable
+    print(f"wrote {table.num_rows} bars of {len(names)} contracts ({', '.join(names)}) for {len(roots)} "
+          f"roots x {args.bars} minutes to {args.out}", file=sys.stderr)
     return 0
 
 

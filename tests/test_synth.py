@@ -5,16 +5,29 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 from features import read_bars
+from features.bars import ColumnMap
 from features.compute import FeatureConfig, build_frame, with_vocabularies
-from features.synth import KNOWN_SYMBOLS, SESSION_BARS, Covariates, generate
+from features.synth import (
+    KNOWN_SYMBOLS,
+    SESSION_BARS,
+    Covariates,
+    contract_name,
+    expiry_date,
+    generate,
+    generate_contracts,
+    main,
+    session_timestamps,
+)
 
 NS_PER_MINUTE = 60 * 10**9
 NS_PER_DAY = 86_400 * 10**9
@@ -176,7 +189,9 @@ def test_cli_writes_readable_bars(tmp_path: Path) -> None:
      (["--start", "2024-13-45"], "--start"), ([], "--out"), (["--out", "."], "is a directory"),
      (["--event", "9:30"], "sessions run 14:30-21:00 UTC"), (["--event", "15h"], "HH:MM"),
      (["--event", "15:00", "--event-every", "0"], "--event-every"), (["--event-jump", "0"], "--event-jump"),
-     (["--regime", "close"], "a name of its own")],
+     (["--regime", "close"], "a name of its own"), (["--roll-gap", "0.03"], "add --contracts"),
+     (["--contracts", "--roll-gap", "-1"], "--roll-gap"), (["--contracts", "--event", "15:00"], "--contracts"),
+     (["--contracts", "--expiration-col", "close"], "--expiration-col close")],
 )
 def test_cli_bad_arguments(tmp_path: Path, args: list[str], words: str) -> None:
     out = [] if "--out" in args or words == "--out" else ["--out", str(tmp_path / "x.parquet")]
@@ -301,3 +316,110 @@ def test_cli_covariates_read_as_the_trainer_reads_them(tmp_path: Path) -> None:
 
 def table_columns() -> list[str]:
     return ["timestamp", "symbol", "open", "high", "low", "close", "volume"]
+
+
+CONTRACT_ARGS = ["--contracts", "--symbols", "ES,NQ", "--bars", str(20 * SESSION_BARS), "--start", "2024-02-26",
+                 "--seed", "5", "--roll-gap", "0.03", "--expiration-col", "expiration"]  # 20 sessions to Mar 22
+ROLL_WEEK = [date(2024, 3, d) for d in (8, 11, 12, 13, 14)]  # the 5 sessions before ESH4 expires on Mar 15
+
+
+@pytest.fixture(scope="module")
+def contract_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("contracts") / "bars.parquet"
+    assert main(["--out", str(out), *CONTRACT_ARGS]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def contracts(contract_file: Path) -> pa.Table:
+    return pq.read_table(contract_file)
+
+
+def contract_rows(table: pa.Table, symbol: str) -> dict[str, np.ndarray]:
+    t = table.filter(pc.equal(table.column("symbol"), symbol))
+    out = {k: t.column(k).to_numpy() for k in ("open", "high", "low", "close", "volume")}
+    return {**out, "ts": t.column("ts_event").cast(pa.int64()).to_numpy()}
+
+
+def daily_volume(table: pa.Table, symbol: str) -> dict[date, int]:
+    rows = contract_rows(table, symbol)
+    days = (rows["ts"] // NS_PER_DAY).astype("datetime64[D]")
+    return {d.item(): int(rows["volume"][days == d].sum()) for d in np.unique(days)}
+
+
+def test_contract_names_and_expiries() -> None:
+    assert [contract_name("ES", 2025, 3), contract_name("CL", 2024, 12)] == ["ESH5", "CLZ4"]
+    assert [expiry_date(2024, 3), expiry_date(2025, 3), expiry_date(2025, 6)] == [
+        date(2024, 3, 15), date(2025, 3, 21), date(2025, 6, 20)]
+
+
+def test_contract_bars_are_databento_like(contracts: pa.Table, contract_file: Path) -> None:
+    utc = pa.timestamp("ns", tz="UTC")
+    assert contracts.schema == pa.schema(
+        [("ts_event", utc), ("rtype", pa.uint8()), ("publisher_id", pa.uint16()), ("instrument_id", pa.uint32()),
+         ("open", pa.float64()), ("high", pa.float64()), ("low", pa.float64()), ("close", pa.float64()),
+         ("volume", pa.uint64()), ("symbol", pa.string()), ("expiration", utc)])
+    assert set(contracts.column("rtype").to_pylist()) == {33}
+    assert set(contracts.column("publisher_id").to_pylist()) == {1}
+    ts, ids = contracts.column("ts_event").cast(pa.int64()).to_numpy(), contracts.column("instrument_id").to_numpy()
+    np.testing.assert_array_equal(np.lexsort((ids, ts)), np.arange(ts.shape[0]))  # by time, then instrument
+    pairs = set(zip(contracts.column("symbol").to_pylist(), ids.tolist(), strict=True))
+    assert sorted(s for s, _ in pairs) == ["ESH4", "ESM4", "NQH4", "NQM4"]  # one id per contract
+    assert len({i for _, i in pairs}) == 4
+    later = generate_contracts(["NQ"], SESSION_BARS, seed=1, start=date(2024, 3, 11))  # NQH4 and NQM4 again
+    assert set(zip(later.column("symbol").to_pylist(), later.column("instrument_id").to_pylist(),
+                   strict=True)) <= pairs  # ids are the same in every file
+    expiration = contracts.column("expiration").cast(pa.int64()).to_numpy()
+    assert (ts < expiration).all()
+    h4 = contracts.filter(pc.equal(contracts.column("symbol"), "ESH4")).column("expiration")
+    assert pc.unique(h4).to_pylist() == [datetime(2024, 3, 15, 13, 30, tzinfo=UTC)]  # third Friday, 13:30 UTC
+    assert read_bars(contract_file, ColumnMap(timestamp="ts_event")).symbols == ["ESH4", "ESM4", "NQH4", "NQM4"]
+
+
+@pytest.mark.parametrize("root", ["ES", "NQ"])
+def test_contracts_overlap_and_cover_every_minute(contracts: pa.Table, root: str) -> None:
+    front, back = contract_rows(contracts, f"{root}H4"), contract_rows(contracts, f"{root}M4")
+    assert back["ts"][0] < front["ts"][-1]
+    both = np.intersect1d(front["ts"], back["ts"])  # minutes at which both contracts trade
+    assert np.unique(both // NS_PER_DAY).size == 10  # from 10 sessions before the front's expiry
+    minutes = session_timestamps(20 * SESSION_BARS, date(2024, 2, 26))
+    np.testing.assert_array_equal(np.union1d(front["ts"], back["ts"]), minutes)
+    for rows in (front, back):
+        assert (rows["volume"] >= 1).all()
+        assert (rows["high"] >= np.maximum(rows["open"], rows["close"])).all()
+        assert (rows["low"] <= np.minimum(rows["open"], rows["close"])).all()
+        np.testing.assert_allclose(rows["close"] / 0.25, np.round(rows["close"] / 0.25), atol=1e-6)  # tick grid
+
+
+@pytest.mark.parametrize("root", ["ES", "NQ"])
+def test_volume_crosses_over_in_the_roll_week(contracts: pa.Table, root: str) -> None:
+    front, back = daily_volume(contracts, f"{root}H4"), daily_volume(contracts, f"{root}M4")
+    share = [back[d] / (back[d] + front[d]) for d in ROLL_WEEK]  # the next contract's share of the root's volume
+    np.testing.assert_allclose(share, [0.1, 0.3, 0.6, 0.8, 0.9], atol=1e-3)
+    assert [back[d] > front[d] for d in ROLL_WEEK] == [False, False, True, True, True]  # crosses mid-week
+    deferred = [back[d] / (back[d] + front[d]) for d in sorted(back) if d < ROLL_WEEK[0]]
+    assert len(deferred) == 5
+    np.testing.assert_allclose(deferred, 0.02, atol=1e-3)  # thin before the roll week
+    assert max(front) == date(2024, 3, 14) and min(back) == date(2024, 3, 1)
+
+
+@pytest.mark.parametrize("root", ["ES", "NQ"])
+def test_consecutive_contracts_differ_by_the_roll_gap(contracts: pa.Table, root: str) -> None:
+    front, back = contract_rows(contracts, f"{root}H4"), contract_rows(contracts, f"{root}M4")
+    _, i, j = np.intersect1d(front["ts"], back["ts"], return_indices=True)
+    tick = KNOWN_SYMBOLS[root][1]
+    for k in ("open", "high", "low", "close"):
+        assert np.abs(back[k][j] - 1.03 * front[k][i]).max() <= tick / 2 + 1e-9  # the planted 3%, to the tick
+    plain = Series(generate(["ES", "NQ"], 20 * SESSION_BARS, seed=5, start=date(2024, 2, 26)), root)
+    np.testing.assert_array_equal(front["close"], plain.close[np.isin(plain.ts, front["ts"])])  # today's path
+
+
+def test_contracts_deterministic_per_seed(contract_file: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    again, other = tmp_path / "again.parquet", tmp_path / "other.parquet"
+    assert main(["--out", str(again), *CONTRACT_ARGS]) == 0
+    assert again.read_bytes() == contract_file.read_bytes()
+    assert main(["--out", str(other), *CONTRACT_ARGS, "--seed", "6"]) == 0
+    assert not pq.read_table(other).equals(pq.read_table(contract_file))
+    assert f"bars of 4 contracts (ESH4, ESM4, NQH4, NQM4) for 2 roots x 7800 minutes to {again}" in (
+        capsys.readouterr().err)
