@@ -1,19 +1,25 @@
 """`python -m features.check PATH`: validate bars and print a summary, with each user feature's role and kind.
-Exit 0 usable, 2 one line per problem."""
+Per-contract futures bars (ESH5, ESM5, ...) are rolled into one continuous series per root first; the roll rule,
+the roots and every roll are printed before the summary of those series. Exit 0 usable, 2 one line per problem."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
+from features import contracts
 from features.bars import REQUIRED_COLUMNS, BarDataError, Bars, ColumnMap, list_parquet_files, numeric, read_bars
 from features.compute import FeatureConfig, check_static, infer_bar_interval_ns
+from features.contracts import ContractConfig
 from features.files import reader_went_away
+from features.rolls import Roll, continuous, reading, scan
 
 
 def format_timestamp(ns: int) -> str:
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--categorical-features", default="",
                    help="which of the columns above are categorical (text, dictionary or integer columns)")
     ColumnMap.add_arguments(p)
+    contracts.add_arguments(p)
     args = p.parse_args(argv)
     try:
         status = check(args)
@@ -186,16 +193,27 @@ def check(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    columns = ColumnMap.from_args(args)
     try:
-        bars = read_bars(args.path, ColumnMap.from_args(args), config.real_columns,
-                         label_columns=config.categorical_columns)
+        config = replace(config, contracts=contract_config(args, columns))
+    except ValueError as exc:
+        return print_problems(args.path, [f"{args.path}: {exc}"])
+    columns, root_column = reading(columns, config.contracts)
+    try:
+        bars = read_bars(args.path, columns, config.real_columns,
+                         label_columns=tuple(dict.fromkeys((*config.categorical_columns, *root_column))))
+        series, rolls = continuous(bars, config)
     except BarDataError as exc:
         return print_problems(args.path, exc.lines())
-    if problems := static_problems(args.path, bars, config):
+    except ValueError as exc:  # contract input the roll rule cannot take
+        return print_problems(args.path, [f"{args.path}: {exc}"])
+    if problems := static_problems(args.path, series, config):
         return print_problems(args.path, problems)
-    print(summarize(bars, config))
+    if config.contracts is not None:
+        print("\n".join(contract_lines(bars, series, rolls, config.contracts)))
+    print(summarize(series, config))
     named = (*config.user_columns, *config.known_columns, *config.static_columns)
-    if not named and (others := other_numeric_columns(Path(args.path), ColumnMap.from_args(args))):
+    if not named and (others := other_numeric_columns(Path(args.path), columns)):
         shown = ", ".join(others[:MAX_LISTED]) + (f" ... ({len(others)} in all)" if len(others) > MAX_LISTED else "")
         how = f"add --features {','.join(others)}" if len(others) <= MAX_LISTED else "name those to use in --features"
         print(f"note: columns not checked as features: {shown}; the trainer checks the ones its --features names "
@@ -205,6 +223,44 @@ def check(args: argparse.Namespace) -> int:
         return 2
     print("no problems found")
     return 0
+
+
+def contract_config(args: argparse.Namespace, columns: ColumnMap) -> ContractConfig | None:
+    """The contract flags and the bars' names: None for plain series. ValueError (one line) for contract input
+    no rule can take. Files that cannot be read are left to read_bars, which names them."""
+    try:
+        return scan(args.path, columns, args)
+    except (OSError, pa.ArrowException):
+        return None
+
+
+MAX_ROLLS = 20  # rolls listed before the rest are counted
+
+
+def contract_lines(bars: Bars, series: Bars, rolls: list[Roll], config: ContractConfig) -> list[str]:
+    """The roll rule, each root's contracts, and the rolls (the first MAX_ROLLS, then a count) of per-contract
+    `bars` rolled into the continuous `series`."""
+    per_root = contracts_per_root(bars, config)
+    lines = [f"contracts: {len(bars)} bars of {sum(per_root.values())} contract(s) -> one continuous series per "
+             f"root ({len(series)} bars); {config.describe()}",
+             "roots: " + ", ".join(f"{root} ({n} contract{'s' if n != 1 else ''})" for root, n in per_root.items()),
+             f"rolls: {len(rolls)}"]
+    lines += [f"  {roll.line()}" for roll in rolls[:MAX_ROLLS]]
+    if len(rolls) > MAX_ROLLS:
+        lines.append(f"  ... and {len(rolls) - MAX_ROLLS} more")
+    return lines
+
+
+def contracts_per_root(bars: Bars, config: ContractConfig) -> dict[str, int]:
+    """How many distinct contracts each root's bars hold, roots sorted; `bars` as read (the symbol is the
+    contract), every contract mapped (continuous has checked)."""
+    if config.root_column:
+        pairs = {(str(r), str(c)) for r, c in zip(bars.labels[config.root_column], bars.symbol, strict=True)}
+        roots = [r for r, _ in pairs]
+    else:
+        roots = [str(config.root_of(str(n))) for n in np.unique(bars.symbol.astype(str))]
+    found, counts = np.unique(np.array(roots, dtype=str), return_counts=True)
+    return {str(r): int(n) for r, n in zip(found, counts, strict=True)}
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def from_args(args: argparse.Namespace, names: Sequence[str], has_columns: Seque
     series: names that are not contract names and no contract flag, or `--roll none` without --contract-col.
     ValueError (one line) for a name no rule maps while contracts are asked for."""
     roll = args.roll or "volume"
-    if args.roll == "none" and args.contract_col is None:
+    if (args.roll == "none" and args.contract_col is None) or not (names or given(args)):
         return None
     roots: tuple[tuple[str, str], ...] = ()
     days: tuple[tuple[str, str], ...] = ()

@@ -253,7 +253,10 @@ def scan(path: str | Path, cmap: ColumnMap, args: argparse.Namespace) -> Contrac
     days: dict[str, str] = {}
     present: set[str] = set()
     for file in list_parquet_files(Path(path)):
-        schema = pq.read_schema(file)
+        try:
+            schema = pq.read_schema(file)
+        except (OSError, pa.ArrowException):
+            continue  # read_bars names the file that cannot be read
         present |= set(schema.names)
         if column not in schema.names:
             continue

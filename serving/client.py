@@ -7,6 +7,11 @@ return and of price. A model with user features also gets each categorical's lab
 feature's value once, and each known feature's values for the H bars after the origin: from `--future FILE`
 when given, else from the bars file's H bars after the origin.
 
+A futures model (GetModelInfo.roll_rule set) forecasts roots from per-contract bars (ESH5, ESM5, ...): `--symbol
+ESU5` sends that contract's own bars (the server forecasts its root), `--symbol ES` the bars of every ES contract
+with each bar's contract name, from the session before the latest `bars_required` bar times on, for the server to
+roll by the model's rule. `--contract-col` and `--roots` read the names as the training run did.
+
 Exit status: 0 done; 2 bad arguments, bars, or TLS/token files; 1 the server answered an error or could not be
 reached (the status code and message are printed); 130 interrupted; 141 the reader of the output went away.
 """
@@ -42,7 +47,9 @@ from features.bars import (
 )
 from features.check import format_timestamp, series_bounds
 from features.compute import FeatureConfig, check_static
+from features.contracts import ContractConfig
 from features.files import reader_went_away
+from features.rolls import reading, scan, sessions
 from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
@@ -99,10 +106,11 @@ class FutureValues:
 
 def series_from_bars(bars: Bars, symbol: str, n: int, user_columns: tuple[str, ...] | list[str] = (),
                      packed: bool = False, *, last: int | None = None, inputs: UserInputs | None = None,
-                     future: FutureValues | None = None) -> pb.Series:
+                     future: FutureValues | None = None, contracts: np.ndarray | None = None) -> pb.Series:
     """The `n` bars of `symbol` up to row `last` (default: its latest) as a request Series; `packed` sends the
     user columns as one float64 block (user_features_raw), far cheaper for wide models. `inputs` adds the
-    labels per bar and the static values (at row `last`); `future` the known columns' future values."""
+    labels per bar and the static values (at row `last`); `future` the known columns' future values;
+    `contracts` (str [N], each row's contract) the contract name of each bar sent."""
     rows = bars.series_slices()[symbol]
     stop = rows.stop if last is None else last + 1
     sl = slice(max(rows.start, stop - n), stop)
@@ -113,7 +121,8 @@ def series_from_bars(bars: Bars, symbol: str, n: int, user_columns: tuple[str, .
     return make_series(symbol, bars.timestamp_ns[sl], bars.open[sl], bars.high[sl], bars.low[sl], bars.close[sl],
                        bars.volume[sl], {u: bars.user[u][sl] for u in user_columns}, packed=packed,
                        labels={c: bars.labels[c][sl] for c in inputs.labels}, static=static,
-                       future=future.reals, future_labels=future.labels)
+                       future=future.reals, future_labels=future.labels,
+                       contracts=None if contracts is None else contracts[sl])
 
 
 def _time(ns: int) -> str:
@@ -177,14 +186,20 @@ def main(argv: list[str] | None = None) -> int:
                                     "symbol, timestamp and the known columns (a model with known features needs "
                                     "them where the bars file ends at the origin)")
     ColumnMap.add_arguments(p, "a name not given is the served model's training run's, from GetModelInfo")
+    g = p.add_argument_group("futures contracts (a model trained on per-contract bars; as its training run read them)")
+    g.add_argument("--contract-col", metavar="NAME",
+                   help="column of raw contract names, e.g. ESH5 (default: the symbol column)")
+    g.add_argument("--roots", metavar="FILE|COLUMN",
+                   help="contract -> root: a CSV file with a header row contract,root[,expiration], or a bars "
+                        "column naming each bar's root (default: the month-code pattern, e.g. ESH5 -> ES)")
     add_client_arguments(p)
     args = p.parse_args(argv)
     check_client_arguments(p, args)
     if args.info:
         if args.parquet or args.symbol or args.explain or args.packed or args.origin or args.future \
-                or ColumnMap.given(args):
+                or ColumnMap.given(args) or args.contract_col or args.roots:
             p.error("--info prints the model's information alone: leave out --parquet, --symbol, --explain, "
-                    "--packed, --origin, --future and the column flags")
+                    "--packed, --origin, --future and the column and contract flags")
         return _interrupted_is_130(_info, args)
     if not args.parquet:
         p.error("the following arguments are required: --parquet (or --info for the model alone)")
@@ -221,6 +236,8 @@ def format_model_info(info: pb.ModelInfo) -> str:
          f"{info.bar_interval_ns / 1e9:g} s"),
         ("forecast", f"{info.horizon} steps, quantiles {', '.join(f'{q:g}' for q in info.quantiles)}"),
         ("symbols", ", ".join(info.symbols)),
+        *([("contracts", f"{info.roll_rule}; --symbol takes a root or any contract of one")] if info.roll_rule
+          else []),
         ("user columns", ", ".join(info.user_feature_columns) or "(none)"),
         ("bar columns", ", ".join(f"{k}={v}" for k, v in sorted(info.bar_columns.items())) or "(not recorded)"),
         *((f"{role} features", ", ".join(names)) for role, names in by_role.items()),
@@ -322,24 +339,26 @@ def build_request(args: argparse.Namespace, info: pb.ModelInfo) -> pb.PredictReq
     if args.explain and not info.explain_available:
         raise Refused("--explain: the server's model was exported without explain outputs (export --no-explain); "
                       "drop --explain, or serve a model exported with them")
-    symbol = _symbol(args, info)
+    contracts = _contracts(args, info)
+    symbol = _symbol(args, info, contracts)
     inputs = UserInputs.of(info)
     if args.future and not inputs.known:
         raise Refused("--future: the server's model has no known features, so it takes no future values; leave "
                       "--future out")
-    bars = _symbol_bars(args, info, symbol, inputs)
+    bars, names = _symbol_bars(args, info, symbol, inputs, contracts)
     last = _origin_row(args, info, bars, symbol)
-    sent = slice(last + 1 - info.bars_required, last + 1)
+    n = info.bars_required if names is None else _rows_to_send(args, info, bars, last)
+    sent = slice(last + 1 - n, last + 1)
     if (bad := np.flatnonzero(unusable_user_rows(bars)[sent])).size:
-        names = [u for u in inputs.real_columns if unusable_values(bars.user[u][sent]).any()]
-        raise Refused(f"{args.parquet}: user feature column(s) {', '.join(names)} NaN, infinite or past float32's "
-                      f"range in {bad.size} of the latest {info.bars_required} {symbol} bars"
+        unusable = [u for u in inputs.real_columns if unusable_values(bars.user[u][sent]).any()]
+        raise Refused(f"{args.parquet}: user feature column(s) {', '.join(unusable)} NaN, infinite or past float32's "
+                      f"range in {bad.size} of the latest {n} {symbol} bars"
                       f"{' up to --origin' if args.origin else ''}, which a forecast sends (the first at "
                       f"{format_timestamp(int(bars.timestamp_ns[sent][bad[0]]))}); the model reads finite values in "
                       "every bar: fill them in")
     future = _future_values(args, info, inputs, bars, symbol, last) if inputs.known else None
-    series = series_from_bars(bars, symbol, info.bars_required, list(info.user_feature_columns), packed=args.packed,
-                              last=last, inputs=inputs, future=future)
+    series = series_from_bars(bars, symbol, n, list(info.user_feature_columns), packed=args.packed, last=last,
+                              inputs=inputs, future=future, contracts=names)
     return pb.PredictRequest(series=[series], explain=args.explain)
 
 
@@ -367,10 +386,11 @@ def _future_values(args: argparse.Namespace, info: pb.ModelInfo, inputs: UserInp
     if args.future:
         return read_future(Path(args.future), _columns(args, info), symbol, int(bars.timestamp_ns[last]), inputs, h,
                            after)
-    if (have := rows.stop - 1 - last) < h:
+    later = np.arange(last + 1, rows.stop)  # a futures root's rows: each later time once, its first contract's
+    ahead = later[np.unique(bars.timestamp_ns[later], return_index=True)[1]][:h]
+    if (have := ahead.size) < h:
         raise _too_few(inputs, after, h, f"{args.parquet} has {have} {symbol} bar(s) after it: give them with "
                        f"--future FILE (symbol, timestamp and {', '.join(inputs.known)} of the next {h} bars)")
-    ahead = slice(last + 1, last + 1 + h)
     reals = {c: bars.user[c][ahead] for c in inputs.known if c not in inputs.categorical}
     if bad := [c for c, v in reals.items() if unusable_values(v).any()]:
         raise Refused(f"{args.parquet}: known feature column(s) {', '.join(bad)} NaN, infinite or past float32's "
@@ -430,14 +450,68 @@ def _future_column(path: Path, name: str, values: pa.ChunkedArray, categorical: 
         raise Refused(f"{where} is NaN, infinite or past float32's range in {after}: fill it in")
 
 
-def _symbol(args: argparse.Namespace, info: pb.ModelInfo) -> str:
+def _symbol(args: argparse.Namespace, info: pb.ModelInfo, contracts: ContractConfig | None) -> str:
+    """The symbol to send: --symbol, a futures model's root or a contract of one, or the model's only one."""
     if args.symbol is None:
         if len(info.symbols) != 1:
             raise Refused(f"--symbol: the model knows {', '.join(info.symbols)}; name the one to forecast")
         return str(info.symbols[0])
-    if info.symbols and args.symbol not in info.symbols:
-        raise Refused(f"the model does not know symbol {args.symbol!r} (it knows {', '.join(info.symbols)})")
+    futures = bool(info.roll_rule) and (contracts or ContractConfig()).root_of(args.symbol) in info.symbols
+    if info.symbols and args.symbol not in info.symbols and not futures:
+        contract = " or a contract of one" if info.roll_rule else ""
+        raise Refused(f"the model does not know symbol {args.symbol!r} (it knows {', '.join(info.symbols)}"
+                      f"{contract})")
     return str(args.symbol)
+
+
+def _contracts(args: argparse.Namespace, info: pb.ModelInfo) -> ContractConfig | None:
+    """How a futures model's bars file names its contracts (--contract-col, --roots); None for a model without a
+    roll rule, or bars whose names are no contract names (one continuous series each, sent as they are)."""
+    contract_col, roots = getattr(args, "contract_col", None), getattr(args, "roots", None)  # any parser's args
+    if not info.roll_rule:
+        if contract_col or roots:
+            raise Refused("--contract-col/--roots: the server's model was not trained on futures contracts "
+                          "(GetModelInfo.roll_rule is empty); leave them out")
+        return None
+    flags = argparse.Namespace(contract_col=contract_col, roots=roots, roll=None, adjust=None, volume_mode=None,
+                               expiration_col=None)
+    try:
+        return scan(args.parquet, _columns(args, info), flags)
+    except ValueError as exc:
+        raise Refused(f"{args.parquet}: {exc}") from None
+    except (OSError, pa.ArrowException):  # read_bars names the file it cannot read
+        return None
+
+
+def root_bars(bars: Bars, root: str, cfg: ContractConfig) -> tuple[Bars, np.ndarray]:
+    """The bars of `root`'s contracts (`bars` as read: the symbol is the contract) as one series named `root`,
+    in time order and, at one time, by contract name; and each row's contract, str [n]."""
+    names = bars.symbol.astype(str)  # [N]
+    if cfg.root_column:
+        roots = np.asarray(bars.labels[cfg.root_column]).astype(str)
+    else:
+        unique, inverse = np.unique(names, return_inverse=True)
+        roots = np.array([cfg.root_of(str(u)) or "" for u in unique], dtype=str)[inverse.reshape(-1)]
+    rows = np.flatnonzero(roots == root)
+    rows = rows[np.lexsort((names[rows], bars.timestamp_ns[rows]))]  # [n]
+    return Bars(bars.timestamp_ns[rows], np.full(rows.size, root, dtype=object), bars.open[rows], bars.high[rows],
+                bars.low[rows], bars.close[rows], bars.volume[rows], {u: bars.user[u][rows] for u in bars.user},
+                {c: np.asarray(bars.labels[c])[rows] for c in bars.labels}, bars.files), names[rows]
+
+
+def _rows_to_send(args: argparse.Namespace, info: pb.ModelInfo, bars: Bars, last: int) -> int:
+    """How many of a root's per-contract rows up to row `last` to send: those from the session before the one
+    holding the latest `bars_required` bar times on, so that the server's roll rule (which reads the session
+    before) chooses each session's front from whole sessions, as training did."""
+    ts = bars.timestamp_ns[:last + 1]  # one series, in time order
+    times = np.unique(ts)
+    if times.size < info.bars_required:
+        raise Refused(f"{args.parquet} has {times.size} bar times of {bars.symbol[0]}'s contracts"
+                      f"{' up to --origin' if args.origin else ''}; the model needs the latest {info.bars_required} "
+                      "(GetModelInfo.bars_required): give more history")
+    session = sessions(ts, info.calendar_tz or "UTC")  # [last + 1]
+    first = session[np.searchsorted(ts, times[-info.bars_required])] - 1
+    return int(last + 1 - np.searchsorted(session, first))
 
 
 def _columns(args: argparse.Namespace, info: pb.ModelInfo) -> ColumnMap:
@@ -446,21 +520,27 @@ def _columns(args: argparse.Namespace, info: pb.ModelInfo) -> ColumnMap:
     return ColumnMap.from_args(args, trained)
 
 
-def _symbol_bars(args: argparse.Namespace, info: pb.ModelInfo, symbol: str, inputs: UserInputs) -> Bars:
-    """The symbol's bars only, at least bars_required; user columns are checked only in the bars sent
-    (build_request), so that an indicator's warm-up NaN in the first rows does not stop a forecast."""
+def _symbol_bars(args: argparse.Namespace, info: pb.ModelInfo, symbol: str, inputs: UserInputs,
+                 contracts: ContractConfig | None) -> tuple[Bars, np.ndarray | None]:
+    """The symbol's bars only, at least bars_required, and for a futures root each row's contract (else None);
+    user columns are checked only in the bars sent (build_request), so that an indicator's warm-up NaN in the
+    first rows does not stop a forecast."""
     trained = {k: v for k, v in info.bar_columns.items() if k in ColumnMap.__dataclass_fields__}
-    columns = _columns(args, info)
+    columns, root_column = reading(_columns(args, info), contracts)
     user = inputs.real_columns
+    root = contracts is not None and symbol in info.symbols  # every contract of a root, for the server to roll
     try:
-        bars = read_bars(args.parquet, columns, user, symbols=[symbol], check_user_values=False,
-                         label_columns=inputs.label_columns)
+        bars = read_bars(args.parquet, columns, user, symbols=None if root else [symbol], check_user_values=False,
+                         label_columns=tuple(dict.fromkeys((*inputs.label_columns, *root_column))))
     except BarDataError as exc:
         lines = [f"{args.parquet}: {len(exc.problems)} problem(s) in the {symbol} bars:",
                  *(f"  {line}" for line in exc.lines())]
         if lacks_a_column(exc.problems) and (note := ColumnMap.inherited(args, trained, column_names(args.parquet))):
             lines.append(note)
         raise Refused("\n".join(lines)) from None
+    names = None
+    if root and contracts is not None:
+        bars, names = root_bars(bars, symbol, contracts)
     rows = bars.series_slices().get(symbol)
     if rows is None:
         try:  # which symbols the file has, for the message
@@ -473,7 +553,7 @@ def _symbol_bars(args: argparse.Namespace, info: pb.ModelInfo, symbol: str, inpu
         raise Refused(f"{args.parquet} has {rows.stop - rows.start} bars of {symbol}; the model needs the latest "
                       f"{info.bars_required} (GetModelInfo.bars_required): give more history")
     _check_static(args, bars, inputs)
-    return bars
+    return bars, names
 
 
 def _check_static(args: argparse.Namespace, bars: Bars, inputs: UserInputs) -> None:

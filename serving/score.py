@@ -7,9 +7,11 @@ One row per origin and horizon step: symbol, origin, h, time, close, ret_q<q>, p
 actual_time, split (see docs/serving.md); a summary per split follows on stderr. Origins the server would
 refuse are skipped with a warning, and so are, for a model with known features, the origins within H bars of
 their series' end: the decoder reads the known values of the H bars after each origin from the file. Labels of
-a categorical feature unseen in training are forecast with the unknown category and noted. The file is written
-atomically. Exit status: 0 done, 1 the output could not be written, 2 bad arguments, bars or model, 130
-interrupted.
+a categorical feature unseen in training are forecast with the unknown category and noted. A model trained on
+per-contract futures bars reads them the same way: one continuous series per root by its roll rule, each roll
+logged; `--symbols` may name a root or a contract (ESU5: its root, ES), and a `contract` column names each
+origin's front contract. The file is written atomically. Exit status: 0 done, 1 the output could not be written,
+2 bad arguments, bars or model, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -40,12 +42,20 @@ from features.bars import (
     unusable_values,
 )
 from features.categories import unseen_note
-from features.check import format_duration, format_timestamp, spacing_warning
-from features.compute import COARSE_INTERVALS, NS_PER_DAY, FeatureFrame, build_frame, future_timestamps
+from features.check import MAX_ROLLS, format_duration, format_timestamp, spacing_warning
+from features.compute import (
+    COARSE_INTERVALS,
+    NS_PER_DAY,
+    FeatureConfig,
+    FeatureFrame,
+    build_frame,
+    future_timestamps,
+)
 from features.file_kind import replace_problem
 from features.files import atomic_output, file_argument, link_note
 from features.metrics import pinball
 from features.model_meta import ModelMeta
+from features.rolls import continuous, reading
 from features.schema import QUANTILES, STATIC_CATEGORICAL
 from features.windows import anchor_rows, gather_windows
 from serving.errors import ModelLoadError
@@ -81,7 +91,8 @@ def parse_time(text: str, flag: str) -> int:
 
 
 def only_symbols(bars: Bars, symbols: Sequence[str]) -> Bars:
-    """The rows of `symbols` (in that order), grouped as before."""
+    """The rows of `symbols` (in that order), grouped as before; a continuous series keeps its contracts and
+    log offsets."""
     slices = bars.series_slices()
     parts = [slices[s] for s in symbols]
 
@@ -90,7 +101,9 @@ def only_symbols(bars: Bars, symbols: Sequence[str]) -> Bars:
 
     return Bars(take(bars.timestamp_ns), take(bars.symbol), take(bars.open), take(bars.high), take(bars.low),
                 take(bars.close), take(bars.volume), {u: take(bars.user[u]) for u in bars.user},
-                {c: take(bars.labels[c]) for c in bars.labels}, bars.files)
+                {c: take(bars.labels[c]) for c in bars.labels}, bars.files,
+                contract=None if bars.contract is None else take(bars.contract),
+                log_offset=None if bars.log_offset is None else take(bars.log_offset))
 
 
 def _in_range(ts: np.ndarray, start_ns: int | None, end_ns: int | None) -> np.ndarray:
@@ -185,8 +198,9 @@ def unseen_lines(frame: FeatureFrame, bars: Bars, anchors: np.ndarray, encoder_l
 
 
 def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndarray,
-                   quantiles: Sequence[float], split: np.ndarray) -> pa.Table:
-    """One row per anchor and horizon step. log_return: [W, H, Q]; split: [W] (split_of)."""
+                   quantiles: Sequence[float], split: np.ndarray, contract: np.ndarray | None = None) -> pa.Table:
+    """One row per anchor and horizon step. log_return: [W, H, Q]; split: [W] (split_of); contract: each bar's
+    front contract (object [N]) of a contract model's continuous series, else None (no contract column)."""
     w, h = log_return.shape[:2]
     close = frame.close[anchors]  # [W]
     ret = log_return.astype(np.float64)
@@ -196,6 +210,7 @@ def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndar
     columns: dict[str, pa.Array] = {
         "symbol": pa.array(np.asarray(frame.symbols, dtype=object)[frame.series_id[anchors]].repeat(h),
                            type=pa.string()),
+        **({} if contract is None else {"contract": pa.array(contract[anchors].repeat(h), type=pa.string())}),
         "origin": pa.array(frame.timestamp_ns[anchors].repeat(h), type=utc),
         "h": pa.array(np.tile(np.arange(1, h + 1, dtype=np.int16), w)),
         "time": pa.array(future.ravel(), type=utc),
@@ -312,7 +327,7 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
     summary = Summary(meta.quantiles, meta.training)
     with atomic_output(out) as tmp:
         log.info("scoring %s windows into %s", f"{anchors.size:,}", out)
-        _write_forecasts(tmp, model, frame, anchors, batch, summary)
+        _write_forecasts(tmp, model, frame, anchors, batch, summary, chosen.contract)
     return summary
 
 
@@ -330,8 +345,9 @@ def _no_origin(frame: FeatureFrame, meta: ModelMeta, start_ns: int | None, end_n
 
 
 def _write_forecasts(tmp: str, model: LoadedModel, frame: FeatureFrame, anchors: np.ndarray, batch: int,
-                     summary: Summary) -> None:
-    """Run the model on the windows at `anchors`, `batch` at a time, into the parquet file `tmp`."""
+                     summary: Summary, contract: np.ndarray | None) -> None:
+    """Run the model on the windows at `anchors`, `batch` at a time, into the parquet file `tmp`; `contract`:
+    each row's front contract (object [N]) for a contract model."""
     meta: ModelMeta = model.meta
     writer: pq.ParquetWriter | None = None
     pending: list[pa.Table] = []
@@ -339,7 +355,7 @@ def _write_forecasts(tmp: str, model: LoadedModel, frame: FeatureFrame, anchors:
         for i, chunk in enumerate(np.split(anchors, range(batch, anchors.size, batch))):
             q = model.run(model_inputs(frame, chunk, meta.encoder_length))[QUANTILES]  # [B, H, Q]
             split = split_of(frame.timestamp_ns[chunk], meta.training)  # [B]
-            pending.append(forecast_table(frame, chunk, q, meta.quantiles, split))
+            pending.append(forecast_table(frame, chunk, q, meta.quantiles, split, contract))
             summary.add(frame, chunk, q, split)
             if sum(t.num_rows for t in pending) >= ROWS_PER_GROUP or (i + 1) * batch >= anchors.size:
                 table = pa.concat_tables(pending)
@@ -453,12 +469,13 @@ def _run(args: argparse.Namespace) -> int:
         meta = model.meta
         stored = meta.column_map or None
         columns = ColumnMap.from_args(args, stored)
-        asked = list(dict.fromkeys(s.strip() for s in (args.symbols or "").split(",") if s.strip()))  # each once
-        if args.symbols is not None and not asked:
-            raise ScoreError(f"--symbols {args.symbols!r} names no symbol; give e.g. {','.join(meta.symbols)}")
+        asked = asked_symbols(args.symbols, meta)
         fc = meta.feature_config
-        bars = read_bars(args.parquet, columns, fc.real_columns, symbols=asked or None, check_user_values=False,
-                         label_columns=fc.categorical_columns)  # windows with unusable user values are skipped
+        per_contract, root_column = reading(columns, fc.contracts)  # a contract model: every root's contracts
+        bars = read_bars(args.parquet, per_contract, fc.real_columns, symbols=None if fc.contracts else asked or None,
+                         check_user_values=False,  # windows with unusable user values are skipped
+                         label_columns=tuple(dict.fromkeys((*fc.categorical_columns, *root_column))))
+        bars = rolled(bars, fc, args.parquet)
         wanted = _wanted_symbols(meta, bars, asked, args.parquet, columns)
         summary = score(model, bars, args.out, wanted, start_ns, end_ns, args.batch)
     except (ScoreError, ModelLoadError) as exc:
@@ -479,6 +496,29 @@ def _run(args: argparse.Namespace) -> int:
                     "in-sample, not a backtest; %s", f"{inside:,}", out_of_sample_hint(meta.training, last))
     log.info("wrote %s", args.out)
     return 0
+
+
+def asked_symbols(text: str | None, meta: ModelMeta) -> list[str]:
+    """The --symbols names, each once; a contract model's contracts (ESU5) as their roots (ES)."""
+    names = [s.strip() for s in (text or "").split(",") if s.strip()]
+    if text is not None and not names:
+        raise ScoreError(f"--symbols {text!r} names no symbol; give e.g. {','.join(meta.symbols)}")
+    return list(dict.fromkeys(meta.root_of(n) or n for n in names))  # an unknown name stays, to be named
+
+
+def rolled(bars: Bars, fc: FeatureConfig, path: Path) -> Bars:
+    """`bars` as read, or for a contract model one continuous series per root by its roll rule (rolls logged)."""
+    try:
+        series, rolls = continuous(bars, fc)
+    except ValueError as exc:  # contract names the model's mapping cannot take
+        raise ScoreError(f"{path}: {exc}") from None
+    if fc.contracts is not None:
+        log.info("contracts: %s; %d roll(s)", fc.contracts.describe(), len(rolls))
+    for roll in rolls[:MAX_ROLLS]:
+        log.info("  %s", roll.line())
+    if len(rolls) > MAX_ROLLS:
+        log.info("  ... and %d more", len(rolls) - MAX_ROLLS)
+    return series
 
 
 def _time_range(args: argparse.Namespace) -> tuple[int | None, int | None]:
@@ -510,7 +550,8 @@ def _wanted_symbols(meta: ModelMeta, bars: Bars, asked: list[str], path: Path, c
         absent = [s for s in asked if s in meta.symbols and s not in present]
         if unknown or absent:
             raise ScoreError("; ".join(
-                ([f"--symbols {', '.join(unknown)}: not the model's (it knows {', '.join(meta.symbols)})"]
+                ([f"--symbols {', '.join(unknown)}: not the model's (it knows {', '.join(meta.symbols)}"
+                  f"{' and their contracts' if meta.feature_config.contracts else ''})"]
                  if unknown else []) + ([f"--symbols {', '.join(absent)}: no bars of it in {path}"] if absent else [])))
     wanted = asked or [s for s in meta.symbols if s in present]
     if not wanted:
