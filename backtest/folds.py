@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from features.bars import Bars
 from features.compute import FeatureFrame
+from features.contracts import ContractConfig
 from features.files import atomic_output
 from features.windows import anchor_rows
 
@@ -61,13 +62,39 @@ def fold_origins(frame: FeatureFrame, fold: Fold, encoder_length: int, embargo: 
     return anchors[frame.timestamp_ns[anchors] < fold.end_ns]
 
 
+def take_rows(bars: Bars, rows: np.ndarray) -> Bars:
+    """The `rows` of `bars` (a bool mask or indices), each bar's contract and log offset too."""
+    def take(column: np.ndarray | None) -> np.ndarray | None:
+        return None if column is None else np.asarray(column)[rows]
+
+    return replace(bars, timestamp_ns=bars.timestamp_ns[rows], symbol=bars.symbol[rows], open=bars.open[rows],
+                   high=bars.high[rows], low=bars.low[rows], close=bars.close[rows], volume=bars.volume[rows],
+                   user={name: np.asarray(column)[rows] for name, column in bars.user.items()},
+                   labels={name: np.asarray(column)[rows] for name, column in bars.labels.items()},
+                   contract=take(bars.contract), log_offset=take(bars.log_offset))
+
+
 def bars_before(bars: Bars, cut_ns: int) -> Bars:
     """The rows of `bars` before `cut_ns`, grouped as before."""
-    keep = bars.timestamp_ns < cut_ns
-    return replace(bars, timestamp_ns=bars.timestamp_ns[keep], symbol=bars.symbol[keep], open=bars.open[keep],
-                   high=bars.high[keep], low=bars.low[keep], close=bars.close[keep], volume=bars.volume[keep],
-                   user={name: np.asarray(column)[keep] for name, column in bars.user.items()},
-                   labels={name: np.asarray(column)[keep] for name, column in bars.labels.items()})
+    return take_rows(bars, bars.timestamp_ns < cut_ns)
+
+
+def only_series(bars: Bars, symbols: list[str]) -> Bars:
+    """The rows of `symbols` (in that order), grouped as before."""
+    slices = bars.series_slices()
+    rows = [np.arange(slices[s].start, slices[s].stop) for s in symbols]
+    return take_rows(bars, np.concatenate(rows) if rows else np.zeros(0, np.int64))
+
+
+def with_expirations(bars: Bars, contracts: ContractConfig | None, column: str) -> Bars:
+    """Per-contract `bars` with each bar's contract expiration as the label `column` (for a calendar roll in the
+    fold's own run); `bars` when no expiration is known."""
+    if contracts is None or not contracts.expirations:
+        return bars
+    day = dict(contracts.expirations)
+    unique, inverse = np.unique(np.asarray(bars.symbol, dtype=str), return_inverse=True)
+    labels = np.array([day.get(str(u), "") for u in unique], dtype=object)[inverse.reshape(-1)]
+    return replace(bars, labels={**bars.labels, column: labels})
 
 
 def write_bars(bars: Bars, path: Path) -> None:

@@ -12,7 +12,7 @@ import json
 import logging
 import subprocess
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +21,27 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from backtest.baselines import BASELINES
-from backtest.folds import BacktestError, Fold, bars_before, cut_rows, fold_origins, make_folds, write_bars
+from backtest.folds import (
+    BacktestError,
+    Fold,
+    bars_before,
+    cut_rows,
+    fold_origins,
+    make_folds,
+    only_series,
+    with_expirations,
+    write_bars,
+)
 from backtest.forecast import baselines_at, fold_table, model_forecasts, table_arrays
 from backtest.plots import write_figure
 from backtest.scores import backtest_scores, summary_lines
-from features.bars import Bars, ColumnMap, bars_digest, read_bars
+from features.bars import Bars, ColumnMap, bars_digest
 from features.compute import build_frame
+from features.contracts import ContractConfig
 from features.files import atomic_output
 from serving.model import LoadedModel, load_model
-from serving.score import only_symbols
 from trainer.config import TrainConfig, flag_name
+from trainer.series import ContractError, as_series, read_contract_bars, roll_lines, scan_contracts
 
 log = logging.getLogger("backtest")
 MODELS = ("model", "model_uncalibrated")  # the calibrated export, and the same checkpoint without calibration
@@ -60,9 +71,15 @@ class BacktestPlan:
 def run_backtest(plan: BacktestPlan) -> dict[str, Any]:
     """Every fold, then the forecasts, scores.json, backtest.png and the summary; returns the scores."""
     cfg = plan.config
-    fc = cfg.feature_config()
-    bars = read_bars(plan.parquet, plan.columns, fc.real_columns, label_columns=fc.categorical_columns)
-    folds = make_folds(bars.timestamp_ns, plan.folds, plan.test_span)
+    try:  # per-contract bars: the folds cut the continuous series' times; each fold's run rolls its own bars
+        fc = replace(cfg.feature_config(), contracts=scan_contracts(plan.parquet, plan.columns, cfg))
+        bars = read_contract_bars(plan.parquet, plan.columns, fc)
+        series, rolls = as_series(bars, fc)
+    except ContractError as exc:
+        raise BacktestError(str(exc)) from None
+    for line in roll_lines(fc.contracts, rolls, series.symbols):
+        log.info("%s", line)
+    folds = make_folds(series.timestamp_ns, plan.folds, plan.test_span)
     record = plan.record(bars_digest(bars, fc.real_columns, fc.categorical_columns))
     _claim(plan.out, record)
     tables = []
@@ -71,7 +88,7 @@ def run_backtest(plan: BacktestPlan) -> dict[str, Any]:
         if path.exists():
             log.info("fold %d of %d: done before, kept (%s)", fold.index, len(folds), path)
         else:
-            _run_fold(plan, bars, fold, len(folds))
+            _run_fold(plan, bars, fold, len(folds), fc.contracts)
         tables.append(pq.read_table(path))
     return _finish(plan, pa.concat_tables(tables), record)
 
@@ -91,17 +108,23 @@ def _claim(out: Path, record: dict[str, Any]) -> None:
         Path(tmp).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _run_fold(plan: BacktestPlan, bars: Bars, fold: Fold, n_folds: int) -> None:
-    """Train, export and forecast one fold; its forecasts file is written last."""
+def _run_fold(plan: BacktestPlan, bars: Bars, fold: Fold, n_folds: int, contracts: ContractConfig | None) -> None:
+    """Train, export and forecast one fold from `bars` as read (per contract when `contracts`); its forecasts
+    file is written last."""
     where = plan.out / f"fold{fold.index}"
     where.mkdir(parents=True, exist_ok=True)
     log.info("fold %d of %d: training on the bars before %s", fold.index, n_folds, np.datetime64(fold.cut_ns, "ns"))
-    write_bars(bars_before(bars, fold.cut_ns), where / "train.parquet")
-    _train(plan, where, fold.index)
+    expirations = plan.config.expiration_col or "expiration"
+    write_bars(with_expirations(bars_before(bars, fold.cut_ns), contracts, expirations), where / "train.parquet")
+    _train(plan, where, fold.index, fold_config(plan.config, contracts, expirations))
     models = {name: _export(where, name, plan.threads) for name in MODELS}
     meta = models["model"].meta
-    present = bars.series_slices()
-    frame = build_frame(only_symbols(bars, [s for s in meta.symbols if s in present]), meta.feature_config,
+    try:  # the fold's model rolls the contracts as its run did
+        series = as_series(bars, meta.feature_config)[0]
+    except ContractError as exc:
+        raise BacktestError(f"fold {fold.index}: {exc}") from None
+    present = series.series_slices()
+    frame = build_frame(only_series(series, [s for s in meta.symbols if s in present]), meta.feature_config,
                         list(meta.symbols), meta.bar_interval_ns)
     anchors = fold_origins(frame, fold, meta.encoder_length, plan.embargo)
     if anchors.size == 0:
@@ -115,18 +138,28 @@ def _run_fold(plan: BacktestPlan, bars: Bars, fold: Fold, n_folds: int) -> None:
 
 
 def trainer_flags(cfg: TrainConfig) -> list[str]:
-    """Every field of `cfg` as the trainer's flags."""
+    """Every field of `cfg` as the trainer's flags (a contract field not given: none)."""
     out = []
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
+        if value is None:
+            continue
         out += [flag_name(f.name), ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
                 if isinstance(value, tuple) else str(value)]
     return out
 
 
-def _train(plan: BacktestPlan, where: Path, index: int) -> None:
+def fold_config(cfg: TrainConfig, contracts: ContractConfig | None, expirations: str) -> TrainConfig:
+    """A fold's recipe for its train.parquet (write_bars' layout): the contracts in its symbol column, their
+    expirations, when known, in the column `expirations`."""
+    if contracts is None:
+        return cfg
+    return replace(cfg, contract_col="symbol", expiration_col=expirations if contracts.expirations else None)
+
+
+def _train(plan: BacktestPlan, where: Path, index: int, cfg: TrainConfig) -> None:
     command = [sys.executable, "-m", "trainer", "--parquet", str(where / "train.parquet"), "--out",
-               str(where / "ckpt.pt"), "--no-progress", *trainer_flags(plan.config)]
+               str(where / "ckpt.pt"), "--no-progress", *trainer_flags(cfg)]
     if plan.tracking:
         command += ["--tracking", plan.tracking, "--tracking-run", f"{plan.out.name}-fold{index}"]
     code = subprocess.run(command, check=False).returncode

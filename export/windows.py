@@ -11,24 +11,30 @@ import numpy as np
 
 from export.errors import UsageError
 from export.onnx_export import input_names
-from features.bars import BarDataError, Bars, ColumnMap, read_bars
+from features.bars import BarDataError, Bars, ColumnMap
 from features.compute import FeatureConfig, build_frame
 from features.schema import STATIC_CATEGORICAL
 from features.windows import anchor_rows, gather_windows
 from trainer.model_config import ModelConfig
+from trainer.series import read_series
 
 MAX_WINDOWS = 256
 
 
 def only_symbols(bars: Bars, slices: dict[str, slice], keep: list[str]) -> Bars:
-    """The rows of `bars` whose symbol is in `keep`, given its `series_slices()`."""
+    """The rows of `bars` whose symbol is in `keep`, given its `series_slices()` (each bar's contract and log
+    offset too, in a continuous series of contracts)."""
     rows = np.concatenate([np.arange(slices[s].start, slices[s].stop) for s in keep])
+
+    def take(column: np.ndarray | None) -> np.ndarray | None:
+        return None if column is None else column[rows]
+
     return dataclasses.replace(
         bars, timestamp_ns=bars.timestamp_ns[rows], symbol=bars.symbol[rows], open=bars.open[rows],
         high=bars.high[rows], low=bars.low[rows], close=bars.close[rows], volume=bars.volume[rows],
         user={name: column[rows] for name, column in bars.user.items()},
         labels={name: column[rows] for name, column in bars.labels.items()}, files=list(bars.files),
-        notes=list(bars.notes))
+        notes=list(bars.notes), contract=take(bars.contract), log_offset=take(bars.log_offset))
 
 
 def _as_fed(windows: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -54,7 +60,7 @@ def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column
     try:
         feature_config = FeatureConfig.from_dict(ckpt["feature_config"])
         columns = ColumnMap.from_dict({**(ckpt.get("column_map") or {}), **(column_flags or {})})
-        bars = read_bars(path, columns, feature_config.real_columns, label_columns=feature_config.categorical_columns)
+        bars, _ = read_series(path, columns, feature_config)  # per-contract bars: one continuous series per root
         symbols = [str(s) for s in ckpt["symbols"]]
         slices = bars.series_slices()
         if unknown := [s for s in slices if s not in symbols]:

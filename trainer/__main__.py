@@ -7,6 +7,10 @@ budget that cannot hold the run, or a diverged loss, 3 out of memory with nothin
 `--vram-budget 4GiB` fits micro-batch, accumulation and gradient checkpointing to the budget and
 caps the process's CUDA memory to it; `--plan-only` prints that plan and exits, on any machine.
 
+Per-contract futures bars (ESH5, ESM5, ... or names mapped by `--roots`) train one continuous series per
+root (ES): a roll rule (`--roll`, default volume) picks each session's front contract, returns are taken within
+a contract, and the rolls are logged and stored in the checkpoint.
+
 `--tracking tensorboard:DIR` or `--tracking mlflow:URI` also logs the config, each epoch's figures, the report
 picture and the best checkpoint's sha256 to TensorBoard or MLflow.
 """

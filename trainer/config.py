@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from features.categories import cardinality
-from features.compute import BUILTIN_KNOWN, BUILTIN_OBSERVED, STATIC_SYMBOL, FeatureConfig, check_time_zone
+from features.compute import (
+    BUILTIN_KNOWN,
+    BUILTIN_OBSERVED,
+    CONTRACT_KNOWN,
+    STATIC_SYMBOL,
+    FeatureConfig,
+    check_time_zone,
+)
+from features.contracts import ROLL_RULES, add_arguments, roll_sessions
 from features.schema import Role
 from trainer.model_config import ModelConfig, check_fields
 
@@ -24,7 +32,8 @@ class ConfigError(ValueError):
 
 FEATURE_LISTS = ("features", "known_features", "static_features", "categorical_features")  # user column names
 STOPPING_RULES = ("epochs", "patience")  # when a run stops: a resumed run takes them when given, else its own
-BUILTIN_NAMES = (STATIC_SYMBOL, *BUILTIN_OBSERVED, *BUILTIN_KNOWN)  # a user column of one of these names is refused
+# a user column of one of these names is refused
+BUILTIN_NAMES = (STATIC_SYMBOL, *BUILTIN_OBSERVED, *BUILTIN_KNOWN, *CONTRACT_KNOWN)
 # What a resumed run takes from its command; everything else is the run's recipe, kept as its checkpoint holds it
 RESUME_OVERRIDABLE = (*STOPPING_RULES, "device", "vram_budget", "threads", "grad_checkpointing", "precision")
 MINIMUMS = {"encoder_length": 1, "horizon": 1, "volatility_window": 2, "epochs": 1, "batch_size": 1, "window_block": 0,
@@ -32,6 +41,9 @@ MINIMUMS = {"encoder_length": 1, "horizon": 1, "volatility_window": 2, "epochs":
             "threads": 0, "patience": 0}  # the least value of each numeric field ModelConfig does not check
 AUTO_WINDOW_BLOCK = 16  # window_block 0: blocks of 16 consecutive windows ...
 MIN_BLOCKS_PER_BATCH = 8  # ... but at least 8 blocks in a batch
+# The contract fields and their flags' argparse names (features.contracts.add_arguments); None: not given
+CONTRACT_FIELDS = {"contract_col": "contract_col", "roots": "roots", "roll": "roll", "adjust": "adjust",
+                   "volume": "volume_mode", "expiration_col": "expiration_col"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,13 @@ class TrainConfig:
     calendar_tz: str = "UTC"  # time zone of the time-of-day and day-of-week features, e.g. America/Chicago
     val_fraction: float = 0.15  # last share of the bars (distinct timestamps) used for validation
     test_fraction: float = 0.0  # share of the bars after validation held out as a test split (0 = none)
+    # ---- futures contracts (features.contracts; None: not given, the bars' names decide) ----
+    contract_col: str | None = None  # column of raw contract names (None: the symbol column)
+    roots: str | None = None  # contract -> root: a CSV file contract,root[,expiration] or a bars column
+    roll: str | None = None  # volume | calendar:N | none (None: volume for contract names, else plain series)
+    adjust: str | None = None  # none | ratio: the continuous series' price levels (None: none)
+    volume: str | None = None  # front | root: a continuous bar's volume (None: front)
+    expiration_col: str | None = None  # column of contract expirations for calendar:N (None: expiration)
     # ---- model ----
     hidden_size: int = 64  # width of every TFT layer (d_model)
     attention_heads: int = 4  # heads of the interpretable attention
@@ -103,6 +122,10 @@ class TrainConfig:
              f"{key('precision')} must be auto, fp32, bf16 or fp16, got {self.precision!r}"),
             (self.grad_checkpointing in ("auto", "on", "off"),
              f"{key('grad_checkpointing')} must be auto, on or off, got {self.grad_checkpointing!r}"),
+            (self.roll in (None, "volume", "none") or roll_sessions(str(self.roll)) is not None,
+             f"{key('roll')} must be {ROLL_RULES}, got {self.roll!r}"),
+            (self.adjust in (None, "none", "ratio"), f"{key('adjust')} must be none or ratio, got {self.adjust!r}"),
+            (self.volume in (None, "front", "root"), f"{key('volume')} must be front or root, got {self.volume!r}"),
             (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
              f"{key('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
         ]
@@ -155,8 +178,10 @@ class TrainConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain values; a contract field not given is left out (a plain run's dict holds none of them)."""
         d = asdict(self)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()
+                if not (k in CONTRACT_FIELDS and v is None)}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> TrainConfig:
@@ -236,11 +261,20 @@ def flag_name(field_name: str) -> str:
     return f"--{field_name.replace('_', '-')}"
 
 
+def flag_dest(field_name: str) -> str:
+    """Where argparse puts a field's flag: cfg_hidden_size; a contract field's, as features.contracts names it."""
+    return CONTRACT_FIELDS.get(field_name, f"cfg_{field_name}")
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field (`--hidden-size 16`), default None = not given."""
+    """One flag per TrainConfig field (`--hidden-size 16`), default None = not given; the contract fields' flags
+    are features.contracts' (every command that reads bars shares them)."""
     g = parser.add_argument_group("config fields (each overrides --config; the same names are the TOML keys)")
     comments = field_comments()
+    add_arguments(parser)
     for f in fields(TrainConfig):
+        if f.name in CONTRACT_FIELDS:
+            continue
         default = f.default if f.default is not MISSING else None
         listed = isinstance(default, tuple)
         shown = ",".join(str(x) for x in default) if isinstance(default, tuple) else repr(default)
@@ -252,7 +286,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def given_fields(args: argparse.Namespace) -> set[str]:
     """The fields this command sets: in its --config file or as flags (the rest are defaults)."""
-    given = {f.name for f in fields(TrainConfig) if getattr(args, f"cfg_{f.name}", None) is not None}
+    given = {f.name for f in fields(TrainConfig) if getattr(args, flag_dest(f.name), None) is not None}
     if getattr(args, "config", None):
         given |= set(load_toml(Path(args.config)))
     return given
@@ -277,8 +311,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     cfg = TrainConfig()
     if getattr(args, "config", None):
         cfg = merge(cfg, load_toml(Path(args.config)), f"--config {args.config}")
-    flags = {f.name: getattr(args, f"cfg_{f.name}") for f in fields(TrainConfig)
-             if getattr(args, f"cfg_{f.name}", None) is not None}
+    flags = {f.name: getattr(args, flag_dest(f.name)) for f in fields(TrainConfig)
+             if getattr(args, flag_dest(f.name), None) is not None}
     cfg = merge(cfg, flags, "flags")
     cfg.validate(setting_label(args))
     return cfg
@@ -291,6 +325,6 @@ def setting_label(args: argparse.Namespace) -> Callable[[str], str]:
     in_file = set(load_toml(Path(config))) if config else set()
 
     def label(name: str) -> str:
-        flagged = getattr(args, f"cfg_{name}", None) is not None
+        flagged = getattr(args, flag_dest(name), None) is not None
         return f"{name} (--config {config})" if name in in_file and not flagged else flag_name(name)
     return label

@@ -6,15 +6,16 @@ each boundary so no target of one split overlaps the next. Normalisation fits th
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from features.bars import Bars, ColumnMap, bars_digest, read_bars
+from features.bars import Bars, ColumnMap, bars_digest
 from features.check import format_timestamp
 from features.compute import (
     BUILTIN_KNOWN,
@@ -31,6 +32,7 @@ from features.compute import (
     with_vocabularies,
 )
 from features.normalize import MIN_STD, NormStats, spread_of
+from features.rolls import Roll
 from features.schema import (
     DECODER_KNOWN,
     ENCODER_KNOWN,
@@ -42,6 +44,7 @@ from features.schema import (
 )
 from features.windows import static_categorical
 from trainer.config import TrainConfig
+from trainer.series import ContractError, read_series, scan_contracts
 
 ROW_OBSERVED = "row_observed"  # float32 [R, n_obs]  observed features of each distinct bar of a batch
 ROW_KNOWN = "row_known"  # float32 [R, n_known]
@@ -90,8 +93,11 @@ class WindowTensors:
         self.static_categorical = torch.from_numpy(  # [N, n_static_cat]  symbol id, then user static ids
             frame.series_id[:, None] if frame.static_ids is None else static_categorical(frame, np.arange(len(frame))))
         self.static_real = None if frame.static_real is None else torch.from_numpy(frame.static_real)  # [N, n_sr]
+        builtin = len(BUILTIN_KNOWN) + len(frame.config.contract_known)  # the calendar, then a calendar roll's
         # [N, n_known_user]  the user known variables, which the decoder reads from the H rows after the anchor
-        self.known_user = self.known[:, len(BUILTIN_KNOWN):] if frame.config.known_columns else None
+        self.known_user = self.known[:, builtin:] if frame.config.known_columns else None
+        self._config, self._series_id = frame.config, frame.series_id  # int64 [N]
+        self._roots = np.asarray(frame.symbols, dtype=str)  # [S]  a contract run's symbols are its roots
         self.targets = torch.from_numpy(np.nan_to_num(frame.targets, nan=0.0))  # [N, H]
         self.offsets = torch.arange(-encoder_length + 1, 1)  # [L]
         self._timestamp_ns = frame.timestamp_ns  # int64 [N]
@@ -106,14 +112,20 @@ class WindowTensors:
         """The decoder's known features of the windows ending at `anchors`: [B, H, n_known]. The calendar is
         computed per batch from the nominal future times, as the server does (stored, it would take H times the
         memory); the user known variables are those of the H rows after each anchor (features.windows.decoder_known)."""
-        future = future_timestamps(self._timestamp_ns[anchors.numpy()], self._bar_interval_ns, self._horizon)
-        if self._offsets is not None:
-            future = future + self._offsets.at(future // NS_PER_SECOND)  # local wall-clock time
-        calendar = torch.from_numpy(known_features(future))  # [B, H, 4]
-        if self.known_user is None:
-            return calendar
-        rows = anchors[:, None] + torch.arange(1, self._horizon + 1)  # [B, H]
-        return torch.cat([calendar, self.known_user[rows]], dim=-1)  # [B, H, n_known]
+        future = future_timestamps(self._timestamp_ns[anchors.numpy()], self._bar_interval_ns, self._horizon)  # [B, H]
+        local = future + self._offsets.at(future // NS_PER_SECOND) if self._offsets is not None else future
+        parts = [torch.from_numpy(known_features(local))]  # [B, H, 4]  the calendar at local wall-clock time
+        if self._config.contract_known:  # a calendar roll's, from the future times and the known expirations
+            from features.rolls import contract_known
+
+            assert self._config.contracts is not None
+            roots = self._roots[self._series_id[anchors.numpy()]][:, None]  # [B, 1]
+            parts.append(torch.from_numpy(contract_known(future, roots, self._config.contracts,
+                                                         self._config.calendar_tz)))  # [B, H, 2]
+        if self.known_user is not None:
+            rows = anchors[:, None] + torch.arange(1, self._horizon + 1)  # [B, H]
+            parts.append(self.known_user[rows])  # [B, H, n_known_user]
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # [B, H, n_known]
 
     def statics(self, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
         """The static inputs of the windows ending at `anchors`: STATIC_CATEGORICAL, and STATIC_REAL if any."""
@@ -181,7 +193,8 @@ class PreparedData:
     normalization: Normalization
     climatology: np.ndarray  # float32 [H, Q]  train-split target quantiles (the baseline forecast)
     split_times_ns: tuple[int, int]  # first timestamp of validation and of test
-    bars_digest: str  # of the bars read (bars_digest): a resume must read the same ones
+    bars_digest: str  # of the series trained on (training_digest): a resume must read the same ones
+    rolls: list[Roll] = field(default_factory=list)  # the contract rolls of the series; none for plain series
 
 
 def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -> tuple[np.ndarray, ...]:
@@ -296,8 +309,11 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
             features: FeatureConfig | None = None) -> PreparedData:
     """Read bars, compute features, split, fit the categorical vocabularies and the normalisation (unless given,
     as on resume: `symbols`, `normalization` and `features`, the run's fitted feature config)."""
-    fc = features or cfg.feature_config()
-    bars = read_bars(parquet, columns, fc.real_columns, label_columns=fc.categorical_columns)
+    try:  # a fresh run finds its contracts in the bars; a resumed one keeps its own
+        fc = features or replace(cfg.feature_config(), contracts=scan_contracts(parquet, columns or ColumnMap(), cfg))
+        bars, rolls = read_series(parquet, columns or ColumnMap(), fc)
+    except ContractError as exc:
+        raise DataError(str(exc)) from None
     for note in bars.notes:
         log.info("bars: %s", note)
     if len(bars) == 0:
@@ -315,12 +331,20 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
     warn_about_series(frame, train, cfg.volatility_window + cfg.encoder_length + cfg.horizon)
     clim = np.quantile(frame.targets[train], cfg.quantiles, axis=0).T.astype(np.float32)  # [H, Q]
     return PreparedData(frame, WindowTensors(frame, cfg.encoder_length), train, val, test, normalization, clim,
-                        (int(cuts[0]), int(cuts[1])), digest)
+                        (int(cuts[0]), int(cuts[1])), digest, rolls)
 
 
 def training_digest(bars: Bars, config: FeatureConfig) -> str:
-    """bars_digest of the bars and every user column the run reads: its reals, and its categoricals' labels."""
-    return bars_digest(bars, config.real_columns, config.categorical_columns)
+    """bars_digest of the series trained on and every user column the run reads: its reals, and its categoricals'
+    labels; for continuous series of contracts also each bar's contract and log offset (where the rolls fall)."""
+    digest = bars_digest(bars, config.real_columns, config.categorical_columns)
+    if bars.contract is None:
+        return digest
+    h = hashlib.blake2b(digest.encode(), digest_size=16)
+    h.update("\0".join(np.asarray(bars.contract, dtype=str).tolist()).encode())
+    if bars.log_offset is not None:  # None once ratio-adjusted: the prices hold the offsets
+        h.update(np.ascontiguousarray(bars.log_offset, dtype=np.float64).tobytes())
+    return h.hexdigest()
 
 
 def _frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None) -> FeatureFrame:

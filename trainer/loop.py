@@ -34,6 +34,7 @@ from trainer.paths import RunPaths
 from trainer.plan import TrainPlan, literal_plan
 from trainer.resume import ResumeState
 from trainer.run_files import adopt_best, prepare_out, remove_judgments, runs_best
+from trainer.series import roll_lines
 
 log = logging.getLogger("trainer")
 
@@ -113,6 +114,13 @@ def schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps: int,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_factory(cfg.warmup_steps, steps))
 
 
+def _told(data: PreparedData) -> PreparedData:
+    """`data`, its contracts and rolls logged (nothing for plain series)."""
+    for line in roll_lines(data.frame.config.contracts, data.rolls, list(data.frame.symbols)):
+        log.info("%s", line)
+    return data
+
+
 class Trainer:
     """One training run; `run()` trains until the epochs end or validation stops improving."""
 
@@ -163,17 +171,17 @@ class Trainer:
         if self.resumed is not None:
             data = prepare(self.parquet, cfg, self.columns, *self.resumed.vocabulary())
             self.resumed.check_data(data, cfg.test_fraction)
-            return data
+            return _told(data)
         if not self.dist.enabled:
-            return prepare(self.parquet, cfg, self.columns)
+            return _told(prepare(self.parquet, cfg, self.columns))
 
         def fitted() -> tuple[list[str], dict[str, Any], dict[str, Any]]:
             first = prepare(self.parquet, cfg, self.columns)
             return first.frame.symbols, first.normalization.to_dict(), first.frame.config.to_dict()
 
         symbols, norm, features = self.dist.from_main(fitted)
-        return prepare(self.parquet, cfg, self.columns, symbols, Normalization.from_dict(norm),
-                       FeatureConfig.from_dict(features))
+        return _told(prepare(self.parquet, cfg, self.columns, symbols, Normalization.from_dict(norm),
+                             FeatureConfig.from_dict(features)))
 
     def _restore(self, resumed: ResumeState) -> None:
         resumed.restore(self.model, self.optimizer, self.scheduler, self.scaler, self.device)
@@ -354,6 +362,7 @@ class Trainer:
             "split_times_ns": list(self.data.split_times_ns),
             "data_span_ns": [int(frame.timestamp_ns.min()), int(frame.timestamp_ns.max())],  # the bars trained on
             "bars_digest": self.data.bars_digest,  # what a resume must read again
+            **({"rolls": [r.to_dict() for r in self.data.rolls]} if frame.config.contracts is not None else {}),
             "climatology": torch.from_numpy(self.data.climatology.copy()),
             "model_state": (weights := {k: v.detach().cpu() for k, v in self.model.state_dict().items()}),
             "model_state_sha256": state_digest(weights),
