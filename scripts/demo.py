@@ -1,7 +1,7 @@
 """`make demo`: the whole path on built-in sample data, each stage by its real command.
 
-sample bars -> check -> train (bounded) -> export (all gates) -> serve -> Predict -> stop ->
-forecasts of every bar, offline.
+per-contract futures bars -> check (the rolls) -> train on two quarters (bounded) -> export (all gates) ->
+serve -> Predict for the next quarter's contract, unseen in training -> stop -> its forecasts, offline.
 Everything lands in ./demo_out (or --out). Exits non-zero at the first stage that fails.
 """
 
@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import IO
 
 REPO = Path(__file__).resolve().parents[1]
+START = "2025-03-12"  # ESH5 is the front; ESM5 takes over in the roll week before H5's expiry on 03-21
+SESSIONS = 67  # to 2025-06-13: ESU5 trades from 06-06, ten sessions before ESM5 expires
+UNSEEN = "2025-06-06"  # the first session of ESU5 and NQU5: training takes the bars before it
 
 TRAIN_FLAGS = ["--hidden-size", "16", "--attention-heads", "4", "--encoder-length", "30", "--horizon", "5",
                "--batch-size", "64", "--epochs", "4", "--max-steps-per-epoch", "40", "--learning-rate", "3e-3",
@@ -76,32 +79,49 @@ def wait_serving(target: str, deadline: float) -> None:
         raise SystemExit("demo: the server did not report SERVING within 120 s")
 
 
+def training_bars(bars: Path, out: Path) -> None:
+    """The bars before UNSEEN: contracts H5 and M5 of each root, never a U5 bar."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(bars)
+    stamps = table.column("ts_event")
+    kept = table.filter(pc.less(stamps, pa.scalar(np.datetime64(UNSEEN, "ns")).cast(stamps.type)))
+    pq.write_table(kept, out)
+    names = sorted(set(kept.column("symbol").to_pylist()))
+    print(f"   {out.name}: {kept.num_rows} bars before {UNSEEN} of {', '.join(names)}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "demo_out")
-    p.add_argument("--bars", type=int, default=6000, help="sample bars per symbol")
     p.add_argument("--tiny", action="store_true", help="a tiny model trained for a few steps (for tests)")
     args = p.parse_args(argv)
     out: Path = args.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    bars, ckpt, model = out / "bars.parquet", out / "ckpt.pt", out / "model.onnx"
+    bars, train, ckpt, model = out / "bars.parquet", out / "train.parquet", out / "ckpt.pt", out / "model.onnx"
     t0 = time.monotonic()
 
-    step("1/7 sample bars (ES, NQ; 1-minute RTH sessions; planted volatility clustering and momentum)")
-    sh(["-m", "features.synth", "--out", str(bars), "--symbols", "ES,NQ", "--bars", str(args.bars), "--seed", "7"])
-    step("2/7 check the bars")
-    sh(["-m", "features.check", str(bars)])
-    step("3/7 train a small TFT (bounded steps)")
-    sh(["-m", "trainer", "--parquet", str(bars), "--out", str(ckpt), *(TINY_FLAGS if args.tiny else TRAIN_FLAGS)])
+    step("1/7 sample bars per contract, Databento ohlcv-1m columns (ES, NQ; quarterly contracts; 1% roll gap)")
+    sh(["-m", "features.synth", "--out", str(bars), "--contracts", "--symbols", "ES,NQ", "--start", START,
+        "--bars", str(SESSIONS * 390), "--seed", "7"])
+    training_bars(bars, train)
+    step("2/7 check the training bars: one series per root, and the rolls the volume rule chose")
+    sh(["-m", "features.check", str(train), "--time-col", "ts_event"])
+    step("3/7 train a small TFT on two quarters' contracts (bounded steps)")
+    sh(["-m", "trainer", "--parquet", str(train), "--time-col", "ts_event", "--out", str(ckpt),
+        *(TINY_FLAGS if args.tiny else TRAIN_FLAGS)])
     step("4/7 export to ONNX (checker, names, parity at batch 1/7/64 and on real windows, placement)")
     sh(["-m", "export", str(ckpt), str(model)])
     step("5/7 serve it over gRPC on 127.0.0.1")
     server, target = start_server(model)
     try:
-        step("6/7 Predict with the client: the latest bars of ES")
-        sh(["-m", "serving.client", "--target", target, "--parquet", str(bars), "--symbol", "ES"])
+        step("6/7 Predict with the client for ESU5, a contract the model never saw: its latest bars")
+        sh(["-m", "serving.client", "--target", target, "--parquet", str(bars), "--symbol", "ESU5"])
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -111,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             server.wait()
         time.sleep(0.1)  # the echo thread prints the server's last lines
         print(f"server stopped (exit status {server.returncode})")
-    step("7/7 forecasts for every bar of the sample, offline (serving.score: for backtests)")
+    step(f"7/7 forecasts for every bar from {UNSEEN} on, offline (serving.score: for backtests)")
     sh(["-m", "serving.score", "--model", str(model), "--parquet", str(bars), "--out", str(out / "forecasts.parquet"),
-        "--threads", "1"])
+        "--start", UNSEEN, "--threads", "1"])
     print(f"\ndone in {time.monotonic() - t0:.0f} s. Files in {out}:")
     for f in sorted(out.iterdir()):
         print(f"  {f.name:24s} {f.stat().st_size / 1024:9.1f} KiB")
@@ -121,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     rel = out.relative_to(REPO) if out.is_relative_to(REPO) else out
     print("\nnext, in two shells after `. .venv/bin/activate` (then try --explain or --json on the client):\n"
           f"  python -m serving --model {rel / 'model.onnx'} --port 50051\n"
-          f"  python -m serving.client --target 127.0.0.1:50051 --parquet {rel / 'bars.parquet'} --symbol NQ")
+          f"  python -m serving.client --target 127.0.0.1:50051 --parquet {rel / 'bars.parquet'} --symbol NQU5")
     return 0
 
 
