@@ -181,6 +181,9 @@ def from_args(args: argparse.Namespace, names: Sequence[str], has_columns: Seque
     if unmapped:
         shown = ", ".join(repr(n) for n in unmapped[:3]) + (f" and {len(unmapped) - 3} more" if len(unmapped) > 3
                                                              else "")
+        spreads = "; calendar spreads such as ESH5-ESM5 are not one contract's bars: drop their rows" \
+            if any("-" in n for n in unmapped) else ""
         raise ValueError(f"contract name(s) {shown} name no root: contract names are read as {CONTRACT_PATTERN}; "
-                         + ROOTS_FIX + (" (or --roll none: each name its own series)" if args.roll is None else ""))
+                         + ROOTS_FIX + (" (or --roll none: each name its own series)" if args.roll is None else "")
+                         + spreads)
     return cfg

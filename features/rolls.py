@@ -61,15 +61,14 @@ def front_rows(timestamp_ns: np.ndarray, contract: np.ndarray, open_: np.ndarray
     names = np.asarray(contract).astype(str)
     order = np.lexsort((names, timestamp_ns))
     ts, names = np.asarray(timestamp_ns, dtype=np.int64)[order], names[order]
-    contracts = _ordered_contracts(ts, names, cfg, root)
-    unique, inverse = np.unique(names, return_inverse=True)
-    place = {c: i for i, c in enumerate(contracts)}
-    col = np.array([place[str(u)] for u in unique], dtype=np.int64)[inverse.reshape(-1)]  # [n] expiry-order index
-    day = sessions(ts, tz)
-    days, s_of = np.unique(day, return_inverse=True)
     if cfg.roll == "none":
         chosen = _continuous_as_given(ts, names, root)
     else:
+        contracts = _ordered_contracts(ts, names, cfg, root)
+        unique, inverse = np.unique(names, return_inverse=True)
+        place = {c: i for i, c in enumerate(contracts)}
+        col = np.array([place[str(u)] for u in unique], dtype=np.int64)[inverse.reshape(-1)]  # [n] expiry order
+        days, s_of = np.unique(sessions(ts, tz), return_inverse=True)
         front = _volume_fronts(s_of, col, np.asarray(volume, np.float64)[order], len(days), len(contracts)) \
             if cfg.roll == "volume" else _calendar_fronts(days, s_of, col, contracts, cfg, root)
         chosen = np.flatnonzero(col == front[s_of])
@@ -97,8 +96,10 @@ def _ordered_contracts(ts: np.ndarray, names: np.ndarray, cfg: ContractConfig, r
         if exp is not None:  # months since 1970-01, then the day
             return int(exp.astype("datetime64[M]").astype(np.int64)), int(exp.astype(np.int64)), name
         month = contract_month(name, first[name])
-        if month is None:  # a name mapped by --roots without a month code: by its first bar
-            return int(np.datetime64(first[name], "ns").astype("datetime64[M]").astype(np.int64)), first[name], name
+        if month is None:  # a name mapped by --roots without a month code: only an expiration places it
+            raise ValueError(f"root {root}: contract {name!r} has no month code (root + FGHJKMNQUVXZ + year) and no "
+                             "expiration, so its place among the root's contracts is unknown; give its expiration "
+                             "in the --roots file (contract,root,expiration) or an expiration column")
         return month - 1970 * 12, 0, name
 
     ordered = sorted(first, key=key)
@@ -141,8 +142,9 @@ def _calendar_fronts(days: np.ndarray, s_of: np.ndarray, col: np.ndarray, contra
     missing = [c for c in contracts if cfg.expiration(c) is None]
     if missing:
         raise ValueError(f"--roll {cfg.roll} needs each contract's expiration: {', '.join(missing[:3])} of root "
-                         f"{root} {'has' if len(missing) == 1 else 'have'} none; add an expiration column "
-                         "(--expiration-col NAME) or an expiration column in the --roots file, or use --roll volume")
+                         f"{root} {'has' if len(missing) == 1 else 'have'} none; give the bars an expiration column "
+                         "(--expiration-col NAME) or the --roots file an expiration column when training (a model "
+                         "knows the expirations its training run read), or use --roll volume")
     expiry = np.array([cfg.expiration(c) for c in contracts], dtype="datetime64[D]")  # [C]
     traded = np.zeros((days.size, len(contracts)), dtype=bool)
     traded[s_of, col] = True
@@ -275,7 +277,21 @@ def scan(path: str | Path, cmap: ColumnMap, args: argparse.Namespace) -> Contrac
     cfg = from_args(args, sorted(names), sorted(present))
     if cfg is not None and days:
         cfg = replace(cfg, expirations=tuple(sorted({**days, **dict(cfg.expirations)}.items())))
+    if cfg is not None and cfg.root_column:  # kept with the model: a server maps the names the column mapped
+        cfg = replace(cfg, roots=_column_roots(path, column, cfg.root_column))
     return cfg
+
+
+def _column_roots(path: str | Path, column: str, root_column: str) -> tuple[tuple[str, str], ...]:
+    """(contract, root) pairs of a bars root column."""
+    pairs: dict[str, str] = {}
+    for file in list_parquet_files(Path(path)):
+        table = pq.read_table(file, columns=[column, root_column])
+        both = pa.table({"c": table.column(column).cast(pa.string()), "r": table.column(root_column).cast(pa.string())})
+        for row in both.group_by(["c", "r"]).aggregate([]).to_pylist():
+            if row["c"] and row["r"]:
+                pairs[row["c"]] = row["r"]
+    return tuple(sorted(pairs.items()))
 
 
 def calendar_expiries(cfg: ContractConfig, root: str) -> np.ndarray:
@@ -311,7 +327,7 @@ def contract_known(timestamp_ns: np.ndarray, roots: np.ndarray, cfg: ContractCon
         day = days[used].astype("datetime64[D]")  # [d]
         expiry = calendar_expiries(cfg, r)
         session = np.busday_offset(day, 0, roll="forward")  # the weekday session of each day
-        front = _rule_front(session, expiry, n)
+        front = _rule_front(session, expiry, n) if expiry.size else np.full(day.shape, -1)
         if (none := np.flatnonzero(front < 0)).size:
             last = f"its last known expiration is {expiry[-1]}" if expiry.size else "none of its contracts has one"
             raise ValueError(f"root {r}: on {day[none[0]]} no contract with a known expiration has more than {n} "

@@ -20,7 +20,7 @@ from typing import IO
 
 REPO = Path(__file__).resolve().parents[1]
 START = "2025-03-12"  # ESH5 is the front; ESM5 takes over in the roll week before H5's expiry on 03-21
-SESSIONS = 67  # to 2025-06-13: ESU5 trades from 06-06, ten sessions before ESM5 expires
+SESSIONS = 72  # to 2025-06-19: ESU5 trades from 06-06 and is the front from 06-18, before ESM5 expires on 06-20
 UNSEEN = "2025-06-06"  # the first session of ESU5 and NQU5: training takes the bars before it
 
 TRAIN_FLAGS = ["--hidden-size", "16", "--attention-heads", "4", "--encoder-length", "30", "--horizon", "5",

@@ -509,8 +509,10 @@ def _rows_to_send(args: argparse.Namespace, info: pb.ModelInfo, bars: Bars, last
         raise Refused(f"{args.parquet} has {times.size} bar times of {bars.symbol[0]}'s contracts"
                       f"{' up to --origin' if args.origin else ''}; the model needs the latest {info.bars_required} "
                       "(GetModelInfo.bars_required): give more history")
-    session = sessions(ts, info.calendar_tz or "UTC")  # [last + 1]
-    first = session[np.searchsorted(ts, times[-info.bars_required])] - 1
+    session = sessions(ts, info.calendar_tz or "UTC")  # [last + 1], non-decreasing
+    days = np.unique(session)
+    start = int(np.searchsorted(days, session[np.searchsorted(ts, times[-info.bars_required])]))
+    first = days[max(start - 1, 0)]  # the session before, with bars (a weekend or holiday has none)
     return int(last + 1 - np.searchsorted(session, first))
 
 

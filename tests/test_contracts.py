@@ -241,3 +241,36 @@ def test_a_servers_window_over_a_roll_is_the_training_window(tmp_path: Path) -> 
                        bars.low[None, rows], bars.close[None, rows], bars.volume[None, rows], [], config, length,
                        60 * 10**9, log_offset=bars.log_offset[None, rows])
     np.testing.assert_array_equal(w.encoder_observed[0], frame.observed[end - length:end])
+
+
+def test_a_mapped_name_without_month_code_needs_its_expiration(tmp_path: Path) -> None:
+    """Vendors list every contract from the first day: only an expiration orders names like 'ES 0625'."""
+    ts, p = underlying()
+    near = contract_rows("ES 0325", ts, p, 1.0, range(0, 7), {d: 1000.0 if d < 5 else 100.0 for d in range(10)})
+    far = contract_rows("ES 0625", ts, p, 1.0 + GAP, range(0, 10), {d: 50.0 if d < 5 else 2000.0 for d in range(10)})
+    path = write(tmp_path / "es.parquet", [near, far])
+    mapping = tmp_path / "roots.csv"
+    mapping.write_text("contract,root\nES 0325,ES\nES 0625,ES\n")
+    with pytest.raises(ValueError, match=r"contract 'ES 0\d25' has no month code .* give its expiration in the "
+                                         r"--roots file"):
+        stitched(path, "--roots", str(mapping))
+    mapping.write_text("contract,root,expiration\nES 0325,ES,2025-03-21\nES 0625,ES,2025-06-20\n")
+    _, found, _ = stitched(path, "--roots", str(mapping))
+    assert [(r.old, r.new, r.timestamp_ns) for r in found] == [("ES 0325", "ES 0625", session_start(6))]
+
+
+def test_a_root_column_is_kept_as_the_models_mapping(tmp_path: Path) -> None:
+    ts, p = underlying()
+    h = contract_rows("MESH5", ts, p, 1.0, range(0, 7), {d: 1000.0 if d < 5 else 100.0 for d in range(10)})
+    m = contract_rows("MESM5", ts, p, 1.0 + GAP, range(3, 10), {d: 50.0 if d < 5 else 2000.0 for d in range(10)})
+    path = write(tmp_path / "mes.parquet", [h, m], {"product": ["MICRO_ES"] * (len(h["symbol"]) + len(m["symbol"]))})
+    bars, found, config = stitched(path, "--roots", "product")
+    assert bars.symbols == ["MICRO_ES"] and [r.new for r in found] == ["MESM5"]
+    assert config.contracts is not None and config.contracts.root_of("MESM5") == "MICRO_ES"
+
+
+def test_calendar_spreads_are_named_as_such(tmp_path: Path) -> None:
+    ts, p = underlying()
+    rows = [contract_rows(n, ts, p, 1.0, range(10), dict.fromkeys(range(10), 1.0)) for n in ("ESH5", "ESH5-ESM5")]
+    with pytest.raises(ValueError, match=r"'ESH5-ESM5' name no root.*calendar spreads .* drop their rows"):
+        stitched(write(tmp_path / "spread.parquet", rows))

@@ -447,7 +447,8 @@ def test_requests_carry_no_paths() -> None:
                        "foxhunt.tft.v1.PredictRequest.request_id", "foxhunt.tft.v1.Labels.name",
                        "foxhunt.tft.v1.Labels.values", "foxhunt.tft.v1.Series.StaticFeaturesEntry.key",
                        "foxhunt.tft.v1.Series.StaticCategoricalFeaturesEntry.key",
-                       "foxhunt.tft.v1.Series.StaticCategoricalFeaturesEntry.value"}
+                       "foxhunt.tft.v1.Series.StaticCategoricalFeaturesEntry.value",
+                       "foxhunt.tft.v1.Series.contracts"}
 
 
 READERS = {"open", "read_bytes", "read_text", "read_bars", "read_table", "InferenceSession", "load", "load_model",
