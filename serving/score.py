@@ -511,7 +511,8 @@ def rolled(bars: Bars, fc: FeatureConfig, path: Path) -> Bars:
     try:
         series, rolls = continuous(bars, fc)
     except ValueError as exc:  # contract names the model's mapping cannot take
-        raise ScoreError(f"{path}: {exc}") from None
+        raise ScoreError(f"{path}: {exc} (serving.score rolls the bars by the model's own rule and mapping: "
+                         "those flags are the training run's)") from None
     if fc.contracts is not None:
         log.info("contracts: %s; %d roll(s)", fc.contracts.describe(), len(rolls))
     for roll in rolls[:MAX_ROLLS]:
