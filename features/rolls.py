@@ -58,16 +58,21 @@ def front_rows(timestamp_ns: np.ndarray, contract: np.ndarray, open_: np.ndarray
                volume: np.ndarray, cfg: ContractConfig, tz: str, root: str) -> Front:
     """The continuous series of one root's rows (any contracts, any order; [n] each) by `cfg`'s roll rule.
     ValueError (one line) for input the rule cannot take."""
-    names = np.asarray(contract).astype(str)
-    order = np.lexsort((names, timestamp_ns))
-    ts, names = np.asarray(timestamp_ns, dtype=np.int64)[order], names[order]
+    names, code = np.unique(np.asarray(contract).astype(str), return_inverse=True)
+    return _front(np.asarray(timestamp_ns, dtype=np.int64), code.reshape(-1), [str(n) for n in names], open_, close,
+                  volume, cfg, tz, root)
+
+
+def _front(timestamp_ns: np.ndarray, code: np.ndarray, names: list[str], open_: np.ndarray, close: np.ndarray,
+           volume: np.ndarray, cfg: ContractConfig, tz: str, root: str) -> Front:
+    """front_rows with each row's contract as an index into `names` (int64 [n])."""
+    order = np.lexsort((code, timestamp_ns))
+    ts, code = timestamp_ns[order], code[order]
     if cfg.roll == "none":
-        chosen = _continuous_as_given(ts, names, root)
+        chosen = _continuous_as_given(ts, code, names, root)
     else:
-        contracts = _ordered_contracts(ts, names, cfg, root)
-        unique, inverse = np.unique(names, return_inverse=True)
-        place = {c: i for i, c in enumerate(contracts)}
-        col = np.array([place[str(u)] for u in unique], dtype=np.int64)[inverse.reshape(-1)]  # [n] expiry order
+        contracts = _ordered_contracts(ts, code, names, cfg, root)
+        col = np.array([contracts.index(n) if n in contracts else -1 for n in names], dtype=np.int64)[code]
         days, s_of = np.unique(sessions(ts, tz), return_inverse=True)
         front = _volume_fronts(s_of, col, np.asarray(volume, np.float64)[order], len(days), len(contracts)) \
             if cfg.roll == "volume" else _calendar_fronts(days, s_of, col, contracts, cfg, root)
@@ -81,15 +86,16 @@ def front_rows(timestamp_ns: np.ndarray, contract: np.ndarray, open_: np.ndarray
         chosen_vol = vol_sum[at[chosen]]
     else:
         chosen_vol = vol[rows]
-    log_offset, rolls = _offsets(ts, names, chosen, np.asarray(open_, np.float64)[order],
+    log_offset, rolls = _offsets(ts, code, names, chosen, np.asarray(open_, np.float64)[order],
                                  np.asarray(close, np.float64)[order])
     return Front(rows, log_offset, chosen_vol, rolls)
 
 
-def _ordered_contracts(ts: np.ndarray, names: np.ndarray, cfg: ContractConfig, root: str) -> list[str]:
-    """The root's contracts in expiry order: by expiration when known, else by contract month."""
-    unique, first_row = np.unique(names, return_index=True)
-    first = {str(n): int(ts[i]) for n, i in zip(unique, first_row, strict=True)}
+def _ordered_contracts(ts: np.ndarray, code: np.ndarray, names: list[str], cfg: ContractConfig,
+                       root: str) -> list[str]:
+    """The root's contracts (those with rows) in expiry order: by expiration when known, else by contract month."""
+    present, first_row = np.unique(code, return_index=True)
+    first = {names[int(c)]: int(ts[i]) for c, i in zip(present, first_row, strict=True)}
 
     def key(name: str) -> tuple[int, int, str]:
         exp = cfg.expiration(name)
@@ -153,30 +159,30 @@ def _calendar_fronts(days: np.ndarray, s_of: np.ndarray, col: np.ndarray, contra
     return np.where(ok.any(axis=1), np.argmax(ok, axis=1), -1)
 
 
-def _continuous_as_given(ts: np.ndarray, names: np.ndarray, root: str) -> np.ndarray:
+def _continuous_as_given(ts: np.ndarray, code: np.ndarray, names: list[str], root: str) -> np.ndarray:
     """Every row, for a file continuous already; ValueError when two contracts claim one bar."""
     if (same := np.flatnonzero(ts[1:] == ts[:-1])).size:
         i = int(same[0])
         when = str(np.datetime64(int(ts[i]), "ns"))[:16].replace("T", " ")
-        raise ValueError(f"root {root} at {when} UTC: {names[i]} and {names[i + 1]} both claim the bar as front, "
-                         "and --roll none takes the file as continuous already; choose the front with --roll volume "
-                         "or --roll calendar:N")
+        raise ValueError(f"root {root} at {when} UTC: {names[code[i]]} and {names[code[i + 1]]} both claim the bar "
+                         "as front, and --roll none takes the file as continuous already; choose the front with "
+                         "--roll volume or --roll calendar:N")
     return np.arange(ts.size)
 
 
-def _offsets(ts: np.ndarray, names: np.ndarray, chosen: np.ndarray, open_: np.ndarray, close: np.ndarray
-             ) -> tuple[np.ndarray, list[tuple[str, str, int]]]:
+def _offsets(ts: np.ndarray, code: np.ndarray, names: list[str], chosen: np.ndarray, open_: np.ndarray,
+             close: np.ndarray) -> tuple[np.ndarray, list[tuple[str, str, int]]]:
     """log offsets of the chosen rows (float64 [M]) and the rolls, from time-sorted rows of all contracts."""
-    picked = names[chosen]
+    picked = code[chosen]
     at = np.flatnonzero(picked[1:] != picked[:-1]) + 1  # [R] first chosen row of each new front
     steps = np.zeros(chosen.size)
     rolls = []
     for k in at:
         new_row, old_row = int(chosen[k]), int(chosen[k - 1])
-        before = np.flatnonzero((names[:new_row] == picked[k]) & (ts[:new_row] < ts[new_row]))
+        before = np.flatnonzero((code[:new_row] == picked[k]) & (ts[:new_row] < ts[new_row]))
         ref = close[before[-1]] if before.size else open_[new_row]  # the new contract's own previous price
         steps[k] = np.log(ref) - np.log(close[old_row])
-        rolls.append((str(picked[k - 1]), str(picked[k]), int(ts[new_row])))
+        rolls.append((names[picked[k - 1]], names[picked[k]], int(ts[new_row])))
     # a row's offset: the sum of the steps of every later roll (the latest contract's rows: 0)
     offset = np.cumsum(steps[::-1])[::-1]
     return np.concatenate([offset[1:], [0.0]]) if offset.size else offset, rolls
@@ -188,43 +194,57 @@ def continuous(bars: Bars, config: FeatureConfig) -> tuple[Bars, list[Roll]]:
     cfg = config.contracts
     if cfg is None:
         return bars, []
-    names = bars.symbol.astype(str)
-    root = _roots(bars, cfg, names)
+    names, code, first_rows = _contract_codes(bars)
+    root_of = _roots(bars, cfg, names, first_rows)  # [C]
     parts: list[np.ndarray] = []
-    offsets, volumes, rolls = [], [], []
-    for r in sorted(set(root.tolist())):
-        rows = np.flatnonzero(root == r)
-        f = front_rows(bars.timestamp_ns[rows], names[rows], bars.open[rows], bars.close[rows], bars.volume[rows],
-                       cfg, config.calendar_tz, r)
+    offsets, volumes, rolls, roots = [], [], [], []
+    for r in sorted(set(root_of)):
+        mine = np.flatnonzero(np.array(root_of) == r)  # the root's contracts, ascending
+        rows = np.flatnonzero(np.isin(code, mine))
+        local = np.searchsorted(mine, code[rows])  # [n] index into the root's names
+        f = _front(bars.timestamp_ns[rows].astype(np.int64), local, [names[c] for c in mine], bars.open[rows],
+                   bars.close[rows], bars.volume[rows], cfg, config.calendar_tz, r)
         parts.append(rows[f.rows])
         offsets.append(f.log_offset)
         volumes.append(f.volume)
+        roots.append(np.full(f.rows.size, r, dtype=object))
         rolls += [Roll(r, old, new, t) for old, new, t in f.rolls]
     take = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     offset = np.concatenate(offsets) if offsets else np.zeros(0)
-    out = _taken(bars, take, root[take], names[take].astype(object), np.concatenate(volumes) if volumes
-                 else np.zeros(0), offset)
+    out = _taken(bars, take, np.concatenate(roots) if roots else np.zeros(0, object),
+                 np.array(names, dtype=object)[code[take]], np.concatenate(volumes) if volumes else np.zeros(0), offset)
     return (_ratio_adjusted(out) if cfg.adjust == "ratio" else out), rolls
 
 
-def _roots(bars: Bars, cfg: ContractConfig, names: np.ndarray) -> np.ndarray:
-    """Each row's root, str [N]; ValueError names a contract that maps to none."""
+def _contract_codes(bars: Bars) -> tuple[list[str], np.ndarray, list[int]]:
+    """The contract names, each row's index into them (int64 [N]) and each name's first row. Bars as read come
+    grouped by contract, which takes no string sort."""
+    slices = bars.series_slices()
+    counts = [sl.stop - sl.start for sl in slices.values()]
+    if sum(counts) == len(bars):
+        return list(slices), np.repeat(np.arange(len(slices)), counts), [sl.start for sl in slices.values()]
+    unique, first, code = np.unique(bars.symbol.astype(str), return_index=True, return_inverse=True)
+    return [str(u) for u in unique], code.reshape(-1), [int(i) for i in first]
+
+
+def _roots(bars: Bars, cfg: ContractConfig, names: list[str], first_rows: list[int]) -> list[str]:
+    """Each contract's root (its first row's, for a root column); ValueError names a contract that maps to none."""
     if cfg.root_column:
-        return np.asarray(bars.labels[cfg.root_column]).astype(str)
-    unique, inverse = np.unique(names, return_inverse=True)
-    mapped = [cfg.root_of(n) for n in unique]
-    if (bad := [n for n, m in zip(unique, mapped, strict=True) if m is None]):
+        labels = bars.labels[cfg.root_column]
+        return [str(labels[i]) for i in first_rows]
+    mapped = [cfg.root_of(n) for n in names]
+    if (bad := [n for n, m in zip(names, mapped, strict=True) if m is None]):
         from features.contracts import CONTRACT_PATTERN, ROOTS_FIX
-        raise ValueError(f"contract name(s) {', '.join(repr(str(b)) for b in bad[:3])} name no root: contract names "
+        raise ValueError(f"contract name(s) {', '.join(repr(b) for b in bad[:3])} name no root: contract names "
                          f"are read as {CONTRACT_PATTERN}; {ROOTS_FIX}")
-    return np.array(mapped, dtype=str)[inverse.reshape(-1)]
+    return [str(m) for m in mapped]
 
 
 def _taken(bars: Bars, take: np.ndarray, root: np.ndarray, contract: np.ndarray, volume: np.ndarray,
            offset: np.ndarray) -> Bars:
     user = ColumnBlock(bars.user.names, bars.user.block[:, take]) if isinstance(bars.user, ColumnBlock) \
         else {k: v[take] for k, v in bars.user.items()}
-    return Bars(bars.timestamp_ns[take], root.astype(object), bars.open[take], bars.high[take], bars.low[take],
+    return Bars(bars.timestamp_ns[take], root, bars.open[take], bars.high[take], bars.low[take],
                 bars.close[take], volume, user, {k: v[take] for k, v in bars.labels.items()}, list(bars.files),
                 list(bars.notes), contract=contract, log_offset=offset)
 
