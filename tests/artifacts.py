@@ -25,6 +25,11 @@ def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str
     return subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def run_score(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """`python -m serving.score args` from the repository root."""
+    return run(["-m", "serving.score", *map(str, args)])
+
+
 def exit_and_imports(module: str, args: list[str],
                      heavy: tuple[str, ...] = ("torch", "onnx")) -> tuple[subprocess.CompletedProcess[str], str]:
     """`python -m module args` in a process that, at its exit, prints its exit status and which of `heavy` it had

@@ -27,7 +27,7 @@ from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.model import load_model
 from serving.score import model_inputs
 from serving.wire import forecast_arrays
-from tests.artifacts import REPO, TINY_TRAIN_FLAGS, run
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, run, run_score
 from tests.live_server import serving
 from tests.test_check_contracts import ContractBars, contract_bars, day_ns
 from tests.test_score_covariates import H, client_args, iso, write_model
@@ -35,11 +35,6 @@ from tests.test_score_covariates import H, client_args, iso, write_model
 TRAIN = {"ES": ["ESH5", "ESM5"], "NQ": ["NQH5", "NQM5"]}
 SCORE = {"ES": ["ESH5", "ESM5", "ESU5", "ESZ5"], "NQ": ["NQH5", "NQM5"]}  # ES rolls three times, into unseen ones
 TS = ColumnMap(timestamp="ts_event")
-
-
-def run_score(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "serving.score", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from serving.client import Refused, build_request
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.preprocess import prepare
 from serving.validation import columns_from_proto
-from tests.artifacts import REPO
+from tests.artifacts import REPO, run_score
 from tests.live_server import LiveServer
 
 L, H, N_BARS = 8, 3, 120
@@ -116,11 +116,6 @@ def write_model(path: Path, config: FeatureConfig = CONFIG, symbols: tuple[str, 
     helper.set_model_props(model, meta.to_props())
     onnx.save(model, path)
     return meta
-
-
-def run_score(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "serving.score", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
