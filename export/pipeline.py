@@ -101,6 +101,7 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
             precision=opts.precision,
             column_map=dict(ckpt["column_map"]),
             training=training_span(ckpt),
+            input_stats={k: v for k, v in ckpt["normalization"].items() if k != "target_scale"},
             exporter={
                 "tool": "python -m export",
                 "foxhunt_tft": package_version(),

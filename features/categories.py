@@ -7,6 +7,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from features.text import listed
+
 UNKNOWN_ID = 0  # every vocabulary's slot for labels unseen in training
 
 
@@ -37,7 +39,6 @@ def unseen_note(unseen: Mapping[str, np.ndarray], labels: Mapping[str, np.ndarra
     for name, mask in unseen.items():
         if mask.any():
             values = sorted({str(x) for x in np.asarray(labels[name])[mask]})
-            shown = ", ".join(repr(v) for v in values[:5]) + (f" (+{len(values) - 5} more)" if len(values) > 5 else "")
-            notes.append(f"categorical feature {name!r}: {shown} not seen in training; forecast with the unknown "
-                         "category")
+            notes.append(f"categorical feature {name!r}: {listed(values)} not seen in training; forecast with the "
+                         "unknown category")
     return notes

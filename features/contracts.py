@@ -19,7 +19,7 @@ import numpy as np
 
 MONTH_CODES = "FGHJKMNQUVXZ"  # January .. December
 CONTRACT_PATTERN = "root + month code (FGHJKMNQUVXZ) + 1- or 2-digit year, e.g. ESH5, ESH25, CLZ24, 6EM5"
-_NAME = re.compile(r"(?P<root>[A-Z0-9]{1,6}?)(?P<month>[FGHJKMNQUVXZ])(?P<year>\d{1,2})")
+_NAME = re.compile(r"(?P<root>[A-Z0-9]{1,6}?)(?P<month>[FGHJKMNQUVXZ])(?P<year>[0-9]{1,2})")
 ROLL_RULES = "volume, calendar:N (N sessions before expiry) or none"
 ROOTS_FIX = ("map the names to roots with --roots FILE (a CSV with a header row: contract,root[,expiration]) or "
              "--roots COLUMN (a bars column holding each bar's root)")

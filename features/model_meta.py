@@ -117,6 +117,9 @@ class ModelMeta:
     # export --calibrate's conformal offsets [H][Q], in forecast-scale units, and validation coverage
     # (export.calibrate); None: uncalibrated
     calibration: dict[str, Any] | None = None
+    # the training split's mean and std of each input variable by block: observed, known and static (as
+    # features.normalize.NormStats.to_dict); {} for a model exported without them
+    input_stats: dict[str, Any] = field(default_factory=dict)
 
     @functools.cached_property
     def symbol_index(self) -> dict[str, int]:
@@ -164,6 +167,7 @@ class ModelMeta:
             "training": self.training,
             "graph_sha256": self.graph_sha256,
             **({} if self.calibration is None else {"calibration": self.calibration}),
+            **({"input_stats": self.input_stats} if self.input_stats else {}),
         }
         return {PREFIX + k: v if isinstance(v, str) else json.dumps(v) for k, v in values.items()}
 
@@ -267,6 +271,7 @@ def _parse(props: dict[str, str]) -> ModelMeta:
         training=training,
         graph_sha256=text("graph_sha256"),
         calibration=dict(get("calibration")) if PREFIX + "calibration" in props else None,
+        input_stats=dict(get("input_stats")) if PREFIX + "input_stats" in props else {},
     )
 
 

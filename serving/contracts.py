@@ -7,7 +7,7 @@ import numpy as np
 
 from features.contracts import CONTRACT_PATTERN, ContractConfig
 from features.model_meta import ModelMeta
-from serving.errors import bounded
+from features.text import bounded
 
 
 def naming(cfg: ContractConfig) -> str:

@@ -74,13 +74,6 @@ MAX_PROBLEMS = 5  # problems one RequestError lists
 VIOLATION_BYTES = 300  # one field violation's description, at most
 
 
-def bounded(text: str, limit: int = 48) -> str:
-    """How an error message repeats a caller's string: quoted, escaped, about `limit` characters at most."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text)} characters)"
-
-
 def _header_length(text: str) -> int:
     """The length of `text` as grpc-message: bytes outside printable ASCII, and '%', percent-encoded."""
     return sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in text.encode("utf-8", "replace"))

@@ -15,7 +15,7 @@ import numpy as np
 from serving.errors import RequestError
 from serving.metrics import StepTimes
 from serving.model import LoadedModel
-from serving.preprocess import Prepared, nonfinite_problem, prepare
+from serving.preprocess import Prepared, nonfinite_output_problem, nonfinite_problem, prepare
 from serving.validation import SeriesColumns
 
 log = logging.getLogger("serving")
@@ -49,15 +49,14 @@ def run_batch(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]], step
     return results
 
 
-def _nonfinite_output(outputs: dict[str, np.ndarray], call: Sequence[SeriesColumns]) -> RequestError | None:
+def _nonfinite_output(outputs: dict[str, np.ndarray], prepared: Prepared, call: Sequence[SeriesColumns],
+                      model: LoadedModel) -> RequestError | None:
     """An error, never a NaN or infinite forecast, for a call whose bars drive the model out of range."""
     for name, out in outputs.items():
         bad = ~np.isfinite(out.reshape(out.shape[0], -1)).all(axis=1)  # [n]
         if bad.any():
             b = int(np.flatnonzero(bad)[0])
-            return RequestError(f"series[{b}] ({call[b].symbol}): the model's output {name!r} is not finite for "
-                                "these bars: their features are far outside the range the model was trained on; "
-                                "check the bars for extreme prices, volumes or user-feature values", f"series[{b}]")
+            return nonfinite_output_problem(prepared, b, call[b], name, model.meta)
     return None
 
 
@@ -95,7 +94,7 @@ def _run_together(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]], 
     for i in good:
         n = sizes[i]
         mine = {k: v[offset:offset + n] for k, v in outputs.items()}
-        problem = None if all_finite else _nonfinite_output(mine, calls[i])
+        problem = None if all_finite else _nonfinite_output(mine, per_call[i], calls[i], model)
         results[i] = problem or Result(per_call[i], mine)
         offset += n
     return results

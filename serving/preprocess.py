@@ -13,6 +13,7 @@ from features.categories import encode, unseen_note
 from features.compute import latest_windows
 from features.model_meta import ModelMeta
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, STATIC_REAL
+from features.text import listed
 from serving.errors import RequestError
 from serving.validation import BAR_COLUMNS, SeriesColumns
 
@@ -77,7 +78,7 @@ def prepare(series: Sequence[SeriesColumns], meta: ModelMeta) -> Prepared:
         last_close=c[:, -1],
         future_timestamp_ns=w.future_timestamp_ns,
         encoder_timestamp_ns=ts[:, n - meta.encoder_length:],
-        notes=[x.notes for x in coded] if coded is not None else [()] * len(series),
+        notes=[s.notes + (coded[b].notes if coded is not None else ()) for b, s in enumerate(series)],
     )
 
 
@@ -164,3 +165,38 @@ def nonfinite_problem(prepared: Prepared, series: Sequence[SeriesColumns], meta:
                             "of the bars used (the last bars_required): a value beyond float32's range (about "
                             "3.4e38) or a price jump that overflows; check the bars around it", f"series[{b}]")
     return None
+
+
+FAR_SDS = 1e3  # standard deviations from the training mean: orders of magnitude outside the training range
+
+
+def far_inputs(prepared: Prepared, b: int, meta: ModelMeta) -> list[str]:
+    """The input variables of window b with a value FAR_SDS or more training standard deviations from their
+    training mean (ModelMeta.input_stats), furthest first; [] for a model exported without the statistics."""
+    schema, stats = meta.feature_schema, meta.input_stats
+    blocks = (("observed", schema.observed, (ENCODER_OBSERVED,)),
+              ("known", schema.known, (ENCODER_KNOWN, DECODER_KNOWN)), ("static", schema.static_reals, (STATIC_REAL,)))
+    far: dict[str, float] = {}
+    for key, names, inputs in blocks:
+        if key not in stats or not names:
+            continue
+        mean, std = np.asarray(stats[key]["mean"]), np.asarray(stats[key]["std"])  # [V] each
+        for name in inputs:
+            x = prepared.inputs[name][b].reshape(-1, len(names)).astype(np.float64)  # [steps, V]
+            with np.errstate(all="ignore"):
+                sds = np.nan_to_num(np.abs(x - mean) / std, nan=np.inf).max(axis=0)  # [V]
+            for v in np.flatnonzero(sds >= FAR_SDS):
+                far[names[v]] = max(far.get(names[v], 0.0), float(sds[v]))
+    return sorted(far, key=lambda n: -far[n])
+
+
+def nonfinite_output_problem(prepared: Prepared, b: int, series: SeriesColumns, output: str, meta: ModelMeta
+                             ) -> RequestError:
+    """What to fix in series b whose window drives the model's `output` to NaN or inf: the inputs far outside
+    their training range, when some are."""
+    far = far_inputs(prepared, b, meta)
+    culprits = (f"input(s) {listed(far)} lie orders of magnitude (over {FAR_SDS:g} standard deviations) outside "
+                "the training range; check those columns" if far else "their features are far outside the range "
+                "the model was trained on; check the bars for extreme prices, volumes or user-feature values")
+    return RequestError(f"series[{b}] ({series.symbol}): the model's output {output!r} is not finite for these "
+                        f"bars: {culprits}", f"series[{b}]")

@@ -26,7 +26,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from serving.errors import ConfigError, bounded
+from features.text import bounded
+from serving.errors import ConfigError
 
 log = logging.getLogger("serving")
 

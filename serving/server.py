@@ -28,13 +28,12 @@ from features.model_meta import ModelMeta
 from serving.batcher import MicroBatcher
 from serving.errors import ConfigError, ModelLoadError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
-from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.inference import run_batch
 from serving.metrics import Metrics
 from serving.model import LoadedModel, ModelHolder, WarmUpStopped, load_and_warm, load_model
 from serving.reflection import enable_server_reflection
 from serving.security import ReloadableTls, TokenAuth, UnknownMethods, is_loopback, one_line_decode_errors, read_tokens
-from serving.servicer import Batcher, ForecasterServicer, Limits
+from serving.servicer import Batcher, ForecasterServicer, Limits, add_to_server
 
 log = logging.getLogger("serving")
 
@@ -196,7 +195,7 @@ class ForecastServer:
         interceptors = [i for i in (UnknownMethods(self.metrics.count), self.auth) if i is not None]
         one_line_decode_errors()
         self.grpc = aio.server(interceptors=interceptors, options=grpc_options(config))
-        pb_grpc.add_ForecasterServicer_to_server(self.servicer, self.grpc)
+        add_to_server(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), self.grpc)
         self.port = 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from features import package_version
@@ -33,6 +34,7 @@ from serving.errors import (
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.inference import Result
+from serving.limits import MAX_COLUMNS, MAX_TEXT_CHARS
 from serving.metrics import Metrics
 from serving.model import LoadedModel, ModelHolder
 from serving.postprocess import build_response
@@ -152,6 +154,33 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
 
 
 Batcher = MicroBatcher[LoadedModel, list[SeriesColumns], Result]
+SERVICE = pb.DESCRIPTOR.services_by_name["Forecaster"]
+
+
+def decode_request(data: bytes) -> pb.PredictRequest:
+    """A call's bytes as a PredictRequest; bytes that are not one are the caller's error, INVALID_ARGUMENT."""
+    try:
+        return pb.PredictRequest.FromString(data)
+    except DecodeError as exc:
+        raise RequestError(f"the request's {len(data)} bytes are not a {pb.PredictRequest.DESCRIPTOR.full_name} "
+                           f"({exc}); send one serialised from {SERVICE.file.name}", "") from None
+
+
+def add_to_server(servicer: ForecasterServicer, server: aio.Server) -> None:
+    """The Forecaster's methods on `server`, as the generated `add_ForecasterServicer_to_server` adds them, except
+    that Predict and PredictStream take the request bytes and decode them (`decode_request`), so that bytes that
+    are not a PredictRequest answer INVALID_ARGUMENT rather than gRPC's UNKNOWN."""
+    handlers = {
+        "Predict": grpc.unary_unary_rpc_method_handler(
+            servicer.Predict, response_serializer=pb.PredictResponse.SerializeToString),
+        "PredictStream": grpc.stream_stream_rpc_method_handler(
+            servicer.PredictStream, response_serializer=pb.PredictStreamResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
+            response_serializer=pb.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)  # type: ignore[attr-defined]  # grpc >= 1.65
 MAX_REQUEST_ID_CHARS = 1024  # a request_id is echoed in its answer, error answers included: it must stay small
 
 
@@ -169,7 +198,7 @@ class _Stream:
     """One PredictStream's reader: it reads a request once one of `window` slots is free and queues the task
     of its answer (None ends them). It stops when cancelled, or at about `max_age_s` (jittered)."""
 
-    def __init__(self, requests: AsyncIterator[pb.PredictRequest],
+    def __init__(self, requests: AsyncIterator[bytes],
                  answer: Callable[[pb.PredictRequest], Awaitable[StreamAnswer]], window: int,
                  max_age_s: float) -> None:
         self.pending: asyncio.Queue[asyncio.Future[StreamAnswer] | None] = asyncio.Queue()
@@ -179,11 +208,12 @@ class _Stream:
         self._timer = (asyncio.get_running_loop().call_later(max_age_s * random.uniform(0.8, 1.0), self._age_out)
                        if max_age_s else None)
 
-    async def _read(self, requests: AsyncIterator[pb.PredictRequest],
+    async def _read(self, requests: AsyncIterator[bytes],
                     answer: Callable[[pb.PredictRequest], Awaitable[StreamAnswer]]) -> None:
+        """Read until the stream ends; a message that is not a PredictRequest stops it with its RequestError."""
         try:  # a slot first, then the next request: a request read is a request answered
-            while await self.window.acquire() and (request := await anext(requests, None)) is not None:
-                self.pending.put_nowait(asyncio.ensure_future(answer(request)))
+            while await self.window.acquire() and (data := await anext(requests, None)) is not None:
+                self.pending.put_nowait(asyncio.ensure_future(answer(decode_request(data))))
         finally:
             self.pending.put_nowait(None)
 
@@ -223,11 +253,11 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         self.stream_max_age_s = stream_max_age_s  # --max-connection-age: a stream stops reading about this old
 
     @rpc("Predict")
-    async def Predict(self, request: pb.PredictRequest,
-                      context: aio.ServicerContext[pb.PredictRequest, pb.PredictResponse]) -> pb.PredictResponse:
+    async def Predict(self, request: bytes, context: aio.ServicerContext[bytes, pb.PredictResponse]
+                      ) -> pb.PredictResponse:
         self.admission.take()
         try:
-            return await self._predict(request, context)
+            return await self._predict(decode_request(request), context)
         finally:
             self.admission.give_back()
 
@@ -269,8 +299,8 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         return ResponseTooLarge(f"the response would be {size} bytes, over the server's limit of "
                                 f"{limit} (--max-message-bytes); {' or '.join(fixes)}")
 
-    async def PredictStream(self, requests: AsyncIterator[pb.PredictRequest],
-                            context: aio.ServicerContext[pb.PredictRequest, pb.PredictStreamResponse]) -> None:
+    async def PredictStream(self, requests: AsyncIterator[bytes],
+                            context: aio.ServicerContext[bytes, pb.PredictStreamResponse]) -> None:
         """Each request as Predict answers it, in request order; a failed request's error travels in its answer.
 
         At most --max-batch requests are read ahead of their answers (then HTTP/2 flow control holds the caller),
@@ -291,7 +321,7 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
                        else "the server is shutting down")
                 await self._end_stream(context, f"{why}: every request read was answered; open a new stream (it "
                                                 "may reach another replica) and resend each request not answered OK")
-            stream.reader.result()  # the stream's own failure (an undecodable message), if any
+            await self._end_undecodable(stream, context)
         finally:
             self._stream_readers.discard(stream.reader)
             self.metrics.open_streams.dec()
@@ -313,6 +343,16 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
                 self._settle(answer, context, sent)
             stream.window.release()
         return True
+
+    async def _end_undecodable(self, stream: _Stream, context: aio.ServicerContext[Any, Any]) -> None:
+        """End the stream INVALID_ARGUMENT when it stopped at a message that is not a PredictRequest; any other
+        failure of its reader goes on up."""
+        try:
+            stream.reader.result()
+        except RequestError as exc:
+            code, message = status_of(exc)
+            self.metrics.requests.labels("PredictStream", code.name).inc()
+            await context.abort(code, message, status_details(exc, code, message))
 
     async def _end_stream(self, context: aio.ServicerContext[Any, Any], message: str) -> None:
         self.metrics.requests.labels("PredictStream", grpc.StatusCode.UNAVAILABLE.name).inc()
@@ -403,6 +443,8 @@ def model_info(model: LoadedModel, limits: Limits) -> pb.ModelInfo:
         calibration=calibration_info(meta.calibration, meta.quantiles),
         contract_pattern=CONTRACT_PATTERN if meta.contracts is not None else "",
         roll_rule=meta.contracts.describe() if meta.contracts is not None else "",
+        max_text_chars=MAX_TEXT_CHARS,
+        max_columns=MAX_COLUMNS,
     )
 
 

@@ -28,9 +28,11 @@ from features.bars import (
 from features.compute import COARSE_INTERVALS, NS_PER_DAY, future_timestamps
 from features.model_meta import ModelMeta
 from features.rolls import contract_known, front_rows
+from features.text import bounded, listed
 from serving.contracts import foreign_contract, unknown_symbol
-from serving.errors import MAX_PROBLEMS, RequestError, bounded
+from serving.errors import MAX_PROBLEMS, RequestError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.limits import check_series_fields
 
 BAR_COLUMNS: tuple[str, ...] = ("timestamp_ns", *PRICE_COLUMNS, "volume")  # the proto's field names
 WIRE_COLUMNS = ColumnMap(timestamp="timestamp_ns")  # names problems after the proto's fields
@@ -58,6 +60,7 @@ class SeriesColumns:
     contracts: np.ndarray | None = None  # str [n]: each bar's futures contract, when sent (Series.contracts)
     log_offset: np.ndarray | None = None  # float64 [n]: a rolled series' offsets added to log(close) (features.rolls)
     root: str = ""  # the model symbol it forecasts, once validated: the symbol, or a contract's root
+    notes: tuple[str, ...] = ()  # what Forecast.warnings says of the series as sent (columns the model ignores)
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
@@ -79,7 +82,7 @@ class SeriesColumns:
             self.symbol, self.timestamp_ns[-n:], self.open[-n:], self.high[-n:], self.low[-n:], self.close[-n:],
             self.volume[-n:], user, {c: self.labels[c][-n:] for c in label_columns}, self.future, self.future_labels,
             self.static_reals, self.static_labels, None if self.contracts is None else self.contracts[-n:],
-            None if self.log_offset is None else self.log_offset[-n:], self.root)
+            None if self.log_offset is None else self.log_offset[-n:], self.root, self.notes)
 
     def take(self, rows: np.ndarray, label: str | None = None) -> SeriesColumns:
         """The bars at `rows` (int64 [m]) with every per-bar column; `label` replaces the symbol."""
@@ -90,7 +93,7 @@ class SeriesColumns:
             self.low[rows], self.close[rows], self.volume[rows], user, {k: v[rows] for k, v in self.labels.items()},
             self.future, self.future_labels, self.static_reals, self.static_labels,
             None if self.contracts is None else self.contracts[rows],
-            None if self.log_offset is None else self.log_offset[rows], self.root)
+            None if self.log_offset is None else self.log_offset[rows], self.root, self.notes)
 
 
 def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
@@ -113,7 +116,7 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
         close=np.asarray(series.close, dtype=np.float64),
         volume=np.asarray(series.volume, dtype=np.float64),
         user=plain or user,  # both forms at once are refused by _packed_user_columns
-        contracts=np.asarray(series.contracts, dtype=str) if series.contracts else None,
+        contracts=_texts(series.contracts) if series.contracts else None,
     )
     if series.future_features or series.categorical_features or series.future_categorical_features \
             or series.static_features or series.static_categorical_features:
@@ -123,23 +126,30 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
 
 def _covariates_from_proto(series: pb.Series, index: int, columns: SeriesColumns) -> None:
     """The series' known, static and categorical user values into `columns` (no value checks)."""
-    columns.future = _named(series.future_features, index, series.symbol, "future_features", np.float64)
-    columns.labels = _named(series.categorical_features, index, series.symbol, "categorical_features", str)
+    columns.future = _named(series.future_features, index, series.symbol, "future_features")
+    columns.labels = _named(series.categorical_features, index, series.symbol, "categorical_features")
     columns.future_labels = _named(series.future_categorical_features, index, series.symbol,
-                                   "future_categorical_features", str)
+                                   "future_categorical_features")
     columns.static_reals = dict(series.static_features)
     columns.static_labels = dict(series.static_categorical_features)
 
 
-def _named(items: Sequence[pb.Column | pb.Labels], index: int, symbol: str, field_name: str,
-           dtype: type) -> dict[str, np.ndarray]:
-    """Repeated Column or Labels -> name -> array; a name sent twice is refused."""
+def _named(items: Sequence[pb.Column | pb.Labels], index: int, symbol: str, field_name: str
+           ) -> dict[str, np.ndarray]:
+    """Repeated Column (float64) or Labels (object, `_texts`) -> name -> array; a name sent twice is refused."""
     out: dict[str, np.ndarray] = {}
     for item in items:
         if item.name in out:
             raise RequestError(f"{_label(index, symbol)}: {field_name} column {bounded(item.name)} is sent twice; "
                                "send each column once", _field(index, field_name))
-        out[item.name] = np.asarray(item.values, dtype=dtype)
+        out[item.name] = _texts(item.values) if isinstance(item, pb.Labels) else np.asarray(item.values, np.float64)
+    return out
+
+
+def _texts(values: Sequence[str]) -> np.ndarray:
+    """object [n]: the strings as sent, never widened into a fixed-width array sized by the longest."""
+    out = np.empty(len(values), dtype=object)
+    out[:] = list(values)
     return out
 
 
@@ -225,41 +235,55 @@ def _refuse_too_few(i: int, label: str, n: int, meta: ModelMeta) -> NoReturn:
         _field(i, "timestamp_ns"))
 
 
+def columns_read(meta: ModelMeta) -> dict[str, tuple[str, ...]]:
+    """Each column field of a Series -> the columns of it the model reads."""
+    config = meta.feature_config
+    return {"user_features": config.series_reals,
+            "future_features": tuple(c for c in config.known_columns if c not in config.categorical_columns),
+            "categorical_features": config.series_categoricals,
+            "future_categorical_features": tuple(c for c in config.known_columns if c in config.categorical_columns),
+            "static_features": config.static_reals, "static_categorical_features": config.static_categoricals}
+
+
 def _check_covariates(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
-    """The known, static and categorical user values a model with such features needs: each column present,
-    with one value per bar sent (categoricals) or per future bar (known columns), future and static reals usable."""
-    config, horizon = meta.feature_config, meta.horizon
-    known_reals = tuple(c for c in config.known_columns if c not in config.categorical_columns)
-    known_labels = tuple(c for c in config.known_columns if c in config.categorical_columns)
-    per_future_bar = "one per future bar (GetModelInfo.horizon)"
-    _check_counts(i, s, "future_features", s.future, known_reals, horizon, "value", per_future_bar)
-    _check_counts(i, s, "categorical_features", s.labels, config.series_categoricals, len(s), "label",
-                  "one per bar sent (len(timestamp_ns))")
-    _check_counts(i, s, "future_categorical_features", s.future_labels, known_labels, horizon, "label",
-                  per_future_bar)
-    for field_name, given, need in (("static_features", s.static_reals, config.static_reals),
-                                    ("static_categorical_features", s.static_labels, config.static_categoricals)):
+    """The known, static and categorical user values a model with such features needs: each column present (its
+    count of values is checked on the wire, `serving.limits`), future and static reals usable."""
+    read, horizon = columns_read(meta), meta.horizon
+    per_future_bar = f"exactly {horizon} values, one per future bar (GetModelInfo.horizon)"
+    for field_name, given, per in (
+            ("future_features", s.future, per_future_bar),
+            ("categorical_features", s.labels, f"exactly {len(s)} labels, one per bar sent (len(timestamp_ns))"),
+            ("future_categorical_features", s.future_labels, per_future_bar.replace("values", "labels"))):
+        need = read[field_name]
         if missing := [c for c in need if c not in given]:
+            raise RequestError(f"{_label(i, s.symbol)}: {field_name} column(s) {', '.join(map(repr, missing))} "
+                               f"missing; this model needs {per}, for each of {', '.join(need)}",
+                               _field(i, field_name))
+    for field_name, statics in (("static_features", s.static_reals), ("static_categorical_features", s.static_labels)):
+        need = read[field_name]
+        if missing := [c for c in need if c not in statics]:
             raise RequestError(f"{_label(i, s.symbol)}: {field_name} lacks {', '.join(map(repr, missing))}; this "
                                f"model needs the series' value of each of {', '.join(need)} there",
                                _field(i, field_name))
-    for name in known_reals:
+    for name in read["future_features"]:
         _check_usable(i, s, "future_features", name, s.future[name])
-    for name in config.static_reals:
+    for name in read["static_features"]:
         _check_usable(i, s, "static_features", name, np.array([s.static_reals[name]]))
 
 
-def _check_counts(i: int, s: SeriesColumns, field_name: str, given: Mapping[str, np.ndarray], need: Sequence[str],
-                  count: int, unit: str, per: str) -> None:
-    """Every column of `need` in `given`, with exactly `count` values."""
-    if missing := [c for c in need if c not in given]:
-        raise RequestError(f"{_label(i, s.symbol)}: {field_name} column(s) {', '.join(map(repr, missing))} missing; "
-                           f"this model needs exactly {count} {unit}s, {per}, for each of {', '.join(need)}",
-                           _field(i, field_name))
-    for name in need:
-        if (k := given[name].shape[0]) != count:
-            raise RequestError(f"{_label(i, s.symbol)}: {field_name} column {name!r} has {k} {unit}s; it needs "
-                               f"exactly {count} {unit}s, {per}", _field(i, field_name))
+def _ignored(s: SeriesColumns, meta: ModelMeta) -> tuple[str, ...]:
+    """One note per field that holds columns the model does not read: served all the same, those ignored."""
+    notes = []
+    sent = {"user_features": s.user, "future_features": s.future, "categorical_features": s.labels,
+            "future_categorical_features": s.future_labels, "static_features": s.static_reals,
+            "static_categorical_features": s.static_labels}
+    for field_name, need in columns_read(meta).items():
+        if unread := [name for name in sent[field_name] if name not in need]:
+            where = "user_feature_names" if field_name == "user_features" and isinstance(s.user, ColumnBlock) \
+                else field_name
+            notes.append(f"{where} column(s) {listed(unread)} not read by this model, ignored "
+                         "(GetModelInfo.features lists the columns it reads)")
+    return tuple(notes)
 
 
 def _check_usable(i: int, s: SeriesColumns, field_name: str, name: str, values: np.ndarray) -> None:
@@ -406,28 +430,38 @@ def _refuse_values(i: int, s: SeriesColumns, user_columns: tuple[str, ...], labe
 def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> list[SeriesColumns]:
     """The series as the model reads them (a series with per-bar contracts: its front contract's bars), or a
     RequestError naming the first series that breaks the contract and what to fix."""
-    if not series:
-        raise RequestError(f"empty request: PredictRequest.series is empty; send at least one series with its most "
-                           f"recent {meta.bars_required} bars", "series")
+    _refuse_empty(len(series), meta)
     seen: dict[str, int] = {}
-    config = meta.feature_config
-    user_columns = config.series_reals
     out = []
     for i, s in enumerate(series):
         _check_identity(i, s, meta, seen)
-        _check_shape(i, s, meta)
-        if config.has_user_inputs:
-            _check_covariates(i, s, meta)
-        if s.contracts is not None:
-            s = _front_series(i, s, meta)
-        _check_time_range(i, s, meta)
-        if meta.feature_config.contract_known:
-            _check_known_front(i, s, meta)
-        if not _looks_valid(s, user_columns):
-            _refuse_values(i, s, user_columns)
-        _check_spacing(i, s, meta)
-        out.append(s)
+        out.append(_validated(i, s, meta))
     return out
+
+
+def _refuse_empty(count: int, meta: ModelMeta) -> None:
+    if not count:
+        raise RequestError(f"empty request: PredictRequest.series is empty; send at least one series with its most "
+                           f"recent {meta.bars_required} bars", "series")
+
+
+def _validated(i: int, s: SeriesColumns, meta: ModelMeta) -> SeriesColumns:
+    """Series i, its identity checked, as the model reads it; or the RequestError that says what to fix."""
+    config = meta.feature_config
+    user_columns = config.series_reals
+    _check_shape(i, s, meta)
+    if config.has_user_inputs:
+        _check_covariates(i, s, meta)
+    s.notes = _ignored(s, meta)
+    if s.contracts is not None:
+        s = _front_series(i, s, meta)
+    _check_time_range(i, s, meta)
+    if config.contract_known:
+        _check_known_front(i, s, meta)
+    if not _looks_valid(s, user_columns):
+        _refuse_values(i, s, user_columns)
+    _check_spacing(i, s, meta)
+    return s
 
 
 def _front_series(i: int, s: SeriesColumns, meta: ModelMeta) -> SeriesColumns:
@@ -439,14 +473,14 @@ def _front_series(i: int, s: SeriesColumns, meta: ModelMeta) -> SeriesColumns:
         raise RequestError(f"{label}: contracts sent, but this model was not trained on futures contracts "
                            "(GetModelInfo.roll_rule is empty); send one series' bars without contracts",
                            _field(i, "contracts"))
-    if (k := s.contracts.shape[0]) != len(s):
-        raise RequestError(f"{label}: contracts has {k} names, timestamp_ns has {len(s)} bars; send one contract "
-                           "name per bar (or none: the bars are then one continuous series)", _field(i, "contracts"))
     if problem := foreign_contract(s.contracts, s.root, cfg):
         raise RequestError(f"{label}: {problem}", _field(i, "contracts"))
     user_columns = meta.feature_config.series_reals
-    for name in np.unique(s.contracts).tolist():  # each contract's bars: the bar contract, timestamps increasing
-        own = s.take(np.flatnonzero(s.contracts == name))
+    names, code = np.unique(s.contracts, return_inverse=True)
+    order = np.argsort(code, kind="stable")  # the rows of each contract together, in the order sent
+    bounds = np.searchsorted(code[order], np.arange(names.size + 1))
+    for k, name in enumerate(names.tolist()):  # each contract's bars: the bar contract, timestamps increasing
+        own = s.take(order[bounds[k]:bounds[k + 1]])
         if not _looks_valid(own, user_columns):
             _refuse_values(i, own, user_columns, f"{label}, contract {bounded(name)}")
     try:
@@ -464,7 +498,16 @@ def _front_series(i: int, s: SeriesColumns, meta: ModelMeta) -> SeriesColumns:
 
 
 def parse_request(request: pb.PredictRequest, meta: ModelMeta) -> list[SeriesColumns]:
-    """The request's series as checked numpy columns, trimmed to the bars the model reads."""
-    series = validate_series([columns_from_proto(s, i) for i, s in enumerate(request.series)], meta)
-    config = meta.feature_config
-    return [s.tail(meta.bars_required, config.series_reals, config.series_categoricals) for s in series]
+    """The request's series as checked numpy columns, trimmed to the bars the model reads. Series by series, each
+    within the limits (`serving.limits`) before its arrays are built: the work stops at the first bad one, at the
+    latest one past the model's symbols (each at most once)."""
+    _refuse_empty(len(request.series), meta)
+    config, seen = meta.feature_config, dict[str, int]()
+    out = []
+    for i, wire in enumerate(request.series):
+        check_series_fields(wire, i, meta.horizon)
+        s = columns_from_proto(wire, i)
+        _check_identity(i, s, meta, seen)
+        s = _validated(i, s, meta)
+        out.append(s.tail(meta.bars_required, config.series_reals, config.series_categoricals))
+    return out

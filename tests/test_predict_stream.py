@@ -128,7 +128,8 @@ def wait_metric(s: LiveServer, name: str, value: float) -> None:
 
 
 def test_an_undecodable_message_ends_the_stream_and_the_server_stays_up(art: Model, server: LiveServer) -> None:
-    """gRPC answers bytes that do not parse with its own non-OK status; the server goes on serving."""
+    """Bytes that are not a PredictRequest end the stream INVALID_ARGUMENT, after the answers before them, naming
+    the message type; the server goes on serving."""
     request = request_for(art, art.meta.symbols[0]).SerializeToString()
     raw = server.channel.stream_stream(PREDICT_STREAM, request_serializer=None, response_deserializer=None)
     answers = raw(iter([request, b"\xff\xff\xff\xff"]), timeout=30)
@@ -136,7 +137,14 @@ def test_an_undecodable_message_ends_the_stream_and_the_server_stays_up(art: Mod
     assert first.response.forecasts and not first.HasField("error")
     with pytest.raises(grpc.RpcError) as info:
         next(answers)
-    assert info.value.code() != grpc.StatusCode.OK
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the request's 4 bytes are not a foxhunt.tft.v1.PredictRequest" in (info.value.details() or "")
+    unary = server.channel.unary_unary(PREDICT_STREAM.replace("PredictStream", "Predict"), request_serializer=None,
+                                       response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as info:
+        unary(b"\xff\xff\xff\xff", timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the request's 4 bytes are not a foxhunt.tft.v1.PredictRequest" in (info.value.details() or "")
     assert server.stub.Predict(pb.PredictRequest.FromString(request), timeout=10).forecasts
     assert server.alive()
     assert "Traceback" not in server.log_text()

@@ -115,8 +115,8 @@ CASES: list[tuple[str, Callable[[], pb.PredictRequest], str]] = [
     ("twice", lambda: _req(series("NQ"), series("ES"), series("NQ")), "series[2]: symbol 'NQ' already appears in "
                                                                       "series[0]"),
     ("missing user column", lambda: _req(_without_user()), "series[0] (ES): user feature column(s) 'spread' missing"),
-    ("short user column", lambda: _req(_short_user()), "columns have unequal lengths (timestamp_ns 9, open 9, high 9, "
-                                                       "low 9, close 9, volume 9, spread 8)"),
+    ("short user column", lambda: _req(_short_user()), "series[0] (ES): user_features column 'spread' has 8 values; "
+                                                       "it needs exactly 9 values, one per bar sent"),
     ("inf price", lambda: _req(_with("close", 2, float("inf"))), "series[0] (ES): column 'close', row 2: close is "
                                                                  "infinite"),
     ("NaN volume", lambda: _req(_with("volume", 0, float("nan"))), "column 'volume', row 0: volume is NaN"),

@@ -197,7 +197,7 @@ class Feature(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[FeatureRole, str]] = ..., kind: _Optional[str] = ..., source: _Optional[str] = ..., vocabulary: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("bars_required", "bar_interval_ns", "encoder_length", "horizon", "quantiles", "features", "symbols", "user_feature_columns", "explain_available", "model_version", "checkpoint_sha256", "model_sha256", "model_path", "loaded_at_unix_ns", "precision", "device_requested", "provider", "providers", "fallback_warning", "max_batch", "max_message_bytes", "max_concurrent", "torch_imported", "server_version", "bar_columns", "calendar_tz", "calibration", "contract_pattern", "roll_rule")
+    __slots__ = ("bars_required", "bar_interval_ns", "encoder_length", "horizon", "quantiles", "features", "symbols", "user_feature_columns", "explain_available", "model_version", "checkpoint_sha256", "model_sha256", "model_path", "loaded_at_unix_ns", "precision", "device_requested", "provider", "providers", "fallback_warning", "max_batch", "max_message_bytes", "max_concurrent", "torch_imported", "server_version", "bar_columns", "calendar_tz", "calibration", "contract_pattern", "roll_rule", "max_text_chars", "max_columns")
     class BarColumnsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,8 @@ class ModelInfo(_message.Message):
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_PATTERN_FIELD_NUMBER: _ClassVar[int]
     ROLL_RULE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     bars_required: int
     bar_interval_ns: int
     encoder_length: int
@@ -263,7 +265,9 @@ class ModelInfo(_message.Message):
     calibration: Calibration
     contract_pattern: str
     roll_rule: str
-    def __init__(self, bars_required: _Optional[int] = ..., bar_interval_ns: _Optional[int] = ..., encoder_length: _Optional[int] = ..., horizon: _Optional[int] = ..., quantiles: _Optional[_Iterable[float]] = ..., features: _Optional[_Iterable[_Union[Feature, _Mapping]]] = ..., symbols: _Optional[_Iterable[str]] = ..., user_feature_columns: _Optional[_Iterable[str]] = ..., explain_available: _Optional[bool] = ..., model_version: _Optional[str] = ..., checkpoint_sha256: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., loaded_at_unix_ns: _Optional[int] = ..., precision: _Optional[str] = ..., device_requested: _Optional[str] = ..., provider: _Optional[str] = ..., providers: _Optional[_Iterable[str]] = ..., fallback_warning: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., torch_imported: _Optional[bool] = ..., server_version: _Optional[str] = ..., bar_columns: _Optional[_Mapping[str, str]] = ..., calendar_tz: _Optional[str] = ..., calibration: _Optional[_Union[Calibration, _Mapping]] = ..., contract_pattern: _Optional[str] = ..., roll_rule: _Optional[str] = ...) -> None: ...
+    max_text_chars: int
+    max_columns: int
+    def __init__(self, bars_required: _Optional[int] = ..., bar_interval_ns: _Optional[int] = ..., encoder_length: _Optional[int] = ..., horizon: _Optional[int] = ..., quantiles: _Optional[_Iterable[float]] = ..., features: _Optional[_Iterable[_Union[Feature, _Mapping]]] = ..., symbols: _Optional[_Iterable[str]] = ..., user_feature_columns: _Optional[_Iterable[str]] = ..., explain_available: _Optional[bool] = ..., model_version: _Optional[str] = ..., checkpoint_sha256: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., loaded_at_unix_ns: _Optional[int] = ..., precision: _Optional[str] = ..., device_requested: _Optional[str] = ..., provider: _Optional[str] = ..., providers: _Optional[_Iterable[str]] = ..., fallback_warning: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., torch_imported: _Optional[bool] = ..., server_version: _Optional[str] = ..., bar_columns: _Optional[_Mapping[str, str]] = ..., calendar_tz: _Optional[str] = ..., calibration: _Optional[_Union[Calibration, _Mapping]] = ..., contract_pattern: _Optional[str] = ..., roll_rule: _Optional[str] = ..., max_text_chars: _Optional[int] = ..., max_columns: _Optional[int] = ...) -> None: ...
 
 class Calibration(_message.Message):
     __slots__ = ("method", "validation_windows", "offsets", "coverage_before", "coverage_after", "interval_coverage_before", "interval_coverage_after")

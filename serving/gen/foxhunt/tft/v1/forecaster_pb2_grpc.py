@@ -70,7 +70,7 @@ class ForecasterServicer:
         its request's request_id. A request that fails gets its error in its answer and the stream
         goes on. The stream ends with UNAVAILABLE when the server shuts down or the stream reaches
         the server's --max-connection-age, after the answers to the requests it has read: open a new
-        one and resend what was not answered. An undecodable message ends it with INVALID_ARGUMENT,
+        one and resend what was not answered. A message that is not a PredictRequest ends it with INVALID_ARGUMENT,
         and a message over the size limit with RESOURCE_EXHAUSTED (gRPC refuses it before the server
         sees it); an answer that would be over the limit is that request's error, and the stream goes on.
         Each request counts against the server's limit of concurrent calls until its answer is sent.
