@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,16 +69,24 @@ class ContractConfig:
         if self.volume not in ("front", "root"):
             raise ValueError(f"--volume {self.volume}: expected front or root")
 
+    @functools.cached_property
+    def _root_map(self) -> dict[str, str]:
+        return dict(self.roots)
+
+    @functools.cached_property
+    def _expiration_map(self) -> dict[str, str]:
+        return dict(self.expirations)
+
     def root_of(self, contract: str) -> str | None:
         """The contract's root: from the mapping file, else the CME-style pattern; None when neither maps it."""
-        mapped = dict(self.roots).get(contract)
+        mapped = self._root_map.get(contract)
         if mapped is not None:
             return mapped
         parsed = parse_contract(contract)
         return parsed[0] if parsed is not None else None
 
     def expiration(self, contract: str) -> np.datetime64 | None:
-        day = dict(self.expirations).get(contract)
+        day = self._expiration_map.get(contract)
         return np.datetime64(day, "D") if day is not None else None
 
     def describe(self) -> str:

@@ -54,25 +54,27 @@ def sessions(timestamp_ns: np.ndarray, tz: str) -> np.ndarray:
     return (ts + utc_offset_ns(ts, tz)) // NS_PER_DAY
 
 
-def front_rows(timestamp_ns: np.ndarray, contract: np.ndarray, open_: np.ndarray, close: np.ndarray,
+def contract_codes(contract: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """The distinct names of `contract` (object or str [n]) in order of first appearance, and each row's index into
+    them (int64 [n]): one pass over a dict, no sort of the rows' strings."""
+    rows = contract.tolist()
+    index = {name: k for k, name in enumerate(dict.fromkeys(rows))}
+    return list(index), np.fromiter(map(index.__getitem__, rows), np.int64, len(rows))
+
+
+def front_rows(timestamp_ns: np.ndarray, code: np.ndarray, names: list[str], open_: np.ndarray, close: np.ndarray,
                volume: np.ndarray, cfg: ContractConfig, tz: str, root: str) -> Front:
-    """The continuous series of one root's rows (any contracts, any order; [n] each) by `cfg`'s roll rule.
-    ValueError (one line) for input the rule cannot take."""
-    names, code = np.unique(np.asarray(contract).astype(str), return_inverse=True)
-    return _front(np.asarray(timestamp_ns, dtype=np.int64), code.reshape(-1), [str(n) for n in names], open_, close,
-                  volume, cfg, tz, root)
-
-
-def _front(timestamp_ns: np.ndarray, code: np.ndarray, names: list[str], open_: np.ndarray, close: np.ndarray,
-           volume: np.ndarray, cfg: ContractConfig, tz: str, root: str) -> Front:
-    """front_rows with each row's contract as an index into `names` (int64 [n])."""
+    """The continuous series of one root's rows (any contracts, any order; [n] each, each row's contract an index
+    into `names`, as `contract_codes` gives) by `cfg`'s roll rule. ValueError (one line) for input the rule
+    cannot take."""
     order = np.lexsort((code, timestamp_ns))
     ts, code = timestamp_ns[order], code[order]
     if cfg.roll == "none":
         chosen = _continuous_as_given(ts, code, names, root)
     else:
         contracts = _ordered_contracts(ts, code, names, cfg, root)
-        col = np.array([contracts.index(n) if n in contracts else -1 for n in names], dtype=np.int64)[code]
+        place = {name: k for k, name in enumerate(contracts)}
+        col = np.array([place.get(n, -1) for n in names], dtype=np.int64)[code]
         days, s_of = np.unique(sessions(ts, tz), return_inverse=True)
         front = _volume_fronts(s_of, col, np.asarray(volume, np.float64)[order], len(days), len(contracts)) \
             if cfg.roll == "volume" else _calendar_fronts(days, s_of, col, contracts, cfg, root)
@@ -202,7 +204,7 @@ def continuous(bars: Bars, config: FeatureConfig) -> tuple[Bars, list[Roll]]:
         mine = np.flatnonzero(np.array(root_of) == r)  # the root's contracts, ascending
         rows = np.flatnonzero(np.isin(code, mine))
         local = np.searchsorted(mine, code[rows])  # [n] index into the root's names
-        f = _front(bars.timestamp_ns[rows].astype(np.int64), local, [names[c] for c in mine], bars.open[rows],
+        f = front_rows(bars.timestamp_ns[rows].astype(np.int64), local, [names[c] for c in mine], bars.open[rows],
                    bars.close[rows], bars.volume[rows], cfg, config.calendar_tz, r)
         parts.append(rows[f.rows])
         offsets.append(f.log_offset)

@@ -3,8 +3,6 @@ to say when it belongs to none. The roll itself is `features.rolls.front_rows`, 
 
 from __future__ import annotations
 
-import numpy as np
-
 from features.contracts import CONTRACT_PATTERN, ContractConfig
 from features.model_meta import ModelMeta
 from features.text import bounded
@@ -31,12 +29,12 @@ def unknown_symbol(name: str, meta: ModelMeta) -> str:
             f"contract of one ({naming(cfg)})")
 
 
-def foreign_contract(names: np.ndarray, root: str, cfg: ContractConfig) -> str | None:
-    """What is wrong with per-bar contract names (str [n]) of a series of `root`: a name of another root, or of
+def foreign_contract(names: list[str], root: str, cfg: ContractConfig) -> str | None:
+    """What is wrong with the contract names of a series of `root` (each once): a name of another root, or of
     none; None when every name is one of root's contracts (any name, when roots come from a bars column)."""
     if cfg.root_column:
         return None
-    for name in np.unique(names).tolist():
+    for name in names:
         other = cfg.root_of(name)
         if other != root:
             whose = f"a contract of root {other}, not {root}" if other is not None else \

@@ -27,7 +27,7 @@ from features.bars import (
 )
 from features.compute import COARSE_INTERVALS, NS_PER_DAY, future_timestamps
 from features.model_meta import ModelMeta
-from features.rolls import contract_known, front_rows
+from features.rolls import contract_codes, contract_known, front_rows
 from features.text import bounded, listed
 from serving.contracts import foreign_contract, unknown_symbol
 from serving.errors import MAX_PROBLEMS, RequestError
@@ -363,18 +363,22 @@ def _span(ns: int) -> str:
     return f"{ns} ns"
 
 
-def _looks_valid(s: SeriesColumns, user_columns: Sequence[str]) -> bool:
+def _looks_valid(s: SeriesColumns, user_columns: Sequence[str], starts: np.ndarray | None = None) -> bool:
     """Every rule of `features.bars.validate` holds, in fewer passes: low <= min(open, close), max(open, close)
-    <= high, low > 0 and high <= 2^53 cover the price rules; NaN fails a comparison."""
+    <= high, low > 0 and high <= 2^53 cover the price rules; NaN fails a comparison. `starts` (int [k]): rows that
+    begin another contract's bars, where the rules between a bar and the one before do not apply."""
     o, h, lo, c, v = s.open, s.high, s.low, s.close, s.volume
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         ok = bool((lo > 0).all() and (h <= EXACT_INT).all() and (np.minimum(o, c) >= lo).all()
                   and (np.maximum(o, c) <= h).all() and (v >= 0).all() and (v <= EXACT_INT).all())
+        pairs = np.ones(max(len(s) - 1, 0), dtype=bool)  # [n - 1]: bar j + 1 against bar j
+        if starts is not None:
+            pairs[starts - 1] = False
         if ok:  # prices positive and finite: no close a hundredfold off the one before (a change of units)
             ratio = c[1:] / c[:-1]
-            ok = bool(((ratio < MAX_BAR_PRICE_RATIO) & (ratio > 1 / MAX_BAR_PRICE_RATIO)).all())
+            ok = bool((((ratio < MAX_BAR_PRICE_RATIO) & (ratio > 1 / MAX_BAR_PRICE_RATIO)) | ~pairs).all())
         ts = s.timestamp_ns
-        ok = ok and bool((ts[1:] > ts[:-1]).all())  # compared, not differenced: a difference can overflow
+        ok = ok and bool(((ts[1:] > ts[:-1]) | ~pairs).all())  # compared, not differenced: a difference can overflow
         if not ok or not user_columns:
             return ok
         return bool((np.abs(s.user_matrix(user_columns)) <= F32_MAX).all())  # finite, and within float32's range
@@ -473,18 +477,12 @@ def _front_series(i: int, s: SeriesColumns, meta: ModelMeta) -> SeriesColumns:
         raise RequestError(f"{label}: contracts sent, but this model was not trained on futures contracts "
                            "(GetModelInfo.roll_rule is empty); send one series' bars without contracts",
                            _field(i, "contracts"))
-    if problem := foreign_contract(s.contracts, s.root, cfg):
+    names, code = contract_codes(s.contracts)
+    if problem := foreign_contract(names, s.root, cfg):
         raise RequestError(f"{label}: {problem}", _field(i, "contracts"))
-    user_columns = meta.feature_config.series_reals
-    names, code = np.unique(s.contracts, return_inverse=True)
-    order = np.argsort(code, kind="stable")  # the rows of each contract together, in the order sent
-    bounds = np.searchsorted(code[order], np.arange(names.size + 1))
-    for k, name in enumerate(names.tolist()):  # each contract's bars: the bar contract, timestamps increasing
-        own = s.take(order[bounds[k]:bounds[k + 1]])
-        if not _looks_valid(own, user_columns):
-            _refuse_values(i, own, user_columns, f"{label}, contract {bounded(name)}")
+    _check_each_contract(i, s, names, code, meta)
     try:
-        front = front_rows(s.timestamp_ns, s.contracts, s.open, s.close, s.volume, cfg,
+        front = front_rows(s.timestamp_ns, code, names, s.open, s.close, s.volume, cfg,
                            meta.feature_config.calendar_tz, s.root)
     except ValueError as exc:
         raise RequestError(f"{label}: {exc}", _field(i, "contracts")) from None
@@ -495,6 +493,21 @@ def _front_series(i: int, s: SeriesColumns, meta: ModelMeta) -> SeriesColumns:
                            f"contract's), the model needs at least {meta.bars_required}; send more of the front "
                            "contract's bars (GetModelInfo.bars_required, roll_rule)", _field(i, "timestamp_ns"))
     return rolled
+
+
+def _check_each_contract(i: int, s: SeriesColumns, names: list[str], code: np.ndarray, meta: ModelMeta) -> None:
+    """Each contract's bars keep the bar contract, timestamps increasing: checked at once on the bars grouped by
+    contract (in the order sent), then contract by contract only to name the one at fault."""
+    user_columns = meta.feature_config.series_reals
+    order = np.argsort(code, kind="stable")
+    grouped, sorted_code = s.take(order), code[order]
+    if _looks_valid(grouped, user_columns, starts=np.flatnonzero(sorted_code[1:] != sorted_code[:-1]) + 1):
+        return
+    bounds = np.searchsorted(sorted_code, np.arange(len(names) + 1))
+    for k, name in enumerate(names):
+        own = grouped.take(np.arange(bounds[k], bounds[k + 1]))
+        if not _looks_valid(own, user_columns):
+            _refuse_values(i, own, user_columns, f"{_label(i, s.symbol)}, contract {bounded(name)}")
 
 
 def parse_request(request: pb.PredictRequest, meta: ModelMeta) -> list[SeriesColumns]:
