@@ -121,8 +121,9 @@ def _ordered_contracts(ts: np.ndarray, code: np.ndarray, names: list[str], cfg: 
 
 def _volume_fronts(s_of: np.ndarray, col: np.ndarray, volume: np.ndarray, n_sessions: int,
                    n_contracts: int) -> np.ndarray:
-    """The front contract of each session, int64 [S]: the previous session's volume leader among later contracts
-    takes over once it outvolumes the front; never back."""
+    """The front contract of each session, int64 [S]: the next contract in expiry order takes over from the session
+    after the first one it outvolumes the front (one step at a time: a deferred month's one-session spike moves
+    nothing); never back. A front that has stopped trading gives way to the next contract that trades."""
     vol = np.zeros((n_sessions, n_contracts))  # [S, C]
     np.add.at(vol, (s_of, col), volume)
     traded = np.zeros((n_sessions, n_contracts), dtype=bool)
@@ -132,9 +133,8 @@ def _volume_fronts(s_of: np.ndarray, col: np.ndarray, volume: np.ndarray, n_sess
     f = int(np.argmax(vol[0]))
     for s in range(n_sessions):
         if s > 0:
-            later = vol[s - 1, f + 1:]
-            if later.size and later.max() > vol[s - 1, f]:
-                f = f + 1 + int(np.argmax(later))
+            if f + 1 < n_contracts and vol[s - 1, f + 1] > vol[s - 1, f]:
+                f += 1
             elif last[f] < s:  # the front has stopped trading: the next contract that trades this session
                 nxt = np.flatnonzero(traded[s, f + 1:])
                 f = f + 1 + int(nxt[0]) if nxt.size else f

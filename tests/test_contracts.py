@@ -125,6 +125,20 @@ def test_the_volume_rule_never_rolls_back(tmp_path: Path) -> None:
     assert set(bars.contract[bars.timestamp_ns >= session_start(6)]) == {"ESM5"}
 
 
+def test_a_deferred_months_volume_spike_moves_the_front_nowhere(tmp_path: Path) -> None:
+    """ESU5 (two months out) outvolumes the front ESH5 for one session, 2, before ESM5 does in session 4: the front
+    stays ESH5 until the next contract, ESM5, outvolumes it, and moves to ESU5 only once ESU5 outvolumes ESM5."""
+    ts, p = underlying()
+    h = contract_rows("ESH5", ts, p, 1.0, range(0, 7), {d: 1000.0 if d < 5 else 10.0 for d in range(10)})
+    m = contract_rows("ESM5", ts, p, 1.0 + GAP, range(0, 10), {d: 50.0 if d < 4 else 2000.0 for d in range(10)})
+    u = contract_rows("ESU5", ts, p, (1.0 + GAP) ** 2, range(0, 10),
+                      {d: 5000.0 if d in (2, 8) else 1.0 for d in range(10)})
+    bars, found, _ = stitched(write(tmp_path / "spike.parquet", [h, m, u]))
+    assert [(r.old, r.new, r.timestamp_ns) for r in found] == [("ESH5", "ESM5", session_start(5)),
+                                                                ("ESM5", "ESU5", session_start(9))]
+    assert bars.contract is not None and set(bars.contract[bars.timestamp_ns < session_start(5)]) == {"ESH5"}
+
+
 def test_ratio_adjustment_moves_prices_not_features(tmp_path: Path) -> None:
     path, _, _ = two_contracts(tmp_path / "es.parquet")
     own, _, config = stitched(path)
