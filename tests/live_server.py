@@ -1,9 +1,11 @@
-"""Shared by the serving, reliability, fuzz and security tests: one tiny real model per session and a
+"""Shared by the serving, reliability, fuzz and security tests: real models, built once per test session, and a
 real `python -m serving` subprocess on 127.0.0.1:0.
 
-The model is made by the real trainer and exporter (tests.artifacts) once per test session
-(`tiny_model` is session-scoped; import it into a test module to use it). A LiveServer
-prints `listening on HOST:PORT`, logs to a file the tests read, and is killed in `finally`.
+Each model is made by the real trainer and exporter (tests.artifacts): `tiny_model` (bars only),
+`covariates_model` (every kind of user input: observed, known, static, categorical) and `contracts_model` (trained
+on per-contract futures bars). The fixtures are session-scoped; import one into a test module to use it. The
+build_* functions make the same models outside pytest (the benchmarks). A LiveServer prints
+`listening on HOST:PORT`, logs to a file the tests read, and is killed in `finally`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar, cast
 
 import grpc
+import numpy as np
 import onnxruntime as ort
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -29,7 +35,9 @@ from features.model_meta import ModelMeta
 from serving.client import series_from_bars
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
-from tests.artifacts import REPO, make_checkpoint, make_onnx
+from serving.wire import make_series
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, make_checkpoint, make_onnx, run
+from tests.futures_bars import ES_LEGS, LIVE_PER_DAY, NQ_LEGS, contract_rows, write_training_bars
 
 SERVICE = "foxhunt.tft.v1.Forecaster"
 
@@ -42,22 +50,142 @@ class Model:
     bars: Bars
 
 
-_BUILT: dict[Path, Model] = {}  # one model per session: each module that imports the fixture gets its own copy
-# of it (pytest keys fixtures by where they are used), so the build is memoised here, keyed by the session's root
+@dataclass
+class CovariatesModel:
+    """A model with every kind of user input (LIVE_FLAGS over the columns of `_add_user_columns`); `bars` holds
+    its real and label columns."""
+
+    model: Path
+    meta: ModelMeta
+    bars: Bars
+
+
+@dataclass
+class ContractsModel:
+    """A model trained on ESH5, ESM5, NQH5 and NQM5 bars; `es` and `nq` are every contract's rows (ES's after the
+    training sessions too: ESU5 is a contract the model never saw)."""
+
+    model: Path
+    meta: ModelMeta
+    es: dict[str, np.ndarray]
+    nq: dict[str, np.ndarray]
+
+
+def _meta(model: Path) -> ModelMeta:
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    return ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
+
+
+def build_tiny_model(work: Path, reuse: bool = False) -> Model:
+    """bars.parquet, a tiny trained checkpoint and its exported model.onnx in `work` (real commands, ~40 s; with
+    `reuse`, those of an earlier build in `work` when it finished)."""
+    model = work / "model.onnx"
+    if not (reuse and model.exists()):
+        make_onnx(make_checkpoint(work), model, ("--threads", "1"))
+    return Model(work / "bars.parquet", model, _meta(model), read_bars(work / "bars.parquet"))
+
+
+LIVE_FLAGS = ("--features", "regime", "--known-features", "event,session", "--static-features", "scale,exchange",
+              "--categorical-features", "regime,session,exchange")
+
+
+def _add_user_columns(path: Path) -> None:
+    """Over the bars file: an event flag every 30 bars and a session label by time of day (known), a scale and an
+    exchange per symbol (static), a regime label every 100 bars (observed)."""
+    t = pq.read_table(path)
+    symbol = np.asarray(t.column("symbol").to_pylist())
+    row = np.concatenate([np.arange(k) for k in np.unique(symbol, return_counts=True)[1]])
+    t = t.append_column("event", pa.array((row % 30 == 0).astype(np.float64)))
+    t = t.append_column("session", pa.array(np.where(row % 390 < 200, "open", "close")))
+    t = t.append_column("scale", pa.array(np.where(symbol == "ES", 1.0, 2.5)))
+    t = t.append_column("exchange", pa.array(np.where(symbol == "ES", "CME", "CBOT")))
+    t = t.append_column("regime", pa.array(np.where(row // 100 % 2 == 0, "calm", "busy")))
+    pq.write_table(t, path)
+
+
+def build_covariates_model(work: Path, reuse: bool = False) -> CovariatesModel:
+    """A tiny model trained and exported with every kind of user input by the real commands (with a Triton
+    repository beside it, `work`/triton; `reuse` as build_tiny_model)."""
+    bars_path, model = work / "bars.parquet", work / "model.onnx"
+    if not (reuse and model.exists()):
+        make_bars(bars_path, bars=1200)
+        _add_user_columns(bars_path)
+        ckpt = work / "ckpt.pt"
+        r = run(["-m", "trainer", "--parquet", str(bars_path), "--out", str(ckpt), *TINY_TRAIN_FLAGS, *LIVE_FLAGS])
+        assert r.returncode == 0, r.stderr[-4000:]
+        make_onnx(ckpt, model, ("--threads", "1", "--triton-repo", str(work / "triton")))
+    meta = _meta(model)
+    fc = meta.feature_config
+    return CovariatesModel(model, meta, read_bars(bars_path, None, fc.real_columns,
+                                                  label_columns=fc.categorical_columns))
+
+
+def build_contracts_model(work: Path, reuse: bool = False) -> ContractsModel:
+    """A tiny model trained on ESH5, ESM5, NQH5 and NQM5 bars (Databento-like columns) and exported by the real
+    commands (`reuse` as build_tiny_model)."""
+    es = contract_rows(ES_LEGS, LIVE_PER_DAY, seed=1, base=5000.0)
+    nq = contract_rows(NQ_LEGS, LIVE_PER_DAY, seed=2, base=18000.0)
+    model = work / "model.onnx"
+    if not (reuse and model.exists()):
+        write_training_bars(work / "bars.parquet", es, nq)
+        ckpt = work / "ckpt.pt"
+        r = run(["-m", "trainer", "--parquet", str(work / "bars.parquet"), "--time-col", "ts_event", "--out",
+                 str(ckpt), *TINY_TRAIN_FLAGS])
+        assert r.returncode == 0, r.stderr[-4000:]
+        make_onnx(ckpt, model, ("--threads", "1"))
+    return ContractsModel(model, _meta(model), es, nq)
+
+
+T = TypeVar("T")
+_BUILT: dict[tuple[str, Path], object] = {}  # one model of each kind per session: each module that imports a
+# fixture gets its own copy of it (pytest keys fixtures by where they are used), so the build is memoised here,
+# keyed by its name and the session's root
+
+
+def _once(name: str, factory: pytest.TempPathFactory, build: Callable[[Path], T]) -> T:
+    key = (name, factory.getbasetemp())
+    if key not in _BUILT:
+        _BUILT[key] = build(factory.mktemp(name))
+    return cast(T, _BUILT[key])
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Model:
     """bars.parquet, a tiny trained checkpoint and its exported model.onnx (real commands, ~40 s, once)."""
-    root = tmp_path_factory.getbasetemp()
-    if root not in _BUILT:
-        work = tmp_path_factory.mktemp("live_model")
-        ckpt = make_checkpoint(work)
-        model = make_onnx(ckpt, work / "model.onnx", ("--threads", "1"))
-        session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-        meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
-        _BUILT[root] = Model(work / "bars.parquet", model, meta, read_bars(work / "bars.parquet"))
-    return _BUILT[root]
+    return _once("live_model", tmp_path_factory, build_tiny_model)
+
+
+@pytest.fixture(scope="session")
+def covariates_model(tmp_path_factory: pytest.TempPathFactory) -> CovariatesModel:
+    """The model with every kind of user input (real commands, once)."""
+    return _once("covariates_model", tmp_path_factory, build_covariates_model)
+
+
+@pytest.fixture(scope="session")
+def contracts_model(tmp_path_factory: pytest.TempPathFactory) -> ContractsModel:
+    """The model trained on per-contract futures bars (real commands, once)."""
+    return _once("contracts_model", tmp_path_factory, build_contracts_model)
+
+
+def covariates_series(meta: ModelMeta, bars: Bars, anchor: int, n: int | None = None,
+                      **override: object) -> pb.Series:
+    """The request of a covariates model for the window at row `anchor` of `bars` (its last `n`, default
+    bars_required, bars), every value from the bars; `override` replaces one of make_series' arguments."""
+    fc, h = meta.feature_config, meta.horizon
+    n = n or meta.bars_required
+    b = bars
+    past, future = slice(anchor - n + 1, anchor + 1), slice(anchor + 1, anchor + 1 + h)
+    known_labels = [c for c in fc.known_columns if c in fc.categorical_columns]
+    args: dict[str, object] = {
+        "user": {c: b.user[c][past] for c in fc.series_reals},
+        "labels": {c: b.labels[c][past] for c in fc.series_categoricals},
+        "future": {c: b.user[c][future] for c in fc.known_columns if c not in known_labels},
+        "future_labels": {c: b.labels[c][future] for c in known_labels},
+        "static": {c: b.labels[c][anchor] if c in fc.categorical_columns else float(b.user[c][anchor])
+                   for c in fc.static_columns},
+    } | override
+    return make_series(str(b.symbol[anchor]), b.timestamp_ns[past], b.open[past], b.high[past], b.low[past],
+                       b.close[past], b.volume[past], **args)  # type: ignore[arg-type]
 
 
 def request_for(m: Model, symbol: str, end: int | None = None, n: int | None = None,
@@ -73,16 +201,18 @@ def request_for(m: Model, symbol: str, end: int | None = None, n: int | None = N
 
 class LiveServer:
     """`python -m serving --port 0 --device cpu --threads 1 FLAGS` with stderr in `log` (`new_session`: the server
-    leads a process group of its own, as a command started from a terminal does)."""
+    leads a process group of its own, as a command started from a terminal does; `code`: the checkout whose
+    `serving` package runs, this one by default)."""
 
-    def __init__(self, model: Path, log: Path, *flags: str, host: str = "127.0.0.1", new_session: bool = False) -> None:
+    def __init__(self, model: Path, log: Path, *flags: str, host: str = "127.0.0.1", new_session: bool = False,
+                 code: Path = REPO) -> None:
         self.log = log
         cmd = [sys.executable, "-m", "serving", "--model", str(model), "--port", "0", "--device", "cpu", "--threads",
                "1", *flags]
         if host != "127.0.0.1":
             cmd += ["--host", host]
         with open(log, "w") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
+            self.proc = subprocess.Popen(cmd, cwd=code, stdout=subprocess.PIPE, stderr=err, text=True,
                                          start_new_session=new_session)
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, args=(lines,), daemon=True).start()

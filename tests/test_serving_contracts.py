@@ -11,13 +11,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import onnxruntime as ort
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from features.bars import Bars
-from features.compute import NS_PER_DAY, FeatureConfig, build_frame
+from features.compute import FeatureConfig, build_frame
 from features.contracts import CONTRACT_PATTERN, ContractConfig
 from features.model_meta import ModelMeta
 from features.rolls import continuous
@@ -29,74 +26,8 @@ from serving.preprocess import prepare
 from serving.servicer import Limits, model_info
 from serving.validation import parse_request
 from serving.wire import forecast_arrays, make_series
-from tests.artifacts import TINY_TRAIN_FLAGS, make_onnx, run
-from tests.live_server import LiveServer, serving
-
-MINUTE = 60_000_000_000
-MONDAY = int(np.datetime64("2025-03-03", "ns").astype(np.int64))
-GAP = 0.03  # each contract 3% over the one before
-
-
-@dataclass(frozen=True)
-class Leg:
-    """One contract's trading: sessions [first, last], heavy volume in sessions [heavy_from, heavy_to)."""
-
-    name: str
-    first: int
-    last: int
-    heavy_from: int
-    heavy_to: int
-
-
-ES_LEGS = (Leg("ESH5", 0, 11, 0, 10), Leg("ESM5", 8, 31, 10, 28), Leg("ESU5", 26, 31, 28, 32))
-NQ_LEGS = (Leg("NQH5", 0, 11, 0, 10), Leg("NQM5", 8, 19, 10, 20))
-ROLL_SESSION = 29  # ESU5 outvolumes ESM5 in session 28: the front from session 29's first bar
-
-
-def session_start(s: int) -> int:
-    """UTC ns of weekday session s's first bar (14:00 UTC), sessions counted from Monday 2025-03-03."""
-    return MONDAY + (s // 5 * 7 + s % 5) * NS_PER_DAY + 14 * 3_600_000_000_000
-
-
-def contract_rows(legs: tuple[Leg, ...], per_day: int, seed: int, base: float) -> dict[str, np.ndarray]:
-    """Per-contract one-minute bars of one root, time order (contracts of one timestamp by name): one price path,
-    contract k priced (1 + GAP)^k over it, volume heavy in each contract's front sessions."""
-    rng = np.random.default_rng(seed)
-    sessions = max(leg.last for leg in legs) + 1
-    ts = np.concatenate([session_start(s) + MINUTE * np.arange(per_day) for s in range(sessions)])  # [S * per_day]
-    path = base * np.exp(np.cumsum(rng.normal(0, 1e-3, ts.size)))
-    rows: dict[str, list[object]] = {k: [] for k in ("ts_event", "symbol", "open", "high", "low", "close", "volume")}
-    for j in range(ts.size):
-        s = j // per_day
-        for k, leg in enumerate(legs):
-            if not leg.first <= s <= leg.last:
-                continue
-            c, o = path[j] * (1 + GAP) ** k, path[max(j - 1, 0)] * (1 + GAP) ** k
-            heavy = leg.heavy_from <= s < leg.heavy_to
-            for key, value in zip(rows, (ts[j], leg.name, o, max(o, c) * 1.0005, min(o, c) * 0.9995, c,
-                                         rng.uniform(0.5, 1.5) * (2000 if heavy else 100)), strict=True):
-                rows[key].append(value)
-    return {k: np.array(v, dtype=object if k == "symbol" else None) for k, v in rows.items()}
-
-
-def as_bars(rows: dict[str, np.ndarray], keep: np.ndarray | None = None) -> Bars:
-    """The rows (those of `keep`, a mask or indices) as Bars with the contract names as symbols."""
-    k = slice(None) if keep is None else keep
-    o, h, lo, c, v = (rows[name][k].astype(np.float64) for name in ("open", "high", "low", "close", "volume"))
-    return Bars(rows["ts_event"][k].astype(np.int64), rows["symbol"][k], o, h, lo, c, v)
-
-
-def request_series(symbol: str, bars: Bars, contracts: bool) -> pb.Series:
-    return make_series(symbol, bars.timestamp_ns, bars.open, bars.high, bars.low, bars.close, bars.volume,
-                       contracts=bars.symbol if contracts else None)
-
-
-def window_rows(rows: dict[str, np.ndarray], per_day: int, last_bar: int) -> np.ndarray:
-    """Rows of sessions ROLL_SESSION - 2 .. ROLL_SESSION, up to bar `last_bar` of the roll session: enough sessions
-    before the roll for the volume rule to pick the fronts training picked."""
-    ts = rows["ts_event"].astype(np.int64)
-    return np.flatnonzero((ts >= session_start(ROLL_SESSION - 2))
-                          & (ts <= session_start(ROLL_SESSION) + last_bar * MINUTE))
+from tests.futures_bars import ES_LEGS, LIVE_PER_DAY, MINUTE, as_bars, contract_rows, request_series, window_rows
+from tests.live_server import ContractsModel, LiveServer, contracts_model, serving  # noqa: F401  (fixture)
 
 
 def adjusted(bars: Bars, fc: FeatureConfig) -> Bars:
@@ -243,10 +174,6 @@ def test_make_series_sends_one_contract_per_bar() -> None:
 
 
 # ---- a real model and server ----------------------------------------------------------------------------------
-LIVE_PER_DAY = 60
-TRAIN_SESSIONS = 20  # sessions 0..19: ESH5 -> ESM5 and NQH5 -> NQM5; ESU5 trades from session 26
-
-
 @dataclass
 class Live:
     model: Path
@@ -255,31 +182,12 @@ class Live:
     server: LiveServer
 
 
-def _write_training_bars(path: Path, es: dict[str, np.ndarray]) -> None:
-    """ES's and NQ's per-contract bars of the training sessions, Databento-like columns (ts_event, symbol)."""
-    nq = contract_rows(NQ_LEGS, LIVE_PER_DAY, seed=2, base=18000.0)
-    early = es["ts_event"].astype(np.int64) < session_start(TRAIN_SESSIONS)
-    rows = {k: np.concatenate([es[k][early], nq[k]]) for k in es}
-    pq.write_table(pa.table({
-        "ts_event": pa.array(rows["ts_event"].astype(np.int64)).cast(pa.timestamp("ns", tz="UTC")),
-        **{k: pa.array(rows[k].tolist()) for k in ("symbol", "open", "high", "low", "close", "volume")}}), path)
-
-
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    """A tiny model trained on ESH5, ESM5, NQH5 and NQM5 bars and exported by the real commands, served."""
-    work = tmp_path_factory.mktemp("serving_contracts")
-    es = contract_rows(ES_LEGS, LIVE_PER_DAY, seed=1, base=5000.0)
-    _write_training_bars(work / "bars.parquet", es)
-    ckpt = work / "ckpt.pt"
-    r = run(["-m", "trainer", "--parquet", str(work / "bars.parquet"), "--time-col", "ts_event", "--out", str(ckpt),
-             *TINY_TRAIN_FLAGS])
-    assert r.returncode == 0, r.stderr[-4000:]
-    model = make_onnx(ckpt, work / "model.onnx", ("--threads", "1"))
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
-    for server in serving(model, work / "server.log"):
-        yield Live(model, meta, es, server)
+def live(contracts_model: ContractsModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:  # noqa: F811
+    """The shared model trained on ESH5, ESM5, NQH5 and NQM5 bars (tests.live_server), served."""
+    m = contracts_model
+    for server in serving(m.model, tmp_path_factory.mktemp("serving_contracts") / "server.log"):
+        yield Live(m.model, m.meta, m.es, server)
 
 
 def _predict(s: Live, series: pb.Series) -> pb.Forecast:

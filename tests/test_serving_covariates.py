@@ -10,11 +10,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import onnxruntime as ort
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from features.bars import Bars, read_bars
+from features.bars import Bars
 from features.compute import FeatureConfig, FeatureFrame, build_frame
 from features.model_meta import ModelMeta
 from features.schema import (
@@ -35,8 +33,7 @@ from serving.preprocess import prepare
 from serving.servicer import features_info
 from serving.validation import parse_request
 from serving.wire import forecast_arrays, make_series
-from tests.artifacts import TINY_TRAIN_FLAGS, make_bars, make_onnx, run
-from tests.live_server import LiveServer, serving
+from tests.live_server import CovariatesModel, LiveServer, covariates_model, covariates_series, serving  # noqa: F401  (fixture)
 from tests.test_serving_units import META as PLAIN_META
 
 H, L, INTERVAL = 3, 4, 60_000_000_000
@@ -208,17 +205,22 @@ def test_a_missing_or_miscounted_value_names_the_column_and_the_count(
     assert [f for f, _ in info.value.violations] == [field]
 
 
-def test_a_model_without_user_covariates_ignores_the_new_fields() -> None:
-    """Old clients keep working, and the new fields sent to a model without such features change nothing."""
+def test_a_model_without_user_covariates_serves_the_new_fields_ignored_with_a_warning() -> None:
+    """Old clients keep working; the new fields sent to a model without such features change no input, and each
+    field's columns are named in the forecast's warnings."""
     from tests.test_serving_units import series as plain_series
 
     s = plain_series()
     before = prepare(parse_request(pb.PredictRequest(series=[s]), PLAIN_META), PLAIN_META)
-    s.future_features.add(name="event", values=[1.0] * 7)
-    s.categorical_features.add(name="regime", values=["x"])
+    s.future_features.add(name="event", values=[1.0] * PLAIN_META.horizon)
+    s.categorical_features.add(name="regime", values=["x"] * len(s.timestamp_ns))
     s.static_features["scale"] = 2.0
     after = prepare(parse_request(pb.PredictRequest(series=[s]), PLAIN_META), PLAIN_META)
-    assert set(after.inputs) == set(MODEL_INPUTS) and after.notes == [()]
+    assert set(after.inputs) == set(MODEL_INPUTS)
+    assert after.notes == [tuple(f"{field} column(s) {name!r} not read by this model, ignored (GetModelInfo.features "
+                                 "lists the columns it reads)" for field, name in (
+                                     ("future_features", "event"), ("categorical_features", "regime"),
+                                     ("static_features", "scale")))]
     for name, value in before.inputs.items():
         np.testing.assert_array_equal(after.inputs[name], value)
 
@@ -271,10 +273,6 @@ def test_model_info_lists_each_feature_with_its_role_and_vocabulary() -> None:
 
 
 # ---- a real model and server ----------------------------------------------------------------------------------
-LIVE_FLAGS = ("--features", "regime", "--known-features", "event,session", "--static-features", "scale,exchange",
-              "--categorical-features", "regime,session,exchange")
-
-
 @dataclass
 class Live:
     model: Path
@@ -284,37 +282,13 @@ class Live:
     server: LiveServer
 
 
-def _add_user_columns(path: Path) -> None:
-    """Over the bars file: an event flag every 30 bars and a session label by time of day (known), a scale and an
-    exchange per symbol (static), a regime label every 100 bars (observed)."""
-    t = pq.read_table(path)
-    symbol = np.asarray(t.column("symbol").to_pylist())
-    row = np.concatenate([np.arange(k) for k in np.unique(symbol, return_counts=True)[1]])
-    t = t.append_column("event", pa.array((row % 30 == 0).astype(np.float64)))
-    t = t.append_column("session", pa.array(np.where(row % 390 < 200, "open", "close")))
-    t = t.append_column("scale", pa.array(np.where(symbol == "ES", 1.0, 2.5)))
-    t = t.append_column("exchange", pa.array(np.where(symbol == "ES", "CME", "CBOT")))
-    t = t.append_column("regime", pa.array(np.where(row // 100 % 2 == 0, "calm", "busy")))
-    pq.write_table(t, path)
-
-
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    """A tiny model trained and exported with every kind of user input by the real commands, served."""
-    work = tmp_path_factory.mktemp("serving_covariates")
-    bars_path = make_bars(work / "bars.parquet", bars=1200)
-    _add_user_columns(bars_path)
-    ckpt = work / "ckpt.pt"
-    r = run(["-m", "trainer", "--parquet", str(bars_path), "--out", str(ckpt), *TINY_TRAIN_FLAGS, *LIVE_FLAGS])
-    assert r.returncode == 0, r.stderr[-4000:]
-    model = make_onnx(ckpt, work / "model.onnx", ("--threads", "1", "--triton-repo", str(work / "triton")))
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    meta = ModelMeta.from_props(dict(session.get_modelmeta().custom_metadata_map))
-    fc = meta.feature_config
-    bars = read_bars(bars_path, None, fc.real_columns, label_columns=fc.categorical_columns)
-    frame = build_frame(bars, fc, list(meta.symbols), meta.bar_interval_ns)
-    for server in serving(model, work / "server.log"):
-        yield Live(model, meta, bars, frame, server)
+def live(covariates_model: CovariatesModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:  # noqa: F811
+    """The shared model with every kind of user input (tests.live_server), served."""
+    m = covariates_model
+    frame = build_frame(m.bars, m.meta.feature_config, list(m.meta.symbols), m.meta.bar_interval_ns)
+    for server in serving(m.model, tmp_path_factory.mktemp("serving_covariates") / "server.log"):
+        yield Live(m.model, m.meta, m.bars, frame, server)
 
 
 def _last_window(s: Live, symbol: str) -> int:
@@ -332,19 +306,7 @@ def _direct(s: Live, windows: dict[str, np.ndarray]) -> np.ndarray:
 def _request(s: Live, anchor: int, **override: object) -> pb.Series:
     """The request for the window at frame row `anchor`, every value from the bars file; `override` replaces one
     of make_series' arguments."""
-    fc, b, n, h = s.meta.feature_config, s.bars, s.meta.bars_required, s.meta.horizon
-    past, future = slice(anchor - n + 1, anchor + 1), slice(anchor + 1, anchor + 1 + h)
-    known_labels = [c for c in fc.known_columns if c in fc.categorical_columns]
-    args: dict[str, object] = {
-        "user": {c: b.user[c][past] for c in fc.series_reals},
-        "labels": {c: b.labels[c][past] for c in fc.series_categoricals},
-        "future": {c: b.user[c][future] for c in fc.known_columns if c not in known_labels},
-        "future_labels": {c: b.labels[c][future] for c in known_labels},
-        "static": {c: b.labels[c][anchor] if c in fc.categorical_columns else float(b.user[c][anchor])
-                   for c in fc.static_columns},
-    } | override
-    return make_series(str(b.symbol[anchor]), b.timestamp_ns[past], b.open[past], b.high[past], b.low[past],
-                       b.close[past], b.volume[past], **args)  # type: ignore[arg-type]
+    return covariates_series(s.meta, s.bars, anchor, **override)
 
 
 def test_live_model_has_every_input_gated_and_listed(live: Live) -> None:
