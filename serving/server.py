@@ -29,6 +29,7 @@ from serving.batcher import MicroBatcher
 from serving.errors import ConfigError, ModelLoadError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.inference import run_batch
+from serving.memory import return_large_buffers
 from serving.metrics import Metrics
 from serving.model import LoadedModel, ModelHolder, WarmUpStopped, load_and_warm, load_model
 from serving.reflection import enable_server_reflection
@@ -360,6 +361,7 @@ EVENT_LOOPS = ("uvloop", "asyncio")
 
 def run_server(config: ServerConfig) -> int:
     """`serve(config)` on the configured event loop (uvloop spends less interpreter time per call)."""
+    return_large_buffers()
     if config.event_loop == "asyncio":
         return asyncio.run(serve(config))
     try:

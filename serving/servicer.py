@@ -126,7 +126,8 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
         @functools.wraps(fn)
         async def wrapper(self: ForecasterServicer, request: Req, context: aio.ServicerContext[Req, Resp]) -> Resp:
             start = time.perf_counter()
-            code, gone, error = grpc.StatusCode.OK, False, None
+            code, gone = grpc.StatusCode.OK, False
+            details: tuple[tuple[str, str | bytes], ...] = ()
             try:
                 response = await fn(self, request, context)
                 if caller_gone(context):  # an answer no one waits for
@@ -135,17 +136,18 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
             except asyncio.CancelledError:  # the client went away or its deadline passed
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if caller_gone(context) else grpc.StatusCode.CANCELLED
                 raise
-            except Exception as exc:
+            except Exception as exc:  # not kept past here: its traceback holds the request
                 code, message = status_of(exc)
-                error = exc
                 gone = caller_gone(context)  # no status can reach it: nothing is sent
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if gone else code
+                details = status_details(exc, code, message)
             finally:
                 self.metrics.requests.labels(method, code.name).inc()
                 self.metrics.latency.labels(method).observe(time.perf_counter() - start)
+            del request  # the abort's traceback holds this frame: not the request's bytes with it
             if gone:
                 raise asyncio.CancelledError
-            await context.abort(code, message, status_details(error, code, message))  # raises; the server stays up
+            await context.abort(code, message, details)  # raises; the server stays up
             raise AssertionError("unreachable")  # pragma: no cover
 
         return wrapper
