@@ -14,9 +14,9 @@ One real `python -m serving` subprocess (tiny real model, --threads 1, --max-mes
 * empty and oversized messages, and valid requests with deadlines too short to meet.
 
 Bytes that are no PredictRequest answer INVALID_ARGUMENT (or RESOURCE_EXHAUSTED, over the size limit). Every
-answer must be a well-formed status other than INTERNAL or UNKNOWN, without a traceback, with a bounded message, in time (well before a
-hang could hide); an OK answer must
-hold one finite, well-formed forecast per series. Each example also checks the process is
+answer must be a well-formed status other than INTERNAL or UNKNOWN, without a traceback, with a bounded message,
+in time (well before a hang could hide); an OK answer must hold one finite, well-formed forecast per series. Each
+example also checks the process is
 still up. At the end a good request must get the same forecast (byte for byte) as before,
 and the server's log must hold no traceback.
 

@@ -6,23 +6,30 @@ traced to the inputs that caused it."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import tracemalloc
+from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import pytest
 
 from features.model_meta import ModelMeta
 from serving.errors import RequestError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.limits import MAX_COLUMNS, MAX_TEXT_CHARS
 from serving.preprocess import nonfinite_output_problem, prepare
 from serving.servicer import decode_request
 from serving.validation import parse_request
-from tests.test_serving_contracts import ES, as_bars, request_series
+from tests.futures_bars import LIVE_PER_DAY, as_bars, request_series, window_rows
+from tests.live_server import ContractsModel, LiveServer, contracts_model, serving  # noqa: F401  (fixture)
+from tests.test_serving_contracts import ES
 from tests.test_serving_contracts import META as FUTURES_META
 from tests.test_serving_covariates import META as COVARIATES_META
 from tests.test_serving_units import META as PLAIN_META
 from tests.test_serving_units import series as plain_series
+from tests.worst_requests import crowded_contracts_request
 
 H = COVARIATES_META.horizon
 MiB = 1 << 20
@@ -228,3 +235,45 @@ def test_a_non_finite_output_names_the_inputs_far_outside_their_training_range()
     unknown = dataclasses.replace(COVARIATES_META, input_stats={})  # a model exported without the statistics
     assert "check the bars for extreme prices" in str(nonfinite_output_problem(prepare(series, unknown), 0,
                                                                                series[0], "quantiles", unknown))
+
+
+# ---- a live server ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def contracts_server(contracts_model: ContractsModel,  # noqa: F811
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    yield from serving(contracts_model.model, tmp_path_factory.mktemp("limits") / "server.log")
+
+
+@pytest.mark.slow
+def test_the_worst_request_the_limits_allow_leaves_well_formed_calls_answered(
+        contracts_model: ContractsModel, contracts_server: LiveServer) -> None:  # noqa: F811
+    """4 MiB of valid bars over 1,200 contracts, sent again and again beside well-formed calls: each is answered
+    OK (how much longer the others wait: benchmarks.worst_request, BENCHMARKS.md)."""
+    m, server = contracts_model, contracts_server
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert (info.max_text_chars, info.max_columns) == (MAX_TEXT_CHARS, MAX_COLUMNS)
+    worst = crowded_contracts_request("ES", info.max_message_bytes)
+    good = pb.PredictRequest(series=[request_series(
+        "ES", as_bars(m.es, window_rows(m.es, LIVE_PER_DAY, last_bar=9)), contracts=True)])
+    answered, stop, codes = threading.Event(), threading.Event(), list[str]()
+
+    def hammer() -> None:
+        with grpc.insecure_channel(server.target, options=[("grpc.max_send_message_length", 8 << 20)]) as channel:
+            stub = pb_grpc.ForecasterStub(channel)
+            while not stop.is_set():
+                try:
+                    codes.append("OK" if stub.Predict(worst, timeout=60).forecasts else "empty")
+                except grpc.RpcError as exc:
+                    codes.append(exc.code().name)
+                answered.set()
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    try:
+        assert answered.wait(60)
+        answers = [server.stub.Predict(good, timeout=30) for _ in range(20)]
+    finally:
+        stop.set()
+        thread.join(60)
+    assert all(len(a.forecasts) == 1 for a in answers) and set(codes) == {"OK"}, codes
+    assert server.alive() and "Traceback" not in server.log_text()
