@@ -8,7 +8,6 @@ with both thresholds fixed, each large buffer is unmapped when freed and the hea
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -18,10 +17,8 @@ LARGE_BYTES = 128 * 1024  # glibc's default mmap threshold, kept fixed
 def return_large_buffers() -> bool:
     """Fix glibc's mmap and trim thresholds at LARGE_BYTES; False where the C library is not glibc (musl, macOS),
     whose allocators return large buffers by their own rules."""
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own symbols: the C library it runs on, no file opened
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, LARGE_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, LARGE_BYTES))

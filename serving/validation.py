@@ -249,11 +249,11 @@ def _check_covariates(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     """The known, static and categorical user values a model with such features needs: each column present (its
     count of values is checked on the wire, `serving.limits`), future and static reals usable."""
     read, horizon = columns_read(meta), meta.horizon
-    per_future_bar = f"exactly {horizon} values, one per future bar (GetModelInfo.horizon)"
+    per_future_bar = "one per future bar (GetModelInfo.horizon)"
     for field_name, given, per in (
-            ("future_features", s.future, per_future_bar),
+            ("future_features", s.future, f"exactly {horizon} values, {per_future_bar}"),
             ("categorical_features", s.labels, f"exactly {len(s)} labels, one per bar sent (len(timestamp_ns))"),
-            ("future_categorical_features", s.future_labels, per_future_bar.replace("values", "labels"))):
+            ("future_categorical_features", s.future_labels, f"exactly {horizon} labels, {per_future_bar}")):
         need = read[field_name]
         if missing := [c for c in need if c not in given]:
             raise RequestError(f"{_label(i, s.symbol)}: {field_name} column(s) {', '.join(map(repr, missing))} "

@@ -130,7 +130,9 @@ def test_metadata_round_trip_equals_the_checkpoint(exported: Path, ckpt: Path) -
         column_map=c["column_map"],
         training={"first_bar_ns": c["data_span_ns"][0], "validation_from_ns": c["split_times_ns"][0],
                   "test_from_ns": None, "last_bar_ns": c["data_span_ns"][1]},  # no test split in this run
+        input_stats={k: v for k, v in c["normalization"].items() if k != "target_scale"},
     )
+    assert set(expected.input_stats) == {"observed", "known"}  # a model without static reals
     assert dataclasses.replace(meta, exporter={}, parity={}, placement={}, graph_sha256="") == expected
     # the graph's digest, derived independently: the model re-serialized by protobuf without its metadata
     bare = onnx.load(str(exported))

@@ -352,14 +352,16 @@ def test_metadata_edited_to_disagree_with_the_graph_is_refused_at_load(
 def test_nonfinite_model_output_is_refused(tiny_model: Model) -> None:  # noqa: F811
     from serving.inference import _nonfinite_output
     from serving.model import load_model
+    from serving.preprocess import prepare
     from serving.validation import parse_request
 
     model = load_model(tiny_model.model, "cpu", threads=1)
     call = parse_request(request_for(tiny_model, tiny_model.meta.symbols[0]), model.meta)
     out = {"quantiles": np.array([[[0.1, np.nan, 0.3]]], dtype=np.float32)}
-    problem = _nonfinite_output(out, call)
+    prepared = prepare(call, model.meta)
+    problem = _nonfinite_output(out, prepared, call, model)
     assert isinstance(problem, RequestError) and "not finite" in str(problem)
-    assert _nonfinite_output({"quantiles": np.zeros((1, 3, 3), np.float32)}, call) is None
+    assert _nonfinite_output({"quantiles": np.zeros((1, 3, 3), np.float32)}, prepared, call, model) is None
 
 
 # ---- broken model files at start -----------------------------------------------------------------------------

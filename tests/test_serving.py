@@ -167,11 +167,12 @@ BAD_INPUTS = [  # (case, change to a good request, what the message says, the fi
      "series[0].symbol"),
     ("empty symbol", lambda r: setattr(r.series[0], "symbol", ""), "symbol is empty", "series[0].symbol"),
     ("duplicate symbol", lambda r: r.series.append(r.series[0]), "already appears in series[0]", "series[1].symbol"),
-    ("repeated user column", lambda r: r.series[0].user_features.extend([pb.Column(name="x"), pb.Column(name="x")]),
+    ("repeated user column", lambda r: r.series[0].user_features.extend(
+        [pb.Column(name="x", values=r.series[0].close), pb.Column(name="x", values=r.series[0].close)]),
      "user feature column 'x' is sent twice", "series[0].user_features"),
     ("packed block of the wrong size", lambda r: _pack(r.series[0], ["x"], b"\0" * 8),
      "user_features_raw has 8 bytes; 1 name(s) x", "series[0].user_features_raw"),
-    ("packed and plain user features", lambda r: (r.series[0].user_features.add(name="y"),
+    ("packed and plain user features", lambda r: (r.series[0].user_features.add(name="y", values=r.series[0].close),
                                                   _pack(r.series[0], ["x"], b"")),
      "sends both user_features and user_feature_names", "series[0].user_features_raw"),
 ]
