@@ -69,6 +69,16 @@ class FeatureConfig:
         return tuple(n for n in names if n in self.categorical_columns)
 
     @property
+    def known_reals(self) -> tuple[str, ...]:
+        """The known real user columns: their future values travel in the wire's future_features."""
+        return self._real(self.known_columns)
+
+    @property
+    def known_categoricals(self) -> tuple[str, ...]:
+        """The known categorical user columns: their future labels travel in future_categorical_features."""
+        return self._categorical(self.known_columns)
+
+    @property
     def observed_user(self) -> tuple[str, ...]:
         """Observed user variables in the model's order: reals, then categoricals."""
         return self._real(self.user_columns) + self._categorical(self.user_columns)

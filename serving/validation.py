@@ -52,12 +52,12 @@ class SeriesColumns:
     volume: np.ndarray  # float64 [n]
     # float64 [n] each, as sent; a ColumnBlock (rows are the columns) when packed or after `tail`
     user: Mapping[str, np.ndarray] = field(default_factory=dict)
-    labels: Mapping[str, np.ndarray] = field(default_factory=dict)  # time-varying categoricals: str [n] each
+    labels: Mapping[str, np.ndarray] = field(default_factory=dict)  # time-varying categoricals: str objects [n] each
     future: Mapping[str, np.ndarray] = field(default_factory=dict)  # known reals' future bars: float64 [H] each
-    future_labels: Mapping[str, np.ndarray] = field(default_factory=dict)  # known categoricals' future: str [H]
+    future_labels: Mapping[str, np.ndarray] = field(default_factory=dict)  # known categoricals' future: str objects [H]
     static_reals: Mapping[str, float] = field(default_factory=dict)  # static real column -> its value
     static_labels: Mapping[str, str] = field(default_factory=dict)  # static categorical column -> its label
-    contracts: np.ndarray | None = None  # str [n]: each bar's futures contract, when sent (Series.contracts)
+    contracts: np.ndarray | None = None  # object [n] of str: each bar's futures contract, when sent (Series.contracts)
     log_offset: np.ndarray | None = None  # float64 [n]: a rolled series' offsets added to log(close) (features.rolls)
     root: str = ""  # the model symbol it forecasts, once validated: the symbol, or a contract's root
     notes: tuple[str, ...] = ()  # what Forecast.warnings says of the series as sent (columns the model ignores)
@@ -239,9 +239,8 @@ def columns_read(meta: ModelMeta) -> dict[str, tuple[str, ...]]:
     """Each column field of a Series -> the columns of it the model reads."""
     config = meta.feature_config
     return {"user_features": config.series_reals,
-            "future_features": tuple(c for c in config.known_columns if c not in config.categorical_columns),
-            "categorical_features": config.series_categoricals,
-            "future_categorical_features": tuple(c for c in config.known_columns if c in config.categorical_columns),
+            "future_features": config.known_reals, "categorical_features": config.series_categoricals,
+            "future_categorical_features": config.known_categoricals,
             "static_features": config.static_reals, "static_categorical_features": config.static_categoricals}
 
 
@@ -450,7 +449,7 @@ def _refuse_empty(count: int, meta: ModelMeta) -> None:
 
 
 def _validated(i: int, s: SeriesColumns, meta: ModelMeta) -> SeriesColumns:
-    """Series i, its identity checked, as the model reads it; or the RequestError that says what to fix."""
+    """Series i (its identity already checked) as the model reads it; or the RequestError that says what to fix."""
     config = meta.feature_config
     user_columns = config.series_reals
     _check_shape(i, s, meta)

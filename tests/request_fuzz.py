@@ -43,6 +43,7 @@ from hypothesis import strategies as st
 
 from features.model_meta import ModelMeta
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.validation import columns_read
 from tests.futures_bars import LIVE_PER_DAY, as_bars, request_series, window_rows
 from tests.live_server import (
     SERVICE,
@@ -177,14 +178,15 @@ class _Ctx:
 
     def reals(self, k: int) -> list[float]:
         """k finite values, one of them (or all) hostile."""
-        values = self.rng.normal(0, 1, k).tolist()
-        if k:
-            special = self.real()
-            if self.draw(st.booleans()):
-                values[self.draw(st.integers(0, k - 1))] = special
-            else:
-                values = [special] * k
-        return values
+        return self._spoilt(self.rng.normal(0, 1, k).tolist(), self.real) if k else []
+
+    def _spoilt(self, values: list[Any], hostile: Callable[[], Any]) -> list[Any]:
+        """`values` with one of them, or all, replaced by one hostile value."""
+        bad = hostile()
+        if self.draw(st.booleans()):
+            values[self.draw(st.integers(0, len(values) - 1))] = bad
+            return values
+        return [bad] * len(values)
 
     def label(self) -> str:
         kind = self.draw(st.integers(0, 3))
@@ -198,13 +200,7 @@ class _Ctx:
         """k labels the model knows (or common words), one of them (or all) hostile."""
         known = self.target.vocabulary or ("calm", "open", "CME")
         values = [known[i] for i in self.rng.integers(0, len(known), k)]
-        if k:
-            hostile = self.label()
-            if self.draw(st.booleans()):
-                values[self.draw(st.integers(0, k - 1))] = hostile
-            else:
-                values = [hostile] * k
-        return values
+        return self._spoilt(values, self.label) if k else []
 
     def name(self, known: Sequence[str]) -> str:
         """A column name: unknown, hostile, or a known one disguised (NUL suffix, other case, padded)."""
@@ -225,15 +221,6 @@ class _Ctx:
 
 def _bars(s: pb.Series) -> int:
     return len(s.timestamp_ns)
-
-
-def _needs(meta: ModelMeta) -> dict[str, tuple[str, ...]]:
-    fc = meta.feature_config
-    known_labels = tuple(c for c in fc.known_columns if c in fc.categorical_columns)
-    return {"user_features": fc.series_reals, "categorical_features": fc.series_categoricals,
-            "future_features": tuple(c for c in fc.known_columns if c not in known_labels),
-            "future_categorical_features": known_labels,
-            "static_features": fc.static_reals, "static_categorical_features": fc.static_categoricals}
 
 
 def _symbol(c: _Ctx) -> None:
@@ -354,7 +341,7 @@ def _take(items: Any) -> list[Any]:
 
 def _user_features(c: _Ctx) -> None:
     s = c.series()
-    _columns(c, s.user_features, True, _needs(c.target.meta)["user_features"], _bars(s))
+    _columns(c, s.user_features, True, columns_read(c.target.meta)["user_features"], _bars(s))
 
 
 def _packed(c: _Ctx) -> None:
@@ -400,7 +387,7 @@ def _packed(c: _Ctx) -> None:
     elif how == "value" and block.size:
         block[c.draw(st.integers(0, block.shape[0] - 1)), c.draw(st.integers(0, n - 1))] = c.real()
     elif how == "unknown":
-        names.append(c.name(_needs(c.target.meta)["user_features"]))
+        names.append(c.name(columns_read(c.target.meta)["user_features"]))
         block = np.vstack([block, np.full((1, n), c.real())])
     elif how == "drop" and names:
         names, block = names[1:], block[1:]
@@ -420,17 +407,17 @@ def _packed(c: _Ctx) -> None:
 
 
 def _future_features(c: _Ctx) -> None:
-    _columns(c, c.series().future_features, True, _needs(c.target.meta)["future_features"], c.h)
+    _columns(c, c.series().future_features, True, columns_read(c.target.meta)["future_features"], c.h)
 
 
 def _categorical_features(c: _Ctx) -> None:
     s = c.series()
-    _columns(c, s.categorical_features, False, _needs(c.target.meta)["categorical_features"], _bars(s))
+    _columns(c, s.categorical_features, False, columns_read(c.target.meta)["categorical_features"], _bars(s))
 
 
 def _future_categorical_features(c: _Ctx) -> None:
     _columns(c, c.series().future_categorical_features, False,
-             _needs(c.target.meta)["future_categorical_features"], c.h)
+             columns_read(c.target.meta)["future_categorical_features"], c.h)
 
 
 def _static_map(c: _Ctx, items: Any, need: tuple[str, ...], value: Callable[[], Any], labels: bool) -> None:
@@ -460,13 +447,13 @@ def _static_map(c: _Ctx, items: Any, need: tuple[str, ...], value: Callable[[], 
 
 
 def _static_features(c: _Ctx) -> None:
-    _static_map(c, c.series().static_features, _needs(c.target.meta)["static_features"], c.real, False)
+    _static_map(c, c.series().static_features, columns_read(c.target.meta)["static_features"], c.real, False)
 
 
 def _static_categorical_features(c: _Ctx) -> None:
     def value() -> str:
         return c.pick((c.label(), "", "x" * 100_000, "CME\x00"))
-    _static_map(c, c.series().static_categorical_features, _needs(c.target.meta)["static_categorical_features"],
+    _static_map(c, c.series().static_categorical_features, columns_read(c.target.meta)["static_categorical_features"],
                 value, True)
 
 
@@ -595,7 +582,7 @@ def _prepend(s: pb.Series, k: int, interval: int) -> None:
 def _huge_list_into(c: _Ctx, s: pb.Series, build: Callable[[list[str]], list[str]]) -> None:
     """A string list of the series replaced by `build(its values)`: a categorical column (the model's or not), the
     known categoricals' future labels, contracts or packed user feature names."""
-    need = _needs(c.target.meta)
+    need = columns_read(c.target.meta)
     where = c.pick(("categorical_features", "future_categorical_features", "contracts", "user_feature_names"))
     if where in ("contracts", "user_feature_names"):
         getattr(s, where)[:] = build(list(getattr(s, where)))

@@ -120,12 +120,12 @@ def test_an_unused_label_column_of_another_length_is_refused_on_a_contract_model
                           "labels, one per bar sent (len(timestamp_ns))")
 
 
-@pytest.mark.parametrize(("field", "count"), [("user_features", 0), ("future_features", H + 1),
-                                              ("future_categorical_features", H - 1)])
-def test_every_column_of_every_field_is_counted_read_or_not(field: str, count: int) -> None:
+@pytest.mark.parametrize(("field", "values"), [("user_features", []), ("future_features", [1.0] * (H + 1)),
+                                               ("future_categorical_features", ["a"] * (H - 1))])
+def test_every_column_of_every_field_is_counted_read_or_not(field: str, values: list[float] | list[str]) -> None:
     s = plain_series()
-    column = getattr(s, field).add(name="unread")
-    column.values.extend([1.0 if "categorical" not in field else "a"] * count)  # type: ignore[list-item]
+    getattr(s, field).add(name="unread", values=values)
+    count = len(values)
     error = refusal(s, PLAIN_META)
     assert f"{field} column 'unread' has {count}" in str(error)
     assert error.violations[0][0] == f"series[0].{field}"
