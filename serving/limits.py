@@ -15,6 +15,7 @@ from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 
 MAX_TEXT_CHARS = 64  # a symbol, a contract name, a column name, a label
 MAX_COLUMNS = 1024  # columns in one field of a series (user_features, categorical_features, static_features, ...)
+TEXT_CHUNK = 4096  # names or labels checked at a time
 TEXT_RULE = (f"at most {MAX_TEXT_CHARS} printable characters (no NUL, control or format characters), compared "
              "exactly as sent")
 
@@ -63,19 +64,20 @@ def _check_column_count(label: str, i: int, name: str, k: int) -> None:
 
 
 def _check_texts(values: Sequence[str], label: str, field: str, what: str) -> None:
-    """Each of `values` within the text rule: one pass over their lengths and one over their characters."""
-    if not values:
-        return
-    if max(map(len, values)) > MAX_TEXT_CHARS:
-        at, bad = next((k, v) for k, v in enumerate(values) if len(v) > MAX_TEXT_CHARS)
-        raise RequestError(f"{label}: {_which(what, at, len(values))} {bad[:16]!r}... is {len(bad)} characters; "
-                           f"the limit is {MAX_TEXT_CHARS} (GetModelInfo.max_text_chars): send names and labels of "
-                           f"{TEXT_RULE}", field)
-    if not "".join(values).isprintable():
-        at, bad = next((k, v) for k, v in enumerate(values) if not v.isprintable())
-        char = next(ch for ch in bad if not ch.isprintable())
-        raise RequestError(f"{label}: {_which(what, at, len(values))} {bounded(bad, 16)} holds U+{ord(char):04X}, "
-                           f"which is not printable: send names and labels of {TEXT_RULE}", field)
+    """Each of `values` within the text rule, TEXT_CHUNK at a time: a pass over their lengths and one over their
+    characters, with at most a chunk of them as Python strings at once (a short one costs about 50 bytes)."""
+    for start in range(0, len(values), TEXT_CHUNK):
+        part = values[start:start + TEXT_CHUNK]
+        if max(map(len, part)) > MAX_TEXT_CHARS:
+            at, bad = next((start + k, v) for k, v in enumerate(part) if len(v) > MAX_TEXT_CHARS)
+            raise RequestError(f"{label}: {_which(what, at, len(values))} {bad[:16]!r}... is {len(bad)} characters; "
+                               f"the limit is {MAX_TEXT_CHARS} (GetModelInfo.max_text_chars): send names and labels "
+                               f"of {TEXT_RULE}", field)
+        if not "".join(part).isprintable():
+            at, bad = next((start + k, v) for k, v in enumerate(part) if not v.isprintable())
+            char = next(ch for ch in bad if not ch.isprintable())
+            raise RequestError(f"{label}: {_which(what, at, len(values))} {bounded(bad, 16)} holds U+{ord(char):04X}, "
+                               f"which is not printable: send names and labels of {TEXT_RULE}", field)
 
 
 def _which(what: str, at: int, count: int) -> str:

@@ -147,9 +147,11 @@ def _named(items: Sequence[pb.Column | pb.Labels], index: int, symbol: str, fiel
 
 
 def _texts(values: Sequence[str]) -> np.ndarray:
-    """object [n]: the strings as sent, never widened into a fixed-width array sized by the longest."""
+    """object [n]: the strings as sent, never widened into a fixed-width array sized by the longest; each distinct
+    one held once, since labels and contract names repeat and a short Python string costs about 50 bytes."""
+    held: dict[str, str] = {}
     out = np.empty(len(values), dtype=object)
-    out[:] = list(values)
+    out[:] = [held.setdefault(v, v) for v in values]
     return out
 
 
