@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from features.model_meta import ModelMeta
 from serving.errors import RequestError
 from serving.metrics import StepTimes
 from serving.model import LoadedModel
@@ -50,13 +51,13 @@ def run_batch(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]], step
 
 
 def _nonfinite_output(outputs: dict[str, np.ndarray], prepared: Prepared, call: Sequence[SeriesColumns],
-                      model: LoadedModel) -> RequestError | None:
+                      meta: ModelMeta) -> RequestError | None:
     """An error, never a NaN or infinite forecast, for a call whose bars drive the model out of range."""
     for name, out in outputs.items():
         bad = ~np.isfinite(out.reshape(out.shape[0], -1)).all(axis=1)  # [n]
         if bad.any():
             b = int(np.flatnonzero(bad)[0])
-            return nonfinite_output_problem(prepared, b, call[b], name, model.meta)
+            return nonfinite_output_problem(prepared, b, call[b], name, meta)
     return None
 
 
@@ -94,7 +95,7 @@ def _run_together(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]], 
     for i in good:
         n = sizes[i]
         mine = {k: v[offset:offset + n] for k, v in outputs.items()}
-        problem = None if all_finite else _nonfinite_output(mine, per_call[i], calls[i], model)
+        problem = None if all_finite else _nonfinite_output(mine, per_call[i], calls[i], model.meta)
         results[i] = problem or Result(per_call[i], mine)
         offset += n
     return results

@@ -359,9 +359,9 @@ def test_nonfinite_model_output_is_refused(tiny_model: Model) -> None:  # noqa: 
     call = parse_request(request_for(tiny_model, tiny_model.meta.symbols[0]), model.meta)
     out = {"quantiles": np.array([[[0.1, np.nan, 0.3]]], dtype=np.float32)}
     prepared = prepare(call, model.meta)
-    problem = _nonfinite_output(out, prepared, call, model)
+    problem = _nonfinite_output(out, prepared, call, model.meta)
     assert isinstance(problem, RequestError) and "not finite" in str(problem)
-    assert _nonfinite_output({"quantiles": np.zeros((1, 3, 3), np.float32)}, prepared, call, model) is None
+    assert _nonfinite_output({"quantiles": np.zeros((1, 3, 3), np.float32)}, prepared, call, model.meta) is None
 
 
 # ---- broken model files at start -----------------------------------------------------------------------------
