@@ -62,28 +62,9 @@ def fold_origins(frame: FeatureFrame, fold: Fold, encoder_length: int, embargo: 
     return anchors[frame.timestamp_ns[anchors] < fold.end_ns]
 
 
-def take_rows(bars: Bars, rows: np.ndarray) -> Bars:
-    """The `rows` of `bars` (a bool mask or indices), each bar's contract and log offset too."""
-    def take(column: np.ndarray | None) -> np.ndarray | None:
-        return None if column is None else np.asarray(column)[rows]
-
-    return replace(bars, timestamp_ns=bars.timestamp_ns[rows], symbol=bars.symbol[rows], open=bars.open[rows],
-                   high=bars.high[rows], low=bars.low[rows], close=bars.close[rows], volume=bars.volume[rows],
-                   user={name: np.asarray(column)[rows] for name, column in bars.user.items()},
-                   labels={name: np.asarray(column)[rows] for name, column in bars.labels.items()},
-                   contract=take(bars.contract), log_offset=take(bars.log_offset))
-
-
 def bars_before(bars: Bars, cut_ns: int) -> Bars:
     """The rows of `bars` before `cut_ns`, grouped as before."""
-    return take_rows(bars, bars.timestamp_ns < cut_ns)
-
-
-def only_series(bars: Bars, symbols: list[str]) -> Bars:
-    """The rows of `symbols` (in that order), grouped as before."""
-    slices = bars.series_slices()
-    rows = [np.arange(slices[s].start, slices[s].stop) for s in symbols]
-    return take_rows(bars, np.concatenate(rows) if rows else np.zeros(0, np.int64))
+    return bars.take(bars.timestamp_ns < cut_ns)
 
 
 def with_expirations(bars: Bars, contracts: ContractConfig | None, column: str) -> Bars:

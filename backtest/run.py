@@ -28,7 +28,6 @@ from backtest.folds import (
     cut_rows,
     fold_origins,
     make_folds,
-    only_series,
     with_expirations,
     write_bars,
 )
@@ -39,9 +38,9 @@ from features.bars import Bars, ColumnMap, bars_digest
 from features.compute import build_frame
 from features.contracts import ContractConfig
 from features.files import atomic_output
+from features.series import ContractError, as_series, read_contract_bars, roll_lines, scan_contracts
 from serving.model import LoadedModel, load_model
 from trainer.config import TrainConfig, flag_name
-from trainer.series import ContractError, as_series, read_contract_bars, roll_lines, scan_contracts
 
 log = logging.getLogger("backtest")
 MODELS = ("model", "model_uncalibrated")  # the calibrated export, and the same checkpoint without calibration
@@ -72,7 +71,7 @@ def run_backtest(plan: BacktestPlan) -> dict[str, Any]:
     """Every fold, then the forecasts, scores.json, backtest.png and the summary; returns the scores."""
     cfg = plan.config
     try:  # per-contract bars: the folds cut the continuous series' times; each fold's run rolls its own bars
-        fc = replace(cfg.feature_config(), contracts=scan_contracts(plan.parquet, plan.columns, cfg))
+        fc = replace(cfg.feature_config(), contracts=scan_contracts(plan.parquet, plan.columns, cfg.contract_flags))
         bars = read_contract_bars(plan.parquet, plan.columns, fc)
         series, rolls = as_series(bars, fc)
     except ContractError as exc:
@@ -124,7 +123,7 @@ def _run_fold(plan: BacktestPlan, bars: Bars, fold: Fold, n_folds: int, contract
     except ContractError as exc:
         raise BacktestError(f"fold {fold.index}: {exc}") from None
     present = series.series_slices()
-    frame = build_frame(only_series(series, [s for s in meta.symbols if s in present]), meta.feature_config,
+    frame = build_frame(series.only([s for s in meta.symbols if s in present]), meta.feature_config,
                         list(meta.symbols), meta.bar_interval_ns)
     anchors = fold_origins(frame, fold, meta.encoder_length, plan.embargo)
     if anchors.size == 0:

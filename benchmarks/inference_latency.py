@@ -41,7 +41,8 @@ import torch
 
 from export.onnx_export import export_model, input_names
 from export.options import DEFAULT_OPSET
-from features.compute import FeatureConfig, build_frame
+from features.compute import build_frame
+from features.config import FeatureConfig
 from features.schema import MODEL_INPUTS
 from features.synth import KNOWN_SYMBOLS, generate
 from features.windows import anchor_rows, gather_windows

@@ -79,7 +79,7 @@ import psutil
 from grpc import aio
 
 from features.bars import BarDataError, Bars, read_bars
-from features.compute import FeatureConfig
+from features.config import FeatureConfig
 from features.model_meta import ModelMeta
 from features.ort import preload_cuda_libraries
 from serving.client import FutureValues, UserInputs, series_from_bars

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from export.errors import UsageError
 from export.onnx_export import input_names
 from features.bars import BarDataError, ColumnMap
-from features.compute import FeatureConfig
+from features.config import FeatureConfig
 from features.schema import ENCODER_OBSERVED
 from trainer.config import TrainConfig
 from trainer.data import Normalization, PreparedData, prepare

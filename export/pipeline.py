@@ -34,7 +34,7 @@ from export.triton import VERSION as TRITON_VERSION
 from export.triton import config_pbtxt, newer_versions, repository_files
 from export.windows import saved_windows, windows_from_bars
 from features import package_version
-from features.compute import FeatureConfig
+from features.config import FeatureConfig
 from features.files import link_note, print_report
 from features.model_meta import ModelMeta, graph_digest, training_span
 from features.schema import STATIC_CATEGORICAL, FeatureSchema

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,30 +10,15 @@ import numpy as np
 
 from export.errors import UsageError
 from export.onnx_export import input_names
-from features.bars import BarDataError, Bars, ColumnMap
-from features.compute import FeatureConfig, build_frame
+from features.bars import BarDataError, ColumnMap
+from features.compute import build_frame
+from features.config import FeatureConfig
 from features.schema import STATIC_CATEGORICAL
+from features.series import read_series
 from features.windows import anchor_rows, gather_windows
 from trainer.model_config import ModelConfig
-from trainer.series import read_series
 
 MAX_WINDOWS = 256
-
-
-def only_symbols(bars: Bars, slices: dict[str, slice], keep: list[str]) -> Bars:
-    """The rows of `bars` whose symbol is in `keep`, given its `series_slices()` (each bar's contract and log
-    offset too, in a continuous series of contracts)."""
-    rows = np.concatenate([np.arange(slices[s].start, slices[s].stop) for s in keep])
-
-    def take(column: np.ndarray | None) -> np.ndarray | None:
-        return None if column is None else column[rows]
-
-    return dataclasses.replace(
-        bars, timestamp_ns=bars.timestamp_ns[rows], symbol=bars.symbol[rows], open=bars.open[rows],
-        high=bars.high[rows], low=bars.low[rows], close=bars.close[rows], volume=bars.volume[rows],
-        user={name: column[rows] for name, column in bars.user.items()},
-        labels={name: column[rows] for name, column in bars.labels.items()}, files=list(bars.files),
-        notes=list(bars.notes), contract=take(bars.contract), log_offset=take(bars.log_offset))
 
 
 def _as_fed(windows: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -70,7 +54,7 @@ def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column
                                  f"{', '.join(unknown)}")
             if log is not None:
                 log(f"--bars: skipped {', '.join(unknown)}: not the model's symbols ({', '.join(symbols)})")
-            bars = only_symbols(bars, slices, known)
+            bars = bars.only(known)
         frame = build_frame(bars, feature_config, symbols, int(ckpt["bar_interval_ns"]))
     except BarDataError as exc:
         lines = exc.lines()

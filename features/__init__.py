@@ -3,7 +3,9 @@
 import importlib.metadata
 
 from features.bars import BarDataError, Bars, ColumnMap, Problem, read_bars
-from features.compute import FeatureConfig, FeatureFrame, build_frame, known_features
+from features.calendar import known_features
+from features.compute import FeatureFrame, build_frame
+from features.config import FeatureConfig
 from features.normalize import NormStats
 from features.schema import FeatureSchema, FeatureSpec, Kind, Role
 

@@ -240,6 +240,26 @@ class Bars:
     def symbols(self) -> list[str]:
         return sorted({str(s) for s in np.unique(self.symbol)})
 
+    def take(self, rows: np.ndarray) -> Bars:
+        """The `rows` (a bool mask or indices) of every per-row column: prices, user columns, labels, each bar's
+        contract and log offset."""
+        def rows_of(column: np.ndarray | None) -> np.ndarray | None:
+            return None if column is None else np.asarray(column)[rows]
+
+        user = ColumnBlock(self.user.names, self.user.block[:, rows]) if isinstance(self.user, ColumnBlock) \
+            else {name: np.asarray(column)[rows] for name, column in self.user.items()}
+        return replace(self, timestamp_ns=self.timestamp_ns[rows], symbol=self.symbol[rows], open=self.open[rows],
+                       high=self.high[rows], low=self.low[rows], close=self.close[rows], volume=self.volume[rows],
+                       user=user, labels={name: np.asarray(column)[rows] for name, column in self.labels.items()},
+                       files=list(self.files), notes=list(self.notes), contract=rows_of(self.contract),
+                       log_offset=rows_of(self.log_offset))
+
+    def only(self, symbols: Sequence[str]) -> Bars:
+        """The rows of `symbols` (each a series of these bars), in that order."""
+        slices = self.series_slices()
+        rows = [np.arange(slices[s].start, slices[s].stop) for s in symbols]
+        return self.take(np.concatenate(rows) if rows else np.zeros(0, np.int64))
+
     def series_slices(self) -> dict[str, slice]:
         """Row range of each symbol (rows are grouped by symbol)."""
         if len(self) == 0:

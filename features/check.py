@@ -15,11 +15,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from features import contracts
-from features.bars import REQUIRED_COLUMNS, BarDataError, Bars, ColumnMap, list_parquet_files, numeric, read_bars
-from features.compute import FeatureConfig, check_static, infer_bar_interval_ns
-from features.contracts import ContractConfig
+from features.bars import REQUIRED_COLUMNS, BarDataError, Bars, ColumnMap, list_parquet_files, numeric
+from features.calendar import infer_bar_interval_ns
+from features.compute import check_static
+from features.config import FeatureConfig
+from features.contracts import ContractConfig, ContractFlags
 from features.files import reader_went_away
-from features.rolls import Roll, continuous, reading, scan
+from features.rolls import Roll
+from features.series import as_series, read_contract_bars, roll_listing, scan
 
 
 def format_timestamp(ns: int) -> str:
@@ -198,11 +201,9 @@ def check(args: argparse.Namespace) -> int:
         config = replace(config, contracts=contract_config(args, columns))
     except ValueError as exc:
         return print_problems(args.path, [f"{args.path}: {exc}"])
-    columns, root_column = reading(columns, config.contracts)
     try:
-        bars = read_bars(args.path, columns, config.real_columns,
-                         label_columns=tuple(dict.fromkeys((*config.categorical_columns, *root_column))))
-        series, rolls = continuous(bars, config)
+        bars = read_contract_bars(args.path, columns, config)
+        series, rolls = as_series(bars, config)
     except BarDataError as exc:
         return print_problems(args.path, exc.lines())
     except ValueError as exc:  # contract input the roll rule cannot take
@@ -229,26 +230,20 @@ def contract_config(args: argparse.Namespace, columns: ColumnMap) -> ContractCon
     """The contract flags and the bars' names: None for plain series. ValueError (one line) for contract input
     no rule can take. Files that cannot be read are left to read_bars, which names them."""
     try:
-        return scan(args.path, columns, args)
+        return scan(args.path, columns, ContractFlags.of(args))
     except (OSError, pa.ArrowException):
         return None
 
 
-MAX_ROLLS = 20  # rolls listed before the rest are counted
-
-
 def contract_lines(bars: Bars, series: Bars, rolls: list[Roll], config: ContractConfig) -> list[str]:
-    """The roll rule, each root's contracts, and the rolls (the first MAX_ROLLS, then a count) of per-contract
+    """The roll rule, each root's contracts, and the rolls (features.series.roll_listing) of per-contract
     `bars` rolled into the continuous `series`."""
     per_root = contracts_per_root(bars, config)
     lines = [f"contracts: {len(bars)} bars of {sum(per_root.values())} contract(s) -> one continuous series per "
              f"root ({len(series)} bars); {config.describe()}",
              "roots: " + ", ".join(f"{root} ({n} contract{'s' if n != 1 else ''})" for root, n in per_root.items()),
              f"rolls: {len(rolls)}"]
-    lines += [f"  {roll.line()}" for roll in rolls[:MAX_ROLLS]]
-    if len(rolls) > MAX_ROLLS:
-        lines.append(f"  ... and {len(rolls) - MAX_ROLLS} more")
-    return lines
+    return lines + roll_listing(rolls)
 
 
 def contracts_per_root(bars: Bars, config: ContractConfig) -> dict[str, int]:

@@ -6,166 +6,17 @@ features (timestamps alone) look forward. Rows in a series' warm-up have NaN obs
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
-from typing import Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 import numpy as np
 
 from features.bars import Bars, block_for
+from features.calendar import future_timestamps, infer_bar_interval_ns, known_features
 from features.categories import encode, fit_vocabulary
-from features.contracts import ContractConfig, roll_sessions
-from features.schema import FeatureSchema, FeatureSpec, Kind, Role
-
-NS_PER_SECOND = 1_000_000_000
-NS_PER_DAY = 86_400 * NS_PER_SECOND
-COARSE_INTERVALS = 20  # bars mostly this many intervals (and a day) apart are daily bars
-INTERVAL_TOLERANCE_PARTS = 100  # off a grid, spacings within 1/100 of the one before run together
-SNAP_PARTS = 40  # spacings within 1/40 of the commonest are its neighbours; a round duration this near snaps
-
-BUILTIN_OBSERVED: tuple[str, ...] = ("log_return", "log_range", "log_body", "log_volume", "volatility")
-BUILTIN_KNOWN: tuple[str, ...] = ("tod_sin", "tod_cos", "dow_sin", "dow_cos")
-# after the calendar, for a model rolling by `calendar:N` (expirations known, so known ahead; a volume roll is not)
-CONTRACT_KNOWN: tuple[str, ...] = ("sessions_to_expiry", "roll_session")
-STATIC_SYMBOL = "symbol"
-
-
-@dataclass(frozen=True)
-class FeatureConfig:
-    """How bars become features; saved with every checkpoint and model.
-
-    User columns come in three roles: observed (`user_columns`, encoder only), known for future bars
-    (`known_columns`, encoder and decoder) and static (`static_columns`, constant per series). Those named in
-    `categorical_columns` are labels, embedded by id with the `vocabularies` fitted on the training split."""
-
-    horizon: int = 5  # forecast steps H: targets are log(close[t+h]/close[t]) for h = 1..H
-    volatility_window: int = 20  # bars in the rolling standard deviation of log returns
-    user_columns: tuple[str, ...] = ()  # user columns observed up to the last bar (encoder only)
-    calendar_tz: str = "UTC"  # IANA time zone of the calendar features (time of day, day of week)
-    known_columns: tuple[str, ...] = ()  # user columns whose future values the caller knows
-    static_columns: tuple[str, ...] = ()  # user columns constant within a series
-    categorical_columns: tuple[str, ...] = ()  # which user columns, of any role, are categorical
-    vocabularies: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (column, sorted labels) once fitted
-    contracts: ContractConfig | None = None  # per-contract bars rolled into one series per root; None: as given
-
-    def __post_init__(self) -> None:
-        if self.horizon < 1 or self.volatility_window < 1:
-            raise ValueError(f"horizon ({self.horizon}) and volatility_window ({self.volatility_window}) "
-                             "must be at least 1")
-        check_time_zone(self.calendar_tz)
-        check_roles(self)
-
-    @property
-    def warmup_bars(self) -> int:
-        return self.volatility_window
-
-    def _real(self, names: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(n for n in names if n not in self.categorical_columns)
-
-    def _categorical(self, names: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(n for n in names if n in self.categorical_columns)
-
-    @property
-    def known_reals(self) -> tuple[str, ...]:
-        """The known real user columns: their future values travel in the wire's future_features."""
-        return self._real(self.known_columns)
-
-    @property
-    def known_categoricals(self) -> tuple[str, ...]:
-        """The known categorical user columns: their future labels travel in future_categorical_features."""
-        return self._categorical(self.known_columns)
-
-    @property
-    def observed_user(self) -> tuple[str, ...]:
-        """Observed user variables in the model's order: reals, then categoricals."""
-        return self._real(self.user_columns) + self._categorical(self.user_columns)
-
-    @property
-    def known_user(self) -> tuple[str, ...]:
-        """Known user variables in the model's order: reals, then categoricals."""
-        return self._real(self.known_columns) + self._categorical(self.known_columns)
-
-    @property
-    def static_categoricals(self) -> tuple[str, ...]:
-        return self._categorical(self.static_columns)
-
-    @property
-    def static_reals(self) -> tuple[str, ...]:
-        return self._real(self.static_columns)
-
-    @property
-    def real_columns(self) -> tuple[str, ...]:
-        """Every real user column a file must hold: observed, known, static."""
-        return self._real(self.user_columns) + self._real(self.known_columns) + self.static_reals
-
-    @property
-    def series_reals(self) -> tuple[str, ...]:
-        """The real user columns sent per bar (the wire's user_features): observed, then known."""
-        return self._real(self.user_columns) + self._real(self.known_columns)
-
-    @property
-    def series_categoricals(self) -> tuple[str, ...]:
-        """The categorical user columns sent per bar: observed, then known."""
-        return self._categorical(self.user_columns) + self._categorical(self.known_columns)
-
-    @property
-    def has_user_inputs(self) -> bool:
-        """Whether any user column beyond observed reals is used (known, static or categorical)."""
-        return bool(self.known_columns or self.static_columns or self.categorical_columns)
-
-    def vocabulary(self, name: str) -> tuple[str, ...]:
-        return dict(self.vocabularies)[name]
-
-    @property
-    def contract_known(self) -> tuple[str, ...]:
-        """The built-in known contract features: CONTRACT_KNOWN for a `calendar:N` roll, else none."""
-        rolls_by_calendar = self.contracts is not None and roll_sessions(self.contracts.roll) is not None
-        return CONTRACT_KNOWN if rolls_by_calendar else ()
-
-    def schema(self) -> FeatureSchema:
-        return _schema(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"horizon": self.horizon, "volatility_window": self.volatility_window,
-                             "user_columns": list(self.user_columns), "calendar_tz": self.calendar_tz}
-        if self.has_user_inputs:  # a model without them keeps the same metadata
-            d |= {"known_columns": list(self.known_columns), "static_columns": list(self.static_columns),
-                  "categorical_columns": list(self.categorical_columns),
-                  "vocabularies": {name: list(v) for name, v in self.vocabularies}}
-        if self.contracts is not None:
-            d["contracts"] = self.contracts.to_dict()
-        return d
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> FeatureConfig:
-        return FeatureConfig(int(d["horizon"]), int(d["volatility_window"]), tuple(d["user_columns"]),
-                             str(d["calendar_tz"]), tuple(d.get("known_columns", ())),
-                             tuple(d.get("static_columns", ())), tuple(d.get("categorical_columns", ())),
-                             tuple((name, tuple(v)) for name, v in d.get("vocabularies", {}).items()),
-                             ContractConfig.from_dict(d["contracts"]) if d.get("contracts") else None)
-
-
-ROLE_FLAGS = {"user_columns": "--features", "known_columns": "--known-features", "static_columns": "--static-features"}
-
-
-def check_roles(config: FeatureConfig) -> None:
-    """ValueError for a user column in two roles, or a categorical column in none."""
-    seen: dict[str, str] = {}
-    for field_name, flag in ROLE_FLAGS.items():
-        for name in getattr(config, field_name):
-            if name in seen and seen[name] != flag:
-                raise ValueError(f"user feature {name!r} is given to {seen[name]} and {flag}: a column has one "
-                                 "role; keep it in one of them")
-            seen[name] = flag
-    if stray := [c for c in config.categorical_columns if c not in seen]:
-        raise ValueError(f"--categorical-features {', '.join(stray)}: not given a role; add each to --features, "
-                         "--known-features or --static-features too")
-    if config.vocabularies and (lacking := [c for c in config.categorical_columns
-                                            if c not in dict(config.vocabularies)]):
-        raise ValueError(f"no vocabulary for categorical feature(s) {', '.join(lacking)}")
+from features.config import FeatureConfig
+from features.rolls import contract_known
+from features.schema import FeatureSchema
 
 
 @dataclass
@@ -192,152 +43,6 @@ class FeatureFrame:
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
-
-
-def infer_bar_interval_ns(timestamp_ns: np.ndarray, series_bounds: np.ndarray) -> int:
-    """The most common spacing of consecutive bars of a series (0 when none), when it recurs (2% of spacings)
-    and is most of those within 2.5% of it; else the bars are off their grid: `_off_grid_interval`."""
-    diffs = [np.diff(timestamp_ns[s:e]) for s, e in series_bounds if e - s > 1]
-    if not diffs:
-        return 0
-    d = np.concatenate(diffs)
-    d = np.sort(d[d > 0])
-    if d.size == 0:
-        return 0
-    first = np.concatenate([[0], np.flatnonzero(d[1:] != d[:-1]) + 1])  # each distinct spacing's first place
-    values, counts = d[first], np.diff(np.append(first, d.size))
-    common = int(np.argmax(counts))  # the first of equals: the shortest spacing
-    v = int(values[common])
-    near = np.searchsorted(d, v + v // SNAP_PARTS, "right") - np.searchsorted(d, v - v // SNAP_PARTS, "left")
-    if counts[common] >= min(2, d.size) and 50 * int(counts[common]) >= d.size and 2 * int(counts[common]) >= near:
-        return v
-    return _off_grid_interval(d)
-
-
-def _off_grid_interval(d: np.ndarray) -> int:
-    """The bar size of sorted off-grid spacings `d`: the median near the largest run of spacings (each within 1%
-    of the one before), snapped to the coarsest round unit within 2.5% (59.997 s -> 60 s)."""
-    starts = np.flatnonzero(np.diff(d) > d[:-1] // INTERVAL_TOLERANCE_PARTS) + 1  # where a new run begins
-    edges = np.concatenate([[0], starts, [d.size]])
-    best = int(np.argmax(np.diff(edges)))
-    run = d[edges[best]:edges[best + 1]]
-    if run[0] == run[-1]:  # one spacing alone
-        return int(run[0])
-    size = int(np.median(run))
-    lo, hi = np.searchsorted(d, [size - size // 2, size + size // 2], "left")
-    middle = int(np.median(d[lo:hi]))
-    for unit in (NS_PER_DAY, 3_600_000_000_000, 60_000_000_000, NS_PER_SECOND, 1_000_000, 1_000):
-        snapped = round(middle / unit) * unit
-        if snapped and abs(snapped - middle) * SNAP_PARTS <= middle:
-            return snapped
-    return middle
-
-
-def check_time_zone(name: str) -> None:
-    """ValueError when `name` is not an IANA time zone this machine knows; `localtime` (the machine's) is refused."""
-    if name == "UTC":
-        return
-    example = "(e.g. UTC, America/Chicago, Europe/London, Asia/Tokyo)"
-    if name in ("localtime", "posixrules"):
-        raise ValueError(f"calendar time zone {name!r} means this machine's setting, which the serving machine "
-                         f"need not share: name the zone {example}")
-    try:
-        ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a directory of zones (America), a long name
-        if not available_timezones():
-            raise ValueError(f"calendar time zone {name!r}: this machine has no time zone database; install the "
-                             "tzdata package (pip install tzdata)") from None
-        raise ValueError(f"calendar time zone {name!r} is not an IANA time zone name {example}") from None
-
-
-SMALL_ZONE_ROWS = 256  # up to this many series of timestamps, each gets its own two offset look-ups
-
-
-@functools.lru_cache(maxsize=8192)
-def _offset_ns(tz: str, second: int) -> int:
-    """The zone's UTC offset at `second` (since the Unix epoch), in ns."""
-    delta = datetime.fromtimestamp(second, ZoneInfo(tz)).utcoffset()
-    return int(delta.total_seconds()) * NS_PER_SECOND if delta is not None else 0
-
-
-def _change_second(tz: str, lo: int, hi: int) -> int:
-    """The first second in (lo, hi] with hi's offset, when lo's differs (one change between them)."""
-    end = _offset_ns(tz, hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _offset_ns(tz, mid) == end else (mid, hi)
-    return hi
-
-
-def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
-    """The zone's UTC offset at each timestamp in ns (local = UTC + offset); one int when it is the same for all.
-    No zone changed twice within two days since 1970: a two-day span with one offset at both ends has it."""
-    ts = np.asarray(timestamp_ns, dtype=np.int64)
-    if ts.size == 0:
-        return 0
-    lo, hi = int(ts.min()) // NS_PER_SECOND, int(ts.max()) // NS_PER_SECOND
-    if hi - lo <= 2 * 86_400 and (first := _offset_ns(tz, lo)) == _offset_ns(tz, hi):
-        return first
-    second = ts // NS_PER_SECOND
-    if ts.ndim >= 2 and ts.size // ts.shape[-1] <= SMALL_ZONE_ROWS:  # a server's batch: each series alone
-        rows_lo, rows_hi = second.min(axis=-1).reshape(-1), second.max(axis=-1).reshape(-1)
-        per_row = [(_offset_ns(tz, int(a)), _offset_ns(tz, int(b))) for a, b in zip(rows_lo, rows_hi, strict=True)]
-        if all(a == b for a, b in per_row) and int((rows_hi - rows_lo).max()) <= 2 * 86_400:
-            return np.array([a for a, _ in per_row], dtype=np.int64).reshape(*ts.shape[:-1], 1)
-    day = second // 86_400
-    first_day, last_day = int(day.min()), int(day.max())
-    days = np.arange(first_day, last_day + 1) if last_day - first_day <= 100_000 else np.unique(day)
-    return DayOffsets(tz, days).at(second)
-
-
-class DayOffsets:
-    """A zone's UTC offset on given UTC days: per day, the offset at its first and last second and the second
-    it changes (by bisection). `at` answers any seconds on those days with array operations alone."""
-
-    NEVER = np.iinfo(np.int64).max
-
-    @classmethod
-    def span(cls, tz: str, first_day: int, last_day: int) -> DayOffsets:
-        return cls(tz, np.arange(first_day, last_day + 1, dtype=np.int64))
-
-    def __init__(self, tz: str, days: np.ndarray) -> None:
-        self.days = np.asarray(days, dtype=np.int64)  # [D] sorted, distinct days since the epoch
-        self.contiguous = int(self.days[-1] - self.days[0]) + 1 == self.days.size
-        self.start = np.array([_offset_ns(tz, int(d) * 86_400) for d in self.days], dtype=np.int64)  # [D]
-        self.end = np.array([_offset_ns(tz, int(d) * 86_400 + 86_399) for d in self.days], dtype=np.int64)  # [D]
-        self.change = np.full(self.days.size, self.NEVER, dtype=np.int64)  # [D]  first second with `end`'s offset
-        for k in np.flatnonzero(self.start != self.end):  # the offset changes within this day, once
-            midnight = int(self.days[k]) * 86_400
-            self.change[k] = _change_second(tz, midnight, midnight + 86_399)
-
-    def at(self, second: np.ndarray) -> np.ndarray:
-        """The offset (ns) at each of `second` (on the table's days), same shape."""
-        day = second // 86_400
-        k = day - self.days[0] if self.contiguous else np.searchsorted(self.days, day)
-        return np.where(second >= self.change[k], self.end[k], self.start[k])
-
-
-def known_features(timestamp_ns: np.ndarray, tz: str = "UTC") -> np.ndarray:
-    """Calendar features of any timestamps, float32 [..., 4]: time of day and day of week in the zone `tz`
-    (an exchange's, through daylight saving), each as a sin/cos pair."""
-    ts = np.asarray(timestamp_ns, dtype=np.int64)
-    if tz != "UTC":
-        ts = ts + utc_offset_ns(ts, tz)  # local wall-clock time, as ns since a local 1970-01-01
-    tod = (ts % NS_PER_DAY).astype(np.float64) / NS_PER_DAY  # [...]  fraction of the day
-    dow = ((ts // NS_PER_DAY + 3) % 7).astype(np.float64) / 7.0  # 1970-01-01 was a Thursday
-    out = np.empty((*ts.shape, 4), dtype=np.float32)  # [..., 4]
-    tod_angle, dow_angle = 2 * np.pi * tod, 2 * np.pi * dow
-    out[..., 0] = np.sin(tod_angle)
-    out[..., 1] = np.cos(tod_angle)
-    out[..., 2] = np.sin(dow_angle)
-    out[..., 3] = np.cos(dow_angle)
-    return out
-
-
-def future_timestamps(last_ns: np.ndarray, bar_interval_ns: int, horizon: int) -> np.ndarray:
-    """Nominal timestamps of the next `horizon` bars after each `last_ns`, [..., H]: training and serving alike."""
-    steps = np.arange(1, horizon + 1, dtype=np.int64) * np.int64(bar_interval_ns)
-    return np.asarray(last_ns, dtype=np.int64)[..., None] + steps
 
 
 _SMALL_ROLLING_CELLS = 3072  # up to this many [rows, window] cells the rolling std runs as whole-matrix steps
@@ -458,8 +163,6 @@ def _with_contract_known(config: FeatureConfig, roots: Sequence[str] | None, enc
                          ) -> tuple[np.ndarray, np.ndarray]:
     """The calendar features [B, L, 4] and [B, H, 4] followed by the contract features of the encoder bars
     (encoder_ns [B, L]) and of the future bars (future_ns [B, H])."""
-    from features.rolls import contract_known  # features.rolls builds on this module
-
     assert config.contracts is not None
     if roots is None:
         raise ValueError("latest_windows: a calendar-rolled model's contract features need each series' root (roots=)")
@@ -467,23 +170,6 @@ def _with_contract_known(config: FeatureConfig, roots: Sequence[str] | None, enc
     tz = config.calendar_tz
     return (np.concatenate([encoder_known, contract_known(encoder_ns, root, config.contracts, tz)], axis=-1),
             np.concatenate([decoder_known, contract_known(future_ns, root, config.contracts, tz)], axis=-1))
-
-
-@functools.lru_cache(maxsize=32)
-def _schema(config: FeatureConfig) -> FeatureSchema:
-    """Static: the symbol, user categoricals, user reals. Observed and known: built-in, then user reals, then user
-    categoricals: the column order of every array of that role."""
-    cat, real = Kind.CATEGORICAL, Kind.REAL
-
-    def user(names: tuple[str, ...], role: Role) -> list[FeatureSpec]:
-        return [FeatureSpec(n, role, cat if n in config.categorical_columns else real, source="user") for n in names]
-
-    specs = [FeatureSpec(STATIC_SYMBOL, Role.STATIC, cat)]
-    specs += user(config.static_categoricals + config.static_reals, Role.STATIC)
-    specs += [FeatureSpec(n, Role.OBSERVED, real) for n in BUILTIN_OBSERVED] + user(config.observed_user, Role.OBSERVED)
-    specs += [FeatureSpec(n, Role.KNOWN, real) for n in BUILTIN_KNOWN + config.contract_known]
-    specs += user(config.known_user, Role.KNOWN)
-    return FeatureSchema(tuple(specs))
 
 
 def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = None,
@@ -511,8 +197,6 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
         np.full((n, config.horizon), np.nan, dtype=np.float32)
     known = known_features(bars.timestamp_ns, config.calendar_tz)  # [N, 4]
     if config.contract_known:
-        from features.rolls import contract_known  # features.rolls builds on this module
-
         assert config.contracts is not None
         known = np.concatenate([known, contract_known(bars.timestamp_ns, bars.symbol, config.contracts,
                                                       config.calendar_tz)], axis=1)  # [N, 6]

@@ -134,9 +134,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="column of each contract's expiration, for --roll calendar:N (default expiration)")
 
 
-def given(args: argparse.Namespace) -> bool:
-    """Whether any contract flag was given."""
-    return any(getattr(args, k, None) is not None for k in ("contract_col", "roots", "roll", "adjust", "volume_mode"))
+@dataclass(frozen=True)
+class ContractFlags:
+    """The contract flags of a command (None: not given), by keyword; `of` reads them from parsed arguments."""
+
+    contract_col: str | None = None
+    roots: str | None = None  # a mapping file or a bars column
+    roll: str | None = None
+    adjust: str | None = None
+    volume: str | None = None
+    expiration_col: str | None = None
+
+    @staticmethod
+    def of(args: argparse.Namespace) -> ContractFlags:
+        """The flags `add_arguments` defines, from any command's parsed arguments (absent ones: None)."""
+        return ContractFlags(**{name: getattr(args, "volume_mode" if name == "volume" else name, None)
+                                for name in ContractFlags.__dataclass_fields__})
+
+    @property
+    def given(self) -> bool:
+        """Whether any flag that asks for contracts was given."""
+        return any(v is not None for v in (self.contract_col, self.roots, self.roll, self.adjust, self.volume))
 
 
 def read_mapping(path: Path) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
@@ -164,28 +182,28 @@ def expiration_day(text: str, where: str) -> str:
         raise ValueError(f"{where}: expiration {text!r} is not a date; give YYYY-MM-DD") from None
 
 
-def from_args(args: argparse.Namespace, names: Sequence[str], has_columns: Sequence[str] = ()) -> ContractConfig | None:
+def contract_config(flags: ContractFlags, names: Sequence[str], has_columns: Sequence[str] = ()
+                    ) -> ContractConfig | None:
     """The run's ContractConfig from its flags and the bars' names (contract column values), or None for plain
     series: names that are not contract names and no contract flag, or `--roll none` without --contract-col.
     ValueError (one line) for a name no rule maps while contracts are asked for."""
-    roll = args.roll or "volume"
-    if (args.roll == "none" and args.contract_col is None) or not (names or given(args)):
+    if (flags.roll == "none" and flags.contract_col is None) or not (names or flags.given):
         return None
     roots: tuple[tuple[str, str], ...] = ()
     days: tuple[tuple[str, str], ...] = ()
     root_column = ""
-    if args.roots is not None:
-        if Path(args.roots).is_file():
-            roots, days = read_mapping(Path(args.roots))
-        elif args.roots in has_columns:
-            root_column = args.roots
+    if flags.roots is not None:
+        if Path(flags.roots).is_file():
+            roots, days = read_mapping(Path(flags.roots))
+        elif flags.roots in has_columns:
+            root_column = flags.roots
         else:
-            raise ValueError(f"--roots {args.roots}: no such file, and the bars have no such column; "
+            raise ValueError(f"--roots {flags.roots}: no such file, and the bars have no such column; "
                              + ROOTS_FIX)
-    cfg = ContractConfig(roll, args.adjust or "none", args.volume_mode or "front", args.contract_col or "",
-                         root_column, roots, days)
+    cfg = ContractConfig(flags.roll or "volume", flags.adjust or "none", flags.volume or "front",
+                         flags.contract_col or "", root_column, roots, days)
     unmapped = [n for n in names if cfg.root_of(n) is None] if not root_column else []
-    if unmapped and not given(args) and len(unmapped) == len(names):
+    if unmapped and not flags.given and len(unmapped) == len(names):
         return None  # plain series, as the names are not contracts
     if unmapped:
         shown = ", ".join(repr(n) for n in unmapped[:3]) + (f" and {len(unmapped) - 3} more" if len(unmapped) > 3
@@ -193,6 +211,6 @@ def from_args(args: argparse.Namespace, names: Sequence[str], has_columns: Seque
         spreads = "; calendar spreads such as ESH5-ESM5 are not one contract's bars: drop their rows" \
             if any("-" in n for n in unmapped) else ""
         raise ValueError(f"contract name(s) {shown} name no root: contract names are read as {CONTRACT_PATTERN}; "
-                         + ROOTS_FIX + (" (or --roll none: each name its own series)" if args.roll is None else "")
+                         + ROOTS_FIX + (" (or --roll none: each name its own series)" if flags.roll is None else "")
                          + spreads)
     return cfg

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from features.bars import ColumnMap
-from features.compute import FeatureConfig
+from features.config import FeatureConfig
 from features.contracts import ContractConfig
 from features.schema import FeatureSchema
 

@@ -8,17 +8,14 @@ before the roll; the bar's own open when it has none), never against the old con
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-from features.bars import Bars, ColumnBlock, ColumnMap, list_parquet_files
-from features.compute import NS_PER_DAY, FeatureConfig, utc_offset_ns
-from features.contracts import ContractConfig, contract_month, expiration_day, from_args, roll_sessions
+from features.bars import Bars
+from features.calendar import sessions
+from features.config import FeatureConfig
+from features.contracts import ContractConfig, contract_month, roll_sessions
 
 
 @dataclass(frozen=True)
@@ -46,12 +43,6 @@ class Front:
     log_offset: np.ndarray  # float64 [M]  added to log(close); 0 in the latest contract
     volume: np.ndarray  # float64 [M]  the continuous bar's volume (the front's, or the root's sum)
     rolls: list[tuple[str, str, int]]  # (old, new, first timestamp of new)
-
-
-def sessions(timestamp_ns: np.ndarray, tz: str) -> np.ndarray:
-    """Each bar's session: its calendar day in `tz`, as days since 1970-01-01, int64 [n]."""
-    ts = np.asarray(timestamp_ns, dtype=np.int64)
-    return (ts + utc_offset_ns(ts, tz)) // NS_PER_DAY
 
 
 def contract_codes(contract: np.ndarray) -> tuple[list[str], np.ndarray]:
@@ -213,8 +204,9 @@ def continuous(bars: Bars, config: FeatureConfig) -> tuple[Bars, list[Roll]]:
         rolls += [Roll(r, old, new, t) for old, new, t in f.rolls]
     take = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     offset = np.concatenate(offsets) if offsets else np.zeros(0)
-    out = _taken(bars, take, np.concatenate(roots) if roots else np.zeros(0, object),
-                 np.array(names, dtype=object)[code[take]], np.concatenate(volumes) if volumes else np.zeros(0), offset)
+    out = replace(bars.take(take), symbol=np.concatenate(roots) if roots else np.zeros(0, object),
+                  volume=np.concatenate(volumes) if volumes else np.zeros(0),
+                  contract=np.array(names, dtype=object)[code[take]], log_offset=offset)
     return (_ratio_adjusted(out) if cfg.adjust == "ratio" else out), rolls
 
 
@@ -242,78 +234,12 @@ def _roots(bars: Bars, cfg: ContractConfig, names: list[str], first_rows: list[i
     return [str(m) for m in mapped]
 
 
-def _taken(bars: Bars, take: np.ndarray, root: np.ndarray, contract: np.ndarray, volume: np.ndarray,
-           offset: np.ndarray) -> Bars:
-    user = ColumnBlock(bars.user.names, bars.user.block[:, take]) if isinstance(bars.user, ColumnBlock) \
-        else {k: v[take] for k, v in bars.user.items()}
-    return Bars(bars.timestamp_ns[take], root, bars.open[take], bars.high[take], bars.low[take],
-                bars.close[take], volume, user, {k: v[take] for k, v in bars.labels.items()}, list(bars.files),
-                list(bars.notes), contract=contract, log_offset=offset)
-
-
 def _ratio_adjusted(bars: Bars) -> Bars:
     """Prices back-adjusted by each row's ratio (the latest contract's unchanged); no offset left to add."""
     assert bars.log_offset is not None
     k = np.exp(bars.log_offset)
     return replace(bars, open=bars.open * k, high=bars.high * k, low=bars.low * k, close=bars.close * k,
                    log_offset=None)
-
-
-def reading(cmap: ColumnMap, cfg: ContractConfig | None) -> tuple[ColumnMap, tuple[str, ...]]:
-    """The column map to read per-contract bars with (the contract column as the symbol) and the label columns
-    the roll needs (the root column)."""
-    if cfg is None:
-        return cmap, ()
-    cmap = replace(cmap, symbol=cfg.contract_column) if cfg.contract_column else cmap
-    return cmap, (cfg.root_column,) if cfg.root_column else ()
-
-
-def scan(path: str | Path, cmap: ColumnMap, args: argparse.Namespace) -> ContractConfig | None:
-    """A run's ContractConfig from its flags and the names (and any expirations) in the bars at `path`; None for
-    plain series. ValueError (one line) for contract input no rule can take."""
-    column = args.contract_col or cmap.symbol
-    exp_col = getattr(args, "expiration_col", None) or "expiration"
-    names: set[str] = set()
-    days: dict[str, str] = {}
-    present: set[str] = set()
-    for file in list_parquet_files(Path(path)):
-        try:
-            schema = pq.read_schema(file)
-        except (OSError, pa.ArrowException):
-            continue  # read_bars names the file that cannot be read
-        present |= set(schema.names)
-        if column not in schema.names:
-            continue
-        wanted = [column] + ([exp_col] if exp_col in schema.names else [])
-        table = pq.read_table(file, columns=wanted)
-        text = table.column(column).cast(pa.string())
-        names |= {str(n) for n in text.unique().to_pylist() if n is not None}
-        if exp_col in schema.names:
-            both = pa.table({"c": text, "e": table.column(exp_col).cast(pa.string())}).group_by("c").aggregate(
-                [("e", "max")])
-            days |= {c: expiration_day(e, f"column {exp_col!r} of {file}") for c, e in
-                     zip(both.column("c").to_pylist(), both.column("e_max").to_pylist(), strict=True) if c and e}
-    if args.contract_col is not None and column not in present:
-        raise ValueError(f"--contract-col {column}: the bars have no such column; name the column of raw contract "
-                         "names (e.g. symbol or raw_symbol)")
-    cfg = from_args(args, sorted(names), sorted(present))
-    if cfg is not None and days:
-        cfg = replace(cfg, expirations=tuple(sorted({**days, **dict(cfg.expirations)}.items())))
-    if cfg is not None and cfg.root_column:  # kept with the model: a server maps the names the column mapped
-        cfg = replace(cfg, roots=_column_roots(path, column, cfg.root_column))
-    return cfg
-
-
-def _column_roots(path: str | Path, column: str, root_column: str) -> tuple[tuple[str, str], ...]:
-    """(contract, root) pairs of a bars root column."""
-    pairs: dict[str, str] = {}
-    for file in list_parquet_files(Path(path)):
-        table = pq.read_table(file, columns=[column, root_column])
-        both = pa.table({"c": table.column(column).cast(pa.string()), "r": table.column(root_column).cast(pa.string())})
-        for row in both.group_by(["c", "r"]).aggregate([]).to_pylist():
-            if row["c"] and row["r"]:
-                pairs[row["c"]] = row["r"]
-    return tuple(sorted(pairs.items()))
 
 
 def calendar_expiries(cfg: ContractConfig, root: str) -> np.ndarray:

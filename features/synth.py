@@ -48,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from features.compute import NS_PER_DAY, NS_PER_SECOND
+from features.calendar import NS_PER_DAY, NS_PER_SECOND
 from features.contracts import MONTH_CODES
 from features.files import atomic_output
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from features.compute import BUILTIN_KNOWN, FeatureFrame, future_timestamps, known_features
+from features.calendar import future_timestamps, known_features
+from features.compute import FeatureFrame
+from features.config import BUILTIN_KNOWN
 from features.rolls import contract_known
 from features.schema import (
     DECODER_KNOWN,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -45,11 +45,13 @@ from features.bars import (
     unusable_user_rows,
     unusable_values,
 )
+from features.calendar import sessions
 from features.check import format_timestamp, series_bounds
-from features.compute import FeatureConfig, check_static
-from features.contracts import ContractConfig
+from features.compute import check_static
+from features.config import FeatureConfig
+from features.contracts import ContractConfig, ContractFlags
 from features.files import reader_went_away
-from features.rolls import reading, scan, sessions
+from features.series import reading, scan
 from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
@@ -473,10 +475,8 @@ def _contracts(args: argparse.Namespace, info: pb.ModelInfo) -> ContractConfig |
             raise Refused("--contract-col/--roots: the server's model was not trained on futures contracts "
                           "(GetModelInfo.roll_rule is empty); leave them out")
         return None
-    flags = argparse.Namespace(contract_col=contract_col, roots=roots, roll=None, adjust=None, volume_mode=None,
-                               expiration_col=None)
     try:
-        return scan(args.parquet, _columns(args, info), flags)
+        return scan(args.parquet, _columns(args, info), ContractFlags(contract_col=contract_col, roots=roots))
     except ValueError as exc:
         raise Refused(f"{args.parquet}: {exc}") from None
     except (OSError, pa.ArrowException):  # read_bars names the file it cannot read
@@ -494,9 +494,7 @@ def root_bars(bars: Bars, root: str, cfg: ContractConfig) -> tuple[Bars, np.ndar
         roots = np.array([cfg.root_of(str(u)) or "" for u in unique], dtype=str)[inverse.reshape(-1)]
     rows = np.flatnonzero(roots == root)
     rows = rows[np.lexsort((names[rows], bars.timestamp_ns[rows]))]  # [n]
-    return Bars(bars.timestamp_ns[rows], np.full(rows.size, root, dtype=object), bars.open[rows], bars.high[rows],
-                bars.low[rows], bars.close[rows], bars.volume[rows], {u: bars.user[u][rows] for u in bars.user},
-                {c: np.asarray(bars.labels[c])[rows] for c in bars.labels}, bars.files), names[rows]
+    return replace(bars.take(rows), symbol=np.full(rows.size, root, dtype=object)), names[rows]
 
 
 def _rows_to_send(args: argparse.Namespace, info: pb.ModelInfo, bars: Bars, last: int) -> int:

@@ -37,26 +37,20 @@ from features.bars import (
     clash_with_bars,
     column_names,
     lacks_a_column,
-    read_bars,
     unusable_user_rows,
     unusable_values,
 )
+from features.calendar import COARSE_INTERVALS, NS_PER_DAY, future_timestamps
 from features.categories import unseen_note
-from features.check import MAX_ROLLS, format_duration, format_timestamp, spacing_warning
-from features.compute import (
-    COARSE_INTERVALS,
-    NS_PER_DAY,
-    FeatureConfig,
-    FeatureFrame,
-    build_frame,
-    future_timestamps,
-)
+from features.check import format_duration, format_timestamp, spacing_warning
+from features.compute import FeatureFrame, build_frame
+from features.config import FeatureConfig
 from features.file_kind import replace_problem
 from features.files import atomic_output, file_argument, link_note
 from features.metrics import pinball
 from features.model_meta import ModelMeta
-from features.rolls import continuous, reading
 from features.schema import QUANTILES, STATIC_CATEGORICAL
+from features.series import ContractError, as_series, read_contract_bars, roll_listing
 from features.windows import anchor_rows, gather_windows
 from serving.errors import ModelLoadError
 from serving.model import DEVICES, LoadedModel, load_model
@@ -88,22 +82,6 @@ def parse_time(text: str, flag: str) -> int:
                          "time in that range")
     delta = when - EPOCH  # exact: days, seconds and microseconds
     return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1_000
-
-
-def only_symbols(bars: Bars, symbols: Sequence[str]) -> Bars:
-    """The rows of `symbols` (in that order), grouped as before; a continuous series keeps its contracts and
-    log offsets."""
-    slices = bars.series_slices()
-    parts = [slices[s] for s in symbols]
-
-    def take(col: np.ndarray) -> np.ndarray:
-        return np.concatenate([col[sl] for sl in parts]) if parts else col[:0]
-
-    return Bars(take(bars.timestamp_ns), take(bars.symbol), take(bars.open), take(bars.high), take(bars.low),
-                take(bars.close), take(bars.volume), {u: take(bars.user[u]) for u in bars.user},
-                {c: take(bars.labels[c]) for c in bars.labels}, bars.files,
-                contract=None if bars.contract is None else take(bars.contract),
-                log_offset=None if bars.log_offset is None else take(bars.log_offset))
 
 
 def _in_range(ts: np.ndarray, start_ns: int | None, end_ns: int | None) -> np.ndarray:
@@ -309,7 +287,7 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
           end_ns: int | None, batch: int) -> Summary:
     """Write the forecasts of every origin to `out` (atomically); returns the summary."""
     meta: ModelMeta = model.meta
-    chosen = only_symbols(bars, symbols)
+    chosen = bars.only(symbols)
     try:
         frame = build_frame(chosen, meta.feature_config, list(meta.symbols), meta.bar_interval_ns)
     except ValueError as exc:  # a static feature that varies within a series
@@ -471,10 +449,8 @@ def _run(args: argparse.Namespace) -> int:
         columns = ColumnMap.from_args(args, stored)
         asked = asked_symbols(args.symbols, meta)
         fc = meta.feature_config
-        per_contract, root_column = reading(columns, fc.contracts)  # a contract model: every root's contracts
-        bars = read_bars(args.parquet, per_contract, fc.real_columns, symbols=None if fc.contracts else asked or None,
-                         check_user_values=False,  # windows with unusable user values are skipped
-                         label_columns=tuple(dict.fromkeys((*fc.categorical_columns, *root_column))))
+        bars = read_contract_bars(args.parquet, columns, fc, symbols=asked or None,
+                                  check_user_values=False)  # windows with unusable user values are skipped
         bars = rolled(bars, fc, args.parquet)
         wanted = _wanted_symbols(meta, bars, asked, args.parquet, columns)
         summary = score(model, bars, args.out, wanted, start_ns, end_ns, args.batch)
@@ -509,16 +485,14 @@ def asked_symbols(text: str | None, meta: ModelMeta) -> list[str]:
 def rolled(bars: Bars, fc: FeatureConfig, path: Path) -> Bars:
     """`bars` as read, or for a contract model one continuous series per root by its roll rule (rolls logged)."""
     try:
-        series, rolls = continuous(bars, fc)
-    except ValueError as exc:  # contract names the model's mapping cannot take
+        series, rolls = as_series(bars, fc)
+    except ContractError as exc:  # contract names the model's mapping cannot take
         raise ScoreError(f"{path}: {exc} (serving.score rolls the bars by the model's own rule and mapping: "
                          "those flags are the training run's)") from None
     if fc.contracts is not None:
         log.info("contracts: %s; %d roll(s)", fc.contracts.describe(), len(rolls))
-    for roll in rolls[:MAX_ROLLS]:
-        log.info("  %s", roll.line())
-    if len(rolls) > MAX_ROLLS:
-        log.info("  ... and %d more", len(rolls) - MAX_ROLLS)
+    for line in roll_listing(rolls):
+        log.info("%s", line)
     return series
 
 

@@ -25,7 +25,7 @@ from features.bars import (
     block_for,
     validate,
 )
-from features.compute import COARSE_INTERVALS, NS_PER_DAY, future_timestamps
+from features.calendar import COARSE_INTERVALS, NS_PER_DAY, future_timestamps
 from features.model_meta import ModelMeta
 from features.rolls import contract_codes, contract_known, front_rows
 from features.text import bounded, listed

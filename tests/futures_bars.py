@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from features.bars import Bars
-from features.compute import NS_PER_DAY
+from features.calendar import NS_PER_DAY
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.wire import make_series
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import SAMPLE_BARS, write_parquet
 
 from features.bars import BarDataError, ColumnMap, Problem, read_bars
-from features.compute import infer_bar_interval_ns
+from features.calendar import infer_bar_interval_ns
 
 T0 = 1_704_119_400 * 10**9  # 2024-01-01 14:30:00 UTC, in ns
 MINUTE = 60 * 10**9

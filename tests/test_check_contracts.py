@@ -142,7 +142,7 @@ def test_check_lists_the_first_rolls_and_counts_the_rest(tmp_path: Path) -> None
     lines = done.stdout.splitlines()
     assert lines[1:3] == ["roots: CL (23 contracts)", "rolls: 22"]
     assert lines[3].endswith("CLF5 -> CLG5") and lines[22].endswith("CLQ6 -> CLU6")
-    assert lines[23] == "  ... and 2 more" and lines[24] == "files: 1"
+    assert lines[23] == "  ... and 2 more rolls" and lines[24] == "files: 1"
 
 
 def write_rows(table: pa.Table, path: Path, **columns: list[str]) -> Path:

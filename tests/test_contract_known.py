@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from features.bars import Bars
-from features.compute import BUILTIN_KNOWN, CONTRACT_KNOWN, FeatureConfig, build_frame, latest_windows
+from features.compute import build_frame, latest_windows
+from features.config import BUILTIN_KNOWN, CONTRACT_KNOWN, FeatureConfig
 from features.contracts import ContractConfig
 from features.model_meta import ModelMeta
 from features.rolls import continuous, contract_known

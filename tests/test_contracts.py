@@ -10,9 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from features import contracts, rolls
+from features import contracts, rolls, series
 from features.bars import Bars, ColumnMap, read_bars
-from features.compute import NS_PER_DAY, FeatureConfig, build_frame, latest_windows
+from features.calendar import NS_PER_DAY
+from features.compute import build_frame, latest_windows
+from features.config import FeatureConfig
 from features.contracts import ContractConfig, parse_contract
 
 GAP = 0.03  # the next contract trades 3% above the front
@@ -60,17 +62,15 @@ def two_contracts(path: Path, gap: float = GAP, back_volume: float = 100.0) -> t
     return write(path, [h, m]), ts, p
 
 
-def namespace(*argv: str) -> argparse.Namespace:
+def flags(*argv: str) -> contracts.ContractFlags:
     parser = argparse.ArgumentParser()
     contracts.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return contracts.ContractFlags.of(parser.parse_args(list(argv)))
 
 
 def stitched(path: Path, *argv: str, horizon: int = 3) -> tuple[Bars, list[rolls.Roll], FeatureConfig]:
-    cfg = rolls.scan(path, CMAP, namespace(*argv))
-    config = FeatureConfig(horizon=horizon, volatility_window=5, contracts=cfg)
-    cmap, labels = rolls.reading(CMAP, cfg)
-    bars, found = rolls.continuous(read_bars(path, cmap, label_columns=labels), config)
+    config = FeatureConfig(horizon=horizon, volatility_window=5, contracts=series.scan(path, CMAP, flags(*argv)))
+    bars, found = series.read_series(path, CMAP, config)
     return bars, found, config
 
 
@@ -203,9 +203,9 @@ def test_plain_series_stay_as_they_are(tmp_path: Path) -> None:
     ts, p = underlying()
     rows = contract_rows("ES.c.0", ts, p, 1.0, range(10), dict.fromkeys(range(10), 1.0))
     path = write(tmp_path / "plain.parquet", [rows])
-    assert rolls.scan(path, CMAP, namespace()) is None
+    assert series.scan(path, CMAP, flags()) is None
     two, _, _ = two_contracts(tmp_path / "es.parquet")
-    assert rolls.scan(two, CMAP, namespace("--roll", "none")) is None  # each contract its own series
+    assert series.scan(two, CMAP, flags("--roll", "none")) is None  # each contract its own series
     bars = read_bars(path, CMAP)
     assert rolls.continuous(bars, FeatureConfig()) == (bars, [])
     assert "contracts" not in FeatureConfig().to_dict()
@@ -232,8 +232,8 @@ def test_a_continuous_file_rolls_where_its_contract_changes(tmp_path: Path) -> N
 def test_contract_config_travels_with_the_feature_config(tmp_path: Path) -> None:
     mapping = tmp_path / "roots.csv"
     mapping.write_text("contract,root,expiration\nESH5,ES,2025-03-14\n")
-    cfg = contracts.from_args(namespace("--roll", "calendar:3", "--roots", str(mapping), "--volume", "root"),
-                              ["ESH5", "ESM5"])
+    cfg = contracts.contract_config(flags("--roll", "calendar:3", "--roots", str(mapping), "--volume", "root"),
+                                    ["ESH5", "ESM5"])
     assert cfg == ContractConfig("calendar:3", "none", "root", "", "", (("ESH5", "ES"),),
                                  (("ESH5", "2025-03-14"),))
     config = FeatureConfig(contracts=cfg)

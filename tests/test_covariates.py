@@ -13,7 +13,8 @@ import torch
 
 from features.bars import BarDataError, read_bars
 from features.categories import UNKNOWN_ID
-from features.compute import FeatureConfig, build_frame, latest_windows, with_vocabularies
+from features.compute import build_frame, latest_windows, with_vocabularies
+from features.config import FeatureConfig
 from features.schema import (
     DECODER_KNOWN,
     ENCODER_KNOWN,

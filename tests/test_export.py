@@ -39,7 +39,7 @@ from export.placement import PlacementReport, evaluate, is_shape_computation, pr
 from export.runtime import CPU, probe
 from export.triton import newer_versions
 from export.windows import saved_windows, windows_from_bars
-from features.compute import FeatureConfig
+from features.config import FeatureConfig
 from features.model_meta import ModelMeta
 from features.ort import provider_failure_reason
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, STATIC_CATEGORICAL, FeatureSchema

@@ -18,16 +18,11 @@ from conftest import write_parquet
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from features import FeatureConfig, FeatureSchema, NormStats, build_frame, compute, known_features, read_bars
+from features import FeatureConfig, FeatureSchema, NormStats, build_frame, calendar, compute, known_features, read_bars
 from features.bars import Bars, ColumnBlock, block_for
-from features.compute import (
-    BUILTIN_KNOWN,
-    BUILTIN_OBSERVED,
-    NS_PER_DAY,
-    FeatureFrame,
-    future_timestamps,
-    latest_windows,
-)
+from features.calendar import NS_PER_DAY, future_timestamps
+from features.compute import FeatureFrame, latest_windows
+from features.config import BUILTIN_KNOWN, BUILTIN_OBSERVED
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
 from features.windows import anchor_rows, gather_windows
 
@@ -202,19 +197,19 @@ def test_utc_offsets_match_the_zone_database_at_every_bar(tz: str, years: tuple[
     changes = np.flatnonzero(np.diff(offsets)) * 60  # minute index of each change
     assert changes.size >= {"Asia/Kathmandu": 0, "America/Sao_Paulo": 4}.get(tz, 12)
     near = np.concatenate([minutes[max(0, c - 1440):c + 1440] for c in changes] + [spread])
-    got = compute.utc_offset_ns(near, tz)
+    got = calendar.utc_offset_ns(near, tz)
     want = np.array([zone.utcoffset(datetime.fromtimestamp(int(t) // 10**9, zone)).total_seconds() * 10**9
                      for t in near], dtype=np.int64)
     np.testing.assert_array_equal(got, want)
     centuries = np.array([ns(1700, 6, 1, 12, 0), ns(2250, 6, 1, 12, 0), *near[:50:10]])  # beyond 100,000 days
     want_c = [zone.utcoffset(datetime.fromtimestamp(int(t) // 10**9, zone)).total_seconds() * 10**9 for t in centuries]
-    np.testing.assert_array_equal(compute.utc_offset_ns(centuries, tz), want_c)
+    np.testing.assert_array_equal(calendar.utc_offset_ns(centuries, tz), want_c)
     spread_2d = near[-12:].reshape(3, 4)  # any leading shape
-    np.testing.assert_array_equal(compute.utc_offset_ns(spread_2d, tz), want[-12:].reshape(3, 4))
+    np.testing.assert_array_equal(calendar.utc_offset_ns(spread_2d, tz), want[-12:].reshape(3, 4))
     for t in near[::50]:  # a window of a few hours around each: the shortcut of one offset for all
         window = t + np.arange(-120, 120) * 60 * 10**9
         want = [zone.utcoffset(datetime.fromtimestamp(int(w) // 10**9, zone)).total_seconds() * 10**9 for w in window]
-        np.testing.assert_array_equal(np.broadcast_to(compute.utc_offset_ns(window, tz), window.shape), want)
+        np.testing.assert_array_equal(np.broadcast_to(calendar.utc_offset_ns(window, tz), window.shape), want)
 
 
 def test_utc_offsets_of_a_servers_batch_each_series_on_its_own() -> None:
@@ -226,11 +221,11 @@ def test_utc_offsets_of_a_servers_batch_each_series_on_its_own() -> None:
     batch = np.array([t + np.arange(40) * minute for t in starts])  # [3, 40]
     crossing = ns(2024, 3, 10, 7, 40) + np.arange(40) * minute  # 2024-03-10 08:00 UTC: CST -> CDT
     for b in (batch, np.vstack([batch, crossing])):
-        got = np.broadcast_to(compute.utc_offset_ns(b, "America/Chicago"), b.shape)
+        got = np.broadcast_to(calendar.utc_offset_ns(b, "America/Chicago"), b.shape)
         want = [[zone.utcoffset(datetime.fromtimestamp(int(t) // 10**9, zone)).total_seconds() * 10**9 for t in row]
                 for row in b]
         np.testing.assert_array_equal(got, want)
-    assert len(set(np.broadcast_to(compute.utc_offset_ns(batch, "America/Chicago"), batch.shape)[:, 0])) == 2
+    assert len(set(np.broadcast_to(calendar.utc_offset_ns(batch, "America/Chicago"), batch.shape)[:, 0])) == 2
 
 
 def test_a_day_offset_table_answers_on_its_days_and_refuses_others() -> None:
@@ -238,13 +233,13 @@ def test_a_day_offset_table_answers_on_its_days_and_refuses_others() -> None:
     days it holds, contiguous or not."""
     tz, day = "America/Chicago", 86_400
     first, last = 19_000, 19_400  # 2022-01-08 .. 2023-02-12: both of 2022's changes
-    table = compute.DayOffsets.span(tz, first, last)
+    table = calendar.DayOffsets.span(tz, first, last)
     seconds = np.arange(first * day, (last + 1) * day, 1_799)
-    want = np.array([compute._offset_ns(tz, int(x)) for x in seconds])
+    want = np.array([calendar._offset_ns(tz, int(x)) for x in seconds])
     np.testing.assert_array_equal(table.at(seconds), want)
-    sparse = compute.DayOffsets(tz, np.array([first, 19_066, last]))  # 2022-03-13, a change day, in the middle
+    sparse = calendar.DayOffsets(tz, np.array([first, 19_066, last]))  # 2022-03-13, a change day, in the middle
     on_days = np.concatenate([np.arange(d * day, (d + 1) * day, 601) for d in (first, 19_066, last)])
-    np.testing.assert_array_equal(sparse.at(on_days), [compute._offset_ns(tz, int(x)) for x in on_days])
+    np.testing.assert_array_equal(sparse.at(on_days), [calendar._offset_ns(tz, int(x)) for x in on_days])
 
 
 def test_calendar_features_in_an_exchange_time_zone_keep_the_session_open_through_daylight_saving() -> None:

@@ -13,7 +13,8 @@ import torch
 from artifacts import run
 
 from features.bars import read_bars
-from features.compute import FeatureConfig, build_frame
+from features.compute import build_frame
+from features.config import FeatureConfig
 from features.schema import DECODER_KNOWN
 from features.windows import anchor_rows, gather_windows
 from trainer.checkpoint import load_checkpoint, model_from_checkpoint

@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from features.bars import ColumnMap, read_bars
-from features.compute import FeatureConfig, build_frame
+from features.compute import build_frame
+from features.config import FeatureConfig
 from features.contracts import ContractConfig
 from features.model_meta import ModelMeta
 from features.schema import QUANTILES

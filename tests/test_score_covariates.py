@@ -19,7 +19,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from features.bars import ColumnMap, read_bars
-from features.compute import FeatureConfig, build_frame
+from features.compute import build_frame
+from features.config import FeatureConfig
 from features.model_meta import FORMAT, PREFIX, ModelMeta, graph_digest
 from features.schema import (
     DECODER_KNOWN,

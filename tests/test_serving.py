@@ -38,7 +38,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from features.bars import Bars
-from features.compute import FeatureConfig, build_frame, future_timestamps
+from features.calendar import future_timestamps
+from features.compute import build_frame
+from features.config import FeatureConfig
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES
 from features.windows import gather_windows
 from serving.client import series_from_bars

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from features.bars import Bars
-from features.compute import FeatureConfig, build_frame
+from features.compute import build_frame
+from features.config import FeatureConfig
 from features.contracts import CONTRACT_PATTERN, ContractConfig
 from features.model_meta import ModelMeta
 from features.rolls import continuous

@@ -13,7 +13,8 @@ import onnxruntime as ort
 import pytest
 
 from features.bars import Bars
-from features.compute import FeatureConfig, FeatureFrame, build_frame
+from features.compute import FeatureFrame, build_frame
+from features.config import FeatureConfig
 from features.model_meta import ModelMeta
 from features.schema import (
     DECODER_KNOWN,

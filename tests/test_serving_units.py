@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from features.compute import FeatureConfig
+from features.config import FeatureConfig
 from features.model_meta import ModelMeta
 from features.schema import STATIC_CATEGORICAL
 from serving.batcher import MicroBatcher

@@ -16,7 +16,8 @@ import pytest
 
 from features import read_bars
 from features.bars import ColumnMap
-from features.compute import FeatureConfig, build_frame, with_vocabularies
+from features.compute import build_frame, with_vocabularies
+from features.config import FeatureConfig
 from features.synth import (
     KNOWN_SYMBOLS,
     SESSION_BARS,

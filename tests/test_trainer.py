@@ -179,7 +179,9 @@ def test_batches_are_windows_taken_by_index(bars: Path) -> None:
 def test_decoder_calendar_features_per_batch_equal_the_zones_own_across_its_changes(tz: str) -> None:
     """Training computes each batch's future calendar features from offsets looked up once for the run: the
     very values known_features gives in the zone, for anchors over two years whose horizons cross changes."""
-    from features.compute import FeatureConfig, FeatureFrame, future_timestamps, known_features
+    from features.calendar import future_timestamps, known_features
+    from features.compute import FeatureFrame
+    from features.config import FeatureConfig
     from trainer.data import WindowTensors
 
     minute = 60 * 10**9

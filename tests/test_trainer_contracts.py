@@ -144,7 +144,8 @@ def test_the_training_decoder_sees_a_calendar_roll_as_the_rows_after_the_origin(
     """The trainer's decoder known inputs (computed per batch from the nominal future times) equal the feature
     rows t+1..t+H at origins whose decoder spans a calendar roll: the roll flag and the new front's sessions."""
     from features.bars import Bars
-    from features.compute import FeatureConfig, build_frame
+    from features.compute import build_frame
+    from features.config import FeatureConfig
     from features.contracts import ContractConfig
     from features.rolls import continuous
     from trainer.data import WindowTensors

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from features.bars import bars_digest, read_bars
-from features.compute import NS_PER_DAY, NS_PER_SECOND, FeatureConfig
+from features.calendar import NS_PER_DAY, NS_PER_SECOND
+from features.config import FeatureConfig
 from features.schema import MODEL_INPUTS, STATIC_CATEGORICAL, STATIC_REAL
 from features.synth import SESSION_OPEN_NS, generate
 from features.windows import gather_windows

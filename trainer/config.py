@@ -12,16 +12,10 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from features.calendar import check_time_zone
 from features.categories import cardinality
-from features.compute import (
-    BUILTIN_KNOWN,
-    BUILTIN_OBSERVED,
-    CONTRACT_KNOWN,
-    STATIC_SYMBOL,
-    FeatureConfig,
-    check_time_zone,
-)
-from features.contracts import ROLL_RULES, add_arguments, roll_sessions
+from features.config import BUILTIN_KNOWN, BUILTIN_OBSERVED, CONTRACT_KNOWN, STATIC_SYMBOL, FeatureConfig
+from features.contracts import ROLL_RULES, ContractFlags, add_arguments, roll_sessions
 from features.schema import Role
 from trainer.model_config import ModelConfig, check_fields
 
@@ -148,6 +142,11 @@ class TrainConfig:
         return FeatureConfig(self.horizon, self.volatility_window, tuple(self.features), self.calendar_tz,
                              tuple(self.known_features), tuple(self.static_features),
                              tuple(self.categorical_features))
+
+    @property
+    def contract_flags(self) -> ContractFlags:
+        """The run's contract fields as features.contracts reads them (None: not given)."""
+        return ContractFlags(**{name: getattr(self, name) for name in CONTRACT_FIELDS})
 
     def model_config(self, n_observed: int, n_known: int, n_symbols: int,
                      features: FeatureConfig | None = None) -> ModelConfig:

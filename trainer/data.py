@@ -16,21 +16,18 @@ import numpy as np
 import torch
 
 from features.bars import Bars, ColumnMap, bars_digest
-from features.check import format_timestamp
-from features.compute import (
-    BUILTIN_KNOWN,
+from features.calendar import (
     COARSE_INTERVALS,
     NS_PER_DAY,
     NS_PER_SECOND,
     DayOffsets,
-    FeatureConfig,
-    FeatureFrame,
-    build_frame,
     future_timestamps,
     infer_bar_interval_ns,
     known_features,
-    with_vocabularies,
 )
+from features.check import format_timestamp
+from features.compute import FeatureFrame, build_frame, with_vocabularies
+from features.config import BUILTIN_KNOWN, FeatureConfig
 from features.normalize import MIN_STD, NormStats, spread_of
 from features.rolls import Roll
 from features.schema import (
@@ -42,9 +39,9 @@ from features.schema import (
     TARGET,
     Role,
 )
+from features.series import ContractError, read_series, scan_contracts
 from features.windows import static_categorical
 from trainer.config import TrainConfig
-from trainer.series import ContractError, read_series, scan_contracts
 
 ROW_OBSERVED = "row_observed"  # float32 [R, n_obs]  observed features of each distinct bar of a batch
 ROW_KNOWN = "row_known"  # float32 [R, n_known]
@@ -310,7 +307,8 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
     """Read bars, compute features, split, fit the categorical vocabularies and the normalisation (unless given,
     as on resume: `symbols`, `normalization` and `features`, the run's fitted feature config)."""
     try:  # a fresh run finds its contracts in the bars; a resumed one keeps its own
-        fc = features or replace(cfg.feature_config(), contracts=scan_contracts(parquet, columns or ColumnMap(), cfg))
+        fc = features or replace(cfg.feature_config(),
+                                 contracts=scan_contracts(parquet, columns or ColumnMap(), cfg.contract_flags))
         bars, rolls = read_series(parquet, columns or ColumnMap(), fc)
     except ContractError as exc:
         raise DataError(str(exc)) from None

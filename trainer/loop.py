@@ -20,9 +20,10 @@ from tqdm import tqdm
 
 from features import package_version
 from features.bars import ColumnMap
-from features.compute import FeatureConfig
+from features.config import FeatureConfig
 from features.metrics import climatology_forecast, forecast_metrics, format_q_risk, pinball
 from features.schema import MODEL_OUTPUTS, QUANTILES, TARGET
+from features.series import roll_lines
 from trainer.checkpoint import FORMAT, save_atomic, state_digest
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import Normalization, PreparedData, prepare, row_inputs
@@ -34,7 +35,6 @@ from trainer.paths import RunPaths
 from trainer.plan import TrainPlan, literal_plan
 from trainer.resume import ResumeState
 from trainer.run_files import adopt_best, prepare_out, remove_judgments, runs_best
-from trainer.series import roll_lines
 
 log = logging.getLogger("trainer")
 

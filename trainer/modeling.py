@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from features.compute import BUILTIN_OBSERVED
+from features.config import BUILTIN_OBSERVED
 from trainer.model_config import ModelConfig
 
 T = TypeVar("T")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from features.bars import ColumnMap
-from features.compute import FeatureConfig
+from features.config import FeatureConfig
 from trainer.checkpoint import load_checkpoint
 from trainer.config import RESUME_OVERRIDABLE, STOPPING_RULES, TrainConfig, resumed_config
 from trainer.data import Normalization, PreparedData, check_resumed_bars, check_resumed_split

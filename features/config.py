@@ -1,0 +1,170 @@
+"""How bars become features (`FeatureConfig`, saved with every checkpoint and model) and the feature schema it
+implies: the built-in variables, then the user's, in the column order of every array."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from features.calendar import check_time_zone
+from features.contracts import ContractConfig, roll_sessions
+from features.schema import FeatureSchema, FeatureSpec, Kind, Role
+
+BUILTIN_OBSERVED: tuple[str, ...] = ("log_return", "log_range", "log_body", "log_volume", "volatility")
+BUILTIN_KNOWN: tuple[str, ...] = ("tod_sin", "tod_cos", "dow_sin", "dow_cos")
+# after the calendar, for a model rolling by `calendar:N` (expirations known, so known ahead; a volume roll is not)
+CONTRACT_KNOWN: tuple[str, ...] = ("sessions_to_expiry", "roll_session")
+STATIC_SYMBOL = "symbol"
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """How bars become features; saved with every checkpoint and model.
+
+    User columns come in three roles: observed (`user_columns`, encoder only), known for future bars
+    (`known_columns`, encoder and decoder) and static (`static_columns`, constant per series). Those named in
+    `categorical_columns` are labels, embedded by id with the `vocabularies` fitted on the training split."""
+
+    horizon: int = 5  # forecast steps H: targets are log(close[t+h]/close[t]) for h = 1..H
+    volatility_window: int = 20  # bars in the rolling standard deviation of log returns
+    user_columns: tuple[str, ...] = ()  # user columns observed up to the last bar (encoder only)
+    calendar_tz: str = "UTC"  # IANA time zone of the calendar features (time of day, day of week)
+    known_columns: tuple[str, ...] = ()  # user columns whose future values the caller knows
+    static_columns: tuple[str, ...] = ()  # user columns constant within a series
+    categorical_columns: tuple[str, ...] = ()  # which user columns, of any role, are categorical
+    vocabularies: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (column, sorted labels) once fitted
+    contracts: ContractConfig | None = None  # per-contract bars rolled into one series per root; None: as given
+
+    def __post_init__(self) -> None:
+        if self.horizon < 1 or self.volatility_window < 1:
+            raise ValueError(f"horizon ({self.horizon}) and volatility_window ({self.volatility_window}) "
+                             "must be at least 1")
+        check_time_zone(self.calendar_tz)
+        check_roles(self)
+
+    @property
+    def warmup_bars(self) -> int:
+        return self.volatility_window
+
+    def _real(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(n for n in names if n not in self.categorical_columns)
+
+    def _categorical(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(n for n in names if n in self.categorical_columns)
+
+    @property
+    def known_reals(self) -> tuple[str, ...]:
+        """The known real user columns: their future values travel in the wire's future_features."""
+        return self._real(self.known_columns)
+
+    @property
+    def known_categoricals(self) -> tuple[str, ...]:
+        """The known categorical user columns: their future labels travel in future_categorical_features."""
+        return self._categorical(self.known_columns)
+
+    @property
+    def observed_user(self) -> tuple[str, ...]:
+        """Observed user variables in the model's order: reals, then categoricals."""
+        return self._real(self.user_columns) + self._categorical(self.user_columns)
+
+    @property
+    def known_user(self) -> tuple[str, ...]:
+        """Known user variables in the model's order: reals, then categoricals."""
+        return self._real(self.known_columns) + self._categorical(self.known_columns)
+
+    @property
+    def static_categoricals(self) -> tuple[str, ...]:
+        return self._categorical(self.static_columns)
+
+    @property
+    def static_reals(self) -> tuple[str, ...]:
+        return self._real(self.static_columns)
+
+    @property
+    def real_columns(self) -> tuple[str, ...]:
+        """Every real user column a file must hold: observed, known, static."""
+        return self._real(self.user_columns) + self._real(self.known_columns) + self.static_reals
+
+    @property
+    def series_reals(self) -> tuple[str, ...]:
+        """The real user columns sent per bar (the wire's user_features): observed, then known."""
+        return self._real(self.user_columns) + self._real(self.known_columns)
+
+    @property
+    def series_categoricals(self) -> tuple[str, ...]:
+        """The categorical user columns sent per bar: observed, then known."""
+        return self._categorical(self.user_columns) + self._categorical(self.known_columns)
+
+    @property
+    def has_user_inputs(self) -> bool:
+        """Whether any user column beyond observed reals is used (known, static or categorical)."""
+        return bool(self.known_columns or self.static_columns or self.categorical_columns)
+
+    def vocabulary(self, name: str) -> tuple[str, ...]:
+        return dict(self.vocabularies)[name]
+
+    @property
+    def contract_known(self) -> tuple[str, ...]:
+        """The built-in known contract features: CONTRACT_KNOWN for a `calendar:N` roll, else none."""
+        rolls_by_calendar = self.contracts is not None and roll_sessions(self.contracts.roll) is not None
+        return CONTRACT_KNOWN if rolls_by_calendar else ()
+
+    def schema(self) -> FeatureSchema:
+        return _schema(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"horizon": self.horizon, "volatility_window": self.volatility_window,
+                             "user_columns": list(self.user_columns), "calendar_tz": self.calendar_tz}
+        if self.has_user_inputs:  # a model without them keeps the same metadata
+            d |= {"known_columns": list(self.known_columns), "static_columns": list(self.static_columns),
+                  "categorical_columns": list(self.categorical_columns),
+                  "vocabularies": {name: list(v) for name, v in self.vocabularies}}
+        if self.contracts is not None:
+            d["contracts"] = self.contracts.to_dict()
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> FeatureConfig:
+        return FeatureConfig(int(d["horizon"]), int(d["volatility_window"]), tuple(d["user_columns"]),
+                             str(d["calendar_tz"]), tuple(d.get("known_columns", ())),
+                             tuple(d.get("static_columns", ())), tuple(d.get("categorical_columns", ())),
+                             tuple((name, tuple(v)) for name, v in d.get("vocabularies", {}).items()),
+                             ContractConfig.from_dict(d["contracts"]) if d.get("contracts") else None)
+
+
+ROLE_FLAGS = {"user_columns": "--features", "known_columns": "--known-features", "static_columns": "--static-features"}
+
+
+def check_roles(config: FeatureConfig) -> None:
+    """ValueError for a user column in two roles, or a categorical column in none."""
+    seen: dict[str, str] = {}
+    for field_name, flag in ROLE_FLAGS.items():
+        for name in getattr(config, field_name):
+            if name in seen and seen[name] != flag:
+                raise ValueError(f"user feature {name!r} is given to {seen[name]} and {flag}: a column has one "
+                                 "role; keep it in one of them")
+            seen[name] = flag
+    if stray := [c for c in config.categorical_columns if c not in seen]:
+        raise ValueError(f"--categorical-features {', '.join(stray)}: not given a role; add each to --features, "
+                         "--known-features or --static-features too")
+    if config.vocabularies and (lacking := [c for c in config.categorical_columns
+                                            if c not in dict(config.vocabularies)]):
+        raise ValueError(f"no vocabulary for categorical feature(s) {', '.join(lacking)}")
+
+
+@functools.lru_cache(maxsize=32)
+def _schema(config: FeatureConfig) -> FeatureSchema:
+    """Static: the symbol, user categoricals, user reals. Observed and known: built-in, then user reals, then user
+    categoricals: the column order of every array of that role."""
+    cat, real = Kind.CATEGORICAL, Kind.REAL
+
+    def user(names: tuple[str, ...], role: Role) -> list[FeatureSpec]:
+        return [FeatureSpec(n, role, cat if n in config.categorical_columns else real, source="user") for n in names]
+
+    specs = [FeatureSpec(STATIC_SYMBOL, Role.STATIC, cat)]
+    specs += user(config.static_categoricals + config.static_reals, Role.STATIC)
+    specs += [FeatureSpec(n, Role.OBSERVED, real) for n in BUILTIN_OBSERVED] + user(config.observed_user, Role.OBSERVED)
+    specs += [FeatureSpec(n, Role.KNOWN, real) for n in BUILTIN_KNOWN + config.contract_known]
+    specs += user(config.known_user, Role.KNOWN)
+    return FeatureSchema(tuple(specs))

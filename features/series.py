@@ -1,0 +1,126 @@
+"""The bars a model takes: read per contract when it has contracts, then rolled into one continuous series per
+root (features.rolls), or plain series as read. Every command that reads bars for a model reads them here."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from features.bars import Bars, ColumnMap, list_parquet_files, read_bars
+from features.config import FeatureConfig
+from features.contracts import ContractConfig, ContractFlags, contract_config, expiration_day
+from features.rolls import Roll, continuous
+
+ROLLS_LISTED = 20  # rolls listed one line each; past this, a count of the rest
+
+
+class ContractError(ValueError):
+    """Contract input no roll rule can take (an unmappable name, a missing expiration); one line naming the fix."""
+
+
+def read_series(path: str | Path, columns: ColumnMap, fc: FeatureConfig) -> tuple[Bars, list[Roll]]:
+    """The bars as `fc`'s model takes them (one series per root when it has contracts) and the rolls. The read's
+    BarDataError passes through; ContractError (one line) for contract input the roll rule cannot take."""
+    return as_series(read_contract_bars(path, columns, fc), fc)
+
+
+def read_contract_bars(path: str | Path, columns: ColumnMap, fc: FeatureConfig, symbols: list[str] | None = None,
+                       check_user_values: bool = True) -> Bars:
+    """The bars as read for `fc` (features.bars.read_bars): per contract when it has contracts (the contract
+    column as the symbol, the root column among the labels, every contract: `symbols` filters plain series only)."""
+    cmap, extra = reading(columns, fc.contracts)
+    labels = tuple(dict.fromkeys((*fc.categorical_columns, *extra)))
+    return read_bars(path, cmap, fc.real_columns, symbols=None if fc.contracts else symbols,
+                     check_user_values=check_user_values, label_columns=labels)
+
+
+def as_series(bars: Bars, fc: FeatureConfig) -> tuple[Bars, list[Roll]]:
+    """features.rolls.continuous, its ValueError as ContractError."""
+    try:
+        return continuous(bars, fc)
+    except ValueError as exc:
+        raise ContractError(str(exc)) from None
+
+
+def roll_listing(rolls: list[Roll], prefix: str = "  ", limit: int = ROLLS_LISTED) -> list[str]:
+    """One line per roll, each after `prefix`, the first `limit` of them, then a count of the rest."""
+    shown = rolls[:limit]
+    more = [f"{prefix}... and {len(rolls) - len(shown)} more rolls"] if len(shown) < len(rolls) else []
+    return [f"{prefix}{r.line()}" for r in shown] + more
+
+
+def roll_lines(contracts: ContractConfig | None, rolls: list[Roll], roots: list[str]) -> list[str]:
+    """What a user reads about the contracts of a run: the rule, the roots, the rolls. Nothing for plain series."""
+    if contracts is None:
+        return []
+    return [f"contracts: {len(roots)} root(s) {', '.join(roots)}, {len(rolls)} roll(s); {contracts.describe()}",
+            *roll_listing(rolls, prefix="roll ")]
+
+
+def scan_contracts(path: str | Path, columns: ColumnMap, flags: ContractFlags) -> ContractConfig | None:
+    """A fresh run's ContractConfig from its contract flags and the names in its bars; None for plain series.
+    ContractError (one line) for contract input no rule can take."""
+    try:
+        return scan(path, columns, flags)
+    except ValueError as exc:
+        raise ContractError(str(exc)) from None
+
+
+def reading(cmap: ColumnMap, cfg: ContractConfig | None) -> tuple[ColumnMap, tuple[str, ...]]:
+    """The column map to read per-contract bars with (the contract column as the symbol) and the label columns
+    the roll needs (the root column)."""
+    if cfg is None:
+        return cmap, ()
+    cmap = replace(cmap, symbol=cfg.contract_column) if cfg.contract_column else cmap
+    return cmap, (cfg.root_column,) if cfg.root_column else ()
+
+
+def scan(path: str | Path, cmap: ColumnMap, flags: ContractFlags) -> ContractConfig | None:
+    """A run's ContractConfig from its flags and the names (and any expirations) in the bars at `path`; None for
+    plain series. ValueError (one line) for contract input no rule can take."""
+    column = flags.contract_col or cmap.symbol
+    exp_col = flags.expiration_col or "expiration"
+    names: set[str] = set()
+    days: dict[str, str] = {}
+    present: set[str] = set()
+    for file in list_parquet_files(Path(path)):
+        try:
+            schema = pq.read_schema(file)
+        except (OSError, pa.ArrowException):
+            continue  # read_bars names the file that cannot be read
+        present |= set(schema.names)
+        if column not in schema.names:
+            continue
+        wanted = [column] + ([exp_col] if exp_col in schema.names else [])
+        table = pq.read_table(file, columns=wanted)
+        text = table.column(column).cast(pa.string())
+        names |= {str(n) for n in text.unique().to_pylist() if n is not None}
+        if exp_col in schema.names:
+            both = pa.table({"c": text, "e": table.column(exp_col).cast(pa.string())}).group_by("c").aggregate(
+                [("e", "max")])
+            days |= {c: expiration_day(e, f"column {exp_col!r} of {file}") for c, e in
+                     zip(both.column("c").to_pylist(), both.column("e_max").to_pylist(), strict=True) if c and e}
+    if flags.contract_col is not None and column not in present:
+        raise ValueError(f"--contract-col {column}: the bars have no such column; name the column of raw contract "
+                         "names (e.g. symbol or raw_symbol)")
+    cfg = contract_config(flags, sorted(names), sorted(present))
+    if cfg is not None and days:
+        cfg = replace(cfg, expirations=tuple(sorted({**days, **dict(cfg.expirations)}.items())))
+    if cfg is not None and cfg.root_column:  # kept with the model: a server maps the names the column mapped
+        cfg = replace(cfg, roots=_column_roots(path, column, cfg.root_column))
+    return cfg
+
+
+def _column_roots(path: str | Path, column: str, root_column: str) -> tuple[tuple[str, str], ...]:
+    """(contract, root) pairs of a bars root column."""
+    pairs: dict[str, str] = {}
+    for file in list_parquet_files(Path(path)):
+        table = pq.read_table(file, columns=[column, root_column])
+        both = pa.table({"c": table.column(column).cast(pa.string()), "r": table.column(root_column).cast(pa.string())})
+        for row in both.group_by(["c", "r"]).aggregate([]).to_pylist():
+            if row["c"] and row["r"]:
+                pairs[row["c"]] = row["r"]
+    return tuple(sorted(pairs.items()))
