@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from features.bars import Bars, block_for
-from features.calendar import future_timestamps, infer_bar_interval_ns, known_features
+from features.calendar import future_timestamps, infer_bar_interval_ns
 from features.categories import encode, fit_vocabulary
-from features.config import FeatureConfig
-from features.rolls import contract_known
+from features.config import BUILTIN_KNOWN, FeatureConfig
+from features.known import builtin_known, future_known
 from features.schema import FeatureSchema
 
 
@@ -43,6 +43,11 @@ class FeatureFrame:
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
+
+    @property
+    def user_known(self) -> np.ndarray:
+        """float32 [N, n_known_user]: the user known variables, after the built-in known features."""
+        return self.known[:, len(BUILTIN_KNOWN) + len(self.config.contract_known):]
 
 
 _SMALL_ROLLING_CELLS = 3072  # up to this many [rows, window] cells the rolling std runs as whole-matrix steps
@@ -121,11 +126,11 @@ class LatestWindows:
 def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
                    volume: np.ndarray, user: np.ndarray | list[np.ndarray], config: FeatureConfig,
                    encoder_length: int, bar_interval_ns: int, known: np.ndarray | None = None,
-                   future_known: np.ndarray | None = None, log_offset: np.ndarray | None = None,
+                   future_user: np.ndarray | None = None, log_offset: np.ndarray | None = None,
                    roots: Sequence[str] | None = None) -> LatestWindows:
     """The window at the last bar of each of B series of n bars ([B, n] columns, oldest first): what a server
     forecasts from. `user`: the observed user variables (config.observed_user; categoricals as ids) as a
-    [n_user, B * n] block or [B * n] columns; `known` float32 [B, n, n_known_user] and `future_known`
+    [n_user, B * n] block or [B * n] columns; `known` float32 [B, n, n_known_user] and `future_user`
     [B, H, n_known_user]: the known user variables of the bars and of the H future bars (config.known_user);
     `log_offset` [B, n]: a continuous series' roll offsets (`features.rolls`), added to log(close); `roots` [B]:
     each series' root, for a `calendar:N` model's contract features (config.contract_known).
@@ -141,35 +146,17 @@ def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray
     log_c = np.log(c) if log_offset is None else np.log(c) + log_offset.reshape(-1)
     observed = _observed(open_.reshape(-1), high.reshape(-1), low.reshape(-1), c, volume.reshape(-1), user, config,
                          starts, first_row, log_c)  # [B * n, n_observed]
-    future = future_timestamps(timestamp_ns[:, -1], bar_interval_ns, config.horizon)  # [B, H]
-    encoder_known = known_features(timestamp_ns[:, n - L:], config.calendar_tz)  # [B, L, 4]
-    decoder_known = known_features(future, config.calendar_tz)  # [B, H, 4]
-    if config.contract_known:
-        encoder_known, decoder_known = _with_contract_known(config, roots, timestamp_ns[:, n - L:], future,
-                                                            encoder_known, decoder_known)
-    if config.known_columns and known is not None and future_known is not None:
+    root = None if roots is None else np.asarray(roots, dtype=str)  # [B]
+    encoder_known = builtin_known(timestamp_ns[:, n - L:], None if root is None else root[:, None], config)
+    if config.known_columns:  # [B, L, n_known]
+        assert known is not None and future_user is not None
         encoder_known = np.concatenate([encoder_known, known[:, n - L:]], axis=-1, dtype=np.float32)
-        decoder_known = np.concatenate([decoder_known, future_known], axis=-1, dtype=np.float32)
     return LatestWindows(
         encoder_observed=np.ascontiguousarray(observed.reshape(b, n, -1)[:, n - L:]),  # [B, L, n_observed]
         encoder_known=encoder_known,  # [B, L, n_known]
-        decoder_known=decoder_known,  # [B, H, n_known]
-        future_timestamp_ns=future,
+        decoder_known=future_known(timestamp_ns[:, -1], config, bar_interval_ns, root, future_user),  # [B, H, n_known]
+        future_timestamp_ns=future_timestamps(timestamp_ns[:, -1], bar_interval_ns, config.horizon),  # [B, H]
     )
-
-
-def _with_contract_known(config: FeatureConfig, roots: Sequence[str] | None, encoder_ns: np.ndarray,
-                         future_ns: np.ndarray, encoder_known: np.ndarray, decoder_known: np.ndarray
-                         ) -> tuple[np.ndarray, np.ndarray]:
-    """The calendar features [B, L, 4] and [B, H, 4] followed by the contract features of the encoder bars
-    (encoder_ns [B, L]) and of the future bars (future_ns [B, H])."""
-    assert config.contracts is not None
-    if roots is None:
-        raise ValueError("latest_windows: a calendar-rolled model's contract features need each series' root (roots=)")
-    root = np.asarray(roots, dtype=str)[:, None]  # [B, 1]
-    tz = config.calendar_tz
-    return (np.concatenate([encoder_known, contract_known(encoder_ns, root, config.contracts, tz)], axis=-1),
-            np.concatenate([decoder_known, contract_known(future_ns, root, config.contracts, tz)], axis=-1))
 
 
 def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = None,
@@ -195,11 +182,7 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
                          first_row, log_c)
     forward = _forward_returns(log_c, bounds, config.horizon) if targets else \
         np.full((n, config.horizon), np.nan, dtype=np.float32)
-    known = known_features(bars.timestamp_ns, config.calendar_tz)  # [N, 4]
-    if config.contract_known:
-        assert config.contracts is not None
-        known = np.concatenate([known, contract_known(bars.timestamp_ns, bars.symbol, config.contracts,
-                                                      config.calendar_tz)], axis=1)  # [N, 6]
+    known = builtin_known(bars.timestamp_ns, bars.symbol, config)  # [N, 4], a calendar roll's [N, 6]
     if config.known_columns:
         known = np.concatenate([known, np.stack([column(bars, ids, u) for u in config.known_user], axis=1)],
                                axis=1, dtype=np.float32)  # [N, n_known]

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from features.calendar import future_timestamps, known_features
+from features.calendar import DayOffsets
 from features.compute import FeatureFrame
-from features.config import BUILTIN_KNOWN
-from features.rolls import contract_known
+from features.known import future_known
 from features.schema import (
     DECODER_KNOWN,
     ENCODER_KNOWN,
@@ -40,14 +39,12 @@ def anchor_rows(frame: FeatureFrame, encoder_length: int, require_targets: bool 
 
 def gather_windows(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int) -> dict[str, np.ndarray]:
     """Model inputs (canonical names) and targets for the windows ending at `anchors`."""
-    horizon = frame.config.horizon
     idx = anchors[:, None] + np.arange(-encoder_length + 1, 1)  # [B, L]
-    fut = future_timestamps(frame.timestamp_ns[anchors], frame.bar_interval_ns, horizon)  # [B, H]
     out = {
         STATIC_CATEGORICAL: static_categorical(frame, anchors),  # [B, n_static_cat]
         ENCODER_OBSERVED: frame.observed[idx],  # [B, L, n_observed]
         ENCODER_KNOWN: frame.known[idx],  # [B, L, n_known]
-        DECODER_KNOWN: decoder_known(frame, anchors, known_features(fut, frame.config.calendar_tz)),  # [B, H, n_known]
+        DECODER_KNOWN: decoder_known(frame, anchors),  # [B, H, n_known]
         TARGET: frame.targets[anchors],  # [B, H]
     }
     if frame.static_real is not None:
@@ -61,18 +58,12 @@ def static_categorical(frame: FeatureFrame, anchors: np.ndarray) -> np.ndarray:
     return symbol if frame.static_ids is None else np.concatenate([symbol, frame.static_ids[anchors]], axis=1)
 
 
-def decoder_known(frame: FeatureFrame, anchors: np.ndarray, calendar: np.ndarray) -> np.ndarray:
-    """float32 [B, H, n_known]: the future bars' `calendar` [B, H, 4] and, for a calendar-rolled model, their
-    contract features (from the rule at the nominal future times, as a server computes them); then the user known
-    variables of the H rows after each anchor (anchor_rows keeps them inside the series)."""
-    parts = [calendar]
-    if frame.config.contract_known:
-        assert frame.config.contracts is not None
-        future = future_timestamps(frame.timestamp_ns[anchors], frame.bar_interval_ns, frame.config.horizon)
-        roots = np.asarray(frame.symbols)[frame.series_id[anchors]][:, None]  # [B, 1]
-        parts.append(contract_known(future, roots, frame.config.contracts, frame.config.calendar_tz))  # [B, H, 2]
+def decoder_known(frame: FeatureFrame, anchors: np.ndarray, offsets: DayOffsets | None = None) -> np.ndarray:
+    """float32 [B, H, n_known]: `future_known` of the windows ending at `anchors`, with the user known variables of
+    the H rows after each anchor (anchor_rows keeps them inside the series)."""
+    user = None
     if frame.config.known_columns:
         rows = anchors[:, None] + np.arange(1, frame.config.horizon + 1)  # [B, H]
-        builtin = len(BUILTIN_KNOWN) + len(frame.config.contract_known)
-        parts.append(frame.known[rows][..., builtin:])
-    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+        user = frame.user_known[rows]  # [B, H, n_known_user]
+    roots = np.asarray(frame.symbols)[frame.series_id[anchors]]  # [B]  a contract model's symbols are its roots
+    return future_known(frame.timestamp_ns[anchors], frame.config, frame.bar_interval_ns, roots, user, offsets)

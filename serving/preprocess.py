@@ -60,7 +60,7 @@ def prepare(series: Sequence[SeriesColumns], meta: ModelMeta) -> Prepared:
     with np.errstate(all="ignore"):  # overflowing features (inf, NaN) are the caller's: nonfinite_problem names them
         # nominal future bar times from the model's bar interval, exactly as in training
         w = latest_windows(ts, o, h, lo, c, v, user, config, meta.encoder_length, meta.bar_interval_ns,
-                           known=known, future_known=future_known, log_offset=_log_offsets(series, n),
+                           known=known, future_user=future_known, log_offset=_log_offsets(series, n),
                            roots=[s.root or s.symbol for s in series])
     index = meta.symbol_index
     static = np.array([[index[s.root or s.symbol]] for s in series], dtype=np.int64)  # [B, 1]

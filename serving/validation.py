@@ -25,9 +25,10 @@ from features.bars import (
     block_for,
     validate,
 )
-from features.calendar import COARSE_INTERVALS, NS_PER_DAY, future_timestamps
+from features.calendar import COARSE_INTERVALS, NS_PER_DAY
+from features.known import future_known
 from features.model_meta import ModelMeta
-from features.rolls import contract_codes, contract_known, front_rows
+from features.rolls import contract_codes, front_rows
 from features.text import bounded, listed
 from serving.contracts import foreign_contract, unknown_symbol
 from serving.errors import MAX_PROBLEMS, RequestError
@@ -311,11 +312,8 @@ def _check_time_range(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
 
 def _check_known_front(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
     """A calendar-rolled model's forecast bars need a front among the contracts whose expirations it knows."""
-    cfg = meta.feature_config.contracts
-    assert cfg is not None
-    future = future_timestamps(s.timestamp_ns[-1:], meta.bar_interval_ns, meta.horizon)  # [1, H]
     try:
-        contract_known(future, np.array([s.root or s.symbol]), cfg, meta.feature_config.calendar_tz)
+        future_known(s.timestamp_ns[-1:], meta.feature_config, meta.bar_interval_ns, np.array([s.root or s.symbol]))
     except ValueError as exc:
         raise RequestError(f"{_label(i, s.symbol)}: {exc}", _field(i, "timestamp_ns")) from None
 

@@ -41,7 +41,7 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                return path[path.index(n):] + [n]
+                return [*path[path.index(n):], n]
             if n not in state and (found := visit(n)):
                 return found
         state[m] = 2

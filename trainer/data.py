@@ -19,15 +19,12 @@ from features.bars import Bars, ColumnMap, bars_digest
 from features.calendar import (
     COARSE_INTERVALS,
     NS_PER_DAY,
-    NS_PER_SECOND,
     DayOffsets,
-    future_timestamps,
     infer_bar_interval_ns,
-    known_features,
 )
 from features.check import format_timestamp
 from features.compute import FeatureFrame, build_frame, with_vocabularies
-from features.config import BUILTIN_KNOWN, FeatureConfig
+from features.config import FeatureConfig
 from features.normalize import MIN_STD, NormStats, spread_of
 from features.rolls import Roll
 from features.schema import (
@@ -40,7 +37,7 @@ from features.schema import (
     Role,
 )
 from features.series import ContractError, read_series, scan_contracts
-from features.windows import static_categorical
+from features.windows import decoder_known, static_categorical
 from trainer.config import TrainConfig
 
 ROW_OBSERVED = "row_observed"  # float32 [R, n_obs]  observed features of each distinct bar of a batch
@@ -90,39 +87,19 @@ class WindowTensors:
         self.static_categorical = torch.from_numpy(  # [N, n_static_cat]  symbol id, then user static ids
             frame.series_id[:, None] if frame.static_ids is None else static_categorical(frame, np.arange(len(frame))))
         self.static_real = None if frame.static_real is None else torch.from_numpy(frame.static_real)  # [N, n_sr]
-        builtin = len(BUILTIN_KNOWN) + len(frame.config.contract_known)  # the calendar, then a calendar roll's
-        # [N, n_known_user]  the user known variables, which the decoder reads from the H rows after the anchor
-        self.known_user = self.known[:, builtin:] if frame.config.known_columns else None
-        self._config, self._series_id = frame.config, frame.series_id  # int64 [N]
-        self._roots = np.asarray(frame.symbols, dtype=str)  # [S]  a contract run's symbols are its roots
+        self._frame = frame
         self.targets = torch.from_numpy(np.nan_to_num(frame.targets, nan=0.0))  # [N, H]
         self.offsets = torch.arange(-encoder_length + 1, 1)  # [L]
-        self._timestamp_ns = frame.timestamp_ns  # int64 [N]
-        self._bar_interval_ns, self._horizon = frame.bar_interval_ns, frame.config.horizon
         self._offsets: DayOffsets | None = None  # the calendar zone's offsets over the bars' span and horizon
         if frame.config.calendar_tz != "UTC" and frame.timestamp_ns.size:
-            last = int(frame.timestamp_ns.max()) + self._horizon * self._bar_interval_ns
+            last = int(frame.timestamp_ns.max()) + frame.config.horizon * frame.bar_interval_ns
             self._offsets = DayOffsets.span(frame.config.calendar_tz, int(frame.timestamp_ns.min()) // NS_PER_DAY,
                                             last // NS_PER_DAY)
 
     def future_known(self, anchors: torch.Tensor) -> torch.Tensor:
-        """The decoder's known features of the windows ending at `anchors`: [B, H, n_known]. The calendar is
-        computed per batch from the nominal future times, as the server does (stored, it would take H times the
-        memory); the user known variables are those of the H rows after each anchor (features.windows.decoder_known)."""
-        future = future_timestamps(self._timestamp_ns[anchors.numpy()], self._bar_interval_ns, self._horizon)  # [B, H]
-        local = future + self._offsets.at(future // NS_PER_SECOND) if self._offsets is not None else future
-        parts = [torch.from_numpy(known_features(local))]  # [B, H, 4]  the calendar at local wall-clock time
-        if self._config.contract_known:  # a calendar roll's, from the future times and the known expirations
-            from features.rolls import contract_known
-
-            assert self._config.contracts is not None
-            roots = self._roots[self._series_id[anchors.numpy()]][:, None]  # [B, 1]
-            parts.append(torch.from_numpy(contract_known(future, roots, self._config.contracts,
-                                                         self._config.calendar_tz)))  # [B, H, 2]
-        if self.known_user is not None:
-            rows = anchors[:, None] + torch.arange(1, self._horizon + 1)  # [B, H]
-            parts.append(self.known_user[rows])  # [B, H, n_known_user]
-        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # [B, H, n_known]
+        """The decoder's known features of the windows ending at `anchors`: [B, H, n_known]
+        (features.windows.decoder_known), computed per batch: stored, they would take H times the memory."""
+        return torch.from_numpy(decoder_known(self._frame, anchors.numpy(), self._offsets))
 
     def statics(self, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
         """The static inputs of the windows ending at `anchors`: STATIC_CATEGORICAL, and STATIC_REAL if any."""

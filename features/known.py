@@ -1,0 +1,43 @@
+"""The known features of any bar times, past or future: the calendar, then a `calendar:N` model's contract features.
+Both come from timestamps (and the known expirations) alone, so training, the trainer's batches and the server
+compute them by one rule."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from features.calendar import NS_PER_SECOND, DayOffsets, future_timestamps, known_features
+from features.config import FeatureConfig
+from features.rolls import contract_known
+
+
+def builtin_known(timestamp_ns: np.ndarray, roots: np.ndarray | None, config: FeatureConfig,
+                  offsets: DayOffsets | None = None) -> np.ndarray:
+    """float32 [..., n_builtin_known] at bar times `timestamp_ns` [...]: the calendar (time of day, day of week in
+    config.calendar_tz), then for a `calendar:N` model the contract features of each bar's root (`roots`, str,
+    broadcastable to the times). `offsets`: the calendar zone's precomputed offsets (a trainer's, over its bars'
+    span). ValueError (one line) past the last known expiration's roll."""
+    if offsets is None:
+        calendar = known_features(timestamp_ns, config.calendar_tz)  # [..., 4]
+    else:  # the same, at local wall-clock time
+        calendar = known_features(timestamp_ns + offsets.at(timestamp_ns // NS_PER_SECOND))
+    if not config.contract_known:
+        return calendar
+    assert config.contracts is not None
+    if roots is None:
+        raise ValueError("a calendar-rolled model's contract features need each series' root")
+    contract = contract_known(timestamp_ns, roots, config.contracts, config.calendar_tz)  # [..., 2]
+    return np.concatenate([calendar, contract], axis=-1)
+
+
+def future_known(last_ns: np.ndarray, config: FeatureConfig, bar_interval_ns: int, roots: np.ndarray | None = None,
+                 user: np.ndarray | None = None, offsets: DayOffsets | None = None) -> np.ndarray:
+    """The decoder's known features of windows whose last bar is at `last_ns` [B], float32 [B, H, n_known]: the
+    calendar of the H nominal future bar times, a `calendar:N` model's contract features there (from the rule and
+    the known expirations, `roots` [B]), then `user` [B, H, n_known_user], the user known variables' future values,
+    when given. Training windows, the trainer's batches and the server's windows all take them from here, and the
+    server's validation asks it whether a forecast has a front. `offsets`: the calendar zone's precomputed
+    offsets (a trainer's, over its bars' span). ValueError (one line) past the last known expiration's roll."""
+    future = future_timestamps(last_ns, bar_interval_ns, config.horizon)  # [B, H]
+    known = builtin_known(future, None if roots is None else np.asarray(roots)[:, None], config, offsets)
+    return known if user is None else np.concatenate([known, user], axis=-1, dtype=np.float32)  # [B, H, n_known]
