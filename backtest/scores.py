@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from backtest.baselines import BASELINES
-from features.metrics import pinball
+from features.metrics import inside, pinball, quantile_coverage
 
 MAX_SUMMARY_FOLDS = 8  # more folds than this: the summary shows the overall rows only, to stay on one screen
 
@@ -74,10 +74,7 @@ def _forecaster_scores(pred: np.ndarray, y: np.ndarray, q: np.ndarray) -> dict[s
     """One forecaster's figures on one block: pred [w, H, Q], y [w, H]."""
     ql = pinball(pred, y, q)  # [w, H, Q]
     abs_by_step = np.abs(y).sum(axis=0)  # [H]
-    # A tie counts half: ticked prices make y == 0 common, and a zero median is neither above nor below it.
-    below = (y[..., None] < pred) + 0.5 * (y[..., None] == pred)  # [w, H, Q]
-    coverage = below.mean(axis=(0, 1))  # [Q]
-    inside = (y >= pred[..., 0]) & (y <= pred[..., -1])  # [w, H]
+    coverage = quantile_coverage(pred, y)  # [Q]  a tie counting half
     return {
         "pinball_mean": float(ql.mean()),
         "pinball_by_step": ql.mean(axis=(0, 2)).tolist(),
@@ -87,7 +84,7 @@ def _forecaster_scores(pred: np.ndarray, y: np.ndarray, q: np.ndarray) -> dict[s
         "q_risk_by_step": [_q_risk(s, float(a)) for s, a in zip(ql.sum(axis=0), abs_by_step, strict=True)],
         "coverage": coverage.tolist(),
         "interval": {"lower": float(q[0]), "upper": float(q[-1]), "nominal": float(q[-1] - q[0]),
-                     "coverage": float(inside.mean())},
+                     "coverage": float(inside(pred, y).mean())},
         "pit": {"nominal": np.diff(q, prepend=0.0, append=1.0).tolist(),
                 "observed": np.diff(coverage, prepend=0.0, append=1.0).tolist()},
     }

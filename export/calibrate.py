@@ -30,6 +30,7 @@ from export.errors import UsageError
 from export.onnx_export import input_names
 from features.bars import BarDataError, ColumnMap
 from features.config import FeatureConfig
+from features.metrics import inside, quantile_coverage
 from features.schema import ENCODER_OBSERVED
 from trainer.config import TrainConfig
 from trainer.data import Normalization, PreparedData, prepare
@@ -89,10 +90,11 @@ def conformal_offsets(pred: np.ndarray, target: np.ndarray, quantiles: Sequence[
 
 
 def coverage(pred: np.ndarray, target: np.ndarray, quantiles: Sequence[float]) -> dict[str, float]:
-    """Share of targets at or below each quantile ("0.1": ...), and inside [lowest, highest] ("interval")."""
-    below = (target[..., None] <= pred).mean(axis=(0, 1))  # [Q]
-    inside = (target >= pred[..., 0]) & (target <= pred[..., -1])  # [W, H]
-    return {**{f"{q:g}": float(v) for q, v in zip(quantiles, below, strict=True)}, "interval": float(inside.mean())}
+    """Share of targets below each quantile ("0.1": ..., a tie counting half) and inside [lowest, highest]
+    ("interval"), by features.metrics."""
+    levels = quantile_coverage(pred, target)  # [Q]
+    return {**{f"{q:g}": float(v) for q, v in zip(quantiles, levels, strict=True)},
+            "interval": float(inside(pred, target).mean())}
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class Calibration:
 
     def table(self) -> str:
         lines = [f"calibration ({METHOD}) on {self.windows} validation windows of {self.bars}: coverage "
-                 "(share of targets at or below each quantile; inside the outer interval)",
+                 "(share of targets below each quantile, a tie counting half; inside the outer interval)",
                  f"{'quantile':<10} {'nominal':>7}  {'before':>6}  {'after':>6}"]
         for key in self.before:
             lines.append(f"{key:<10} {self.nominal[key]:>7.3f}  {self.before[key]:>6.3f}  {self.after[key]:>6.3f}")

@@ -47,7 +47,7 @@ from features.compute import FeatureFrame, build_frame
 from features.config import FeatureConfig
 from features.file_kind import replace_problem
 from features.files import atomic_output, file_argument, link_note
-from features.metrics import pinball
+from features.metrics import inside, pinball
 from features.model_meta import ModelMeta
 from features.schema import QUANTILES, STATIC_CATEGORICAL
 from features.series import ContractError, as_series, read_contract_bars, roll_listing
@@ -253,10 +253,10 @@ class Summary:
         seen = np.isfinite(actual)
         pred = log_return.astype(np.float64)
         loss = pinball(pred, np.where(seen, actual, 0.0), self.q).mean(axis=-1)  # [W, H]
-        inside = (actual >= pred[..., 0]) & (actual <= pred[..., -1])  # [W, H]
+        within = inside(pred, actual)  # [W, H]
         where = np.broadcast_to(split[:, None], seen.shape)[seen]  # [n]
         np.add.at(self.loss, where, loss[seen])
-        np.add.at(self.inside, where, inside[seen].astype(np.int64))
+        np.add.at(self.inside, where, within[seen].astype(np.int64))
         np.add.at(self.scored, where, 1)
 
     def lines(self) -> list[str]:
