@@ -68,7 +68,7 @@ def front_rows(timestamp_ns: np.ndarray, code: np.ndarray, names: list[str], ope
         col = np.array([place.get(n, -1) for n in names], dtype=np.int64)[code]
         days, s_of = np.unique(sessions(ts, tz), return_inverse=True)
         front = _volume_fronts(s_of, col, np.asarray(volume, np.float64)[order], len(days), len(contracts)) \
-            if cfg.roll == "volume" else _calendar_fronts(days, s_of, col, contracts, cfg, root)
+            if cfg.roll == "volume" else _calendar_fronts(days, contracts, cfg, root)
         chosen = np.flatnonzero(col == front[s_of])
     rows = order[chosen]
     vol = np.asarray(volume, np.float64)
@@ -133,23 +133,18 @@ def _volume_fronts(s_of: np.ndarray, col: np.ndarray, volume: np.ndarray, n_sess
     return front
 
 
-def _calendar_fronts(days: np.ndarray, s_of: np.ndarray, col: np.ndarray, contracts: list[str],
-                     cfg: ContractConfig, root: str) -> np.ndarray:
-    """The front of each session, int64 [S]: the first contract (expiry order) trading that session with more
-    than N weekday sessions left to its expiration."""
-    n = roll_sessions(cfg.roll)
-    missing = [c for c in contracts if cfg.expiration(c) is None]
-    if missing:
+def _calendar_fronts(days: np.ndarray, contracts: list[str], cfg: ContractConfig, root: str) -> np.ndarray:
+    """The front of each session `days` [S] as an index into `contracts` (-1 where it is none of them, or past the
+    last known expiration's roll), int64 [S]: `rule_fronts`, the rule the known contract features follow."""
+    if missing := [c for c in contracts if cfg.expiration(c) is None]:
         raise ValueError(f"--roll {cfg.roll} needs each contract's expiration: {', '.join(missing[:3])} of root "
                          f"{root} {'has' if len(missing) == 1 else 'have'} none; give the bars an expiration column "
                          "(--expiration-col NAME) or the --roots file an expiration column when training (a model "
                          "knows the expirations its training run read), or use --roll volume")
-    expiry = np.array([cfg.expiration(c) for c in contracts], dtype="datetime64[D]")  # [C]
-    traded = np.zeros((days.size, len(contracts)), dtype=bool)
-    traded[s_of, col] = True
-    left = np.busday_count(days.astype("datetime64[D]")[:, None], expiry[None, :])  # [S, C]
-    ok = traded & (left > (n or 0))
-    return np.where(ok.any(axis=1), np.argmax(ok, axis=1), -1)
+    names, _ = known_expiries(cfg, root)
+    front = rule_fronts(days.astype("datetime64[D]"), cfg, root)  # [S] into names
+    place = np.array([contracts.index(n) if n in contracts else -1 for n in names] + [-1], dtype=np.int64)
+    return place[front]  # front -1 takes the appended -1
 
 
 def _continuous_as_given(ts: np.ndarray, code: np.ndarray, names: list[str], root: str) -> np.ndarray:
@@ -242,18 +237,23 @@ def _ratio_adjusted(bars: Bars) -> Bars:
                    log_offset=None)
 
 
-def calendar_expiries(cfg: ContractConfig, root: str) -> np.ndarray:
-    """The expirations of `root`'s contracts in the config (those a `--roots` file or expiration column gave),
-    sorted: datetime64[D] [C]."""
-    days = [day for contract, day in cfg.expirations if cfg.root_of(contract) == root]
-    return np.sort(np.array(days, dtype="datetime64[D]"))
+def known_expiries(cfg: ContractConfig, root: str) -> tuple[list[str], np.ndarray]:
+    """`root`'s contracts with a known expiration (from a `--roots` file or an expiration column) and those
+    expirations, in expiry order: names [C], datetime64[D] [C]."""
+    pairs = sorted((day, contract) for contract, day in cfg.expirations if cfg.root_of(contract) == root)
+    return [c for _, c in pairs], np.array([d for d, _ in pairs], dtype="datetime64[D]")
 
 
-def _rule_front(day: np.ndarray, expiry: np.ndarray, n: int) -> np.ndarray:
-    """Under `calendar:n`, each day's front as an index into the sorted `expiry` [C]: the first contract with more
-    than n weekday sessions left; -1 where none has. day: datetime64[D] [m] -> int64 [m]."""
-    left = np.busday_count(day[:, None], expiry[None, :])  # [m, C]  weekday sessions to each expiration
-    ok = left > n
+def rule_fronts(day: np.ndarray, cfg: ContractConfig, root: str) -> np.ndarray:
+    """The `calendar:N` front of each day (datetime64[D] [m]) as an index into `known_expiries`, int64 [m]: the
+    first contract with more than N weekday sessions from the day's session to its expiration; -1 where none has.
+    A weekend day belongs to the weekday session after it."""
+    _, expiry = known_expiries(cfg, root)
+    if not expiry.size:
+        return np.full(day.shape, -1, dtype=np.int64)
+    session = np.busday_offset(day, 0, roll="forward")  # the weekday session of each day
+    left = np.busday_count(session[:, None], expiry[None, :])  # [m, C]  weekday sessions to each expiration
+    ok = left > (roll_sessions(cfg.roll) or 0)
     return np.where(ok.any(axis=1), np.argmax(ok, axis=1), -1)
 
 
@@ -273,15 +273,14 @@ def contract_known(timestamp_ns: np.ndarray, roots: np.ndarray, cfg: ContractCon
         rows = np.flatnonzero(flat_root == r)
         used = np.unique(at[rows])
         day = days[used].astype("datetime64[D]")  # [d]
-        expiry = calendar_expiries(cfg, r)
-        session = np.busday_offset(day, 0, roll="forward")  # the weekday session of each day
-        front = _rule_front(session, expiry, n) if expiry.size else np.full(day.shape, -1)
+        _, expiry = known_expiries(cfg, r)
+        front = rule_fronts(day, cfg, r)
         if (none := np.flatnonzero(front < 0)).size:
             last = f"its last known expiration is {expiry[-1]}" if expiry.size else "none of its contracts has one"
             raise ValueError(f"root {r}: on {day[none[0]]} no contract with a known expiration has more than {n} "
                              f"sessions left (--roll {cfg.roll}; {last}); give the coming contracts' expirations in "
                              "the --roots file (contract,root,expiration) and retrain")
-        before = _rule_front(np.busday_offset(session, -1), expiry, n)
+        before = rule_fronts(np.busday_offset(np.busday_offset(day, 0, roll="forward"), -1), cfg, r)
         place = np.searchsorted(used, at[rows])
         out[rows, 0] = np.busday_count(day, expiry[front])[place]
         out[rows, 1] = (front != before)[place]

@@ -74,6 +74,32 @@ def test_a_weekend_bar_belongs_to_the_weekday_session_it_opens() -> None:
     assert got.tolist() == [[5.0, 0.0], [74.0, 1.0], [74.0, 1.0], [74.0, 1.0], [73.0, 0.0]]
 
 
+def test_the_series_takes_its_rows_from_the_front_the_known_features_name() -> None:
+    """One calendar rule for the series and its features: on every row the series' contract is the front whose
+    expiration the features count to, weekend bars included (a Sunday open is Monday's session), and a deferred
+    month that trades while the rule's front has no bars yet gives the series no rows."""
+    cfg = ContractConfig(roll="calendar:4", expirations=(*EXPIRATIONS, ("ESU5", "2025-09-19")))
+    fc = dataclasses.replace(FC, contracts=cfg)
+    weekdays = weekday_bars("2025-03-05", "2025-03-14")
+    sunday = day_ns("2025-03-09") + 22 * HOUR  # the rule's roll to ESM5 is Monday 03-10, and Sunday opens it
+    esm5_from = day_ns("2025-03-11")  # ESM5 has no bars in the first session of its turn; ESU5 trades throughout
+    keep = (weekdays.symbol == "ESH5") | (weekdays.timestamp_ns >= esm5_from)
+    rows = [(t, n) for t, n in zip(weekdays.timestamp_ns[keep].tolist(), weekdays.symbol[keep].tolist(), strict=True)]
+    rows += [(sunday, "ESH5"), (sunday, "ESM5")] + [(t, "ESU5") for t in np.unique(weekdays.timestamp_ns).tolist()]
+    rows.sort(key=lambda r: (r[1], r[0]))
+    ts, names = np.array([t for t, _ in rows]), np.array([n for _, n in rows], dtype=object)
+    c = np.full(ts.size, 5000.0)
+    series, _ = continuous(Bars(ts, names, c, c, c, c, np.full(ts.size, 100.0)), fc)
+    expiry = dict(cfg.expirations)
+    left = np.busday_count(series.timestamp_ns.astype("datetime64[ns]").astype("datetime64[D]"),
+                           np.array([expiry[str(n)] for n in series.contract], dtype="datetime64[D]"))
+    np.testing.assert_array_equal(build_frame(series, fc).known[:, 4], left)  # sessions to the row's own expiry
+    day = series.timestamp_ns.astype("datetime64[ns]").astype("datetime64[D]").astype(str)
+    assert {str(n) for n in series.contract} == {"ESH5", "ESM5"}  # ESU5 is never the front before June
+    assert set(series.contract[day < "2025-03-09"]) == {"ESH5"} and "2025-03-10" not in day
+    assert set(series.contract[day >= "2025-03-09"]) == {"ESM5"} and "2025-03-09" in day
+
+
 def test_past_the_last_known_roll_is_one_line_naming_the_fix() -> None:
     with pytest.raises(ValueError) as info:
         contract_known(np.array([day_ns("2025-06-18")]), np.array(["ES"]), CALENDAR, "UTC")
