@@ -47,54 +47,47 @@ class FeatureConfig:
     def warmup_bars(self) -> int:
         return self.volatility_window
 
-    def _real(self, names: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(n for n in names if n not in self.categorical_columns)
-
-    def _categorical(self, names: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(n for n in names if n in self.categorical_columns)
-
+    # The user variables by role and kind, as the schema orders them (FeatureSchema.user)
     @property
     def known_reals(self) -> tuple[str, ...]:
         """The known real user columns: their future values travel in the wire's future_features."""
-        return self._real(self.known_columns)
+        return self.schema().user(Role.KNOWN, kind=Kind.REAL)
 
     @property
     def known_categoricals(self) -> tuple[str, ...]:
         """The known categorical user columns: their future labels travel in future_categorical_features."""
-        return self._categorical(self.known_columns)
+        return self.schema().user(Role.KNOWN, kind=Kind.CATEGORICAL)
 
     @property
     def observed_user(self) -> tuple[str, ...]:
-        """Observed user variables in the model's order: reals, then categoricals."""
-        return self._real(self.user_columns) + self._categorical(self.user_columns)
+        return self.schema().user(Role.OBSERVED)
 
     @property
     def known_user(self) -> tuple[str, ...]:
-        """Known user variables in the model's order: reals, then categoricals."""
-        return self._real(self.known_columns) + self._categorical(self.known_columns)
+        return self.schema().user(Role.KNOWN)
 
     @property
     def static_categoricals(self) -> tuple[str, ...]:
-        return self._categorical(self.static_columns)
+        return self.schema().user(Role.STATIC, kind=Kind.CATEGORICAL)
 
     @property
     def static_reals(self) -> tuple[str, ...]:
-        return self._real(self.static_columns)
+        return self.schema().user(Role.STATIC, kind=Kind.REAL)
 
     @property
     def real_columns(self) -> tuple[str, ...]:
         """Every real user column a file must hold: observed, known, static."""
-        return self._real(self.user_columns) + self._real(self.known_columns) + self.static_reals
+        return self.schema().user(Role.OBSERVED, Role.KNOWN, Role.STATIC, kind=Kind.REAL)
 
     @property
     def series_reals(self) -> tuple[str, ...]:
         """The real user columns sent per bar (the wire's user_features): observed, then known."""
-        return self._real(self.user_columns) + self._real(self.known_columns)
+        return self.schema().user(Role.OBSERVED, Role.KNOWN, kind=Kind.REAL)
 
     @property
     def series_categoricals(self) -> tuple[str, ...]:
         """The categorical user columns sent per bar: observed, then known."""
-        return self._categorical(self.user_columns) + self._categorical(self.known_columns)
+        return self.schema().user(Role.OBSERVED, Role.KNOWN, kind=Kind.CATEGORICAL)
 
     @property
     def has_user_inputs(self) -> bool:
@@ -111,7 +104,25 @@ class FeatureConfig:
         return CONTRACT_KNOWN if rolls_by_calendar else ()
 
     def schema(self) -> FeatureSchema:
-        return _schema(self)
+        """The model's variables of each role, in the column order of every array: the one description of roles."""
+        return self._schema
+
+    @functools.cached_property
+    def _schema(self) -> FeatureSchema:
+        """Static: the symbol, user categoricals, user reals. Observed and known: built-in, then user reals, then
+        user categoricals."""
+        cat, real = Kind.CATEGORICAL, Kind.REAL
+
+        def user(names: tuple[str, ...], role: Role, kinds: tuple[Kind, Kind]) -> list[FeatureSpec]:
+            return [FeatureSpec(n, role, k, source="user") for k in kinds for n in names
+                    if (n in self.categorical_columns) == (k == cat)]
+
+        return FeatureSchema((
+            FeatureSpec(STATIC_SYMBOL, Role.STATIC, cat), *user(self.static_columns, Role.STATIC, (cat, real)),
+            *(FeatureSpec(n, Role.OBSERVED, real) for n in BUILTIN_OBSERVED),
+            *user(self.user_columns, Role.OBSERVED, (real, cat)),
+            *(FeatureSpec(n, Role.KNOWN, real) for n in BUILTIN_KNOWN + self.contract_known),
+            *user(self.known_columns, Role.KNOWN, (real, cat))))
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"horizon": self.horizon, "volatility_window": self.volatility_window,
@@ -151,20 +162,3 @@ def check_roles(config: FeatureConfig) -> None:
     if config.vocabularies and (lacking := [c for c in config.categorical_columns
                                             if c not in dict(config.vocabularies)]):
         raise ValueError(f"no vocabulary for categorical feature(s) {', '.join(lacking)}")
-
-
-@functools.lru_cache(maxsize=32)
-def _schema(config: FeatureConfig) -> FeatureSchema:
-    """Static: the symbol, user categoricals, user reals. Observed and known: built-in, then user reals, then user
-    categoricals: the column order of every array of that role."""
-    cat, real = Kind.CATEGORICAL, Kind.REAL
-
-    def user(names: tuple[str, ...], role: Role) -> list[FeatureSpec]:
-        return [FeatureSpec(n, role, cat if n in config.categorical_columns else real, source="user") for n in names]
-
-    specs = [FeatureSpec(STATIC_SYMBOL, Role.STATIC, cat)]
-    specs += user(config.static_categoricals + config.static_reals, Role.STATIC)
-    specs += [FeatureSpec(n, Role.OBSERVED, real) for n in BUILTIN_OBSERVED] + user(config.observed_user, Role.OBSERVED)
-    specs += [FeatureSpec(n, Role.KNOWN, real) for n in BUILTIN_KNOWN + config.contract_known]
-    specs += user(config.known_user, Role.KNOWN)
-    return FeatureSchema(tuple(specs))

@@ -90,6 +90,11 @@ class FeatureSchema:
         """The model's input tensors, in order: MODEL_INPUTS, then STATIC_REAL when there are static reals."""
         return (*MODEL_INPUTS, STATIC_REAL) if self.static_reals else MODEL_INPUTS
 
+    def user(self, *roles: Role, kind: Kind | None = None) -> tuple[str, ...]:
+        """The user variables of `roles`, role by role in array order; only those of `kind` when given."""
+        return tuple(f.name for role in roles for f in self.features
+                     if f.role == role and f.source == "user" and (kind is None or f.kind == kind))
+
     @property
     def user_columns(self) -> list[str]:
         return [f.name for f in self.features if f.source == "user"]

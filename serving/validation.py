@@ -29,6 +29,7 @@ from features.calendar import COARSE_INTERVALS, NS_PER_DAY
 from features.known import future_known
 from features.model_meta import ModelMeta
 from features.rolls import contract_codes, front_rows
+from features.schema import Kind, Role
 from features.text import bounded, listed
 from serving.contracts import foreign_contract, unknown_symbol
 from serving.errors import MAX_PROBLEMS, RequestError
@@ -240,11 +241,12 @@ def _refuse_too_few(i: int, label: str, n: int, meta: ModelMeta) -> NoReturn:
 
 def columns_read(meta: ModelMeta) -> dict[str, tuple[str, ...]]:
     """Each column field of a Series -> the columns of it the model reads."""
-    config = meta.feature_config
-    return {"user_features": config.series_reals,
-            "future_features": config.known_reals, "categorical_features": config.series_categoricals,
-            "future_categorical_features": config.known_categoricals,
-            "static_features": config.static_reals, "static_categorical_features": config.static_categoricals}
+    user, observed, known, static = meta.feature_schema.user, Role.OBSERVED, Role.KNOWN, Role.STATIC
+    real, cat = Kind.REAL, Kind.CATEGORICAL
+    return {"user_features": user(observed, known, kind=real), "future_features": user(known, kind=real),
+            "categorical_features": user(observed, known, kind=cat),
+            "future_categorical_features": user(known, kind=cat),
+            "static_features": user(static, kind=real), "static_categorical_features": user(static, kind=cat)}
 
 
 def _check_covariates(i: int, s: SeriesColumns, meta: ModelMeta) -> None:
