@@ -6,7 +6,7 @@ features (timestamps alone) look forward. Rows in a series' warm-up have NaN obs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -175,7 +175,7 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
     series_id = np.repeat(np.array([vocab.index(name) for name in slices], dtype=np.int64), bounds[:, 1] - bounds[:, 0])
     first_row = np.repeat(bounds[:, 0], bounds[:, 1] - bounds[:, 0])  # [N]
     log_c = np.log(bars.close) if bars.log_offset is None else np.log(bars.close) + bars.log_offset
-    ids, unseen = encode_labels(bars, config)
+    ids, unseen = encode_labels({name: bars.labels[name] for name in config.categorical_columns}, config)
     user_block = None if config.categorical_columns else block_for(bars.user, config.user_columns)  # [n_user, N]
     user = user_block if user_block is not None else [column(bars, ids, u) for u in config.observed_user]
     observed = _observed(bars.open, bars.high, bars.low, bars.close, bars.volume, user, config, bounds[:, 0],
@@ -210,11 +210,13 @@ def column(bars: Bars, ids: dict[str, np.ndarray], name: str) -> np.ndarray:
     return ids[name].astype(np.float64) if name in ids else np.asarray(bars.user[name], dtype=np.float64)
 
 
-def encode_labels(bars: Bars, config: FeatureConfig) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Each categorical column's ids (int64 [N]) in its vocabulary, and where its label is unseen (bool [N])."""
+def encode_labels(labels: Mapping[str, np.ndarray], config: FeatureConfig
+                  ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The ids (int64, each column's shape) of each categorical column in `labels` (training's bars, or a request's
+    series) in its vocabulary, and where its label is unseen (bool, same shape): one encoding for both."""
     ids, unseen = {}, {}
-    for name in config.categorical_columns:
-        ids[name], unseen[name] = encode(bars.labels[name], config.vocabulary(name))
+    for name, values in labels.items():
+        ids[name], unseen[name] = encode(values, config.vocabulary(name))
     return ids, unseen
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from features.bars import block_for
-from features.categories import encode, unseen_note
-from features.compute import latest_windows
+from features.categories import unseen_note
+from features.compute import encode_labels, latest_windows
 from features.model_meta import ModelMeta
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, STATIC_REAL
 from features.text import listed
@@ -115,30 +115,20 @@ def encode_series(s: SeriesColumns, meta: ModelMeta) -> Encoded:
     """The series' user variables with each label encoded in the model's vocabulary (unseen: the unknown id 0).
     Notes name the unseen labels among the values the model reads: the encoder bars, the future bars, statics."""
     config, n, L = meta.feature_config, meta.bars_required, meta.encoder_length
-    ids: dict[str, np.ndarray] = {}  # categorical column -> float64 ids of its bars [n] (and future bars [H])
-    future_ids: dict[str, np.ndarray] = {}
-    unseen: dict[str, np.ndarray] = {}
-    read: dict[str, np.ndarray] = {}  # the labels the model reads, as sent
-    for name in config.series_categoricals:
-        labels = s.labels[name][-n:]
-        if name in s.future_labels:  # a known categorical: the future bars' labels too
-            labels = np.concatenate([labels, s.future_labels[name]])
-        coded, mask = encode(labels, config.vocabulary(name))
-        ids[name], future_ids[name] = coded[:n].astype(np.float64), coded[n:].astype(np.float64)
-        unseen[name], read[name] = mask[n - L:], labels[n - L:]
-    static = []
-    for name in config.static_categoricals:
-        label = np.array([s.static_labels[name]])
-        coded, unseen[name] = encode(label, config.vocabulary(name))
-        static.append(int(coded[0]))
-        read[name] = label
+    per_bar = {name: np.concatenate([s.labels[name][-n:], s.future_labels.get(name, s.labels[name][:0])])
+               for name in config.series_categoricals}  # [n], a known categorical's future bars' too: [n + H]
+    labels = per_bar | {name: np.array([s.static_labels[name]]) for name in config.static_categoricals}
+    ids, unseen = encode_labels(labels, config)
+    read = {name: slice(n - L, None) if name in per_bar else slice(None) for name in labels}  # what the model reads
 
     def values(name: str) -> np.ndarray:
-        return ids[name] if name in ids else np.asarray(s.user[name][-n:], dtype=np.float64)
+        return ids[name][:n].astype(np.float64) if name in per_bar else np.asarray(s.user[name][-n:], dtype=np.float64)
 
     return Encoded(observed=[values(u) for u in config.observed_user], known=[values(u) for u in config.known_user],
-                   future=[future_ids[u] if u in future_ids else s.future[u] for u in config.known_user],
-                   static=static, notes=tuple(unseen_note(unseen, read)))
+                   future=[ids[u][n:].astype(np.float64) if u in per_bar else s.future[u] for u in config.known_user],
+                   static=[int(ids[name][0]) for name in config.static_categoricals],
+                   notes=tuple(unseen_note({k: unseen[k][r] for k, r in read.items()},
+                                           {k: labels[k][r] for k, r in read.items()})))
 
 
 def _known_blocks(series: Sequence[SeriesColumns], coded: list[Encoded] | None, meta: ModelMeta
