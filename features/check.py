@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,7 +22,7 @@ from features.compute import check_static
 from features.config import FeatureConfig
 from features.contracts import ContractConfig, ContractFlags
 from features.files import reader_went_away
-from features.rolls import Roll
+from features.rolls import Roll, contract_roots
 from features.series import as_series, read_contract_bars, roll_listing, scan
 
 
@@ -249,13 +250,7 @@ def contract_lines(bars: Bars, series: Bars, rolls: list[Roll], config: Contract
 def contracts_per_root(bars: Bars, config: ContractConfig) -> dict[str, int]:
     """How many distinct contracts each root's bars hold, roots sorted; `bars` as read (the symbol is the
     contract), every contract mapped (continuous has checked)."""
-    if config.root_column:
-        pairs = {(str(r), str(c)) for r, c in zip(bars.labels[config.root_column], bars.symbol, strict=True)}
-        roots = [r for r, _ in pairs]
-    else:
-        roots = [str(config.root_of(str(n))) for n in np.unique(bars.symbol.astype(str))]
-    found, counts = np.unique(np.array(roots, dtype=str), return_counts=True)
-    return {str(r): int(n) for r, n in zip(found, counts, strict=True)}
+    return dict(sorted(Counter(contract_roots(bars, config).values()).items()))
 
 
 if __name__ == "__main__":

@@ -216,6 +216,14 @@ def _contract_codes(bars: Bars) -> tuple[list[str], np.ndarray, list[int]]:
     return [str(u) for u in unique], code.reshape(-1), [int(i) for i in first]
 
 
+def contract_roots(bars: Bars, cfg: ContractConfig) -> dict[str, str]:
+    """Each contract of per-contract `bars` (the symbol is the contract) -> its root: the root column's label at its
+    first bar when the model reads roots from a column, else the mapping file's or the name's (ContractConfig.root_of).
+    ValueError (one line) names contracts that map to no root."""
+    names, _, first_rows = _contract_codes(bars)
+    return dict(zip(names, _roots(bars, cfg, names, first_rows), strict=True))
+
+
 def _roots(bars: Bars, cfg: ContractConfig, names: list[str], first_rows: list[int]) -> list[str]:
     """Each contract's root (its first row's, for a root column); ValueError names a contract that maps to none."""
     if cfg.root_column:
