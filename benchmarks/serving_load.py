@@ -79,10 +79,8 @@ import psutil
 from grpc import aio
 
 from features.bars import BarDataError, Bars, read_bars
-from features.config import FeatureConfig
 from features.model_meta import ModelMeta
 from features.ort import preload_cuda_libraries
-from serving.client import FutureValues, UserInputs, series_from_bars
 from serving.errors import ModelLoadError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
@@ -90,6 +88,7 @@ from serving.health_probe import wait_serving as health_wait
 from serving.metrics import STEPS
 from serving.model import LoadedModel, load_and_warm, load_model
 from serving.preprocess import prepare
+from serving.request_from_bars import FutureValues, series_from_bars
 from serving.validation import columns_from_proto
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,7 +144,6 @@ def request_pool(bars: Bars, meta: ModelMeta, size: int, seed: int = 0, packed: 
     if not symbols:
         raise SystemExit(f"no symbol of the model ({', '.join(meta.symbols)}) has {need + after} bars in the "
                          "parquet file")
-    inputs = user_inputs(fc)
     pool = []
     for _ in range(size):
         sym = symbols[int(rng.integers(len(symbols)))]
@@ -153,16 +151,9 @@ def request_pool(bars: Bars, meta: ModelMeta, size: int, seed: int = 0, packed: 
         end = int(rng.integers(sl.start + need, sl.stop + 1 - after))
         future = FutureValues({c: bars.user[c][end:end + after] for c in fc.known_columns if c in bars.user},
                               {c: bars.labels[c][end:end + after] for c in fc.known_columns if c in bars.labels})
-        series = series_from_bars(bars, sym, need, list(fc.series_reals), packed=packed, last=end - 1, inputs=inputs,
-                                  future=future)
+        series = series_from_bars(bars, sym, need, fc, packed=packed, last=end - 1, future=future)
         pool.append(pb.PredictRequest(series=[series]))
     return pool
-
-
-def user_inputs(fc: FeatureConfig) -> UserInputs:
-    """The user columns a request of the model carries, by role."""
-    return UserInputs(reals=fc.series_reals, labels=fc.series_categoricals, static=fc.static_columns,
-                      known=fc.known_columns, categorical=frozenset(fc.categorical_columns))
 
 
 # ---- bare ONNX Runtime ---------------------------------------------------------------------------

@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from features.files import umask
-from serving.client import series_from_bars
 from serving.model import load_model
 from serving.preprocess import prepare
+from serving.request_from_bars import series_from_bars
 from serving.validation import columns_from_proto
 from tests.artifacts import REPO
 from tests.live_server import Model, tiny_model  # noqa: F401  (the shared fixture)

@@ -21,17 +21,16 @@ from features.config import FeatureConfig
 from features.contracts import ContractConfig
 from features.model_meta import ModelMeta
 from features.schema import QUANTILES
-from features.windows import anchor_rows
-from serving.client import build_request
+from features.windows import anchor_rows, model_inputs
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.model import load_model
-from serving.score import model_inputs
+from serving.request_from_bars import request_from_bars
 from serving.wire import forecast_arrays
 from tests.artifacts import REPO, TINY_TRAIN_FLAGS, run, run_score
 from tests.live_server import serving
 from tests.test_check_contracts import ContractBars, contract_bars, day_ns
-from tests.test_score_covariates import H, client_args, iso, write_model
+from tests.test_score_covariates import H, iso, write_model
 
 TRAIN = {"ES": ["ESH5", "ESM5"], "NQ": ["NQH5", "NQM5"]}
 SCORE = {"ES": ["ESH5", "ESM5", "ESU5", "ESZ5"], "NQ": ["NQH5", "NQM5"]}  # ES rolls three times, into unseen ones
@@ -195,7 +194,7 @@ def test_the_client_sends_a_roots_contracts_for_the_server_to_roll_or_one_contra
         stub = pb_grpc.ForecasterStub(server.channel)
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         assert info.roll_rule.startswith("roll volume")
-        root = build_request(client_args(futures, symbol="ES", origin=iso(origin)), info).series[0]
+        root = request_from_bars(futures, info, "ES", origin=iso(origin)).series[0]
         # every ES contract's bars from the session before the latest bars_required bar times (40: days 9 and 10)
         assert root.symbol == "ES" and root.timestamp_ns[0] == day_ns(8) and root.timestamp_ns[-1] == origin
         assert len(root.contracts) == len(root.timestamp_ns) == 4 * 60 + 11
@@ -205,7 +204,7 @@ def test_the_client_sends_a_roots_contracts_for_the_server_to_roll_or_one_contra
         np.testing.assert_allclose(got.log_return, quantiles(at, at.num_rows)[0], rtol=0, atol=1e-6)
         assert got.last_close == at["close"][0].as_py()  # ESZ5's own close
 
-        one = build_request(client_args(futures, symbol="ESZ5", origin=iso(origin)), info).series[0]
+        one = request_from_bars(futures, info, "ESZ5", origin=iso(origin)).series[0]
         own = bars.table.filter(pc.equal(bars.table["symbol"], "ESZ5"))["ts_event"].cast(pa.int64()).to_numpy()
         assert one.symbol == "ESZ5" and not one.contracts
         np.testing.assert_array_equal(one.timestamp_ns, own[own <= origin][-info.bars_required:])

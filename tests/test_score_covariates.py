@@ -4,7 +4,6 @@ without a trained model: every input it takes moves its output."""
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from features.bars import ColumnMap, read_bars
+from features.bars import read_bars
 from features.compute import build_frame
 from features.config import FeatureConfig
 from features.model_meta import FORMAT, PREFIX, ModelMeta, graph_digest
@@ -32,9 +31,9 @@ from features.schema import (
 )
 from features.synth import generate
 from features.windows import anchor_rows, gather_windows
-from serving.client import Refused, build_request
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.preprocess import prepare
+from serving.request_from_bars import Refused, request_from_bars
 from serving.validation import columns_from_proto
 from tests.artifacts import REPO, run_score
 from tests.live_server import LiveServer
@@ -196,17 +195,6 @@ def model_info(meta: ModelMeta) -> pb.ModelInfo:
                         user_feature_columns=list(meta.feature_config.series_reals), bar_columns=meta.column_map)
 
 
-def client_args(parquet: Path, **flags: object) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    ColumnMap.add_arguments(p)
-    args = p.parse_args([])
-    values = {"parquet": str(parquet), "symbol": "ES", "explain": False, "packed": False, "origin": None,
-              "future": None}
-    for name, value in (values | flags).items():
-        setattr(args, name, value)
-    return args
-
-
 def iso(ns: int) -> str:
     return str(np.datetime64(int(ns), "ns"))
 
@@ -219,7 +207,7 @@ def test_the_client_sends_labels_static_values_and_the_known_values_after_the_or
     bars = read_bars(bars_path, None, CONFIG.real_columns, label_columns=CONFIG.categorical_columns)
     es = bars.series_slices()["ES"]
     origin = es.start + 60  # a row with H bars after it
-    request = build_request(client_args(bars_path, origin=iso(bars.timestamp_ns[origin])), model_info(meta))
+    request = request_from_bars(bars_path, model_info(meta), "ES", origin=iso(bars.timestamp_ns[origin]))
     series = request.series[0]
     sent = slice(origin + 1 - meta.bars_required, origin + 1)
     assert list(series.timestamp_ns) == bars.timestamp_ns[sent].tolist()
@@ -253,16 +241,16 @@ def test_the_client_reads_the_future_known_values_from_the_future_file(files: tu
     ahead = table.filter(pa.array(row > cut)).select(["timestamp", "symbol", "session", "event", "close"])
     pq.write_table(ahead.take(np.random.default_rng(0).permutation(ahead.num_rows)), future := tmp_path / "f.parquet")
     info = model_info(meta)
-    from_file = build_request(client_args(bars_path, origin=iso(table["timestamp"].cast(pa.int64())[cut].as_py())),
-                              info).series[0]
-    given = build_request(client_args(past, future=str(future)), info).series[0]
+    origin = iso(table["timestamp"].cast(pa.int64())[cut].as_py())
+    from_file = request_from_bars(bars_path, info, "ES", origin=origin).series[0]
+    given = request_from_bars(past, info, "ES", future=future).series[0]
     assert given.future_features == from_file.future_features and len(given.future_features[0].values) == H
     assert given.future_categorical_features == from_file.future_categorical_features
     assert given == from_file
     assert list(given.future_features[0].values) == table["event"].to_numpy()[es][cut + 1:cut + 1 + H].tolist()
 
     with pytest.raises(Refused) as refused:
-        build_request(client_args(past), info)
+        request_from_bars(past, info, "ES")
     assert str(refused.value) == (
         f"known feature 'event': the model needs its values for the {H} bars after 2024-01-02 15:30:00 UTC (the "
         f"forecast's {H} steps), and {past} has 0 ES bar(s) after it: give them with --future FILE (symbol, "
@@ -270,7 +258,7 @@ def test_the_client_reads_the_future_known_values_from_the_future_file(files: tu
     pq.write_table(ahead.slice(0, 2), short := tmp_path / "short.parquet")
     with pytest.raises(Refused, match=rf"--future {short} has 2 ES row\(s\) after it: give event, session of the "
                                       rf"next {H} bars"):
-        build_request(client_args(past, future=str(short)), info)
+        request_from_bars(past, info, "ES", future=short)
 
 
 def run_client(target: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -307,14 +295,12 @@ def test_the_client_command_forecasts_from_a_real_server_with_the_future_from_ei
                               f"{H} bars)\n")
 
 
-def test_a_backtest_folds_training_bars_keep_every_user_column(files: tuple[Path, Path, ModelMeta],
-                                                                tmp_path: Path) -> None:
-    from backtest.folds import bars_before, write_bars
+def test_a_backtest_folds_training_bars_keep_every_user_column(files: tuple[Path, Path, ModelMeta]) -> None:
+    from backtest.folds import bars_before
 
     bars = read_bars(files[0], None, CONFIG.real_columns, label_columns=CONFIG.categorical_columns)
     cut = int(bars.timestamp_ns[50])
-    write_bars(bars_before(bars, cut), tmp_path / "train.parquet")
-    back = read_bars(tmp_path / "train.parquet", None, CONFIG.real_columns, label_columns=CONFIG.categorical_columns)
+    back = bars_before(bars, cut)
     keep = bars.timestamp_ns < cut
     assert len(back) == int(keep.sum())
     for name in CONFIG.real_columns:

@@ -451,8 +451,9 @@ def test_requests_carry_no_paths() -> None:
                        "foxhunt.tft.v1.Series.contracts"}
 
 
-READERS = {"open", "read_bytes", "read_text", "read_bars", "read_table", "InferenceSession", "load", "load_model",
-           "TemporaryFile", "write_bytes", "write_text", "unlink", "remove", "rename", "replace", "mkdir"}
+READERS = {"open", "read_bytes", "read_text", "read_bars", "read_contract_bars", "read_table", "InferenceSession",
+           "load", "load_model", "TemporaryFile", "write_bytes", "write_text", "unlink", "remove", "rename", "replace",
+           "mkdir"}
 
 
 def test_the_server_opens_only_its_own_files() -> None:
@@ -480,15 +481,16 @@ def test_the_server_opens_only_its_own_files() -> None:
         "model.load_and_warm:load_model",  # SIGHUP: --model again
         "server.serve:load_model",  # --model
         "security.read_file:read_bytes",  # --tls-*, --auth-token-file (server and clients)
-        "client._symbol_bars:read_bars",  # the client's own --parquet
-        "client.read_future:read_table",  # the client's own --future
+        # the client's own --parquet and --future
+        "request_from_bars.symbol_bars:read_contract_bars", "request_from_bars.read_future:read_table",
         # the offline scorer (python -m serving.score, no server): its --model and --parquet (--out is written by
         # features.files.atomic_output)
-        "score._run:load_model", "score._run:read_bars",
+        "score._run:load_model", "score._run:read_contract_bars",
         "score.parse_time:replace",  # datetime.replace(tzinfo=UTC): no file
         "reflection._v1_file:replace",  # str.replace of a package name in a type name: no file
         # dataclasses.replace: no file
         "workers._spawn:replace", "workers.run_workers:replace", "validation._for_the_wire:replace",
+        "request_from_bars.symbol_bars:replace", "request_from_bars.root_bars:replace",
     }, sorted(found)
 
 

@@ -43,9 +43,9 @@ from features.compute import build_frame
 from features.config import FeatureConfig
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES
 from features.windows import gather_windows
-from serving.client import series_from_bars
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
+from serving.request_from_bars import series_from_bars
 from tests.artifacts import REPO
 from tests.live_server import SERVICE, LiveServer, Model, metric, request_for, serving, tiny_model  # noqa: F401  (fixture)
 

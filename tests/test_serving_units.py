@@ -295,14 +295,15 @@ def test_a_packed_block_in_the_models_order_is_used_as_sent() -> None:
 
 def test_the_client_packs_user_columns_as_the_server_reads_them() -> None:
     from features.bars import Bars
-    from serving.client import series_from_bars
+    from serving.request_from_bars import series_from_bars
 
     n, rng = 30, np.random.default_rng(5)
     close = 100 + np.cumsum(rng.normal(0, 0.1, n))
     bars = Bars(1_704_103_200_000_000_000 + 60_000_000_000 * np.arange(n), np.full(n, "ES", dtype=object), close,
                 close + 1, close - 1, close, np.ones(n), {"a": rng.normal(size=n), "b": rng.normal(size=n)})
-    plain = columns_from_proto(series_from_bars(bars, "ES", 12, ["b", "a"]))
-    wire = series_from_bars(bars, "ES", 12, ["b", "a"], packed=True)
+    columns = FeatureConfig(user_columns=("b", "a"))
+    plain = columns_from_proto(series_from_bars(bars, "ES", 12, columns))
+    wire = series_from_bars(bars, "ES", 12, columns, packed=True)
     assert not wire.user_features and list(wire.user_feature_names) == ["b", "a"]
     got = columns_from_proto(pb.Series.FromString(wire.SerializeToString()))
     for name in ("a", "b"):

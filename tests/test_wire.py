@@ -10,8 +10,8 @@ import grpc
 import numpy as np
 import pytest
 
-from serving.client import series_from_bars
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
+from serving.request_from_bars import series_from_bars
 from serving.validation import parse_request
 from serving.wire import forecast_arrays, make_series
 from tests.artifacts import REPO
