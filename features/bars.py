@@ -60,9 +60,7 @@ class ColumnMap:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, defaults: str = "") -> None:
         """The column-mapping flags of every command that reads bars; `defaults` names where unset names come from."""
-        title = f"column mapping ({defaults})" if defaults else \
-            "column mapping (for parquet layouts other than the default)"
-        g = parser.add_argument_group(title)
+        g = parser.add_argument_group(f"column mapping ({defaults or 'for parquet layouts other than the default'})")
 
         def default(name: str) -> str:
             return "the training run's" if defaults else name
@@ -164,20 +162,13 @@ class BarDataError(Exception):
 
     def lines(self) -> list[str]:
         """One line per problem; a whole-column problem found alike in several files is one line that counts them."""
-        first: dict[tuple[str, str, str], int] = {}
-        others: list[int] = []
-        lines: list[str] = []
-        for p in self.problems:
-            key = (p.column, p.rule, p.fix)
-            if p.row < 0 and key in first:
-                others[first[key]] += 1
-                continue
-            if p.row < 0:
-                first[key] = len(lines)
-            lines.append(str(p))
-            others.append(0)
-        return [line + (f" (the same in {n} more file{'s' if n > 1 else ''})" if n else "")
-                for line, n in zip(lines, others, strict=True)]
+        seen: dict[tuple[str, str, str] | int, tuple[str, int]] = {}  # key -> (the first one's line, how many)
+        for i, p in enumerate(self.problems):
+            key = (p.column, p.rule, p.fix) if p.row < 0 else i  # whole-column problems alike share a key
+            line, n = seen.get(key, (str(p), 0))
+            seen[key] = (line, n + 1)
+        return [line + (f" (the same in {n - 1} more file{'s' if n > 2 else ''})" if n > 1 else "")
+                for line, n in seen.values()]
 
 
 class ColumnBlock(Mapping[str, np.ndarray]):
@@ -454,7 +445,7 @@ def _mapping_problems(root: Path, cmap: ColumnMap, user_columns: tuple[str, ...]
 def _read_table(file: Path, root: Path) -> pa.Table:
     """One parquet file, with its hive partitions (`key=value` directories) as columns it lacks."""
     table = pq.ParquetFile(file, pre_buffer=False).read()  # pre_buffer would hold a second copy
-    dirs = file.relative_to(root).parts[:-1] if file != root else ()
+    dirs = file.relative_to(root).parts[:-1]  # () for a file read alone
     for key, value in (map(unquote, d.split("=", 1)) for d in dirs if "=" in d):
         if key not in table.column_names:
             table = table.append_column(key, pa.repeat(pa.scalar(value, pa.string()), table.num_rows))
@@ -650,18 +641,10 @@ def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns
         pa.default_memory_pool().release_unused()
         return column
 
-    return Bars(
-        timestamp_ns=take("timestamp"),
-        symbol=symbol,
-        open=take("open"),
-        high=take("high"),
-        low=take("low"),
-        close=take("close"),
-        volume=take("volume"),
-        user={uc: take(f"user:{uc}") for uc in dict.fromkeys(user_columns)},  # a name given twice is one column
-        labels={lc: take(f"label:{lc}") for lc in dict.fromkeys(label_columns)},
-        files=list(files),
-    )
+    return Bars(timestamp_ns=take("timestamp"), symbol=symbol, open=take("open"), high=take("high"), low=take("low"),
+                close=take("close"), volume=take("volume"),
+                user={uc: take(f"user:{uc}") for uc in dict.fromkeys(user_columns)},  # a name given twice is one column
+                labels={lc: take(f"label:{lc}") for lc in dict.fromkeys(label_columns)}, files=list(files))
 
 
 def _joined(parts: list[dict[str, np.ndarray]], key: str) -> np.ndarray:

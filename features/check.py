@@ -200,14 +200,11 @@ def check(args: argparse.Namespace) -> int:
     columns = ColumnMap.from_args(args)
     try:
         config = replace(config, contracts=contract_config(args, columns))
-    except ValueError as exc:
-        return print_problems(args.path, [f"{args.path}: {exc}"])
-    try:
         bars = read_contract_bars(args.path, columns, config)
         series, rolls = as_series(bars, config)
     except BarDataError as exc:
         return print_problems(args.path, exc.lines())
-    except ValueError as exc:  # contract input the roll rule cannot take
+    except ValueError as exc:  # contract input that no rule, or the roll rule, can take
         return print_problems(args.path, [f"{args.path}: {exc}"])
     if problems := static_problems(args.path, series, config):
         return print_problems(args.path, problems)

@@ -36,7 +36,6 @@ def _stdout_to_devnull() -> None:
 
 
 def umask() -> int:
-    """The process's file-creation mask."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
