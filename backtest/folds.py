@@ -8,17 +8,12 @@ training target (which ends before the cut) overlaps a test target.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from features.bars import Bars
 from features.compute import FeatureFrame
-from features.contracts import ContractConfig
-from features.files import atomic_output
 from features.windows import anchor_rows
 
 
@@ -65,29 +60,3 @@ def fold_origins(frame: FeatureFrame, fold: Fold, encoder_length: int, embargo: 
 def bars_before(bars: Bars, cut_ns: int) -> Bars:
     """The rows of `bars` before `cut_ns`, grouped as before."""
     return bars.take(bars.timestamp_ns < cut_ns)
-
-
-def with_expirations(bars: Bars, contracts: ContractConfig | None, column: str) -> Bars:
-    """Per-contract `bars` with each bar's contract expiration as the label `column` (for a calendar roll in the
-    fold's own run); `bars` when no expiration is known."""
-    if contracts is None or not contracts.expirations:
-        return bars
-    day = dict(contracts.expirations)
-    unique, inverse = np.unique(np.asarray(bars.symbol, dtype=str), return_inverse=True)
-    labels = np.array([day.get(str(u), "") for u in unique], dtype=object)[inverse.reshape(-1)]
-    return replace(bars, labels={**bars.labels, column: labels})
-
-
-def write_bars(bars: Bars, path: Path) -> None:
-    """`bars` as a parquet file in the default column layout (user columns by their names, categorical ones as
-    text), atomically."""
-    table = pa.table({
-        "timestamp": pa.array(bars.timestamp_ns, type=pa.timestamp("ns", tz="UTC")),
-        "symbol": pa.array(bars.symbol.astype(str), type=pa.string()),
-        **{name: pa.array(np.asarray(getattr(bars, name), dtype=np.float64))
-           for name in ("open", "high", "low", "close", "volume")},
-        **{name: pa.array(np.asarray(column, dtype=np.float64)) for name, column in bars.user.items()},
-        **{name: pa.array(np.asarray(column).astype(str), type=pa.string()) for name, column in bars.labels.items()},
-    })
-    with atomic_output(path) as tmp:
-        pq.write_table(table, tmp)

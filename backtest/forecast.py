@@ -10,8 +10,8 @@ import pyarrow as pa
 from backtest.baselines import baseline_forecasts
 from features.compute import FeatureFrame
 from features.schema import QUANTILES
+from features.windows import model_inputs
 from serving.model import LoadedModel
-from serving.score import model_inputs
 
 BATCH = 1024  # windows per ONNX Runtime run
 

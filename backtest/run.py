@@ -1,8 +1,9 @@
 """The walk-forward backtest: per fold, train, export, forecast at the fold's origins; then score them all.
 
-Each fold lives in OUT/foldK: its training bars (train.parquet), the trainer's files (ckpt.pt, ...), the
-exported models (model.onnx calibrated, model_uncalibrated.onnx) and its forecasts (forecasts.parquet,
-written last). A fold whose forecasts exist is done: a killed run resumes at the next one.
+Each fold trains in this process, on the bars as read before its cut, as `python -m trainer` trains. It lives
+in OUT/foldK: the trainer's files (ckpt.pt, ...), the exported models (model.onnx calibrated,
+model_uncalibrated.onnx) and its forecasts (forecasts.parquet, written last). A fold whose forecasts exist is
+done: a killed run resumes at the next one.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import subprocess
-import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +27,24 @@ from backtest.folds import (
     cut_rows,
     fold_origins,
     make_folds,
-    with_expirations,
-    write_bars,
 )
 from backtest.forecast import baselines_at, fold_table, model_forecasts, table_arrays
 from backtest.plots import write_figure
 from backtest.scores import backtest_scores, summary_lines
 from features.bars import Bars, ColumnMap, bars_digest
+from features.check import format_timestamp
 from features.compute import build_frame
-from features.contracts import ContractConfig
+from features.config import FeatureConfig
 from features.files import atomic_output
 from features.series import ContractError, as_series, read_contract_bars, roll_lines, scan_contracts
 from serving.model import LoadedModel, load_model
-from trainer.config import TrainConfig, flag_name
+from trainer.checkpoint import CheckpointError
+from trainer.config import ConfigError, TrainConfig
+from trainer.data import DataError, ReadBars
+from trainer.device import DeviceError
+from trainer.loop import TrainingDiverged
+from trainer.planner import PlanError
+from trainer.run import train
 
 log = logging.getLogger("backtest")
 MODELS = ("model", "model_uncalibrated")  # the calibrated export, and the same checkpoint without calibration
@@ -87,7 +91,7 @@ def run_backtest(plan: BacktestPlan) -> dict[str, Any]:
         if path.exists():
             log.info("fold %d of %d: done before, kept (%s)", fold.index, len(folds), path)
         else:
-            _run_fold(plan, bars, fold, len(folds), fc.contracts)
+            _run_fold(plan, bars, fold, len(folds), fc)
         tables.append(pq.read_table(path))
     return _finish(plan, pa.concat_tables(tables), record)
 
@@ -107,16 +111,16 @@ def _claim(out: Path, record: dict[str, Any]) -> None:
         Path(tmp).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _run_fold(plan: BacktestPlan, bars: Bars, fold: Fold, n_folds: int, contracts: ContractConfig | None) -> None:
-    """Train, export and forecast one fold from `bars` as read (per contract when `contracts`); its forecasts
-    file is written last."""
+def _run_fold(plan: BacktestPlan, bars: Bars, fold: Fold, n_folds: int, fc: FeatureConfig) -> None:
+    """Train, export and forecast one fold from `bars` as read for the run's `fc` (per contract when it has
+    contracts); its forecasts file is written last."""
     where = plan.out / f"fold{fold.index}"
     where.mkdir(parents=True, exist_ok=True)
     log.info("fold %d of %d: training on the bars before %s", fold.index, n_folds, np.datetime64(fold.cut_ns, "ns"))
-    expirations = plan.config.expiration_col or "expiration"
-    write_bars(with_expirations(bars_before(bars, fold.cut_ns), contracts, expirations), where / "train.parquet")
-    _train(plan, where, fold.index, fold_config(plan.config, contracts, expirations))
-    models = {name: _export(where, name, plan.threads) for name in MODELS}
+    train_bars = ReadBars(bars_before(bars, fold.cut_ns), fc.contracts,
+                          f"{plan.parquet}, its bars before {format_timestamp(fold.cut_ns)}")
+    _train(plan, train_bars, where, fold.index)
+    models = {name: _export(where, name, plan.threads, train_bars) for name in MODELS}
     meta = models["model"].meta
     try:  # the fold's model rolls the contracts as its run did
         series = as_series(bars, meta.feature_config)[0]
@@ -136,47 +140,27 @@ def _run_fold(plan: BacktestPlan, bars: Bars, fold: Fold, n_folds: int, contract
     log.info("fold %d of %d: %d origins forecast", fold.index, n_folds, anchors.size)
 
 
-def trainer_flags(cfg: TrainConfig) -> list[str]:
-    """Every field of `cfg` as the trainer's flags (a contract field not given: none)."""
-    out = []
-    for f in fields(TrainConfig):
-        value = getattr(cfg, f.name)
-        if value is None:
-            continue
-        out += [flag_name(f.name), ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
-                if isinstance(value, tuple) else str(value)]
-    return out
+def _train(plan: BacktestPlan, bars: ReadBars, where: Path, index: int) -> None:
+    """The fold's run, as `python -m trainer --no-progress` runs it, its checkpoint at where/ckpt.pt; with
+    --tracking, tracked as the run OUT-foldK."""
+    try:
+        train(bars, plan.config, where / "ckpt.pt", plan.columns, progress=False, tracking=plan.tracking,
+              tracking_run=f"{plan.out.name}-fold{index}")
+    except (ConfigError, DataError, DeviceError, CheckpointError, PlanError, TrainingDiverged) as exc:
+        raise BacktestError(f"fold {index}: training failed: {exc}; fix that, then rerun this command to resume at "
+                            f"fold {index}") from None
 
 
-def fold_config(cfg: TrainConfig, contracts: ContractConfig | None, expirations: str) -> TrainConfig:
-    """A fold's recipe for its train.parquet (write_bars' layout): the contracts in its symbol column, their
-    expirations, when known, in the column `expirations`."""
-    if contracts is None:
-        return cfg
-    return replace(cfg, contract_col="symbol", expiration_col=expirations if contracts.expirations else None)
-
-
-def _train(plan: BacktestPlan, where: Path, index: int, cfg: TrainConfig) -> None:
-    command = [sys.executable, "-m", "trainer", "--parquet", str(where / "train.parquet"), "--out",
-               str(where / "ckpt.pt"), "--no-progress", *trainer_flags(cfg)]
-    if plan.tracking:
-        command += ["--tracking", plan.tracking, "--tracking-run", f"{plan.out.name}-fold{index}"]
-    code = subprocess.run(command, check=False).returncode
-    if code:
-        raise BacktestError(f"fold {index}: the trainer exited with status {code} (its message is above); fix "
-                            f"that, then rerun this command to resume at fold {index}")
-
-
-def _export(where: Path, name: str, threads: int) -> LoadedModel:
-    """The fold's checkpoint exported, quantiles only (calibrated for "model"), its checks' tables in
-    export.log; loaded."""
+def _export(where: Path, name: str, threads: int, bars: ReadBars) -> LoadedModel:
+    """The fold's checkpoint exported, quantiles only (calibrated for "model" on its run's `bars`), its checks'
+    tables in export.log; loaded."""
     from export.errors import ExportError
     from export.options import ExportOptions
     from export.pipeline import run_export
 
     output = where / f"{name}.onnx"
     opts = ExportOptions(checkpoint=where / "ckpt.pt", output=output, explain=False, calibrate=name == "model",
-                         threads=threads)
+                         threads=threads, run_bars=bars)
     with open(where / "export.log", "a") as report, contextlib.redirect_stdout(report):
         try:
             run_export(opts, log=lambda line: print(line, file=report, flush=True))

@@ -33,7 +33,7 @@ from features.config import FeatureConfig
 from features.metrics import inside, quantile_coverage
 from features.schema import ENCODER_OBSERVED
 from trainer.config import TrainConfig
-from trainer.data import Normalization, PreparedData, prepare
+from trainer.data import Normalization, PreparedData, ReadBars, prepare
 from trainer.modeling import TemporalFusionTransformer, TFTOutput
 
 METHOD = "cqr"  # conformalised quantile regression, one additive offset per horizon step and quantile
@@ -126,11 +126,13 @@ class Calibration:
         return "\n".join(lines)
 
 
-def validation_data(ckpt: dict[str, Any], bars: Path | None, column_flags: dict[str, str]) -> PreparedData:
-    """The run's data rebuilt with the trainer's own code: same bars (refused otherwise), split and normalisation."""
-    source = Path(bars) if bars is not None else Path(str(ckpt["data_source"]))
-    flag = f"--bars {source}" if bars is not None else f"the run's bars {source}"
-    if bars is None and not source.exists():
+def validation_data(ckpt: dict[str, Any], bars: Path | ReadBars | None, column_flags: dict[str, str]
+                    ) -> PreparedData:
+    """The run's data rebuilt with the trainer's own code: same bars (refused otherwise), split and normalisation.
+    `bars`: --bars, or the run's bars in memory (a backtest fold's); None: the checkpoint's data_source."""
+    source = bars if bars is not None else Path(str(ckpt["data_source"]))
+    flag = f"--bars {source}" if isinstance(bars, Path) else f"the run's bars {source}"
+    if isinstance(source, Path) and bars is None and not source.exists():
         raise UsageError(f"--calibrate: the run's bars {source} (the checkpoint's data_source) are not there; pass "
                          "--bars with the bars the run trained on")
     cfg = TrainConfig.from_dict(ckpt["train_config"])
@@ -162,22 +164,19 @@ def predict(model: TemporalFusionTransformer, data: PreparedData, anchors: np.nd
     return np.concatenate(quantiles), np.concatenate(scales)
 
 
-def fit(model: TemporalFusionTransformer, data: PreparedData, bars: str) -> Calibration:
-    """Offsets from the validation residuals, and coverage on the validation windows before and after."""
+def calibrate(ckpt: dict[str, Any], model: TemporalFusionTransformer, bars: Path | ReadBars | None,
+              column_flags: dict[str, str], log: Callable[[str], None]) -> Calibration:
+    """--calibrate: rebuild the run's validation split, fit the offsets to its residuals and log the coverage on
+    its windows before and after."""
+    data = validation_data(ckpt, bars, column_flags)
     anchors = data.val_anchors
     quantiles = tuple(model.cfg.quantiles)
     pred, scale = predict(model, data, anchors)  # [W, H, Q], [W, H, 1]
     target = data.frame.targets[anchors]  # [W, H]
     offsets = conformal_offsets(pred, target, quantiles, scale)  # [H, Q]
     after = CalibratedModel(model, offsets).adjust(torch.from_numpy(pred), torch.from_numpy(scale)).numpy()
-    return Calibration(offsets, int(anchors.size), quantiles, coverage(pred, target, quantiles),
-                       coverage(after, target, quantiles), bars)
-
-
-def calibrate(ckpt: dict[str, Any], model: TemporalFusionTransformer, bars: Path | None,
-              column_flags: dict[str, str], log: Callable[[str], None]) -> Calibration:
-    """--calibrate: rebuild the run's validation split, fit the offsets and log the coverage table."""
-    data = validation_data(ckpt, bars, column_flags)
-    calibration = fit(model, data, str(bars if bars is not None else ckpt["data_source"]))
+    source = str(bars if bars is not None else ckpt["data_source"])
+    calibration = Calibration(offsets, int(anchors.size), quantiles, coverage(pred, target, quantiles),
+                              coverage(after, target, quantiles), source)
     log(calibration.table())
     return calibration

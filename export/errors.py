@@ -18,8 +18,6 @@ class UsageError(ExportError):
 class CheckFailed(ExportError):
     """A check refused the model, or torch could not export it: exit 1."""
 
-    exit_status = 1
-
     def __init__(self, check: str, message: str) -> None:
         super().__init__(f"{check} check failed: {message}")
         self.check = check
@@ -27,5 +25,3 @@ class CheckFailed(ExportError):
 
 class WriteFailed(ExportError):
     """Every check passed but the files could not be written: exit 1."""
-
-    exit_status = 1

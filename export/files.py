@@ -117,9 +117,7 @@ class Staging:
                 _write(path, data, self._mode)
             if keep_others and target.is_dir():
                 ours = {Path(rel).parts[0] for rel in files}
-                for entry in target.iterdir():
-                    if entry.name in ours:
-                        continue
+                for entry in [e for e in target.iterdir() if e.name not in ours]:
                     if entry.is_dir() and not entry.is_symlink():
                         shutil.copytree(entry, tmp / entry.name, symlinks=True, copy_function=_link_or_copy)
                     else:

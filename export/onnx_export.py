@@ -104,10 +104,7 @@ def _describe(exc: BaseException) -> str:
         lines = [ln.strip() for ln in strip_ansi(str(e)).splitlines() if ln.strip()]
         return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
-    text = first_line(exc)
-    if len(chain) > 1:
-        text += f" (caused by {first_line(chain[-1])})"
-    return text
+    return first_line(exc) + (f" (caused by {first_line(chain[-1])})" if len(chain) > 1 else "")
 
 
 def export_model(model: nn.Module, example: dict[str, Tensor], opset: int, explain: bool) -> onnx.ModelProto:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.data import ReadBars
 
 MIN_OPSET = 18  # the torch.export-based exporter's oldest
 DEFAULT_OPSET = 18
@@ -26,6 +30,7 @@ class ExportOptions:
     column_flags: dict[str, str] = dataclasses.field(default_factory=dict)  # --bars' names given, over the run's
     threads: int = 1
     calibrate: bool = False  # fold conformal offsets fitted on the run's validation split into the graph
+    run_bars: ReadBars | None = None  # the run's bars in memory (a backtest fold's): --calibrate reads these
 
     @property
     def precision(self) -> str:

@@ -17,14 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from export.onnx_export import input_names
-from features.schema import (
-    DECODER_KNOWN,
-    ENCODER_KNOWN,
-    ENCODER_OBSERVED,
-    QUANTILES,
-    STATIC_CATEGORICAL,
-    STATIC_REAL,
-)
+from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, QUANTILES, STATIC_CATEGORICAL, STATIC_REAL
 from trainer.modeling import TemporalFusionTransformer
 
 TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2}  # on the scaled error
@@ -169,16 +162,14 @@ def compare(case: Case, names: Sequence[str], expected: Sequence[np.ndarray], go
     return rows
 
 
-def check_parity(model: TemporalFusionTransformer, run: Any, cases: Sequence[Case], output_names: Sequence[str],
-                 precision: str, provider: str, reference: nn.Module | None = None) -> ParityReport:
-    """`run(feeds) -> list of arrays` is the ONNX Runtime session's run; `reference`, the module exported (the
-    calibrated model wrapping `model`), is `model` when not given."""
+def check_parity(model: TemporalFusionTransformer, reference: nn.Module, session: Any, cases: Sequence[Case],
+                 precision: str) -> ParityReport:
+    """ONNX Runtime's `session` against `reference`, the module exported (`model` or its CalibratedModel)."""
+    names = [o.name for o in session.get_outputs()]
     tolerance = TOLERANCE[precision]
     target_scale = model.target_scale.detach().cpu().numpy().astype(np.float64)
-    report = ParityReport(precision, provider, tolerance, inputs=list(cases[0].inputs) if cases else [])
-    explain = len(output_names) > 1
+    report = ParityReport(precision, session.get_providers()[0], tolerance, inputs=list(cases[0].inputs))
     for case in cases:
-        expected = reference_outputs(model if reference is None else reference, case, explain)
-        got = run(case.inputs)
-        report.rows.extend(compare(case, output_names, expected, got, target_scale, tolerance))
+        expected = reference_outputs(reference, case, explain=len(names) > 1)
+        report.rows.extend(compare(case, names, expected, session.run(names, case.inputs), target_scale, tolerance))
     return report

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import torch
 from torch import nn
 
@@ -29,7 +30,7 @@ from export.onnx_export import check_interface, export_model, input_names, outpu
 from export.options import ExportOptions
 from export.parity import ParityReport, check_parity, make_cases
 from export.placement import PlacementReport, evaluate, profile_placement
-from export.runtime import CUDA_OPTIONS, Probe, make_session, probe, version_info
+from export.runtime import CUDA_OPTIONS, Probe, make_session, probe
 from export.triton import VERSION as TRITON_VERSION
 from export.triton import config_pbtxt, newer_versions, repository_files
 from export.windows import saved_windows, windows_from_bars
@@ -106,7 +107,8 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
                 "tool": "python -m export",
                 "foxhunt_tft": package_version(),
                 "torch": str(torch.__version__),
-                **version_info(),
+                "onnx": onnx.__version__,
+                "onnxruntime": ort.__version__,
                 "onnxscript": importlib.metadata.version("onnxscript"),
                 "opset": opts.opset,
                 "torch_exporter": "torch.onnx.export(dynamo=True) (torch.export)",
@@ -164,17 +166,6 @@ def with_digest(proto: onnx.ModelProto, meta: ModelMeta) -> tuple[ModelMeta, byt
     return meta, final.SerializeToString(), final
 
 
-def _placement(model: bytes, opts: ExportOptions, dev: Probe, feeds: dict[str, np.ndarray]) -> PlacementReport:
-    device = dev.device if dev.available else "cpu"
-    provider, nodes = profile_placement(model, device, feeds, opts.threads)
-    report = PlacementReport(opts.require_device, provider, nodes)
-    if opts.require_device is None:
-        report.reason = ("no --require-device given; the table shows where nodes ran on this machine "
-                         "(pass --require-device cuda on a GPU machine to prove placement)")
-        return report
-    return evaluate(report, opts.require_device)
-
-
 def build_graph(net: nn.Module, cfg: ModelConfig, windows: dict[str, np.ndarray], opts: ExportOptions, sha: str,
                 meta: ModelMeta, tamper: Tamper | None) -> onnx.ModelProto:
     """`net`, the TFT of `cfg` or its CalibratedModel, as an ONNX graph (fp16 with --fp16) with `meta`."""
@@ -213,10 +204,8 @@ def check_parity_gate(model_bytes: bytes, model: TemporalFusionTransformer, net:
     """Check 3: the graph against `net`, what was exported; returns the report and the real windows' feeds, reused
     by the placement run."""
     session = make_session(model_bytes, device, opts.threads)
-    names = [o.name for o in session.get_outputs()]
     cases = make_cases(windows, model)
-    parity = check_parity(model, lambda feeds: session.run(names, feeds), cases, names, opts.precision,
-                          session.get_providers()[0], reference=net)
+    parity = check_parity(model, net, session, cases, opts.precision)
     parity.provider_options = dict(CUDA_OPTIONS) if device == "cuda" else {}
     print_report(parity.table(), REPORT_ALSO)
     if not parity.passed:
@@ -278,7 +267,8 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
     windows, source = _real_windows(opts, ckpt, model.cfg, log)
     _log_checkpoint(opts, ckpt, model.cfg, meta, sha,
                     f"{windows[STATIC_CATEGORICAL].shape[0]} real windows {source}", log)
-    calibration = calibrate(ckpt, model, opts.bars, opts.column_flags, log) if opts.calibrate else None
+    calibration = (calibrate(ckpt, model, opts.run_bars or opts.bars, opts.column_flags, log) if opts.calibrate
+                   else None)
     net = model if calibration is None else CalibratedModel(model, calibration.offsets)
     log(f"exporting with torch.onnx.export(dynamo=True), opset {opts.opset}, {opts.precision}"
         f"{'' if opts.explain else ', quantiles only'} ...")
@@ -331,15 +321,17 @@ def _checks(proto: onnx.ModelProto, model: TemporalFusionTransformer, net: nn.Mo
     check_interface(proto, cfg, opts.explain, opts.opset)
     log(f"[2/4] opset {opts.opset}; inputs {list(input_names(cfg))} and outputs {list(output_names(opts.explain))}: "
         "names, dtypes, dynamic batch axis ok")
+    device = dev.device if dev.available else "cpu"
     model_bytes = proto.SerializeToString()
-    parity, feeds = check_parity_gate(model_bytes, model, net, windows, opts, dev.device if dev.available else "cpu")
+    parity, feeds = check_parity_gate(model_bytes, model, net, windows, opts, device)
     parity.real_windows = f"{windows[STATIC_CATEGORICAL].shape[0]} {source}"
     log(f"[3/4] parity: ok (max scaled error {max(r.scaled for r in parity.rows):.2e} <= {parity.tolerance:g})")
     if opts.precision == "fp16" and parity.provider == "CPUExecutionProvider":
         log("warning: --fp16 parity ran on ONNX Runtime's CPU provider, which computes most fp16 nodes in fp32: "
             "this checked the weights' rounding to fp16, not fp16 arithmetic as a GPU runs it; export again with "
             "--require-device cuda on a CUDA machine before serving it there")
-    placement = _placement(model_bytes, opts, dev, feeds)
+    provider, nodes = profile_placement(model_bytes, device, feeds, opts.threads)
+    placement = evaluate(PlacementReport(opts.require_device, provider, nodes), opts.require_device)
     print_report(placement.table(), REPORT_ALSO)
     if placement.gate == "failed":
         raise CheckFailed("placement", placement.reason)

@@ -44,17 +44,11 @@ class NodePlacement:
 
 def _types(entries: Any) -> list[str]:
     """[{"float": [2, 8]}, ...] -> ["float", ...]."""
-    out: list[str] = []
-    for entry in entries or []:
-        if isinstance(entry, dict):
-            out.extend(str(k) for k in entry)
-    return out
+    return [str(k) for entry in entries or [] if isinstance(entry, dict) for k in entry]
 
 
 def is_shape_computation(op_type: str, input_types: Sequence[str], output_types: Sequence[str]) -> bool:
-    if op_type not in SHAPE_OPS:
-        return False
-    if any(t in _FLOAT_TYPES for t in output_types):
+    if op_type not in SHAPE_OPS or any(t in _FLOAT_TYPES for t in output_types):
         return False
     return op_type in METADATA_OPS or not any(t in _FLOAT_TYPES for t in input_types)
 
@@ -146,10 +140,14 @@ class PlacementReport:
         return "\n".join(lines)
 
 
-def evaluate(report: PlacementReport, device: str) -> PlacementReport:
-    """Gate `report`: every node but shape computation and Memcpy on `device`'s provider."""
-    want = DEVICES[device]
+def evaluate(report: PlacementReport, device: str | None) -> PlacementReport:
+    """Gate `report`: every node but shape computation and Memcpy on `device`'s provider; no device, no gate."""
     report.required = device
+    if device is None:
+        report.reason = ("no --require-device given; the table shows where nodes ran on this machine "
+                         "(pass --require-device cuda on a GPU machine to prove placement)")
+        return report
+    want = DEVICES[device]
     report.misplaced = [n for n in report.nodes
                         if n.provider != want and not n.memcpy and not (n.shape_only and n.provider == CPU)]
     if report.provider != want:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
@@ -32,17 +31,14 @@ def session_options(threads: int, profile_prefix: str | None = None, strict: boo
     return so
 
 
-def providers_for(device: str) -> list[Any]:
-    """CUDA with the CPU for shape nodes, or the CPU alone."""
-    return [(CUDA, dict(CUDA_OPTIONS)), CPU] if device == "cuda" else [CPU]
-
-
 def make_session(model: bytes, device: str, threads: int, profile_prefix: str | None = None) -> ort.InferenceSession:
     """A session whose main provider is `device`'s, or CheckFailed: never a silent CPU session."""
-    if device == "cuda":
+    providers: list[Any] = [CPU]
+    if device == "cuda":  # CUDA with the CPU for shape nodes
         preload_cuda_libraries()
+        providers = [(CUDA, dict(CUDA_OPTIONS)), CPU]
     with native_stderr() as log:
-        session = ort.InferenceSession(model, session_options(threads, profile_prefix), providers=providers_for(device))
+        session = ort.InferenceSession(model, session_options(threads, profile_prefix), providers=providers)
     got = session.get_providers()
     if not got or got[0] != DEVICES[device]:
         raise CheckFailed("device", f"asked ONNX Runtime for {DEVICES[device]} but the session runs on {got}: "
@@ -52,7 +48,6 @@ def make_session(model: bytes, device: str, threads: int, profile_prefix: str | 
 
 @dataclass(frozen=True)
 class Probe:
-
     device: str
     available: bool
     reason: str = ""
@@ -91,7 +86,3 @@ def probe(device: str) -> Probe:
             error = _first_line(exc)
     why = provider_failure_reason(log) or error
     return Probe(device, False, f"{provider} is listed by onnxruntime {ort.__version__} but does not load: {why}")
-
-
-def version_info() -> dict[str, str]:
-    return {"onnx": onnx.__version__, "onnxruntime": ort.__version__}

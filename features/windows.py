@@ -67,3 +67,56 @@ def decoder_known(frame: FeatureFrame, anchors: np.ndarray, offsets: DayOffsets 
         user = frame.user_known[rows]  # [B, H, n_known_user]
     roots = np.asarray(frame.symbols)[frame.series_id[anchors]]  # [B]  a contract model's symbols are its roots
     return future_known(frame.timestamp_ns[anchors], frame.config, frame.bar_interval_ns, roots, user, offsets)
+
+
+def _in_range(ts: np.ndarray, start_ns: int | None, end_ns: int | None) -> np.ndarray:
+    """Which of the times `ts` lie in [start_ns, end_ns): bool, ts's shape."""
+    lo = np.iinfo(np.int64).min if start_ns is None else start_ns
+    hi = np.iinfo(np.int64).max if end_ns is None else end_ns
+    return (ts >= lo) & (ts < hi)
+
+
+def origins(frame: FeatureFrame, encoder_length: int, start_ns: int | None, end_ns: int | None) -> np.ndarray:
+    """Every anchor (window end) with its warm-up and encoder bars, in [start_ns, end_ns): int64 [W]. A model
+    with known features also needs the H bars after it, whose known values its decoder reads."""
+    anchors = anchor_rows(frame, encoder_length, require_targets=False)
+    return anchors[_in_range(frame.timestamp_ns[anchors], start_ns, end_ns)]
+
+
+def origins_without_future(frame: FeatureFrame, encoder_length: int, start_ns: int | None,
+                           end_ns: int | None) -> dict[str, int]:
+    """Per symbol, the origins in range that a model with known features cannot forecast: those within H bars
+    of their series' end, where the file holds no future known values. Empty for a model without them."""
+    if not frame.config.known_columns:
+        return {}
+    h, out = frame.config.horizon, {}
+    for s, e in frame.series_bounds:
+        first = max(s + frame.config.warmup_bars + encoder_length - 1, e - h)
+        if n := int(_in_range(frame.timestamp_ns[first:e], start_ns, end_ns).sum()):
+            out[frame.symbols[int(frame.series_id[s])]] = n
+    return out
+
+
+def flagged_in_windows(flag: np.ndarray, anchors: np.ndarray, rows: int) -> np.ndarray:
+    """How many of the `rows` rows ending at each anchor are flagged (flag: bool [N]). int64 [W]."""
+    count = np.zeros(flag.shape[0] + 1, dtype=np.int64)
+    np.cumsum(flag, out=count[1:])
+    return np.asarray(count[anchors + 1] - count[anchors - rows + 1])
+
+
+def model_inputs(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int) -> dict[str, np.ndarray]:
+    """The windows ending at `anchors` as the model takes them, its own inputs (schema.model_inputs): ids int64,
+    the rest float32 with warm-up NaN as zero, as in training."""
+    w = gather_windows(frame, anchors, encoder_length)
+    return {name: w[name].astype(np.int64) if name == STATIC_CATEGORICAL else
+            np.nan_to_num(np.asarray(w[name], dtype=np.float32), nan=0.0) for name in frame.schema.model_inputs}
+
+
+def read_span(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int,
+              name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The first and last row whose value of user column `name` each window reads: int64 [W] each. A static
+    column is read at the anchor; the others over the encoder bars, and a known one over the H bars after them."""
+    fc = frame.config
+    if name in fc.static_columns:
+        return anchors, anchors
+    return anchors - encoder_length + 1, anchors + (fc.horizon if name in fc.known_columns else 0)

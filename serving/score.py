@@ -49,9 +49,9 @@ from features.file_kind import replace_problem
 from features.files import atomic_output, file_argument, link_note
 from features.metrics import inside, pinball
 from features.model_meta import ModelMeta
-from features.schema import QUANTILES, STATIC_CATEGORICAL
+from features.schema import QUANTILES
 from features.series import ContractError, as_series, read_contract_bars, roll_listing
-from features.windows import anchor_rows, gather_windows
+from features.windows import flagged_in_windows, model_inputs, origins, origins_without_future, read_span
 from serving.errors import ModelLoadError
 from serving.model import DEVICES, LoadedModel, load_model
 from serving.postprocess import price_quantiles
@@ -84,41 +84,6 @@ def parse_time(text: str, flag: str) -> int:
     return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1_000
 
 
-def _in_range(ts: np.ndarray, start_ns: int | None, end_ns: int | None) -> np.ndarray:
-    """Which of the times `ts` lie in [start_ns, end_ns): bool, ts's shape."""
-    lo = np.iinfo(np.int64).min if start_ns is None else start_ns
-    hi = np.iinfo(np.int64).max if end_ns is None else end_ns
-    return (ts >= lo) & (ts < hi)
-
-
-def origins(frame: FeatureFrame, encoder_length: int, start_ns: int | None, end_ns: int | None) -> np.ndarray:
-    """Every anchor (window end) with its warm-up and encoder bars, in [start_ns, end_ns): int64 [W]. A model
-    with known features also needs the H bars after it, whose known values its decoder reads."""
-    anchors = anchor_rows(frame, encoder_length, require_targets=False)
-    return anchors[_in_range(frame.timestamp_ns[anchors], start_ns, end_ns)]
-
-
-def origins_without_future(frame: FeatureFrame, encoder_length: int, start_ns: int | None,
-                           end_ns: int | None) -> dict[str, int]:
-    """Per symbol, the origins in range that a model with known features cannot forecast: those within H bars
-    of their series' end, where the file holds no future known values. Empty for a model without them."""
-    if not frame.config.known_columns:
-        return {}
-    h, out = frame.config.horizon, {}
-    for s, e in frame.series_bounds:
-        first = max(s + frame.config.warmup_bars + encoder_length - 1, e - h)
-        if n := int(_in_range(frame.timestamp_ns[first:e], start_ns, end_ns).sum()):
-            out[frame.symbols[int(frame.series_id[s])]] = n
-    return out
-
-
-def _flagged_in_windows(flag: np.ndarray, anchors: np.ndarray, rows: int) -> np.ndarray:
-    """How many of the `rows` rows ending at each anchor are flagged (flag: bool [N]). int64 [W]."""
-    count = np.zeros(flag.shape[0] + 1, dtype=np.int64)
-    np.cumsum(flag, out=count[1:])
-    return np.asarray(count[anchors + 1] - count[anchors - rows + 1])
-
-
 def refused_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int,
                     interval_ns: int) -> tuple[np.ndarray, np.ndarray]:
     """The windows `serving.validation` refuses: finer bars (most gaps under half the bar interval) and daily
@@ -127,32 +92,14 @@ def refused_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int
     gaps = n - 1  # short[r] flags the gap before row r
     short = np.zeros(ts.shape[0], dtype=bool)
     short[1:] = ts[1:] < ts[:-1] + interval_ns // 2
-    finer = 2 * _flagged_in_windows(short, anchors, gaps) > gaps
+    finer = 2 * flagged_in_windows(short, anchors, gaps) > gaps
     long = np.zeros(ts.shape[0], dtype=bool)
     long[1:] = np.diff(ts) >= max(NS_PER_DAY, COARSE_INTERVALS * interval_ns)
     daily = np.zeros(anchors.shape[0], dtype=bool)
-    for w in np.flatnonzero(~finer & (2 * _flagged_in_windows(long, anchors, gaps) > gaps)):
+    for w in np.flatnonzero(~finer & (2 * flagged_in_windows(long, anchors, gaps) > gaps)):
         a = int(anchors[w])
         daily[w] = daily_bars(ts[a - n + 1:a + 1], interval_ns)
     return finer, daily
-
-
-def model_inputs(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int) -> dict[str, np.ndarray]:
-    """The windows ending at `anchors` as the model takes them, its own inputs (schema.model_inputs): ids int64,
-    the rest float32 with warm-up NaN as zero, as in training."""
-    w = gather_windows(frame, anchors, encoder_length)
-    return {name: w[name].astype(np.int64) if name == STATIC_CATEGORICAL else
-            np.nan_to_num(np.asarray(w[name], dtype=np.float32), nan=0.0) for name in frame.schema.model_inputs}
-
-
-def read_span(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int,
-              name: str) -> tuple[np.ndarray, np.ndarray]:
-    """The first and last row whose value of user column `name` each window reads: int64 [W] each. A static
-    column is read at the anchor; the others over the encoder bars, and a known one over the H bars after them."""
-    fc = frame.config
-    if name in fc.static_columns:
-        return anchors, anchors
-    return anchors - encoder_length + 1, anchors + (fc.horizon if name in fc.known_columns else 0)
 
 
 def unseen_lines(frame: FeatureFrame, bars: Bars, anchors: np.ndarray, encoder_length: int) -> list[str]:
@@ -361,9 +308,9 @@ def _refused(frame: FeatureFrame, anchors: np.ndarray, meta: ModelMeta, unusable
     the decoder reads in the H bars after the anchor."""
     step = format_duration(meta.bar_interval_ns)
     finer, daily = refused_windows(frame, anchors, meta.bars_required, meta.bar_interval_ns)
-    unusable = _flagged_in_windows(unusable_rows, anchors, meta.bars_required) > 0
+    unusable = flagged_in_windows(unusable_rows, anchors, meta.bars_required) > 0
     if meta.feature_config.known_columns:  # the decoder reads the H bars after the anchor too
-        unusable |= _flagged_in_windows(unusable_known, anchors + meta.horizon, meta.horizon) > 0
+        unusable |= flagged_in_windows(unusable_known, anchors + meta.horizon, meta.horizon) > 0
     fix = f"resample them to {step}, or use a model trained on this interval"
     for refused, why in ((finer, f"bars are mostly closer than half the model's bar interval of {step} (finer bars, "
                                  f"or another time unit), which the server refuses; {fix}"),

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+import torch
 from artifacts import REPO, make_bars, run
 
 from backtest.baselines import BASELINES
@@ -25,6 +26,8 @@ TINY_CONFIG = ("--hidden-size", "8", "--attention-heads", "2", "--encoder-length
                "--volatility-window", "10", "--batch-size", "32", "--epochs", "1", "--max-steps-per-epoch", "5",
                "--max-val-windows", "200", "--threads", "1", "--device", "cpu")
 FORECASTERS = ("model", "model_uncalibrated", *BASELINES)
+FOLD_FILES = ["ckpt.last.pt", "ckpt.metrics.jsonl", "ckpt.pt", "ckpt.report.png", "export.log", "forecasts.parquet",
+              "model.onnx", "model_uncalibrated.onnx"]
 
 
 class Runs(NamedTuple):
@@ -84,6 +87,8 @@ def test_writes_forecasts_scores_figure_and_a_summary(backtest: Runs) -> None:
             / min(block["forecasters"][b]["pinball_mean"] for b in BASELINES))
     assert (out / "backtest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "garch" in summary and "fold" in summary
+    for k in (1, 2):  # each fold's run and models, and no other file
+        assert sorted(p.name for p in (out / f"fold{k}").iterdir()) == FOLD_FILES
 
 
 def test_each_folds_training_and_scores_are_tracked(backtest: Runs) -> None:
@@ -113,11 +118,9 @@ def test_no_fold_trains_on_bars_its_targets_reach(backtest: Runs) -> None:
              for s in ("ES", "NQ")}
     table = pq.read_table(out / "forecasts.parquet")
     for k in (1, 2):
-        train = pq.read_table(out / f"fold{k}" / "train.parquet")
+        last_train = int(torch.load(out / f"fold{k}" / "ckpt.pt", weights_only=True)["data_span_ns"][1])
         fold = table.filter(pc.equal(table.column("fold"), k))
         for symbol, ts in times.items():
-            last_train = int(np.asarray(train.filter(pc.equal(train.column("symbol"), symbol)).column("timestamp")
-                                        .cast("int64")).max())
             origins = np.asarray(fold.filter(pc.equal(fold.column("symbol"), symbol)).column("origin").cast("int64"))
             bars_between = np.searchsorted(ts, origins.min()) - np.searchsorted(ts, last_train)
             assert bars_between >= HORIZON, (k, symbol, bars_between)

@@ -1,4 +1,4 @@
-"""The backtest's baselines, scores and picture, on sample bars and hand-made series."""
+"""The backtest's fold training, baselines, scores and picture, on sample bars and hand-made series."""
 
 from __future__ import annotations
 
@@ -7,12 +7,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
+from artifacts import TINY_TRAIN_FLAGS, run
 
 from backtest.baselines import BASELINES, baseline_forecasts
+from backtest.folds import bars_before
 from backtest.plots import write_figure
 from backtest.scores import backtest_scores, summary_lines
+from features.bars import ColumnMap
 from features.metrics import forecast_metrics
+from features.series import read_contract_bars
 from features.synth import generate
 
 TRAIN_END, HORIZON, WINDOW = 2000, 5, 60
@@ -163,3 +169,34 @@ def test_write_figure_writes_a_png(tmp_path: Path) -> None:
     write_figure(path, fold_scores(3))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in path.parent.iterdir()] == ["backtest.png"]  # no temporary file left beside it
+
+
+@pytest.mark.slow
+def test_a_fold_trains_as_the_trainer_command_on_a_file_of_its_bars(tmp_path: Path) -> None:
+    """The fold's run in the backtest's process (its bars as read, before the cut) writes the checkpoint and
+    report `python -m trainer` writes from a file of those bars."""
+    import torch
+
+    from trainer.__main__ import build_parser
+    from trainer.config import config_from_args
+    from trainer.data import ReadBars
+    from trainer.run import train
+
+    path = tmp_path / "bars.parquet"
+    pq.write_table(generate(["ES", "NQ"], 900, seed=5), path)
+    table = pq.read_table(path)
+    cut = table.column("timestamp")[700]
+    pq.write_table(table.filter(pc.less(table.column("timestamp"), cut)), tmp_path / "before.parquet")
+    flags = [flag for flag in TINY_TRAIN_FLAGS if flag != "--no-report"]
+    command = run(["-m", "trainer", "--parquet", str(tmp_path / "before.parquet"), "--out",
+                   str(tmp_path / "command" / "ckpt.pt"), *flags])
+    assert command.returncode == 0, command.stderr[-3000:]
+    cfg = config_from_args(build_parser().parse_args(["--parquet", str(path), *flags]))
+    bars = bars_before(read_contract_bars(path, ColumnMap(), cfg.feature_config()), cut.value)
+    train(ReadBars(bars, None, "the fold's bars"), cfg, tmp_path / "fold" / "ckpt.pt", ColumnMap(), progress=False)
+    want, got = (torch.load(tmp_path / run_dir / "ckpt.pt", weights_only=True) for run_dir in ("command", "fold"))
+    assert got["data_source"] == "the fold's bars" and got["bars_digest"] == want["bars_digest"]
+    assert got["metrics_history"][0]["val_loss"] == want["metrics_history"][0]["val_loss"]
+    for name, weights in want["model_state"].items():
+        assert torch.equal(got["model_state"][name], weights), name
+    assert (tmp_path / "fold" / "ckpt.report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

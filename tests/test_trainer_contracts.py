@@ -201,13 +201,25 @@ def test_contract_settings_are_config_keys_and_a_resume_keeps_them(tmp_path: Pat
         resumed_config(TrainConfig(), TrainConfig(roll="calendar:2"), {"roll"}, lambda k: f"--{k}")
 
 
-def test_a_backtest_fold_trains_on_its_contracts_with_their_expirations() -> None:
-    from backtest.run import fold_config, trainer_flags
-    from features.contracts import ContractConfig
+def test_a_backtest_fold_trains_on_the_runs_contracts_with_their_expirations(tmp_path: Path) -> None:
+    """A fold's bars in memory (those before its cut, as read per contract) train with the run's contracts,
+    expirations included, and roll as the file's bars do."""
+    from dataclasses import replace
 
-    contracts = ContractConfig(expirations=(("ESH5", "2025-03-21"),))
-    cfg = TrainConfig(contract_col="raw_symbol", roll="calendar:2")
-    flags = trainer_flags(fold_config(cfg, contracts, "expiration"))
-    assert flags[flags.index("--contract-col") + 1] == "symbol"  # write_bars' symbol column holds the contracts
-    assert flags[flags.index("--expiration-col") + 1] == "expiration"
-    assert "--roots" not in flags and "None" not in flags
+    from backtest.folds import bars_before
+    from features.bars import ColumnMap
+    from features.series import read_contract_bars, scan_contracts
+    from trainer.data import ReadBars
+
+    path, columns = contract_bars(tmp_path / "bars.parquet", expirations=True), ColumnMap(timestamp="ts_event")
+    cfg = TrainConfig.from_dict(dict(encoder_length=20, horizon=3, volatility_window=10, val_fraction=0.2))
+    contracts = scan_contracts(path, columns, cfg.contract_flags)
+    read = read_contract_bars(path, columns, replace(cfg.feature_config(), contracts=contracts))
+    cut = int(np.unique(read.timestamp_ns)[-2 * BARS_PER_SESSION])  # the last two sessions: the fold's test
+    fold = prepare(ReadBars(bars_before(read, cut), contracts, "the bars before the cut"), cfg)
+    whole = prepare(path, cfg, columns)
+    assert contracts is not None and fold.frame.config.contracts == whole.frame.config.contracts == contracts
+    assert dict(contracts.expirations) == {"ESH5": "2025-03-21", "ESM5": "2025-06-20", "NQH5": "2025-03-21",
+                                           "NQM5": "2025-06-20"}
+    assert [r.line() for r in fold.rolls] == [r.line() for r in whole.rolls] != []
+    np.testing.assert_array_equal(fold.frame.timestamp_ns, whole.frame.timestamp_ns[whole.frame.timestamp_ns < cut])

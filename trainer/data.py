@@ -25,6 +25,7 @@ from features.calendar import (
 from features.check import format_timestamp
 from features.compute import FeatureFrame, build_frame, with_vocabularies
 from features.config import FeatureConfig
+from features.contracts import ContractConfig
 from features.normalize import MIN_STD, NormStats, spread_of
 from features.rolls import Roll
 from features.schema import (
@@ -36,7 +37,7 @@ from features.schema import (
     TARGET,
     Role,
 )
-from features.series import ContractError, read_series, scan_contracts
+from features.series import ContractError, as_series, read_contract_bars, scan_contracts
 from features.windows import decoder_known, static_categorical
 from trainer.config import TrainConfig
 
@@ -278,21 +279,33 @@ def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int)
                         frame.bar_interval_ns / 1e9, refused)
 
 
-def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = None,
+@dataclass(frozen=True)
+class ReadBars:
+    """Bars read already, trained on in place of a file (python -m backtest's folds): as
+    features.series.read_contract_bars gives them, per contract for a contract run."""
+
+    bars: Bars
+    contracts: ContractConfig | None  # the run's contracts (scan_contracts of their file); None: plain series
+    name: str  # what they are, in messages and as the checkpoint's data_source
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def prepare(source: str | Path | ReadBars, cfg: TrainConfig, columns: ColumnMap | None = None,
             symbols: list[str] | None = None, normalization: Normalization | None = None,
             features: FeatureConfig | None = None) -> PreparedData:
     """Read bars, compute features, split, fit the categorical vocabularies and the normalisation (unless given,
     as on resume: `symbols`, `normalization` and `features`, the run's fitted feature config)."""
-    try:  # a fresh run finds its contracts in the bars; a resumed one keeps its own
-        fc = features or replace(cfg.feature_config(),
-                                 contracts=scan_contracts(parquet, columns or ColumnMap(), cfg.contract_flags))
-        bars, rolls = read_series(parquet, columns or ColumnMap(), fc)
+    try:
+        fc, read = _read(source, cfg, columns or ColumnMap(), features)
+        bars, rolls = as_series(read, fc)
     except ContractError as exc:
         raise DataError(str(exc)) from None
     for note in bars.notes:
         log.info("bars: %s", note)
     if len(bars) == 0:
-        raise DataError(f"{parquet}: no bars (the file holds no rows); give bars to train on")
+        raise DataError(f"{source}: no bars (the file holds no rows); give bars to train on")
     digest = training_digest(bars, fc)
     if features is None:  # vocabularies of the training split: the bars before validation
         fc = with_vocabularies(fc, bars, split_times(bars.timestamp_ns, cfg.val_fraction, cfg.test_fraction)[0])
@@ -307,6 +320,16 @@ def prepare(parquet: str | Path, cfg: TrainConfig, columns: ColumnMap | None = N
     clim = np.quantile(frame.targets[train], cfg.quantiles, axis=0).T.astype(np.float32)  # [H, Q]
     return PreparedData(frame, WindowTensors(frame, cfg.encoder_length), train, val, test, normalization, clim,
                         (int(cuts[0]), int(cuts[1])), digest, rolls)
+
+
+def _read(source: str | Path | ReadBars, cfg: TrainConfig, columns: ColumnMap,
+          features: FeatureConfig | None) -> tuple[FeatureConfig, Bars]:
+    """The run's feature config and its bars as read: a fresh run finds its contracts in the bars (or takes those
+    read with them), a resumed one keeps its own `features`."""
+    if isinstance(source, ReadBars):
+        return features or replace(cfg.feature_config(), contracts=source.contracts), source.bars
+    fc = features or replace(cfg.feature_config(), contracts=scan_contracts(source, columns, cfg.contract_flags))
+    return fc, read_contract_bars(source, columns, fc)
 
 
 def training_digest(bars: Bars, config: FeatureConfig) -> str:

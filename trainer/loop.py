@@ -26,8 +26,8 @@ from features.schema import MODEL_OUTPUTS, QUANTILES, TARGET
 from features.series import roll_lines
 from trainer.checkpoint import FORMAT, save_atomic, state_digest
 from trainer.config import ConfigError, TrainConfig
-from trainer.data import Normalization, PreparedData, prepare, row_inputs
-from trainer.device import PeakMemory, autocast_factory, check_placement, resolve_device, resolve_precision
+from trainer.data import Normalization, PreparedData, ReadBars, prepare, row_inputs
+from trainer.device import PeakMemory, autocast_factory, resolve_device, resolve_precision
 from trainer.distributed import DistContext, init_from_env
 from trainer.loss import pinball_loss
 from trainer.modeling import RowsForward, TemporalFusionTransformer, TFTOutput
@@ -107,7 +107,6 @@ def steps_per_epoch(cfg: TrainConfig, train_windows: int, world_size: int) -> in
 
 def schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps: int,
              warn: bool) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warm-up then cosine decay over `steps` optimizer steps."""
     if cfg.warmup_steps >= steps and warn:
         log.warning("warmup_steps %d >= the run's %d optimizer steps: the learning rate never reaches its peak (%g) "
                     "nor decays; lower --warmup-steps", cfg.warmup_steps, steps, cfg.learning_rate)
@@ -124,15 +123,15 @@ def _told(data: PreparedData) -> PreparedData:
 class Trainer:
     """One training run; `run()` trains until the epochs end or validation stops improving."""
 
-    def __init__(self, parquet: str | Path, cfg: TrainConfig, out: Path, columns: ColumnMap | None = None,
+    def __init__(self, source: str | Path | ReadBars, cfg: TrainConfig, out: Path, columns: ColumnMap | None = None,
                  resume: Path | ResumeState | None = None, progress: bool = True, plan_fn: PlanFn | None = None
                  ) -> None:
-        self.paths = prepare_out(out, Path(parquet))
+        self.paths = prepare_out(out, Path(str(source)))
         self.resumed = ResumeState.load(resume) if isinstance(resume, Path) else resume
         if self.resumed is not None:
             cfg = self.resumed.config(cfg)
             columns = columns or self.resumed.columns()  # else the caller laid its flags over the stored names
-        self.cfg, self.columns, self.parquet = cfg, columns or ColumnMap(), str(parquet)
+        self.cfg, self.columns, self.source, self.parquet = cfg, columns or ColumnMap(), source, str(source)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
@@ -169,18 +168,18 @@ class Trainer:
         """The bars as tensors, with the resumed run's vocabularies and normalisation, or under torchrun rank 0's."""
         cfg = self.cfg
         if self.resumed is not None:
-            data = prepare(self.parquet, cfg, self.columns, *self.resumed.vocabulary())
+            data = prepare(self.source, cfg, self.columns, *self.resumed.vocabulary())
             self.resumed.check_data(data, cfg.test_fraction)
             return _told(data)
         if not self.dist.enabled:
-            return _told(prepare(self.parquet, cfg, self.columns))
+            return _told(prepare(self.source, cfg, self.columns))
 
         def fitted() -> tuple[list[str], dict[str, Any], dict[str, Any]]:
-            first = prepare(self.parquet, cfg, self.columns)
+            first = prepare(self.source, cfg, self.columns)
             return first.frame.symbols, first.normalization.to_dict(), first.frame.config.to_dict()
 
         symbols, norm, features = self.dist.from_main(fitted)
-        return _told(prepare(self.parquet, cfg, self.columns, symbols, Normalization.from_dict(norm),
+        return _told(prepare(self.source, cfg, self.columns, symbols, Normalization.from_dict(norm),
                              FeatureConfig.from_dict(features)))
 
     def _restore(self, resumed: ResumeState) -> None:
@@ -206,12 +205,10 @@ class Trainer:
 
     def _forward(self, batch: dict[str, torch.Tensor], net: torch.nn.Module | None = None) -> TFTOutput:
         with self.autocast():
-            out: TFTOutput = (net or self.rows_model)(*row_inputs(batch))
-        return out
+            return (net or self.rows_model)(*row_inputs(batch))
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        nb = self.device.type == "cuda"
-        return {k: v.to(self.device, non_blocking=nb) for k, v in batch.items()}
+        return {k: v.to(self.device, non_blocking=self.device.type == "cuda") for k, v in batch.items()}
 
     def micro_step(self, anchors: torch.Tensor, weight: float) -> float:
         """Forward and backward of one micro-batch; returns its (unweighted) loss."""
@@ -255,8 +252,7 @@ class Trainer:
         for i, chunk in enumerate(chunks):
             self._exchanging = self.dist.enabled and i == len(chunks) - 1
             self._exchange_armed = False
-            net = self.net
-            with net.no_sync() if isinstance(net, DistributedDataParallel) and not self._exchanging \
+            with self.net.no_sync() if isinstance(self.net, DistributedDataParallel) and not self._exchanging \
                     else contextlib.nullcontext():
                 total += self.micro_step(chunk, chunk.numel() * scale) * chunk.numel() / anchors.numel()
         return total
@@ -385,7 +381,6 @@ class Trainer:
         }
 
     def runs_best(self) -> dict[str, Any] | None:
-        """The checkpoint at paths.best when it is this run's best; None when it is missing or another run's."""
         return runs_best(self.paths.best, self.best_epoch, self.history)
 
     def run(self, stop_after_epochs: int | None = None,
@@ -411,13 +406,11 @@ class Trainer:
         return TrainResult(self.paths, self.history, self.best_val, ran, stopped_early, self.plan)
 
     def _start(self) -> None:
-        """Logs the plan, checks placement; on rank 0, says when nothing is left to train and starts a resumed
-        run's metrics file from its history."""
+        """Logs the plan; on rank 0, says when nothing is left to train and starts a resumed run's metrics file
+        from its history."""
         log.info("plan: micro-batch %d x %d accumulation = batch %d, gradient checkpointing %s, %s",
                  self.plan.micro_batch, self.plan.accumulation, self.plan.batch_size,
                  "on" if self.plan.grad_checkpointing else "off", self.plan.precision)
-        check_placement(self.model, self._to_device(self.data.tensors.batch(
-            torch.from_numpy(self.data.train_anchors[:2]))), self.device)
         if not self.dist.is_main:
             return
         if self._patience_spent() or self.epoch >= self.cfg.epochs:
@@ -479,8 +472,7 @@ class Trainer:
         with self.paths.metrics.open("w" if len(self.history) == 1 and self.resumed is None else "a") as fh:
             fh.write(json.dumps(record) + "\n")
 
-    def _patience_spent(self) -> bool:
-        """Early stopping: --patience epochs in a row without validation improvement (0: never)."""
+    def _patience_spent(self) -> bool:  # early stopping (--patience 0: never)
         return bool(self.cfg.patience) and self.stale_epochs >= self.cfg.patience
 
     def _why_finished(self) -> str:

@@ -20,7 +20,7 @@ from features.files import atomic_output
 from features.metrics import format_q_risk
 from trainer.checkpoint import file_sha256, load_checkpoint
 from trainer.config import TrainConfig, given_fields, resumed_config, setting_label
-from trainer.data import PreparedData, prepare
+from trainer.data import PreparedData, ReadBars, prepare
 from trainer.device import no_cuda_reason, resolve_device, resolve_precision
 from trainer.distributed import shutdown
 from trainer.loop import PlanFn, Trainer, TrainResult, build_model
@@ -54,43 +54,48 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
     columns = ColumnMap.from_args(args, resumed.ckpt["column_map"] if resumed else None)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
         print("resolved config:\n" + json.dumps(cfg.to_dict(), indent=2), file=sys.stderr)
-    budget = parse_budget(cfg.vram_budget) if cfg.vram_budget else 0
     if args.plan_only:
-        return plan_only(args.parquet, cfg, budget, columns, resumed)
-    label = _budget_label(args, cfg)
+        return plan_only(args.parquet, cfg, parse_budget(cfg.vram_budget) if cfg.vram_budget else 0, columns,
+                         resumed)
+    train(args.parquet, cfg, Path(args.out), columns, resumed, progress=not args.no_progress,
+          report=not args.no_report, tracking=args.tracking, tracking_run=args.tracking_run,
+          budget_label=_budget_label(args, cfg))
+    return 0
+
+
+def train(source: str | Path | ReadBars, cfg: TrainConfig, out: Path, columns: ColumnMap,
+          resumed: ResumeState | None = None, progress: bool = True, report: bool = True, tracking: str | None = None,
+          tracking_run: str | None = None, budget_label: str | None = None) -> TrainResult:
+    """A run as `python -m trainer` runs it once its arguments are read: the VRAM plan, the epochs, the best
+    model's report and test scores, each logged to `tracking` (as --tracking) in the run `tracking_run` (default:
+    `out`'s stem). `budget_label`: how the budget was set, for messages (default: the flag)."""
+    budget = parse_budget(cfg.vram_budget) if cfg.vram_budget else 0
+    label = budget_label or f"--vram-budget {cfg.vram_budget}"
     if budget and cfg.device == "cpu":
         log.warning("%s is not applicable on the CPU (it caps CUDA device memory): training runs without it", label)
         budget = 0
     plan_fn = budget_plan_fn(budget, cfg, label) if budget else None
-    trainer = Trainer(args.parquet, cfg, args.out, columns, resume=resumed, progress=not args.no_progress,
-                      plan_fn=plan_fn)
-    result = _train_and_judge(args, trainer)
-    log.info("best validation loss %.5f at epoch %d; checkpoint %s (resume from %s), metrics %s%s",
-             trainer.best_val, trainer.best_epoch, result.paths.best, result.paths.last, result.paths.metrics,
-             "" if args.no_report else f", report {result.paths.report}")
-    shutdown(trainer.dist)  # under torchrun: the process group torn down, not left to the interpreter's exit
-    return 0
-
-
-def _train_and_judge(args: argparse.Namespace, trainer: Trainer) -> TrainResult:
-    """The epochs, then the judgement of the best model; with --tracking, rank 0 logs both as they come."""
-    with _tracker(args, trainer) as tracker:
+    trainer = Trainer(source, cfg, out, columns, resume=resumed, progress=progress, plan_fn=plan_fn)
+    with _tracker(tracking, tracking_run or run_stem(out), trainer) as tracker:  # rank 0 logs as they come
         on_epoch = None if tracker is None else lambda r: tracker.log_metrics(epoch_scalars(r), int(r["epoch"]))
         result = trainer.run(on_epoch=on_epoch)
         if trainer.dist.is_main and result.history:  # rank 0 alone writes files
-            _judge_best(trainer, report=not args.no_report, tracker=tracker)
+            _judge_best(trainer, report=report, tracker=tracker)
+    log.info("best validation loss %.5f at epoch %d; checkpoint %s (resume from %s), metrics %s%s",
+             trainer.best_val, trainer.best_epoch, result.paths.best, result.paths.last, result.paths.metrics,
+             f", report {result.paths.report}" if report else "")
+    shutdown(trainer.dist)  # under torchrun: the process group torn down, not left to the interpreter's exit
     return result
 
 
 @contextlib.contextmanager
-def _tracker(args: argparse.Namespace, trainer: Trainer) -> Iterator[Tracker | None]:
-    """--tracking's tracker with the run's config logged, on rank 0 (else None); closed however the run ends, so
-    what it logged is kept. The run is --tracking-run, or --out's stem, which a resumed run shares."""
-    spec = getattr(args, "tracking", None)
+def _tracker(spec: str | None, run: str, trainer: Trainer) -> Iterator[Tracker | None]:
+    """The tracker of `spec` (--tracking) with the run's config logged, on rank 0 (else None); closed however the
+    run ends, so what it logged is kept."""
     if spec is None or not trainer.dist.is_main:
         yield None
         return
-    tracker = open_tracker(spec, getattr(args, "tracking_run", None) or run_stem(Path(args.out)))
+    tracker = open_tracker(spec, run)
     try:
         tracker.log_params({"parquet": trainer.parquet, **trainer.cfg.to_dict()})
         yield tracker
