@@ -15,7 +15,7 @@ from features.compute import build_frame
 from features.config import FeatureConfig
 from features.schema import STATIC_CATEGORICAL
 from features.series import read_series
-from features.windows import anchor_rows, gather_windows
+from features.windows import anchor_rows, model_inputs
 from trainer.model_config import ModelConfig
 
 MAX_WINDOWS = 256
@@ -69,4 +69,4 @@ def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column
         raise UsageError(f"--bars {path}: no complete window; each needs {feature_config.warmup_bars} warm-up bars "
                          f"plus {cfg.encoder_length} encoder bars of one symbol")
     pick = anchors[np.unique(np.linspace(0, anchors.size - 1, min(limit, anchors.size)).astype(np.int64))]
-    return _as_fed(gather_windows(frame, pick, cfg.encoder_length), cfg)
+    return model_inputs(frame, pick, cfg.encoder_length)
