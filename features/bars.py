@@ -664,6 +664,27 @@ def validate(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnM
     return problems
 
 
+def rules_hold(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
+               volume: np.ndarray, user: np.ndarray | None = None, starts: np.ndarray | None = None) -> bool:
+    """Whether one series' rows, in the order sent, keep every rule of `validate`, in a few whole-array passes (a
+    server checks each request so, and asks `validate` what is wrong only when one fails): low <= min(open,
+    close), max(open, close) <= high, low > 0 and high <= 2^53 cover the price rules, and NaN fails a comparison.
+    `user` float64 [U, n]: the user columns read; `starts` (int [k]): rows that begin another contract's bars,
+    where the rules between a bar and the one before do not apply."""
+    o, h, lo, c, v, ts = open_, high, low, close, volume, timestamp_ns
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        ok = bool((lo > 0).all() and (h <= EXACT_INT).all() and (np.minimum(o, c) >= lo).all()
+                  and (np.maximum(o, c) <= h).all() and (v >= 0).all() and (v <= EXACT_INT).all())
+        pairs = np.ones(max(ts.shape[0] - 1, 0), dtype=bool)  # [n - 1]: bar j + 1 against bar j
+        if starts is not None:
+            pairs[starts - 1] = False
+        if ok:  # prices positive and finite: no close a hundredfold off the one before (a change of units)
+            ratio = c[1:] / c[:-1]
+            ok = bool((((ratio < MAX_BAR_PRICE_RATIO) & (ratio > 1 / MAX_BAR_PRICE_RATIO)) | ~pairs).all())
+        ok = ok and bool(((ts[1:] > ts[:-1]) | ~pairs).all())  # compared, not differenced: a difference can overflow
+        return ok and (user is None or bool((np.abs(user) <= F32_MAX).all()))  # finite, within float32's range
+
+
 @dataclass(frozen=True)
 class _Rows:
     """Every row of the parts in reading order, and the stable order that groups them by symbol."""

@@ -12,9 +12,7 @@ from typing import NoReturn
 import numpy as np
 
 from features.bars import (
-    EXACT_INT,
     F32_MAX,
-    MAX_BAR_PRICE_RATIO,
     NS_PER_UNIT,
     PLAUSIBLE_NS,
     PRICE_COLUMNS,
@@ -23,6 +21,7 @@ from features.bars import (
     ColumnMap,
     Problem,
     block_for,
+    rules_hold,
     validate,
 )
 from features.calendar import COARSE_INTERVALS, NS_PER_DAY
@@ -365,24 +364,9 @@ def _span(ns: int) -> str:
 
 
 def _looks_valid(s: SeriesColumns, user_columns: Sequence[str], starts: np.ndarray | None = None) -> bool:
-    """Every rule of `features.bars.validate` holds, in fewer passes: low <= min(open, close), max(open, close)
-    <= high, low > 0 and high <= 2^53 cover the price rules; NaN fails a comparison. `starts` (int [k]): rows that
-    begin another contract's bars, where the rules between a bar and the one before do not apply."""
-    o, h, lo, c, v = s.open, s.high, s.low, s.close, s.volume
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        ok = bool((lo > 0).all() and (h <= EXACT_INT).all() and (np.minimum(o, c) >= lo).all()
-                  and (np.maximum(o, c) <= h).all() and (v >= 0).all() and (v <= EXACT_INT).all())
-        pairs = np.ones(max(len(s) - 1, 0), dtype=bool)  # [n - 1]: bar j + 1 against bar j
-        if starts is not None:
-            pairs[starts - 1] = False
-        if ok:  # prices positive and finite: no close a hundredfold off the one before (a change of units)
-            ratio = c[1:] / c[:-1]
-            ok = bool((((ratio < MAX_BAR_PRICE_RATIO) & (ratio > 1 / MAX_BAR_PRICE_RATIO)) | ~pairs).all())
-        ts = s.timestamp_ns
-        ok = ok and bool(((ts[1:] > ts[:-1]) | ~pairs).all())  # compared, not differenced: a difference can overflow
-        if not ok or not user_columns:
-            return ok
-        return bool((np.abs(s.user_matrix(user_columns)) <= F32_MAX).all())  # finite, and within float32's range
+    """features.bars.rules_hold for the series' bars and the user columns the model reads."""
+    user = s.user_matrix(user_columns) if user_columns else None
+    return rules_hold(s.timestamp_ns, s.open, s.high, s.low, s.close, s.volume, user, starts)
 
 
 def _value_problems(i: int, s: SeriesColumns, user_columns: tuple[str, ...], label: str = "") -> list[Problem]:
@@ -419,13 +403,12 @@ def _for_the_wire(p: Problem) -> Problem:
                                fix=fix.format(column=p.column))
 
 
-def _refuse_values(i: int, s: SeriesColumns, user_columns: tuple[str, ...], label: str = "") -> NoReturn:
-    """A RequestError listing the first MAX_PROBLEMS broken value and order rules of series i (`label`: how
-    messages name it, when not as `series[i] (symbol)`)."""
-    problems = _value_problems(i, s, user_columns, label)
-    if not problems:  # the fast check and the contract disagree: still refuse, never guess
-        raise RequestError(f"{label or _label(i, s.symbol)}: bars break the bar contract (prices finite and > 0, "
-                           "low <= open, close <= high, volume >= 0, timestamps strictly increasing)", _field(i))
+def _check_values(i: int, s: SeriesColumns, user_columns: tuple[str, ...], label: str = "") -> None:
+    """Series i's bars by `features.bars.rules_hold`; when a rule fails, a RequestError listing the first
+    MAX_PROBLEMS broken rules `validate` names (`label`: how messages name the series, when not as `series[i]
+    (symbol)`)."""
+    if _looks_valid(s, user_columns) or not (problems := _value_problems(i, s, user_columns, label)):
+        return
     more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
     user_field = "user_features_raw" if isinstance(s.user, ColumnBlock) else "user_features"
     raise RequestError("; ".join(str(p) for p in problems[:MAX_PROBLEMS]) + more, violations=[
@@ -463,8 +446,7 @@ def _validated(i: int, s: SeriesColumns, meta: ModelMeta) -> SeriesColumns:
     _check_time_range(i, s, meta)
     if config.contract_known:
         _check_known_front(i, s, meta)
-    if not _looks_valid(s, user_columns):
-        _refuse_values(i, s, user_columns)
+    _check_values(i, s, user_columns)
     _check_spacing(i, s, meta)
     return s
 
@@ -507,8 +489,7 @@ def _check_each_contract(i: int, s: SeriesColumns, names: list[str], code: np.nd
     bounds = np.searchsorted(sorted_code, np.arange(len(names) + 1))
     for k, name in enumerate(names):
         own = grouped.take(np.arange(bounds[k], bounds[k + 1]))
-        if not _looks_valid(own, user_columns):
-            _refuse_values(i, own, user_columns, f"{_label(i, s.symbol)}, contract {bounded(name)}")
+        _check_values(i, own, user_columns, f"{_label(i, s.symbol)}, contract {bounded(name)}")
 
 
 def parse_request(request: pb.PredictRequest, meta: ModelMeta) -> list[SeriesColumns]:

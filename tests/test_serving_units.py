@@ -208,7 +208,7 @@ def test_each_broken_rule_has_a_precise_message(name: str, make: Callable[[], pb
 
 
 def test_the_fast_bar_check_agrees_with_the_contract_on_random_breakages() -> None:
-    """_looks_valid (a few vectorised passes) accepts a series exactly when features.bars.validate
+    """features.bars.rules_hold (a few vectorised passes) accepts a series exactly when features.bars.validate
     finds nothing wrong, for values set to NaN, inf, zero, negative or out of the bar's range."""
     from serving.validation import _looks_valid, _value_problems
 
