@@ -15,6 +15,7 @@ Details: docs/serving.md and docs/operations.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import resource
 from pathlib import Path
@@ -24,7 +25,8 @@ from serving.errors import ConfigError, ModelLoadError
 from serving.logs import LOG_FORMATS, fatal
 from serving.logs import configure as configure_logging
 from serving.model import DEVICES
-from serving.server import EVENT_LOOPS, INT32_MAX, MiB, ServerConfig, run_server
+from serving.server import EVENT_LOOPS, FLAG_DESTS, INT32_MAX, MiB, ServerConfig, run_server
+from serving.workers import run_workers
 
 log = logging.getLogger("serving")
 
@@ -163,15 +165,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Se
     for ok, message in _problems(args):
         if not ok:
             p.error(message)
-    return ServerConfig(
-        model_path=args.model, host=args.host, port=args.port, reuse_port=args.reuse_port,
-        stop_on_stdin_eof=args.stop_on_stdin_eof, device=args.device, device_id=args.device_id,
-        threads=args.threads, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms, batch_wait=args.batch_wait,
-        max_concurrent=args.max_concurrent, max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host, grace_s=args.grace, drain_delay_s=args.drain_delay, tls_cert=args.tls_cert,
-        tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, auth_token_file=args.auth_token_file,
-        event_loop=args.event_loop, max_connection_age_s=args.max_connection_age,
-    )
+    return ServerConfig(**{f.name: getattr(args, FLAG_DESTS.get(f.name, f.name))
+                            for f in dataclasses.fields(ServerConfig)})
 
 
 def raise_open_file_limit() -> None:
@@ -195,8 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(p, args)
     raise_open_file_limit()
     if args.workers > 1:
-        from serving.workers import run_workers
-
         return run_workers(config, args.workers, args.log_level, args.log_format)
     try:
         return run_server(config)

@@ -1,14 +1,15 @@
 """Micro-batching: the windows of concurrent calls gathered into one ONNX Runtime run.
 
-A batch closes at `max_batch` windows, when its first call has waited `max_delay_s`, or, with
-`wait="adaptive"` (the default), as soon as no other call is ready to join; `wait="fixed"` waits the
-delay unless the batch fills up. Only calls with the same key (model snapshot) share a batch. Expired
-or cancelled calls never run. Batches run one at a time on one worker thread.
+A batch closes at `max_batch` windows, when its first call has waited `max_delay_s`, or, with `wait="adaptive"` (the
+default), as soon as no other call is ready to join; `wait="fixed"` waits the delay unless the batch fills up. Only
+calls with the same key (model snapshot) share a batch. Expired or cancelled calls never run. Batches run one at a time
+on one worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -113,26 +114,20 @@ class MicroBatcher(Generic[K, P, R]):
     async def _gather(self, first: _Item[K, P, R]) -> None:
         """Wait until the batch that `first` opens should close."""
         close_at = first.enqueued + self.max_delay_s
-        if self.wait == "fixed":
-            await self._wait_until(close_at, first.key)
+        if self.wait == "adaptive":
+            seen = -1  # each loop round lets the calls already runnable reach submit; stop when a round brings none
+            while seen != len(self._queue) and not self._full(first.key) and time.monotonic() < close_at \
+                    and not self._closing:
+                seen = len(self._queue)
+                await asyncio.sleep(0)
             return
-        seen = -1  # each loop round lets the calls already runnable reach submit; stop when a round brings none
-        while seen != len(self._queue) and not self._full(first.key) and time.monotonic() < close_at \
-                and not self._closing:
-            seen = len(self._queue)
-            await asyncio.sleep(0)
-
-    async def _wait_until(self, close_at: float, key: K) -> None:
-        """Wait for calls until `close_at` (time.monotonic()) or until `key`'s batch is full."""
-        while not self._full(key) and not self._closing:
+        while not self._full(first.key) and not self._closing:  # fixed: until the delay, or a full batch
             remaining = close_at - time.monotonic()
             if remaining <= 0:
                 return
             self._arrived.clear()
-            try:
+            with contextlib.suppress(TimeoutError):  # uvloop rounds timers to the millisecond: re-check the time
                 await asyncio.wait_for(self._arrived.wait(), remaining)
-            except TimeoutError:
-                continue  # uvloop rounds timers to the millisecond, so this can fire early: re-check the time
 
     def _take(self, key: K) -> list[_Item[K, P, R]]:
         """Pop up to max_batch windows of `key`'s calls, in arrival order; fail the expired ones."""

@@ -16,13 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.errors import ConfigError
-from serving.security import (
-    add_client_arguments,
-    call_metadata,
-    check_client_arguments,
-    first_call_error,
-    open_channel,
-)
+from serving.security import add_client_arguments, call_metadata, check_client_arguments, first_call_error, open_channel
 
 HEALTHY, UNHEALTHY = 0, 1
 

@@ -3,24 +3,16 @@ answers and of reloads exist at zero from the start, so that `increase()` sees t
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import (
-    GC_COLLECTOR,
-    PLATFORM_COLLECTOR,
-    PROCESS_COLLECTOR,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    Info,
-    disable_created_metrics,
-    start_http_server,
-)
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, start_http_server
 from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.metrics import Counter, Gauge, Histogram, Info, disable_created_metrics
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from features import package_version
 from serving.model import LoadedModel
@@ -63,42 +55,35 @@ class StepTimes(Collector):
 class Metrics:
     """All metrics of one server; also the batcher's observer."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, tokens: bool = False) -> None:
+    def __init__(self, tokens: bool = False) -> None:
         # tokens: calls need a token (--auth-token-file), so UNAUTHENTICATED is a usual code too
         disable_created_metrics()  # no `_created` series beside every counter and histogram
-        r = self.registry = registry or CollectorRegistry()
+        r = self.registry = CollectorRegistry()
         self._httpd: WSGIServer | None = None  # the /metrics endpoint, once serve_http started it
-        self.requests = Counter("foxhunt_requests", "RPCs answered, by method and gRPC status code",
-                                ["method", "code"], registry=r)
-        self.latency = Histogram("foxhunt_request_latency_seconds", "Time in the RPC handler", ["method"],
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("foxhunt_queue_seconds", "Time a call's windows waited for their batch",
-                               buckets=LATENCY_BUCKETS, registry=r)
-        self.inference = Histogram("foxhunt_inference_seconds",
-                                   "Wall time per batch: features, ONNX Runtime run, output checks",
-                                   buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_windows = Histogram("foxhunt_batch_windows", "Windows per ONNX Runtime run (before padding)",
-                                       buckets=BATCH_BUCKETS, registry=r)
-        self.batch_calls = Histogram("foxhunt_batch_calls", "Calls sharing one ONNX Runtime run",
-                                     buckets=BATCH_BUCKETS, registry=r)
-        self.expired = Counter("foxhunt_queue_expired", "Calls whose deadline passed while queued (not run)",
-                               registry=r)
-        self.warned = Counter("foxhunt_forecast_warnings", "Forecasts answered with a warning (Forecast.warnings)",
-                              registry=r)
-        self.inflight = Gauge("foxhunt_inflight_requests", "Predict calls and PredictStream requests being served",
-                              registry=r)
-        self.open_streams = Gauge("foxhunt_open_streams", "PredictStreams open now", registry=r)
-        self.ready = Gauge("foxhunt_ready", "1 when the model is warmed up and serving", registry=r)
+        counter, gauge = functools.partial(Counter, registry=r), functools.partial(Gauge, registry=r)
+        seconds = functools.partial(Histogram, buckets=LATENCY_BUCKETS, registry=r)
+        sizes = functools.partial(Histogram, buckets=BATCH_BUCKETS, registry=r)
+        self.requests = counter("foxhunt_requests", "RPCs answered, by method and gRPC status code", ["method", "code"])
+        self.latency = seconds("foxhunt_request_latency_seconds", "Time in the RPC handler", ["method"])
+        self.queue = seconds("foxhunt_queue_seconds", "Time a call's windows waited for their batch")
+        self.inference = seconds("foxhunt_inference_seconds",
+                                 "Wall time per batch: features, ONNX Runtime run, output checks")
+        self.batch_windows = sizes("foxhunt_batch_windows", "Windows per ONNX Runtime run (before padding)")
+        self.batch_calls = sizes("foxhunt_batch_calls", "Calls sharing one ONNX Runtime run")
+        self.expired = counter("foxhunt_queue_expired", "Calls whose deadline passed while queued (not run)")
+        self.warned = counter("foxhunt_forecast_warnings", "Forecasts answered with a warning (Forecast.warnings)")
+        self.inflight = gauge("foxhunt_inflight_requests", "Predict calls and PredictStream requests being served")
+        self.open_streams = gauge("foxhunt_open_streams", "PredictStreams open now")
+        self.ready = gauge("foxhunt_ready", "1 when the model is warmed up and serving")
         self.model = Info("foxhunt_model", "The model being served and where it runs", registry=r)
-        self.reloads = Counter("foxhunt_reloads", "SIGHUP reloads by file (model, tls, tokens) and result",
-                               ["file", "result"], registry=r)
+        self.reloads = counter("foxhunt_reloads", "SIGHUP reloads by file (model, tls, tokens) and result",
+                               ["file", "result"])
         Info("foxhunt_build", "The server's package version", registry=r).info({"version": package_version()})
-        for code in (*USUAL_CODES, "UNAUTHENTICATED") if tokens else USUAL_CODES:  # at zero from the start
-            self.requests.labels("Predict", code)
-            self.requests.labels("PredictStream", code)
-        for file in RELOADED_FILES:
-            for result in ("ok", "refused"):
-                self.reloads.labels(file, result)
+        codes = (*USUAL_CODES, "UNAUTHENTICATED") if tokens else USUAL_CODES
+        for method, code in itertools.product(("Predict", "PredictStream"), codes):  # at zero from the start
+            self.requests.labels(method, code)
+        for file, result in itertools.product(RELOADED_FILES, ("ok", "refused")):
+            self.reloads.labels(file, result)
         for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):  # the default registry's, here too
             r.register(collector)
         self.steps = StepTimes()
@@ -121,14 +106,10 @@ class Metrics:
         self.expired.inc()
 
     def set_model(self, model: LoadedModel) -> None:
-        self.model.info({
-            "version": model.version,
-            "checkpoint_sha256": model.meta.checkpoint_sha256,
-            "model_sha256": model.sha256,
-            "provider": model.provider,
-            "device_requested": model.device_requested,
-            "fallback": "yes" if model.fallback_warning else "no",
-        })
+        self.model.info({"version": model.version, "checkpoint_sha256": model.meta.checkpoint_sha256,
+                         "model_sha256": model.sha256, "provider": model.provider,
+                         "device_requested": model.device_requested,
+                         "fallback": "yes" if model.fallback_warning else "no"})
 
     def serve_http(self, host: str, port: int) -> int:
         """Start the /metrics endpoint (daemon thread); returns the bound port (port 0 picks one)."""

@@ -1,13 +1,12 @@
 """The ONNX model the server runs: load and check it, place it on a device, warm it up, run it.
 
-`load_model` reads the file once, checks its metadata and graph digest and creates one session;
-anything wrong is a `ModelLoadError`, so a bad file never replaces a good one. `--device cuda`
-runs on the CUDA provider or raises `DeviceUnavailable`, and refuses a model whose placement
-export did not prove on CUDA; `auto` falls back to the CPU with a warning.
+`load_model` reads the file once, checks its metadata and graph digest and creates one session; anything wrong is a
+`ModelLoadError`, so a bad file never replaces a good one. `--device cuda` runs on the CUDA provider or raises
+`DeviceUnavailable`, and refuses a model whose placement export did not prove on CUDA; `auto` falls back to the CPU with
+a warning.
 
-A run of n windows is padded (repeating its last window) to the smallest bucket >= n, so the
-few shapes the model sees are warmed up before SERVING; rows are independent, so padding
-changes no result.
+A run of n windows is padded (repeating its last window) to the smallest bucket >= n, so the few shapes the model sees
+are warmed up before SERVING; rows are independent, so padding changes no result.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ DEVICES = ("auto", "cpu", "cuda")
 CPU_EP = "CPUExecutionProvider"
 CUDA_EP = "CUDAExecutionProvider"
 CUDA_OPTIONS = {"use_tf32": "0"}  # fp32 as export's parity check ran it (TF32 would need its own parity check)
+NO_GPU = "no NVIDIA GPU is visible to this process (no /dev/nvidia*; in a container, run it with --gpus)"
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -64,13 +64,6 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
 
 
 @dataclass
-class SessionPlacement:
-    session: ort.InferenceSession
-    device: str  # cpu | cuda: where it actually runs
-    fallback_warning: str  # non-empty when --device auto fell back to the CPU
-
-
-@dataclass
 class LoadedModel:
     """One loaded, checked model. `run` is called from one thread at a time (the batcher's)."""
 
@@ -79,9 +72,9 @@ class LoadedModel:
     session: ort.InferenceSession
     sha256: str
     device_requested: str
-    device: str
+    device: str  # cpu | cuda: where it actually runs
     device_id: int
-    fallback_warning: str
+    fallback_warning: str  # non-empty when --device auto fell back to the CPU
     output_names: tuple[str, ...]  # fetched on every run: quantiles, then explain outputs if present
     buckets: tuple[int, ...]
     loaded_at_ns: int = field(default_factory=time.time_ns)
@@ -131,31 +124,26 @@ class LoadedModel:
         self.session.run_with_iobinding(binding)
         return list(binding.copy_outputs_to_cpu())
 
-    def _trial_run(self, size: int) -> np.ndarray:
-        """The quantiles of a dummy input of `size` windows, shape checked; ModelLoadError if the run fails."""
-        try:
-            q = self.run(dummy_inputs(self.meta, size))[QUANTILES]
-        except Exception as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            helps = ("lower --max-batch, or run fewer --workers on this device"
-                     if re.search(r"alloc|out of memory", reason, re.IGNORECASE) else
-                     "if its metadata was edited after export, re-export the model")
-            raise ModelLoadError(f"{self.path}: the model fails on the warm-up input (batch {size}): {reason}; "
-                                 f"{helps}") from None
-        expected = (size, self.meta.horizon, len(self.meta.quantiles))
-        if q.shape != expected:
-            raise ModelLoadError(f"{self.path}: output {QUANTILES!r} has shape {q.shape} at batch {size}, "
-                                 f"expected {expected}")
-        return q
-
     def warm_up(self, stop: threading.Event | None = None) -> float:
-        """Run once at every bucket size and check the outputs; returns seconds. WarmUpStopped between runs
-        once `stop` is set (SIGTERM)."""
+        """Run a dummy input once at every bucket size and check the outputs (ModelLoadError); returns seconds.
+        WarmUpStopped between runs once `stop` is set (SIGTERM)."""
         start = time.perf_counter()
         for size in self.buckets:
             if stop is not None and stop.is_set():
                 raise WarmUpStopped(f"warm-up of {self.path} stopped before batch size {size}")
-            q = self._trial_run(size)
+            try:
+                q = self.run(dummy_inputs(self.meta, size))[QUANTILES]
+            except Exception as exc:
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                helps = ("lower --max-batch, or run fewer --workers on this device"
+                         if re.search(r"alloc|out of memory", reason, re.IGNORECASE) else
+                         "if its metadata was edited after export, re-export the model")
+                raise ModelLoadError(f"{self.path}: the model fails on the warm-up input (batch {size}): {reason}; "
+                                     f"{helps}") from None
+            expected = (size, self.meta.horizon, len(self.meta.quantiles))
+            if q.shape != expected:
+                raise ModelLoadError(f"{self.path}: output {QUANTILES!r} has shape {q.shape} at batch {size}, "
+                                     f"expected {expected}")
             if not np.isfinite(q).all():
                 raise ModelLoadError(f"{self.path}: output {QUANTILES!r} is not finite on the warm-up input "
                                      f"(batch {size}); re-export the model")
@@ -181,22 +169,6 @@ def dummy_inputs(meta: ModelMeta, batch: int) -> dict[str, np.ndarray]:
     return {name: inputs[name] for name in schema.model_inputs}
 
 
-def _session_options(threads: int) -> ort.SessionOptions:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads  # never "all cores": the host runs other work too
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads sleep, not spin
-    return so
-
-
-def _no_gpu_reason() -> str:
-    if not any(Path("/dev").glob("nvidia[0-9]*")):
-        return "no NVIDIA GPU is visible to this process (no /dev/nvidia*; in a container, run it with --gpus)"
-    return ""
-
-
 def _cuda_session(model_bytes: bytes, path: str, device_id: int, threads: int, quiet_failure: bool = False
                   ) -> ort.InferenceSession:
     """A session whose main provider is CUDA, or DeviceUnavailable naming why not. With `quiet_failure`
@@ -209,35 +181,37 @@ def _cuda_session(model_bytes: bytes, path: str, device_id: int, threads: int, q
     providers: list[str | tuple[str, dict[str, str]]] = [(CUDA_EP, {**CUDA_OPTIONS, "device_id": str(device_id)}),
                                                          CPU_EP]
     with native_stderr() as lines:
-        session = _new_session(model_bytes, path, providers, _session_options(threads))
+        session = _new_session(model_bytes, path, providers, threads)
     failed = session.get_providers()[0] != CUDA_EP
     for line in lines:  # what other threads wrote meanwhile is always written back
         if not (quiet_failure and failed and is_onnxruntime_line(line)):
             print(line, file=sys.stderr)
     if failed:
-        why = provider_failure_reason(lines) or _no_gpu_reason() or "ONNX Runtime logged no reason"
+        no_gpu = not any(Path("/dev").glob("nvidia[0-9]*"))
+        why = provider_failure_reason(lines) or (NO_GPU if no_gpu else "ONNX Runtime logged no reason")
         raise DeviceUnavailable(f"CUDA requested but ONNX Runtime could not create the CUDA execution provider "
                                 f"(the session fell back to {session.get_providers()}): {why}")
     return session
 
 
-def _create_session(model_bytes: bytes, path: str, device: str, device_id: int, threads: int) -> SessionPlacement:
-    if device == "cpu":
-        return SessionPlacement(_new_session(model_bytes, path, [CPU_EP], _session_options(threads)), "cpu", "")
-    if device == "cuda":
-        return SessionPlacement(_cuda_session(model_bytes, path, device_id, threads), "cuda", "")
-    try:  # auto
-        return SessionPlacement(_cuda_session(model_bytes, path, device_id, threads, quiet_failure=True), "cuda", "")
-    except DeviceUnavailable as exc:
-        warning = f"--device auto fell back to the CPU: {exc}"
-        log.warning("%s", warning)
-        session = _new_session(model_bytes, path, [CPU_EP], _session_options(threads))
-        return SessionPlacement(session, "cpu", warning)
+def _create_session(model_bytes: bytes, path: str, device: str, device_id: int, threads: int
+                    ) -> tuple[ort.InferenceSession, str]:
+    """The session, and the warning when --device auto fell back to the CPU."""
+    warning = ""
+    if device != "cpu":
+        try:
+            return _cuda_session(model_bytes, path, device_id, threads, quiet_failure=device == "auto"), ""
+        except DeviceUnavailable as exc:
+            if device == "cuda":
+                raise
+            warning = f"--device auto fell back to the CPU: {exc}"
+            log.warning("%s", warning)
+    return _new_session(model_bytes, path, [CPU_EP], threads), warning
 
 
-def _check_placement(meta: ModelMeta, placement: SessionPlacement, device_requested: str, path: str) -> None:
+def _check_placement(meta: ModelMeta, device: str, device_requested: str, path: str) -> None:
     """On CUDA, `--device cuda` refuses a model whose placement export did not prove; `auto` warns."""
-    if placement.device != "cuda":
+    if device != "cuda":
         return
     gate, required = meta.placement.get("gate"), meta.placement.get("required_device")
     if gate == "passed" and required == "cuda":
@@ -251,7 +225,13 @@ def _check_placement(meta: ModelMeta, placement: SessionPlacement, device_reques
 
 
 def _new_session(model_bytes: bytes, path: str, providers: Sequence[str | tuple[str, dict[str, str]]],
-                 so: ort.SessionOptions) -> ort.InferenceSession:
+                 threads: int = 1) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads  # never "all cores": the host runs other work too
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads sleep, not spin
     try:
         return ort.InferenceSession(model_bytes, so, providers=providers)
     except Exception as exc:  # ORT raises its own exception types (InvalidProtobuf, InvalidGraph, Fail, ...)
@@ -281,7 +261,7 @@ def _read_meta(model_bytes: bytes, path: str) -> ModelMeta:
     except ValueError:  # not a protobuf message
         props = {}
     if PREFIX + "format" not in props:  # not our model: ONNX Runtime's error says what the bytes are
-        _new_session(model_bytes, path, [CPU_EP], _session_options(1))
+        _new_session(model_bytes, path, [CPU_EP])
     try:
         meta = ModelMeta.from_props(props)
     except ModelMetaError as exc:
@@ -301,11 +281,11 @@ def load_model(path: str | Path, device: str = "cpu", threads: int = 1, max_batc
     p = str(path)
     model_bytes = _read(p)
     meta = _read_meta(model_bytes, p)
-    placement = _create_session(model_bytes, p, device, device_id, threads)
-    _check_placement(meta, placement, device, p)
-    return LoadedModel(path=p, meta=meta, session=placement.session, sha256=hashlib.sha256(model_bytes).hexdigest(),
-                       device_requested=device, device=placement.device, device_id=device_id,
-                       fallback_warning=placement.fallback_warning,
+    session, fallback_warning = _create_session(model_bytes, p, device, device_id, threads)
+    placed = "cuda" if session.get_providers()[0] == CUDA_EP else "cpu"
+    _check_placement(meta, placed, device, p)
+    return LoadedModel(path=p, meta=meta, session=session, sha256=hashlib.sha256(model_bytes).hexdigest(),
+                       device_requested=device, device=placed, device_id=device_id, fallback_warning=fallback_warning,
                        output_names=(QUANTILES, *EXPLAIN_OUTPUTS) if meta.explain else (QUANTILES,),
                        buckets=batch_buckets(max_batch))
 
@@ -320,18 +300,3 @@ def load_and_warm(path: str | Path, device: str, threads: int, max_batch: int, d
 
 class WarmUpStopped(Exception):
     """SIGTERM came during a warm-up."""
-
-
-class ModelHolder:
-    """The model being served; `swap` replaces it in one assignment."""
-
-    def __init__(self, model: LoadedModel) -> None:
-        self._model = model
-
-    @property
-    def current(self) -> LoadedModel:
-        return self._model
-
-    def swap(self, model: LoadedModel) -> LoadedModel:
-        old, self._model = self._model, model
-        return old

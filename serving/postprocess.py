@@ -27,8 +27,7 @@ def explanation(prepared: Prepared, outputs: dict[str, np.ndarray], meta: ModelM
     schema = meta.feature_schema
     attention = outputs[ATTENTION][b]  # [H, L + H]
     return pb.Explanation(
-        attention_rows=int(attention.shape[0]),
-        attention_cols=int(attention.shape[1]),
+        attention_rows=int(attention.shape[0]), attention_cols=int(attention.shape[1]),
         attention=attention.ravel().tolist(),
         attention_timestamp_ns=np.concatenate([prepared.encoder_timestamp_ns[b],
                                                prepared.future_timestamp_ns[b]]).tolist(),
@@ -64,15 +63,10 @@ def build_response(prepared: Prepared, outputs: dict[str, np.ndarray], meta: Mod
     forecasts = []
     for b, symbol in enumerate(prepared.symbols):
         f = pb.Forecast(
-            symbol=symbol,
-            last_timestamp_ns=int(prepared.last_timestamp_ns[b]),
-            last_close=float(prepared.last_close[b]),
-            timestamp_ns=prepared.future_timestamp_ns[b].tolist(),
-            quantile_levels=levels,
-            horizon=meta.horizon,
-            log_return=q[b].ravel().tolist(),
-            price=prices[b].ravel().tolist(),
-            model_version=version,
+            symbol=symbol, last_timestamp_ns=int(prepared.last_timestamp_ns[b]),
+            last_close=float(prepared.last_close[b]), timestamp_ns=prepared.future_timestamp_ns[b].tolist(),
+            quantile_levels=levels, horizon=meta.horizon, log_return=q[b].ravel().tolist(),
+            price=prices[b].ravel().tolist(), model_version=version,
             warnings=(*warnings.get(b, ()), *(f"series[{b}] ({symbol}): {note}" for note in prepared.notes[b])),
         )
         if explain:

@@ -1,8 +1,8 @@
 """Server reflection: what generic clients (grpcurl, grpcui, Postman) discover the services by.
 
-grpcio-reflection serves only `grpc.reflection.v1alpha` and cannot find a method. Here, as in gRPC's C++ and
-Go servers, the servicer also answers as `grpc.reflection.v1` (the same messages under another package), and a
-method (what `grpcurl describe` asks for) is found in its service's file.
+grpcio-reflection serves only `grpc.reflection.v1alpha` and cannot find a method. Here, as in gRPC's C++ and Go servers,
+the servicer also answers as `grpc.reflection.v1` (the same messages under another package), and a method (what `grpcurl
+describe` asks for) is found in its service's file.
 """
 
 from __future__ import annotations

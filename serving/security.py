@@ -1,15 +1,15 @@
 """Who may call the server: TLS (mutual with a client CA), bearer tokens, and the clients' side of both.
 
-The token file holds one token a line, so that an operator rotates tokens without downtime: add the new one,
-SIGHUP, move the clients, remove the old one, SIGHUP. Tokens are compared as SHA-256 digests against every
-configured token (no early exit), and never logged or echoed.
+The token file holds one token a line, so that an operator rotates tokens without downtime: add the new one, SIGHUP,
+move the clients, remove the old one, SIGHUP. Tokens are compared as SHA-256 digests against every configured token (no
+early exit), and never logged or echoed.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -28,13 +28,14 @@ from grpc import aio
 
 from features.text import bounded
 from serving.errors import ConfigError
+from serving.logs import BurstLog, Schedule
 
 log = logging.getLogger("serving")
 
-HEALTH_SERVICE = "grpc.health.v1.Health"
-OPEN_SERVICES = (HEALTH_SERVICE,)  # reachable without a token
+OPEN_SERVICES = ("grpc.health.v1.Health",)  # reachable without a token
 MIN_TOKEN_CHARS = 16  # shorter tokens are refused at start: guessable
 AUTH_HEADER = "authorization"  # gRPC metadata keys are lower case
+TOKEN_FLAG = "--auth-token-file"
 Counter = Callable[[str, grpc.StatusCode], None]  # (full method name, code) of an answer given here
 
 
@@ -50,34 +51,35 @@ def read_file(path: Path, what: str, flag: str) -> bytes:
 
 
 def read_pem(path: Path, what: str, flag: str) -> bytes:
-    """A PEM file (certificate chain or private key); ConfigError if it is not one."""
     data = read_file(path, what, flag)
     if b"-----BEGIN " not in data:
         raise ConfigError(f"{flag} {path}: not a PEM file (no '-----BEGIN' line); give the {what} in PEM format")
     return data
 
 
-def _token_lines(data: bytes, path: Path, flag: str) -> list[tuple[int, str]]:
+def _token_lines(path: Path, none: str) -> list[tuple[int, str]]:
+    """(line number, token) of each line but blank ones and '#' comments; ConfigError `none` when there is none."""
     try:
-        text = data.decode("ascii")
+        text = read_file(path, "token", TOKEN_FLAG).decode("ascii")
     except UnicodeDecodeError:
-        raise ConfigError(f"{flag} {path}: tokens must be printable ASCII (the file is not)") from None
-    return [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1)
-            if line.strip() and not line.strip().startswith("#")]
-
-
-def read_tokens(path: Path, flag: str = "--auth-token-file") -> list[str]:
-    """The server's tokens, one a line; errors name the line, never its content."""
-    lines = _token_lines(read_file(path, "token", flag), path, flag)
+        raise ConfigError(f"{TOKEN_FLAG} {path}: tokens must be printable ASCII (the file is not)") from None
+    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1)
+             if line.strip() and not line.strip().startswith("#")]
     if not lines:
-        raise ConfigError(f"{flag} {path}: no token in the file (blank lines and '#' comments are ignored)")
+        raise ConfigError(f"{TOKEN_FLAG} {path}: {none}")
+    return lines
+
+
+def read_tokens(path: Path) -> list[str]:
+    """The server's tokens, one a line; errors name the line, never its content."""
+    lines = _token_lines(path, "no token in the file (blank lines and '#' comments are ignored)")
     for n, token in lines:
         if not all("!" <= c <= "~" for c in token):
-            raise ConfigError(f"{flag} {path}, line {n}: a token must be printable ASCII without spaces")
+            raise ConfigError(f"{TOKEN_FLAG} {path}, line {n}: a token must be printable ASCII without spaces")
         if len(token) < MIN_TOKEN_CHARS:
-            raise ConfigError(f"{flag} {path}, line {n}: the token is shorter than {MIN_TOKEN_CHARS} characters; "
-                              "use a random one, e.g. `openssl rand -hex 32`")
-    warn_if_readable(Path(path), flag, "other users")
+            raise ConfigError(f"{TOKEN_FLAG} {path}, line {n}: the token is shorter than {MIN_TOKEN_CHARS} "
+                              "characters; use a random one, e.g. `openssl rand -hex 32`")
+    warn_if_readable(Path(path), TOKEN_FLAG, "other users")
     return [token for _, token in lines]
 
 
@@ -88,12 +90,9 @@ def warn_if_readable(path: Path, flag: str, who: str) -> None:
             log.warning("%s %s is readable by %s (mode %o); chmod 600 it", flag, path, who, stat.S_IMODE(mode))
 
 
-def read_client_token(path: Path, flag: str = "--auth-token-file") -> str:
+def read_client_token(path: Path) -> str:
     """The first token of the file: what a client sends."""
-    lines = _token_lines(read_file(path, "token", flag), path, flag)
-    if not lines:
-        raise ConfigError(f"{flag} {path}: no token in the file")
-    return lines[0][1]
+    return _token_lines(path, "no token in the file")[0][1]
 
 
 class ReloadableTls:
@@ -108,7 +107,6 @@ class ReloadableTls:
             self._configuration(), self._fetch, require_client_authentication=client_ca is not None)
 
     def _configuration(self) -> Any:
-        """The files, read and checked (ConfigError names the flag and what is wrong)."""
         pair = (read_pem(self.key, "private key", "--tls-key"), read_pem(self.cert, "certificate", "--tls-cert"))
         ca = read_pem(self.client_ca, "client CA certificate", "--tls-client-ca") if self.client_ca else None
         check_tls_files(self.cert, self.key, self.client_ca)
@@ -160,12 +158,9 @@ CERT_RENEW_WARNING_S = 7 * 86_400  # a certificate that expires sooner is named 
 
 def _check_dates(cert: Path, now: float | None = None) -> None:
     """ConfigError for a certificate expired or not valid yet (health would look fine while every handshake
-    fails); a warning when it expires within a week. Unchecked where CPython's decoder is missing."""
-    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
-    if decode is None:
-        return
+    fails); a warning when it expires within a week."""
     try:
-        info = decode(str(cert))
+        info = ssl._ssl._test_decode_cert(str(cert))  # type: ignore[attr-defined]  # CPython's own decoder
         not_before, not_after = (ssl.cert_time_to_seconds(info[k]) for k in ("notBefore", "notAfter"))
     except (ssl.SSLError, OSError, KeyError, ValueError):
         return  # the pair check above judged the file readable; the dates are a courtesy
@@ -191,22 +186,16 @@ def is_loopback(host: str) -> bool:
 
 
 # ---- interceptors -------------------------------------------------------------------------------------
-def _service_of(method: str) -> str:
-    """'/pkg.Service/Method' -> 'pkg.Service'."""
-    return method.lstrip("/").split("/", 1)[0]
-
-
 def _digest(token: str | bytes) -> bytes:
     return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
 
 
 def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str,
-             on_refuse: Callable[[str], None] | None = None) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s shape that answers `code` without reading the request."""
+             on_refuse: Callable[[str], None]) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s shape that answers `code` without reading the request; on_refuse(peer) first."""
 
     async def refuse(request_or_iterator: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-        if on_refuse is not None:
-            on_refuse(context.peer())
+        on_refuse(context.peer())
         await context.abort(code, message)
 
     if handler is None or not (handler.request_streaming or handler.response_streaming):
@@ -218,63 +207,39 @@ def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, messa
     return grpc.unary_stream_rpc_method_handler(refuse)
 
 
-class RefusalLog:
-    """Token refusals at WARNING without flooding: the first at once, then one line per `every_s` with their
-    count while they go on. `schedule(delay, fn)` runs fn later, False when it cannot."""
+class RefusalLog(BurstLog):
+    """Token refusals at WARNING without flooding (BurstLog: their count every `every_s`), each at DEBUG too."""
 
-    def __init__(self, every_s: float = 60.0, schedule: Callable[[float, Callable[[], None]], bool] | None = None) \
-            -> None:
-        self.every_s = every_s
-        self._schedule = schedule or later
-        self._counting = False  # a count's line is due
-        self._uncounted = 0  # refusals since the last line
-        self._latest = ""  # the latest of them
+    def __init__(self, every_s: float = 60.0, schedule: Schedule | None = None) -> None:
+        super().__init__(functools.partial(log.warning, "%s"), functools.partial(
+            log.warning, "refused %d more call(s) since the last such line; the latest: %s"), every_s, schedule)
 
     def __call__(self, method: str, peer: str, problem: str) -> None:
         what = f"refused {bounded(method, 120)} from {peer}: {problem}"
-        if self._counting:
-            self._uncounted += 1
-            self._latest = what
+        if not self.note(what):  # held back for the count: at DEBUG meanwhile
             log.debug("%s", what)
-            return
-        log.warning("%s", what)
-        self._counting = self._schedule(self.every_s, self.flush)
-
-    def flush(self) -> None:
-        """The count of the refusals since the last line, if any (every `every_s`, and when the server stops)."""
-        if not self._uncounted:
-            self._counting = False  # quiet: the next refusal gets a line at once
-            return
-        log.warning("refused %d more call(s) since the last such line; the latest: %s", self._uncounted, self._latest)
-        self._uncounted = 0
-        self._counting = self._schedule(self.every_s, self.flush)
-
-
-def later(delay: float, fn: Callable[[], None]) -> bool:
-    """fn after `delay` seconds on the running event loop; without one, not at all (False)."""
-    try:
-        asyncio.get_running_loop().call_later(delay, fn)
-    except RuntimeError:
-        return False
-    return True
 
 
 class TokenAuth(aio.ServerInterceptor):
-    """Bearer-token check on every RPC except the services in `open_services`: a call without a valid
+    """Bearer-token check on every RPC except the OPEN_SERVICES: a call without a valid
     `authorization: Bearer <token>` is UNAUTHENTICATED before its request is decoded."""
 
-    def __init__(self, tokens: Sequence[str], open_services: Sequence[str] = OPEN_SERVICES,
-                 count: Counter | None = None) -> None:
-        self._digests: tuple[bytes, ...] = ()
-        self.set_tokens(tokens)
-        self.open_services = frozenset(open_services)
+    def __init__(self, tokens: Sequence[str], count: Counter, path: Path) -> None:
+        self._digests = tuple(_digest(t) for t in tokens)  # the tokens themselves are not kept
         self._count = count
+        self.path = path  # the token file, re-read on SIGHUP
         self.refusals = RefusalLog()
 
-    def set_tokens(self, tokens: Sequence[str]) -> None:
-        if not tokens:
-            raise ValueError("at least one token")
-        self._digests = tuple(_digest(t) for t in tokens)  # the tokens themselves are not kept
+    def reload(self) -> bool:
+        """SIGHUP: re-read the token file (rotation); False (and the current tokens kept) when it is unusable."""
+        try:
+            tokens = read_tokens(self.path)
+        except ConfigError as exc:
+            log.error("token reload refused, the current tokens stay: %s", exc)
+            return False
+        self._digests = tuple(_digest(t) for t in tokens)
+        log.info("token file re-read: %d token(s) accepted", len(tokens))
+        return True
 
     def check(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
         """'' when the metadata carries a valid token, else what is wrong (never the token)."""
@@ -289,23 +254,20 @@ class TokenAuth(aio.ServerInterceptor):
         if scheme.lower() != b"bearer" or not presented.strip():
             return f"the '{AUTH_HEADER}' metadata must be 'Bearer <token>'"
         given = _digest(presented.strip())
-        ok = False
-        for d in self._digests:  # every token, no early exit
-            ok |= hmac.compare_digest(given, d)
-        return "" if ok else "invalid token"
+        matches = [hmac.compare_digest(given, d) for d in self._digests]  # every token, no early exit
+        return "" if any(matches) else "invalid token"
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
-        if _service_of(method) in self.open_services:
+        if method.lstrip("/").split("/", 1)[0] in OPEN_SERVICES:  # '/pkg.Service/Method': its service
             return await continuation(handler_call_details)
         problem = self.check(handler_call_details.invocation_metadata)
         if not problem:
             return await continuation(handler_call_details)
-        if self._count is not None:
-            self._count(method, grpc.StatusCode.UNAUTHENTICATED)
+        self._count(method, grpc.StatusCode.UNAUTHENTICATED)
         handler = await continuation(handler_call_details)
         return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, problem,
                         lambda peer: self.refusals(method, peer, problem))
@@ -349,7 +311,6 @@ def one_line_decode_errors() -> None:
 
 # ---- clients --------------------------------------------------------------------------------------------
 def add_client_arguments(p: argparse.ArgumentParser) -> None:
-    """--tls, --tls-ca, --tls-cert/--tls-key, --tls-server-name, --auth-token-file."""
     g = p.add_argument_group("TLS and authentication (match the server's flags)")
     g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CA roots")
     g.add_argument("--tls-ca", type=Path, help="connect with TLS, trusting this CA certificate (PEM)")
@@ -391,7 +352,6 @@ def open_channel(target: str, args: argparse.Namespace) -> grpc.Channel:
 
 
 def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    """The metadata every call sends: the bearer token, when --auth-token-file is set."""
     if args.auth_token_file is None:
         return ()
     return ((AUTH_HEADER, f"Bearer {read_client_token(args.auth_token_file)}"),)

@@ -27,18 +27,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from features.model_meta import ModelMeta
 from serving.batcher import MicroBatcher
 from serving.errors import ConfigError, ModelLoadError
-from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.inference import run_batch
 from serving.memory import return_large_buffers
 from serving.metrics import Metrics
-from serving.model import LoadedModel, ModelHolder, WarmUpStopped, load_and_warm, load_model
+from serving.model import LoadedModel, WarmUpStopped, load_and_warm, load_model
 from serving.reflection import enable_server_reflection
 from serving.security import ReloadableTls, TokenAuth, UnknownMethods, is_loopback, one_line_decode_errors, read_tokens
-from serving.servicer import Batcher, ForecasterServicer, Limits, add_to_server
+from serving.servicer import SERVICE, Batcher, ForecasterServicer, Limits, add_to_server
 
 log = logging.getLogger("serving")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Forecaster"].full_name  # foxhunt.tft.v1.Forecaster
 MiB = 1 << 20
 INT32_MAX = 2**31 - 1  # gRPC's channel arguments are C ints
 DRAIN_POLL_S = 0.005  # how often a SIGTERM drain looks whether the in-flight calls have finished
@@ -76,13 +74,13 @@ class ServerConfig:
     max_connection_age_s: float = 1800.0  # close a connection (gracefully) after this long; 0: never
 
     @property
-    def max_delay_s(self) -> float:
-        return self.max_delay_ms / 1000.0
-
-    @property
     def metrics_bind(self) -> str:
-        """The interface /metrics binds: --metrics-host, else --host."""
         return self.host if self.metrics_host is None else self.metrics_host
+
+
+# ServerConfig fields whose flag is named otherwise (--model, --grace, ...): every other field's flag is its name
+FLAG_DESTS = {"model_path": "model", "grace_s": "grace", "drain_delay_s": "drain_delay",
+              "max_connection_age_s": "max_connection_age"}
 
 
 def connection_age_options(age_s: float) -> list[tuple[str, int]]:
@@ -98,21 +96,11 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-@dataclass(frozen=True)
-class Access:
-    """What --tls-* and --auth-token-file hold, read and checked."""
-
-    credentials: grpc.ServerCredentials | None  # None: plaintext
-    tokens: tuple[str, ...]  # empty: no token check
-    tls: ReloadableTls | None = None  # what SIGHUP re-reads the TLS files with
-
-
-def read_access(config: ServerConfig) -> Access:
-    """Read the TLS and token files; ConfigError names the flag and what is wrong (never a token)."""
+def read_access(config: ServerConfig) -> tuple[ReloadableTls | None, list[str]]:
+    """The TLS files (None: plaintext) and the tokens (none: no check), read; ConfigError names what is wrong."""
     tls = (ReloadableTls(config.tls_cert, config.tls_key, config.tls_client_ca)
            if config.tls_cert is not None and config.tls_key is not None else None)
-    tokens = tuple(read_tokens(config.auth_token_file)) if config.auth_token_file is not None else ()
-    return Access(tls.credentials if tls else None, tokens, tls)
+    return tls, read_tokens(config.auth_token_file) if config.auth_token_file is not None else []
 
 
 class DrainingHealth(health.aio.HealthServicer):  # type: ignore[name-defined]  # grpc-stubs lacks health.aio
@@ -144,7 +132,6 @@ class DrainingHealth(health.aio.HealthServicer):  # type: ignore[name-defined]  
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
-    """The gRPC server's channel arguments."""
     return [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -161,51 +148,42 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
-def bind_error(address: str, reason: str) -> str:
-    return (f"cannot listen on {address}: {reason.rstrip('.')}; is another process using the port? Pick another "
-            "--port (0 picks a free one), or give --host an address of this machine")
-
-
-def metrics_bind_error(config: ServerConfig, exc: OSError) -> str:
-    address = host_port(config.metrics_bind, config.metrics_port or 0)
-    return (f"--metrics-port {config.metrics_port}: cannot serve metrics on {address}: {exc.strerror or exc}; is "
-            "another process using the port? Pick another --metrics-port (0 picks a free one), or give "
-            "--metrics-host an address of this machine")
+def bind_error(what: str, reason: str, flag: str = "--port") -> str:
+    return (f"{what}: {reason.rstrip('.')}; is another process using the port? Pick another {flag} (0 picks a free "
+            f"one), or give {flag.removesuffix('port')}host an address of this machine")
 
 
 class ForecastServer:
-    """The gRPC server with its model holder, batcher, health, reflection and metrics."""
+    """The gRPC server with its servicer, batcher, health, reflection and metrics."""
 
-    def __init__(self, config: ServerConfig, model: LoadedModel, metrics: Metrics | None = None,
-                 access: Access | None = None) -> None:
+    def __init__(self, config: ServerConfig, model: LoadedModel, tls: ReloadableTls | None, tokens: list[str]
+                 ) -> None:
         self.config = config
-        access = access or read_access(config)
-        self.metrics = metrics or Metrics(tokens=bool(access.tokens))
-        self.holder = ModelHolder(model)
+        self.metrics = Metrics(tokens=bool(tokens))
         self.stopping = threading.Event()  # SIGTERM: a warm-up running in a thread ends between two runs
         self.delay_cut = asyncio.Event()  # a second SIGTERM or SIGINT: the rest of --drain-delay is skipped
         process = functools.partial(run_batch, steps=self.metrics.steps)  # features and run timed per batch
-        self.batcher: Batcher = MicroBatcher(process, config.max_batch, config.max_delay_s, wait=config.batch_wait,
-                                             observer=self.metrics)
+        self.batcher: Batcher = MicroBatcher(process, config.max_batch, config.max_delay_ms / 1000.0,
+                                             wait=config.batch_wait, observer=self.metrics)
         limits = Limits(config.max_batch, config.max_message_bytes, config.max_concurrent)
-        self.servicer = ForecasterServicer(self.holder, self.batcher, self.metrics, limits,
+        self.servicer = ForecasterServicer(model, self.batcher, self.metrics, limits,
                                            stream_max_age_s=config.max_connection_age_s)
         self.health = DrainingHealth()
-        self.credentials, self.tls = access.credentials, access.tls
-        self.auth = TokenAuth(access.tokens, count=self.metrics.count) if access.tokens else None
+        self.tls = tls
+        token_file = config.auth_token_file
+        self.auth = TokenAuth(tokens, self.metrics.count, token_file) if token_file is not None else None
         interceptors = [i for i in (UnknownMethods(self.metrics.count), self.auth) if i is not None]
         one_line_decode_errors()
         self.grpc = aio.server(interceptors=interceptors, options=grpc_options(config))
         add_to_server(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), self.grpc)
-        self.port = 0
+        enable_server_reflection((SERVICE.full_name, health.SERVICE_NAME), self.grpc)
         self._reloading = False
         self._reload_again = False
         self.metrics.set_model(model)
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE.full_name):  # the whole server, and foxhunt.tft.v1.Forecaster
             await self.health.set(name, status)
 
     async def start(self) -> int:
@@ -213,61 +191,46 @@ class ForecastServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = host_port(self.config.host, self.config.port)
         try:
-            if self.credentials is not None:
-                self.port = self.grpc.add_secure_port(address, self.credentials)
-            else:
-                self.port = self.grpc.add_insecure_port(address)
+            port = (self.grpc.add_secure_port(address, self.tls.credentials) if self.tls is not None
+                    else self.grpc.add_insecure_port(address))
         except RuntimeError as exc:
-            raise OSError(bind_error(address, str(exc))) from None
+            raise OSError(bind_error(f"cannot listen on {address}", str(exc))) from None
         self.batcher.start()
         await self.grpc.start()
-        return self.port
+        return port
 
     async def warm_up(self) -> None:
         """Run the model at every padded batch size, then report SERVING."""
-        model = self.holder.current
+        model = self.servicer.model
         seconds = await asyncio.get_running_loop().run_in_executor(None, model.warm_up, self.stopping)
         self.servicer.ready = True
         self.metrics.ready.set(1)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("warmed up at batch sizes %s in %.3f s; health SERVING", list(model.buckets), seconds)
 
-    def reload_tls(self) -> None:
-        """SIGHUP: re-read the TLS files for new connections (certificate renewal); unusable ones are refused."""
+    def reload_files(self) -> None:
+        """SIGHUP: re-read the TLS and token files (renewal, rotation); an unusable one is refused, the old stays."""
         if self.tls is not None:
             self.metrics.reloads.labels("tls", "ok" if self.tls.reload() else "refused").inc()
-
-    def reload_tokens(self) -> None:
-        """SIGHUP: re-read --auth-token-file (token rotation); an unusable file keeps the current tokens."""
-        if self.auth is None or self.config.auth_token_file is None:
-            return
-        try:
-            tokens = read_tokens(self.config.auth_token_file)
-        except ConfigError as exc:
-            self.metrics.reloads.labels("tokens", "refused").inc()
-            log.error("token reload refused, the current tokens stay: %s", exc)
-            return
-        self.auth.set_tokens(tokens)
-        self.metrics.reloads.labels("tokens", "ok").inc()
-        log.info("token file re-read: %d token(s) accepted", len(tokens))
+        if self.auth is not None:
+            self.metrics.reloads.labels("tokens", "ok" if self.auth.reload() else "refused").inc()
 
     async def reload(self) -> None:
-        """SIGHUP: load, check and warm the model file, then swap it in; a bad file is refused."""
+        """SIGHUP: load, check and warm the model file, then swap it in; a bad file is refused. A SIGHUP during
+        a reload gets one more pass after it, to read the latest file."""
+        self._reload_again = True
         if self._reloading:
-            self._reload_again = True  # one more pass after the current one, to read the latest file
             return
         self._reloading = True
         try:
-            while True:
+            while self._reload_again:
                 self._reload_again = False
                 await self._reload_once()
-                if not self._reload_again:
-                    return
         finally:
             self._reloading = False
 
     async def _reload_once(self) -> None:
-        c, old = self.config, self.holder.current
+        c, old = self.config, self.servicer.model
         log.info("SIGHUP: reloading %s", c.model_path)
         try:
             new = await asyncio.to_thread(load_and_warm, c.model_path, c.device, c.threads, c.max_batch,
@@ -280,7 +243,7 @@ class ForecastServer:
             log.error("reload refused, still serving model %s: %s", old.version, exc,
                       exc_info=not isinstance(exc, ModelLoadError))
             return
-        self.holder.swap(new)
+        self.servicer.model = new
         self.metrics.set_model(new)
         self.metrics.reloads.labels("model", "ok").inc()
         log.info("reloaded: serving model %s (sha256 %s, provider %s); was %s (sha256 %s)", new.version,
@@ -301,7 +264,7 @@ class ForecastServer:
         started = time.monotonic()
         await asyncio.sleep(min(DRAIN_SETTLE_S, grace_s))  # the calls on their way at the signal arrive
         self.servicer.end_streams()  # each open PredictStream answers what it has read, then ends UNAVAILABLE
-        while time.monotonic() - started < grace_s and (self.servicer.admission.active or self.servicer.open_streams):
+        while time.monotonic() - started < grace_s and (self.servicer.admission.active or self.servicer.stream_readers):
             await asyncio.sleep(DRAIN_POLL_S)
         self.health.end_watches()  # they never end by themselves, and would hold gRPC's shutdown for the grace
         await self.grpc.stop(max(0.0, grace_s - (time.monotonic() - started)))
@@ -337,9 +300,9 @@ def contract_changes(old: ModelMeta, new: ModelMeta) -> list[str]:
     return [f"{k} {was[k]} -> {now[k]}" for k in was if was[k] != now[k]]
 
 
-def build_server(config: ServerConfig, model: LoadedModel, access: Access | None = None) -> ForecastServer:
-    """Everything wired, nothing bound. Without `access`, reads the TLS and token files (ConfigError)."""
-    return ForecastServer(config, model, access=access)
+def build_server(config: ServerConfig, model: LoadedModel) -> ForecastServer:
+    """Everything wired, nothing bound; reads the TLS and token files (ConfigError)."""
+    return ForecastServer(config, model, *read_access(config))
 
 
 def access_summary(config: ServerConfig) -> str:
@@ -411,8 +374,7 @@ class Signals:
         elif server.stopping.is_set():  # a model load cannot be interrupted, and would hold the exit
             log.info("SIGHUP while draining: ignored")
         else:
-            server.reload_tls()
-            server.reload_tokens()
+            server.reload_files()
             task = self.loop.create_task(server.reload())
             self.reloads.add(task)
             task.add_done_callback(self.reloads.discard)
@@ -437,13 +399,13 @@ def _drain_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) ->
 async def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT; 0 after a clean drain. ModelLoadError, ConfigError and OSError propagate."""
     signals = Signals(asyncio.get_running_loop())
-    access = read_access(config)  # unusable TLS or token files stop the start before the model loads
+    tls, tokens = read_access(config)  # unusable TLS or token files stop the start before the model loads
     model = await asyncio.to_thread(load_model, config.model_path, config.device, config.threads,
                                     config.max_batch, config.device_id)
     log.info("model %s (sha256 %s) from %s: provider %s, bars_required %d, horizon %d, quantiles %s, symbols %s",
              model.version, model.sha256[:12], model.path, model.provider, model.meta.bars_required,
              model.meta.horizon, list(model.meta.quantiles), ",".join(model.meta.symbols))
-    server = build_server(config, model, access)
+    server = ForecastServer(config, model, tls, tokens)
     log.info("access: %s", access_summary(config))
     signals.serving(server)
     await _listen(server, config)
@@ -461,7 +423,9 @@ async def _listen(server: ForecastServer, config: ServerConfig) -> None:
         try:
             mport = server.metrics.serve_http(config.metrics_bind, config.metrics_port)
         except OSError as exc:
-            raise OSError(metrics_bind_error(config, exc)) from None
+            address = host_port(config.metrics_bind, config.metrics_port)
+            raise OSError(bind_error(f"--metrics-port {config.metrics_port}: cannot serve metrics on {address}",
+                                     exc.strerror or str(exc), "--metrics-port")) from None
     try:
         port = await server.start()
     except BaseException:

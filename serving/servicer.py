@@ -35,10 +35,10 @@ from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.inference import Result
 from serving.limits import MAX_COLUMNS, MAX_TEXT_CHARS
+from serving.logs import BurstLog, Schedule
 from serving.metrics import Metrics
-from serving.model import LoadedModel, ModelHolder
+from serving.model import LoadedModel
 from serving.postprocess import build_response
-from serving.security import later
 from serving.validation import SeriesColumns, parse_request
 
 log = logging.getLogger("serving")
@@ -61,22 +61,18 @@ class Limits:
 
 class Admission:
     """At most `limit` Predict calls and stream requests in flight; the next is refused, not queued. The first
-    refusal after a quiet spell is logged at once, then their count every `log_every_s` (run by `schedule`)."""
+    refusal after a quiet spell is logged at once, then their count every minute (serving.logs.BurstLog)."""
 
-    def __init__(self, limit: int, metrics: Metrics, log_every_s: float = 60.0,
-                 schedule: Callable[[float, Callable[[], None]], bool] | None = None) -> None:
+    def __init__(self, limit: int, metrics: Metrics, schedule: Schedule | None = None) -> None:
         self.limit = limit
         self.active = 0
         self._metrics = metrics
-        self._log_every_s = log_every_s
-        self._schedule = schedule or later
-        self._counting = False  # a count's line is due (refusals since the last line are being counted)
-        self._uncounted = 0  # refusals since the last line
+        self._refusals = BurstLog(self._log_first, self._log_count, schedule=schedule)
 
     def take(self) -> None:
         """A slot, or Overloaded; each take is matched by one give_back."""
         if self.active >= self.limit:
-            self._refused()
+            self._refusals.note("")
             raise Overloaded(f"server busy: {self.limit} Predict calls and stream requests already in flight "
                              f"(--max-concurrent {self.limit}); retry with backoff")
         self.active += 1
@@ -86,23 +82,14 @@ class Admission:
         self.active -= 1
         self._metrics.inflight.dec()
 
-    def _refused(self) -> None:
-        if self._counting:
-            self._uncounted += 1
-            return
+    def _log_first(self, _what: str) -> None:
         log.warning("overloaded: refusing calls RESOURCE_EXHAUSTED, --max-concurrent %d in flight (a count of them "
                     "follows every %.0f s while it lasts); raise --max-concurrent, add --workers or replicas, or "
-                    "have callers back off", self.limit, self._log_every_s)
-        self._counting = bool(self._schedule(self._log_every_s, self._count))
+                    "have callers back off", self.limit, self._refusals.every_s)
 
-    def _count(self) -> None:
-        if not self._uncounted:
-            self._counting = False  # quiet: the next refusal gets a line at once
-            return
+    def _log_count(self, refused: int, _latest: str) -> None:
         log.warning("overloaded: refused %d more call(s) RESOURCE_EXHAUSTED in the last %.0f s, --max-concurrent %d "
-                    "in flight", self._uncounted, self._log_every_s, self.limit)
-        self._uncounted = 0
-        self._counting = bool(self._schedule(self._log_every_s, self._count))
+                    "in flight", refused, self._refusals.every_s, self.limit)
 
 
 def series_that_fit(response: pb.PredictResponse, limit: int) -> int:
@@ -169,9 +156,8 @@ def decode_request(data: bytes) -> pb.PredictRequest:
 
 
 def add_to_server(servicer: ForecasterServicer, server: aio.Server) -> None:
-    """The Forecaster's methods on `server`, as the generated `add_ForecasterServicer_to_server` adds them, except
-    that Predict and PredictStream take the request bytes and decode them (`decode_request`), so that bytes that
-    are not a PredictRequest answer INVALID_ARGUMENT rather than gRPC's UNKNOWN."""
+    """The Forecaster's methods on `server`, as `add_ForecasterServicer_to_server` adds them, except that Predict and
+    PredictStream decode the request bytes themselves: bytes that are not a PredictRequest answer INVALID_ARGUMENT."""
     handlers = {
         "Predict": grpc.unary_unary_rpc_method_handler(
             servicer.Predict, response_serializer=pb.PredictResponse.SerializeToString),
@@ -183,6 +169,8 @@ def add_to_server(servicer: ForecasterServicer, server: aio.Server) -> None:
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(SERVICE.full_name, handlers)  # type: ignore[attr-defined]  # grpc >= 1.65
+
+
 MAX_REQUEST_ID_CHARS = 1024  # a request_id is echoed in its answer, error answers included: it must stay small
 
 
@@ -242,16 +230,16 @@ class _Stream:
 
 
 class ForecasterServicer(pb_grpc.ForecasterServicer):
-    def __init__(self, holder: ModelHolder, batcher: Batcher, metrics: Metrics, limits: Limits,
+    def __init__(self, model: LoadedModel, batcher: Batcher, metrics: Metrics, limits: Limits,
                  stream_max_age_s: float = 0.0) -> None:
-        self.holder = holder
+        self.model = model  # the model being served: a SIGHUP reload swaps it in one assignment
         self.batcher = batcher
         self.metrics = metrics
         self.limits = limits
         self.admission = Admission(limits.max_concurrent, metrics)
         self.ready = False  # set once the model is warmed up
         self.draining = False  # set on SIGTERM: new calls are refused while in-flight ones finish
-        self._stream_readers: set[asyncio.Future[None]] = set()  # one per open PredictStream
+        self.stream_readers: set[asyncio.Future[None]] = set()  # one per open PredictStream
         self.stream_max_age_s = stream_max_age_s  # --max-connection-age: a stream stops reading about this old
 
     @rpc("Predict")
@@ -270,7 +258,7 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             raise NotReady("the server is shutting down; retry on another replica")
         if not self.ready:
             raise NotReady("the model is warming up; wait for health SERVING")
-        model = self.holder.current  # one snapshot for the whole call
+        model = self.model  # one snapshot for the whole call
         if request.explain and not model.explain_available:
             raise ExplainUnavailable(f"model {model.version} was exported without explain outputs; "
                                      "send explain=false (GetModelInfo.explain_available)")
@@ -283,8 +271,7 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         result = await self.batcher.submit(model, series, len(series), deadline)
         start = time.perf_counter()
         response = build_response(result.prepared, result.outputs, model.meta, model.version, request.explain)
-        if warned := sum(1 for f in response.forecasts if f.warnings):
-            self.metrics.warned.inc(warned)
+        self.metrics.warned.inc(sum(1 for f in response.forecasts if f.warnings))
         size = response.ByteSize() + wrapper_bytes
         steps.add("response", time.perf_counter() - start)
         if size > self.limits.max_message_bytes:  # else gRPC fails the send with a status the caller can't act on
@@ -304,7 +291,6 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
     async def PredictStream(self, requests: AsyncIterator[bytes],
                             context: aio.ServicerContext[bytes, pb.PredictStreamResponse]) -> None:
         """Each request as Predict answers it, in request order; a failed request's error travels in its answer.
-
         At most --max-batch requests are read ahead of their answers (then HTTP/2 flow control holds the caller),
         each holding its admission slot until sent. On shutdown or at --max-connection-age the stream stops
         reading, answers what it has read, then ends UNAVAILABLE."""
@@ -313,7 +299,7 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
         window = min(self.limits.max_concurrent, self.limits.max_batch)
         stream = _Stream(requests, lambda request: self._stream_answer(request, context), window,
                          self.stream_max_age_s)
-        self._stream_readers.add(stream.reader)
+        self.stream_readers.add(stream.reader)
         self.metrics.open_streams.inc()
         try:
             if not await self._send_answers(stream, context):
@@ -323,9 +309,13 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
                        else "the server is shutting down")
                 await self._end_stream(context, f"{why}: every request read was answered; open a new stream (it "
                                                 "may reach another replica) and resend each request not answered OK")
-            await self._end_undecodable(stream, context)
+            try:
+                stream.reader.result()  # any failure of the reader but this one goes on up
+            except RequestError as exc:  # it stopped at a message that is not a PredictRequest
+                code, message = status_of(exc)
+                await self._end_stream(context, message, code, status_details(exc, code, message))
         finally:
-            self._stream_readers.discard(stream.reader)
+            self.stream_readers.discard(stream.reader)
             self.metrics.open_streams.dec()
             for answer in stream.close():
                 self._settle(answer, context, sent=False)
@@ -346,19 +336,11 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             stream.window.release()
         return True
 
-    async def _end_undecodable(self, stream: _Stream, context: aio.ServicerContext[Any, Any]) -> None:
-        """End the stream INVALID_ARGUMENT when it stopped at a message that is not a PredictRequest; any other
-        failure of its reader goes on up."""
-        try:
-            stream.reader.result()
-        except RequestError as exc:
-            code, message = status_of(exc)
-            self.metrics.requests.labels("PredictStream", code.name).inc()
-            await context.abort(code, message, status_details(exc, code, message))
-
-    async def _end_stream(self, context: aio.ServicerContext[Any, Any], message: str) -> None:
-        self.metrics.requests.labels("PredictStream", grpc.StatusCode.UNAVAILABLE.name).inc()
-        await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+    async def _end_stream(self, context: aio.ServicerContext[Any, Any], message: str,
+                          code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+                          details: tuple[tuple[str, str | bytes], ...] = ()) -> None:
+        self.metrics.requests.labels("PredictStream", code.name).inc()
+        await context.abort(code, message, details)
 
     async def _stream_answer(self, request: pb.PredictRequest, context: aio.ServicerContext[Any, Any]
                              ) -> StreamAnswer:
@@ -400,53 +382,33 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
 
     def end_streams(self) -> None:
         """Stop reading every open PredictStream: each answers what it has read, then ends UNAVAILABLE."""
-        for reader in self._stream_readers:
+        for reader in self.stream_readers:
             reader.cancel()
-
-    @property
-    def open_streams(self) -> int:
-        return len(self._stream_readers)
 
     @rpc("GetModelInfo")
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: aio.ServicerContext[pb.GetModelInfoRequest, pb.ModelInfo]) -> pb.ModelInfo:
-        return model_info(self.holder.current, self.limits)
+        return model_info(self.model, self.limits)
 
 
 def model_info(model: LoadedModel, limits: Limits) -> pb.ModelInfo:
-    meta = model.meta
+    meta, contracts = model.meta, model.meta.contracts
     return pb.ModelInfo(
-        bars_required=meta.bars_required,
-        bar_interval_ns=meta.bar_interval_ns,
-        encoder_length=meta.encoder_length,
-        horizon=meta.horizon,
-        quantiles=list(meta.quantiles),
-        features=features_info(meta),
-        symbols=list(meta.symbols),
-        user_feature_columns=list(meta.feature_config.series_reals),
-        explain_available=model.explain_available,
-        model_version=model.version,
-        checkpoint_sha256=meta.checkpoint_sha256,
-        model_sha256=model.sha256,
-        model_path=model.path,
-        loaded_at_unix_ns=model.loaded_at_ns,
-        precision=meta.precision,
-        device_requested=model.device_requested,
-        provider=model.provider,
-        providers=model.providers,
+        bars_required=meta.bars_required, bar_interval_ns=meta.bar_interval_ns, encoder_length=meta.encoder_length,
+        horizon=meta.horizon, quantiles=list(meta.quantiles), features=features_info(meta),
+        symbols=list(meta.symbols), user_feature_columns=list(meta.feature_config.series_reals),
+        explain_available=model.explain_available, model_version=model.version,
+        checkpoint_sha256=meta.checkpoint_sha256, model_sha256=model.sha256, model_path=model.path,
+        loaded_at_unix_ns=model.loaded_at_ns, precision=meta.precision,
+        device_requested=model.device_requested, provider=model.provider, providers=model.providers,
         fallback_warning=model.fallback_warning,
-        max_batch=limits.max_batch,
-        max_message_bytes=limits.max_message_bytes,
-        max_concurrent=limits.max_concurrent,
-        torch_imported="torch" in sys.modules,
-        server_version=package_version(),
-        bar_columns=meta.column_map,
-        calendar_tz=meta.feature_config.calendar_tz,
+        max_batch=limits.max_batch, max_message_bytes=limits.max_message_bytes, max_concurrent=limits.max_concurrent,
+        torch_imported="torch" in sys.modules, server_version=package_version(),
+        bar_columns=meta.column_map, calendar_tz=meta.feature_config.calendar_tz,
         calibration=calibration_info(meta.calibration, meta.quantiles),
-        contract_pattern=CONTRACT_PATTERN if meta.contracts is not None else "",
-        roll_rule=meta.contracts.describe() if meta.contracts is not None else "",
-        max_text_chars=MAX_TEXT_CHARS,
-        max_columns=MAX_COLUMNS,
+        contract_pattern=CONTRACT_PATTERN if contracts is not None else "",
+        roll_rule=contracts.describe() if contracts is not None else "",
+        max_text_chars=MAX_TEXT_CHARS, max_columns=MAX_COLUMNS,
     )
 
 
@@ -466,11 +428,8 @@ def calibration_info(calibration: dict[str, Any] | None, quantiles: tuple[float,
     before, after = calibration["coverage_before"], calibration["coverage_after"]
     levels = [f"{q:g}" for q in quantiles]
     return pb.Calibration(
-        method=calibration["method"],
-        validation_windows=calibration["validation_windows"],
+        method=calibration["method"], validation_windows=calibration["validation_windows"],
         offsets=[x for row in calibration["offsets"] for x in row],  # row-major [H, Q]
-        coverage_before=[before[q] for q in levels],
-        coverage_after=[after[q] for q in levels],
-        interval_coverage_before=before["interval"],
-        interval_coverage_after=after["interval"],
+        coverage_before=[before[q] for q in levels], coverage_after=[after[q] for q in levels],
+        interval_coverage_before=before["interval"], interval_coverage_after=after["interval"],
     )

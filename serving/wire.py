@@ -21,16 +21,15 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
                 future_labels: Mapping[str, Sequence[str | int] | np.ndarray] | None = None,
                 static: Mapping[str, float | str] | None = None,
                 contracts: Sequence[str] | np.ndarray | None = None) -> pb.Series:
-    """One series of a PredictRequest: GetModelInfo.bars_required bars oldest first, `timestamp_ns` in UTC
-    nanoseconds, `user` the model's real user feature columns by name (GetModelInfo.user_feature_columns,
-    fastest in that order), packed as one block unless `packed` is False. A model with known, static or
-    categorical user features also takes: `future`, each known real column's values for the H future bars;
-    `labels`, each time-varying categorical column's labels, one per bar; `future_labels`, each known
-    categorical column's labels for the H future bars; `static`, each static column's value (a str goes to
-    static_categorical_features, a number to static_features). Integer labels are sent as their decimal text.
-    A futures model (GetModelInfo.roll_rule set) also takes `contracts`: each bar's contract name (ESM5), so that
-    the bars may span a roll; the server picks the front contract as training did.
-    Raises ValueError naming a column of the wrong shape or type."""
+    """One series of a PredictRequest: GetModelInfo.bars_required bars oldest first, `timestamp_ns` in UTC nanoseconds,
+    `user` the model's real user feature columns by name (GetModelInfo.user_feature_columns, fastest in that order),
+    packed as one block unless `packed` is False. A model with known, static or categorical user features also takes:
+    `future`, each known real column's values for the H future bars; `labels`, each time-varying categorical column's
+    labels, one per bar; `future_labels`, each known categorical column's labels for the H future bars; `static`, each
+    static column's value (a str goes to static_categorical_features, a number to static_features). Integer labels are
+    sent as their decimal text. A futures model (GetModelInfo.roll_rule set) also takes `contracts`: each bar's contract
+    name (ESM5), so that the bars may span a roll; the server picks the front contract as training did. Raises
+    ValueError naming a column of the wrong shape or type."""
     ts = np.asarray(timestamp_ns)
     if ts.ndim != 1:
         raise ValueError(f"timestamp_ns has shape {ts.shape}; give one value per bar (a 1-D array)")
@@ -38,10 +37,9 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
         raise ValueError(f"timestamp_ns has dtype {ts.dtype}; give int64 UTC nanoseconds since the Unix epoch "
                          "(a datetime64 array: .astype('datetime64[ns]').astype('int64'))")
     n = ts.shape[0]
-    columns = {name: _column(name, values, n) for name, values in zip(PRICE_FIELDS, (open, high, low, close, volume),
-                                                                         strict=True)}
+    prices = zip(PRICE_FIELDS, (open, high, low, close, volume), strict=True)
     series = pb.Series(symbol=symbol, timestamp_ns=ts.astype(np.int64).tolist(),
-                       **{name: col.tolist() for name, col in columns.items()})
+                       **{name: _column(name, values, n).tolist() for name, values in prices})
     _add_covariates(series, n, future or {}, labels or {}, future_labels or {}, static or {})
     if contracts is not None:
         series.contracts.extend(_names("contracts", contracts, n))
@@ -66,7 +64,6 @@ def _add_covariates(series: pb.Series, n: int, future: Mapping[str, ArrayLike],
                     labels: Mapping[str, Sequence[str | int] | np.ndarray],
                     future_labels: Mapping[str, Sequence[str | int] | np.ndarray],
                     static: Mapping[str, float | str]) -> None:
-    """The known, categorical and static user values into `series`."""
     series.future_features.extend(pb.Column(name=name, values=_column(f"future feature {name!r}", v).tolist())
                                   for name, v in future.items())
     series.categorical_features.extend(pb.Labels(name=name, values=_labels(f"labels {name!r}", v, n))
@@ -165,12 +162,9 @@ def forecast_arrays(forecast: pb.Forecast) -> ForecastArrays:
     levels = np.array(forecast.quantile_levels, dtype=np.float64)
     shape = (forecast.horizon, levels.shape[0])
     return ForecastArrays(
-        symbol=forecast.symbol,
-        model_version=forecast.model_version,
-        last_timestamp_ns=forecast.last_timestamp_ns,
-        last_close=forecast.last_close,
-        timestamp_ns=np.array(forecast.timestamp_ns, dtype=np.int64),
-        quantile_levels=levels,
+        symbol=forecast.symbol, model_version=forecast.model_version,
+        last_timestamp_ns=forecast.last_timestamp_ns, last_close=forecast.last_close,
+        timestamp_ns=np.array(forecast.timestamp_ns, dtype=np.int64), quantile_levels=levels,
         log_return=np.array(forecast.log_return, dtype=np.float64).reshape(shape),
         price=np.array(forecast.price, dtype=np.float64).reshape(shape),
         explanation=_explanation(forecast.explanation) if forecast.HasField("explanation") else None,

@@ -1,7 +1,7 @@
-"""`python -m serving --workers N`: N server processes sharing one port (SO_REUSEPORT), started one after the
-other so that a bad model or flag stops the first with its own message. This process prints `listening on` once
-all listen, forwards SIGHUP, SIGTERM and SIGINT, and exits 0 when all drained; a worker that exits on its own
-stops the others. Each worker's stdin is a pipe from here: if this process dies, the workers drain and exit.
+"""`python -m serving --workers N`: N server processes sharing one port (SO_REUSEPORT), started one after the other so
+that a bad model or flag stops the first with its own message. This process prints `listening on` once all listen,
+forwards SIGHUP, SIGTERM and SIGINT, and exits 0 when all drained; a worker that exits on its own stops the others. Each
+worker's stdin is a pipe from here: if this process dies, the workers drain and exit.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from serving.logs import fatal
-from serving.server import ServerConfig, bind_error, host_port
+from serving.server import FLAG_DESTS, ServerConfig, bind_error, host_port
 
 log = logging.getLogger("serving")
 
@@ -28,22 +28,14 @@ START_TIMEOUT_S = 300.0  # a worker must print `listening on` within this (model
 
 def server_args(config: ServerConfig, log_level: str, log_format: str = "text") -> list[str]:
     """A worker's command line: each field as `--flag=value` (a value starting with '-' stays a value)."""
-    values: list[tuple[str, object]] = [
-        ("--model", config.model_path), ("--host", config.host), ("--port", config.port),
-        ("--device", config.device), ("--device-id", config.device_id), ("--threads", config.threads),
-        ("--max-batch", config.max_batch), ("--max-delay-ms", repr(config.max_delay_ms)),
-        ("--batch-wait", config.batch_wait), ("--max-concurrent", config.max_concurrent),
-        ("--max-message-bytes", config.max_message_bytes), ("--grace", repr(config.grace_s)),
-        ("--drain-delay", repr(config.drain_delay_s)),
-        ("--log-level", log_level), ("--log-format", log_format), ("--metrics-port", config.metrics_port),
-        ("--metrics-host", config.metrics_host), ("--tls-cert", config.tls_cert),
-        ("--tls-key", config.tls_key), ("--tls-client-ca", config.tls_client_ca),
-        ("--auth-token-file", config.auth_token_file), ("--event-loop", config.event_loop),
-        ("--max-connection-age", repr(config.max_connection_age_s)),
-    ]
-    args = [f"{flag}={value}" for flag, value in values if value is not None]
-    return args + [flag for flag, on in (("--reuse-port", config.reuse_port),
-                                         ("--stop-on-stdin-eof", config.stop_on_stdin_eof)) if on]
+    args = [f"--log-level={log_level}", f"--log-format={log_format}"]
+    for f in dataclasses.fields(config):
+        flag, value = "--" + "-".join(FLAG_DESTS.get(f.name, f.name).split("_")), getattr(config, f.name)
+        if isinstance(value, bool):
+            args += [flag] if value else []
+        elif value is not None:
+            args.append(f"{flag}={value}")
+    return args
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -204,7 +196,7 @@ def run_workers(config: ServerConfig, n: int, log_level: str, log_format: str = 
     try:
         placeholder = reserve_port(config.host, config.port)
     except OSError as exc:
-        fatal(bind_error(host_port(config.host, config.port), exc.strerror or str(exc)))
+        fatal(bind_error(f"cannot listen on {host_port(config.host, config.port)}", exc.strerror or str(exc)))
         return 2
     port = int(placeholder.getsockname()[1])
     supervisor = Supervisor(dataclasses.replace(config, port=port), log_level, log_format)
