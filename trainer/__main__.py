@@ -109,16 +109,13 @@ def _where_to_continue(args: argparse.Namespace, before: tuple[int, int, int] | 
     return "no epoch finished, so nothing was saved (files already beside --out are an earlier run's); start again"
 
 
-def _early_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with --parquet or --tracking, found before torch is imported; None when nothing is."""
+def _check_early(args: argparse.Namespace) -> None:
+    """--parquet and --tracking, checked before torch is imported."""
     if not Path(args.parquet).exists():
-        return f"--parquet {args.parquet}: no such file or directory; pass a parquet file or a directory of them"
+        raise ConfigError(f"--parquet {args.parquet}: no such file or directory; pass a parquet file or a directory "
+                          "of them")
     if args.tracking is not None:
-        try:
-            check_spec(args.tracking)
-        except TrackingError as exc:
-            return str(exc)
-    return None
+        check_spec(args.tracking)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,13 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         p.error(f"--resume {args.resume}: give --out (where the run's best checkpoint goes): the resumed file is not "
                 "a run's own ckpt.last.pt, so where its run wrote is unknown")
-    if problem := _early_problem(args):  # said first, not under the resolved config and the device choice
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     args.command = ["python", "-m", "trainer", *(sys.argv[1:] if argv is None else argv)]
     try:
+        _check_early(args)  # said first, not under the resolved config and the device choice
         cfg = config_from_args(args)
-    except ConfigError as exc:
+    except (ConfigError, TrackingError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     before = _stat(RunPaths.for_out(args.out).last)  # a last checkpoint that differs from this at the end is ours

@@ -9,7 +9,6 @@ import os
 import pickle
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -18,7 +17,7 @@ import torch
 
 from features.bars import ColumnMap
 from features.file_kind import hint
-from features.files import umask
+from features.files import atomic_output
 from trainer.model_config import ModelConfig
 from trainer.modeling import TemporalFusionTransformer
 
@@ -46,11 +45,9 @@ def copy_atomic(src: Path, path: Path) -> None:
 
 
 def _write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
+    with atomic_output(path) as tmp:
         try:
-            with os.fdopen(fd, "wb") as fh:
+            with open(tmp, "wb") as fh:
                 write(fh)
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -59,11 +56,6 @@ def _write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
             code = cause.errno if isinstance(cause, OSError) and cause.errno else errno.EIO
             raise OSError(code, f"cannot write {path} ({os.strerror(code)}); the previous file, if any, is "
                                 "intact. Free disk space or choose another --out") from None
-        os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def remove_stale_temp_files(path: Path) -> list[Path]:
@@ -128,8 +120,5 @@ def model_from_checkpoint(ckpt: dict[str, Any]) -> TemporalFusionTransformer:
 
 
 def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()

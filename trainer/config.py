@@ -8,7 +8,7 @@ import inspect
 import re
 import tomllib
 from collections.abc import Callable
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +94,7 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(message)
         try:
-            model = {f.name: getattr(self, f.name) for f in fields(ModelConfig) if hasattr(self, f.name)}
-            check_fields({**model, "n_observed": 1, "n_known": 1, "static_cardinalities": (1,)}, label)
+            check_fields({**self._model_fields(), "n_observed": 1, "n_known": 1, "static_cardinalities": (1,)}, label)
             check_time_zone(self.calendar_tz)
             self.feature_config()  # a column in two roles, a categorical column in none
         except ValueError as exc:
@@ -165,16 +164,12 @@ class TrainConfig:
             observed_cardinalities=rows(schema.categorical(Role.OBSERVED)),
             known_cardinalities=rows(schema.categorical(Role.KNOWN)),
             n_static_real=len(schema.static_reals),
-            hidden_size=self.hidden_size,
-            attention_heads=self.attention_heads,
-            dropout=self.dropout,
-            lstm_layers=self.lstm_layers,
-            encoder_length=self.encoder_length,
-            horizon=self.horizon,
-            quantiles=tuple(self.quantiles),
-            variable_hidden_size=self.variable_hidden_size,
-            quantile_scale=self.quantile_scale,
+            **self._model_fields(),
         )
+
+    def _model_fields(self) -> dict[str, Any]:
+        """The fields this config shares with ModelConfig (hidden_size, quantiles, ...)."""
+        return {f.name: getattr(self, f.name) for f in fields(ModelConfig) if hasattr(self, f.name)}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values; a contract field not given is left out (a plain run's dict holds none of them)."""
@@ -196,12 +191,6 @@ class TrainConfig:
 def _coerce(name: str, value: Any, default: Any, label: str) -> Any:
     """Convert a TOML or flag value to the field's type, with a clear error naming it as `label`."""
     try:
-        if isinstance(default, bool):
-            if isinstance(value, str) and value.lower() in ("true", "false"):
-                return value.lower() == "true"
-            if not isinstance(value, bool):
-                raise ValueError
-            return value
         if isinstance(value, bool):  # TOML's true/false is not a number (bool is an int in Python)
             raise ValueError
         if isinstance(default, int):
@@ -256,7 +245,6 @@ def field_comments() -> dict[str, str]:
 
 
 def flag_name(field_name: str) -> str:
-    """A TrainConfig field's flag: hidden_size -> --hidden-size."""
     return f"--{field_name.replace('_', '-')}"
 
 
@@ -274,12 +262,11 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in fields(TrainConfig):
         if f.name in CONTRACT_FIELDS:
             continue
-        default = f.default if f.default is not MISSING else None
-        listed = isinstance(default, tuple)
-        shown = ",".join(str(x) for x in default) if isinstance(default, tuple) else repr(default)
+        listed = isinstance(f.default, tuple)
+        shown = ",".join(str(x) for x in f.default) if isinstance(f.default, tuple) else repr(f.default)
         shown = shown or "none"  # an empty list (--features): not "(default )"
         g.add_argument(flag_name(f.name), dest=f"cfg_{f.name}", default=None,
-                       metavar="A,B" if listed else type(default).__name__.upper(),
+                       metavar="A,B" if listed else type(f.default).__name__.upper(),
                        help=f"{comments.get(f.name, '')} (default {shown})")
 
 

@@ -74,12 +74,6 @@ def autocast_factory(device: torch.device, precision: Precision) -> Callable[[],
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process (the CPU's counterpart of peak device memory)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
 class PeakMemory:
     """Peak memory of one phase: allocated device memory on CUDA, process peak RSS on the CPU."""
 
@@ -98,12 +92,5 @@ class PeakMemory:
             # blocks) is what the set_per_process_memory_fraction cap bounds
             return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated(self.device)),
                     "reserved_bytes": int(torch.cuda.max_memory_reserved(self.device))}
-        return {"kind": "cpu_peak_rss", "bytes": peak_rss_bytes()}
-
-
-def check_placement(module: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Parameters and a batch must live on the chosen device; anything else is a bug worth stopping for."""
-    wrong = [n for n, p in module.named_parameters() if p.device.type != device.type]
-    wrong += [f"batch[{k}]" for k, t in batch.items() if t.device.type != device.type]
-    if wrong:
-        raise DeviceError(f"tensors not on {device}: {', '.join(wrong[:5])}")
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak: KiB, on macOS bytes
+        return {"kind": "cpu_peak_rss", "bytes": int(rss if sys.platform == "darwin" else rss * 1024)}

@@ -45,7 +45,6 @@ class DistContext:
         return cast(T, box[0])
 
     def mean(self, value: float) -> float:
-        """The mean of `value` over ranks."""
         if not self.enabled:
             return value
         t = torch.tensor([value], dtype=torch.float64)

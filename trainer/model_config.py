@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 QUANTILE_SCALES = ("volatility", "fixed")
+MINIMUMS = {"n_known": 1, "hidden_size": 1, "attention_heads": 1, "lstm_layers": 1, "encoder_length": 1, "horizon": 1,
+            "n_observed": 0, "variable_hidden_size": 0}  # the least value of each count
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class ModelConfig:
         for name in ("static_cardinalities", "observed_cardinalities", "known_cardinalities"):
             object.__setattr__(self, name, tuple(int(c) for c in getattr(self, name)))
         object.__setattr__(self, "quantiles", tuple(float(q) for q in self.quantiles))
-        self.validate()
+        check_fields(vars(self), lambda name: f"ModelConfig.{name}")  # ValueError naming the first bad field
 
     # ---- derived sizes ------------------------------------------------------------------
     @property
@@ -70,16 +72,8 @@ class ModelConfig:
         return self.hidden_size // self.attention_heads
 
     # ---- checks and (de)serialisation ---------------------------------------------------
-    def validate(self) -> None:
-        """Raise ValueError naming the first field that makes no sense."""
-        check_fields(vars(self), lambda name: f"ModelConfig.{name}")
-
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for name in ("static_cardinalities", "observed_cardinalities", "known_cardinalities"):
-            d[name] = list(getattr(self, name))
-        d["quantiles"] = list(self.quantiles)
-        return d
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -92,12 +86,9 @@ class ModelConfig:
 def check_fields(values: Mapping[str, Any], label: Callable[[str], str]) -> None:
     """ModelConfig's rules on `values` (its fields by name); ValueError naming the first field that breaks one as
     `label(name)` says it: `ModelConfig.hidden_size` here, the flag `--hidden-size` for the trainer's command."""
-    for name in ("n_known", "hidden_size", "attention_heads", "lstm_layers", "encoder_length", "horizon"):
-        if values[name] < 1:
-            raise ValueError(f"{label(name)} must be >= 1, got {values[name]}")
-    for name in ("n_observed", "variable_hidden_size"):
-        if values[name] < 0:
-            raise ValueError(f"{label(name)} must be >= 0, got {values[name]}")
+    for name, least in MINIMUMS.items():
+        if values[name] < least:
+            raise ValueError(f"{label(name)} must be >= {least}, got {values[name]}")
     cards = tuple(values["static_cardinalities"])
     if not cards or min(cards) < 1:
         raise ValueError(f"{label('static_cardinalities')} needs at least one static categorical, each with a "

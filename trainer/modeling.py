@@ -24,6 +24,8 @@ from features.config import BUILTIN_OBSERVED
 from trainer.model_config import ModelConfig
 
 T = TypeVar("T")
+Array = Tensor | np.ndarray
+Statics = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # c_selection, c_enrichment, c_h, c_c [B, D]; static weights
 LOG_RETURN = BUILTIN_OBSERVED.index("log_return")  # the observed feature the volatility scale reads
 VOL_DECAY = 0.94  # the volatility scale's starting weight decay per bar (RiskMetrics'); trained with the model
 
@@ -75,9 +77,8 @@ class GLU(nn.Module):
 class GatedResidualNetwork(nn.Module):
     """LayerNorm(skip(a) + GLU(dropout(W2 ELU(W1 a + Wc c))))."""
 
-    def __init__(
-        self, input_size: int, hidden_size: int, output_size: int, dropout: float, context_size: int = 0
-    ) -> None:
+    def __init__(self, input_size: int, hidden_size: int, output_size: int, dropout: float,
+                 context_size: int = 0) -> None:
         super().__init__()
         self.fc1 = nn.Linear(input_size, hidden_size)
         self.context = nn.Linear(context_size, hidden_size, bias=False) if context_size else None
@@ -157,6 +158,7 @@ class RealEmbedding(nn.Module):
 
     def __init__(self, n_vars: int, size: int) -> None:
         super().__init__()
+        self.n_vars = n_vars
         self.weight = nn.Parameter(torch.empty(n_vars, size).uniform_(-1.0, 1.0))  # like nn.Linear(1, E)
         self.bias = nn.Parameter(torch.empty(n_vars, size).uniform_(-1.0, 1.0))
 
@@ -214,7 +216,7 @@ class StaticCovariateEncoder(nn.Module):
         self.vsn = VariableSelectionNetwork(cfg.n_static_vars, cfg.var_hidden, d, cfg.dropout)
         self.contexts = nn.ModuleList(GatedResidualNetwork(d, d, d, cfg.dropout) for _ in range(4))
 
-    def forward(self, s: Tensor, reals: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def forward(self, s: Tensor, reals: Tensor | None = None) -> Statics:
         # s: [B, n_static] int64; reals: [B, n_static_real] normalised
         emb = self.embedding(s)  # [B, n_static, E]
         if self.real_embedding is not None and reals is not None:
@@ -238,11 +240,9 @@ class InterpretableMultiHeadAttention(nn.Module):
         self.v = nn.Linear(d, self.hs)  # shared by all heads
         self.out = nn.Linear(self.hs, d)
         self.dropout = Dropout(cfg.dropout)
-        # decoder query i sits at absolute position L + i and may see keys j <= L + i
-        t = cfg.encoder_length + cfg.horizon
-        key_pos = torch.arange(t)[None, :]  # [1, T]
-        query_pos = torch.arange(cfg.encoder_length, t)[:, None]  # [H, 1]
-        self.register_buffer("future_mask", key_pos > query_pos, persistent=False)  # [H, T] True = masked
+        # decoder query i sits at absolute position L + i and may see keys j <= L + i: [1, T] > [H, 1]
+        future = torch.arange(self.T)[None, :] > torch.arange(self.L, self.T)[:, None]  # [H, T] True = masked
+        self.register_buffer("future_mask", future, persistent=False)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         # x: [B, T, D]; queries are the decoder positions only
@@ -317,7 +317,6 @@ class TemporalFusionTransformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        cfg.validate()
         self.cfg = cfg
         d, e, p = cfg.hidden_size, cfg.var_hidden, cfg.dropout
         self.gradient_checkpointing: bool = False  # recompute big blocks in backward (training only)
@@ -359,25 +358,13 @@ class TemporalFusionTransformer(nn.Module):
             self.vol_decay_logit = nn.Parameter(torch.tensor(math.log(VOL_DECAY / (1.0 - VOL_DECAY))))
 
     # ---- normalisation ---------------------------------------------------------------------
-    def set_normalization(
-        self,
-        observed_mean: Tensor | np.ndarray,
-        observed_std: Tensor | np.ndarray,
-        known_mean: Tensor | np.ndarray,
-        known_std: Tensor | np.ndarray,
-        target_scale: Tensor | np.ndarray,
-        static_mean: Tensor | np.ndarray | None = None,
-        static_std: Tensor | np.ndarray | None = None,
-    ) -> None:
+    def set_normalization(self, observed_mean: Array, observed_std: Array, known_mean: Array, known_std: Array,
+                          target_scale: Array, static_mean: Array | None = None,
+                          static_std: Array | None = None) -> None:
         """Copy fitted statistics into the buffers; stds and scales must be finite and > 0. Entries of categorical
         columns are stored but not used (ids are never normalised)."""
-        values = {
-            "observed_mean": observed_mean,
-            "observed_std": observed_std,
-            "known_mean": known_mean,
-            "known_std": known_std,
-            "target_scale": target_scale,
-        }
+        values = {"observed_mean": observed_mean, "observed_std": observed_std, "known_mean": known_mean,
+                  "known_std": known_std, "target_scale": target_scale}
         if self.cfg.n_static_real:
             if static_mean is None or static_std is None:
                 raise ValueError("static_mean and static_std are needed: the model has static reals")
@@ -403,27 +390,13 @@ class TemporalFusionTransformer(nn.Module):
 
     def _select_encoder(self, observed: Tensor, known: Tensor, c_selection: Tensor) -> tuple[Tensor, Tensor]:
         # observed [..., n_obs], known [..., n_known]; c_selection broadcastable to [..., D]
-        emb = torch.cat([self._embed_observed(observed), self._embed_known(known)], dim=-2)  # [..., V, E]
+        emb = torch.cat([_embed(observed, self.observed_embedding, self.observed_categorical),
+                         _embed(known, self.known_embedding, self.known_categorical)], dim=-2)  # [..., V, E]
         return self.encoder_vsn(emb, c_selection)  # [..., D], [..., V]
 
     def _select_decoder(self, known: Tensor, c_selection: Tensor) -> tuple[Tensor, Tensor]:
-        emb = self._embed_known(known)  # [B, H, n_known, E]
+        emb = _embed(known, self.known_embedding, self.known_categorical)  # [B, H, n_known, E]
         return self.decoder_vsn(emb, c_selection.unsqueeze(1))  # [B, H, D], [B, H, n_known]
-
-    def _embed_observed(self, observed: Tensor) -> Tensor:
-        # observed: [..., n_obs] normalised reals, then raw ids -> [..., n_obs, E]
-        if self.observed_categorical is None:
-            return self.observed_embedding(observed)
-        n = self.cfg.n_observed_real
-        return torch.cat([self.observed_embedding(observed[..., :n]), self.observed_categorical(observed[..., n:])],
-                         dim=-2)
-
-    def _embed_known(self, known: Tensor) -> Tensor:
-        # known: [..., n_known] normalised reals, then raw ids -> [..., n_known, E]
-        if self.known_categorical is None:
-            return self.known_embedding(known)
-        n = self.cfg.n_known_real
-        return torch.cat([self.known_embedding(known[..., :n]), self.known_categorical(known[..., n:])], dim=-2)
 
     def _lstm_stage(self, enc_x: Tensor, dec_x: Tensor, c_h: Tensor, c_c: Tensor) -> Tensor:
         n = self.cfg.lstm_layers
@@ -441,35 +414,28 @@ class TemporalFusionTransformer(nn.Module):
         return (_standardize(observed, self.observed_mean, self.observed_std, self.cfg.n_observed_real),
                 _standardize(known, self.known_mean, self.known_std, self.cfg.n_known_real))
 
-    def _statics(self, static_categorical: Tensor, static_real: Tensor | None
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def _statics(self, static_categorical: Tensor, static_real: Tensor | None) -> Statics:
         # static_categorical [B, n_static] int64; static_real [B, n_static_real] raw, when the model has them
         reals = (static_real - self.static_mean) / self.static_std if static_real is not None else None
         return self._run(self.static_encoder, static_categorical, reals)  # 4 x [B, D], [B, n_static_vars]
 
-    def forward(
-        self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor, decoder_known: Tensor,
-        static_real: Tensor | None = None,
-    ) -> TFTOutput:
+    def forward(self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor,
+                decoder_known: Tensor, static_real: Tensor | None = None) -> TFTOutput:
         # static_categorical [B, n_static] int64; encoder_observed [B, L, n_obs]; encoder_known [B, L, n_known];
         # decoder_known [B, H, n_known]; static_real [B, n_static_real] (when cfg.n_static_real); all raw, with
         # categorical columns as ids
         observed, enc_known = self._normalize(encoder_observed, encoder_known)  # [B, L, n_obs], [B, L, n_known]
         statics = self._statics(static_categorical, static_real)  # 4 x [B, D], [B, n_static_vars]
-        c_sel = statics[0]
-        enc_x, enc_w = self._run(self._select_encoder, observed, enc_known, c_sel.unsqueeze(1))  # [B, L, D], [B, L, V]
+        c_sel = statics[0].unsqueeze(1)  # [B, 1, D]
+        enc_x, enc_w = self._run(self._select_encoder, observed, enc_known, c_sel)  # [B, L, D], [B, L, V]
         return self._decode(statics, enc_x, enc_w, decoder_known, encoder_observed[..., LOG_RETURN])
 
-    def forward_rows(
-        self, static_categorical: Tensor, row_observed: Tensor, row_known: Tensor, row_window: Tensor,
-        window_rows: Tensor, decoder_known: Tensor, static_real: Tensor | None = None,
-    ) -> TFTOutput:
+    def forward_rows(self, static_categorical: Tensor, row_observed: Tensor, row_known: Tensor, row_window: Tensor,
+                     window_rows: Tensor, decoder_known: Tensor, static_real: Tensor | None = None) -> TFTOutput:
         """The forward of overlapping windows, each distinct bar's encoder variable selection run once.
-
         Window b's encoder step l is bar row window_rows[b, l]; bar r takes its static context from
         window row_window[r]. In eval mode this equals `forward` on the gathered windows; in
-        training, dropout masks are drawn per bar, not per window.
-        """
+        training, dropout masks are drawn per bar, not per window."""
         # static_categorical [B, n_static]; row_observed [R, n_obs]; row_known [R, n_known]; row_window [R];
         # window_rows [B, L] int64 in [0, R); decoder_known [B, H, n_known]
         observed, known = self._normalize(row_observed, row_known)  # [R, n_obs], [R, n_known]
@@ -488,10 +454,8 @@ class TemporalFusionTransformer(nn.Module):
         # observed [R, n_obs], known [R, n_known], c_selection [B, D], row_window [R]: each row's context
         return self._select_encoder(observed, known, c_selection[row_window])  # [R, D], [R, V]
 
-    def _decode(
-        self, statics: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], enc_x: Tensor, enc_w: Tensor,
-        decoder_known: Tensor, encoder_returns: Tensor,
-    ) -> TFTOutput:
+    def _decode(self, statics: Statics, enc_x: Tensor, enc_w: Tensor, decoder_known: Tensor,
+                encoder_returns: Tensor) -> TFTOutput:
         # enc_x [B, L, D] and enc_w [B, L, V] from encoder variable selection; decoder_known raw [B, H, n_known];
         # encoder_returns [B, L] raw 1-bar log returns of the encoder bars
         L = self.cfg.encoder_length
@@ -522,6 +486,14 @@ class TemporalFusionTransformer(nn.Module):
         rms = (encoder_returns.float().square() * (weights / weights.sum())).sum(dim=1).sqrt()  # [B]
         sigma = torch.maximum(rms, 0.01 * self.target_scale[:1])  # [B]; Max, which fp16 graphs run in half
         return sigma[:, None, None] * self.horizon_root[None, :, None]  # [B, H, 1]
+
+
+def _embed(x: Tensor, reals: RealEmbedding, categorical: CategoricalEmbedding | None) -> Tensor:
+    """x [..., V]: normalised reals, then raw ids (one per embedding of `categorical`) -> [..., V, E]."""
+    if categorical is None:
+        return reals(x)
+    n = reals.n_vars
+    return torch.cat([reals(x[..., :n]), categorical(x[..., n:])], dim=-2)
 
 
 def _standardize(x: Tensor, mean: Tensor, std: Tensor, n_real: int) -> Tensor:

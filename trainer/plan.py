@@ -30,10 +30,7 @@ class TrainPlan:
                          self.budget_bytes, self.estimate_bytes, (*self.notes, f"out of memory: micro-batch -> {mb}"))
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["notes"] = list(self.notes)
-        d["accumulation"] = self.accumulation
-        return d
+        return {**asdict(self), "notes": list(self.notes), "accumulation": self.accumulation}
 
 
 def literal_plan(batch_size: int, grad_checkpointing: str, precision: str) -> TrainPlan:

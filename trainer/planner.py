@@ -16,7 +16,7 @@ import re
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from features.schema import TARGET
 from trainer.data import row_inputs
 from trainer.device import AUTOCAST_DTYPES, Precision, autocast_factory
 from trainer.loss import pinball_loss
-from trainer.modeling import TemporalFusionTransformer
+from trainer.modeling import TemporalFusionTransformer, TFTOutput
 from trainer.plan import TrainPlan, literal_plan
 
 SAFETY_FRACTION = 0.10  # of the budget, kept free for allocator fragmentation, workspaces and estimate error
@@ -83,7 +83,6 @@ def budget_flag(n: float) -> str:
 def usable_bytes(budget: int) -> int:
     """What the estimate may use of `budget`: the rest is the safety margin."""
     return int(budget * (1.0 - SAFETY_FRACTION))
-
 
 
 @dataclass(frozen=True)
@@ -168,30 +167,27 @@ class Trial:
         self.autocast = autocast_factory(device, Precision(precision, AUTOCAST_DTYPES[precision]))
         self.quantiles = torch.tensor(model.cfg.quantiles, dtype=torch.float32, device=device)
 
-    def _batch(self, n: int) -> dict[str, Tensor]:
-        return {k: v.to(self.device) for k, v in self.batch_fn(n).items()}
+    def _forward(self, n: int) -> tuple[TFTOutput, dict[str, Tensor]]:
+        """The outputs of n windows, and the batch they came from (on the device)."""
+        batch = {k: v.to(self.device) for k, v in self.batch_fn(n).items()}
+        with self.autocast():
+            return self.model.forward_rows(*row_inputs(batch)), batch
 
     def train_step(self, n: int, checkpointing: bool) -> int:
         """Peak bytes of one forward + backward of n windows."""
         self.model.train()
         self.model.gradient_checkpointing = checkpointing
         with _peak_bytes(self.device) as peak:
-            batch = self._batch(n)
-            with self.autocast():
-                out = self.model.forward_rows(*row_inputs(batch))
-            loss = pinball_loss(out.quantiles.float(), batch[TARGET], self.quantiles).mean()
-            loss.backward()
-            del out, loss, batch
+            out, batch = self._forward(n)
+            pinball_loss(out.quantiles.float(), batch[TARGET], self.quantiles).mean().backward()
+            del out, batch
         return peak[0]
 
     def val_step(self, n: int) -> int:
         """Peak bytes of one forward of n windows under inference_mode (as validation runs)."""
         self.model.eval()
         with _peak_bytes(self.device) as peak, torch.inference_mode():
-            batch = self._batch(n)
-            with self.autocast():
-                out = self.model.forward_rows(*row_inputs(batch))
-            del out, batch
+            self._forward(n)
         return peak[0]
 
     @contextlib.contextmanager
@@ -215,7 +211,6 @@ class Trial:
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-
 
 
 @dataclass(frozen=True)
@@ -331,7 +326,6 @@ def _refusal(mem: MemoryModel, budget: int, opts: dict[bool, Option], mode: str)
             "(--hidden-size, fewer --features, --encoder-length)")
 
 
-
 @dataclass(frozen=True)
 class Target:
     """The device a plan is for, and how it is measured."""
@@ -357,7 +351,7 @@ class PlanReport:
     plan: TrainPlan
     assumptions: tuple[str, ...]
     seconds: float
-    notes: tuple[str, ...] = field(default=())
+    notes: tuple[str, ...]
 
 
 def assumptions_for(target: Target) -> tuple[str, ...]:
@@ -390,8 +384,7 @@ def persistent_terms(model: torch.nn.Module, target: Target) -> tuple[int, int, 
     return n_params, weight_bytes, param_bytes, 2 * param_bytes, cast, step_temp
 
 
-def measure_memory(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target,
-                   ) -> MemoryModel:
+def measure_memory(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target) -> MemoryModel:
     """Persistent terms from the parameters, activations from trial steps on target.measure_device, with and
     without gradient checkpointing."""
     device = target.measure_device
@@ -414,24 +407,18 @@ def measure_memory(model: TemporalFusionTransformer, batch_fn: BatchFn, target: 
                        train_ckpt, val, TRIAL_SIZES, how)
 
 
-def _measure_fitting(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target,
-                     budget: int) -> MemoryModel:
-    """measure_memory; PlanError when its trial steps run out of memory under the CUDA cap."""
-    try:
-        return measure_memory(model, batch_fn, target)
-    except torch.OutOfMemoryError:
-        raise PlanError(f"trial steps of {TRIAL_SIZES[0]} and {TRIAL_SIZES[1]} windows ran out of memory under the "
-                        f"VRAM cap of {format_bytes(budget)}: raise --vram-budget or shrink the model (--hidden-size, "
-                        "fewer --features, --encoder-length)") from None
-
-
 def plan_for_model(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target, budget: int,
                    batch_size: int, mode: str) -> PlanReport:
     """Measure and plan; PlanError (carrying the table) when the budget cannot hold one window. Without a
     budget, or on the CPU, the plan is the config taken literally, with its estimated peak."""
     t0 = time.perf_counter()
     planning = bool(budget) and target.kind == "cuda"
-    mem = _measure_fitting(model, batch_fn, target, budget)
+    try:
+        mem = measure_memory(model, batch_fn, target)
+    except torch.OutOfMemoryError:
+        raise PlanError(f"trial steps of {TRIAL_SIZES[0]} and {TRIAL_SIZES[1]} windows ran out of memory under the "
+                        f"VRAM cap of {format_bytes(budget)}: raise --vram-budget or shrink the model (--hidden-size, "
+                        "fewer --features, --encoder-length)") from None
     if target.measure_device.type == "cuda":  # the trial steps' cached blocks would fragment the real run's pool
         torch.cuda.empty_cache()
     if not planning:
@@ -472,19 +459,15 @@ def confirm_on_card(model: TemporalFusionTransformer, batch_fn: BatchFn, target:
     device = target.measure_device
     trial = Trial(model, batch_fn, device, target.precision)
     mb = plan.micro_batch
+    state: Tensor | None  # the AdamW state's bytes
     while True:
         reserved = 0
-        with trial.restoring():
-            state: Tensor | None = None
-            try:
-                state = torch.empty(mem.optimizer_bytes, dtype=torch.uint8, device=device)
-                torch.cuda.reset_peak_memory_stats(device)
-                trial.train_step(mb, plan.grad_checkpointing)
-                reserved = int(torch.cuda.max_memory_reserved(device))
-            except torch.OutOfMemoryError:
-                pass
-            finally:
-                state = None  # noqa: F841 - frees the held bytes before the next try
+        with trial.restoring(), contextlib.suppress(torch.OutOfMemoryError):
+            state = torch.empty(mem.optimizer_bytes, dtype=torch.uint8, device=device)
+            torch.cuda.reset_peak_memory_stats(device)
+            trial.train_step(mb, plan.grad_checkpointing)
+            reserved = int(torch.cuda.max_memory_reserved(device))
+        state = None  # noqa: F841 - frees the held bytes before the next try
         torch.cuda.empty_cache()  # what a failed try cached must not count against the next
         if reserved:
             note = (f"confirmed on the card: a step of {mb} windows with the optimizer state held peaked at "
@@ -505,12 +488,9 @@ def batch_fn_for(tensors: Any, anchors: np.ndarray) -> BatchFn:
 
     def fn(n: int) -> dict[str, Tensor]:
         picked = np.resize(anchors, n) if anchors.size else anchors
-        batch: dict[str, Tensor] = tensors.row_batch(torch.from_numpy(np.ascontiguousarray(picked)),
-                                                     share_bars=False)
-        return batch
+        return tensors.row_batch(torch.from_numpy(np.ascontiguousarray(picked)), share_bars=False)
 
     return fn
-
 
 
 def format_report(r: PlanReport, refused: bool = False) -> str:

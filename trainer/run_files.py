@@ -35,23 +35,20 @@ def prepare_out(out: Path, parquet: Path) -> RunPaths:
     return paths
 
 
-def is_runs_best(ckpt: dict[str, Any], best_epoch: int, history: list[dict[str, Any]]) -> bool:
-    """Whether `ckpt` was saved by this run at its best epoch: its epochs are this run's first ones."""
+def runs_best(path: Path, best_epoch: int, history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The checkpoint at `path` when this run saved it at its best epoch (its epochs are this run's first ones);
+    None when it is missing or another run's."""
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError:
+        return None
+
     def trail(records: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
         return [(r.get("epoch"), r.get("step"), r.get("val_loss")) for r in records]
 
     kept = trail(list(ckpt["metrics_history"]))
     same_epoch = 0 < best_epoch == int(ckpt["epoch"]) == len(kept)
-    return same_epoch and kept == trail(history)[:len(kept)]
-
-
-def runs_best(path: Path, best_epoch: int, history: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The checkpoint at `path` when it is this run's best; None when it is missing or another run's."""
-    try:
-        ckpt = load_checkpoint(path)
-    except CheckpointError:
-        return None
-    return ckpt if is_runs_best(ckpt, best_epoch, history) else None
+    return ckpt if same_epoch and kept == trail(history)[:len(kept)] else None
 
 
 def adopt_best(paths: RunPaths, resumed: Path, best_epoch: int, best_val: float,

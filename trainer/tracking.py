@@ -11,7 +11,7 @@ import importlib.util
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 log = logging.getLogger("trainer")
 
@@ -20,20 +20,6 @@ BACKENDS = {"tensorboard": ("tensorboard", "TensorBoard"), "mlflow": ("mlflow", 
 
 class TrackingError(ValueError):
     """A tracking spec with an unknown scheme, or whose backend is not installed; the message is one line."""
-
-
-class Tracker(Protocol):
-    """Where a run's figures go; the trainer's steps are epochs."""
-
-    def log_params(self, params: Mapping[str, Any]) -> None: ...
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
-
-    def log_image(self, name: str, png: Path) -> None: ...
-
-    def set_tag(self, name: str, value: str) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def check_spec(spec: str) -> tuple[str, str]:
@@ -120,6 +106,9 @@ class MLflowTracker:
 
     def close(self) -> None:
         self.mlflow.end_run()
+
+
+Tracker = TensorBoardTracker | MLflowTracker  # where a run's figures go; the trainer's steps are epochs
 
 
 def forecast_scalars(prefix: str, metrics: Mapping[str, Any]) -> dict[str, float]:
