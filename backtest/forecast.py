@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from backtest.baselines import baseline_forecasts
+from backtest.baselines import BarClock, baseline_forecasts, baseline_names, trading_days
 from features.compute import FeatureFrame
 from features.schema import QUANTILES
 from features.windows import model_inputs
@@ -25,19 +25,37 @@ def model_forecasts(model: LoadedModel, frame: FeatureFrame, anchors: np.ndarray
 
 def baselines_at(frame: FeatureFrame, anchors: np.ndarray, cuts: np.ndarray, quantiles: Sequence[float],
                  window: int) -> dict[str, np.ndarray]:
-    """Each baseline's quantiles at `anchors` (grouped by series, as fold_origins gives them), fitted per
-    series on its rows before `cuts` [S]: name -> [W, H, Q]."""
+    """Each baseline of the frame's bars (`frame_baselines`) at `anchors` (grouped by series, as fold_origins gives
+    them), fitted per series on its rows before `cuts` [S], on the closes its targets are made of: name ->
+    [W, H, Q]."""
+    names = frame_baselines(frame)
     parts: dict[str, list[np.ndarray]] = {}
     for i, (s, e) in enumerate(frame.series_bounds):
         here = anchors[(anchors >= s) & (anchors < e)]
         if here.size == 0:
             continue
         symbol = frame.symbols[int(frame.series_id[s])]
-        got = baseline_forecasts(frame.close[s:e], int(cuts[i] - s), here - s, frame.config.horizon, quantiles,
-                                 window, series=symbol)
+        clock = BarClock(frame.timestamp_ns[s:e], frame.bar_interval_ns, frame.config.calendar_tz)
+        got = baseline_forecasts(target_close(frame, s, e), int(cuts[i] - s), here - s, frame.config.horizon,
+                                 quantiles, window, series=symbol, clock=clock, names=names)
         for name, values in got.items():
             parts.setdefault(name, []).append(values)
     return {name: np.concatenate(values) for name, values in parts.items()}
+
+
+def frame_baselines(frame: FeatureFrame) -> tuple[str, ...]:
+    """The baselines of the frame's bar interval and horizon, one set for every series (the fold's forecasts are
+    one table): the bars per trading day is the median over every series' days."""
+    tz = frame.config.calendar_tz
+    per_day = np.concatenate([np.bincount(trading_days(frame.timestamp_ns[s:e], tz)) for s, e in frame.series_bounds])
+    return baseline_names(frame.bar_interval_ns, frame.config.horizon, float(np.median(per_day)))
+
+
+def target_close(frame: FeatureFrame, s: int, e: int) -> np.ndarray:
+    """The closes of series rows [s, e) whose log returns are its 1-bar targets: roll-adjusted for a continuous
+    futures series (no return spans a roll's price gap), the first close as read. float64 [e - s]."""
+    steps = frame.targets[s:e - 1, 0].astype(np.float64)  # [n - 1], row t: log(close[t + 1] / close[t])
+    return frame.close[s] * np.exp(np.concatenate([[0.0], np.cumsum(steps)]))
 
 
 def column(name: str, h: int, q: float) -> str:
@@ -67,10 +85,17 @@ def fold_table(fold: int, frame: FeatureFrame, anchors: np.ndarray, forecasts: M
 
 def table_arrays(table: pa.Table, names: Sequence[str], horizon: int, quantiles: Sequence[float]
                  ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """fold_table's columns back as arrays: forecasts name -> [W, H, Q], actual [W, H], fold [W]."""
+    """fold_table's columns back as arrays: forecasts name -> [W, H, Q] for each of `names` in the table (a
+    baseline the bars have no use for is not), actual [W, H], fold [W]."""
     def grid(name: str) -> np.ndarray:
         return np.stack([np.stack([table.column(column(name, h, q)).to_numpy() for q in quantiles], axis=-1)
                          for h in range(1, horizon + 1)], axis=1)
 
     actual = np.stack([table.column(f"actual_h{h}").to_numpy() for h in range(1, horizon + 1)], axis=1)
-    return {name: grid(name) for name in names}, actual, table.column("fold").to_numpy().astype(np.int64)
+    present = [name for name in names if column(name, 1, quantiles[0]) in table.column_names]
+    return {name: grid(name) for name in present}, actual, table.column("fold").to_numpy().astype(np.int64)
+
+
+def table_series(table: pa.Table) -> np.ndarray:
+    """fold_table's symbol per row, for the per-series scores: object [W]."""
+    return table.column("symbol").to_numpy(zero_copy_only=False)

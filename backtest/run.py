@@ -28,7 +28,7 @@ from backtest.folds import (
     fold_origins,
     make_folds,
 )
-from backtest.forecast import baselines_at, fold_table, model_forecasts, table_arrays
+from backtest.forecast import baselines_at, fold_table, model_forecasts, table_arrays, table_series
 from backtest.plots import write_figure
 from backtest.scores import backtest_scores, summary_lines
 from features.bars import Bars, ColumnMap, bars_digest
@@ -173,7 +173,7 @@ def _export(where: Path, name: str, threads: int, bars: ReadBars) -> LoadedModel
 def _finish(plan: BacktestPlan, table: pa.Table, record: dict[str, Any]) -> dict[str, Any]:
     quantiles = plan.config.quantiles
     forecasts, actual, fold = table_arrays(table, FORECASTERS, plan.config.horizon, quantiles)
-    scores = backtest_scores(forecasts, actual, fold, quantiles)
+    scores = backtest_scores(forecasts, actual, fold, quantiles, table_series(table))
     with atomic_output(plan.out / "forecasts.parquet") as tmp:
         pq.write_table(table, tmp)
     with atomic_output(plan.out / "scores.json") as tmp:

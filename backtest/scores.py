@@ -10,6 +10,9 @@
 
     block:
       origins: W                origins scored (rows per origin and symbol)
+      best_baseline: name       the baseline of the lowest pinball_mean in this block (None without baselines)
+      series: {symbol: block}   the same figures per series (root), without a `series` of their own; only when
+                                backtest_scores is given each origin's series
       forecasters: {name: {
         pinball_mean            mean pinball loss over origins, steps and quantiles
         pinball_by_step [H], pinball_by_quantile [Q], pinball [H][Q]
@@ -41,15 +44,17 @@ from backtest.baselines import BASELINES
 from features.metrics import inside, pinball, quantile_coverage
 
 MAX_SUMMARY_FOLDS = 8  # more folds than this: the summary shows the overall rows only, to stay on one screen
+MAX_SUMMARY_SERIES = 16  # more series than this: the per-series table is in the JSON file only
+RATIO_WIDTH = len("0.000 ()") + max(len(b) for b in BASELINES)  # a model's ratio cell: "1.042 (seasonal_garch)"
 
 
 def backtest_scores(forecasts: Mapping[str, np.ndarray], actual: np.ndarray, fold: np.ndarray,
-                    quantiles: Sequence[float]) -> dict[str, Any]:
+                    quantiles: Sequence[float], series: np.ndarray | None = None) -> dict[str, Any]:
     """Scores of each forecast [W, H, Q] against the realised h-bar log returns `actual` [W, H], per `fold` [W]
-    and over all; the layout is in the module docstring."""
+    and over all, and in each of those per `series` [W] when given; the layout is in the module docstring."""
     q = np.asarray(quantiles, dtype=np.float64)
-    folds = {str(k): _block(forecasts, actual, fold == k, q) for k in np.unique(fold).tolist()}
-    every = _block(forecasts, actual, np.ones(actual.shape[0], dtype=bool), q)
+    folds = {str(k): _block(forecasts, actual, fold == k, q, series) for k in np.unique(fold).tolist()}
+    every = _block(forecasts, actual, np.ones(actual.shape[0], dtype=bool), q, series)
     every["fold_mean_ratio_to_best_baseline"] = {
         name: float(np.mean([b["forecasters"][name]["ratio_to"]["best_baseline"] for b in folds.values()]))
         for name, s in every["forecasters"].items() if s.get("best_baseline")}
@@ -57,17 +62,23 @@ def backtest_scores(forecasts: Mapping[str, np.ndarray], actual: np.ndarray, fol
             "baselines": [b for b in BASELINES if b in forecasts], "folds": folds, "all": every}
 
 
-def _block(forecasts: Mapping[str, np.ndarray], actual: np.ndarray, rows: np.ndarray, q: np.ndarray) -> dict[str, Any]:
+def _block(forecasts: Mapping[str, np.ndarray], actual: np.ndarray, rows: np.ndarray, q: np.ndarray,
+           series: np.ndarray | None = None) -> dict[str, Any]:
+    """The figures of `rows` [W] (bool), and per series among them when `series` [W] is given."""
     y = actual[rows].astype(np.float64)  # [w, H]
     scores = {name: _forecaster_scores(f[rows].astype(np.float64), y, q) for name, f in forecasts.items()}
     baselines = {b: scores[b]["pinball_mean"] for b in BASELINES if b in scores}
+    best = min(baselines, key=baselines.__getitem__) if baselines else None
     for name, s in scores.items():
-        if name.startswith("model") and baselines:
-            best = min(baselines, key=baselines.__getitem__)
+        if name.startswith("model") and best is not None:
             s["ratio_to"] = {b: s["pinball_mean"] / v for b, v in baselines.items()}
             s["ratio_to"]["best_baseline"] = s["pinball_mean"] / baselines[best]
             s["best_baseline"] = best
-    return {"origins": int(rows.sum()), "forecasters": scores}
+    block = {"origins": int(rows.sum()), "best_baseline": best, "forecasters": scores}
+    if series is not None:
+        block["series"] = {str(name): _block(forecasts, actual, rows & (series == name), q)
+                           for name in np.unique(series[rows]).tolist()}
+    return block
 
 
 def _forecaster_scores(pred: np.ndarray, y: np.ndarray, q: np.ndarray) -> dict[str, Any]:
@@ -97,7 +108,8 @@ def _q_risk(pinball_sum: np.ndarray, abs_sum: float) -> list[float | None]:
 
 def summary_lines(scores: dict[str, Any]) -> list[str]:
     """A one-screen summary: each forecaster's mean pinball per fold and overall, then for each model its ratio
-    to the best baseline, the outer interval's coverage and the P50's (when 0.5 is a quantile)."""
+    to the best baseline, the outer interval's coverage and the P50's (when 0.5 is a quantile); then, with the
+    per-series scores, each series' best baseline over all folds and each model's ratio to it."""
     q = scores["quantiles"]
     blocks = dict(scores["folds"]) if len(scores["folds"]) <= MAX_SUMMARY_FOLDS else {}
     blocks["all"] = scores["all"]
@@ -113,6 +125,8 @@ def summary_lines(scores: dict[str, Any]) -> list[str]:
     if fold_mean := scores["all"]["fold_mean_ratio_to_best_baseline"]:
         lines.append("mean over folds of the ratio to the best baseline: "
                      + ", ".join(f"{m} {r:.3f}" for m, r in fold_mean.items()))
+    if "series" in scores["all"]:
+        lines += _series_table(scores["all"]["series"], models)
     return lines
 
 
@@ -128,7 +142,7 @@ def _pinball_table(blocks: dict[str, Any], names: list[str]) -> list[str]:
 def _model_table(blocks: dict[str, Any], models: list[str], q: list[float]) -> list[str]:
     p50 = q.index(0.5) if 0.5 in q else None
     outer = f"P{q[0] * 100:g}-P{q[-1] * 100:g}"
-    cols = f"{'/ best baseline':>18} {outer + ' cov':>12}" + (f" {'P50 cov':>8}" if p50 is not None else "")
+    cols = f"{'/ best baseline':>{RATIO_WIDTH}} {outer + ' cov':>12}" + (f" {'P50 cov':>8}" if p50 is not None else "")
     width = len(cols)
     head1 = (f"{'':>4}  " + " | ".join(f"{m[:width]:^{width}}" for m in models)).rstrip()
     head2 = f"{'fold':>4}  " + " | ".join(cols for _ in models)
@@ -139,7 +153,23 @@ def _model_table(blocks: dict[str, Any], models: list[str], q: list[float]) -> l
             head1, head2, *rows]
 
 
+def _series_table(blocks: dict[str, Any], models: list[str]) -> list[str]:
+    """Per series over all folds: origins, the best baseline and its mean pinball, each model's ratio to it."""
+    if len(blocks) > MAX_SUMMARY_SERIES:
+        return [f"(per-series figures: over {MAX_SUMMARY_SERIES} series, see the JSON file)"]
+    width = max(len(b) for b in BASELINES)
+    head = f"{'series':<8} {'origins':>8}  {'best baseline':<{width}} {'pinball':>11}" + "".join(
+        f" {m[:18]:>18}" for m in models)
+    rows = []
+    for name, b in blocks.items():
+        best = b["best_baseline"]
+        pinball = f"{b['forecasters'][best]['pinball_mean']:>11.4e}" if best else f"{'n/a':>11}"
+        rows.append(f"{name[:8]:<8} {b['origins']:>8}  {best or 'n/a':<{width}} {pinball}" + "".join(
+            f" {b['forecasters'][m]['ratio_to']['best_baseline'] if best else float('nan'):>18.3f}" for m in models))
+    return ["per series, all folds: the best baseline, its mean pinball, each model's over it", head, *rows]
+
+
 def _model_cells(s: dict[str, Any], p50: int | None) -> str:
     ratio = f"{s['ratio_to']['best_baseline']:.3f} ({s['best_baseline']})" if "ratio_to" in s else "n/a"
-    cells = f"{ratio:>18} {s['interval']['coverage'] * 100:>11.1f}%"
+    cells = f"{ratio:>{RATIO_WIDTH}} {s['interval']['coverage'] * 100:>11.1f}%"
     return cells + (f" {s['coverage'][p50] * 100:>7.1f}%" if p50 is not None else "")

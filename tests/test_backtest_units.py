@@ -7,16 +7,30 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from artifacts import TINY_TRAIN_FLAGS, run
 
-from backtest.baselines import BASELINES, baseline_forecasts
+from backtest.baselines import (
+    BASELINES,
+    BarClock,
+    baseline_forecasts,
+    baseline_names,
+    har_design,
+    har_fit,
+    profile_slots,
+    realized_variance,
+    season_of,
+    trading_days,
+)
 from backtest.folds import bars_before
+from backtest.forecast import table_arrays
 from backtest.plots import write_figure
 from backtest.scores import backtest_scores, summary_lines
 from features.bars import ColumnMap
+from features.calendar import NS_PER_DAY
 from features.metrics import forecast_metrics
 from features.series import read_contract_bars
 from features.synth import generate
@@ -25,6 +39,9 @@ TRAIN_END, HORIZON, WINDOW = 2000, 5, 60
 ORIGINS = np.arange(TRAIN_END, 2800)
 QUANTILES = (0.1, 0.5, 0.9)
 CUT = 2400  # an origin: the bars after it are changed below
+HOUR_NS = 3_600_000_000_000
+MINUTE_BARS = BarClock(generate(["ES"], 3000, seed=3).column("timestamp").to_numpy().astype(np.int64), 60_000_000_000)
+INTRADAY = baseline_names(MINUTE_BARS.bar_interval_ns, HORIZON, 390.0)  # minute bars: seasonal_garch, no har_rv
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +51,12 @@ def close() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def base(close: np.ndarray) -> dict[str, np.ndarray]:
-    return baseline_forecasts(close, TRAIN_END, ORIGINS, HORIZON, QUANTILES, WINDOW, series="ES")
+    return forecasts(close)
 
 
 def forecasts(close: np.ndarray) -> dict[str, np.ndarray]:
-    return baseline_forecasts(close, TRAIN_END, ORIGINS, HORIZON, QUANTILES, WINDOW, series="ES")
+    return baseline_forecasts(close, TRAIN_END, ORIGINS, HORIZON, QUANTILES, WINDOW, series="ES", clock=MINUTE_BARS,
+                              names=INTRADAY)
 
 
 def test_baselines_ignore_the_bars_after_the_origin(close: np.ndarray, base: dict[str, np.ndarray]) -> None:
@@ -46,9 +64,10 @@ def test_baselines_ignore_the_bars_after_the_origin(close: np.ndarray, base: dic
     later[CUT + 1:] *= np.exp(np.cumsum(np.random.default_rng(0).normal(0.0, 0.003, close.size - CUT - 1)))
     changed = forecasts(later)
     upto = ORIGINS <= CUT
-    for name in BASELINES:
+    assert set(base) == {"climatology", "rolling_vol", "garch", "seasonal_garch"}
+    for name in base:
         np.testing.assert_allclose(changed[name][upto], base[name][upto], rtol=1e-12, atol=0, err_msg=name)
-    for name in ("rolling_vol", "garch"):  # the change reaches the origins after it
+    for name in ("rolling_vol", "garch", "seasonal_garch"):  # the change reaches the origins after it
         assert not np.allclose(changed[name][~upto], base[name][~upto]), name
 
 
@@ -57,7 +76,7 @@ def test_baselines_read_the_bars_before_the_origin(close: np.ndarray, base: dict
     jump[CUT - 10:] *= 1.01  # one 1 % return, 10 bars before the origin CUT, after the training bars
     changed = forecasts(jump)
     at = ORIGINS == CUT
-    for name in ("rolling_vol", "garch"):
+    for name in ("rolling_vol", "garch", "seasonal_garch"):
         assert np.all(changed[name][at][..., -1] > base[name][at][..., -1]), name
     np.testing.assert_array_equal(changed["climatology"], base["climatology"])
 
@@ -90,6 +109,142 @@ def test_garch_quantiles_widen_with_the_horizon_around_zero(base: dict[str, np.n
     assert np.all(np.diff(g[..., 2], axis=1) > 0)
     np.testing.assert_allclose(g[..., 0], -g[..., 2], rtol=1e-12)
     np.testing.assert_array_equal(g[..., 1], 0.0)
+
+
+def weekday_hours(n_days: int, hours: int = 24) -> np.ndarray:
+    """The first `hours` hourly bar times (ns, UTC) of `n_days` weekdays from Monday 2021-01-04: int64
+    [n_days * hours]."""
+    days = np.datetime64("2021-01-04", "ns").astype(np.int64) + np.arange(n_days * 7 // 5 + 7) * NS_PER_DAY
+    days = days[(days // NS_PER_DAY + 3) % 7 < 5][:n_days]  # Monday = 0
+    return (days[:, None] + np.arange(hours) * HOUR_NS).reshape(-1)
+
+
+def seasonal_process(n_days: int, seed: int) -> tuple[BarClock, np.ndarray, np.ndarray]:
+    """Hourly weekday bars whose log returns are a GARCH(1,1)-t times a known profile by hour of the day (3 from
+    13:00 to 16:00 UTC, 0.4 before 06:00, 1 else): the clock, the closes [N] and the profile [N]."""
+    rng = np.random.default_rng(seed)
+    ts = weekday_hours(n_days)
+    hour = ts // HOUR_NS % 24
+    profile = np.where((hour >= 13) & (hour < 17), 3.0, np.where(hour < 6, 0.4, 1.0))  # [N]
+    z = rng.standard_t(6, ts.size) / np.sqrt(1.5)  # unit variance
+    r, h = np.empty(ts.size), 1.0
+    for i in range(ts.size):
+        h = 0.05 + 0.08 * (r[i - 1] ** 2 if i else 1.0) + 0.87 * h
+        r[i] = np.sqrt(h) * z[i]
+    return BarClock(ts, HOUR_NS), 100.0 * np.exp(np.cumsum(0.001 * profile * r)), profile
+
+
+def test_seasonal_garch_recovers_the_profile_and_covers_busy_and_quiet_hours() -> None:
+    clock, close, profile = seasonal_process(300, seed=1)
+    train_end, origins = 5400, np.arange(5400, close.size - 1)
+    log_returns = np.concatenate([[np.nan], np.diff(np.log(close))])
+    fitted = season_of(log_returns, clock, train_end, origins, 3).rows  # [N]
+    assert np.mean(fitted[profile == 3.0]) / np.mean(fitted[profile == 0.4]) == pytest.approx(3.0 / 0.4, rel=0.2)
+    assert np.corrcoef(fitted, profile)[0, 1] > 0.95
+    f = baseline_forecasts(close, train_end, origins, 3, QUANTILES, WINDOW, clock=clock,
+                           names=("garch", "seasonal_garch"))
+    y = log_returns[origins + 1]  # [W], the 1-bar return each step-1 forecast is of
+    busy, quiet = profile[origins + 1] == 3.0, profile[origins + 1] == 0.4
+    inside = {name: (y > v[:, 0, 0]) & (y < v[:, 0, -1]) for name, v in f.items()}  # the P10-P90 interval
+    assert inside["seasonal_garch"][busy].mean() == pytest.approx(0.8, abs=0.06)
+    assert inside["seasonal_garch"][quiet].mean() == pytest.approx(0.8, abs=0.06)
+    assert inside["garch"][busy].mean() < 0.7 and inside["garch"][quiet].mean() > 0.9  # one variance for all hours
+
+
+def test_the_profile_reads_the_training_bars_alone() -> None:
+    clock, close, _ = seasonal_process(60, seed=2)
+    train_end, origins = 1000, np.arange(1000, 1400)
+    log_returns = np.concatenate([[np.nan], np.diff(np.log(close))])
+    fitted = season_of(log_returns, clock, train_end, origins, 3)
+    later = log_returns.copy()
+    later[train_end:] *= np.where(clock.timestamp_ns[train_end:] // HOUR_NS % 24 == 3, 10.0, 1.0)  # after the cut
+    np.testing.assert_array_equal(season_of(later, clock, train_end, origins, 3).rows, fitted.rows)
+    hour = clock.timestamp_ns // HOUR_NS % 24  # [N]
+    earlier = log_returns.copy()
+    earlier[:train_end] *= np.where(hour[:train_end] == 3, 10.0, 1.0)  # before the cut
+    moved = season_of(earlier, clock, train_end, origins, 3).rows
+
+    def ratio(rows: np.ndarray) -> float:  # 03:00's profile over 10:00's
+        return float(rows[hour == 3].mean() / rows[hour == 10].mean())
+
+    assert ratio(moved) == pytest.approx(10.0 * ratio(fitted.rows), rel=1e-9)
+    weekend = BarClock(np.append(clock.timestamp_ns, clock.timestamp_ns[-1] + np.arange(1, 30) * HOUR_NS), HOUR_NS)
+    saturday = season_of(np.append(log_returns, np.full(29, 0.01)), weekend, train_end, origins, 3).rows[-10:]
+    np.testing.assert_array_equal(saturday, 1.0)  # hours no training bar had: the overall RMS
+
+
+def test_profile_slots_are_hours_of_the_week_or_quarter_hours_in_the_calendar_zone() -> None:
+    winter, summer = (np.datetime64(t, "ns").astype(np.int64) for t in ("2024-01-08T14:37", "2024-07-08T14:37"))
+    assert profile_slots(np.array([winter, summer]), HOUR_NS, "UTC")[0].tolist() == [14, 14]  # Monday 14:00
+    assert profile_slots(np.array([winter, summer]), HOUR_NS, "America/Chicago")[0].tolist() == [8, 9]
+    slots, n = profile_slots(np.array([winter + 5 * NS_PER_DAY]), 60_000_000_000, "UTC")  # a Saturday, 1-min bars
+    assert n == 96 and slots.tolist() == [14 * 4 + 2]
+
+
+def har_process(n_days: int, seed: int, coef: tuple[float, ...]) -> np.ndarray:
+    """Daily realized variance [n_days] of a HAR process: the mean HAR gives, times a Gamma(4, 1/4) surprise."""
+    rng = np.random.default_rng(seed)
+    rv = np.full(n_days, coef[0] / (1.0 - sum(coef[1:])))
+    for d in range(22, n_days):
+        mean = coef[0] + coef[1] * rv[d - 1] + coef[2] * rv[d - 5:d].mean() + coef[3] * rv[d - 22:d].mean()
+        rv[d] = mean * rng.gamma(4.0, 0.25)
+    return rv
+
+
+def test_har_rv_recovers_the_coefficients_from_intraday_bars() -> None:
+    coef = (0.1, 0.35, 0.3, 0.2)
+    rv = har_process(4000, seed=5, coef=coef)  # [D]
+    g = np.random.default_rng(6).normal(size=(4000, 24))
+    r = g * np.sqrt(rv[:, None] / (g**2).sum(axis=1, keepdims=True))  # [D, 24], each day's squares sum to its RV
+    ts = weekday_hours(4000)
+    day = trading_days(ts, "UTC")
+    np.testing.assert_array_equal(day, np.repeat(np.arange(4000), 24))
+    got_rv, _ = realized_variance(np.concatenate([[np.nan], r.reshape(-1)[1:]]), day)
+    np.testing.assert_allclose(got_rv[1:], rv[1:], rtol=1e-9)
+    np.testing.assert_allclose(har_fit(got_rv), coef, atol=0.08)
+
+
+def test_trading_days_join_a_sunday_evening_open_to_monday() -> None:
+    week = weekday_hours(5, hours=22)  # Monday to Friday 00:00 .. 21:00 UTC
+    sunday = week[0] - 2 * HOUR_NS  # 22:00 on the Sunday before
+    ts = np.concatenate([[sunday - HOUR_NS, sunday], week])
+    assert trading_days(ts, "UTC").tolist() == [0] * 24 + [1] * 22 + [2] * 22 + [3] * 22 + [4] * 22
+
+
+def daily_har_bars(n_days: int, seed: int) -> tuple[BarClock, np.ndarray]:
+    """Daily bars whose returns have the variance of a HAR process: the clock and the closes [n_days]."""
+    rv = har_process(n_days, seed, (2e-5, 0.3, 0.3, 0.25))  # daily variance about 1.3e-4
+    r = np.sqrt(rv) * np.random.default_rng(seed + 1).normal(size=n_days)
+    return BarClock(weekday_hours(n_days, hours=1), NS_PER_DAY), 100.0 * np.exp(np.cumsum(r))
+
+
+def test_har_rv_is_the_har_forecast_times_the_standardised_quantile_and_ignores_later_bars() -> None:
+    clock, close = daily_har_bars(400, seed=7)
+    train_end, origins = 300, np.arange(300, 398)
+    assert baseline_names(NS_PER_DAY, 2, 1.0)[-1] == "har_rv"
+    f = baseline_forecasts(close, train_end, origins, 2, QUANTILES, WINDOW, clock=clock, names=("har_rv",))["har_rv"]
+    rv = np.diff(np.log(close), prepend=np.nan) ** 2
+    rv[0] = 0.0  # [D], one bar a day: its squared return
+    coef = har_fit(rv[:train_end])
+    day_var = har_design(rv)[origins - 21] @ coef  # [W], the next day's variance from the days up to the origin
+    assert np.all(day_var > 0)
+    np.testing.assert_allclose(f[:, 0, 2] / f[:, 0, 0], f[0, 0, 2] / f[0, 0, 0])  # one standardised shape
+    np.testing.assert_allclose(f[:, 0, 2] / np.sqrt(day_var), f[0, 0, 2] / np.sqrt(day_var[0]), rtol=1e-9)
+    assert np.all(f[:, 1, 2] > f[:, 0, 2])
+    later = close.copy()
+    later[351:] *= 1.05  # a 5 % move on the day after origin 350
+    changed = baseline_forecasts(later, train_end, origins, 2, QUANTILES, WINDOW, clock=clock, names=("har_rv",))
+    np.testing.assert_array_equal(changed["har_rv"][origins <= 350], f[origins <= 350])
+    assert np.all(changed["har_rv"][origins == 351][..., 2] > f[origins == 351][..., 2])
+
+
+def test_baselines_follow_the_bars_clock() -> None:
+    assert baseline_names(NS_PER_DAY, 5, 1.0) == ("climatology", "rolling_vol", "garch", "har_rv")
+    assert baseline_names(HOUR_NS, 12, 23.0) == ("climatology", "rolling_vol", "garch", "seasonal_garch")
+    assert baseline_names(HOUR_NS, 24, 23.0) == BASELINES
+    table = pa.table({"fold": [1], **{f"{name}_h1_q{q:g}": [0.0] for name in ("garch", "model") for q in QUANTILES},
+                      "actual_h1": [0.0]})
+    assert list(table_arrays(table, ("model", *BASELINES), 1, QUANTILES)[0]) == ["model", "garch"]
 
 
 def sorted_forecast(rng: np.random.Generator, w: int, scale: float) -> np.ndarray:
@@ -145,6 +300,32 @@ def test_ratio_is_to_the_lowest_baseline_of_each_fold() -> None:
         assert f["model"]["ratio_to"]["climatology"] == pytest.approx(f["model"]["pinball_mean"]
                                                                       / f["climatology"]["pinball_mean"])
     assert "ratio_to" not in scores["all"]["forecasters"]["garch"]
+
+
+def test_each_series_names_its_best_baseline() -> None:
+    rng = np.random.default_rng(8)
+    y = rng.normal(0.0, 1.0, (400, HORIZON))
+    fold, series = np.tile(np.repeat([0, 1], 100), 2), np.repeat(np.array(["ES", "NQ"], dtype=object), 200)
+    good, bad = sorted_forecast(rng, 400, 1.0), sorted_forecast(rng, 400, 3.0)
+    es = (series == "ES")[:, None, None]
+    fc = {"model": sorted_forecast(rng, 400, 1.5), "garch": np.where(es, good, bad),
+          "seasonal_garch": np.where(es, bad, good)}  # garch is the best on ES, seasonal_garch on NQ
+    scores = backtest_scores(fc, y, fold, QUANTILES, series=series)
+    json.dumps(scores, allow_nan=False)
+    for block in (scores["all"], *scores["folds"].values()):
+        assert sorted(block["series"]) == ["ES", "NQ"] and "series" not in block["series"]["ES"]
+        for name, best in (("ES", "garch"), ("NQ", "seasonal_garch")):
+            root = block["series"][name]
+            assert root["best_baseline"] == best and root["forecasters"]["model"]["best_baseline"] == best
+            assert root["forecasters"]["model"]["ratio_to"]["best_baseline"] == pytest.approx(
+                root["forecasters"]["model"]["pinball_mean"] / root["forecasters"][best]["pinball_mean"])
+    assert scores["all"]["series"]["ES"]["origins"] == 200
+    lines = summary_lines(scores)
+    rows = {line.split()[0]: line.split() for line in lines if line.split()[0] in ("ES", "NQ")}
+    assert rows["ES"][2] == "garch" and rows["NQ"][2] == "seasonal_garch"
+    assert float(rows["ES"][4]) == pytest.approx(
+        scores["all"]["series"]["ES"]["forecasters"]["model"]["ratio_to"]["best_baseline"], abs=5e-4)
+    assert max(map(len, lines)) <= 110
 
 
 def fold_scores(n_folds: int) -> dict[str, Any]:
