@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: lint
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --durations=15
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py

@@ -1,11 +1,12 @@
-"""Shared by the serving, reliability, fuzz and security tests: real models, built once per test session, and a
+"""Shared by the serving, reliability, fuzz and security tests: real models, built once per test run, and a
 real `python -m serving` subprocess on 127.0.0.1:0.
 
-Each model is made by the real trainer and exporter (tests.artifacts): `tiny_model` (bars only),
+Each model is made by the trainer's and the exporter's commands (tests.artifacts): `tiny_model` (bars only),
 `covariates_model` (every kind of user input: observed, known, static, categorical) and `contracts_model` (trained
-on per-contract futures bars). The fixtures are session-scoped; import one into a test module to use it. The
-build_* functions make the same models outside pytest (the benchmarks). A LiveServer prints
-`listening on HOST:PORT`, logs to a file the tests read, and is killed in `finally`.
+on per-contract futures bars). The fixtures are session-scoped and each model is built once a run for all of
+pytest-xdist's workers; its files are shared, so tests read them and write elsewhere. Import a fixture into a
+test module to use it. The build_* functions make the same models outside pytest (the benchmarks). A LiveServer
+prints `listening on HOST:PORT`, logs to a file the tests read, and is killed in `finally`.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from features.bars import Bars, read_bars
 from features.model_meta import ModelMeta
-from serving.client import series_from_bars
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
+from serving.request_from_bars import series_from_bars
 from serving.wire import make_series
-from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, make_checkpoint, make_onnx, run
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, make_checkpoint, make_onnx, run_main, shared_dir
 from tests.futures_bars import ES_LEGS, LIVE_PER_DAY, NQ_LEGS, contract_rows, write_training_bars
 
 SERVICE = "foxhunt.tft.v1.Forecaster"
@@ -48,6 +49,11 @@ class Model:
     model: Path
     meta: ModelMeta
     bars: Bars
+
+    @property
+    def ckpt(self) -> Path:
+        """The trainer's checkpoint the model was exported from."""
+        return self.model.parent / "ckpt.pt"
 
 
 @dataclass
@@ -77,7 +83,7 @@ def _meta(model: Path) -> ModelMeta:
 
 
 def build_tiny_model(work: Path, reuse: bool = False) -> Model:
-    """bars.parquet, a tiny trained checkpoint and its exported model.onnx in `work` (real commands, ~40 s; with
+    """bars.parquet, a tiny trained checkpoint and its exported model.onnx in `work` (the commands, ~10 s; with
     `reuse`, those of an earlier build in `work` when it finished)."""
     model = work / "model.onnx"
     if not (reuse and model.exists()):
@@ -104,14 +110,15 @@ def _add_user_columns(path: Path) -> None:
 
 
 def build_covariates_model(work: Path, reuse: bool = False) -> CovariatesModel:
-    """A tiny model trained and exported with every kind of user input by the real commands (with a Triton
+    """A tiny model trained and exported with every kind of user input by the commands (with a Triton
     repository beside it, `work`/triton; `reuse` as build_tiny_model)."""
     bars_path, model = work / "bars.parquet", work / "model.onnx"
     if not (reuse and model.exists()):
         make_bars(bars_path, bars=1200)
         _add_user_columns(bars_path)
         ckpt = work / "ckpt.pt"
-        r = run(["-m", "trainer", "--parquet", str(bars_path), "--out", str(ckpt), *TINY_TRAIN_FLAGS, *LIVE_FLAGS])
+        r = run_main(["-m", "trainer", "--parquet", str(bars_path), "--out", str(ckpt), *TINY_TRAIN_FLAGS,
+                      *LIVE_FLAGS])
         assert r.returncode == 0, r.stderr[-4000:]
         make_onnx(ckpt, model, ("--threads", "1", "--triton-repo", str(work / "triton")))
     meta = _meta(model)
@@ -121,7 +128,7 @@ def build_covariates_model(work: Path, reuse: bool = False) -> CovariatesModel:
 
 
 def build_contracts_model(work: Path, reuse: bool = False) -> ContractsModel:
-    """A tiny model trained on ESH5, ESM5, NQH5 and NQM5 bars (Databento-like columns) and exported by the real
+    """A tiny model trained on ESH5, ESM5, NQH5 and NQM5 bars (Databento-like columns) and exported by the
     commands (`reuse` as build_tiny_model)."""
     es = contract_rows(ES_LEGS, LIVE_PER_DAY, seed=1, base=5000.0)
     nq = contract_rows(NQ_LEGS, LIVE_PER_DAY, seed=2, base=18000.0)
@@ -129,41 +136,42 @@ def build_contracts_model(work: Path, reuse: bool = False) -> ContractsModel:
     if not (reuse and model.exists()):
         write_training_bars(work / "bars.parquet", es, nq)
         ckpt = work / "ckpt.pt"
-        r = run(["-m", "trainer", "--parquet", str(work / "bars.parquet"), "--time-col", "ts_event", "--out",
-                 str(ckpt), *TINY_TRAIN_FLAGS])
+        r = run_main(["-m", "trainer", "--parquet", str(work / "bars.parquet"), "--time-col", "ts_event", "--out",
+                      str(ckpt), *TINY_TRAIN_FLAGS])
         assert r.returncode == 0, r.stderr[-4000:]
         make_onnx(ckpt, model, ("--threads", "1"))
     return ContractsModel(model, _meta(model), es, nq)
 
 
 T = TypeVar("T")
-_BUILT: dict[tuple[str, Path], object] = {}  # one model of each kind per session: each module that imports a
-# fixture gets its own copy of it (pytest keys fixtures by where they are used), so the build is memoised here,
-# keyed by its name and the session's root
+_BUILT: dict[tuple[str, Path], object] = {}  # each module that imports a fixture gets its own copy of it (pytest
+# keys fixtures by where they are used), so each model is memoised here too, keyed by its name and the session's root
 
 
-def _once(name: str, factory: pytest.TempPathFactory, build: Callable[[Path], T]) -> T:
+def _once(name: str, factory: pytest.TempPathFactory, build: Callable[[Path, bool], T]) -> T:
+    """The model `build` makes, built once per test run for all workers (tests.artifacts.shared_dir) and read once
+    per worker."""
     key = (name, factory.getbasetemp())
     if key not in _BUILT:
-        _BUILT[key] = build(factory.mktemp(name))
+        _BUILT[key] = build(shared_dir(factory, name, lambda work: build(work, False)), True)
     return cast(T, _BUILT[key])
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    """bars.parquet, a tiny trained checkpoint and its exported model.onnx (real commands, ~40 s, once)."""
+    """bars.parquet, a tiny trained checkpoint and its exported model.onnx (the commands, ~10 s, once a run)."""
     return _once("live_model", tmp_path_factory, build_tiny_model)
 
 
 @pytest.fixture(scope="session")
 def covariates_model(tmp_path_factory: pytest.TempPathFactory) -> CovariatesModel:
-    """The model with every kind of user input (real commands, once)."""
+    """The model with every kind of user input (the commands, once a run)."""
     return _once("covariates_model", tmp_path_factory, build_covariates_model)
 
 
 @pytest.fixture(scope="session")
 def contracts_model(tmp_path_factory: pytest.TempPathFactory) -> ContractsModel:
-    """The model trained on per-contract futures bars (real commands, once)."""
+    """The model trained on per-contract futures bars (the commands, once a run)."""
     return _once("contracts_model", tmp_path_factory, build_contracts_model)
 
 

@@ -16,6 +16,7 @@ from conftest import SAMPLE_BARS, write_parquet
 
 from features.bars import BarDataError, ColumnMap, Problem, read_bars
 from features.calendar import infer_bar_interval_ns
+from tests.artifacts import run_main
 
 T0 = 1_704_119_400 * 10**9  # 2024-01-01 14:30:00 UTC, in ns
 MINUTE = 60 * 10**9
@@ -605,8 +606,7 @@ def test_timestamp_types_read_to_the_same_ns(tmp_path: Path, arrow_type: pa.Data
 
 
 def run_check(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "features.check", *args], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+    return run_main(["-m", "features.check", *args])
 
 
 def test_check_counts_session_breaks_among_the_gaps_over_the_interval(tmp_path: Path) -> None:

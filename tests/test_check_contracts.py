@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from features.bars import read_bars
 from features.check import summarize
 from features.contracts import CONTRACT_PATTERN
 from features.synth import generate
-from tests.artifacts import REPO
+from tests.artifacts import run_main
 
 DAY0 = np.datetime64("2025-01-06", "D")  # a Monday
 MINUTE = 60 * 10**9
@@ -83,8 +82,7 @@ def _bars(ts: np.ndarray, symbol: str, opened: np.ndarray, close: np.ndarray, sc
 
 
 def run_check(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "features.check", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return run_main(["-m", "features.check", *map(str, args)])
 
 
 @pytest.fixture(scope="module")

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.artifacts import REPO
+from tests.artifacts import run_main
 from tests.test_score_covariates import covariate_bars
 
 ROLE_FLAGS = ("--features", "regime", "--known-features", "event,session", "--static-features", "vol_scale,exchange",
@@ -18,8 +17,7 @@ ROLE_FLAGS = ("--features", "regime", "--known-features", "event,session", "--st
 
 
 def run_check(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "features.check", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return run_main(["-m", "features.check", *map(str, args)])
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """`python -m export`: a tiny trained checkpoint through the real command and its gates.
 
-One training and one real-command export are shared by the module; the other exports run
-`export.__main__.main` in-process (same code, no second torch import). Every refusal is
-checked to leave nothing behind.
+The tests' shared tiny checkpoint (tests.live_server) and one export of it serve the module. The exports run
+`export.__main__.main` in-process (same code, no second torch import, a graph traced once a process) except where
+the process is under test: a signal, a reader gone from stdout, the working directory, the exit status. Every
+refusal is checked to leave nothing behind.
 """
 
 from __future__ import annotations
@@ -43,14 +44,8 @@ from features.config import FeatureConfig
 from features.model_meta import ModelMeta
 from features.ort import provider_failure_reason
 from features.schema import MODEL_INPUTS, MODEL_OUTPUTS, QUANTILES, STATIC_CATEGORICAL, FeatureSchema
-from tests.artifacts import (
-    REPO,
-    TINY_TRAIN_FLAGS,
-    exit_and_imports,
-    make_checkpoint,
-    make_onnx,
-    run,
-)
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, exit_and_imports, make_onnx, run
+from tests.live_server import Model, tiny_model  # noqa: F401  (the shared fixture)
 from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, model_from_checkpoint, state_digest
 from trainer.modeling import TemporalFusionTransformer
 
@@ -61,13 +56,14 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("export_ckpt"))
+def ckpt(tiny_model: Model) -> Path:  # noqa: F811
+    """The shared tiny model's checkpoint, bars.parquet beside it (read only: other tests read them too)."""
+    return tiny_model.ckpt
 
 
 @pytest.fixture(scope="module")
 def exported(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real command, all gates on, with a Triton repository: out/model.onnx and out/repo/tft/..."""
+    """The command's main, all gates on, with a Triton repository: out/model.onnx and out/repo/tft/..."""
     out = tmp_path_factory.mktemp("export_out")
     return make_onnx(ckpt, out / "model.onnx", ("--triton-repo", str(out / "repo"), "--triton-name", "tft"))
 
@@ -385,15 +381,14 @@ def _break_parity(model: onnx.ModelProto) -> None:
 
 def test_broken_parity_writes_nothing(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "releases" / "v2" / "model.onnx"  # directories that do not exist yet: made when it is written
-    code = main([str(ckpt), str(out), "--no-explain", "--triton-repo", str(tmp_path / "repo")],
-                _tamper=_break_parity)
+    code = main([str(ckpt), str(out), "--triton-repo", str(tmp_path / "repo")], _tamper=_break_parity)
     captured = capsys.readouterr()
     assert code == 1
     assert listing(tmp_path) == []  # no model, no temporary, no Triton directory
     assert "parity FAILED" in captured.out and "parity check failed" in captured.err
     assert re.search(r"^random batch 1 +1 +quantiles .* NO$", captured.out, re.M)
     # the in-process memo of the traced graph keeps the graph as torch exported it, not as tampered
-    assert main([str(ckpt), str(out), "--no-explain"]) == 0, capsys.readouterr().err
+    assert main([str(ckpt), str(out)]) == 0, capsys.readouterr().err
     assert "parity passed" in capsys.readouterr().out
     assert listing(tmp_path) == ["releases", "releases/v2", "releases/v2/model.onnx"]
 
@@ -692,15 +687,15 @@ def test_an_interrupt_wrapped_by_the_exporter_is_an_interrupt_not_a_failed_check
 
 
 def test_sigterm_interrupts_the_export_as_ctrl_c_does(ckpt: Path, tmp_path: Path) -> None:
-    """The real command, held inside the export (the checks' first step blocks) until SIGTERM arrives: exit 130,
-    one line, nothing written."""
+    """The real command, held inside the export (its graph capture blocks) until SIGTERM arrives: exit 130, one
+    line, nothing written."""
     out = tmp_path / "model.onnx"
     held = ("import runpy, sys, time\n"
             "import export.pipeline as p\n"
-            "def hold(proto):\n"
+            "def hold(*args):\n"
             "    print('held', file=sys.stderr, flush=True)\n"
             "    time.sleep(600)\n"
-            "p.run_checker = hold\n"
+            "p.export_model = hold\n"
             "sys.argv = ['export', *sys.argv[1:]]\n"
             "runpy.run_module('export', run_name='__main__')\n")
     proc = subprocess.Popen([sys.executable, "-c", held, str(ckpt), str(out)], cwd=REPO,

@@ -29,7 +29,7 @@ from export.runtime import probe
 from export.windows import windows_from_bars
 from features.model_meta import ModelMeta
 from features.schema import MODEL_INPUTS, STATIC_CATEGORICAL, STATIC_REAL
-from tests.artifacts import TINY_TRAIN_FLAGS, run
+from tests.artifacts import TINY_TRAIN_FLAGS, run_main
 from trainer.checkpoint import load_checkpoint, model_from_checkpoint
 
 torch.set_num_threads(1)
@@ -61,7 +61,7 @@ def write_bars(path: Path, n: int = 400) -> Path:
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("covariates")
     bars, out = write_bars(work / "bars.parquet"), work / "ckpt.pt"
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS, *FEATURE_FLAGS])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS, *FEATURE_FLAGS])
     assert r.returncode == 0, r.stderr[-4000:]
     return out
 

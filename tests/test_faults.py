@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, run
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, run_main
 from trainer.checkpoint import load_checkpoint, save_atomic
 
 
@@ -46,8 +46,8 @@ def test_sigkill_mid_epoch_then_resume_finishes(tmp_path: Path, bars: Path) -> N
                tmp_path / ".ckpt.report.png.r3p0rt_x.tmp", tmp_path / ".ckpt.test.json.t35t_xyz.tmp"]
     for p in partial:
         p.write_bytes(b"half a checkpoint")
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--resume", str(out.with_suffix(".last.pt")),
-             "--epochs", str(last["epoch"] + 1), "--no-progress", "--no-report"])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--resume",
+                  str(out.with_suffix(".last.pt")), "--epochs", str(last["epoch"] + 1), "--no-progress", "--no-report"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert load_checkpoint(out.with_suffix(".last.pt"))["epoch"] == last["epoch"] + 1
     assert not list(tmp_path.glob(".*.tmp")), "partial writes of the killed run were not cleaned up"

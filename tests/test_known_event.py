@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from artifacts import run
 
 from features.bars import read_bars
 from features.compute import build_frame
 from features.config import FeatureConfig
 from features.schema import DECODER_KNOWN
 from features.windows import anchor_rows, gather_windows
+from tests.artifacts import run_main
 from trainer.checkpoint import load_checkpoint, model_from_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -29,11 +29,11 @@ TRAIN = ("--hidden-size", "32", "--attention-heads", "2", "--encoder-length", "2
 
 def test_the_decoder_selects_the_event_flag_on_the_bars_that_hold_an_event(tmp_path: Path) -> None:
     bars = tmp_path / "bars.parquet"
-    r = run(["-m", "features.synth", "--out", str(bars), "--symbols", "ES,NQ", "--bars", "4000", "--seed", "7",
-             "--event", EVENTS, "--event-every", "2", "--event-jump", "6"])
+    r = run_main(["-m", "features.synth", "--out", str(bars), "--symbols", "ES,NQ", "--bars", "4000", "--seed", "7",
+                  "--event", EVENTS, "--event-every", "2", "--event-jump", "6"])
     assert r.returncode == 0, r.stderr
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), "--known-features",
-             "event", *TRAIN])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), "--known-features",
+                  "event", *TRAIN])
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = load_checkpoint(tmp_path / "ckpt.pt")
     model = model_from_checkpoint(ckpt).eval()

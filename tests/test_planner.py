@@ -20,7 +20,7 @@ import torch
 
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, TARGET
 from features.synth import generate
-from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, run
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, make_bars, run, run_main
 from trainer import planner
 from trainer.checkpoint import load_checkpoint
 from trainer.config import TrainConfig
@@ -208,8 +208,8 @@ def test_refusal_names_the_budget_that_would_fit() -> None:
 
 
 def test_plan_only_plans_for_a_cuda_card_on_any_machine(bars: Path, tmp_path: Path) -> None:
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
-             "--device", "cuda", "--vram-budget", "1MiB", "--plan-only"])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
+                  "--device", "cuda", "--vram-budget", "1MiB", "--plan-only"])
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     for term in ("VRAM plan for CUDA", "weights", "gradients", "AdamW state", "bf16 weight copies",
@@ -224,8 +224,8 @@ def test_plan_only_plans_for_a_cuda_card_on_any_machine(bars: Path, tmp_path: Pa
 @pytest.mark.parametrize(("budget", "why"), [("256KiB", "does not fit even a micro-batch of 1 window"),
                                               ("100KiB", "does not fit even a micro-batch of 1 window")])
 def test_plan_only_refuses_when_one_window_does_not_fit(bars: Path, tmp_path: Path, budget: str, why: str) -> None:
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
-             "--device", "cuda", "--vram-budget", budget, "--plan-only"])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
+                  "--device", "cuda", "--vram-budget", budget, "--plan-only"])
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     shown = budget.replace("KiB", ".00 KiB")
@@ -235,8 +235,8 @@ def test_plan_only_refuses_when_one_window_does_not_fit(bars: Path, tmp_path: Pa
 
 def test_plan_only_on_the_cpu(bars: Path, tmp_path: Path) -> None:
     """--device cpu: the budget is reported as not applicable, the plan is the config with its estimate."""
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
-             "--vram-budget", "4GiB", "--plan-only"])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
+                  "--vram-budget", "4GiB", "--plan-only"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "memory plan for CPU" in r.stdout
     assert "not applicable on the CPU" in r.stdout
@@ -245,8 +245,8 @@ def test_plan_only_on_the_cpu(bars: Path, tmp_path: Path) -> None:
 
 def test_vram_budget_on_the_cpu_is_not_applicable_and_training_runs(bars: Path, tmp_path: Path) -> None:
     out = tmp_path / "ckpt.pt"
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS, "--epochs", "2",
-             "--max-steps-per-epoch", "2", "--vram-budget", "4GiB"])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS, "--epochs", "2",
+                  "--max-steps-per-epoch", "2", "--vram-budget", "4GiB"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "--vram-budget 4GiB is not applicable on the CPU" in r.stderr
     # peak memory of every epoch, training and validation apart, in the metrics file and the checkpoint
@@ -263,8 +263,8 @@ def test_vram_budget_on_the_cpu_is_not_applicable_and_training_runs(bars: Path, 
 @pytest.mark.skipif(not NO_CUDA, reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("device", ["auto", "cuda"])
 def test_vram_budget_without_cuda_is_refused_for_training(bars: Path, tmp_path: Path, device: str) -> None:
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
-             "--device", device, "--vram-budget", "4GiB"])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
+                  "--device", device, "--vram-budget", "4GiB"])
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     assert "--vram-budget 4GiB caps CUDA device memory, but CUDA is not available here" in r.stderr
@@ -272,15 +272,15 @@ def test_vram_budget_without_cuda_is_refused_for_training(bars: Path, tmp_path: 
     assert not (tmp_path / "ckpt.pt").exists()
     if device == "cuda":  # a budget from a config file (a preset's) is named as such, not as a flag never given
         (tmp_path / "preset.toml").write_text('vram_budget = "4GiB"\n')
-        r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
-                 "--device", device, "--config", str(tmp_path / "preset.toml")])
+        r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
+                      "--device", device, "--config", str(tmp_path / "preset.toml")])
         assert r.returncode == 2 and (f"vram_budget = '4GiB' (from --config {tmp_path / 'preset.toml'}) caps CUDA "
                                       "device memory") in r.stderr, r.stderr[-3000:]
 
 
 def test_bad_budget_is_a_clear_error(bars: Path, tmp_path: Path) -> None:
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
-             "--vram-budget", "lots", "--plan-only"])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "ckpt.pt"), *TINY_TRAIN_FLAGS,
+                  "--vram-budget", "lots", "--plan-only"])
     assert r.returncode == 2
     assert "error: --vram-budget 'lots': expected a size with a unit, e.g. 4GiB" in r.stderr
 

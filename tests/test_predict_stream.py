@@ -152,14 +152,14 @@ def test_an_undecodable_message_ends_the_stream_and_the_server_stays_up(art: Mod
 
 def test_stream_requests_count_against_max_concurrent_and_the_stream_goes_on(art: Model, tmp_path: Path) -> None:
     s = LiveServer(art.model, tmp_path / "server.log", "--max-concurrent", "1", "--batch-wait", "fixed",
-                   "--max-delay-ms", "5000", "--metrics-port", "0")
+                   "--max-delay-ms", "3000", "--metrics-port", "0")
     try:
         s.wait_serving()
         request = request_for(art, art.meta.symbols[0])
         unary: list[pb.PredictResponse] = []
         held = threading.Thread(target=lambda: unary.append(s.stub.Predict(request, timeout=30)))
         held.start()
-        wait_metric(s, "foxhunt_inflight_requests", 1)  # the unary call holds the one slot, waiting 5 s for its batch
+        wait_metric(s, "foxhunt_inflight_requests", 1)  # the unary call holds the one slot, waiting 3 s for its batch
         stream = OpenStream(s)
         try:
             refused = stream.ask(with_id(request, "a"))
@@ -180,13 +180,13 @@ def test_sigterm_answers_what_a_stream_has_read_then_ends_it_unavailable(art: Mo
     """An open stream is not held until the grace runs out: its request in flight is answered, then the
     stream ends UNAVAILABLE (reconnect), and the server exits 0 well within its grace. A stream opened while
     the drain waits for it is refused UNAVAILABLE at once."""
-    s = LiveServer(art.model, tmp_path / "server.log", "--batch-wait", "fixed", "--max-delay-ms", "5000",
+    s = LiveServer(art.model, tmp_path / "server.log", "--batch-wait", "fixed", "--max-delay-ms", "3000",
                    "--grace", "60", "--metrics-port", "0")
     try:
         s.wait_serving()
         stream = OpenStream(s, timeout=90)
         stream.send(with_id(request_for(art, art.meta.symbols[0]), "in flight"))
-        wait_metric(s, "foxhunt_inflight_requests", 1)  # read by the server, waiting 5 s for its batch
+        wait_metric(s, "foxhunt_inflight_requests", 1)  # read by the server, waiting 3 s for its batch
         s.proc.send_signal(signal.SIGTERM)
         health = health_pb2_grpc.HealthStub(s.channel)
         deadline = time.monotonic() + 60

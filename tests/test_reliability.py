@@ -194,9 +194,9 @@ def test_clients_that_disconnect_mid_call_do_not_disturb_others(tiny_model: Mode
     rng = random.Random(7)
     try:
         s.wait_serving()
-        with grpc.insecure_channel(s.target) as channel:
+        with grpc.insecure_channel(s.target) as channel:  # all at once: one by one, each waits 300 ms alone
             stub = pb_grpc.ForecasterStub(channel)
-            expected = [quantiles(stub.Predict(r, timeout=10)) for r in pool]
+            expected = [quantiles(f.result()) for f in [stub.Predict.future(r, timeout=10) for r in pool]]
 
         async def rounds() -> tuple[int, int]:
             ok = cancelled = 0
@@ -556,11 +556,11 @@ def _wait_until(holds: Callable[[], bool], s: LiveServer, timeout: float = 60) -
 
 def test_sigterm_finishes_every_call_in_flight_and_refuses_later_ones_retriably(tiny_model: Model,  # noqa: F811
                                                                                 tmp_path: Path) -> None:
-    """SIGTERM while 8 calls wait for their batch (--batch-wait fixed, 10 s): every one of them succeeds; a call
+    """SIGTERM while 8 calls wait for their batch (--batch-wait fixed, 5 s): every one of them succeeds; a call
     that arrives during the drain is refused UNAVAILABLE (retriable), not CANCELLED (what gRPC answers to calls it
     holds when its own shutdown starts, which waits for the calls in flight); the process exits 0. Each step waits
     for what the server reports (its in-flight gauge, its health), never for a fixed time."""
-    s = LiveServer(tiny_model.model, tmp_path / "server.log", "--batch-wait", "fixed", "--max-delay-ms", "10000",
+    s = LiveServer(tiny_model.model, tmp_path / "server.log", "--batch-wait", "fixed", "--max-delay-ms", "5000",
                    "--grace", "60", "--metrics-port", "0")
     try:
         s.wait_serving()

@@ -20,22 +20,19 @@ from serving.model import load_model
 from serving.preprocess import prepare
 from serving.request_from_bars import series_from_bars
 from serving.validation import columns_from_proto
-from tests.artifacts import REPO
+from tests.artifacts import REPO, run
+from tests.artifacts import run_score as score  # in-process
 from tests.live_server import Model, tiny_model  # noqa: F401  (the shared fixture)
 
 pytestmark = pytest.mark.slow
 
 
-def score(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "serving.score", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def scored(tiny_model: Model, tmp_path_factory: pytest.TempPathFactory) -> pa.Table:  # noqa: F811
+    """The real command over the tiny model's bars (the other tests run its main in this process: score)."""
     out = tmp_path_factory.mktemp("score") / "forecasts.parquet"
-    done = score("--model", tiny_model.model, "--parquet", tiny_model.bars_path, "--out", out, "--threads", "1",
-                 "--batch", "100")
+    done = run(["-m", "serving.score", "--model", str(tiny_model.model), "--parquet", str(tiny_model.bars_path),
+                "--out", str(out), "--threads", "1", "--batch", "100"])
     assert done.returncode == 0, done.stderr
     assert "windows: " in done.stderr and "realised return inside [q0.1, q0.9]" in done.stderr
     return pq.read_table(out)
@@ -441,19 +438,21 @@ def test_the_summary_gives_coverage_of_an_interval_and_none_for_one_quantile() -
 
 @pytest.fixture(scope="module")
 def indicator_model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    """A tiny model with one user column (f000, an indicator), trained and exported by the real commands."""
+    """A tiny model with one user column (f000, an indicator), trained and exported by the commands' mains."""
     from features.bars import read_bars
     from features.model_meta import ModelMeta
-    from tests.artifacts import TINY_TRAIN_FLAGS, make_onnx, run
+    from tests.artifacts import TINY_TRAIN_FLAGS, run_main
 
     work = tmp_path_factory.mktemp("indicator")
-    r = run(["-m", "features.synth", "--out", str(work / "bars.parquet"), "--symbols", "ES,NQ", "--bars", "800",
-             "--seed", "5", "--extra-features", "1"])
+    r = run_main(["-m", "features.synth", "--out", str(work / "bars.parquet"), "--symbols", "ES,NQ", "--bars", "800",
+                  "--seed", "5", "--extra-features", "1"])
     assert r.returncode == 0, r.stderr
-    r = run(["-m", "trainer", "--parquet", str(work / "bars.parquet"), "--out", str(work / "ckpt.pt"),
-             "--features", "f000", *TINY_TRAIN_FLAGS])
+    r = run_main(["-m", "trainer", "--parquet", str(work / "bars.parquet"), "--out", str(work / "ckpt.pt"),
+                  "--features", "f000", *TINY_TRAIN_FLAGS])
     assert r.returncode == 0, r.stderr[-3000:]
-    model = make_onnx(work / "ckpt.pt", work / "model.onnx", ("--threads", "1"))
+    model = work / "model.onnx"
+    r = run_main(["-m", "export", str(work / "ckpt.pt"), str(model), "--threads", "1"])
+    assert r.returncode == 0, r.stderr[-3000:]
     meta = ModelMeta.from_props({p.key: p.value for p in onnx.load(str(model)).metadata_props})
     return Model(work / "bars.parquet", model, meta, read_bars(work / "bars.parquet", user_columns=("f000",)))
 

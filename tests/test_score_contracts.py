@@ -27,7 +27,7 @@ from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.model import load_model
 from serving.request_from_bars import request_from_bars
 from serving.wire import forecast_arrays
-from tests.artifacts import REPO, TINY_TRAIN_FLAGS, run, run_score
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, run_main, run_score
 from tests.live_server import serving
 from tests.test_check_contracts import ContractBars, contract_bars, day_ns
 from tests.test_score_covariates import H, iso, write_model
@@ -42,10 +42,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Contr
     """A tiny model trained and exported on per-contract bars of two roots, and the bars to score."""
     root = tmp_path_factory.mktemp("contracts")
     pq.write_table(contract_bars(TRAIN, days_each=4, per_day=60, seed=1).table, root / "train.parquet")
-    done = run(["-m", "trainer", "--parquet", str(root / "train.parquet"), "--time-col", "ts_event", "--out",
-                str(root / "ckpt.pt"), *TINY_TRAIN_FLAGS])
+    done = run_main(["-m", "trainer", "--parquet", str(root / "train.parquet"), "--time-col", "ts_event", "--out",
+                     str(root / "ckpt.pt"), *TINY_TRAIN_FLAGS])
     assert done.returncode == 0, done.stderr[-4000:]
-    done = run(["-m", "export", str(root / "ckpt.pt"), str(root / "model.onnx")])
+    done = run_main(["-m", "export", str(root / "ckpt.pt"), str(root / "model.onnx")])
     assert done.returncode == 0, done.stderr[-4000:]
     bars = contract_bars(SCORE, days_each=3, per_day=60, seed=2)
     pq.write_table(bars.table, root / "futures.parquet")

@@ -46,7 +46,7 @@ from features.windows import gather_windows
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.request_from_bars import series_from_bars
-from tests.artifacts import REPO
+from tests.artifacts import REPO, run_main
 from tests.live_server import SERVICE, LiveServer, Model, metric, request_for, serving, tiny_model  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -658,11 +658,11 @@ def test_callers_whose_deadlines_pass_get_deadline_exceeded_and_log_no_errors(ar
 
 
 def test_overload_is_resource_exhausted_and_queued_deadlines_are_not_run(art: Model, tmp_path: Path) -> None:
-    """Two calls wait 5 s for company (a fixed wait) and fill --max-concurrent 2: every other call meanwhile is
+    """Two calls wait 3 s for company (a fixed wait) and fill --max-concurrent 2: every other call meanwhile is
     refused RESOURCE_EXHAUSTED, logged once. A call whose deadline passes while it waits for its batch is not
     run: the batch that closes after it holds only the call that came next."""
     s = serve(art.model, tmp_path / "server.log", "--device", "cpu", "--max-concurrent", "2",
-              "--batch-wait", "fixed", "--max-delay-ms", "5000")
+              "--batch-wait", "fixed", "--max-delay-ms", "3000")
     try:
         s.wait_serving()
         request = request_for(art, art.meta.symbols[0])
@@ -693,7 +693,7 @@ def test_overload_is_resource_exhausted_and_queued_deadlines_are_not_run(art: Mo
             "--max-concurrent" in overload[0], overload
 
         before = s.scrape()
-        assert call(timeout=0.3) == "DEADLINE_EXCEEDED"  # it waits 5 s for its batch
+        assert call(timeout=0.3) == "DEADLINE_EXCEEDED"  # it waits 3 s for its batch
         assert call() == "OK"  # joins that batch, and is alone in it
         after = s.scrape()
         for name in ("foxhunt_batch_windows_count", "foxhunt_batch_calls_sum"):
@@ -1296,16 +1296,15 @@ def test_serving_ab_compares_two_checkouts_served_at_once(art: Model, tmp_path: 
     assert row is not None, done.stdout
     assert int(row.group(1)) > 0 and float(row.group(2)) > 0 and float(row.group(3)) > 0
     assert re.search(r"^summary: B - A p50 over the rounds [+-][\d.]+ ms$", done.stdout, re.M), done.stdout
-    refused = subprocess.run([*cmd, "--a", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    refused = run_main([*cmd[1:], "--a", str(tmp_path)])
     assert refused.returncode == 2 and "holds no serving package" in refused.stderr
-    missing = [*cmd[:4], str(tmp_path / "none.onnx"), *cmd[5:], "--a", str(REPO)]
-    refused = subprocess.run(missing, cwd=REPO, capture_output=True, text=True, timeout=60)
+    refused = run_main([*cmd[1:4], str(tmp_path / "none.onnx"), *cmd[5:], "--a", str(REPO)])
     assert refused.returncode == 2 and "cannot read the model file" in refused.stderr
     assert "Traceback" not in refused.stderr
 
 
 def assert_paced(row: dict[str, Any], bare: dict[str, Any], rate: float, summary: dict[str, Any]) -> None:
-    """A paced level of serving_load (1 s long): one client held to `rate` calls a second, far below the
+    """A paced level of serving_load (at most 1 s long): one client held to `rate` calls a second, far below the
     hundreds a closed-loop client makes, against bare session.run as far apart; the server's CPU share
     and p50 over its peer in the summary."""
     assert row["rate"] == rate and row["concurrency"] == 1 and not row["errors"], row
@@ -1321,13 +1320,23 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
     """benchmarks/serving_load, the issue's acceptance benchmark, end to end at small sizes: the bare rows,
     one row per concurrency level with the server's own metrics, the gRPC floor, and a summary whose
     overhead is the server's p50 less bare session.run's; a bad model file or level is refused by name."""
-    out = tmp_path / "load.json"
     cmd = [sys.executable, "-m", "benchmarks.serving_load", "--model", str(art.model), "--parquet",
-           str(art.bars_path), "--duration", "1", "--pool", "16", "--client-procs", "1"]
-    done = subprocess.run([*cmd, "--concurrency", "1,4", "--rate", "30", "--stream", "--json", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
+           str(art.bars_path), "--duration", "0.5", "--pool", "16", "--client-procs", "1"]
+    runs = {  # side by side: each level spends most of its time waiting 3 s for its clients to connect
+        "aio": ["--concurrency", "1,4", "--stream", "--no-floor"],
+        "paced": ["--concurrency", "1", "--rate", "30"],
+        # grpc's blocking stub, one thread per client: what a strategy engine calling from its own loop sees (and
+        # what the server costs while idle after it: next to nothing, as it sleeps between calls)
+        "sync": ["--concurrency", "1,3", "--client", "sync", "--no-floor", "--idle", "1", "--rate", "20"],
+    }
+    with ThreadPoolExecutor(len(runs)) as pool:
+        started = {name: pool.submit(subprocess.run, [*cmd, *flags, "--json", str(tmp_path / f"{name}.json")],
+                                     cwd=REPO, capture_output=True, text=True, timeout=180)
+                   for name, flags in runs.items()}
+    done = {name: f.result() for name, f in started.items()}
+    for r in done.values():
+        assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((tmp_path / "aio.json").read_text())
     rows = {(r["name"], r["concurrency"]): r for r in report["levels"]}
     bare = rows[("bare ORT: session.run", 1)]
     assert bare["requests"] > 0 and not bare["errors"]
@@ -1338,30 +1347,29 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
         assert row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"]
         assert set(row["step_us"]) == {"parse", "features", "run", "response"} and all(
             us > 0 for us in row["step_us"].values()), row["step_us"]
-    assert any(name.startswith("gRPC floor") for name, _ in rows)
-    assert "| server steps, mean µs" in done.stdout
+    assert "| server steps, mean µs" in done["aio"].stdout
     summary = report["summary"]
     assert summary["errors"] == 0
     expected = rows[("server, concurrency 1", 1)]["p50_ms"] - bare["p50_ms"]
     assert summary["p50_overhead_ms_at_1"] == pytest.approx(expected, abs=1e-3)
-    assert "| server, concurrency 4" in done.stdout and report["client"] == "aio"
+    assert "| server, concurrency 4" in done["aio"].stdout and report["client"] == "aio"
     for c in (1, 4):  # --stream: each client on one open PredictStream, timed by the server per request
         row = rows[(f"server, concurrency {c}, stream", c)]
         assert row["requests"] > 0 and not row["errors"] and row["handler_ms"] > 0 and row["mean_batch"] >= 1, row
     expected = rows[("server, concurrency 1, stream", 1)]["p50_ms"] - bare["p50_ms"]
     assert summary["stream_p50_overhead_ms_at_1"] == pytest.approx(expected, abs=1e-3)
+    assert not any(name.startswith("gRPC floor") for name, _ in rows)  # --no-floor
+    report = json.loads((tmp_path / "paced.json").read_text())
+    rows = {(r["name"], r["concurrency"]): r for r in report["levels"]}
+    summary = report["summary"]
+    assert summary["errors"] == 0
     assert_paced(rows[("server, paced 30/s", 1)], rows[("bare ORT: session.run, 33.3333 ms apart", 1)], 30, summary)
     empty = rows[("gRPC floor: health Check, paced 30/s", 1)]  # an empty call after the same pause
     assert empty["rate"] == 30 and 0 < empty["requests"] <= 31 and not empty["errors"], empty
     assert summary["paced_30_floor_p50_ms"] == pytest.approx(empty["p50_ms"], abs=1e-3)
     floor_1 = rows[("gRPC floor: health Check, conc. 1", 1)]  # the closed-loop floor is still its own row
     assert summary["floor_p50_ms_at_1"] == pytest.approx(floor_1["p50_ms"], abs=1e-3)
-    # grpc's blocking stub, one thread per client: what a strategy engine calling from its own loop sees
-    # (and what the server costs while idle after it: next to nothing, as it sleeps between calls)
-    sync = subprocess.run([*cmd, "--concurrency", "1,3", "--client", "sync", "--no-floor", "--idle", "1", "--rate",
-                           "20", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert sync.returncode == 0, sync.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = json.loads((tmp_path / "sync.json").read_text())
     assert report["client"] == "sync" and report["summary"]["errors"] == 0
     assert 0 <= report["summary"]["idle_server_cpu_pct"] < 50, report["summary"]
     rows = {r["name"]: r for r in report["levels"]}
@@ -1377,7 +1385,7 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
                          (["--rate", "0"], "each rate must be in (0, 100000]"),
                          (["--stream", "--client", "sync"], "leave out --client sync"),
                          (["--rate", "10", "--target", "127.0.0.1:1"], "a server this script starts")):
-        refused = subprocess.run([*cmd, *bad], cwd=REPO, capture_output=True, text=True, timeout=60)
+        refused = run_main([*cmd[1:], *bad])
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
         assert "Traceback" not in refused.stderr
 
@@ -1412,8 +1420,8 @@ def test_serving_steps_times_each_step_of_a_call(art: Model, tmp_path: Path) -> 
                          "session.run, 1", "build_response"}, done.stdout
     us = {k: float(v.replace(",", "")) for k, v in rows.items()}
     assert all(v > 0 for v in us.values())
-    refused = subprocess.run([sys.executable, "-m", "benchmarks.serving_steps", "--model", str(tmp_path / "no.onnx"),
-                              "--parquet", str(art.bars_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    refused = run_main(["-m", "benchmarks.serving_steps", "--model", str(tmp_path / "no.onnx"), "--parquet",
+                        str(art.bars_path)])
     assert refused.returncode == 2 and "cannot read the model file" in refused.stderr
 
 

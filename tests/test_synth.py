@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
-import sys
 from datetime import UTC, date, datetime
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from features.synth import (
     main,
     session_timestamps,
 )
+from tests.artifacts import run_main
 
 NS_PER_MINUTE = 60 * 10**9
 NS_PER_DAY = 86_400 * 10**9
@@ -168,8 +168,7 @@ def test_symbols_are_correlated(es: Series, nq: Series) -> None:
 
 
 def run_synth(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "features.synth", *args], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+    return run_main(["-m", "features.synth", *args])
 
 
 def test_cli_writes_readable_bars(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.artifacts import REPO, exit_and_imports, make_bars, run
+from tests.artifacts import REPO, exit_and_imports, make_bars, run, run_main
 from trainer.checkpoint import file_sha256
 from trainer.tracking import TrackingError, open_tracker
 
@@ -92,8 +92,8 @@ def test_a_resumed_run_continues_the_same_tracked_run(tmp_path: Path, bars: Path
     out, tb = (tmp_path / "run" / "ckpt.pt", tmp_path / "tb")
     shutil.copytree(tracked[0].parent, out.parent)
     shutil.copytree(tracked[1], tb)
-    r = run(["-m", "trainer", "--parquet", str(bars), "--resume", str(out.with_suffix(".last.pt")), *FLAGS,
-             "--epochs", "3", "--tracking", f"tensorboard:{tb}"])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--resume", str(out.with_suffix(".last.pt")), *FLAGS,
+                  "--epochs", "3", "--tracking", f"tensorboard:{tb}"])
     assert r.returncode == 0, r.stderr[-3000:]
     events = read_events(tb / "ckpt")
     steps, values = scalars(events, "loss/val")

@@ -1,4 +1,5 @@
-"""The trainer as a user runs it: `python -m trainer`, its files, resume, and every refusal."""
+"""The trainer as a user runs it: `python -m trainer`, its files, resume, and every refusal. The command's main runs
+in the test's process (tests.artifacts.run_main) except where the process is under test: signals, torchrun, imports."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from features.schema import (
     STATIC_CATEGORICAL,
     TARGET,
 )
-from tests.artifacts import REPO, TINY_TRAIN_FLAGS, exit_and_imports, make_bars, run
+from tests.artifacts import REPO, TINY_TRAIN_FLAGS, exit_and_imports, make_bars, run, run_main
 from trainer.checkpoint import FORMAT, file_sha256, load_checkpoint, save_atomic
 from trainer.config import ConfigError, TrainConfig, resumed_config
 from trainer.data import (
@@ -61,7 +62,7 @@ def bars(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def learned_run(tmp_path_factory: pytest.TempPathFactory, bars: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
     out = tmp_path_factory.mktemp("learn") / "ckpt.pt"
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *LEARN_FLAGS])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *LEARN_FLAGS])
     assert r.returncode == 0, r.stderr[-3000:]
     return out, r
 
@@ -346,14 +347,14 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
     flags = [f for f in TINY_TRAIN_FLAGS if f != "--no-report"] + ["--test-fraction", "0.1"]
     train = ["-m", "trainer", "--parquet", str(bars)]
     for name, seed, epochs in (("a", "1", "2"), ("b", "2", "1")):
-        r = run([*train, "--out", str(tmp_path / name / "ckpt.pt"), *flags, "--seed", seed, "--epochs", epochs])
+        r = run_main([*train, "--out", str(tmp_path / name / "ckpt.pt"), *flags, "--seed", seed, "--epochs", epochs])
         assert r.returncode == 0, r.stderr[-3000:]
     a_test = json.loads((tmp_path / "a" / "ckpt.test.json").read_text())
     a_best = load_checkpoint(tmp_path / "a" / "ckpt.pt")["epoch"]
     assert file_sha256(tmp_path / "b" / "ckpt.pt") != file_sha256(tmp_path / "a" / "ckpt.pt")
     # run a, resumed into b's directory (no epoch left to run, as when no new epoch beats the best)
     resume = [*train, "--threads", "1", "--no-progress", "--resume"]
-    r = run([*resume, str(tmp_path / "a" / "ckpt.last.pt"), "--out", str(tmp_path / "b" / "ckpt.pt")])
+    r = run_main([*resume, str(tmp_path / "a" / "ckpt.last.pt"), "--out", str(tmp_path / "b" / "ckpt.pt")])
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"copied the run's best checkpoint (epoch {a_best})" in r.stderr
     assert "nothing to train: the run is at epoch 2 of --epochs 2; to train on, resume with --epochs above 2" \
@@ -362,9 +363,10 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
     assert json.loads((tmp_path / "b" / "ckpt.test.json").read_text())["test_loss"] == a_test["test_loss"]
     assert (tmp_path / "b" / "ckpt.report.png").stat().st_size > 0
     # an --out not ending in .pt: the best is e/model.ckpt beside e/model.last.pt
-    r = run([*train, "--out", str(tmp_path / "e" / "model.ckpt"), *TINY_TRAIN_FLAGS])
+    r = run_main([*train, "--out", str(tmp_path / "e" / "model.ckpt"), *TINY_TRAIN_FLAGS])
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run([*resume, str(tmp_path / "e" / "model.last.pt"), "--out", str(tmp_path / "f" / "ckpt.pt"), "--no-report"])
+    r = run_main([*resume, str(tmp_path / "e" / "model.last.pt"), "--out", str(tmp_path / "f" / "ckpt.pt"),
+                  "--no-report"])
     assert r.returncode == 0 and "copied the run's best checkpoint (epoch 1) from" in r.stderr, r.stderr[-3000:]
     assert file_sha256(tmp_path / "f" / "ckpt.pt") == file_sha256(tmp_path / "e" / "model.ckpt")
     # a last checkpoint copied alone, its run's best at an earlier epoch: no best to use, and none borrowed; the
@@ -375,7 +377,7 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
     (tmp_path / "d").mkdir()
     for other in ("ckpt.test.json", "ckpt.report.png"):  # another run's judgments, left in d
         (tmp_path / "d" / other).write_text("another run's")
-    r = run([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "d" / "ckpt.pt"), "--epochs", "3"])
+    r = run_main([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "d" / "ckpt.pt"), "--epochs", "3"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert ("nothing to train: the run stopped early at epoch 2, after 3 epochs without validation improvement "
             "(--patience 3); to train on, resume with a --patience above 3 (0: never stop early)") in r.stderr
@@ -384,17 +386,17 @@ def test_a_run_resumed_into_another_out_keeps_its_own_best_model(tmp_path: Path,
     assert not (tmp_path / "d" / "ckpt.pt").exists() and not (tmp_path / "d" / "ckpt.test.json").exists()
     assert not (tmp_path / "d" / "ckpt.report.png").exists()
     # a stopping rule may change on resume: a higher --patience trains on
-    r = run([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "g" / "ckpt.pt"), "--epochs", "3",
-             "--patience", "5", "--no-report"])
+    r = run_main([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "g" / "ckpt.pt"), "--epochs", "3",
+                  "--patience", "5", "--no-report"])
     assert r.returncode == 0 and "resume: patience 3 -> 5" in r.stderr, r.stderr[-3000:]
     assert "nothing to train" not in r.stderr and load_checkpoint(tmp_path / "g" / "ckpt.last.pt")["epoch"] == 3
     # resumed from an earlier epoch than the run's latest beside --out: said, before that latest is replaced
-    r = run([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "g" / "ckpt.pt"), "--epochs", "3",
-             "--patience", "5", "--no-report"])
+    r = run_main([*resume, str(tmp_path / "c" / "saved.pt"), "--out", str(tmp_path / "g" / "ckpt.pt"), "--epochs", "3",
+                  "--patience", "5", "--no-report"])
     assert r.returncode == 0 and (f"resuming from epoch 2, but {tmp_path / 'g' / 'ckpt.last.pt'} is at epoch 3 and "
                                   "this run replaces it") in r.stderr, r.stderr[-3000:]
     # a fresh run into b with no report and no test split: the earlier run's report and test scores go
-    r = run([*train, "--out", str(tmp_path / "b" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
+    r = run_main([*train, "--out", str(tmp_path / "b" / "ckpt.pt"), *TINY_TRAIN_FLAGS])
     assert r.returncode == 0 and "ckpt.test.json" in r.stderr and "from an earlier run" in r.stderr, r.stderr[-3000:]
     assert not (tmp_path / "b" / "ckpt.test.json").exists() and not (tmp_path / "b" / "ckpt.report.png").exists()
 
@@ -417,14 +419,14 @@ def test_a_fresh_run_that_saves_no_epoch_leaves_the_earlier_runs_judgments(tmp_p
     """The report and test scores beside --out judge the earlier run's ckpt.pt: they go when this run's first
     best checkpoint replaces it, not at its start (here its first epoch diverges, and nothing is replaced)."""
     out = tmp_path / "ckpt.pt"
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "a" / "b" / "ckpt.pt"),
-             *TINY_TRAIN_FLAGS, "--learning-rate", "1e9", "--grad-clip", "0"])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "a" / "b" / "ckpt.pt"),
+                  *TINY_TRAIN_FLAGS, "--learning-rate", "1e9", "--grad-clip", "0"])
     assert r.returncode == 2 and not (tmp_path / "a").exists(), r.stderr[-2000:]  # and no empty directories
     earlier = {name: f"the earlier run's {name}" for name in ("ckpt.test.json", "ckpt.report.png")}
     for name, text in earlier.items():
         (tmp_path / name).write_text(text)
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS, "--learning-rate", "1e9",
-             "--grad-clip", "0"])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS, "--learning-rate",
+                  "1e9", "--grad-clip", "0"])
     assert r.returncode == 2 and "training diverged" in r.stderr, r.stderr[-2000:]
     assert {name: (tmp_path / name).read_text() for name in earlier} == earlier and not out.exists()
 
@@ -458,11 +460,11 @@ def test_sigterm_leaves_last_good_checkpoint_and_resume_finishes(tmp_path: Path,
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     resume = ["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--resume", str(out.with_suffix(".last.pt"))]
     # the command says what machine the plan is for; the recipe stays the checkpoint's
-    r = run([*resume, "--plan-only", "--device", "cuda", "--vram-budget", "4GiB"])
+    r = run_main([*resume, "--plan-only", "--device", "cuda", "--vram-budget", "4GiB"])
     assert r.returncode == 0 and "planned for a CUDA card" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
-    r = run([*resume, "--hidden-size", "16"])
+    r = run_main([*resume, "--hidden-size", "16"])
     assert r.returncode == 2 and "changes --hidden-size 16 (the checkpoint's: 8)" in r.stderr, r.stderr[-2000:]
-    r = run([*resume, "--epochs", str(last["epoch"] + 1), "--no-progress", "--no-report"])
+    r = run_main([*resume, "--epochs", str(last["epoch"] + 1), "--no-progress", "--no-report"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert load_checkpoint(out.with_suffix(".last.pt"))["epoch"] == last["epoch"] + 1
     assert f'"epochs": {last["epoch"] + 1}' in r.stderr and '"hidden_size": 8' in r.stderr  # the config it ran
@@ -477,7 +479,7 @@ def test_an_interrupted_run_names_the_command_that_continues_it_and_resume_write
     assert default_out(None) == Path("ckpt.pt")
     assert default_out(Path("runs/ckpt.last.pt")) == Path("runs/ckpt.pt")  # not ckpt.pt in the working directory
     assert default_out(Path("runs/model.pt")) is None  # a copy's run is unknown: --out must say, not the copy
-    r = run(["-m", "trainer", "--parquet", str(bars), "--resume", str(tmp_path / "keep-epoch3.pt")])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--resume", str(tmp_path / "keep-epoch3.pt")])
     assert r.returncode == 2 and "--resume " in r.stderr and ": give --out" in r.stderr, r.stderr[-2000:]
     # the run's own command, machine flags and all, from the last checkpoint it wrote; quoted for a shell
     command = ["python", "-m", "trainer", "--parquet", "my bars.parquet", "--out", "r/ckpt.pt", "--device", "cpu",
@@ -521,8 +523,8 @@ def test_flags_override_config_file(tmp_path: Path, bars: Path) -> None:
     flags = [f for f in TINY_TRAIN_FLAGS]
     flags[flags.index("--horizon") : flags.index("--horizon") + 2] = []
     flags[flags.index("--hidden-size") : flags.index("--hidden-size") + 2] = []
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "c.pt"), "--config", str(cfg_file),
-             "--hidden-size", "6", *flags])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "c.pt"), "--config", str(cfg_file),
+                  "--hidden-size", "6", *flags])
     assert r.returncode == 0, r.stderr[-2000:]
     ckpt = load_checkpoint(tmp_path / "c.pt")
     assert ckpt["model_config"]["hidden_size"] == 6  # flag wins over the file
@@ -589,7 +591,7 @@ def test_a_bad_setting_is_named_where_it_was_set_with_its_value(tmp_path: Path) 
 def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, bars: Path, args: list[str], message: str) -> None:
     out = tmp_path / "ckpt.pt"
     base = [f for f in TINY_TRAIN_FLAGS if f not in ("--device", "cpu")]
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *base, *args])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *base, *args])
     assert r.returncode == 2, r.stderr[-2000:]
     assert message in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
@@ -613,8 +615,8 @@ def test_a_model_too_big_for_the_hosts_memory_exits_3_naming_it(tmp_path: Path, 
     """1 PiB for one layer, past what a process can address (128 TiB on x86-64, 256 TiB on 48-bit arm64), so no
     allocator grants it, overcommit or not; the run says so, exit 3 as for a card's memory, not a traceback."""
     out = tmp_path / "ckpt.pt"
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--hidden-size", "16777216",
-             "--attention-heads", "1", "--epochs", "1", "--device", "cpu", "--no-progress"])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(out), "--hidden-size", "16777216",
+                  "--attention-heads", "1", "--epochs", "1", "--device", "cpu", "--no-progress"])
     assert r.returncode == 3 and "error: out of host memory: DefaultCPUAllocator: can't allocate memory" in r.stderr \
         and "Shrink the model" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not out.exists()
@@ -641,7 +643,7 @@ def test_unknown_config_key_and_bad_bars_exit_2(tmp_path: Path) -> None:
     cfg_file = tmp_path / "cfg.toml"
     cfg_file.write_text("hiden_size = 12\n")
     bars = make_bars(tmp_path / "bars.parquet", bars=500)
-    r = run(["-m", "trainer", "--parquet", str(bars), "--config", str(cfg_file)])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--config", str(cfg_file)])
     assert r.returncode == 2 and "unknown config key(s) hiden_size" in r.stderr
     import pyarrow.parquet as pq
 
@@ -650,22 +652,22 @@ def test_unknown_config_key_and_bad_bars_exit_2(tmp_path: Path) -> None:
     close[10] = -1.0
     t = t.set_column(t.schema.get_field_index("close"), "close", [close])
     pq.write_table(t, tmp_path / "bad.parquet")
-    r = run(["-m", "trainer", "--parquet", str(tmp_path / "bad.parquet"), "--out", str(tmp_path / "new" / "x.pt")])
+    r = run_main(["-m", "trainer", "--parquet", str(tmp_path / "bad.parquet"), "--out", str(tmp_path / "new" / "x.pt")])
     assert r.returncode == 2
     assert "column 'close', row 10" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "new").exists()  # a refused run leaves nothing behind, not even --out's directory
     pq.write_table(t.slice(0, 0), tmp_path / "empty.parquet")  # the columns, no rows
-    r = run(["-m", "trainer", "--parquet", str(tmp_path / "empty.parquet"), "--out", str(tmp_path / "x.pt")])
+    r = run_main(["-m", "trainer", "--parquet", str(tmp_path / "empty.parquet"), "--out", str(tmp_path / "x.pt")])
     assert r.returncode == 2 and "no bars (the file holds no rows)" in r.stderr and "Traceback" not in r.stderr
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"not a checkpoint")
-    r = run(["-m", "trainer", "--parquet", str(bars), "--resume", str(corrupt), "--out", str(tmp_path / "r.pt")])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--resume", str(corrupt), "--out", str(tmp_path / "r.pt")])
     assert r.returncode == 2 and "not a readable checkpoint" in r.stderr
 
 
 def test_device_auto_says_which_device_it_chose(tmp_path: Path, bars: Path) -> None:
     flags = [f for f in TINY_TRAIN_FLAGS if f not in ("--device", "cpu")]
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "a.pt"), "--device", "auto", *flags])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "a.pt"), "--device", "auto", *flags])
     assert r.returncode == 0, r.stderr[-2000:]
     expected = "training on the CPU" if not torch.cuda.is_available() else "training on cuda"
     assert expected in r.stderr
@@ -685,7 +687,7 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path: Path, bars: Pat
     """DDP on 2 CPU ranks (gloo): shared vocabulary/normalisation, sharded batches, averaged
     gradients, rank 0 alone writing files — the same weights as one process, within float error."""
     flags = [*TINY_TRAIN_FLAGS, "--dropout", "0", "--epochs", "2"]
-    one = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "one" / "ckpt.pt"), *flags])
+    one = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path / "one" / "ckpt.pt"), *flags])
     assert one.returncode == 0, one.stderr[-2000:]
     two = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainer",
                "--parquet", str(bars), "--out", str(tmp_path / "two" / "ckpt.pt"), *flags])
@@ -699,20 +701,17 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path: Path, bars: Pat
         torch.testing.assert_close(b["model_state"][name], value, atol=1e-5, rtol=1e-4, msg=name)
     lines = (tmp_path / "two" / "ckpt.metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2  # written once, by rank 0
-    # the report too: drawn by rank 0 alone (another rank, done first, looked for a checkpoint not yet there)
-    with_report = [f for f in TINY_TRAIN_FLAGS if f != "--no-report"]
-    three = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainer",
-                 "--parquet", str(bars), "--out", str(tmp_path / "three" / "ckpt.pt"), *with_report])
-    assert three.returncode == 0, three.stderr[-3000:]
-    assert (tmp_path / "three" / "ckpt.report.png").is_file() and not list((tmp_path / "three").glob(".*.tmp*"))
-    # an epoch whose last step has one window, fewer than the ranks: dropped (rank 1 would have none to step on)
+    # an epoch whose last step has one window, fewer than the ranks: dropped (rank 1 would have none to step on);
+    # and the report, drawn by rank 0 alone (another rank, done first, looked for a checkpoint not yet there)
     n = prepare(bars, tiny_cfg()).train_anchors.size
     flags[flags.index("--batch-size") + 1] = str(n - 1)
     flags[flags.index("--max-steps-per-epoch") + 1] = "0"  # every step of the epoch
+    with_report = [f for f in flags if f != "--no-report"]
     four = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainer",
-                "--parquet", str(bars), "--out", str(tmp_path / "four" / "ckpt.pt"), *flags, "--epochs", "1"])
+                "--parquet", str(bars), "--out", str(tmp_path / "four" / "ckpt.pt"), *with_report, "--epochs", "1"])
     assert four.returncode == 0, four.stderr[-3000:]
     assert load_checkpoint(tmp_path / "four" / "ckpt.last.pt")["step"] == 1  # the full step; not the lone window
+    assert (tmp_path / "four" / "ckpt.report.png").is_file() and not list((tmp_path / "four").glob(".*.tmp*"))
     # a batch smaller than the ranks could give none of its steps a window for every rank: refused up front
     five = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainer",
                 "--parquet", str(bars), "--out", str(tmp_path / "five" / "ckpt.pt"), *TINY_TRAIN_FLAGS,
@@ -761,7 +760,7 @@ def test_every_config_field_has_a_flag_with_its_description() -> None:
 
     comments = field_comments()
     assert set(comments) == {f.name for f in fields(TrainConfig)}
-    r = run(["-m", "trainer", "--help"])
+    r = run_main(["-m", "trainer", "--help"])
     assert r.returncode == 0
     for f in fields(TrainConfig):
         assert f"--{f.name.replace('_', '-')}" in r.stdout
@@ -835,7 +834,7 @@ def test_an_out_that_is_a_link_becomes_a_file_and_what_it_named_is_kept(
     kept = file_sha256(release)
     out = tmp_path / "ckpt.pt"
     out.symlink_to(release)
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS])
     assert r.returncode == 0, r.stderr[-3000:]
     assert not out.is_symlink() and load_checkpoint(out)["epoch"] == 1
     assert file_sha256(release) == kept
@@ -844,15 +843,15 @@ def test_an_out_that_is_a_link_becomes_a_file_and_what_it_named_is_kept(
 def test_an_out_over_the_bars_a_file_or_a_directory_is_refused_before_training(tmp_path: Path, bars: Path) -> None:
     own = tmp_path / "own.parquet"  # --out naming the bars themselves would replace them with the checkpoint
     shutil.copy(bars, own)
-    r = run(["-m", "trainer", "--parquet", str(own), "--out", str(own), *TINY_TRAIN_FLAGS])
+    r = run_main(["-m", "trainer", "--parquet", str(own), "--out", str(own), *TINY_TRAIN_FLAGS])
     assert r.returncode == 2 and f"--out {own}: {own} is the bars file {own} itself" in r.stderr, r.stderr[-2000:]
     assert own.read_bytes() == bars.read_bytes() and "epoch 1" not in r.stderr
     notes = tmp_path / "notes.txt"  # a file of the user's, not a checkpoint: never replaced
     notes.write_text("mine")
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(notes), *TINY_TRAIN_FLAGS])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(notes), *TINY_TRAIN_FLAGS])
     assert r.returncode == 2 and f"{notes} exists and is not a PyTorch checkpoint" in r.stderr, r.stderr[-2000:]
     assert notes.read_text() == "mine"
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path), *TINY_TRAIN_FLAGS])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(tmp_path), *TINY_TRAIN_FLAGS])
     assert r.returncode == 2 and f"--out {tmp_path} is a directory" in r.stderr, r.stderr[-2000:]
 
 

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.artifacts import TINY_TRAIN_FLAGS, run
+from tests.artifacts import TINY_TRAIN_FLAGS, run_main
 from trainer.config import ConfigError, TrainConfig, config_from_args, resumed_config
 from trainer.data import prepare
 
@@ -57,7 +57,7 @@ def contract_bars(path: Path, names: dict[str, str] | None = None, expirations: 
 
 
 def train(parquet: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return run(["-m", "trainer", "--parquet", str(parquet), "--out", str(out), *FLAGS, *extra])
+    return run_main(["-m", "trainer", "--parquet", str(parquet), "--out", str(out), *FLAGS, *extra])
 
 
 def rolls_of(ckpt: dict[str, object]) -> list[tuple[str, str, str, str]]:

@@ -18,7 +18,7 @@ from features.config import FeatureConfig
 from features.schema import MODEL_INPUTS, STATIC_CATEGORICAL, STATIC_REAL
 from features.synth import SESSION_OPEN_NS, generate
 from features.windows import gather_windows
-from tests.artifacts import TINY_TRAIN_FLAGS, run
+from tests.artifacts import TINY_TRAIN_FLAGS, run_main
 from trainer.__main__ import main
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataError, prepare, row_inputs
@@ -62,7 +62,7 @@ def tiny_cfg(**kw: object) -> TrainConfig:
 
 def test_a_run_with_every_kind_of_user_feature_stores_vocabularies_and_roles(tmp_path: Path, bars: Path) -> None:
     out = tmp_path / "ckpt.pt"
-    r = run(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS, *FLAGS])
+    r = run_main(["-m", "trainer", "--parquet", str(bars), "--out", str(out), *TINY_TRAIN_FLAGS, *FLAGS])
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = torch.load(out, map_location="cpu", weights_only=True)
     fc = FeatureConfig.from_dict(ckpt["feature_config"])
