@@ -31,7 +31,7 @@ from export.onnx_export import input_names
 from features.bars import BarDataError, ColumnMap
 from features.config import FeatureConfig
 from features.metrics import inside, quantile_coverage
-from features.schema import ENCODER_OBSERVED
+from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED
 from trainer.config import TrainConfig
 from trainer.data import Normalization, PreparedData, ReadBars, prepare
 from trainer.modeling import TemporalFusionTransformer, TFTOutput
@@ -67,7 +67,8 @@ class CalibratedModel(nn.Module):
     def forward(self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor,
                 decoder_known: Tensor, static_real: Tensor | None = None) -> TFTOutput:
         out: TFTOutput = self.model(static_categorical, encoder_observed, encoder_known, decoder_known, static_real)
-        return out._replace(quantiles=self.adjust(out.quantiles, self.model.forecast_scale(encoder_observed)))
+        scale = self.model.forecast_scale(encoder_observed, encoder_known, decoder_known)  # [B or 1, H, 1]
+        return out._replace(quantiles=self.adjust(out.quantiles, scale))
 
     def digest(self) -> str:
         """Names the offsets, so a calibrated graph is cached apart from another calibration's."""
@@ -159,7 +160,7 @@ def predict(model: TemporalFusionTransformer, data: PreparedData, anchors: np.nd
     for chunk in torch.from_numpy(anchors).split(BATCH):
         batch = data.tensors.batch(chunk)
         quantiles.append(model(*(batch[name] for name in input_names(model.cfg))).quantiles.float().numpy())
-        scale = model.forecast_scale(batch[ENCODER_OBSERVED])  # [B or 1, H, 1]
+        scale = model.forecast_scale(*(batch[name] for name in (ENCODER_OBSERVED, ENCODER_KNOWN, DECODER_KNOWN)))
         scales.append(scale.expand(chunk.numel(), -1, -1).float().numpy())
     return np.concatenate(quantiles), np.concatenate(scales)
 

@@ -1,6 +1,6 @@
 """`python -m export --calibrate`: conformal offsets fitted on the run's validation split, folded into the graph.
 
-A tiny model trained by the real trainer, exported with --calibrate by the real command; its ONNX
+The tests' shared tiny model (tests.live_server), exported with --calibrate by the command's main; its ONNX
 output is checked on the run's validation windows, rebuilt with the trainer's own code.
 """
 
@@ -17,17 +17,19 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from export.__main__ import main
 from export.calibrate import conformal_rank, validation_data
 from export.errors import UsageError
 from export.options import ExportOptions
 from export.pipeline import run_export
 from features.bars import ColumnMap
 from features.model_meta import ModelMeta
-from features.schema import ENCODER_OBSERVED, MODEL_INPUTS, QUANTILES
+from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, MODEL_INPUTS, QUANTILES
 from serving.client import format_model_info
 from serving.model import load_model
 from serving.servicer import Limits, model_info
-from tests.artifacts import make_bars, make_checkpoint, run
+from tests.artifacts import make_bars, run_main
+from tests.live_server import Model, tiny_model  # noqa: F401  (the shared fixture)
 from trainer.checkpoint import load_checkpoint, model_from_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import Normalization, prepare
@@ -37,15 +39,16 @@ LIMITS = Limits(max_batch=64, max_message_bytes=1 << 20, max_concurrent=8)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("calibration"))
+def ckpt(tiny_model: Model) -> Path:  # noqa: F811
+    """The shared tiny model's checkpoint (read only: other tests read it too)."""
+    return tiny_model.ckpt
 
 
 @pytest.fixture(scope="module")
-def calibrated(ckpt: Path) -> Path:
-    """The real command with --calibrate (the bars: the checkpoint's data source)."""
-    out = ckpt.parent / "calibrated.onnx"
-    r = run(["-m", "export", str(ckpt), str(out), "--calibrate"])
+def calibrated(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The command with --calibrate (the bars: the checkpoint's data source)."""
+    out = tmp_path_factory.mktemp("calibrated") / "calibrated.onnx"
+    r = run_main(["-m", "export", str(ckpt), str(out), "--calibrate"])
     assert r.returncode == 0, r.stderr[-4000:]
     assert "calibration (cqr) on" in r.stderr and "interval" in r.stderr  # the before/after table
     return out
@@ -95,17 +98,18 @@ def test_calibrated_model_covers_nominal_without_crossing(calibrated: Path, vali
 
 
 def test_offsets_are_added_to_the_uncalibrated_model(ckpt: Path, calibrated: Path,
-                                                     validation: dict[str, np.ndarray]) -> None:
+                                                     validation: dict[str, np.ndarray], tmp_path: Path) -> None:
     """Uncalibrated, then calibrated in one process (the Python API): the trace cache keeps them apart."""
-    opts = ExportOptions(checkpoint=ckpt, output=ckpt.parent / "plain.onnx", explain=False)
+    opts = ExportOptions(checkpoint=ckpt, output=tmp_path / "plain.onnx")
     plain = run_export(opts, log=lambda _: None)
-    again = run_export(dataclasses.replace(opts, output=ckpt.parent / "again.onnx", calibrate=True),
+    again = run_export(dataclasses.replace(opts, output=tmp_path / "again.onnx", calibrate=True),
                        log=lambda _: None)
     assert plain.meta.calibration is None and again.meta.calibration is not None
     assert not model_info(load_model(plain.output), LIMITS).HasField("calibration")
     offsets = np.asarray(again.meta.calibration["offsets"], dtype=np.float32)  # [H, Q]
     net = model_from_checkpoint(load_checkpoint(ckpt))
-    scale = net.forecast_scale(torch.from_numpy(validation[ENCODER_OBSERVED])).detach().numpy()  # [W, H, 1]
+    scale = net.forecast_scale(*(torch.from_numpy(validation[name]) for name in (
+        ENCODER_OBSERVED, ENCODER_KNOWN, DECODER_KNOWN))).detach().numpy()  # [W, H, 1]
     shifted = forecast(plain.output, validation) + offsets * scale  # [W, H, Q]: offsets in units of the scale
     uncrossed = np.all(np.diff(shifted, axis=-1) >= 0, axis=(1, 2))  # [W]
     assert uncrossed.mean() > 0.5
@@ -115,13 +119,13 @@ def test_offsets_are_added_to_the_uncalibrated_model(ckpt: Path, calibrated: Pat
     np.testing.assert_array_equal(forecast(again.output, validation), forecast(calibrated, validation))
 
 
-def test_other_bars_are_refused(ckpt: Path, tmp_path: Path) -> None:
+def test_other_bars_are_refused(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     other = make_bars(tmp_path / "other.parquet", seed=8)
     out = tmp_path / "model.onnx"
-    r = run(["-m", "export", str(ckpt), str(out), "--calibrate", "--bars", str(other)])
-    assert r.returncode == 2
-    refusals = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert len(refusals) == 1 and "not the bars the checkpoint's run trained on" in refusals[0], r.stderr
+    assert main([str(ckpt), str(out), "--calibrate", "--bars", str(other)]) == 2
+    err = capsys.readouterr().err
+    refusals = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(refusals) == 1 and "not the bars the checkpoint's run trained on" in refusals[0], err
     assert not out.exists()
 
 

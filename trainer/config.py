@@ -68,6 +68,7 @@ class TrainConfig:
     variable_hidden_size: int = 0  # per-variable embedding width in variable selection (0 = hidden_size)
     quantiles: tuple[float, ...] = (0.1, 0.5, 0.9)  # forecast quantile levels, increasing
     quantile_scale: str = "volatility"  # volatility: relative to the encoder bars' volatility | fixed: one scale
+    seasonal_scale: bool = False  # the volatility scale knows the time of day: a profile fitted on the training bars
     # ---- optimisation ----
     epochs: int = 10  # maximum epochs
     batch_size: int = 256  # effective batch (windows per optimizer step)
@@ -164,7 +165,7 @@ class TrainConfig:
             observed_cardinalities=rows(schema.categorical(Role.OBSERVED)),
             known_cardinalities=rows(schema.categorical(Role.KNOWN)),
             n_static_real=len(schema.static_reals),
-            **self._model_fields(),
+            **self._model_fields() | {"seasonal_scale": self.seasonal_scale and self.quantile_scale == "volatility"},
         )
 
     def _model_fields(self) -> dict[str, Any]:
@@ -179,7 +180,8 @@ class TrainConfig:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> TrainConfig:
-        return merge(TrainConfig(), d, "checkpoint")
+        """A stored config; one stored before seasonal_scale existed keeps the plain volatility scale it trained."""
+        return merge(TrainConfig(), {"seasonal_scale": False, **d}, "checkpoint")
 
     @property
     def block_windows(self) -> int:
@@ -191,6 +193,8 @@ class TrainConfig:
 def _coerce(name: str, value: Any, default: Any, label: str) -> Any:
     """Convert a TOML or flag value to the field's type, with a clear error naming it as `label`."""
     try:
+        if isinstance(default, bool):
+            return _as_bool(value)
         if isinstance(value, bool):  # TOML's true/false is not a number (bool is an int in Python)
             raise ValueError
         if isinstance(default, int):
@@ -207,6 +211,18 @@ def _coerce(name: str, value: Any, default: Any, label: str) -> Any:
         return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{label}: cannot use {value!r} (expected {type(default).__name__})") from None
+
+
+def _as_bool(value: Any) -> bool:
+    """TOML's true/false, or a flag's true/false (also on/off, yes/no, 1/0); ValueError for anything else."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "on", "yes", "1"):
+        return True
+    if text in ("false", "off", "no", "0"):
+        return False
+    raise ValueError(text)
 
 
 def merge(base: TrainConfig, values: dict[str, Any], origin: str) -> TrainConfig:

@@ -21,6 +21,7 @@ from features.calendar import (
     NS_PER_DAY,
     DayOffsets,
     infer_bar_interval_ns,
+    utc_offset_ns,
 )
 from features.check import format_timestamp
 from features.compute import FeatureFrame, build_frame, with_vocabularies
@@ -40,6 +41,7 @@ from features.schema import (
 from features.series import ContractError, as_series, read_contract_bars, scan_contracts
 from features.windows import decoder_known, static_categorical
 from trainer.config import TrainConfig
+from trainer.modeling import LOG_RETURN, N_PROFILE_TERMS, N_TOD_TERMS, profile_terms
 
 ROW_OBSERVED = "row_observed"  # float32 [R, n_obs]  observed features of each distinct bar of a batch
 ROW_KNOWN = "row_known"  # float32 [R, n_known]
@@ -157,6 +159,88 @@ def unshared_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 log = logging.getLogger("trainer")
 
+HOUR_NS = 3_600 * 10**9
+FINE_SLOT_NS = 900 * 10**9  # the profile's slot for bars under an hour: 15 minutes of the day
+PROFILE_MIN_RETURNS = 20  # returns a slot needs to enter the profile's fit
+PROFILE_SLOTS_PER_TERM = 2  # slots the fit needs per coefficient; fewer: a flat profile
+PROFILE_RIDGE = 1e-3  # ridge on the profile's terms (not its constant), per unit of mean slot weight
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A log-volatility profile of the calendar (TemporalFusionTransformer.set_profile)."""
+
+    coefficients: np.ndarray  # float32 [1 + N_PROFILE_TERMS]  constant, then those of modeling.profile_terms
+    bounds: np.ndarray  # float32 [2]  the least and most log profile over the fitted slots
+
+    @staticmethod
+    def flat() -> Profile:
+        """p = 1 at every bar: the plain volatility scale."""
+        return Profile(np.zeros(1 + N_PROFILE_TERMS, np.float32), np.zeros(2, np.float32))
+
+
+@dataclass(frozen=True)
+class SlotStats:
+    """The training returns grouped by calendar slot: the slots with enough returns."""
+
+    count: np.ndarray  # float64 [S]  returns in each slot
+    log_rms: np.ndarray  # float64 [S]  log of the slot's RMS 1-bar log return
+    terms: np.ndarray  # float64 [S, 1 + P]  1, then profile_terms at the slot's mean bar time
+
+
+def training_profile(frame: FeatureFrame, train_rows: np.ndarray) -> Profile:
+    """fit_profile of the 1-bar log returns of the training rows."""
+    return fit_profile(frame.observed[train_rows, LOG_RETURN], frame.timestamp_ns[train_rows],
+                       frame.config.calendar_tz, frame.bar_interval_ns)
+
+
+def fit_profile(returns: np.ndarray, timestamp_ns: np.ndarray, calendar_tz: str, bar_interval_ns: int) -> Profile:
+    """The log-volatility profile of bars' 1-bar log `returns` [n] (NaN: none) at `timestamp_ns` [n]: per-slot
+    RMS return (hour of week for bars of an hour or more, 15 minutes of the day for finer bars: then the
+    day-of-week terms stay 0), its log fitted by weighted least squares on profile_terms, normalised to unit RMS
+    over the returns. Daily or coarser bars, or too few slots to fit: flat."""
+    if bar_interval_ns >= NS_PER_DAY:
+        return Profile.flat()
+    stats = _slot_stats(returns, timestamp_ns, calendar_tz, weekly=bar_interval_ns >= HOUR_NS)
+    if stats.count.size < PROFILE_SLOTS_PER_TERM * stats.terms.shape[1]:
+        log.info("volatility profile: %d calendar slots with %d returns each are too few to fit; flat profile",
+                 stats.count.size, PROFILE_MIN_RETURNS)
+        return Profile.flat()
+    w = stats.count / stats.count.mean()  # [S]
+    ridge = PROFILE_RIDGE * np.diag([0.0] + [1.0] * (stats.terms.shape[1] - 1))  # [1+P, 1+P]
+    gram = stats.terms.T @ (w[:, None] * stats.terms) + ridge * w.sum()
+    beta = np.linalg.solve(gram, stats.terms.T @ (w * stats.log_rms))  # [1+P]
+    fitted = stats.terms @ beta  # [S]
+    beta[0] -= 0.5 * np.log(np.sum(stats.count * np.exp(2.0 * fitted)) / stats.count.sum())  # unit RMS
+    fitted = stats.terms @ beta
+    coefficients = np.zeros(1 + N_PROFILE_TERMS)
+    coefficients[: beta.size] = beta
+    return Profile(coefficients.astype(np.float32), np.array([fitted.min(), fitted.max()], np.float32))
+
+
+def _slot_stats(returns: np.ndarray, timestamp_ns: np.ndarray, tz: str, weekly: bool) -> SlotStats:
+    """The finite returns grouped by slot of local time (hour of week, or 15 minutes of the day), the slots with
+    PROFILE_MIN_RETURNS or more, not all zero; their terms: the day's terms alone unless weekly."""
+    r = np.asarray(returns, dtype=np.float64)  # [n]
+    ok = np.isfinite(r)
+    ts = np.asarray(timestamp_ns, dtype=np.int64)[ok]
+    local = ts + (utc_offset_ns(ts, tz) if tz != "UTC" else 0)
+    tod = local % NS_PER_DAY  # [n] ns into the local day
+    dow = (local // NS_PER_DAY + 3) % 7  # [n] as features.calendar.known_features: 1970-01-01 was a Thursday
+    slot = dow * 24 + tod // HOUR_NS if weekly else tod // FINE_SLOT_NS  # [n]
+    n_slots = 7 * 24 if weekly else NS_PER_DAY // FINE_SLOT_NS
+    count = np.bincount(slot, minlength=n_slots).astype(np.float64)  # [slots]
+    square = np.bincount(slot, r[ok] ** 2, minlength=n_slots)  # [slots]
+    keep = (count >= PROFILE_MIN_RETURNS) & (square > 0)  # [slots]
+    mean_tod = np.bincount(slot, tod / NS_PER_DAY, minlength=n_slots)[keep] / count[keep]  # [S] fraction of a day
+    tod_angle = 2 * np.pi * mean_tod
+    dow_angle = 2 * np.pi * (np.flatnonzero(keep) // 24) / 7.0  # [S]
+    terms = np.stack(profile_terms(np.sin(tod_angle), np.cos(tod_angle), np.sin(dow_angle), np.cos(dow_angle)),
+                     axis=-1)  # [S, P]
+    terms = terms if weekly else terms[:, :N_TOD_TERMS]
+    return SlotStats(count[keep], 0.5 * np.log(square[keep] / count[keep]),
+                     np.concatenate([np.ones((terms.shape[0], 1)), terms], axis=1))
+
 
 @dataclass
 class PreparedData:
@@ -170,6 +254,7 @@ class PreparedData:
     split_times_ns: tuple[int, int]  # first timestamp of validation and of test
     bars_digest: str  # of the series trained on (training_digest): a resume must read the same ones
     rolls: list[Roll] = field(default_factory=list)  # the contract rolls of the series; none for plain series
+    profile: Profile | None = None  # the volatility profile of the training rows, for a seasonal scale
 
 
 def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -> tuple[np.ndarray, ...]:
@@ -313,13 +398,14 @@ def prepare(source: str | Path | ReadBars, cfg: TrainConfig, columns: ColumnMap 
     del bars  # the frame holds what training needs; keeping the bars would double the peak
     starts, ends, b_val, b_test, cuts = split_rows(frame, cfg.val_fraction, cfg.test_fraction)
     train, val, test = split_anchors(frame, cfg, starts, ends, b_val, b_test)
+    train_rows = np.concatenate([np.arange(s, b) for s, b in zip(starts, b_val, strict=True)])
     if normalization is None:
-        train_rows = np.concatenate([np.arange(s, b) for s, b in zip(starts, b_val, strict=True)])
         normalization = fit_normalization(frame, train, train_rows)
+    profile = training_profile(frame, train_rows) if cfg.seasonal_scale else None
     warn_about_series(frame, train, cfg.volatility_window + cfg.encoder_length + cfg.horizon)
     clim = np.quantile(frame.targets[train], cfg.quantiles, axis=0).T.astype(np.float32)  # [H, Q]
     return PreparedData(frame, WindowTensors(frame, cfg.encoder_length), train, val, test, normalization, clim,
-                        (int(cuts[0]), int(cuts[1])), digest, rolls)
+                        (int(cuts[0]), int(cuts[1])), digest, rolls, profile)
 
 
 def _read(source: str | Path | ReadBars, cfg: TrainConfig, columns: ColumnMap,

@@ -84,6 +84,8 @@ def build_model(cfg: TrainConfig, data: PreparedData, device: torch.device) -> T
     model.set_normalization(n.observed.mean, n.observed.std, n.known.mean, n.known.std, n.target_scale,
                             static_mean=n.static.mean if n.static is not None else None,
                             static_std=n.static.std if n.static is not None else None)
+    if model.cfg.seasonal_scale and data.profile is not None:
+        model.set_profile(data.profile.coefficients, data.profile.bounds)
     return model.to(device)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 QUANTILE_SCALES = ("volatility", "fixed")
+CALENDAR_COLUMNS = 4  # the known reals a seasonal scale reads: tod_sin, tod_cos, dow_sin, dow_cos (BUILTIN_KNOWN)
 MINIMUMS = {"n_known": 1, "hidden_size": 1, "attention_heads": 1, "lstm_layers": 1, "encoder_length": 1, "horizon": 1,
             "n_observed": 0, "variable_hidden_size": 0}  # the least value of each count
 
@@ -30,6 +31,7 @@ class ModelConfig:
     observed_cardinalities: tuple[int, ...] = ()  # embedding rows of each observed categorical (the last columns)
     known_cardinalities: tuple[int, ...] = ()  # embedding rows of each known categorical (the last columns)
     n_static_real: int = 0  # static real variables (the static_real input)
+    seasonal_scale: bool = False  # volatility scale over deseasonalised returns, times a time-of-day profile
 
     def __post_init__(self) -> None:
         # accept lists (e.g. from JSON) but store tuples, so the config stays hashable
@@ -37,6 +39,10 @@ class ModelConfig:
             object.__setattr__(self, name, tuple(int(c) for c in getattr(self, name)))
         object.__setattr__(self, "quantiles", tuple(float(q) for q in self.quantiles))
         check_fields(vars(self), lambda name: f"ModelConfig.{name}")  # ValueError naming the first bad field
+        if self.seasonal_scale and (self.quantile_scale != "volatility" or self.n_known_real < CALENDAR_COLUMNS):
+            raise ValueError("ModelConfig.seasonal_scale needs quantile_scale 'volatility' and the calendar's "
+                             f"{CALENDAR_COLUMNS} known reals first, got {self.quantile_scale!r} and "
+                             f"{self.n_known_real} known reals")
 
     # ---- derived sizes ------------------------------------------------------------------
     @property

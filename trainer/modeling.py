@@ -21,13 +21,19 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from features.config import BUILTIN_OBSERVED
-from trainer.model_config import ModelConfig
+from trainer.model_config import CALENDAR_COLUMNS, ModelConfig
 
 T = TypeVar("T")
 Array = Tensor | np.ndarray
 Statics = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # c_selection, c_enrichment, c_h, c_c [B, D]; static weights
 LOG_RETURN = BUILTIN_OBSERVED.index("log_return")  # the observed feature the volatility scale reads
 VOL_DECAY = 0.94  # the volatility scale's starting weight decay per bar (RiskMetrics'); trained with the model
+TOD_HARMONICS = 6  # harmonics of the time of day in the seasonal volatility profile
+DOW_HARMONICS = 2  # harmonics of the day of week (its 7 values hold 3)
+CROSS_HARMONICS = 2  # time-of-day harmonics 1..this, each times the day of week's first harmonic
+N_TOD_TERMS = 2 * TOD_HARMONICS
+N_PROFILE_TERMS = N_TOD_TERMS + 2 * DOW_HARMONICS + 4 * CROSS_HARMONICS  # the profile's terms, the constant aside
+C = TypeVar("C", Tensor, np.ndarray)
 
 
 class TFTOutput(NamedTuple):
@@ -314,6 +320,8 @@ class TemporalFusionTransformer(nn.Module):
     target_scale: Tensor
     horizon_root: Tensor
     bar_age: Tensor
+    profile_coef: Tensor
+    profile_bounds: Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -356,6 +364,9 @@ class TemporalFusionTransformer(nn.Module):
         self.register_buffer("bar_age", torch.arange(cfg.encoder_length - 1, -1, -1).float(), persistent=False)  # [L]
         if volatility:
             self.vol_decay_logit = nn.Parameter(torch.tensor(math.log(VOL_DECAY / (1.0 - VOL_DECAY))))
+        if cfg.seasonal_scale:  # fitted with the normalisation (set_profile); zeros: a flat profile
+            self.register_buffer("profile_coef", torch.zeros(1 + N_PROFILE_TERMS))  # [1 + P] constant, then terms
+            self.register_buffer("profile_bounds", torch.zeros(2))  # [2] least and most log profile of the fit
 
     # ---- normalisation ---------------------------------------------------------------------
     def set_normalization(self, observed_mean: Array, observed_std: Array, known_mean: Array, known_std: Array,
@@ -378,6 +389,17 @@ class TemporalFusionTransformer(nn.Module):
                 raise ValueError(f"{name}: contains NaN or inf")
             if not name.endswith("_mean") and not bool((t > 0).all()):
                 raise ValueError(f"{name}: every entry must be > 0, got {t.tolist()}")
+            with torch.no_grad():
+                buf.copy_(t)
+
+    def set_profile(self, coefficients: Array, bounds: Array) -> None:
+        """Copy a fitted log-volatility profile (trainer.data.fit_profile) into the buffers: coefficients
+        [1 + N_PROFILE_TERMS], the constant first; bounds [2], the least and most log profile the fit saw."""
+        for name, value in (("profile_coef", coefficients), ("profile_bounds", bounds)):
+            buf: Tensor = getattr(self, name)
+            t = torch.as_tensor(value).detach().to(dtype=buf.dtype, device=buf.device)
+            if t.shape != buf.shape or not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name}: expected finite values of shape {tuple(buf.shape)}, got {t.tolist()}")
             with torch.no_grad():
                 buf.copy_(t)
 
@@ -428,7 +450,8 @@ class TemporalFusionTransformer(nn.Module):
         statics = self._statics(static_categorical, static_real)  # 4 x [B, D], [B, n_static_vars]
         c_sel = statics[0].unsqueeze(1)  # [B, 1, D]
         enc_x, enc_w = self._run(self._select_encoder, observed, enc_known, c_sel)  # [B, L, D], [B, L, V]
-        return self._decode(statics, enc_x, enc_w, decoder_known, encoder_observed[..., LOG_RETURN])
+        calendar = encoder_known[..., :CALENDAR_COLUMNS] if self.cfg.seasonal_scale else None  # [B, L, 4]
+        return self._decode(statics, enc_x, enc_w, decoder_known, encoder_observed[..., LOG_RETURN], calendar)
 
     def forward_rows(self, static_categorical: Tensor, row_observed: Tensor, row_known: Tensor, row_window: Tensor,
                      window_rows: Tensor, decoder_known: Tensor, static_real: Tensor | None = None) -> TFTOutput:
@@ -447,7 +470,10 @@ class TemporalFusionTransformer(nn.Module):
         enc_x = row_x.index_select(0, window_rows.flatten()).view(b, length, row_x.shape[-1])  # [B, L, D]
         enc_w = row_w.index_select(0, window_rows.flatten()).view(b, length, row_w.shape[-1])  # [B, L, V]
         returns = row_observed[:, LOG_RETURN].index_select(0, window_rows.flatten()).view(b, length)  # [B, L]
-        return self._decode(statics, enc_x, enc_w, decoder_known, returns)
+        calendar = None
+        if self.cfg.seasonal_scale:
+            calendar = row_known[:, :CALENDAR_COLUMNS].index_select(0, window_rows.flatten()).view(b, length, -1)
+        return self._decode(statics, enc_x, enc_w, decoder_known, returns, calendar)  # calendar [B, L, 4]
 
     def _select_rows(self, observed: Tensor, known: Tensor, c_selection: Tensor, row_window: Tensor
                      ) -> tuple[Tensor, Tensor]:
@@ -455,9 +481,10 @@ class TemporalFusionTransformer(nn.Module):
         return self._select_encoder(observed, known, c_selection[row_window])  # [R, D], [R, V]
 
     def _decode(self, statics: Statics, enc_x: Tensor, enc_w: Tensor, decoder_known: Tensor,
-                encoder_returns: Tensor) -> TFTOutput:
+                encoder_returns: Tensor, encoder_calendar: Tensor | None) -> TFTOutput:
         # enc_x [B, L, D] and enc_w [B, L, V] from encoder variable selection; decoder_known raw [B, H, n_known];
-        # encoder_returns [B, L] raw 1-bar log returns of the encoder bars
+        # encoder_returns [B, L] raw 1-bar log returns of the encoder bars; encoder_calendar [B, L, 4] raw calendar
+        # features of the encoder bars (a seasonal scale's), else None
         L = self.cfg.encoder_length
         c_sel, c_enr, c_h, c_c, static_w = statics  # 4 x [B, D], [B, n_static]
         dec_known = _standardize(decoder_known, self.known_mean, self.known_std, self.cfg.n_known_real)
@@ -468,13 +495,25 @@ class TemporalFusionTransformer(nn.Module):
         x, attn = self._run(self.attention_block, enriched)  # [B, H, D], [B, H, T]
         x = self._run(self.positionwise_grn, x)  # [B, H, D]
         x = self.output_gate(x, temporal[:, L:])  # [B, H, D]
-        quantiles = self.head(x) * self._scale(encoder_returns)  # [B, H, Q] in return units
+        if encoder_calendar is None:
+            scale = self._scale(encoder_returns)  # [B or 1, H, 1]
+        else:
+            scale = self._seasonal_scale(encoder_returns, encoder_calendar, decoder_known[..., :CALENDAR_COLUMNS])
+        quantiles = self.head(x) * scale  # [B, H, Q] in return units
         return TFTOutput(quantiles, attn, static_w, enc_w, dec_w)
 
-    def forecast_scale(self, encoder_observed: Tensor) -> Tensor:
-        """The unit the quantiles are forecast in, of windows with these raw encoder_observed [B, L, n_obs]:
-        [B or 1, H, 1]."""
-        return self._scale(encoder_observed[..., LOG_RETURN])
+    def forecast_scale(self, encoder_observed: Tensor, encoder_known: Tensor | None = None,
+                       decoder_known: Tensor | None = None) -> Tensor:
+        """The unit the quantiles are forecast in, of windows with these raw inputs (encoder_observed
+        [B, L, n_obs]; encoder_known [B, L, n_known] and decoder_known [B, H, n_known], which a seasonal scale
+        needs): [B or 1, H, 1]."""
+        returns = encoder_observed[..., LOG_RETURN]  # [B, L]
+        if not self.cfg.seasonal_scale:
+            return self._scale(returns)
+        if encoder_known is None or decoder_known is None:
+            raise ValueError("a seasonal scale needs the windows' encoder_known and decoder_known")
+        return self._seasonal_scale(returns, encoder_known[..., :CALENDAR_COLUMNS],
+                                    decoder_known[..., :CALENDAR_COLUMNS])
 
     def _scale(self, encoder_returns: Tensor) -> Tensor:
         """The unit of the head's output: [B or 1, H, 1]. "volatility": the encoder bars' exponentially weighted
@@ -482,10 +521,50 @@ class TemporalFusionTransformer(nn.Module):
         training returns' spread (for bars that never move); "fixed": each horizon's training target spread."""
         if self.cfg.quantile_scale == "fixed":
             return self.target_scale[None, :, None]  # [1, H, 1]
+        return self._volatility(encoder_returns)[:, None, None] * self.horizon_root[None, :, None]  # [B, H, 1]
+
+    def _volatility(self, encoder_returns: Tensor) -> Tensor:
+        """The exponentially weighted RMS of encoder_returns [B, L], at least 1% of the training returns' spread:
+        [B]."""
         weights = torch.sigmoid(self.vol_decay_logit) ** self.bar_age  # [L], the last bar's 1
         rms = (encoder_returns.float().square() * (weights / weights.sum())).sum(dim=1).sqrt()  # [B]
-        sigma = torch.maximum(rms, 0.01 * self.target_scale[:1])  # [B]; Max, which fp16 graphs run in half
-        return sigma[:, None, None] * self.horizon_root[None, :, None]  # [B, H, 1]
+        return torch.maximum(rms, 0.01 * self.target_scale[:1])  # [B]; Max, which fp16 graphs run in half
+
+    def _seasonal_scale(self, encoder_returns: Tensor, encoder_calendar: Tensor, decoder_calendar: Tensor) -> Tensor:
+        """The volatility scale of deseasonalised returns: sigma, the EWMA of r / p(encoder bar), times
+        sqrt(sum_{j<=h} p(future bar j)^2) with p the time-of-day profile: [B, H, 1]. A flat profile (zero
+        coefficients) gives the plain volatility scale."""
+        # encoder_returns [B, L]; encoder_calendar [B, L, 4], decoder_calendar [B, H, 4] raw calendar features
+        plain = encoder_returns.float() * torch.exp(-self._log_profile(encoder_calendar))  # [B, L]
+        future = torch.exp(2.0 * self._log_profile(decoder_calendar)).cumsum(dim=1).sqrt()  # [B, H]
+        return (self._volatility(plain)[:, None] * future)[..., None]  # [B, H, 1]
+
+    def _log_profile(self, calendar: Tensor) -> Tensor:
+        """log p at bars of raw calendar features [..., 4], held inside the fit's range: [...]."""
+        terms = torch.stack(profile_terms(*calendar.float().unbind(-1)), dim=-1)  # [..., P]
+        log_p = terms @ self.profile_coef[1:] + self.profile_coef[0]  # [...]
+        return torch.clamp(log_p, self.profile_bounds[0], self.profile_bounds[1])  # [...]
+
+
+def harmonics(sin: C, cos: C, k: int) -> list[tuple[C, C]]:
+    """(sin j*a, cos j*a) for j = 1..k from sin a and cos a, by the Chebyshev recursion: no angle (atan2) needed."""
+    out = [(sin, cos)]
+    before: tuple[C | float, C | float] = (0.0, 1.0)  # j = 0
+    for _ in range(k - 1):
+        s, c = out[-1]
+        out.append((2.0 * cos * s - before[0], 2.0 * cos * c - before[1]))
+        before = (s, c)
+    return out
+
+
+def profile_terms(tod_sin: C, tod_cos: C, dow_sin: C, dow_cos: C) -> list[C]:
+    """The terms of the log-volatility profile at calendar features (features.calendar.known_features), the
+    constant aside: N_TOD_TERMS of the time of day first, then the day of week's, then the products of the
+    low time-of-day harmonics with the day of week's first. numpy arrays and tensors alike."""
+    tod = harmonics(tod_sin, tod_cos, TOD_HARMONICS)
+    dow = harmonics(dow_sin, dow_cos, DOW_HARMONICS)
+    cross = [a * b for pair in tod[:CROSS_HARMONICS] for a in pair for b in dow[0]]
+    return [x for pair in tod + dow for x in pair] + cross
 
 
 def _embed(x: Tensor, reals: RealEmbedding, categorical: CategoricalEmbedding | None) -> Tensor:
