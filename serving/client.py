@@ -34,7 +34,6 @@ from serving.errors import ConfigError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.request_from_bars import Refused, request_from_bars, trained_columns
-from serving.request_from_bars import series_from_bars as series_from_bars  # tests.live_server imports it here
 from serving.security import (
     add_client_arguments,
     call_metadata,
