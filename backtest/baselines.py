@@ -21,13 +21,11 @@ from typing import Any, TypeVar
 import numpy as np
 
 from backtest.folds import BacktestError
-from features.calendar import NS_PER_DAY, NS_PER_SECOND, sessions, utc_offset_ns
+from features.calendar import NS_PER_DAY, profile_slots, sessions
 
 BASELINES = ("climatology", "rolling_vol", "garch", "seasonal_garch", "har_rv")
 ANY_BARS = BASELINES[:3]  # the baselines of any bars; seasonal_garch and har_rv read the bars' clock (BarClock)
 
-HOUR_NS = 3_600 * NS_PER_SECOND
-SLOT_NS = 15 * 60 * NS_PER_SECOND  # the profile's slot of the day for bars finer than an hour
 MIN_SLOT_RETURNS = 5  # a profile slot with fewer training returns takes the overall RMS
 PROFILE_FLOOR = 0.1  # no slot's profile below this share of the overall RMS: a near-flat slot divides by ~0 never
 STUB_SESSION = 0.5  # a calendar day with fewer bars than this share of the median joins the next (a Sunday open)
@@ -163,16 +161,6 @@ def season_of(log_returns: np.ndarray, clock: BarClock, train_end: int, origins:
     profile = intraday_profile(log_returns[:train_end], slots[:train_end], n_slots)  # [n_slots]
     ahead, _ = profile_slots(future_times(clock, origins, horizon), clock.bar_interval_ns, clock.tz)  # [W, H]
     return Season(profile[slots], profile[ahead])
-
-
-def profile_slots(timestamp_ns: np.ndarray, bar_interval_ns: int, tz: str) -> tuple[np.ndarray, int]:
-    """Each bar time's slot of the intraday profile, and the number of slots: the hour of the week (Monday 00:00
-    is 0) for bars of an hour or more, else the 15-minute slot of the day; local time in `tz`."""
-    ts = np.asarray(timestamp_ns, dtype=np.int64)
-    local = ts if tz == "UTC" else ts + utc_offset_ns(ts, tz)
-    if bar_interval_ns >= HOUR_NS:
-        return (local // HOUR_NS + 72) % 168, 168  # 1970-01-01 was a Thursday, 72 hours after a Monday 00:00
-    return (local % NS_PER_DAY) // SLOT_NS, int(NS_PER_DAY // SLOT_NS)
 
 
 def intraday_profile(log_returns: np.ndarray, slots: np.ndarray, n_slots: int) -> np.ndarray:

@@ -11,6 +11,8 @@ import numpy as np
 
 NS_PER_SECOND = 1_000_000_000
 NS_PER_DAY = 86_400 * NS_PER_SECOND
+HOUR_NS = 3_600 * NS_PER_SECOND
+SLOT_NS = 15 * 60 * NS_PER_SECOND  # an intraday profile's slot of the day for bars finer than an hour
 COARSE_INTERVALS = 20  # bars mostly this many intervals (and a day) apart are daily bars
 INTERVAL_TOLERANCE_PARTS = 100  # off a grid, spacings within 1/100 of the one before run together
 SNAP_PARTS = 40  # spacings within 1/40 of the commonest are its neighbours; a round duration this near snaps
@@ -165,3 +167,13 @@ def sessions(timestamp_ns: np.ndarray, tz: str) -> np.ndarray:
     """Each bar's session: its calendar day in `tz`, as days since 1970-01-01, int64 [n]."""
     ts = np.asarray(timestamp_ns, dtype=np.int64)
     return (ts + utc_offset_ns(ts, tz)) // NS_PER_DAY
+
+
+def profile_slots(timestamp_ns: np.ndarray, bar_interval_ns: int, tz: str) -> tuple[np.ndarray, int]:
+    """Each bar time's slot of the intraday profile, and the number of slots: the hour of the week (Monday 00:00
+    is 0) for bars of an hour or more, else the 15-minute slot of the day; local time in `tz`."""
+    ts = np.asarray(timestamp_ns, dtype=np.int64)
+    local = ts if tz == "UTC" else ts + utc_offset_ns(ts, tz)
+    if bar_interval_ns >= HOUR_NS:
+        return (local // HOUR_NS + 72) % 168, 168  # 1970-01-01 was a Thursday, 72 hours after a Monday 00:00
+    return (local % NS_PER_DAY) // SLOT_NS, int(NS_PER_DAY // SLOT_NS)

@@ -20,7 +20,6 @@ from backtest.baselines import (
     baseline_names,
     har_design,
     har_fit,
-    profile_slots,
     realized_variance,
     season_of,
     trading_days,
@@ -30,7 +29,7 @@ from backtest.forecast import table_arrays
 from backtest.plots import write_figure
 from backtest.scores import backtest_scores, summary_lines
 from features.bars import ColumnMap
-from features.calendar import NS_PER_DAY
+from features.calendar import NS_PER_DAY, profile_slots
 from features.metrics import forecast_metrics
 from features.series import read_contract_bars
 from features.synth import generate

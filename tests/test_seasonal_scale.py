@@ -16,11 +16,11 @@ from export.onnx_export import export_model, input_names
 from export.options import ExportOptions
 from export.parity import check_parity, make_cases
 from export.pipeline import fp32_initializers
-from features.calendar import NS_PER_DAY, known_features
+from features.calendar import HOUR_NS, NS_PER_DAY, known_features
 from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL
 from tests.conftest import write_parquet
 from trainer.config import TrainConfig
-from trainer.data import HOUR_NS, Profile, fit_profile, prepare, training_profile
+from trainer.data import Profile, fit_profile, prepare, training_profile
 from trainer.model_config import ModelConfig
 from trainer.modeling import LOG_RETURN, N_PROFILE_TERMS, TemporalFusionTransformer, profile_terms
 

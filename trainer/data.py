@@ -18,9 +18,11 @@ import torch
 from features.bars import Bars, ColumnMap, bars_digest
 from features.calendar import (
     COARSE_INTERVALS,
+    HOUR_NS,
     NS_PER_DAY,
     DayOffsets,
     infer_bar_interval_ns,
+    profile_slots,
     utc_offset_ns,
 )
 from features.check import format_timestamp
@@ -159,8 +161,6 @@ def unshared_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 log = logging.getLogger("trainer")
 
-HOUR_NS = 3_600 * 10**9
-FINE_SLOT_NS = 900 * 10**9  # the profile's slot for bars under an hour: 15 minutes of the day
 PROFILE_MIN_RETURNS = 20  # returns a slot needs to enter the profile's fit
 PROFILE_SLOTS_PER_TERM = 2  # slots the fit needs per coefficient; fewer: a flat profile
 PROFILE_RIDGE = 1e-3  # ridge on the profile's terms (not its constant), per unit of mean slot weight
@@ -201,7 +201,7 @@ def fit_profile(returns: np.ndarray, timestamp_ns: np.ndarray, calendar_tz: str,
     over the returns. Daily or coarser bars, or too few slots to fit: flat."""
     if bar_interval_ns >= NS_PER_DAY:
         return Profile.flat()
-    stats = _slot_stats(returns, timestamp_ns, calendar_tz, weekly=bar_interval_ns >= HOUR_NS)
+    stats = _slot_stats(returns, timestamp_ns, calendar_tz, bar_interval_ns)
     if stats.count.size < PROFILE_SLOTS_PER_TERM * stats.terms.shape[1]:
         log.info("volatility profile: %d calendar slots with %d returns each are too few to fit; flat profile",
                  stats.count.size, PROFILE_MIN_RETURNS)
@@ -218,7 +218,7 @@ def fit_profile(returns: np.ndarray, timestamp_ns: np.ndarray, calendar_tz: str,
     return Profile(coefficients.astype(np.float32), np.array([fitted.min(), fitted.max()], np.float32))
 
 
-def _slot_stats(returns: np.ndarray, timestamp_ns: np.ndarray, tz: str, weekly: bool) -> SlotStats:
+def _slot_stats(returns: np.ndarray, timestamp_ns: np.ndarray, tz: str, bar_interval_ns: int) -> SlotStats:
     """The finite returns grouped by slot of local time (hour of week, or 15 minutes of the day), the slots with
     PROFILE_MIN_RETURNS or more, not all zero; their terms: the day's terms alone unless weekly."""
     r = np.asarray(returns, dtype=np.float64)  # [n]
@@ -226,9 +226,8 @@ def _slot_stats(returns: np.ndarray, timestamp_ns: np.ndarray, tz: str, weekly: 
     ts = np.asarray(timestamp_ns, dtype=np.int64)[ok]
     local = ts + (utc_offset_ns(ts, tz) if tz != "UTC" else 0)
     tod = local % NS_PER_DAY  # [n] ns into the local day
-    dow = (local // NS_PER_DAY + 3) % 7  # [n] as features.calendar.known_features: 1970-01-01 was a Thursday
-    slot = dow * 24 + tod // HOUR_NS if weekly else tod // FINE_SLOT_NS  # [n]
-    n_slots = 7 * 24 if weekly else NS_PER_DAY // FINE_SLOT_NS
+    slot, n_slots = profile_slots(ts, bar_interval_ns, tz)  # [n]
+    weekly = bar_interval_ns >= HOUR_NS
     count = np.bincount(slot, minlength=n_slots).astype(np.float64)  # [slots]
     square = np.bincount(slot, r[ok] ** 2, minlength=n_slots)  # [slots]
     keep = (count >= PROFILE_MIN_RETURNS) & (square > 0)  # [slots]
