@@ -74,41 +74,27 @@ class SeriesColumns:
         return np.array([self.user[u] for u in names]) if names else np.empty((0, len(self)))
 
     def tail(self, n: int, user_columns: Sequence[str], label_columns: Sequence[str] = ()) -> SeriesColumns:
-        """The last `n` bars, with only the model's user columns (as one block) and categorical columns; the
-        future and static values as they are."""
-        user: Mapping[str, np.ndarray] = {}
-        if user_columns:
-            user = ColumnBlock(tuple(user_columns), self.user_matrix(user_columns)[:, -n:])  # [U, n]
-        return SeriesColumns(
-            self.symbol, self.timestamp_ns[-n:], self.open[-n:], self.high[-n:], self.low[-n:], self.close[-n:],
-            self.volume[-n:], user, {c: self.labels[c][-n:] for c in label_columns}, self.future, self.future_labels,
-            self.static_reals, self.static_labels, None if self.contracts is None else self.contracts[-n:],
-            None if self.log_offset is None else self.log_offset[-n:], self.root, self.notes)
+        """The last `n` bars, with only the model's user columns (as one block) and categorical columns."""
+        user = ColumnBlock(tuple(user_columns), self.user_matrix(user_columns)) if user_columns else {}
+        return dataclasses.replace(self, user=user, labels={c: self.labels[c] for c in label_columns}).take(
+            slice(-n, None))
 
-    def take(self, rows: np.ndarray, label: str | None = None) -> SeriesColumns:
-        """The bars at `rows` (int64 [m]) with every per-bar column; `label` replaces the symbol."""
+    def take(self, rows: np.ndarray | slice) -> SeriesColumns:
+        """The bars at `rows` with every per-bar column."""
         user: Mapping[str, np.ndarray] = ColumnBlock(self.user.names, self.user.block[:, rows]) \
             if isinstance(self.user, ColumnBlock) else {k: v[rows] for k, v in self.user.items()}
-        return SeriesColumns(
-            self.symbol if label is None else label, self.timestamp_ns[rows], self.open[rows], self.high[rows],
-            self.low[rows], self.close[rows], self.volume[rows], user, {k: v[rows] for k, v in self.labels.items()},
-            self.future, self.future_labels, self.static_reals, self.static_labels,
-            None if self.contracts is None else self.contracts[rows],
-            None if self.log_offset is None else self.log_offset[rows], self.root, self.notes)
+        return dataclasses.replace(
+            self, **{c: getattr(self, c)[rows] for c in BAR_COLUMNS}, user=user,
+            labels={k: v[rows] for k, v in self.labels.items()},
+            contracts=None if self.contracts is None else self.contracts[rows],
+            log_offset=None if self.log_offset is None else self.log_offset[rows])
 
 
 def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
     """request.series[index] as numpy columns (no value checks); a packed block stays a read-only view."""
-    user: Mapping[str, np.ndarray] = {}
-    if series.user_feature_names or series.user_features_raw:
-        user = _packed_user_columns(series, index)
-    plain: dict[str, np.ndarray] = {}
-    for col in series.user_features:
-        if col.name in plain:
-            raise RequestError(f"{_label(index, series.symbol)}: user feature column {bounded(col.name)} is sent "
-                               "twice; send each column once", _field(index, "user_features"))
-        plain[col.name] = np.asarray(col.values, dtype=np.float64)
-    columns = SeriesColumns(
+    user = _packed_user_columns(series, index) if series.user_feature_names or series.user_features_raw else \
+        _named(series.user_features, index, series.symbol, "user_features", "user feature")
+    return SeriesColumns(
         symbol=series.symbol,
         timestamp_ns=np.asarray(series.timestamp_ns, dtype=np.int64),
         open=np.asarray(series.open, dtype=np.float64),
@@ -116,33 +102,24 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
         low=np.asarray(series.low, dtype=np.float64),
         close=np.asarray(series.close, dtype=np.float64),
         volume=np.asarray(series.volume, dtype=np.float64),
-        user=plain or user,  # both forms at once are refused by _packed_user_columns
+        user=user,
+        labels=_named(series.categorical_features, index, series.symbol, "categorical_features"),
+        future=_named(series.future_features, index, series.symbol, "future_features"),
+        future_labels=_named(series.future_categorical_features, index, series.symbol, "future_categorical_features"),
+        static_reals=dict(series.static_features),
+        static_labels=dict(series.static_categorical_features),
         contracts=_texts(series.contracts) if series.contracts else None,
     )
-    if series.future_features or series.categorical_features or series.future_categorical_features \
-            or series.static_features or series.static_categorical_features:
-        _covariates_from_proto(series, index, columns)
-    return columns
 
 
-def _covariates_from_proto(series: pb.Series, index: int, columns: SeriesColumns) -> None:
-    """The series' known, static and categorical user values into `columns` (no value checks)."""
-    columns.future = _named(series.future_features, index, series.symbol, "future_features")
-    columns.labels = _named(series.categorical_features, index, series.symbol, "categorical_features")
-    columns.future_labels = _named(series.future_categorical_features, index, series.symbol,
-                                   "future_categorical_features")
-    columns.static_reals = dict(series.static_features)
-    columns.static_labels = dict(series.static_categorical_features)
-
-
-def _named(items: Sequence[pb.Column | pb.Labels], index: int, symbol: str, field_name: str
+def _named(items: Sequence[pb.Column | pb.Labels], index: int, symbol: str, field_name: str, what: str = ""
            ) -> dict[str, np.ndarray]:
     """Repeated Column (float64) or Labels (object, `_texts`) -> name -> array; a name sent twice is refused."""
     out: dict[str, np.ndarray] = {}
     for item in items:
         if item.name in out:
-            raise RequestError(f"{_label(index, symbol)}: {field_name} column {bounded(item.name)} is sent twice; "
-                               "send each column once", _field(index, field_name))
+            raise RequestError(f"{_label(index, symbol)}: {what or field_name} column {bounded(item.name)} is sent "
+                               "twice; send each column once", _field(index, field_name))
         out[item.name] = _texts(item.values) if isinstance(item, pb.Labels) else np.asarray(item.values, np.float64)
     return out
 
@@ -405,8 +382,7 @@ def _for_the_wire(p: Problem) -> Problem:
 
 def _check_values(i: int, s: SeriesColumns, user_columns: tuple[str, ...], label: str = "") -> None:
     """Series i's bars by `features.bars.rules_hold`; when a rule fails, a RequestError listing the first
-    MAX_PROBLEMS broken rules `validate` names (`label`: how messages name the series, when not as `series[i]
-    (symbol)`)."""
+    MAX_PROBLEMS broken rules `validate` names (`label`: the series' name in them, else `series[i] (symbol)`)."""
     if _looks_valid(s, user_columns) or not (problems := _value_problems(i, s, user_columns, label)):
         return
     more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
@@ -415,28 +391,9 @@ def _check_values(i: int, s: SeriesColumns, user_columns: tuple[str, ...], label
         (_field(i, p.column if p.column in BAR_COLUMNS else user_field), str(p)) for p in problems[:MAX_PROBLEMS]])
 
 
-def validate_series(series: Sequence[SeriesColumns], meta: ModelMeta) -> list[SeriesColumns]:
-    """The series as the model reads them (a series with per-bar contracts: its front contract's bars), or a
-    RequestError naming the first series that breaks the contract and what to fix."""
-    _refuse_empty(len(series), meta)
-    seen: dict[str, int] = {}
-    out = []
-    for i, s in enumerate(series):
-        _check_identity(i, s, meta, seen)
-        out.append(_validated(i, s, meta))
-    return out
-
-
-def _refuse_empty(count: int, meta: ModelMeta) -> None:
-    if not count:
-        raise RequestError(f"empty request: PredictRequest.series is empty; send at least one series with its most "
-                           f"recent {meta.bars_required} bars", "series")
-
-
 def _validated(i: int, s: SeriesColumns, meta: ModelMeta) -> SeriesColumns:
     """Series i (its identity already checked) as the model reads it; or the RequestError that says what to fix."""
     config = meta.feature_config
-    user_columns = config.series_reals
     _check_shape(i, s, meta)
     if config.has_user_inputs:
         _check_covariates(i, s, meta)
@@ -446,7 +403,7 @@ def _validated(i: int, s: SeriesColumns, meta: ModelMeta) -> SeriesColumns:
     _check_time_range(i, s, meta)
     if config.contract_known:
         _check_known_front(i, s, meta)
-    _check_values(i, s, user_columns)
+    _check_values(i, s, config.series_reals)
     _check_spacing(i, s, meta)
     return s
 
@@ -488,7 +445,7 @@ def _check_each_contract(i: int, s: SeriesColumns, names: list[str], code: np.nd
         return
     bounds = np.searchsorted(sorted_code, np.arange(len(names) + 1))
     for k, name in enumerate(names):
-        own = grouped.take(np.arange(bounds[k], bounds[k + 1]))
+        own = grouped.take(slice(bounds[k], bounds[k + 1]))
         _check_values(i, own, user_columns, f"{_label(i, s.symbol)}, contract {bounded(name)}")
 
 
@@ -496,7 +453,9 @@ def parse_request(request: pb.PredictRequest, meta: ModelMeta) -> list[SeriesCol
     """The request's series as checked numpy columns, trimmed to the bars the model reads. Series by series, each
     within the limits (`serving.limits`) before its arrays are built: the work stops at the first bad one, at the
     latest one past the model's symbols (each at most once)."""
-    _refuse_empty(len(request.series), meta)
+    if not request.series:
+        raise RequestError(f"empty request: PredictRequest.series is empty; send at least one series with its most "
+                           f"recent {meta.bars_required} bars", "series")
     config, seen = meta.feature_config, dict[str, int]()
     out = []
     for i, wire in enumerate(request.series):

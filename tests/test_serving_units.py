@@ -25,7 +25,7 @@ from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.model import batch_buckets
 from serving.postprocess import price_quantiles
 from serving.preprocess import prepare
-from serving.validation import columns_from_proto, parse_request, validate_series
+from serving.validation import columns_from_proto, parse_request
 from tests.artifacts import REPO
 
 FC = FeatureConfig(horizon=3, volatility_window=5, user_columns=("spread",))
@@ -356,7 +356,7 @@ def test_every_problem_of_a_series_is_listed() -> None:
     s.close[1] = -1.0
     s.volume[4] = -2.0
     with pytest.raises(RequestError) as info:
-        validate_series([columns_from_proto(s)], META)
+        parse_request(_req(s), META)
     assert "close is not positive" in str(info.value) and "volume is negative" in str(info.value)
 
 
