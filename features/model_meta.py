@@ -10,8 +10,8 @@ import hashlib
 import itertools
 import json
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from features.bars import ColumnMap
@@ -145,30 +145,13 @@ class ModelMeta:
         return self.feature_config.warmup_bars + self.encoder_length
 
     def to_props(self) -> dict[str, str]:
-        values: dict[str, Any] = {
-            "format": FORMAT,
-            "model_config": self.model_config,
-            "feature_config": self.feature_config.to_dict(),
-            "feature_schema": self.feature_schema.to_list(),
-            "quantiles": list(self.quantiles),
-            "horizon": self.horizon,
-            "encoder_length": self.encoder_length,
-            "bars_required": self.bars_required,
-            "bar_interval_ns": self.bar_interval_ns,
-            "symbols": list(self.symbols),
-            "checkpoint_sha256": self.checkpoint_sha256,
-            "model_version": self.model_version,
-            "explain": self.explain,
-            "precision": self.precision,
-            "column_map": self.column_map,
-            "exporter": self.exporter,
-            "parity": self.parity,
-            "placement": self.placement,
-            "training": self.training,
-            "graph_sha256": self.graph_sha256,
-            **({} if self.calibration is None else {"calibration": self.calibration}),
-            **({"input_stats": self.input_stats} if self.input_stats else {}),
-        }
+        values: dict[str, Any] = {"format": FORMAT, **{f.name: getattr(self, f.name) for f in fields(self)},
+                                  "feature_config": self.feature_config.to_dict(),
+                                  "feature_schema": self.feature_schema.to_list(), "bars_required": self.bars_required}
+        if self.calibration is None:
+            del values["calibration"]
+        if not self.input_stats:
+            del values["input_stats"]
         return {PREFIX + k: v if isinstance(v, str) else json.dumps(v) for k, v in values.items()}
 
     @staticmethod
@@ -240,39 +223,26 @@ def _value(props: dict[str, str], key: str, json_value: bool = True) -> Any:
         raise ModelMetaError(f"model metadata '{PREFIX}{key}' is not valid JSON") from None
 
 
+_FROM_JSON: dict[str, Callable[[Any], Any]] = {  # each field's value from its JSON; the fields not named are text
+    "model_config": dict, "feature_config": FeatureConfig.from_dict, "feature_schema": FeatureSchema.from_list,
+    "quantiles": lambda v: tuple(float(q) for q in v), "horizon": int, "encoder_length": int, "bar_interval_ns": int,
+    "symbols": lambda v: tuple(str(s) for s in v), "explain": bool, "column_map": dict, "exporter": dict,
+    "parity": dict, "placement": dict, "training": dict, "calibration": dict, "input_stats": dict,
+}
+
+
 def _parse(props: dict[str, str]) -> ModelMeta:
-    def get(key: str) -> Any:
-        return _value(props, key)
-
-    def text(key: str) -> str:
-        return str(_value(props, key, json_value=False))
-
-    training = get("training")
+    training = _value(props, "training")
     if not isinstance(training, dict):
         raise ModelMetaError(f"model metadata '{PREFIX}training' must be a JSON object of "
                              f"{', '.join(TRAINING_KEYS)}, not {type(training).__name__}; re-export the model")
-    return ModelMeta(
-        model_config=dict(get("model_config")),
-        feature_config=FeatureConfig.from_dict(get("feature_config")),
-        feature_schema=FeatureSchema.from_list(get("feature_schema")),
-        quantiles=tuple(float(q) for q in get("quantiles")),
-        horizon=int(get("horizon")),
-        encoder_length=int(get("encoder_length")),
-        bar_interval_ns=int(get("bar_interval_ns")),
-        symbols=tuple(str(s) for s in get("symbols")),
-        checkpoint_sha256=text("checkpoint_sha256"),
-        model_version=text("model_version"),
-        explain=bool(get("explain")),
-        precision=text("precision"),
-        column_map=dict(get("column_map")),
-        exporter=dict(get("exporter")),
-        parity=dict(get("parity")),
-        placement=dict(get("placement")),
-        training=training,
-        graph_sha256=text("graph_sha256"),
-        calibration=dict(get("calibration")) if PREFIX + "calibration" in props else None,
-        input_stats=dict(get("input_stats")) if PREFIX + "input_stats" in props else {},
-    )
+    values: dict[str, Any] = {}
+    for f in fields(ModelMeta):
+        if f.name in ("calibration", "input_stats") and PREFIX + f.name not in props:
+            continue  # exported without them: the defaults
+        parse = _FROM_JSON.get(f.name)
+        values[f.name] = parse(_value(props, f.name)) if parse else str(_value(props, f.name, json_value=False))
+    return ModelMeta(**values)
 
 
 def _offsets_ok(offsets: Any, horizon: int, n_quantiles: int) -> bool:
