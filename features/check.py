@@ -12,7 +12,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from features import contracts
@@ -199,7 +198,7 @@ def check(args: argparse.Namespace) -> int:
         return 2
     columns = ColumnMap.from_args(args)
     try:
-        config = replace(config, contracts=contract_config(args, columns))
+        config = replace(config, contracts=scan(args.path, columns, ContractFlags.of(args)))
         bars = read_contract_bars(args.path, columns, config)
         series, rolls = as_series(bars, config)
     except BarDataError as exc:
@@ -224,30 +223,15 @@ def check(args: argparse.Namespace) -> int:
     return 0
 
 
-def contract_config(args: argparse.Namespace, columns: ColumnMap) -> ContractConfig | None:
-    """The contract flags and the bars' names: None for plain series. ValueError (one line) for contract input
-    no rule can take. Files that cannot be read are left to read_bars, which names them."""
-    try:
-        return scan(args.path, columns, ContractFlags.of(args))
-    except (OSError, pa.ArrowException):
-        return None
-
-
 def contract_lines(bars: Bars, series: Bars, rolls: list[Roll], config: ContractConfig) -> list[str]:
     """The roll rule, each root's contracts, and the rolls (features.series.roll_listing) of per-contract
     `bars` rolled into the continuous `series`."""
-    per_root = contracts_per_root(bars, config)
+    per_root = dict(sorted(Counter(contract_roots(bars, config).values()).items()))  # contracts of each root
     lines = [f"contracts: {len(bars)} bars of {sum(per_root.values())} contract(s) -> one continuous series per "
              f"root ({len(series)} bars); {config.describe()}",
              "roots: " + ", ".join(f"{root} ({n} contract{'s' if n != 1 else ''})" for root, n in per_root.items()),
              f"rolls: {len(rolls)}"]
     return lines + roll_listing(rolls)
-
-
-def contracts_per_root(bars: Bars, config: ContractConfig) -> dict[str, int]:
-    """How many distinct contracts each root's bars hold, roots sorted; `bars` as read (the symbol is the
-    contract), every contract mapped (continuous has checked)."""
-    return dict(sorted(Counter(contract_roots(bars, config).values()).items()))
 
 
 if __name__ == "__main__":

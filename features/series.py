@@ -79,30 +79,35 @@ def reading(cmap: ColumnMap, cfg: ContractConfig | None) -> tuple[ColumnMap, tup
 
 
 def scan(path: str | Path, cmap: ColumnMap, flags: ContractFlags) -> ContractConfig | None:
-    """A run's ContractConfig from its flags and the names (and any expirations) in the bars at `path`; None for
-    plain series. ValueError (one line) for contract input no rule can take."""
+    """A run's ContractConfig from its flags and the names (and any expirations and root column) in the bars at
+    `path`; None for plain series. ValueError (one line) for contract input no rule can take."""
     column = flags.contract_col or cmap.symbol
     exp_col = flags.expiration_col or "expiration"
+    root_col = flags.roots if flags.roots is not None and not Path(flags.roots).is_file() else None
     names: set[str] = set()
     days: dict[str, str] = {}
+    roots: dict[str, str] = {}  # contract -> root, from a bars root column
     present: set[str] = set()
     for file in list_parquet_files(Path(path)):
         try:
-            schema = pq.read_schema(file)
+            parquet = pq.ParquetFile(file)
+            have = parquet.schema_arrow.names
+            present |= set(have)
+            table = parquet.read(columns=[c for c in dict.fromkeys((column, exp_col, root_col)) if c in have])
         except (OSError, pa.ArrowException):
             continue  # read_bars names the file that cannot be read
-        present |= set(schema.names)
-        if column not in schema.names:
+        if column not in have:
             continue
-        wanted = [column] + ([exp_col] if exp_col in schema.names else [])
-        table = pq.read_table(file, columns=wanted)
         text = table.column(column).cast(pa.string())
         names |= {str(n) for n in text.unique().to_pylist() if n is not None}
-        if exp_col in schema.names:
+        if exp_col in have:
             both = pa.table({"c": text, "e": table.column(exp_col).cast(pa.string())}).group_by("c").aggregate(
                 [("e", "max")])
             days |= {c: expiration_day(e, f"column {exp_col!r} of {file}") for c, e in
                      zip(both.column("c").to_pylist(), both.column("e_max").to_pylist(), strict=True) if c and e}
+        if root_col in have:
+            pairs = pa.table({"c": text, "r": table.column(root_col).cast(pa.string())}).group_by(["c", "r"])
+            roots |= {row["c"]: row["r"] for row in pairs.aggregate([]).to_pylist() if row["c"] and row["r"]}
     if flags.contract_col is not None and column not in present:
         raise ValueError(f"--contract-col {column}: the bars have no such column; name the column of raw contract "
                          "names (e.g. symbol or raw_symbol)")
@@ -110,17 +115,5 @@ def scan(path: str | Path, cmap: ColumnMap, flags: ContractFlags) -> ContractCon
     if cfg is not None and days:
         cfg = replace(cfg, expirations=tuple(sorted({**days, **dict(cfg.expirations)}.items())))
     if cfg is not None and cfg.root_column:  # kept with the model: a server maps the names the column mapped
-        cfg = replace(cfg, roots=_column_roots(path, column, cfg.root_column))
+        cfg = replace(cfg, roots=tuple(sorted(roots.items())))
     return cfg
-
-
-def _column_roots(path: str | Path, column: str, root_column: str) -> tuple[tuple[str, str], ...]:
-    """(contract, root) pairs of a bars root column."""
-    pairs: dict[str, str] = {}
-    for file in list_parquet_files(Path(path)):
-        table = pq.read_table(file, columns=[column, root_column])
-        both = pa.table({"c": table.column(column).cast(pa.string()), "r": table.column(root_column).cast(pa.string())})
-        for row in both.group_by(["c", "r"]).aggregate([]).to_pylist():
-            if row["c"] and row["r"]:
-                pairs[row["c"]] = row["r"]
-    return tuple(sorted(pairs.items()))
