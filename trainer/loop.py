@@ -34,7 +34,7 @@ from trainer.modeling import RowsForward, TemporalFusionTransformer, TFTOutput
 from trainer.paths import RunPaths
 from trainer.plan import TrainPlan, literal_plan
 from trainer.resume import ResumeState
-from trainer.run_files import adopt_best, prepare_out, remove_judgments, runs_best
+from trainer.run_files import adopt_best, prepare_out, remove_judgments
 
 log = logging.getLogger("trainer")
 
@@ -47,7 +47,6 @@ VALIDATION_SAMPLE_WINDOWS = 256
 class TrainResult:
     paths: RunPaths
     history: list[dict[str, Any]]
-    best_val_loss: float
     epochs_run: int
     stopped_early: bool
     plan: TrainPlan
@@ -85,7 +84,7 @@ def build_model(cfg: TrainConfig, data: PreparedData, device: torch.device) -> T
                             static_mean=n.static.mean if n.static is not None else None,
                             static_std=n.static.std if n.static is not None else None)
     if model.cfg.seasonal_scale and data.profile is not None:
-        model.set_profile(data.profile.coefficients, data.profile.bounds)
+        model.set_profile(data.profile.coefficients, data.profile.bounds, data.profile.level)
     return model.to(device)
 
 
@@ -113,13 +112,6 @@ def schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps: int,
         log.warning("warmup_steps %d >= the run's %d optimizer steps: the learning rate never reaches its peak (%g) "
                     "nor decays; lower --warmup-steps", cfg.warmup_steps, steps, cfg.learning_rate)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_factory(cfg.warmup_steps, steps))
-
-
-def _told(data: PreparedData) -> PreparedData:
-    """`data`, its contracts and rolls logged (nothing for plain series)."""
-    for line in roll_lines(data.frame.config.contracts, data.rolls, list(data.frame.symbols)):
-        log.info("%s", line)
-    return data
 
 
 class Trainer:
@@ -167,22 +159,26 @@ class Trainer:
             self._restore(self.resumed)
 
     def _prepare(self) -> PreparedData:
-        """The bars as tensors, with the resumed run's vocabularies and normalisation, or under torchrun rank 0's."""
+        """The bars as tensors, with the resumed run's vocabularies and normalisation, or under torchrun rank 0's;
+        contracts and rolls logged."""
         cfg = self.cfg
-        if self.resumed is not None:
-            data = prepare(self.source, cfg, self.columns, *self.resumed.vocabulary())
-            self.resumed.check_data(data, cfg.test_fraction)
-            return _told(data)
-        if not self.dist.enabled:
-            return _told(prepare(self.source, cfg, self.columns))
 
         def fitted() -> tuple[list[str], dict[str, Any], dict[str, Any]]:
             first = prepare(self.source, cfg, self.columns)
             return first.frame.symbols, first.normalization.to_dict(), first.frame.config.to_dict()
 
-        symbols, norm, features = self.dist.from_main(fitted)
-        return _told(prepare(self.source, cfg, self.columns, symbols, Normalization.from_dict(norm),
-                             FeatureConfig.from_dict(features)))
+        if self.resumed is not None:
+            data = prepare(self.source, cfg, self.columns, *self.resumed.vocabulary())
+            self.resumed.check_data(data, cfg.test_fraction)
+        elif not self.dist.enabled:
+            data = prepare(self.source, cfg, self.columns)
+        else:
+            symbols, norm, features = self.dist.from_main(fitted)
+            data = prepare(self.source, cfg, self.columns, symbols, Normalization.from_dict(norm),
+                           FeatureConfig.from_dict(features))
+        for line in roll_lines(data.frame.config.contracts, data.rolls, list(data.frame.symbols)):
+            log.info("%s", line)
+        return data
 
     def _restore(self, resumed: ResumeState) -> None:
         resumed.restore(self.model, self.optimizer, self.scheduler, self.scaler, self.device)
@@ -382,9 +378,6 @@ class Trainer:
             "validation_sample": {k: v.clone() for k, v in sample.items()},
         }
 
-    def runs_best(self) -> dict[str, Any] | None:
-        return runs_best(self.paths.best, self.best_epoch, self.history)
-
     def run(self, stop_after_epochs: int | None = None,
             on_epoch: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
         """Train; `stop_after_epochs` ends this process's part early (as an interruption would). On rank 0,
@@ -405,7 +398,7 @@ class Trainer:
                          self.stale_epochs, self.best_val, self.best_epoch)
             if stop_after_epochs is not None and ran >= stop_after_epochs:
                 break
-        return TrainResult(self.paths, self.history, self.best_val, ran, stopped_early, self.plan)
+        return TrainResult(self.paths, self.history, ran, stopped_early, self.plan)
 
     def _start(self) -> None:
         """Logs the plan; on rank 0, says when nothing is left to train and starts a resumed run's metrics file

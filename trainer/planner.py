@@ -9,6 +9,7 @@ accumulation to keep the effective batch; if one window does not fit, `PlanError
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import math
@@ -17,7 +18,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -41,10 +42,6 @@ BatchFn = Callable[[int], dict[str, Tensor]]  # n -> a CPU batch of n windows (r
 
 class PlanError(ValueError):
     """The run cannot fit its budget (or the budget cannot be used); the message says what to change."""
-
-    def __init__(self, message: str, table: str = "") -> None:
-        super().__init__(message)
-        self.table = table  # the plan table that shows why, when there is one
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -249,16 +246,7 @@ class MemoryModel:
 
 def largest_fitting(cost: Callable[[int], int], limit: int, cap: int) -> int:
     """Largest n in [1, cap] with cost(n) <= limit for a non-decreasing cost; 0 when not even 1 fits."""
-    if cap < 1 or cost(1) > limit:
-        return 0
-    lo, hi = 1, cap
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if cost(mid) <= limit:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return bisect.bisect_right(range(1, cap + 1), limit, key=cost)
 
 
 @dataclass(frozen=True)
@@ -372,23 +360,16 @@ def assumptions_for(target: Target) -> tuple[str, ...]:
     return tuple(out)
 
 
-def persistent_terms(model: torch.nn.Module, target: Target) -> tuple[int, int, int, int, int, int]:
-    """(P, weights, gradients, AdamW state, 16-bit copies if assumed, step temporaries) from the parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    n_params = sum(p.numel() for p in params)
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    cast = 2 * n_params if (target.from_cpu and target.precision != "fp32") else 0
-    step_temp = (param_bytes if target.kind == "cuda"
-                 else max((p.numel() * p.element_size() for p in params), default=0))
-    return n_params, weight_bytes, param_bytes, 2 * param_bytes, cast, step_temp
-
-
 def measure_memory(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target) -> MemoryModel:
     """Persistent terms from the parameters, activations from trial steps on target.measure_device, with and
     without gradient checkpointing."""
     device = target.measure_device
-    n_params, weight_bytes, grad_bytes, optimizer_bytes, cast, step_temp = persistent_terms(model, target)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    cast = 2 * n_params if (target.from_cpu and target.precision != "fp32") else 0
+    step_temp = grad_bytes if target.kind == "cuda" else max(p.numel() * p.element_size() for p in params)
     trial = Trial(model, batch_fn, device, target.precision if device.type == "cuda" else "fp32")
     resident = 0
     with trial.restoring():
@@ -403,16 +384,16 @@ def measure_memory(model: TemporalFusionTransformer, batch_fn: BatchFn, target: 
         val = Affine.through([(n, trial.val_step(n)) for n in TRIAL_SIZES])
     how = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
            else "bytes of tensor storages allocated, CPU, fp32")
-    return MemoryModel(n_params, weight_bytes, grad_bytes, optimizer_bytes, cast, step_temp, resident, train,
+    return MemoryModel(n_params, weight_bytes, grad_bytes, 2 * grad_bytes, cast, step_temp, resident, train,
                        train_ckpt, val, TRIAL_SIZES, how)
 
 
 def plan_for_model(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target, budget: int,
-                   batch_size: int, mode: str) -> PlanReport:
-    """Measure and plan; PlanError (carrying the table) when the budget cannot hold one window. Without a
-    budget, or on the CPU, the plan is the config taken literally, with its estimated peak."""
+                   batch_size: int, mode: str, stream: TextIO) -> PlanReport:
+    """Measure and plan, printing the plan table to `stream`; PlanError, after the table that shows why, when the
+    budget cannot hold one window. Without a budget, or on the CPU, the plan is the config taken literally, with
+    its estimated peak."""
     t0 = time.perf_counter()
-    planning = bool(budget) and target.kind == "cuda"
     try:
         mem = measure_memory(model, batch_fn, target)
     except torch.OutOfMemoryError:
@@ -421,16 +402,26 @@ def plan_for_model(model: TemporalFusionTransformer, batch_fn: BatchFn, target: 
                         "fewer --features, --encoder-length)") from None
     if target.measure_device.type == "cuda":  # the trial steps' cached blocks would fragment the real run's pool
         torch.cuda.empty_cache()
-    if not planning:
-        return _literal_report(target, budget, batch_size, mode, mem, time.perf_counter() - t0)
+    if budget and target.kind == "cuda":
+        report = _budget_report(model, batch_fn, target, budget, batch_size, mode, mem, t0, stream)
+    else:
+        report = _literal_report(target, budget, batch_size, mode, mem, time.perf_counter() - t0)
+    print(format_report(report), file=stream, flush=True)
+    return report
+
+
+def _budget_report(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target, budget: int,
+                   batch_size: int, mode: str, mem: MemoryModel, t0: float, stream: TextIO) -> PlanReport:
+    """The plan for `budget`, confirmed on the card when measured there; a refusal's table goes to `stream`."""
     opts = tuple(options_for(mem, budget, batch_size))
     try:
         plan = choose_plan(mem, budget, batch_size, mode, target.precision)
     except PlanError as exc:
         failed = literal_plan(batch_size, mode, target.precision)
-        report = PlanReport(target, budget, batch_size, mode, mem, opts, failed, assumptions_for(target),
-                            time.perf_counter() - t0, ("REFUSED: " + str(exc),))
-        raise PlanError(str(exc), format_report(report, refused=True)) from None
+        refused = PlanReport(target, budget, batch_size, mode, mem, opts, failed, assumptions_for(target),
+                             time.perf_counter() - t0, ("REFUSED: " + str(exc),))
+        print(format_report(refused, refused=True), file=stream, flush=True)
+        raise
     notes: tuple[str, ...] = ()
     if target.measure_device.type == "cuda":
         plan = confirm_on_card(model, batch_fn, target, mem, plan)
@@ -487,8 +478,7 @@ def batch_fn_for(tensors: Any, anchors: np.ndarray) -> BatchFn:
     memory n windows can take)."""
 
     def fn(n: int) -> dict[str, Tensor]:
-        picked = np.resize(anchors, n) if anchors.size else anchors
-        return tensors.row_batch(torch.from_numpy(np.ascontiguousarray(picked)), share_bars=False)
+        return tensors.row_batch(torch.from_numpy(np.resize(anchors, n)), share_bars=False)
 
     return fn
 

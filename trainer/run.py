@@ -8,10 +8,10 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
@@ -27,18 +27,10 @@ from trainer.loop import PlanFn, Trainer, TrainResult, build_model
 from trainer.modeling import TemporalFusionTransformer
 from trainer.paths import run_stem
 from trainer.plan import TrainPlan
-from trainer.planner import (
-    PlanError,
-    PlanReport,
-    Target,
-    batch_fn_for,
-    format_bytes,
-    format_report,
-    parse_budget,
-    plan_for_model,
-)
+from trainer.planner import PlanError, Target, batch_fn_for, format_bytes, parse_budget, plan_for_model
 from trainer.report import write_report
 from trainer.resume import ResumeState
+from trainer.run_files import runs_best
 from trainer.tracking import Tracker, epoch_scalars, forecast_scalars, open_tracker
 
 log = logging.getLogger("trainer")
@@ -110,7 +102,7 @@ def _judge_best(trainer: Trainer, report: bool, tracker: Tracker | None = None) 
                                     ("the tracked checkpoint sha256", tracker is not None)) if on]
     if not wanted:
         return
-    best = trainer.runs_best()
+    best = runs_best(trainer.paths.best, trainer.best_epoch, trainer.history)
     if best is None:  # a resumed run whose best is elsewhere (said at its start), or a file replaced since
         log.warning("skipped %s: %s is not this run's best checkpoint (epoch %d)", " and ".join(wanted),
                     trainer.paths.best, trainer.best_epoch)
@@ -137,7 +129,7 @@ def _track_best(tracker: Tracker, trainer: Trainer, report: bool, test: dict[str
 
 def _budget_label(args: argparse.Namespace, cfg: TrainConfig) -> str:
     """How the budget was set, for messages: the flag, or the --config file that holds it."""
-    if getattr(args, "cfg_vram_budget", None) is None and getattr(args, "config", None):
+    if args.cfg_vram_budget is None and args.config:
         return f"vram_budget = {cfg.vram_budget!r} (from --config {args.config})"
     return f"--vram-budget {cfg.vram_budget}"
 
@@ -159,7 +151,8 @@ def budget_plan_fn(budget: int, cfg: TrainConfig, label: str) -> PlanFn:
                  format_bytes(fraction * total), format_bytes(total), torch.cuda.get_device_name(device))
         target = Target("cuda", device, precision, f"{torch.cuda.get_device_name(device)}, {format_bytes(total)}")
         effective, notes = _card_budget(budget, device)
-        report = _plan(model, batch_fn_for(data.tensors, data.train_anchors), target, effective, cfg, sys.stderr)
+        report = plan_for_model(model, batch_fn_for(data.tensors, data.train_anchors), target, effective,
+                                cfg.batch_size, cfg.grad_checkpointing, sys.stderr)
         return replace(report.plan, budget_bytes=budget, notes=(*notes, *report.plan.notes))
 
     return plan_on_cuda
@@ -177,19 +170,6 @@ def _card_budget(budget: int, device: torch.device) -> tuple[int, tuple[str, ...
     return available, (note,)
 
 
-def _plan(model: TemporalFusionTransformer, batch_fn: Callable[[int], dict[str, torch.Tensor]], target: Target,
-          budget: int, cfg: TrainConfig, stream: TextIO) -> PlanReport:
-    """plan_for_model, printing the table (also the one that explains a refusal) to `stream`."""
-    try:
-        report = plan_for_model(model, batch_fn, target, budget, cfg.batch_size, cfg.grad_checkpointing)
-    except PlanError as exc:
-        if exc.table:
-            print(exc.table, file=stream, flush=True)
-        raise
-    print(format_report(report), file=stream, flush=True)
-    return report
-
-
 def plan_only(parquet: str, cfg: TrainConfig, budget: int, columns: ColumnMap, resumed: ResumeState | None) -> int:
     """--plan-only: measure, print the plan for the device the run would use and exit 0, on any machine
     (without CUDA, --device cuda or auto with a budget plans for a card from a CPU measurement)."""
@@ -202,7 +182,8 @@ def plan_only(parquet: str, cfg: TrainConfig, budget: int, columns: ColumnMap, r
     notes: tuple[str, ...] = ()
     if budget and target.measure_device.type == "cuda":
         budget, notes = _card_budget(budget, target.measure_device)
-    report = _plan(model, batch_fn_for(data.tensors, data.train_anchors), target, budget, cfg, sys.stdout)
+    report = plan_for_model(model, batch_fn_for(data.tensors, data.train_anchors), target, budget, cfg.batch_size,
+                            cfg.grad_checkpointing, sys.stdout)
     for note in notes:
         print(note)
     log.info("plan only: micro-batch %d x %d accumulation, gradient checkpointing %s, estimated peak %s (%.1f s)",
