@@ -179,18 +179,10 @@ class ColumnBlock(Mapping[str, np.ndarray]):
     def __init__(self, names: tuple[str, ...], block: np.ndarray) -> None:
         self.names = names
         self.block = block  # [columns, n]
-        self._index: dict[str, int] | None = None
-
-    def _where(self) -> dict[str, int]:
-        if self._index is None:
-            self._index = {name: i for i, name in enumerate(self.names)}
-        return self._index
+        self._index = {name: i for i, name in enumerate(names)}
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self.block[self._where()[name]]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._where()
+        return self.block[self._index[name]]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)

@@ -64,10 +64,6 @@ class ContractConfig:
     def __post_init__(self) -> None:
         if roll_sessions(self.roll) is None and self.roll not in ("volume", "none"):
             raise ValueError(f"--roll {self.roll}: expected {ROLL_RULES}")
-        if self.adjust not in ("none", "ratio"):
-            raise ValueError(f"--adjust {self.adjust}: expected none or ratio")
-        if self.volume not in ("front", "root"):
-            raise ValueError(f"--volume {self.volume}: expected front or root")
 
     @functools.cached_property
     def _root_map(self) -> dict[str, str]:

@@ -15,7 +15,7 @@ import numpy as np
 from features.bars import Bars
 from features.calendar import sessions
 from features.config import FeatureConfig
-from features.contracts import ContractConfig, contract_month, roll_sessions
+from features.contracts import CONTRACT_PATTERN, ROOTS_FIX, ContractConfig, contract_month, roll_sessions
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,8 @@ def front_rows(timestamp_ns: np.ndarray, code: np.ndarray, names: list[str], ope
     rows = order[chosen]
     vol = np.asarray(volume, np.float64)
     if cfg.volume == "root":
-        stamps, at = np.unique(ts, return_inverse=True)
-        vol_sum = np.zeros(stamps.size)
-        np.add.at(vol_sum, at, vol[order])
-        chosen_vol = vol_sum[at[chosen]]
+        at = np.unique(ts, return_inverse=True)[1]
+        chosen_vol = np.bincount(at, weights=vol[order])[at[chosen]]  # the root's volume at each chosen bar
     else:
         chosen_vol = vol[rows]
     log_offset, rolls = _offsets(ts, code, names, chosen, np.asarray(open_, np.float64)[order],
@@ -231,7 +229,6 @@ def _roots(bars: Bars, cfg: ContractConfig, names: list[str], first_rows: list[i
         return [str(labels[i]) for i in first_rows]
     mapped = [cfg.root_of(n) for n in names]
     if (bad := [n for n, m in zip(names, mapped, strict=True) if m is None]):
-        from features.contracts import CONTRACT_PATTERN, ROOTS_FIX
         raise ValueError(f"contract name(s) {', '.join(repr(b) for b in bad[:3])} name no root: contract names "
                          f"are read as {CONTRACT_PATTERN}; {ROOTS_FIX}")
     return [str(m) for m in mapped]

@@ -96,14 +96,6 @@ class Covariates:
     regime_sessions: int = 5  # sessions per regime before it switches
     exchange_column: str | None = None  # string column: the symbol's exchange; None no column
 
-    def __post_init__(self) -> None:
-        for text in self.event_times:
-            event_minute(text)
-        if self.event_every < 1 or self.regime_sessions < 1:
-            raise ValueError("event_every and regime_sessions must be at least 1")
-        if not self.event_jump > 0:
-            raise ValueError("event_jump must be positive")
-
     @property
     def columns(self) -> list[str]:
         """The columns these covariates add, in the order they are written."""
