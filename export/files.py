@@ -35,14 +35,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _link_or_copy(src: str, dst: str) -> None:
-    """A hard link where the file system allows one, else a copy."""
-    if os.path.islink(src):
-        os.symlink(os.readlink(src), dst)
-        return
+    """A hard link where the file system allows one, else a copy; a symbolic link stays one."""
     try:
-        os.link(src, dst)
+        os.link(src, dst, follow_symlinks=False)
     except OSError:
-        shutil.copy2(src, dst)
+        shutil.copy2(src, dst, follow_symlinks=False)
 
 
 def leftovers(target: Path) -> tuple[list[Path], list[Path]]:

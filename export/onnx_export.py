@@ -149,16 +149,10 @@ def run_checker(proto: onnx.ModelProto) -> None:
                           "graph; try another --opset") from None
 
 
-_ELEM: dict[int, str] = {
-    onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
-    onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool",
-}
-
-
 @dataclass(frozen=True)
 class TensorSig:
     name: str
-    dtype: str  # float32 | int64 | ...
+    dtype: str  # numpy's name: float32 | int64 | ...
     dims: tuple[int | str, ...]  # str for a symbolic dimension
 
 
@@ -168,8 +162,7 @@ def signature(values: list[onnx.ValueInfoProto]) -> list[TensorSig]:
         t = v.type.tensor_type
         dims = tuple(d.dim_param if d.HasField("dim_param") else (d.dim_value if d.HasField("dim_value") else "?")
                      for d in t.shape.dim)
-        dtype = _ELEM.get(int(t.elem_type)) or onnx.TensorProto.DataType.Name(t.elem_type).lower()
-        out.append(TensorSig(v.name, dtype, dims))
+        out.append(TensorSig(v.name, onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name, dims))
     return out
 
 

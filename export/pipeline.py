@@ -71,10 +71,7 @@ def load(opts: ExportOptions) -> tuple[dict[str, Any], TemporalFusionTransformer
         ckpt = load_checkpoint(opts.checkpoint)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
-    try:
-        model = model_from_checkpoint(ckpt)
-    except CheckpointError as exc:
-        raise UsageError(f"{opts.checkpoint}: {exc}") from None
+    model = model_from_checkpoint(ckpt)
     for name, tensor in model.state_dict().items():  # else parity compares NaN with NaN and blames the graph
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise UsageError(f"{opts.checkpoint}: weight {name!r} holds NaN or infinite values: the run that wrote "
@@ -85,42 +82,39 @@ def load(opts: ExportOptions) -> tuple[dict[str, Any], TemporalFusionTransformer
 
 def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOptions) -> ModelMeta:
     """What the server needs, from the checkpoint; parity and placement are added after the checks."""
-    try:
-        meta = ModelMeta(
-            model_config=cfg.to_dict(),
-            feature_config=FeatureConfig.from_dict(ckpt["feature_config"]),
-            feature_schema=FeatureSchema.from_list(ckpt["feature_schema"]),
-            quantiles=cfg.quantiles,
-            horizon=cfg.horizon,
-            encoder_length=cfg.encoder_length,
-            bar_interval_ns=int(ckpt["bar_interval_ns"]),
-            symbols=tuple(str(s) for s in ckpt["symbols"]),
-            checkpoint_sha256=sha,
-            model_version=sha[:12] + "-fp16" * (opts.precision == "fp16") + "-noexplain" * (not opts.explain)
-            + "-calibrated" * opts.calibrate,
-            explain=opts.explain,
-            precision=opts.precision,
-            column_map=dict(ckpt["column_map"]),
-            training=training_span(ckpt),
-            input_stats={k: v for k, v in ckpt["normalization"].items() if k != "target_scale"},
-            exporter={
-                "tool": "python -m export",
-                "foxhunt_tft": package_version(),
-                "torch": str(torch.__version__),
-                "onnx": onnx.__version__,
-                "onnxruntime": ort.__version__,
-                "onnxscript": importlib.metadata.version("onnxscript"),
-                "opset": opts.opset,
-                "torch_exporter": "torch.onnx.export(dynamo=True) (torch.export)",
-                "trained_with_torch": str(ckpt["torch_version"]),
-                **({"fp16_kept_fp32_ops": sorted(fp16_mod.KEEP_FP32_OPS),
-                    "fp16_kept_fp32_initializers": list(fp32_initializers(cfg, opts.calibrate))}
-                   if opts.fp16 else {}),
-            },
-        )
-        meta.check()
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UsageError(f"{opts.checkpoint}: the checkpoint's feature metadata is unusable: {exc}") from None
+    meta = ModelMeta(
+        model_config=cfg.to_dict(),
+        feature_config=FeatureConfig.from_dict(ckpt["feature_config"]),
+        feature_schema=FeatureSchema.from_list(ckpt["feature_schema"]),
+        quantiles=cfg.quantiles,
+        horizon=cfg.horizon,
+        encoder_length=cfg.encoder_length,
+        bar_interval_ns=int(ckpt["bar_interval_ns"]),
+        symbols=tuple(str(s) for s in ckpt["symbols"]),
+        checkpoint_sha256=sha,
+        model_version=sha[:12] + "-fp16" * (opts.precision == "fp16") + "-noexplain" * (not opts.explain)
+        + "-calibrated" * opts.calibrate,
+        explain=opts.explain,
+        precision=opts.precision,
+        column_map=dict(ckpt["column_map"]),
+        training=training_span(ckpt),
+        input_stats={k: v for k, v in ckpt["normalization"].items() if k != "target_scale"},
+        exporter={
+            "tool": "python -m export",
+            "foxhunt_tft": package_version(),
+            "torch": str(torch.__version__),
+            "onnx": onnx.__version__,
+            "onnxruntime": ort.__version__,
+            "onnxscript": importlib.metadata.version("onnxscript"),
+            "opset": opts.opset,
+            "torch_exporter": "torch.onnx.export(dynamo=True) (torch.export)",
+            "trained_with_torch": str(ckpt["torch_version"]),
+            **({"fp16_kept_fp32_ops": sorted(fp16_mod.KEEP_FP32_OPS),
+                "fp16_kept_fp32_initializers": list(fp32_initializers(cfg, opts.calibrate))}
+               if opts.fp16 else {}),
+        },
+    )
+    meta.check()
     return meta
 
 
