@@ -337,7 +337,6 @@ class PlanReport:
     memory: MemoryModel
     options: tuple[Option, ...]
     plan: TrainPlan
-    assumptions: tuple[str, ...]
     seconds: float
     notes: tuple[str, ...]
 
@@ -418,16 +417,15 @@ def _budget_report(model: TemporalFusionTransformer, batch_fn: BatchFn, target: 
         plan = choose_plan(mem, budget, batch_size, mode, target.precision)
     except PlanError as exc:
         failed = literal_plan(batch_size, mode, target.precision)
-        refused = PlanReport(target, budget, batch_size, mode, mem, opts, failed, assumptions_for(target),
-                             time.perf_counter() - t0, ("REFUSED: " + str(exc),))
+        refused = PlanReport(target, budget, batch_size, mode, mem, opts, failed, time.perf_counter() - t0,
+                             ("REFUSED: " + str(exc),))
         print(format_report(refused, refused=True), file=stream, flush=True)
         raise
     notes: tuple[str, ...] = ()
     if target.measure_device.type == "cuda":
         plan = confirm_on_card(model, batch_fn, target, mem, plan)
         notes = plan.notes[-1:]
-    return PlanReport(target, budget, batch_size, mode, mem, opts, plan, assumptions_for(target),
-                      time.perf_counter() - t0, notes)
+    return PlanReport(target, budget, batch_size, mode, mem, opts, plan, time.perf_counter() - t0, notes)
 
 
 def _literal_report(target: Target, budget: int, batch_size: int, mode: str, mem: MemoryModel,
@@ -440,7 +438,7 @@ def _literal_report(target: Target, budget: int, batch_size: int, mode: str, mem
     notes = ((f"--vram-budget {format_bytes(budget)} is not applicable on the CPU: it caps CUDA device memory",)
              if budget else ("no VRAM budget: the config taken literally",))
     plan = replace(plan, estimate_bytes=estimate, notes=notes)
-    return PlanReport(target, budget, batch_size, mode, mem, opts, plan, assumptions_for(target), seconds, notes)
+    return PlanReport(target, budget, batch_size, mode, mem, opts, plan, seconds, notes)
 
 
 def confirm_on_card(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target, mem: MemoryModel,
@@ -501,7 +499,7 @@ def format_report(r: PlanReport, refused: bool = False) -> str:
     lines += ["", *_option_lines(r, refused), ""]
     lines += list(r.notes) if refused else _plan_lines(r)
     lines.append("assumptions:")
-    lines += [f"  - {a}" for a in r.assumptions]
+    lines += [f"  - {a}" for a in assumptions_for(r.target)]
     lines.append(f"planned in {r.seconds:.1f} s")
     return "\n".join(lines)
 
