@@ -60,14 +60,14 @@ def probe(target: str, args: argparse.Namespace) -> tuple[int, str]:
     return (HEALTHY if answer.status == health_pb2.HealthCheckResponse.SERVING else UNHEALTHY), f"{target}: {status}"
 
 
-def wait_serving(target: str, timeout: float, service: str = "", interval: float = 0.1) -> bool:
+def wait_serving(target: str, timeout: float, interval: float = 0.1) -> bool:
     """Poll a plaintext server's health service until it answers SERVING (True) or `timeout` seconds pass."""
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status == \
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
                         health_pb2.HealthCheckResponse.SERVING:
                     return True
             except grpc.RpcError:

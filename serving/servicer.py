@@ -400,7 +400,7 @@ def model_info(model: LoadedModel, limits: Limits) -> pb.ModelInfo:
         explain_available=model.explain_available, model_version=model.version,
         checkpoint_sha256=meta.checkpoint_sha256, model_sha256=model.sha256, model_path=model.path,
         loaded_at_unix_ns=model.loaded_at_ns, precision=meta.precision,
-        device_requested=model.device_requested, provider=model.provider, providers=model.providers,
+        device_requested=model.device_requested, provider=model.provider, providers=model.session.get_providers(),
         fallback_warning=model.fallback_warning,
         max_batch=limits.max_batch, max_message_bytes=limits.max_message_bytes, max_concurrent=limits.max_concurrent,
         torch_imported="torch" in sys.modules, server_version=package_version(),

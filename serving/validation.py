@@ -12,7 +12,6 @@ from typing import NoReturn
 import numpy as np
 
 from features.bars import (
-    F32_MAX,
     NS_PER_UNIT,
     PLAUSIBLE_NS,
     PRICE_COLUMNS,
@@ -22,6 +21,7 @@ from features.bars import (
     Problem,
     block_for,
     rules_hold,
+    unusable_values,
     validate,
 )
 from features.calendar import COARSE_INTERVALS, NS_PER_DAY
@@ -268,9 +268,7 @@ def _ignored(s: SeriesColumns, meta: ModelMeta) -> tuple[str, ...]:
 
 def _check_usable(i: int, s: SeriesColumns, field_name: str, name: str, values: np.ndarray) -> None:
     """Finite values within float32's range, as for the user columns of the bars."""
-    with np.errstate(invalid="ignore"):
-        bad = np.flatnonzero(~(np.abs(values) <= F32_MAX))
-    if bad.size:
+    if (bad := np.flatnonzero(unusable_values(values))).size:
         where = f", value {int(bad[0])}" if values.shape[0] > 1 else ""
         raise RequestError(f"{_label(i, s.symbol)}: {field_name} column {name!r}{where}: {values[bad[0]]} is not a "
                            "finite number within float32's range; send finite values, as in the training data",

@@ -48,8 +48,6 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
     names = list(user)
     block = np.empty((len(names), n), dtype="<f8")  # [names, bars]: the wire's row-major order
     for row, name in enumerate(names):
-        if not isinstance(name, str):
-            raise ValueError(f"user feature name {name!r} is not a string")
         block[row] = _column(f"user feature {name!r}", user[name], n)
     if packed:
         series.user_feature_names.extend(names)
@@ -98,11 +96,8 @@ def _labels(name: str, values: Sequence[str | int] | np.ndarray, n: int | None =
     if array.ndim != 1 or (n is not None and array.shape[0] != n):
         raise ValueError(f"{name} has shape {array.shape}" + (f", timestamp_ns has {n} bars; give one label per bar"
                                                               if n is not None else "; give a 1-D sequence"))
-    if array.dtype.kind in "iuU":  # integers (their text) or str
-        return [str(x) for x in array.tolist()]
-    for x in array.tolist():
-        if not isinstance(x, str | int) or isinstance(x, bool):
-            raise ValueError(f"{name} holds {x!r} ({type(x).__name__}); give labels as str or integers")
+    if bad := [x for x in array.tolist() if not isinstance(x, str | int) or isinstance(x, bool)]:
+        raise ValueError(f"{name} holds {bad[0]!r} ({type(bad[0]).__name__}); give labels as str or integers")
     return [str(x) for x in array.tolist()]
 
 

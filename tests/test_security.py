@@ -490,6 +490,7 @@ def test_the_server_opens_only_its_own_files() -> None:
         "reflection._v1_file:replace",  # str.replace of a package name in a type name: no file
         # dataclasses.replace: no file
         "workers._spawn:replace", "workers.run_workers:replace", "validation._for_the_wire:replace",
+        "validation.take:replace", "validation.tail:replace",
         "request_from_bars.symbol_bars:replace", "request_from_bars.root_bars:replace",
     }, sorted(found)
 
