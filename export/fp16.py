@@ -35,10 +35,6 @@ MOVE_OPS = frozenset({
 })
 
 
-class Fp16Error(ValueError):
-    """A graph this converter does not handle."""
-
-
 def _to_half(arr: np.ndarray) -> np.ndarray:
     finite = np.isfinite(arr)
     clipped = np.where(finite, np.clip(arr, -FP16_MAX, FP16_MAX), arr)
@@ -62,13 +58,10 @@ def _constants_to_initializers(graph: onnx.GraphProto) -> None:
 
 
 def convert_to_fp16(model: onnx.ModelProto, keep_initializers: Iterable[str] = ()) -> onnx.ModelProto:
-    """A converted copy of `model`; Fp16Error for graphs with subgraphs."""
+    """A converted copy of `model`, a graph without subgraphs (the TFT's has none)."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
-    for node in g.node:
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-            raise Fp16Error(f"node {node.name!r} ({node.op_type}) has a subgraph; --fp16 supports flat graphs only")
     _constants_to_initializers(g)
     converter = _Converter(m, set(keep_initializers))
     for node in g.node:  # ONNX graphs are topologically sorted

@@ -170,13 +170,10 @@ def build_graph(net: nn.Module, cfg: ModelConfig, windows: dict[str, np.ndarray]
     if opts.fp16:
         kept = fp32_initializers(cfg, isinstance(net, CalibratedModel))
         keep = [t.name for t in proto.graph.initializer if t.name.rsplit(".", 1)[-1] in kept]
-        try:
-            if len(keep) != len(kept):
-                raise fp16_mod.Fp16Error(f"expected the initializers kept in float32 {list(kept)} "
-                                         f"in the exported graph, found {keep}")
-            proto = fp16_mod.convert_to_fp16(proto, keep)
-        except fp16_mod.Fp16Error as exc:
-            raise CheckFailed("fp16 conversion", f"{exc}. Export without --fp16") from None
+        if len(keep) != len(kept):
+            raise CheckFailed("fp16 conversion", f"expected the initializers kept in float32 {list(kept)} in the "
+                              f"exported graph, found {keep}. Export without --fp16")
+        proto = fp16_mod.convert_to_fp16(proto, keep)
     lowest_ir_version(proto)
     if tamper is not None:
         tamper(proto)
