@@ -259,8 +259,7 @@ class Trainer:
         """Frees the step's gradients and halves the micro-batch; re-raises at 1 window, or when other ranks may
         already be in this step's gradient exchange."""
         self._zero_grad()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op where CUDA is not in use
         if self._exchanging and self._exchange_armed:
             raise torch.OutOfMemoryError(
                 f"{str(exc).splitlines()[0]} (in the micro-batch whose backward exchanges gradients between "
@@ -315,8 +314,7 @@ class Trainer:
                         kept.append(out[name].float().cpu().numpy())
                 return {k: np.concatenate(v) for k, v in parts.items()}
             except torch.OutOfMemoryError:
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
+                torch.cuda.empty_cache()
                 if size <= 1:
                     raise
                 size = max(1, size // 2)

@@ -399,8 +399,7 @@ def plan_for_model(model: TemporalFusionTransformer, batch_fn: BatchFn, target: 
         raise PlanError(f"trial steps of {TRIAL_SIZES[0]} and {TRIAL_SIZES[1]} windows ran out of memory under the "
                         f"VRAM cap of {format_bytes(budget)}: raise --vram-budget or shrink the model (--hidden-size, "
                         "fewer --features, --encoder-length)") from None
-    if target.measure_device.type == "cuda":  # the trial steps' cached blocks would fragment the real run's pool
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # the trial steps' cached blocks would fragment the real run's pool (none on the CPU)
     if budget and target.kind == "cuda":
         report = _budget_report(model, batch_fn, target, budget, batch_size, mode, mem, t0, stream)
     else:
