@@ -57,9 +57,7 @@ def format_forecast(f: pb.Forecast) -> str:
             + [f"{x:.4f}" for x in a.price[h]] for h in range(len(a.timestamp_ns))]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     title = f"{a.symbol}  model {a.model_version}  last bar {_time(a.last_timestamp_ns)} UTC  close {a.last_close:.4f}"
-    lines = [title,
-             "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines = [title, *("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows])]
     lines.append("ret: cumulative log return from the last close; time: nominal, step h is the h-th next bar")
     if a.explanation is not None:
         lines += format_explanation(a.explanation)

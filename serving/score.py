@@ -40,13 +40,14 @@ from features.bars import (
     unusable_user_rows,
     unusable_values,
 )
-from features.calendar import COARSE_INTERVALS, NS_PER_DAY, future_timestamps
+from features.calendar import COARSE_INTERVALS, NS_PER_DAY
 from features.categories import unseen_note
 from features.check import format_duration, format_timestamp, spacing_warning
 from features.compute import FeatureFrame, build_frame
 from features.config import FeatureConfig
 from features.file_kind import replace_problem
 from features.files import atomic_output, file_argument, link_note
+from features.known import future_times
 from features.metrics import inside, pinball
 from features.model_meta import ModelMeta
 from features.schema import QUANTILES
@@ -90,11 +91,9 @@ def refused_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int
     bars to an intraday model. bool [W] each."""
     ts, n = frame.timestamp_ns, bars_required
     gaps = n - 1  # short[r] flags the gap before row r
-    short = np.zeros(ts.shape[0], dtype=bool)
-    short[1:] = ts[1:] < ts[:-1] + interval_ns // 2
+    short = np.concatenate([[False], ts[1:] < ts[:-1] + interval_ns // 2])
     finer = 2 * flagged_in_windows(short, anchors, gaps) > gaps
-    long = np.zeros(ts.shape[0], dtype=bool)
-    long[1:] = np.diff(ts) >= max(NS_PER_DAY, COARSE_INTERVALS * interval_ns)
+    long = np.concatenate([[False], np.diff(ts) >= max(NS_PER_DAY, COARSE_INTERVALS * interval_ns)])
     daily = np.zeros(anchors.shape[0], dtype=bool)
     for w in np.flatnonzero(~finer & (2 * flagged_in_windows(long, anchors, gaps) > gaps)):
         a = int(anchors[w])
@@ -130,7 +129,8 @@ def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndar
     close = frame.close[anchors]  # [W]
     ret = log_return.astype(np.float64)
     price = price_quantiles(close, log_return)  # [W, H, Q]
-    future = future_timestamps(frame.timestamp_ns[anchors], frame.bar_interval_ns, h)  # [W, H]
+    series = np.asarray(frame.symbols)[frame.series_id[anchors]]  # [W]
+    future = future_times(frame.timestamp_ns[anchors], frame.config, frame.bar_interval_ns, series)  # [W, H]
     utc = pa.timestamp("ns", tz="UTC")
     columns: dict[str, pa.Array] = {
         "symbol": pa.array(np.asarray(frame.symbols, dtype=object)[frame.series_id[anchors]].repeat(h),
@@ -141,10 +141,8 @@ def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndar
         "time": pa.array(future.ravel(), type=utc),
         "close": pa.array(close.repeat(h)),
     }
-    for j, level in enumerate(quantiles):
-        columns[f"ret_q{level:g}"] = pa.array(ret[:, :, j].ravel())
-    for j, level in enumerate(quantiles):
-        columns[f"price_q{level:g}"] = pa.array(price[:, :, j].ravel())
+    columns |= {f"ret_q{level:g}": pa.array(ret[:, :, j].ravel()) for j, level in enumerate(quantiles)}
+    columns |= {f"price_q{level:g}": pa.array(price[:, :, j].ravel()) for j, level in enumerate(quantiles)}
     columns["actual_ret"] = pa.array(frame.targets[anchors].astype(np.float64).ravel())  # NaN past the file
     # the h-th next bar of the file, which actual_ret reaches; null past the series' end
     later = anchors[:, None] + np.arange(1, h + 1)  # [W, H] rows

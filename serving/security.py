@@ -90,11 +90,6 @@ def warn_if_readable(path: Path, flag: str, who: str) -> None:
             log.warning("%s %s is readable by %s (mode %o); chmod 600 it", flag, path, who, stat.S_IMODE(mode))
 
 
-def read_client_token(path: Path) -> str:
-    """The first token of the file: what a client sends."""
-    return _token_lines(path, "no token in the file")[0][1]
-
-
 class ReloadableTls:
     """Server TLS whose certificate, key and client CA a SIGHUP re-reads (renewal without a restart). gRPC asks
     `_fetch` before each new connection's handshake; files that fail their checks keep the current ones."""
@@ -354,7 +349,8 @@ def open_channel(target: str, args: argparse.Namespace) -> grpc.Channel:
 def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     if args.auth_token_file is None:
         return ()
-    return ((AUTH_HEADER, f"Bearer {read_client_token(args.auth_token_file)}"),)
+    token = _token_lines(args.auth_token_file, "no token in the file")[0][1]  # the first: what a client sends
+    return ((AUTH_HEADER, f"Bearer {token}"),)
 
 
 # the codes of a call that never reached a server: no connection, no answer in time, a target gRPC cannot use

@@ -345,7 +345,7 @@ class Signals:
         self.warm = False
         self.hup_pending = False
         self.stop = asyncio.Event()
-        self.received: list[str] = []  # which signals came, for the log
+        self.why = "stdin closed"  # the first stop signal's name, for the log
         self.reloads: set[asyncio.Task[None]] = set()
         loop.add_signal_handler(signal.SIGHUP, self.on_hup)
 
@@ -359,8 +359,8 @@ class Signals:
                              daemon=True).start()
 
     def on_stop(self, sig: signal.Signals) -> None:
-        self.received.append(sig.name)
         if not self.stop.is_set():
+            self.why = sig.name
             self.stop.set()
         elif self.server is not None:
             self.server.delay_cut.set()  # an operator who signals again wants the stop now, not after the delay
@@ -410,8 +410,7 @@ async def serve(config: ServerConfig) -> int:
     signals.serving(server)
     await _listen(server, config)
     await _warm_up_until_stopped(server, signals)
-    log.info("%s: draining (grace %g s)", signals.received[0] if signals.received else "stdin closed",
-             config.grace_s)
+    log.info("%s: draining (grace %g s)", signals.why, config.grace_s)
     await server.stop(config.grace_s)
     return 0
 
