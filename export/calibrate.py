@@ -31,7 +31,7 @@ from export.onnx_export import input_names
 from features.bars import BarDataError, ColumnMap
 from features.config import FeatureConfig
 from features.metrics import inside, quantile_coverage
-from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED
+from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL
 from trainer.config import TrainConfig
 from trainer.data import Normalization, PreparedData, ReadBars, prepare
 from trainer.modeling import TemporalFusionTransformer, TFTOutput
@@ -40,6 +40,7 @@ METHOD = "cqr"  # conformalised quantile regression, one additive offset per hor
 OFFSETS = "calibration_offsets"  # the offsets' initializer in the ONNX graph
 BATCH = 1024  # validation windows per forward
 OFFSET_UNITS = "the model's forecast scale of each window (TemporalFusionTransformer.forecast_scale)"
+SCALE_INPUTS = (ENCODER_OBSERVED, ENCODER_KNOWN, DECODER_KNOWN, STATIC_CATEGORICAL)  # forecast_scale's inputs
 
 
 def non_crossing(q: Tensor) -> Tensor:
@@ -67,7 +68,8 @@ class CalibratedModel(nn.Module):
     def forward(self, static_categorical: Tensor, encoder_observed: Tensor, encoder_known: Tensor,
                 decoder_known: Tensor, static_real: Tensor | None = None) -> TFTOutput:
         out: TFTOutput = self.model(static_categorical, encoder_observed, encoder_known, decoder_known, static_real)
-        scale = self.model.forecast_scale(encoder_observed, encoder_known, decoder_known)  # [B or 1, H, 1]
+        scale = self.model.forecast_scale(encoder_observed, encoder_known, decoder_known,
+                                          static_categorical)  # [B or 1, H, 1]
         return out._replace(quantiles=self.adjust(out.quantiles, scale))
 
     def digest(self) -> str:
@@ -160,7 +162,7 @@ def predict(model: TemporalFusionTransformer, data: PreparedData, anchors: np.nd
     for chunk in torch.from_numpy(anchors).split(BATCH):
         batch = data.tensors.batch(chunk)
         quantiles.append(model(*(batch[name] for name in input_names(model.cfg))).quantiles.float().numpy())
-        scale = model.forecast_scale(*(batch[name] for name in (ENCODER_OBSERVED, ENCODER_KNOWN, DECODER_KNOWN)))
+        scale = model.forecast_scale(*(batch[name] for name in SCALE_INPUTS))
         scales.append(scale.expand(chunk.numel(), -1, -1).float().numpy())
     return np.concatenate(quantiles), np.concatenate(scales)
 

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from export.__main__ import main
-from export.calibrate import conformal_rank, validation_data
+from export.calibrate import SCALE_INPUTS, conformal_rank, validation_data
 from export.errors import UsageError
 from export.options import ExportOptions
 from export.pipeline import run_export
 from features.bars import ColumnMap
 from features.model_meta import ModelMeta
-from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, MODEL_INPUTS, QUANTILES
+from features.schema import MODEL_INPUTS, QUANTILES
 from serving.client import format_model_info
 from serving.model import load_model
 from serving.servicer import Limits, model_info
@@ -108,8 +108,8 @@ def test_offsets_are_added_to_the_uncalibrated_model(ckpt: Path, calibrated: Pat
     assert not model_info(load_model(plain.output), LIMITS).HasField("calibration")
     offsets = np.asarray(again.meta.calibration["offsets"], dtype=np.float32)  # [H, Q]
     net = model_from_checkpoint(load_checkpoint(ckpt))
-    scale = net.forecast_scale(*(torch.from_numpy(validation[name]) for name in (
-        ENCODER_OBSERVED, ENCODER_KNOWN, DECODER_KNOWN))).detach().numpy()  # [W, H, 1]
+    scale = net.forecast_scale(*(torch.from_numpy(validation[name]) for name in SCALE_INPUTS)
+                               ).detach().numpy()  # [W, H, 1]
     shifted = forecast(plain.output, validation) + offsets * scale  # [W, H, Q]: offsets in units of the scale
     uncrossed = np.all(np.diff(shifted, axis=-1) >= 0, axis=(1, 2))  # [W]
     assert uncrossed.mean() > 0.5

@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from export.calibrate import SCALE_INPUTS
 from export.fp16 import convert_to_fp16
 from export.onnx_export import export_model, input_names
 from export.options import ExportOptions
@@ -27,7 +28,6 @@ from trainer.modeling import LOG_RETURN, N_PROFILE_TERMS, TemporalFusionTransfor
 WEEK = 7 * 24  # hourly bars
 MONDAY_NS = 19_723 * NS_PER_DAY  # 2024-01-01, a Monday
 L, H = 24, 6
-SCALE_INPUTS = (ENCODER_OBSERVED, ENCODER_KNOWN, DECODER_KNOWN)  # forecast_scale's arguments
 
 
 def planted_log_profile(ts: np.ndarray) -> np.ndarray:
@@ -90,10 +90,15 @@ def test_the_fit_reads_the_training_rows_only(swapped_bars: Path) -> None:
     expected = training_profile(data.frame, train_rows)
     np.testing.assert_array_equal(data.profile.coefficients, expected.coefficients)
     midnight, noon = MONDAY_NS + np.array([0, 12 * HOUR_NS])
-    busy, quiet = log_profile_of(data.profile, np.array([midnight, noon]))
+    busy, quiet = log_profile_of(symbol_profile(data.profile, 0), np.array([midnight, noon]))
     assert busy - quiet == pytest.approx(1.2, abs=0.15)  # the training bars' profile, not the flipped one
     everything = training_profile(data.frame, np.arange(len(data.frame)))
-    assert np.diff(log_profile_of(everything, np.array([midnight, noon])))[0] > -0.8
+    assert np.diff(log_profile_of(symbol_profile(everything, 0), np.array([midnight, noon])))[0] > -0.8
+
+
+def symbol_profile(profile: Profile, symbol: int) -> Profile:
+    """One symbol's row of a training profile."""
+    return Profile(profile.coefficients[symbol], profile.bounds[symbol], profile.level[symbol])
 
 
 def tiny_model(seasonal: bool, seed: int = 0) -> TemporalFusionTransformer:
@@ -119,11 +124,13 @@ def planted_model() -> tuple[TemporalFusionTransformer, Profile]:
     """An untrained seasonal model with log p = 0.5 cos(time-of-day angle): busy at midnight, quiet at noon."""
     coefficients = np.zeros(1 + N_PROFILE_TERMS, np.float32)
     coefficients[2] = 0.5  # the time of day's first cosine
-    profile = Profile(coefficients, np.array([-0.5, 0.5], np.float32))
+    profile = Profile(coefficients, np.array([-0.5, 0.5], np.float32), np.array(0.0, np.float32))
     model = tiny_model(seasonal=True)
     model.set_normalization(np.full(5, 1e-4), np.full(5, 2e-3), np.full(4, 0.1), np.full(4, 0.7),
                             1e-3 * np.sqrt(np.arange(1, H + 1)))
-    model.set_profile(profile.coefficients, profile.bounds)
+    flat = Profile.flat()  # symbol 1's; neither has a long-run level
+    model.set_profile(np.stack([profile.coefficients, flat.coefficients]), np.stack([profile.bounds, flat.bounds]),
+                      np.zeros(2))
     return model, profile
 
 
@@ -185,3 +192,71 @@ def test_the_seasonal_scale_exports_with_parity_in_fp32_and_fp16() -> None:
         session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
         report = check_parity(model, model, session, cases, precision)
         assert report.passed, report.table()
+
+
+def test_each_symbol_gets_its_own_profile_and_a_short_one_the_pooled(tmp_path: Path) -> None:
+    """ES busy at midnight, HE busy at noon (a day-session future); NQ's few bars fit nothing of their own."""
+    ts, r = hourly_bars(weeks=60, seed=2)
+    columns: dict[str, list[np.ndarray]] = {k: [] for k in ("timestamp", "symbol", "close")}
+    for symbol, sign, n in (("ES", 1.0, ts.size), ("HE", -1.0, ts.size), ("NQ", 1.0, 200)):
+        returns = r[:n] * np.exp((sign - 1.0) * 0.6 * known_features(ts[:n])[:, 1])  # HE: the profile flipped
+        columns["timestamp"].append(ts[:n])
+        columns["symbol"].append(np.array([symbol] * n))
+        columns["close"].append(100.0 * np.exp(np.cumsum(returns)))
+    close = np.concatenate(columns["close"])
+    path = write_parquet(tmp_path / "bars.parquet", {
+        "timestamp": np.concatenate(columns["timestamp"]), "symbol": np.concatenate(columns["symbol"]),
+        "open": close, "high": close * 1.0001, "low": close * 0.9999, "close": close,
+        "volume": np.full(close.size, 100.0)})
+    cfg = TrainConfig(encoder_length=L, horizon=H, val_fraction=0.2, threads=1, device="cpu", seasonal_scale=True)
+    data = prepare(path, cfg)
+    assert data.profile is not None
+    ids = {name: data.frame.symbols.index(name) for name in ("ES", "HE", "NQ")}
+    midnight, noon = MONDAY_NS + np.array([0, 12 * HOUR_NS])
+
+    def busy_minus_quiet(symbol: str) -> float:
+        busy, quiet = log_profile_of(symbol_profile(data.profile, ids[symbol]), np.array([midnight, noon]))
+        return float(busy - quiet)
+
+    assert busy_minus_quiet("ES") == pytest.approx(1.2, abs=0.15)
+    assert busy_minus_quiet("HE") == pytest.approx(-1.2, abs=0.15)
+    train_rows = np.flatnonzero(data.frame.timestamp_ns < data.split_times_ns[0])
+    pooled = fit_profile(data.frame.observed[train_rows, LOG_RETURN], data.frame.timestamp_ns[train_rows], "UTC",
+                         HOUR_NS)
+    np.testing.assert_array_equal(data.profile.coefficients[ids["NQ"]], pooled.coefficients)
+    es = data.frame.observed[train_rows[data.frame.series_id[train_rows] == ids["ES"]], LOG_RETURN]
+    assert data.profile.level[ids["ES"]] == pytest.approx(np.sqrt(np.nanmean(es.astype(np.float64) ** 2)))
+
+
+def test_a_window_takes_its_own_symbols_profile() -> None:
+    model, _ = planted_model()  # symbol 0: the planted profile; symbol 1: flat
+    rng = np.random.default_rng(4)
+    last = MONDAY_NS + rng.integers(0, WEEK, 6) * HOUR_NS
+    batch = windows(last, 1e-3 * rng.standard_normal((6, L)), np.zeros((6, L)))
+    batch[STATIC_CATEGORICAL] = torch.tensor([[0], [1]] * 3)
+    plain = tiny_model(seasonal=False)
+    plain.set_normalization(np.full(5, 1e-4), np.full(5, 2e-3), np.full(4, 0.1), np.full(4, 0.7),
+                            1e-3 * np.sqrt(np.arange(1, H + 1)))
+    with torch.no_grad():
+        scale = model.forecast_scale(*(batch[n] for n in SCALE_INPUTS))  # [6, H, 1]
+        flat = plain.forecast_scale(batch[ENCODER_OBSERVED])
+    torch.testing.assert_close(scale[1::2], flat[1::2])
+    assert not torch.allclose(scale[0::2], flat[0::2], rtol=1e-2)
+
+
+def test_the_forecast_variance_reverts_from_the_recent_to_the_long_run_level() -> None:
+    """As a GARCH forecasts: after a quiet spell each future bar's variance rises toward the symbol's long-run
+    level, after a busy one it falls, and it lies between the encoder's recent variance and that level."""
+    model, _ = planted_model()
+    level = 1e-3
+    flat = Profile.flat()
+    model.set_profile(np.stack([flat.coefficients] * 2), np.stack([flat.bounds] * 2), np.full(2, level))
+    last = MONDAY_NS + np.array([0, 0]) * HOUR_NS
+    signs = np.where(np.arange(L) % 2, 1.0, -1.0)
+    batch = windows(last, np.stack([1e-4 * signs, 1e-2 * signs]), np.zeros((2, L)))  # quiet, busy
+    with torch.no_grad():
+        per_bar = np.diff(model.forecast_scale(*(batch[n] for n in SCALE_INPUTS))[..., 0].double().numpy() ** 2,
+                          prepend=0.0)  # [2, H] each future bar's variance
+    quiet, busy = per_bar
+    assert np.all((quiet > 1e-4**2) & (quiet < level**2)) and np.all(np.diff(quiet) > 0)
+    assert np.all((level**2 < busy) & (busy < 1e-2**2)) and np.all(np.diff(busy) < 0)

@@ -168,15 +168,21 @@ PROFILE_RIDGE = 1e-3  # ridge on the profile's terms (not its constant), per uni
 
 @dataclass(frozen=True)
 class Profile:
-    """A log-volatility profile of the calendar (TemporalFusionTransformer.set_profile)."""
+    """A log-volatility profile of the calendar: of one series (fit_profile), or a row per symbol id
+    (training_profile, TemporalFusionTransformer.set_profile)."""
 
-    coefficients: np.ndarray  # float32 [1 + N_PROFILE_TERMS]  constant, then those of modeling.profile_terms
-    bounds: np.ndarray  # float32 [2]  the least and most log profile over the fitted slots
+    coefficients: np.ndarray  # float32 [(S,) 1 + N_PROFILE_TERMS]  constant, then those of modeling.profile_terms
+    bounds: np.ndarray  # float32 [(S,) 2]  the least and most log profile over the fitted slots
+    level: np.ndarray  # float32 [(S,)]  the RMS 1-bar log return, the variance's long-run level; 0: none
 
     @staticmethod
-    def flat() -> Profile:
-        """p = 1 at every bar: the plain volatility scale."""
-        return Profile(np.zeros(1 + N_PROFILE_TERMS, np.float32), np.zeros(2, np.float32))
+    def flat(level: float = 0.0) -> Profile:
+        """p = 1 at every bar."""
+        return Profile(np.zeros(1 + N_PROFILE_TERMS, np.float32), np.zeros(2, np.float32), np.array(level, np.float32))
+
+    @property
+    def is_flat(self) -> bool:
+        return not self.coefficients.any()
 
 
 @dataclass(frozen=True)
@@ -189,23 +195,39 @@ class SlotStats:
 
 
 def training_profile(frame: FeatureFrame, train_rows: np.ndarray) -> Profile:
-    """fit_profile of the 1-bar log returns of the training rows."""
-    return fit_profile(frame.observed[train_rows, LOG_RETURN], frame.timestamp_ns[train_rows],
-                       frame.config.calendar_tz, frame.bar_interval_ns)
+    """A profile per symbol id, [S, ...]: fit_profile of the 1-bar log returns of the symbol's training rows,
+    or of all training rows where the symbol's are too few to fit. Symbols trade different hours (a CME
+    livestock future's day session, an equity index's overnight trade), so one pooled profile misleads."""
+
+    def fit(rows: np.ndarray) -> Profile:
+        return fit_profile(frame.observed[rows, LOG_RETURN], frame.timestamp_ns[rows], frame.config.calendar_tz,
+                           frame.bar_interval_ns)
+
+    pooled = fit(train_rows)
+    own = [fit(train_rows[frame.series_id[train_rows] == s]) for s in range(len(frame.symbols))]
+    shape = [pooled if p.is_flat else p for p in own]
+    if not pooled.is_flat:
+        log.info("volatility profile: %d of %d symbols fit their own; the rest take that of all training bars",
+                 sum(not p.is_flat for p in own), len(own))
+    return Profile(np.stack([p.coefficients for p in shape]), np.stack([p.bounds for p in shape]),
+                   np.array([p.level if p.level > 0 else pooled.level for p in own], np.float32))
 
 
 def fit_profile(returns: np.ndarray, timestamp_ns: np.ndarray, calendar_tz: str, bar_interval_ns: int) -> Profile:
     """The log-volatility profile of bars' 1-bar log `returns` [n] (NaN: none) at `timestamp_ns` [n]: per-slot
     RMS return (hour of week for bars of an hour or more, 15 minutes of the day for finer bars: then the
     day-of-week terms stay 0), its log fitted by weighted least squares on profile_terms, normalised to unit RMS
-    over the returns. Daily or coarser bars, or too few slots to fit: flat."""
+    over the returns. Daily or coarser bars, or too few slots to fit: flat. Its level: the RMS return, of
+    PROFILE_MIN_RETURNS or more."""
+    finite = np.asarray(returns, np.float64)[np.isfinite(returns)]
+    level = float(np.sqrt(np.mean(finite**2))) if finite.size >= PROFILE_MIN_RETURNS else 0.0
     if bar_interval_ns >= NS_PER_DAY:
-        return Profile.flat()
+        return Profile.flat(level)
     stats = _slot_stats(returns, timestamp_ns, calendar_tz, bar_interval_ns)
     if stats.count.size < PROFILE_SLOTS_PER_TERM * stats.terms.shape[1]:
-        log.info("volatility profile: %d calendar slots with %d returns each are too few to fit; flat profile",
-                 stats.count.size, PROFILE_MIN_RETURNS)
-        return Profile.flat()
+        log.debug("volatility profile: %d calendar slots with %d returns each are too few to fit; flat profile",
+                  stats.count.size, PROFILE_MIN_RETURNS)
+        return Profile.flat(level)
     w = stats.count / stats.count.mean()  # [S]
     ridge = PROFILE_RIDGE * np.diag([0.0] + [1.0] * (stats.terms.shape[1] - 1))  # [1+P, 1+P]
     gram = stats.terms.T @ (w[:, None] * stats.terms) + ridge * w.sum()
@@ -215,7 +237,8 @@ def fit_profile(returns: np.ndarray, timestamp_ns: np.ndarray, calendar_tz: str,
     fitted = stats.terms @ beta
     coefficients = np.zeros(1 + N_PROFILE_TERMS)
     coefficients[: beta.size] = beta
-    return Profile(coefficients.astype(np.float32), np.array([fitted.min(), fitted.max()], np.float32))
+    return Profile(coefficients.astype(np.float32), np.array([fitted.min(), fitted.max()], np.float32),
+                   np.array(level, np.float32))
 
 
 def _slot_stats(returns: np.ndarray, timestamp_ns: np.ndarray, tz: str, bar_interval_ns: int) -> SlotStats:

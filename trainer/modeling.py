@@ -28,6 +28,10 @@ Array = Tensor | np.ndarray
 Statics = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # c_selection, c_enrichment, c_h, c_c [B, D]; static weights
 LOG_RETURN = BUILTIN_OBSERVED.index("log_return")  # the observed feature the volatility scale reads
 VOL_DECAY = 0.94  # the volatility scale's starting weight decay per bar (RiskMetrics'); trained with the model
+# a seasonal scale forecasts each future bar's variance as GARCH(1,1) does, between the encoder's EWMA and the
+# symbol's long-run level; both weights are trained with the model
+VOL_MIX = 0.7  # the EWMA's starting share of the next bar's variance, the long-run level's the rest
+VOL_PERSIST = 0.98  # the starting persistence per bar of the variance's distance from the long-run level
 TOD_HARMONICS = 6  # harmonics of the time of day in the seasonal volatility profile
 DOW_HARMONICS = 2  # harmonics of the day of week (its 7 values hold 3)
 CROSS_HARMONICS = 2  # time-of-day harmonics 1..this, each times the day of week's first harmonic
@@ -322,6 +326,8 @@ class TemporalFusionTransformer(nn.Module):
     bar_age: Tensor
     profile_coef: Tensor
     profile_bounds: Tensor
+    profile_level: Tensor
+    future_age: Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -364,9 +370,14 @@ class TemporalFusionTransformer(nn.Module):
         self.register_buffer("bar_age", torch.arange(cfg.encoder_length - 1, -1, -1).float(), persistent=False)  # [L]
         if volatility:
             self.vol_decay_logit = nn.Parameter(torch.tensor(math.log(VOL_DECAY / (1.0 - VOL_DECAY))))
-        if cfg.seasonal_scale:  # fitted with the normalisation (set_profile); zeros: a flat profile
-            self.register_buffer("profile_coef", torch.zeros(1 + N_PROFILE_TERMS))  # [1 + P] constant, then terms
-            self.register_buffer("profile_bounds", torch.zeros(2))  # [2] least and most log profile of the fit
+        if cfg.seasonal_scale:  # one profile per symbol, fitted with the normalisation (set_profile); zeros: flat
+            n_symbols = cfg.static_cardinalities[0]
+            self.register_buffer("profile_coef", torch.zeros(n_symbols, 1 + N_PROFILE_TERMS))  # [S, 1 + P]
+            self.register_buffer("profile_bounds", torch.zeros(n_symbols, 2))  # [S, 2] least and most log profile
+            self.register_buffer("profile_level", torch.zeros(n_symbols))  # [S] long-run RMS return; 0: none
+            self.register_buffer("future_age", torch.arange(cfg.horizon).float(), persistent=False)  # [H]
+            self.vol_mix_logit = nn.Parameter(torch.tensor(math.log(VOL_MIX / (1.0 - VOL_MIX))))
+            self.vol_persist_logit = nn.Parameter(torch.tensor(math.log(VOL_PERSIST / (1.0 - VOL_PERSIST))))
 
     # ---- normalisation ---------------------------------------------------------------------
     def set_normalization(self, observed_mean: Array, observed_std: Array, known_mean: Array, known_std: Array,
@@ -392,10 +403,11 @@ class TemporalFusionTransformer(nn.Module):
             with torch.no_grad():
                 buf.copy_(t)
 
-    def set_profile(self, coefficients: Array, bounds: Array) -> None:
-        """Copy a fitted log-volatility profile (trainer.data.fit_profile) into the buffers: coefficients
-        [1 + N_PROFILE_TERMS], the constant first; bounds [2], the least and most log profile the fit saw."""
-        for name, value in (("profile_coef", coefficients), ("profile_bounds", bounds)):
+    def set_profile(self, coefficients: Array, bounds: Array, level: Array) -> None:
+        """Copy fitted log-volatility profiles (trainer.data.training_profile) into the buffers, a row per symbol
+        id: coefficients [S, 1 + N_PROFILE_TERMS], the constant first; bounds [S, 2], the least and most log
+        profile the fit saw; level [S], the long-run RMS deseasonalised 1-bar return (0: none)."""
+        for name, value in (("profile_coef", coefficients), ("profile_bounds", bounds), ("profile_level", level)):
             buf: Tensor = getattr(self, name)
             t = torch.as_tensor(value).detach().to(dtype=buf.dtype, device=buf.device)
             if t.shape != buf.shape or not bool(torch.isfinite(t).all()):
@@ -451,7 +463,8 @@ class TemporalFusionTransformer(nn.Module):
         c_sel = statics[0].unsqueeze(1)  # [B, 1, D]
         enc_x, enc_w = self._run(self._select_encoder, observed, enc_known, c_sel)  # [B, L, D], [B, L, V]
         calendar = encoder_known[..., :CALENDAR_COLUMNS] if self.cfg.seasonal_scale else None  # [B, L, 4]
-        return self._decode(statics, enc_x, enc_w, decoder_known, encoder_observed[..., LOG_RETURN], calendar)
+        return self._decode(statics, enc_x, enc_w, decoder_known, encoder_observed[..., LOG_RETURN], calendar,
+                            static_categorical[:, 0])
 
     def forward_rows(self, static_categorical: Tensor, row_observed: Tensor, row_known: Tensor, row_window: Tensor,
                      window_rows: Tensor, decoder_known: Tensor, static_real: Tensor | None = None) -> TFTOutput:
@@ -473,7 +486,8 @@ class TemporalFusionTransformer(nn.Module):
         calendar = None
         if self.cfg.seasonal_scale:
             calendar = row_known[:, :CALENDAR_COLUMNS].index_select(0, window_rows.flatten()).view(b, length, -1)
-        return self._decode(statics, enc_x, enc_w, decoder_known, returns, calendar)  # calendar [B, L, 4]
+        return self._decode(statics, enc_x, enc_w, decoder_known, returns, calendar,  # calendar [B, L, 4]
+                            static_categorical[:, 0])
 
     def _select_rows(self, observed: Tensor, known: Tensor, c_selection: Tensor, row_window: Tensor
                      ) -> tuple[Tensor, Tensor]:
@@ -481,10 +495,10 @@ class TemporalFusionTransformer(nn.Module):
         return self._select_encoder(observed, known, c_selection[row_window])  # [R, D], [R, V]
 
     def _decode(self, statics: Statics, enc_x: Tensor, enc_w: Tensor, decoder_known: Tensor,
-                encoder_returns: Tensor, encoder_calendar: Tensor | None) -> TFTOutput:
+                encoder_returns: Tensor, encoder_calendar: Tensor | None, symbol: Tensor) -> TFTOutput:
         # enc_x [B, L, D] and enc_w [B, L, V] from encoder variable selection; decoder_known raw [B, H, n_known];
         # encoder_returns [B, L] raw 1-bar log returns of the encoder bars; encoder_calendar [B, L, 4] raw calendar
-        # features of the encoder bars (a seasonal scale's), else None
+        # features of the encoder bars (a seasonal scale's), else None; symbol [B] int64 ids
         L = self.cfg.encoder_length
         c_sel, c_enr, c_h, c_c, static_w = statics  # 4 x [B, D], [B, n_static]
         dec_known = _standardize(decoder_known, self.known_mean, self.known_std, self.cfg.n_known_real)
@@ -498,22 +512,23 @@ class TemporalFusionTransformer(nn.Module):
         if encoder_calendar is None:
             scale = self._scale(encoder_returns)  # [B or 1, H, 1]
         else:
-            scale = self._seasonal_scale(encoder_returns, encoder_calendar, decoder_known[..., :CALENDAR_COLUMNS])
+            scale = self._seasonal_scale(encoder_returns, encoder_calendar, decoder_known[..., :CALENDAR_COLUMNS],
+                                         symbol)
         quantiles = self.head(x) * scale  # [B, H, Q] in return units
         return TFTOutput(quantiles, attn, static_w, enc_w, dec_w)
 
     def forecast_scale(self, encoder_observed: Tensor, encoder_known: Tensor | None = None,
-                       decoder_known: Tensor | None = None) -> Tensor:
+                       decoder_known: Tensor | None = None, static_categorical: Tensor | None = None) -> Tensor:
         """The unit the quantiles are forecast in, of windows with these raw inputs (encoder_observed
-        [B, L, n_obs]; encoder_known [B, L, n_known] and decoder_known [B, H, n_known], which a seasonal scale
-        needs): [B or 1, H, 1]."""
+        [B, L, n_obs]; encoder_known [B, L, n_known], decoder_known [B, H, n_known] and static_categorical
+        [B, n_static], which a seasonal scale needs): [B or 1, H, 1]."""
         returns = encoder_observed[..., LOG_RETURN]  # [B, L]
         if not self.cfg.seasonal_scale:
             return self._scale(returns)
-        if encoder_known is None or decoder_known is None:
-            raise ValueError("a seasonal scale needs the windows' encoder_known and decoder_known")
+        if encoder_known is None or decoder_known is None or static_categorical is None:
+            raise ValueError("a seasonal scale needs the windows' encoder_known, decoder_known and static_categorical")
         return self._seasonal_scale(returns, encoder_known[..., :CALENDAR_COLUMNS],
-                                    decoder_known[..., :CALENDAR_COLUMNS])
+                                    decoder_known[..., :CALENDAR_COLUMNS], static_categorical[:, 0])
 
     def _scale(self, encoder_returns: Tensor) -> Tensor:
         """The unit of the head's output: [B or 1, H, 1]. "volatility": the encoder bars' exponentially weighted
@@ -530,20 +545,31 @@ class TemporalFusionTransformer(nn.Module):
         rms = (encoder_returns.float().square() * (weights / weights.sum())).sum(dim=1).sqrt()  # [B]
         return torch.maximum(rms, 0.01 * self.target_scale[:1])  # [B]; Max, which fp16 graphs run in half
 
-    def _seasonal_scale(self, encoder_returns: Tensor, encoder_calendar: Tensor, decoder_calendar: Tensor) -> Tensor:
-        """The volatility scale of deseasonalised returns: sigma, the EWMA of r / p(encoder bar), times
-        sqrt(sum_{j<=h} p(future bar j)^2) with p the time-of-day profile: [B, H, 1]. A flat profile (zero
-        coefficients) gives the plain volatility scale."""
-        # encoder_returns [B, L]; encoder_calendar [B, L, 4], decoder_calendar [B, H, 4] raw calendar features
-        plain = encoder_returns.float() * torch.exp(-self._log_profile(encoder_calendar))  # [B, L]
-        future = torch.exp(2.0 * self._log_profile(decoder_calendar)).cumsum(dim=1).sqrt()  # [B, H]
-        return (self._volatility(plain)[:, None] * future)[..., None]  # [B, H, 1]
+    def _seasonal_scale(self, encoder_returns: Tensor, encoder_calendar: Tensor, decoder_calendar: Tensor,
+                        symbol: Tensor) -> Tensor:
+        """The volatility scale of deseasonalised returns, as a seasonal GARCH forecasts it: sqrt(sum_{j<=h}
+        p_j^2 v_j) with p_j the symbol's time-of-day profile at future bar j and v_j = level^2 + m phi^(j-1)
+        (sigma^2 - level^2), sigma the EWMA of r / p(encoder bar); [B, H, 1]. A flat profile and no level give
+        the plain volatility scale."""
+        # encoder_returns [B, L]; encoder_calendar [B, L, 4], decoder_calendar [B, H, 4] raw calendar features;
+        # symbol [B] int64
+        coef, bounds = self.profile_coef[symbol], self.profile_bounds[symbol]  # [B, 1 + P], [B, 2]
+        plain = encoder_returns.float() * torch.exp(-_log_profile(encoder_calendar, coef, bounds))  # [B, L]
+        recent = self._volatility(plain).square()  # [B]
+        level = self.profile_level[symbol].square()  # [B]
+        level = torch.where(level > 0, level, recent)  # [B]
+        weight = torch.sigmoid(self.vol_mix_logit) * torch.sigmoid(self.vol_persist_logit) ** self.future_age  # [H]
+        variance = level[:, None] + weight * (recent - level)[:, None]  # [B, H] of each future bar
+        profile = torch.exp(2.0 * _log_profile(decoder_calendar, coef, bounds))  # [B, H]
+        return (profile * variance).cumsum(dim=1).sqrt()[..., None]  # [B, H, 1]
 
-    def _log_profile(self, calendar: Tensor) -> Tensor:
-        """log p at bars of raw calendar features [..., 4], held inside the fit's range: [...]."""
-        terms = torch.stack(profile_terms(*calendar.float().unbind(-1)), dim=-1)  # [..., P]
-        log_p = terms @ self.profile_coef[1:] + self.profile_coef[0]  # [...]
-        return torch.clamp(log_p, self.profile_bounds[0], self.profile_bounds[1])  # [...]
+
+def _log_profile(calendar: Tensor, coef: Tensor, bounds: Tensor) -> Tensor:
+    """log p at bars of raw calendar features [B, T, 4] by each window's coefficients [B, 1 + P], held inside its
+    fit's range bounds [B, 2]: [B, T]."""
+    terms = torch.stack(profile_terms(*calendar.float().unbind(-1)), dim=-1)  # [B, T, P]
+    log_p = (terms @ coef[:, 1:, None])[..., 0] + coef[:, :1]  # [B, T]
+    return torch.minimum(torch.maximum(log_p, bounds[:, :1]), bounds[:, 1:])  # [B, T]
 
 
 def harmonics(sin: C, cos: C, k: int) -> list[tuple[C, C]]:
