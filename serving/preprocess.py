@@ -58,7 +58,7 @@ def prepare(series: Sequence[SeriesColumns], meta: ModelMeta) -> Prepared:
     if config.known_columns:
         known, future_known = _known_blocks(series, coded, meta)
     with np.errstate(all="ignore"):  # overflowing features (inf, NaN) are the caller's: nonfinite_problem names them
-        # nominal future bar times from the model's bar interval, exactly as in training
+        # future bar times within each series' trading hours, exactly as in training
         w = latest_windows(ts, o, h, lo, c, v, user, config, meta.encoder_length, meta.bar_interval_ns,
                            known=known, future_user=future_known, log_offset=_log_offsets(series, n),
                            roots=[s.root or s.symbol for s in series])
@@ -181,8 +181,7 @@ def far_inputs(prepared: Prepared, b: int, meta: ModelMeta) -> list[str]:
 
 def nonfinite_output_problem(prepared: Prepared, b: int, series: SeriesColumns, output: str, meta: ModelMeta
                              ) -> RequestError:
-    """What to fix in series b whose window drives the model's `output` to NaN or inf: the inputs far outside
-    their training range, when some are."""
+    """Why series b drives the model's `output` to NaN or inf: its inputs far outside the training range, if any."""
     far = far_inputs(prepared, b, meta)
     culprits = (f"input(s) {listed(far)} lie orders of magnitude (over {FAR_SDS:g} standard deviations) outside "
                 "the training range; check those columns" if far else "their features are far outside the range "

@@ -102,8 +102,7 @@ def refused_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int
 
 
 def unseen_lines(frame: FeatureFrame, bars: Bars, anchors: np.ndarray, encoder_length: int) -> list[str]:
-    """One line per categorical column whose windows read labels unseen in training (forecast with the unknown
-    category), with how many windows did."""
+    """One line per categorical column whose windows read labels unseen in training, with how many windows did."""
     lines = []
     for name, unseen in frame.unseen.items():
         first, last = read_span(frame, anchors, encoder_length, name)  # [W] each
@@ -269,8 +268,7 @@ def _no_origin(frame: FeatureFrame, meta: ModelMeta, start_ns: int | None, end_n
 
 def _write_forecasts(tmp: str, model: LoadedModel, frame: FeatureFrame, anchors: np.ndarray, batch: int,
                      summary: Summary, contract: np.ndarray | None) -> None:
-    """Run the model on the windows at `anchors`, `batch` at a time, into the parquet file `tmp`; `contract`:
-    each row's front contract (object [N]) for a contract model."""
+    """Run the model on the windows at `anchors`, `batch` at a time, into the parquet file `tmp`."""
     meta: ModelMeta = model.meta
     writer: pq.ParquetWriter | None = None
     pending: list[pa.Table] = []
