@@ -74,7 +74,6 @@ def probe(device: str) -> Probe:
         return Probe(device, False, f"this onnxruntime build ({ort.__version__}) has no {provider}; install "
                      f"onnxruntime-gpu (available here: {', '.join(ort.get_available_providers())})")
     preload_cuda_libraries()
-    error = ""
     with native_stderr() as log:
         try:
             session = ort.InferenceSession(_probe_model(), session_options(1, strict=True),
