@@ -12,11 +12,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from features.bars import Bars, block_for
-from features.calendar import future_timestamps, infer_bar_interval_ns
+from features.calendar import infer_bar_interval_ns
 from features.categories import encode, fit_vocabulary
 from features.config import BUILTIN_KNOWN, FeatureConfig
-from features.known import builtin_known, future_known
+from features.known import builtin_known, future_known, future_times
 from features.schema import FeatureSchema
+from features.sessions import learn_hours
 
 
 @dataclass
@@ -155,7 +156,7 @@ def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray
         encoder_observed=np.ascontiguousarray(observed.reshape(b, n, -1)[:, n - L:]),  # [B, L, n_observed]
         encoder_known=encoder_known,  # [B, L, n_known]
         decoder_known=future_known(timestamp_ns[:, -1], config, bar_interval_ns, root, future_user),  # [B, H, n_known]
-        future_timestamp_ns=future_timestamps(timestamp_ns[:, -1], bar_interval_ns, config.horizon),  # [B, H]
+        future_timestamp_ns=future_times(timestamp_ns[:, -1], config, bar_interval_ns, root),  # [B, H]
     )
 
 
@@ -218,6 +219,17 @@ def encode_labels(labels: Mapping[str, np.ndarray], config: FeatureConfig
     for name, values in labels.items():
         ids[name], unseen[name] = encode(values, config.vocabulary(name))
     return ids, unseen
+
+
+def with_trading_hours(config: FeatureConfig, bars: Bars, before_ns: int) -> FeatureConfig:
+    """`config` with each series' trading hours (features.sessions.learn_hours) learnt from its bars before
+    `before_ns` (the training split); a series whose hours are every time of the week has none."""
+    slices = bars.series_slices()
+    bounds = np.array([[sl.start, sl.stop] for sl in slices.values()], dtype=np.int64).reshape(-1, 2)
+    interval = infer_bar_interval_ns(bars.timestamp_ns, bounds)
+    learnt = ((name, learn_hours(ts[ts < before_ns], interval, config.calendar_tz))
+              for name, ts in ((name, bars.timestamp_ns[sl]) for name, sl in slices.items()))
+    return replace(config, trading_hours=tuple((name, hours) for name, hours in learnt if hours))
 
 
 def with_vocabularies(config: FeatureConfig, bars: Bars, before_ns: int) -> FeatureConfig:

@@ -7,6 +7,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from features.calendar import check_time_zone
 from features.contracts import ContractConfig, roll_sessions
 from features.schema import FeatureSchema, FeatureSpec, Kind, Role
@@ -35,6 +37,9 @@ class FeatureConfig:
     categorical_columns: tuple[str, ...] = ()  # which user columns, of any role, are categorical
     vocabularies: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (column, sorted labels) once fitted
     contracts: ContractConfig | None = None  # per-contract bars rolled into one series per root; None: as given
+    # (series, features.sessions.learn_hours' ranges) fitted on the training split: where future bars fall;
+    # a series without: every bar interval
+    trading_hours: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.horizon < 1 or self.volatility_window < 1:
@@ -97,6 +102,14 @@ class FeatureConfig:
     def vocabulary(self, name: str) -> tuple[str, ...]:
         return dict(self.vocabularies)[name]
 
+    def hours_of(self, series: np.ndarray | None) -> np.ndarray | None:
+        """The trading hours of each of `series` [B] (names), "" for one without; None when none has hours."""
+        if not self.trading_hours or series is None:
+            return None
+        hours = dict(self.trading_hours)
+        names = np.asarray(series)
+        return np.array([hours.get(str(name), "") for name in names.reshape(-1)]).reshape(names.shape)
+
     @property
     def contract_known(self) -> tuple[str, ...]:
         """The built-in known contract features: CONTRACT_KNOWN for a `calendar:N` roll, else none."""
@@ -133,6 +146,8 @@ class FeatureConfig:
                   "vocabularies": {name: list(v) for name, v in self.vocabularies}}
         if self.contracts is not None:
             d["contracts"] = self.contracts.to_dict()
+        if self.trading_hours:
+            d["trading_hours"] = dict(self.trading_hours)
         return d
 
     @staticmethod
@@ -141,7 +156,8 @@ class FeatureConfig:
                              str(d["calendar_tz"]), tuple(d.get("known_columns", ())),
                              tuple(d.get("static_columns", ())), tuple(d.get("categorical_columns", ())),
                              tuple((name, tuple(v)) for name, v in d.get("vocabularies", {}).items()),
-                             ContractConfig.from_dict(d["contracts"]) if d.get("contracts") else None)
+                             ContractConfig.from_dict(d["contracts"]) if d.get("contracts") else None,
+                             tuple(d.get("trading_hours", {}).items()))
 
 
 ROLE_FLAGS = {"user_columns": "--features", "known_columns": "--known-features", "static_columns": "--static-features"}

@@ -26,7 +26,7 @@ from features.calendar import (
     utc_offset_ns,
 )
 from features.check import format_timestamp
-from features.compute import FeatureFrame, build_frame, with_vocabularies
+from features.compute import FeatureFrame, build_frame, with_trading_hours, with_vocabularies
 from features.config import FeatureConfig
 from features.contracts import ContractConfig
 from features.normalize import MIN_STD, NormStats, spread_of
@@ -96,8 +96,8 @@ class WindowTensors:
         self.targets = torch.from_numpy(np.nan_to_num(frame.targets, nan=0.0))  # [N, H]
         self.offsets = torch.arange(-encoder_length + 1, 1)  # [L]
         self._offsets: DayOffsets | None = None  # the calendar zone's offsets over the bars' span and horizon
-        if frame.config.calendar_tz != "UTC" and frame.timestamp_ns.size:
-            last = int(frame.timestamp_ns.max()) + frame.config.horizon * frame.bar_interval_ns
+        if frame.config.calendar_tz != "UTC" and frame.timestamp_ns.size:  # trading hours skip a week at most
+            last = int(frame.timestamp_ns.max()) + frame.config.horizon * frame.bar_interval_ns + 8 * NS_PER_DAY
             self._offsets = DayOffsets.span(frame.config.calendar_tz, int(frame.timestamp_ns.min()) // NS_PER_DAY,
                                             last // NS_PER_DAY)
 
@@ -414,8 +414,9 @@ def prepare(source: str | Path | ReadBars, cfg: TrainConfig, columns: ColumnMap 
     if len(bars) == 0:
         raise DataError(f"{source}: no bars (the file holds no rows); give bars to train on")
     digest = training_digest(bars, fc)
-    if features is None:  # vocabularies of the training split: the bars before validation
-        fc = with_vocabularies(fc, bars, split_times(bars.timestamp_ns, cfg.val_fraction, cfg.test_fraction)[0])
+    if features is None:  # vocabularies and trading hours of the training split: the bars before validation
+        before = split_times(bars.timestamp_ns, cfg.val_fraction, cfg.test_fraction)[0]
+        fc = with_trading_hours(with_vocabularies(fc, bars, before), bars, before)
     frame = _frame(bars, fc, symbols)
     del bars  # the frame holds what training needs; keeping the bars would double the peak
     starts, ends, b_val, b_test, cuts = split_rows(frame, cfg.val_fraction, cfg.test_fraction)

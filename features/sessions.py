@@ -1,0 +1,97 @@
+"""The weekly trading hours of each series, learnt from its training bars, and the times of its next bars.
+
+A future bar's time decides its calendar features and its place in the volatility profile. Stepping one bar
+interval at a time from the last bar runs through the exchange's daily halt and the weekend, where no bar comes:
+a Friday-afternoon forecast of 12 hourly bars would describe Friday night and Saturday. The hours are learnt from
+the bars, as the vendor stamps them, rather than taken from a packaged exchange calendar: a product's hours differ
+within one exchange (Eurex's DAX future trades from 01:10 CET, its packaged calendar opens at 08:00), and a
+vendor's bars are the grid the model forecasts on.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from features.calendar import NS_PER_DAY, future_timestamps, utc_offset_ns
+
+MINUTE_NS = 60_000_000_000
+WEEK_MINUTES = 7 * 24 * 60
+SESSION_WEEKS_SHARE = 0.5  # a slot of the week is in session when the bars fill it in this share of their weeks
+MIN_SESSION_WEEKS = 4  # fewer weeks of bars: no hours are learnt (every bar time is in session)
+MONDAY_OFFSET_DAYS = 3  # 1970-01-01 was a Thursday: local days since then, plus this, count from a Monday
+
+
+def _week_minute(timestamp_ns: np.ndarray, tz: str) -> np.ndarray:
+    """Minutes since Monday 00:00 local time of each timestamp, int64, same shape."""
+    ts = np.asarray(timestamp_ns, dtype=np.int64)
+    local = ts + (utc_offset_ns(ts, tz) if tz != "UTC" else 0)
+    return (local // MINUTE_NS + MONDAY_OFFSET_DAYS * 24 * 60) % WEEK_MINUTES
+
+
+def _slot_minutes(bar_interval_ns: int) -> int:
+    """The bar interval in whole minutes when it divides the week; 0 otherwise (no hours can be learnt)."""
+    if bar_interval_ns % MINUTE_NS or not bar_interval_ns:
+        return 0
+    minutes = bar_interval_ns // MINUTE_NS
+    return minutes if WEEK_MINUTES % minutes == 0 else 0
+
+
+def learn_hours(timestamp_ns: np.ndarray, bar_interval_ns: int, tz: str) -> str:
+    """The trading hours of one series' bars (sorted bar times), as minute-of-week ranges in `tz` ("1020-2400,
+    ..."; Monday 00:00 is 0): each bar interval's slot of the week that the bars fill in half their weeks or more.
+    "" where nothing is learnt: bars finer than a minute or off the week's grid, fewer than MIN_SESSION_WEEKS
+    weeks, or bars in every slot."""
+    slot = _slot_minutes(bar_interval_ns)
+    ts = np.asarray(timestamp_ns, dtype=np.int64)
+    if not slot or ts.size == 0:
+        return ""
+    local = ts + (utc_offset_ns(ts, tz) if tz != "UTC" else 0)
+    week = (local // NS_PER_DAY + MONDAY_OFFSET_DAYS) // 7  # [n]
+    weeks = int(week[-1] - week[0]) + 1
+    if weeks < MIN_SESSION_WEEKS:
+        return ""
+    n_slots = WEEK_MINUTES // slot
+    cell = np.unique(week * n_slots + _week_minute(ts, tz) // slot)  # distinct (week, slot) pairs
+    filled = np.bincount(cell % n_slots, minlength=n_slots)  # [slots] weeks with a bar in the slot
+    open_ = filled >= SESSION_WEEKS_SHARE * weeks
+    if open_.all() or not open_.any():
+        return ""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], open_.astype(np.int8), [0]])))  # starts, then ends
+    return ",".join(f"{a * slot}-{b * slot}" for a, b in zip(edges[::2], edges[1::2], strict=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _skips(hours: str, slot: int) -> np.ndarray:
+    """Per slot of the week: how many slots on to the next slot in session (0 when in session), int64 [slots].
+    A slot is in session when it overlaps one of the hours' ranges."""
+    n_slots = WEEK_MINUTES // slot
+    minute_open = np.zeros(WEEK_MINUTES, dtype=bool)
+    for part in hours.split(","):
+        a, b = (int(x) for x in part.split("-"))
+        minute_open[a:b] = True
+    open_ = minute_open.reshape(n_slots, slot).any(axis=1)  # [slots]
+    ahead = np.flatnonzero(np.tile(open_, 2))  # in-session slots over two weeks
+    return ahead[np.searchsorted(ahead, np.arange(n_slots))] - np.arange(n_slots)
+
+
+def next_bar_times(last_ns: np.ndarray, bar_interval_ns: int, horizon: int, tz: str,
+                   hours: np.ndarray | None = None) -> np.ndarray:
+    """The times of the next `horizon` bars after each `last_ns` [B], int64 [B, H]: one bar interval on, then on
+    to the next slot in session of the window's `hours` [B] (learn_hours' ranges; "" or None: every time is in
+    session, the nominal times last + h * interval)."""
+    last = np.asarray(last_ns, dtype=np.int64)
+    slot = _slot_minutes(bar_interval_ns)
+    if hours is None or not slot or not any(hours):
+        return future_timestamps(last, bar_interval_ns, horizon)
+    names, which = np.unique(np.broadcast_to(np.asarray(hours, dtype=str), last.shape), return_inverse=True)
+    groups = [(np.flatnonzero(which == k), _skips(str(name), slot)) for k, name in enumerate(names) if name]
+    out = np.empty((last.size, horizon), dtype=np.int64)
+    x = last.reshape(-1).copy()
+    for h in range(horizon):
+        x += bar_interval_ns
+        for rows, skips in groups:
+            x[rows] += skips[_week_minute(x[rows], tz) // slot] * np.int64(bar_interval_ns)
+        out[:, h] = x
+    return out.reshape(*last.shape, horizon)
