@@ -67,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="fit conformal offsets (one per horizon step and quantile) on the run's validation split, "
                         "rebuilt from its bars (--bars, else the checkpoint's data source), and fold them into "
-                        "the model; the metadata and GetModelInfo report the coverage before and after")
+                        "the model; the metadata and GetModelInfo report the coverage before and after. The "
+                        "median keeps the model's forecast unless --calibrate-median")
+    p.add_argument("--calibrate-median", action="store_true",
+                   help="with --calibrate: shift the median (0.5 quantile) too; a validation split's drift rarely "
+                        "carries into the next period, so by default only the other quantiles move")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for PyTorch and ONNX Runtime during the checks (default 1)")
     ColumnMap.add_arguments(p, "with --bars only; a name not given is the training run's")
@@ -93,6 +97,8 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         raise UsageError(f"{problem}; choose another output file")
     if problem := replace_problem(out, "an ONNX model"):
         raise UsageError(problem)
+    if args.calibrate_median and not args.calibrate:
+        raise UsageError("--calibrate-median shifts the median of a calibration: add --calibrate")
     if args.bars is None and (given := ColumnMap.given(args)):
         flags = ", ".join(ColumnMap.flag(f) for f in given)
         raise UsageError(f"{flags}: column mapping applies to --bars only (the checkpoint's own windows need none)")
@@ -102,7 +108,7 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
                          explain=args.explain, require_device=args.require_device, triton_repo=args.triton_repo,
                          triton_name=args.triton_name, triton_max_batch_size=args.triton_max_batch_size,
                          bars=args.bars, column_flags=ColumnMap.given(args), threads=args.threads,
-                         calibrate=args.calibrate)
+                         calibrate=args.calibrate, calibrate_median=args.calibrate_median)
 
 
 def _check_output(out: Path, checkpoint: Path) -> None:

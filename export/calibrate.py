@@ -168,15 +168,18 @@ def predict(model: TemporalFusionTransformer, data: PreparedData, anchors: np.nd
 
 
 def calibrate(ckpt: dict[str, Any], model: TemporalFusionTransformer, bars: Path | ReadBars | None,
-              column_flags: dict[str, str], log: Callable[[str], None]) -> Calibration:
+              column_flags: dict[str, str], log: Callable[[str], None], median: bool = False) -> Calibration:
     """--calibrate: rebuild the run's validation split, fit the offsets to its residuals and log the coverage on
-    its windows before and after."""
+    its windows before and after. The median's offset stays 0 unless `median`: a drift of the validation split's
+    returns shifts it, and that drift rarely holds in the next period."""
     data = validation_data(ckpt, bars, column_flags)
     anchors = data.val_anchors
     quantiles = tuple(model.cfg.quantiles)
     pred, scale = predict(model, data, anchors)  # [W, H, Q], [W, H, 1]
     target = data.frame.targets[anchors]  # [W, H]
     offsets = conformal_offsets(pred, target, quantiles, scale)  # [H, Q]
+    if not median:
+        offsets[:, np.isclose(quantiles, 0.5)] = 0.0
     after = CalibratedModel(model, offsets).adjust(torch.from_numpy(pred), torch.from_numpy(scale)).numpy()
     source = str(bars if bars is not None else ckpt["data_source"])
     calibration = Calibration(offsets, int(anchors.size), quantiles, coverage(pred, target, quantiles),

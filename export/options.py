@@ -30,6 +30,7 @@ class ExportOptions:
     column_flags: dict[str, str] = dataclasses.field(default_factory=dict)  # --bars' names given, over the run's
     threads: int = 1
     calibrate: bool = False  # fold conformal offsets fitted on the run's validation split into the graph
+    calibrate_median: bool = False  # with calibrate: the median's offset too (else the median stays the model's)
     run_bars: ReadBars | None = None  # the run's bars in memory (a backtest fold's): --calibrate reads these
 
     @property

@@ -258,8 +258,8 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
     windows, source = _real_windows(opts, ckpt, model.cfg, log)
     _log_checkpoint(opts, ckpt, model.cfg, meta, sha,
                     f"{windows[STATIC_CATEGORICAL].shape[0]} real windows {source}", log)
-    calibration = (calibrate(ckpt, model, opts.run_bars or opts.bars, opts.column_flags, log) if opts.calibrate
-                   else None)
+    calibration = (calibrate(ckpt, model, opts.run_bars or opts.bars, opts.column_flags, log, opts.calibrate_median)
+                   if opts.calibrate else None)
     net = model if calibration is None else CalibratedModel(model, calibration.offsets)
     log(f"exporting with torch.onnx.export(dynamo=True), opset {opts.opset}, {opts.precision}"
         f"{'' if opts.explain else ', quantiles only'} ...")

@@ -92,7 +92,8 @@ def test_calibrated_model_covers_nominal_without_crossing(calibrated: Path, vali
     assert np.all(np.diff(pred, axis=-1) >= 0), "calibrated quantiles cross"
     below = (target[..., None] <= pred).mean(axis=(0, 1))  # [Q]
     # the conformal rank leaves each level within 1/n of nominal; the rest allows the graph's float rounding
-    np.testing.assert_allclose(below, meta.quantiles, atol=0.02)
+    moved = ~np.isclose(meta.quantiles, 0.5)  # the median keeps the model's forecast
+    np.testing.assert_allclose(below[moved], np.asarray(meta.quantiles)[moved], atol=0.02)
     after = (meta.calibration or {})["coverage_after"]
     np.testing.assert_allclose(below, [after[f"{q:g}"] for q in meta.quantiles], atol=2 / target.shape[0])
 
@@ -117,6 +118,20 @@ def test_offsets_are_added_to_the_uncalibrated_model(ckpt: Path, calibrated: Pat
     np.testing.assert_allclose(forecast(calibrated, validation)[uncrossed], shifted[uncrossed], rtol=0,
                                atol=1e-5 * scale)
     np.testing.assert_array_equal(forecast(again.output, validation), forecast(calibrated, validation))
+
+
+def test_the_median_moves_only_when_asked(ckpt: Path, calibrated: Path, validation: dict[str, np.ndarray],
+                                          tmp_path: Path) -> None:
+    median = list(meta_of(calibrated).quantiles).index(0.5)
+    assert not np.asarray((meta_of(calibrated).calibration or {})["offsets"])[:, median].any()
+    out = tmp_path / "median.onnx"
+    r = run_main(["-m", "export", str(ckpt), str(out), "--calibrate", "--calibrate-median"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert np.asarray((meta_of(out).calibration or {})["offsets"])[:, median].all()
+    below = (validation["target"] <= forecast(out, validation)[..., median]).mean()
+    assert below == pytest.approx(0.5, abs=0.02)
+    alone = run_main(["-m", "export", str(ckpt), str(tmp_path / "alone.onnx"), "--calibrate-median"])
+    assert alone.returncode == 2 and "add --calibrate" in alone.stderr
 
 
 def test_other_bars_are_refused(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
