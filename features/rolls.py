@@ -8,7 +8,7 @@ before the roll; the bar's own open when it has none), never against the old con
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -43,6 +43,8 @@ class Front:
     log_offset: np.ndarray  # float64 [M]  added to log(close); 0 in the latest contract
     volume: np.ndarray  # float64 [M]  the continuous bar's volume (the front's, or the root's sum)
     rolls: list[tuple[str, str, int]]  # (old, new, first timestamp of new)
+    # the rolls' first bars of `new` whose step is taken against their own open: no earlier bar of `new` given
+    against_open: list[int] = field(default_factory=list)
 
 
 def contract_codes(contract: np.ndarray) -> tuple[list[str], np.ndarray]:
@@ -77,9 +79,9 @@ def front_rows(timestamp_ns: np.ndarray, code: np.ndarray, names: list[str], ope
         chosen_vol = np.bincount(at, weights=vol[order])[at[chosen]]  # the root's volume at each chosen bar
     else:
         chosen_vol = vol[rows]
-    log_offset, rolls = _offsets(ts, code, names, chosen, np.asarray(open_, np.float64)[order],
-                                 np.asarray(close, np.float64)[order])
-    return Front(rows, log_offset, chosen_vol, rolls)
+    log_offset, rolls, against_open = _offsets(ts, code, names, chosen, np.asarray(open_, np.float64)[order],
+                                               np.asarray(close, np.float64)[order])
+    return Front(rows, log_offset, chosen_vol, rolls, against_open)
 
 
 def _ordered_contracts(ts: np.ndarray, code: np.ndarray, names: list[str], cfg: ContractConfig,
@@ -157,21 +159,25 @@ def _continuous_as_given(ts: np.ndarray, code: np.ndarray, names: list[str], roo
 
 
 def _offsets(ts: np.ndarray, code: np.ndarray, names: list[str], chosen: np.ndarray, open_: np.ndarray,
-             close: np.ndarray) -> tuple[np.ndarray, list[tuple[str, str, int]]]:
-    """log offsets of the chosen rows (float64 [M]) and the rolls, from time-sorted rows of all contracts."""
+             close: np.ndarray) -> tuple[np.ndarray, list[tuple[str, str, int]], list[int]]:
+    """log offsets of the chosen rows (float64 [M]), the rolls, and the places in `chosen` of the rolls whose new
+    contract has no earlier row (its step is taken against the roll bar's own open), from time-sorted rows of
+    all contracts."""
     picked = code[chosen]
     at = np.flatnonzero(picked[1:] != picked[:-1]) + 1  # [R] first chosen row of each new front
     steps = np.zeros(chosen.size)
-    rolls = []
+    rolls, against_open = [], []
     for k in at:
         new_row, old_row = int(chosen[k]), int(chosen[k - 1])
         before = np.flatnonzero((code[:new_row] == picked[k]) & (ts[:new_row] < ts[new_row]))
         ref = close[before[-1]] if before.size else open_[new_row]  # the new contract's own previous price
+        if not before.size:
+            against_open.append(int(k))
         steps[k] = np.log(ref) - np.log(close[old_row])
         rolls.append((names[picked[k - 1]], names[picked[k]], int(ts[new_row])))
     # a row's offset: the sum of the steps of every later roll (the latest contract's rows: 0)
     offset = np.cumsum(steps[::-1])[::-1]
-    return np.concatenate([offset[1:], [0.0]]) if offset.size else offset, rolls
+    return np.concatenate([offset[1:], [0.0]]) if offset.size else offset, rolls, against_open
 
 
 def continuous(bars: Bars, config: FeatureConfig) -> tuple[Bars, list[Roll]]:

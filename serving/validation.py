@@ -27,7 +27,7 @@ from features.bars import (
 from features.calendar import COARSE_INTERVALS, NS_PER_DAY
 from features.known import future_known
 from features.model_meta import ModelMeta
-from features.rolls import contract_codes, front_rows
+from features.rolls import Front, contract_codes, front_rows
 from features.schema import Kind, Role
 from features.text import bounded, listed
 from serving.contracts import foreign_contract, unknown_symbol
@@ -426,11 +426,27 @@ def _front_series(i: int, s: SeriesColumns, meta: ModelMeta) -> SeriesColumns:
         raise RequestError(f"{label}: {exc}", _field(i, "contracts")) from None
     rolled = s.take(front.rows)
     rolled.volume, rolled.log_offset = front.volume, front.log_offset
+    rolled.notes = (*rolled.notes, *_rolls_against_open(front, names, code, len(rolled) - meta.bars_required))
     if len(rolled) < meta.bars_required:
         raise RequestError(f"{label}: the roll rule keeps {len(rolled)} of the {len(s)} bars sent (the front "
                            f"contract's), the model needs at least {meta.bars_required}; send more of the front "
                            "contract's bars (GetModelInfo.bars_required, roll_rule)", _field(i, "timestamp_ns"))
     return rolled
+
+
+def _rolls_against_open(front: Front, names: list[str], code: np.ndarray, first_read: int) -> list[str]:
+    """Forecast.warnings for the rolls in the bars the model reads (from the rolled series' `first_read`) whose
+    new contract's previous bar was not sent: training takes the roll's step from that bar's close, this
+    request from the roll bar's open, so the forecast differs from the one the same bars give in training."""
+    notes = []
+    for k in front.against_open:
+        if k > first_read:
+            row = int(front.rows[k])
+            new, old = names[int(code[row])], names[int(code[int(front.rows[k - 1])])]
+            notes.append(f"roll {old} -> {new}: no bar of {new} before its first bar as front was sent, so the roll's "
+                         f"return is taken against that bar's open; send {new}'s previous bar (its contract name "
+                         "with it) to forecast as training does")
+    return notes
 
 
 def _check_each_contract(i: int, s: SeriesColumns, names: list[str], code: np.ndarray, meta: ModelMeta) -> None:

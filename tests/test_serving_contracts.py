@@ -27,7 +27,17 @@ from serving.preprocess import prepare
 from serving.servicer import Limits, model_info
 from serving.validation import parse_request
 from serving.wire import forecast_arrays, make_series
-from tests.futures_bars import ES_LEGS, LIVE_PER_DAY, MINUTE, as_bars, contract_rows, request_series, window_rows
+from tests.futures_bars import (
+    ES_LEGS,
+    LIVE_PER_DAY,
+    MINUTE,
+    ROLL_SESSION,
+    as_bars,
+    contract_rows,
+    request_series,
+    session_start,
+    window_rows,
+)
 from tests.live_server import ContractsModel, LiveServer, contracts_model, serving  # noqa: F401  (fixture)
 
 
@@ -77,6 +87,20 @@ def test_a_roll_request_equals_a_request_of_the_ratio_adjusted_series() -> None:
     naive = dataclasses.replace(continuous(SPAN, FC)[0], log_offset=None)
     gap = prepare(parse_request(pb.PredictRequest(series=[request_series("ES", naive, False)]), META), META)
     assert not np.allclose(gap.inputs["encoder_observed"], plain.inputs["encoder_observed"], rtol=1e-3)
+
+
+def test_a_roll_without_the_new_contracts_previous_bar_is_served_with_a_warning() -> None:
+    """An expiring contract's last session, then the next one's bars from the following session (as a vendor's
+    file of expired contracts has them): the roll's return is taken against the roll bar's open, and the
+    forecast says so and how to send the previous bar."""
+    roll = session_start(ROLL_SESSION)
+    keep = ((ES["symbol"] == "ESM5") & (ES["ts_event"] < roll)) | ((ES["symbol"] == "ESU5") & (ES["ts_event"] >= roll))
+    cut = as_bars(ES, np.intersect1d(window_rows(ES, PER_DAY, last_bar=3), np.flatnonzero(keep)))
+    served = prepare(parse_request(pb.PredictRequest(series=[request_series("ES", cut, True)]), META), META)
+    assert len(served.notes[0]) == 1
+    assert "roll ESM5 -> ESU5" in served.notes[0][0] and "send ESU5's previous bar" in served.notes[0][0]
+    whole = prepare(parse_request(pb.PredictRequest(series=[request_series("ES", SPAN, True)]), META), META)
+    assert whole.notes == [()]  # ESU5's earlier bars were sent
 
 
 def test_a_contract_never_trained_on_is_served_as_its_root() -> None:
