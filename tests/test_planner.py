@@ -352,7 +352,7 @@ def test_production_preset_plans_under_4gib(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     print(r.stdout, f"\n(--plan-only took {seconds:.1f} s)")
     assert "budget 4.00 GiB" in r.stdout and "effective batch 128" in r.stdout
-    assert "model: 94,295,766 parameters" in r.stdout  # 225 observed + 4 known variables, hidden 256
+    assert "model: 94,295,769 parameters" in r.stdout  # 225 observed + 4 known variables, hidden 256; seasonal scale
     plan_line = next(line for line in r.stdout.splitlines() if line.startswith("plan: micro-batch"))
     micro = int(plan_line.split()[2])
     assert 1 <= micro < 128

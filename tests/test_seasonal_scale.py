@@ -22,8 +22,16 @@ from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STAT
 from tests.conftest import write_parquet
 from trainer.config import TrainConfig
 from trainer.data import Profile, fit_profile, prepare, training_profile
+from trainer.loop import parameter_groups
 from trainer.model_config import ModelConfig
-from trainer.modeling import LOG_RETURN, N_PROFILE_TERMS, TemporalFusionTransformer, profile_terms
+from trainer.modeling import (
+    LOG_RANGE,
+    LOG_RETURN,
+    N_PROFILE_TERMS,
+    SCALE_LR_FACTOR,
+    TemporalFusionTransformer,
+    profile_terms,
+)
 
 WEEK = 7 * 24  # hourly bars
 MONDAY_NS = 19_723 * NS_PER_DAY  # 2024-01-01, a Monday
@@ -98,7 +106,8 @@ def test_the_fit_reads_the_training_rows_only(swapped_bars: Path) -> None:
 
 def symbol_profile(profile: Profile, symbol: int) -> Profile:
     """One symbol's row of a training profile."""
-    return Profile(profile.coefficients[symbol], profile.bounds[symbol], profile.level[symbol])
+    return Profile(profile.coefficients[symbol], profile.bounds[symbol], profile.level[symbol],
+                   profile.ranged[symbol])
 
 
 def tiny_model(seasonal: bool, seed: int = 0) -> TemporalFusionTransformer:
@@ -120,17 +129,23 @@ def windows(last_ns: np.ndarray, deseasonalised: np.ndarray, log_profile: np.nda
             DECODER_KNOWN: torch.from_numpy(known_features(dec_ts))}
 
 
+def normalized(model: TemporalFusionTransformer) -> TemporalFusionTransformer:
+    """`model` with returns' statistics of about 1e-3 a bar, so that no scale sits at its floor."""
+    model.set_normalization(np.full(5, 1e-4), np.full(5, 2e-3), np.full(4, 0.1), np.full(4, 0.7),
+                            1e-3 * np.sqrt(np.arange(1, H + 1)))
+    return model
+
+
 def planted_model() -> tuple[TemporalFusionTransformer, Profile]:
     """An untrained seasonal model with log p = 0.5 cos(time-of-day angle): busy at midnight, quiet at noon."""
     coefficients = np.zeros(1 + N_PROFILE_TERMS, np.float32)
     coefficients[2] = 0.5  # the time of day's first cosine
-    profile = Profile(coefficients, np.array([-0.5, 0.5], np.float32), np.array(0.0, np.float32))
-    model = tiny_model(seasonal=True)
-    model.set_normalization(np.full(5, 1e-4), np.full(5, 2e-3), np.full(4, 0.1), np.full(4, 0.7),
-                            1e-3 * np.sqrt(np.arange(1, H + 1)))
+    profile = Profile(coefficients, np.array([-0.5, 0.5], np.float32), np.array(0.0, np.float32),
+                      np.array(0.0, np.float32))
+    model = normalized(tiny_model(seasonal=True))
     flat = Profile.flat()  # symbol 1's; neither has a long-run level
     model.set_profile(np.stack([profile.coefficients, flat.coefficients]), np.stack([profile.bounds, flat.bounds]),
-                      np.zeros(2))
+                      np.zeros(2), np.zeros(2))  # no level; close-only bars (no ranges)
     return model, profile
 
 
@@ -152,17 +167,17 @@ def test_an_untrained_models_scale_follows_the_profile_on_future_bars() -> None:
     assert spread[0] / spread[1] == pytest.approx(math.e, rel=0.05)
 
 
-def test_a_flat_profile_computes_exactly_the_plain_volatility_scale() -> None:
-    plain, seasonal = tiny_model(seasonal=False), tiny_model(seasonal=True)
+def test_a_flat_profile_no_level_and_no_range_compute_the_plain_volatility_scale() -> None:
+    plain, seasonal = normalized(tiny_model(seasonal=False)), tiny_model(seasonal=True)
     seasonal.load_state_dict(plain.state_dict(), strict=False)  # the same weights; the profile stays flat
     rng = np.random.default_rng(3)
     last = MONDAY_NS + rng.integers(0, WEEK, 8) * HOUR_NS
     batch = windows(last, 1e-3 * rng.standard_normal((8, L)), np.zeros((8, L)))
     inputs = [batch[n] for n in input_names(plain.cfg)]
     with torch.no_grad():
-        assert torch.equal(plain(*inputs).quantiles, seasonal(*inputs).quantiles)
-        assert torch.equal(plain.forecast_scale(batch[ENCODER_OBSERVED]),
-                           seasonal.forecast_scale(*(batch[n] for n in SCALE_INPUTS)))
+        torch.testing.assert_close(plain(*inputs).quantiles, seasonal(*inputs).quantiles, rtol=1e-6, atol=0)
+        torch.testing.assert_close(plain.forecast_scale(batch[ENCODER_OBSERVED]),
+                                   seasonal.forecast_scale(*(batch[n] for n in SCALE_INPUTS)), rtol=1e-6, atol=0)
 
 
 def test_configs_stored_without_the_switch_load_with_the_plain_scale() -> None:
@@ -234,9 +249,7 @@ def test_a_window_takes_its_own_symbols_profile() -> None:
     last = MONDAY_NS + rng.integers(0, WEEK, 6) * HOUR_NS
     batch = windows(last, 1e-3 * rng.standard_normal((6, L)), np.zeros((6, L)))
     batch[STATIC_CATEGORICAL] = torch.tensor([[0], [1]] * 3)
-    plain = tiny_model(seasonal=False)
-    plain.set_normalization(np.full(5, 1e-4), np.full(5, 2e-3), np.full(4, 0.1), np.full(4, 0.7),
-                            1e-3 * np.sqrt(np.arange(1, H + 1)))
+    plain = normalized(tiny_model(seasonal=False))
     with torch.no_grad():
         scale = model.forecast_scale(*(batch[n] for n in SCALE_INPUTS))  # [6, H, 1]
         flat = plain.forecast_scale(batch[ENCODER_OBSERVED])
@@ -250,7 +263,7 @@ def test_the_forecast_variance_reverts_from_the_recent_to_the_long_run_level() -
     model, _ = planted_model()
     level = 1e-3
     flat = Profile.flat()
-    model.set_profile(np.stack([flat.coefficients] * 2), np.stack([flat.bounds] * 2), np.full(2, level))
+    model.set_profile(np.stack([flat.coefficients] * 2), np.stack([flat.bounds] * 2), np.full(2, level), np.zeros(2))
     last = MONDAY_NS + np.array([0, 0]) * HOUR_NS
     signs = np.where(np.arange(L) % 2, 1.0, -1.0)
     batch = windows(last, np.stack([1e-4 * signs, 1e-2 * signs]), np.zeros((2, L)))  # quiet, busy
@@ -260,3 +273,46 @@ def test_the_forecast_variance_reverts_from_the_recent_to_the_long_run_level() -
     quiet, busy = per_bar
     assert np.all((quiet > 1e-4**2) & (quiet < level**2)) and np.all(np.diff(quiet) > 0)
     assert np.all((level**2 < busy) & (busy < 1e-2**2)) and np.all(np.diff(busy) < 0)
+
+
+def test_a_bars_range_enters_its_variance_as_parkinsons_estimator() -> None:
+    """Ranges of sqrt(4 ln 2) times the bars' absolute returns (Parkinson's expectation for a random walk) give
+    the scale the returns alone give; wider ranges, a wider scale; a symbol of close-only bars ignores them."""
+    model, profile = planted_model()
+    rng = np.random.default_rng(6)
+    last = MONDAY_NS + rng.integers(0, WEEK, 4) * HOUR_NS
+    batch = windows(last, 1e-3 * rng.standard_normal((4, L)), np.zeros((4, L)))
+    returns = batch[ENCODER_OBSERVED][..., LOG_RETURN]
+    with torch.no_grad():
+        alone = model.forecast_scale(*(batch[n] for n in SCALE_INPUTS))
+        batch[ENCODER_OBSERVED][..., LOG_RANGE] = 3.0 * returns.abs()
+        torch.testing.assert_close(model.forecast_scale(*(batch[n] for n in SCALE_INPUTS)), alone)  # not ranged
+        flat = Profile.flat()
+        model.set_profile(np.stack([profile.coefficients, flat.coefficients]),
+                          np.stack([profile.bounds, flat.bounds]), np.zeros(2), np.ones(2))
+        for factor, wider in ((1.0, False), (3.0, True)):
+            batch[ENCODER_OBSERVED][..., LOG_RANGE] = factor * math.sqrt(4 * math.log(2)) * returns.abs()
+            both = model.forecast_scale(*(batch[n] for n in SCALE_INPUTS))
+            if wider:
+                assert torch.all(both > 1.5 * alone)
+            else:
+                torch.testing.assert_close(both, alone)
+
+
+def test_the_scales_scalars_train_at_their_own_rate_without_decay() -> None:
+    cfg = TrainConfig(learning_rate=2e-3, weight_decay=0.1)
+    seasonal, plain = tiny_model(seasonal=True), tiny_model(seasonal=False)
+    network, scale = parameter_groups(seasonal, cfg)
+    assert {id(p) for p in scale["params"]} == {id(p) for p in seasonal.scale_parameters()} and scale["params"]
+    assert scale["lr"] == pytest.approx(2e-3 * SCALE_LR_FACTOR) and scale["weight_decay"] == 0.0
+    assert len(network["params"]) + len(scale["params"]) == len(list(seasonal.parameters()))
+    assert [g["params"] for g in parameter_groups(plain, cfg)] == [list(plain.parameters())]
+
+
+def test_ranges_count_where_the_bars_have_them() -> None:
+    ts, r = hourly_bars(weeks=30)
+    ranged = fit_profile(r, ts, "UTC", HOUR_NS, np.abs(r) * 1.5)
+    close_only = fit_profile(r, ts, "UTC", HOUR_NS, np.zeros_like(r))
+    assert ranged.ranged == 1.0 and close_only.ranged == 0.0
+    fixed = fit_profile(r, ts, "UTC", HOUR_NS, np.full_like(r, 2e-4))  # a feed's high and low at close +- a tick
+    assert fixed.ranged == 0.0

@@ -68,7 +68,7 @@ class TrainConfig:
     variable_hidden_size: int = 0  # per-variable embedding width in variable selection (0 = hidden_size)
     quantiles: tuple[float, ...] = (0.1, 0.5, 0.9)  # forecast quantile levels, increasing
     quantile_scale: str = "volatility"  # volatility: relative to the encoder bars' volatility | fixed: one scale
-    seasonal_scale: bool = False  # the volatility scale knows the time of day: a profile fitted on the training bars
+    seasonal_scale: bool = True  # scale as a seasonal GARCH: time-of-day profile, long-run level, ranges (false: EWMA)
     # ---- optimisation ----
     epochs: int = 10  # maximum epochs
     batch_size: int = 256  # effective batch (windows per optimizer step)

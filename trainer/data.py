@@ -43,7 +43,7 @@ from features.schema import (
 from features.series import ContractError, as_series, read_contract_bars, scan_contracts
 from features.windows import decoder_known, static_categorical
 from trainer.config import TrainConfig
-from trainer.modeling import LOG_RETURN, N_PROFILE_TERMS, N_TOD_TERMS, profile_terms
+from trainer.modeling import LOG_RANGE, LOG_RETURN, N_PROFILE_TERMS, N_TOD_TERMS, profile_terms
 
 ROW_OBSERVED = "row_observed"  # float32 [R, n_obs]  observed features of each distinct bar of a batch
 ROW_KNOWN = "row_known"  # float32 [R, n_known]
@@ -164,6 +164,7 @@ log = logging.getLogger("trainer")
 PROFILE_MIN_RETURNS = 20  # returns a slot needs to enter the profile's fit
 PROFILE_SLOTS_PER_TERM = 2  # slots the fit needs per coefficient; fewer: a flat profile
 PROFILE_RIDGE = 1e-3  # ridge on the profile's terms (not its constant), per unit of mean slot weight
+RANGED_SHARE = 0.9  # bars with a range (high > low) a series needs for its ranges to enter the variance
 
 
 @dataclass(frozen=True)
@@ -174,11 +175,13 @@ class Profile:
     coefficients: np.ndarray  # float32 [(S,) 1 + N_PROFILE_TERMS]  constant, then those of modeling.profile_terms
     bounds: np.ndarray  # float32 [(S,) 2]  the least and most log profile over the fitted slots
     level: np.ndarray  # float32 [(S,)]  the RMS 1-bar log return, the variance's long-run level; 0: none
+    ranged: np.ndarray  # float32 [(S,)]  1 where RANGED_SHARE of the bars have a range (high > low), else 0
 
     @staticmethod
-    def flat(level: float = 0.0) -> Profile:
+    def flat(level: float = 0.0, ranged: float = 0.0) -> Profile:
         """p = 1 at every bar."""
-        return Profile(np.zeros(1 + N_PROFILE_TERMS, np.float32), np.zeros(2, np.float32), np.array(level, np.float32))
+        return Profile(np.zeros(1 + N_PROFILE_TERMS, np.float32), np.zeros(2, np.float32),
+                       np.array(level, np.float32), np.array(ranged, np.float32))
 
     @property
     def is_flat(self) -> bool:
@@ -201,7 +204,7 @@ def training_profile(frame: FeatureFrame, train_rows: np.ndarray) -> Profile:
 
     def fit(rows: np.ndarray) -> Profile:
         return fit_profile(frame.observed[rows, LOG_RETURN], frame.timestamp_ns[rows], frame.config.calendar_tz,
-                           frame.bar_interval_ns)
+                           frame.bar_interval_ns, frame.observed[rows, LOG_RANGE])
 
     pooled = fit(train_rows)
     own = [fit(train_rows[frame.series_id[train_rows] == s]) for s in range(len(frame.symbols))]
@@ -209,25 +212,31 @@ def training_profile(frame: FeatureFrame, train_rows: np.ndarray) -> Profile:
     if not pooled.is_flat:
         log.info("volatility profile: %d of %d symbols fit their own; the rest take that of all training bars",
                  sum(not p.is_flat for p in own), len(own))
+    known = [p if p.level > 0 else pooled for p in own]  # a symbol without training bars: all symbols'
     return Profile(np.stack([p.coefficients for p in shape]), np.stack([p.bounds for p in shape]),
-                   np.array([p.level if p.level > 0 else pooled.level for p in own], np.float32))
+                   np.array([p.level for p in known], np.float32), np.array([p.ranged for p in known], np.float32))
 
 
-def fit_profile(returns: np.ndarray, timestamp_ns: np.ndarray, calendar_tz: str, bar_interval_ns: int) -> Profile:
+def fit_profile(returns: np.ndarray, timestamp_ns: np.ndarray, calendar_tz: str, bar_interval_ns: int,
+                log_ranges: np.ndarray | None = None) -> Profile:
     """The log-volatility profile of bars' 1-bar log `returns` [n] (NaN: none) at `timestamp_ns` [n]: per-slot
     RMS return (hour of week for bars of an hour or more, 15 minutes of the day for finer bars: then the
     day-of-week terms stay 0), its log fitted by weighted least squares on profile_terms, normalised to unit RMS
     over the returns. Daily or coarser bars, or too few slots to fit: flat. Its level: the RMS return, of
-    PROFILE_MIN_RETURNS or more."""
+    PROFILE_MIN_RETURNS or more; ranged: whether RANGED_SHARE of the bars' `log_ranges` are positive, and vary
+    (a range fixed by the feed tells nothing of volatility)."""
     finite = np.asarray(returns, np.float64)[np.isfinite(returns)]
     level = float(np.sqrt(np.mean(finite**2))) if finite.size >= PROFILE_MIN_RETURNS else 0.0
+    ranges = np.asarray(log_ranges if log_ranges is not None else [], np.float64)
+    ranges = ranges[np.isfinite(ranges)]
+    ranged = float(ranges.size > 0 and np.mean(ranges > 0) >= RANGED_SHARE and ranges.std() >= MIN_STD)
     if bar_interval_ns >= NS_PER_DAY:
-        return Profile.flat(level)
+        return Profile.flat(level, ranged)
     stats = _slot_stats(returns, timestamp_ns, calendar_tz, bar_interval_ns)
     if stats.count.size < PROFILE_SLOTS_PER_TERM * stats.terms.shape[1]:
         log.debug("volatility profile: %d calendar slots with %d returns each are too few to fit; flat profile",
                   stats.count.size, PROFILE_MIN_RETURNS)
-        return Profile.flat(level)
+        return Profile.flat(level, ranged)
     w = stats.count / stats.count.mean()  # [S]
     ridge = PROFILE_RIDGE * np.diag([0.0] + [1.0] * (stats.terms.shape[1] - 1))  # [1+P, 1+P]
     gram = stats.terms.T @ (w[:, None] * stats.terms) + ridge * w.sum()
@@ -238,7 +247,7 @@ def fit_profile(returns: np.ndarray, timestamp_ns: np.ndarray, calendar_tz: str,
     coefficients = np.zeros(1 + N_PROFILE_TERMS)
     coefficients[: beta.size] = beta
     return Profile(coefficients.astype(np.float32), np.array([fitted.min(), fitted.max()], np.float32),
-                   np.array(level, np.float32))
+                   np.array(level, np.float32), np.array(ranged, np.float32))
 
 
 def _slot_stats(returns: np.ndarray, timestamp_ns: np.ndarray, tz: str, bar_interval_ns: int) -> SlotStats:

@@ -30,7 +30,7 @@ from trainer.data import Normalization, PreparedData, ReadBars, prepare, row_inp
 from trainer.device import PeakMemory, autocast_factory, resolve_device, resolve_precision
 from trainer.distributed import DistContext, init_from_env
 from trainer.loss import pinball_loss
-from trainer.modeling import RowsForward, TemporalFusionTransformer, TFTOutput
+from trainer.modeling import SCALE_LR_FACTOR, RowsForward, TemporalFusionTransformer, TFTOutput
 from trainer.paths import RunPaths
 from trainer.plan import TrainPlan, literal_plan
 from trainer.resume import ResumeState
@@ -71,6 +71,16 @@ def normalized_loss(out: TFTOutput, target: torch.Tensor, quantiles: torch.Tenso
     return pinball_loss(pred, target / target_scale[None, :], quantiles).mean()
 
 
+def parameter_groups(model: TemporalFusionTransformer, cfg: TrainConfig) -> list[dict[str, Any]]:
+    """The network's parameters; then, for a seasonal scale, its scalars at SCALE_LR_FACTOR times the learning
+    rate and without weight decay (which would pull each logit toward 0.5)."""
+    scale = model.scale_parameters()
+    network = [p for p in model.parameters() if all(p is not q for q in scale)]
+    if not scale:
+        return [{"params": network}]
+    return [{"params": network}, {"params": scale, "lr": cfg.learning_rate * SCALE_LR_FACTOR, "weight_decay": 0.0}]
+
+
 class TrainingDiverged(ValueError):
     """The loss became NaN or infinite: nothing of that epoch is saved; the message says what to change."""
 
@@ -84,7 +94,8 @@ def build_model(cfg: TrainConfig, data: PreparedData, device: torch.device) -> T
                             static_mean=n.static.mean if n.static is not None else None,
                             static_std=n.static.std if n.static is not None else None)
     if model.cfg.seasonal_scale and data.profile is not None:
-        model.set_profile(data.profile.coefficients, data.profile.bounds, data.profile.level)
+        p = data.profile
+        model.set_profile(p.coefficients, p.bounds, p.level, p.ranged)
     return model.to(device)
 
 
@@ -143,7 +154,7 @@ class Trainer:
         self.quantiles = torch.tensor(cfg.quantiles, dtype=torch.float32, device=self.device)
         self.target_scale = torch.from_numpy(self.data.normalization.target_scale).to(self.device)
         self.autocast = autocast_factory(self.device, self.precision)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
+        self.optimizer = torch.optim.AdamW(parameter_groups(self.model, cfg), lr=cfg.learning_rate,
                                            weight_decay=cfg.weight_decay, fused=True)
         self.steps_per_epoch = steps_per_epoch(cfg, self.data.train_anchors.size, self.dist.world_size)
         self.schedule_steps, self.schedule_epochs = (self.resumed.schedule(cfg, self.dist.is_main) if self.resumed

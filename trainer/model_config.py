@@ -31,7 +31,7 @@ class ModelConfig:
     observed_cardinalities: tuple[int, ...] = ()  # embedding rows of each observed categorical (the last columns)
     known_cardinalities: tuple[int, ...] = ()  # embedding rows of each known categorical (the last columns)
     n_static_real: int = 0  # static real variables (the static_real input)
-    seasonal_scale: bool = False  # volatility scale over deseasonalised returns, times a time-of-day profile
+    seasonal_scale: bool = False  # volatility scale of a seasonal GARCH (modeling._seasonal_scale); False: the EWMA
 
     def __post_init__(self) -> None:
         # accept lists (e.g. from JSON) but store tuples, so the config stays hashable

@@ -27,11 +27,16 @@ T = TypeVar("T")
 Array = Tensor | np.ndarray
 Statics = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # c_selection, c_enrichment, c_h, c_c [B, D]; static weights
 LOG_RETURN = BUILTIN_OBSERVED.index("log_return")  # the observed feature the volatility scale reads
+LOG_RANGE = BUILTIN_OBSERVED.index("log_range")  # log(high / low), which a seasonal scale reads too
+VOL_INPUTS = [LOG_RETURN, LOG_RANGE]  # the observed columns the volatility scale reads
+RANGE_VARIANCE = 1.0 / (4.0 * math.log(2.0))  # Parkinson: E[log(high/low)^2] = 4 ln 2 sigma^2 for a random walk
 VOL_DECAY = 0.94  # the volatility scale's starting weight decay per bar (RiskMetrics'); trained with the model
 # a seasonal scale forecasts each future bar's variance as GARCH(1,1) does, between the encoder's EWMA and the
 # symbol's long-run level; both weights are trained with the model
 VOL_MIX = 0.7  # the EWMA's starting share of the next bar's variance, the long-run level's the rest
 VOL_PERSIST = 0.98  # the starting persistence per bar of the variance's distance from the long-run level
+RANGE_MIX = 0.5  # the range's starting share of each encoder bar's variance (Parkinson's; the return's the rest)
+SCALE_LR_FACTOR = 100.0  # the seasonal scale's scalars learn this many times faster than the network, no decay
 TOD_HARMONICS = 6  # harmonics of the time of day in the seasonal volatility profile
 DOW_HARMONICS = 2  # harmonics of the day of week (its 7 values hold 3)
 CROSS_HARMONICS = 2  # time-of-day harmonics 1..this, each times the day of week's first harmonic
@@ -327,6 +332,7 @@ class TemporalFusionTransformer(nn.Module):
     profile_coef: Tensor
     profile_bounds: Tensor
     profile_level: Tensor
+    profile_ranged: Tensor
     future_age: Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -375,9 +381,11 @@ class TemporalFusionTransformer(nn.Module):
             self.register_buffer("profile_coef", torch.zeros(n_symbols, 1 + N_PROFILE_TERMS))  # [S, 1 + P]
             self.register_buffer("profile_bounds", torch.zeros(n_symbols, 2))  # [S, 2] least and most log profile
             self.register_buffer("profile_level", torch.zeros(n_symbols))  # [S] long-run RMS return; 0: none
+            self.register_buffer("profile_ranged", torch.zeros(n_symbols))  # [S] 1: the bars' ranges count
             self.register_buffer("future_age", torch.arange(cfg.horizon).float(), persistent=False)  # [H]
             self.vol_mix_logit = nn.Parameter(torch.tensor(math.log(VOL_MIX / (1.0 - VOL_MIX))))
             self.vol_persist_logit = nn.Parameter(torch.tensor(math.log(VOL_PERSIST / (1.0 - VOL_PERSIST))))
+            self.range_mix_logit = nn.Parameter(torch.tensor(math.log(RANGE_MIX / (1.0 - RANGE_MIX))))
 
     # ---- normalisation ---------------------------------------------------------------------
     def set_normalization(self, observed_mean: Array, observed_std: Array, known_mean: Array, known_std: Array,
@@ -403,17 +411,26 @@ class TemporalFusionTransformer(nn.Module):
             with torch.no_grad():
                 buf.copy_(t)
 
-    def set_profile(self, coefficients: Array, bounds: Array, level: Array) -> None:
+    def set_profile(self, coefficients: Array, bounds: Array, level: Array, ranged: Array) -> None:
         """Copy fitted log-volatility profiles (trainer.data.training_profile) into the buffers, a row per symbol
         id: coefficients [S, 1 + N_PROFILE_TERMS], the constant first; bounds [S, 2], the least and most log
-        profile the fit saw; level [S], the long-run RMS deseasonalised 1-bar return (0: none)."""
-        for name, value in (("profile_coef", coefficients), ("profile_bounds", bounds), ("profile_level", level)):
+        profile the fit saw; level [S], the long-run RMS deseasonalised 1-bar return (0: none); ranged [S], 1
+        where the symbol's bars have ranges (not close-only), so that their range enters each bar's variance."""
+        for name, value in (("profile_coef", coefficients), ("profile_bounds", bounds), ("profile_level", level),
+                            ("profile_ranged", ranged)):
             buf: Tensor = getattr(self, name)
             t = torch.as_tensor(value).detach().to(dtype=buf.dtype, device=buf.device)
             if t.shape != buf.shape or not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name}: expected finite values of shape {tuple(buf.shape)}, got {t.tolist()}")
             with torch.no_grad():
                 buf.copy_(t)
+
+    def scale_parameters(self) -> list[nn.Parameter]:
+        """The seasonal scale's few trained scalars (its EWMA decay, mix, persistence and range share): each moves
+        every forecast at once, so the trainer gives them a learning rate of their own (SCALE_LR_FACTOR)."""
+        if not self.cfg.seasonal_scale:
+            return []
+        return [self.vol_decay_logit, self.vol_mix_logit, self.vol_persist_logit, self.range_mix_logit]
 
     # ---- forward ---------------------------------------------------------------------------
     def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -463,7 +480,7 @@ class TemporalFusionTransformer(nn.Module):
         c_sel = statics[0].unsqueeze(1)  # [B, 1, D]
         enc_x, enc_w = self._run(self._select_encoder, observed, enc_known, c_sel)  # [B, L, D], [B, L, V]
         calendar = encoder_known[..., :CALENDAR_COLUMNS] if self.cfg.seasonal_scale else None  # [B, L, 4]
-        return self._decode(statics, enc_x, enc_w, decoder_known, encoder_observed[..., LOG_RETURN], calendar,
+        return self._decode(statics, enc_x, enc_w, decoder_known, encoder_observed[..., VOL_INPUTS], calendar,
                             static_categorical[:, 0])
 
     def forward_rows(self, static_categorical: Tensor, row_observed: Tensor, row_known: Tensor, row_window: Tensor,
@@ -482,11 +499,11 @@ class TemporalFusionTransformer(nn.Module):
         b, length = window_rows.shape
         enc_x = row_x.index_select(0, window_rows.flatten()).view(b, length, row_x.shape[-1])  # [B, L, D]
         enc_w = row_w.index_select(0, window_rows.flatten()).view(b, length, row_w.shape[-1])  # [B, L, V]
-        returns = row_observed[:, LOG_RETURN].index_select(0, window_rows.flatten()).view(b, length)  # [B, L]
+        vol_inputs = row_observed[:, VOL_INPUTS].index_select(0, window_rows.flatten()).view(b, length, 2)
         calendar = None
         if self.cfg.seasonal_scale:
             calendar = row_known[:, :CALENDAR_COLUMNS].index_select(0, window_rows.flatten()).view(b, length, -1)
-        return self._decode(statics, enc_x, enc_w, decoder_known, returns, calendar,  # calendar [B, L, 4]
+        return self._decode(statics, enc_x, enc_w, decoder_known, vol_inputs, calendar,  # calendar [B, L, 4]
                             static_categorical[:, 0])
 
     def _select_rows(self, observed: Tensor, known: Tensor, c_selection: Tensor, row_window: Tensor
@@ -495,9 +512,10 @@ class TemporalFusionTransformer(nn.Module):
         return self._select_encoder(observed, known, c_selection[row_window])  # [R, D], [R, V]
 
     def _decode(self, statics: Statics, enc_x: Tensor, enc_w: Tensor, decoder_known: Tensor,
-                encoder_returns: Tensor, encoder_calendar: Tensor | None, symbol: Tensor) -> TFTOutput:
+                vol_inputs: Tensor, encoder_calendar: Tensor | None, symbol: Tensor) -> TFTOutput:
         # enc_x [B, L, D] and enc_w [B, L, V] from encoder variable selection; decoder_known raw [B, H, n_known];
-        # encoder_returns [B, L] raw 1-bar log returns of the encoder bars; encoder_calendar [B, L, 4] raw calendar
+        # vol_inputs [B, L, 2] raw 1-bar log returns and log ranges of the encoder bars (VOL_INPUTS);
+        # encoder_calendar [B, L, 4] raw calendar
         # features of the encoder bars (a seasonal scale's), else None; symbol [B] int64 ids
         L = self.cfg.encoder_length
         c_sel, c_enr, c_h, c_c, static_w = statics  # 4 x [B, D], [B, n_static]
@@ -510,10 +528,9 @@ class TemporalFusionTransformer(nn.Module):
         x = self._run(self.positionwise_grn, x)  # [B, H, D]
         x = self.output_gate(x, temporal[:, L:])  # [B, H, D]
         if encoder_calendar is None:
-            scale = self._scale(encoder_returns)  # [B or 1, H, 1]
+            scale = self._scale(vol_inputs[..., 0])  # [B or 1, H, 1]
         else:
-            scale = self._seasonal_scale(encoder_returns, encoder_calendar, decoder_known[..., :CALENDAR_COLUMNS],
-                                         symbol)
+            scale = self._seasonal_scale(vol_inputs, encoder_calendar, decoder_known[..., :CALENDAR_COLUMNS], symbol)
         quantiles = self.head(x) * scale  # [B, H, Q] in return units
         return TFTOutput(quantiles, attn, static_w, enc_w, dec_w)
 
@@ -522,12 +539,11 @@ class TemporalFusionTransformer(nn.Module):
         """The unit the quantiles are forecast in, of windows with these raw inputs (encoder_observed
         [B, L, n_obs]; encoder_known [B, L, n_known], decoder_known [B, H, n_known] and static_categorical
         [B, n_static], which a seasonal scale needs): [B or 1, H, 1]."""
-        returns = encoder_observed[..., LOG_RETURN]  # [B, L]
         if not self.cfg.seasonal_scale:
-            return self._scale(returns)
+            return self._scale(encoder_observed[..., LOG_RETURN])
         if encoder_known is None or decoder_known is None or static_categorical is None:
             raise ValueError("a seasonal scale needs the windows' encoder_known, decoder_known and static_categorical")
-        return self._seasonal_scale(returns, encoder_known[..., :CALENDAR_COLUMNS],
+        return self._seasonal_scale(encoder_observed[..., VOL_INPUTS], encoder_known[..., :CALENDAR_COLUMNS],
                                     decoder_known[..., :CALENDAR_COLUMNS], static_categorical[:, 0])
 
     def _scale(self, encoder_returns: Tensor) -> Tensor:
@@ -541,26 +557,37 @@ class TemporalFusionTransformer(nn.Module):
     def _volatility(self, encoder_returns: Tensor) -> Tensor:
         """The exponentially weighted RMS of encoder_returns [B, L], at least 1% of the training returns' spread:
         [B]."""
+        return self._ewma_rms(encoder_returns.float().square())
+
+    def _ewma_rms(self, bar_variance: Tensor) -> Tensor:
+        """The square root of the exponentially weighted mean of bar_variance [B, L], at least 1% of the training
+        returns' spread: [B]."""
         weights = torch.sigmoid(self.vol_decay_logit) ** self.bar_age  # [L], the last bar's 1
-        rms = (encoder_returns.float().square() * (weights / weights.sum())).sum(dim=1).sqrt()  # [B]
+        rms = (bar_variance * (weights / weights.sum())).sum(dim=1).sqrt()  # [B]
         return torch.maximum(rms, 0.01 * self.target_scale[:1])  # [B]; Max, which fp16 graphs run in half
 
-    def _seasonal_scale(self, encoder_returns: Tensor, encoder_calendar: Tensor, decoder_calendar: Tensor,
+    def _seasonal_scale(self, vol_inputs: Tensor, encoder_calendar: Tensor, decoder_calendar: Tensor,
                         symbol: Tensor) -> Tensor:
-        """The volatility scale of deseasonalised returns, as a seasonal GARCH forecasts it: sqrt(sum_{j<=h}
+        """The volatility scale of deseasonalised bars, as a seasonal GARCH forecasts it: sqrt(sum_{j<=h}
         p_j^2 v_j) with p_j the symbol's time-of-day profile at future bar j and v_j = level^2 + m phi^(j-1)
-        (sigma^2 - level^2), sigma the EWMA of r / p(encoder bar); [B, H, 1]. A flat profile and no level give
-        the plain volatility scale."""
-        # encoder_returns [B, L]; encoder_calendar [B, L, 4], decoder_calendar [B, H, 4] raw calendar features;
-        # symbol [B] int64
+        (sigma^2 - level^2); sigma^2 the EWMA over the encoder bars of their variance / p^2, each bar's variance
+        a learnt mix of its squared return and its range's (Parkinson's estimator, several times as efficient
+        where bars trade throughout); [B, H, 1]. A flat profile, no level and no range give the plain scale."""
+        # vol_inputs [B, L, 2] returns and log ranges; encoder_calendar [B, L, 4], decoder_calendar [B, H, 4] raw
+        # calendar features; symbol [B] int64
         coef, bounds = self.profile_coef[symbol], self.profile_bounds[symbol]  # [B, 1 + P], [B, 2]
-        plain = encoder_returns.float() * torch.exp(-_log_profile(encoder_calendar, coef, bounds))  # [B, L]
-        recent = self._volatility(plain).square()  # [B]
+        mix = torch.sigmoid(self.range_mix_logit) * self.profile_ranged[symbol][:, None]  # [B, 1]
+        bar_var = (1.0 - mix) * vol_inputs[..., 0].float().square() \
+            + mix * RANGE_VARIANCE * vol_inputs[..., 1].float().square()  # [B, L]
+        length = encoder_calendar.shape[1]
+        log_p = _log_profile(torch.cat([encoder_calendar, decoder_calendar], dim=1), coef, bounds)  # [B, L + H]
+        plain = bar_var * torch.exp(-2.0 * log_p[:, :length])  # [B, L]
+        recent = self._ewma_rms(plain).square()  # [B]
         level = self.profile_level[symbol].square()  # [B]
         level = torch.where(level > 0, level, recent)  # [B]
         weight = torch.sigmoid(self.vol_mix_logit) * torch.sigmoid(self.vol_persist_logit) ** self.future_age  # [H]
         variance = level[:, None] + weight * (recent - level)[:, None]  # [B, H] of each future bar
-        profile = torch.exp(2.0 * _log_profile(decoder_calendar, coef, bounds))  # [B, H]
+        profile = torch.exp(2.0 * log_p[:, length:])  # [B, H]
         return (profile * variance).cumsum(dim=1).sqrt()[..., None]  # [B, H, 1]
 
 
