@@ -23,11 +23,15 @@ MIN_SESSION_WEEKS = 4  # fewer weeks of bars: no hours are learnt (every bar tim
 MONDAY_OFFSET_DAYS = 3  # 1970-01-01 was a Thursday: local days since then, plus this, count from a Monday
 
 
-def _week_minute(timestamp_ns: np.ndarray, tz: str) -> np.ndarray:
-    """Minutes since Monday 00:00 local time of each timestamp, int64, same shape."""
+def _local(timestamp_ns: np.ndarray, tz: str) -> np.ndarray:
+    """Each timestamp's local wall-clock time in `tz`, as ns since a local 1970-01-01, int64, same shape."""
     ts = np.asarray(timestamp_ns, dtype=np.int64)
-    local = ts + (utc_offset_ns(ts, tz) if tz != "UTC" else 0)
-    return (local // MINUTE_NS + MONDAY_OFFSET_DAYS * 24 * 60) % WEEK_MINUTES
+    return ts + (utc_offset_ns(ts, tz) if tz != "UTC" else 0)
+
+
+def _week_minute(local_ns: np.ndarray) -> np.ndarray:
+    """Minutes since Monday 00:00 of local times (_local), int64, same shape."""
+    return (local_ns // MINUTE_NS + MONDAY_OFFSET_DAYS * 24 * 60) % WEEK_MINUTES
 
 
 def _slot_minutes(bar_interval_ns: int) -> int:
@@ -44,16 +48,15 @@ def learn_hours(timestamp_ns: np.ndarray, bar_interval_ns: int, tz: str) -> str:
     "" where nothing is learnt: bars finer than a minute or off the week's grid, fewer than MIN_SESSION_WEEKS
     weeks, or bars in every slot."""
     slot = _slot_minutes(bar_interval_ns)
-    ts = np.asarray(timestamp_ns, dtype=np.int64)
-    if not slot or ts.size == 0:
+    if not slot or np.size(timestamp_ns) == 0:
         return ""
-    local = ts + (utc_offset_ns(ts, tz) if tz != "UTC" else 0)
+    local = _local(timestamp_ns, tz)  # [n]
     week = (local // NS_PER_DAY + MONDAY_OFFSET_DAYS) // 7  # [n]
     weeks = int(week[-1] - week[0]) + 1
     if weeks < MIN_SESSION_WEEKS:
         return ""
     n_slots = WEEK_MINUTES // slot
-    cell = np.unique(week * n_slots + _week_minute(ts, tz) // slot)  # distinct (week, slot) pairs
+    cell = np.unique(week * n_slots + _week_minute(local) // slot)  # distinct (week, slot) pairs
     filled = np.bincount(cell % n_slots, minlength=n_slots)  # [slots] weeks with a bar in the slot
     open_ = filled >= SESSION_WEEKS_SHARE * weeks
     if open_.all() or not open_.any():
@@ -92,6 +95,6 @@ def next_bar_times(last_ns: np.ndarray, bar_interval_ns: int, horizon: int, tz: 
     for h in range(horizon):
         x += bar_interval_ns
         for rows, skips in groups:
-            x[rows] += skips[_week_minute(x[rows], tz) // slot] * np.int64(bar_interval_ns)
+            x[rows] += skips[_week_minute(_local(x[rows], tz)) // slot] * np.int64(bar_interval_ns)
         out[:, h] = x
     return out.reshape(*last.shape, horizon)
