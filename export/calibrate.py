@@ -15,7 +15,6 @@ does this inside the exported graph: the server and `serving.score` apply it wit
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,7 +52,8 @@ def non_crossing(q: Tensor) -> Tensor:
 
 class CalibratedModel(nn.Module):
     """The TFT with its quantiles shifted by per-(step, quantile) offsets times its forecast scale, kept
-    non-crossing."""
+    non-crossing: every exported graph; an uncalibrated one's offsets are zero, which leaves the TFT's
+    quantiles (already non-crossing) as they are."""
 
     def __init__(self, model: TemporalFusionTransformer, offsets: np.ndarray) -> None:
         super().__init__()
@@ -71,10 +71,6 @@ class CalibratedModel(nn.Module):
         scale = self.model.forecast_scale(encoder_observed, encoder_known, decoder_known,
                                           static_categorical)  # [B or 1, H, 1]
         return out._replace(quantiles=self.adjust(out.quantiles, scale))
-
-    def digest(self) -> str:
-        """Names the offsets, so a calibrated graph is cached apart from another calibration's."""
-        return hashlib.sha256(getattr(self, OFFSETS).numpy().tobytes()).hexdigest()
 
 
 def conformal_rank(n: int, q: float) -> int:

@@ -35,7 +35,7 @@ BATCH = "batch"  # the name of the dynamic batch axis of every input and output
 
 
 class QuantilesOnly(nn.Module):
-    """The TFT (or its CalibratedModel) without its interpretability outputs (`--no-explain`): one output, the
+    """The TFT or its CalibratedModel without its interpretability outputs (`--no-explain`): one output, the
     quantiles."""
 
     def __init__(self, model: nn.Module) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import onnxruntime as ort
 import torch
 from torch import nn
@@ -110,7 +111,7 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
             "torch_exporter": "torch.onnx.export(dynamo=True) (torch.export)",
             "trained_with_torch": str(ckpt["torch_version"]),
             **({"fp16_kept_fp32_ops": sorted(fp16_mod.KEEP_FP32_OPS),
-                "fp16_kept_fp32_initializers": list(fp32_initializers(cfg, opts.calibrate))}
+                "fp16_kept_fp32_initializers": list(fp32_initializers(cfg))}
                if opts.fp16 else {}),
         },
     )
@@ -118,27 +119,28 @@ def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOpti
     return meta
 
 
-def fp32_initializers(cfg: ModelConfig, calibrated: bool) -> tuple[str, ...]:
+def fp32_initializers(cfg: ModelConfig) -> tuple[str, ...]:
     """The buffers an --fp16 graph keeps in float32: the input normalisation and the calibration offsets."""
-    return (*NORMALIZATION_INITIALIZERS, *(STATIC_NORMALIZATION if cfg.n_static_real else ()),
-            *((OFFSETS,) if calibrated else ()))
+    return (*NORMALIZATION_INITIALIZERS, *(STATIC_NORMALIZATION if cfg.n_static_real else ()), OFFSETS)
 
 
-_EXPORTS: OrderedDict[tuple[str, int, bool, str, str], bytes] = OrderedDict()  # the last 4 graphs traced
+_EXPORTS: OrderedDict[tuple[str, int, bool, str], bytes] = OrderedDict()  # the last 4 graphs traced
 
 
-def _export_cached(net: nn.Module, example: dict[str, torch.Tensor], opts: ExportOptions,
+def _export_cached(net: CalibratedModel, example: dict[str, torch.Tensor], opts: ExportOptions,
                    sha: str) -> onnx.ModelProto:
-    """export_model, memoised per checkpoint, opset, explain and calibration: tracing takes seconds. Each caller
-    gets a copy."""
-    calibration = net.digest() if isinstance(net, CalibratedModel) else ""
-    key = (sha, opts.opset, opts.explain, str(torch.__version__), calibration)
+    """export_model, memoised per checkpoint, opset and explain: tracing takes seconds, and a backtest exports
+    each fold's checkpoint calibrated and not. Each caller gets a copy holding `net`'s calibration offsets."""
+    key = (sha, opts.opset, opts.explain, str(torch.__version__))
     if key not in _EXPORTS:
         _EXPORTS[key] = export_model(net, example, opts.opset, opts.explain).SerializeToString()
         while len(_EXPORTS) > 4:
             _EXPORTS.popitem(last=False)
     _EXPORTS.move_to_end(key)
-    return onnx.load_model_from_string(_EXPORTS[key])
+    proto = onnx.load_model_from_string(_EXPORTS[key])
+    (offsets,) = (t for t in proto.graph.initializer if t.name.rsplit(".", 1)[-1] == OFFSETS)
+    offsets.CopyFrom(onnx.numpy_helper.from_array(getattr(net, OFFSETS).numpy(), offsets.name))
+    return proto
 
 
 def with_meta(proto: onnx.ModelProto, meta: ModelMeta) -> onnx.ModelProto:
@@ -160,15 +162,15 @@ def with_digest(proto: onnx.ModelProto, meta: ModelMeta) -> tuple[ModelMeta, byt
     return meta, final.SerializeToString(), final
 
 
-def build_graph(net: nn.Module, cfg: ModelConfig, windows: dict[str, np.ndarray], opts: ExportOptions, sha: str,
+def build_graph(net: CalibratedModel, cfg: ModelConfig, windows: dict[str, np.ndarray], opts: ExportOptions, sha: str,
                 meta: ModelMeta, tamper: Tamper | None) -> onnx.ModelProto:
-    """`net`, the TFT of `cfg` or its CalibratedModel, as an ONNX graph (fp16 with --fp16) with `meta`."""
+    """`net`, the TFT of `cfg` with its calibration, as an ONNX graph (fp16 with --fp16) with `meta`."""
     example = {name: torch.from_numpy(windows[name][:2]) for name in input_names(cfg)}
     if example[STATIC_CATEGORICAL].shape[0] < 2:  # torch.export specialises a batch of 1
         example = {name: x.repeat((2,) + (1,) * (x.dim() - 1)) for name, x in example.items()}
     proto = _export_cached(net, example, opts, sha)
     if opts.fp16:
-        kept = fp32_initializers(cfg, isinstance(net, CalibratedModel))
+        kept = fp32_initializers(cfg)
         keep = [t.name for t in proto.graph.initializer if t.name.rsplit(".", 1)[-1] in kept]
         if len(keep) != len(kept):
             raise CheckFailed("fp16 conversion", f"expected the initializers kept in float32 {list(kept)} in the "
@@ -260,7 +262,9 @@ def run_export(opts: ExportOptions, log: Log = _stderr, *, published: list[Path]
                     f"{windows[STATIC_CATEGORICAL].shape[0]} real windows {source}", log)
     calibration = (calibrate(ckpt, model, opts.run_bars or opts.bars, opts.column_flags, log, opts.calibrate_median)
                    if opts.calibrate else None)
-    net = model if calibration is None else CalibratedModel(model, calibration.offsets)
+    # every graph ends in the calibration stage, an uncalibrated one's offsets zero: one trace serves both
+    net = CalibratedModel(model, np.zeros((model.cfg.horizon, len(model.cfg.quantiles)), np.float32)
+                          if calibration is None else calibration.offsets)
     log(f"exporting with torch.onnx.export(dynamo=True), opset {opts.opset}, {opts.precision}"
         f"{'' if opts.explain else ', quantiles only'} ...")
     proto = build_graph(net, model.cfg, windows, opts, sha, meta, _tamper)

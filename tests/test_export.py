@@ -304,8 +304,8 @@ def test_fp16_no_explain_model(ckpt: Path, torch_model: TemporalFusionTransforme
         "encoder_known": onnx.TensorProto.FLOAT, "decoder_known": onnx.TensorProto.FLOAT,
         QUANTILES: onnx.TensorProto.FLOAT}
     # the normalisation stays float32; LayerNorm accumulates in float32 (stash_type 1)
-    fp32 = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
-    assert {"model.observed_mean", "model.observed_std", "model.known_mean", "model.known_std"} <= fp32
+    fp32 = {t.name.rsplit(".", 1)[-1] for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    assert {"observed_mean", "observed_std", "known_mean", "known_std", "calibration_offsets"} <= fp32
     norms = [n for n in model.graph.node if n.op_type == "LayerNormalization"]
     assert norms and all(any(a.name == "stash_type" and a.i == 1 for a in n.attribute) for n in norms)
     # the saturating Clips before each Cast to half read float32: ONNX Runtime's CUDA provider has not

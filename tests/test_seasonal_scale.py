@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.calibrate import SCALE_INPUTS
+from export.calibrate import SCALE_INPUTS, CalibratedModel
 from export.fp16 import convert_to_fp16
 from export.onnx_export import export_model, input_names
 from export.options import ExportOptions
@@ -198,14 +198,15 @@ def test_the_seasonal_scale_exports_with_parity_in_fp32_and_fp16() -> None:
     enc_ts = last[:, None] + np.arange(-L + 1, 1) * HOUR_NS
     batch = windows(last, 1e-3 * rng.standard_normal((4, L)), log_profile_of(profile, enc_ts))
     example = {n: batch[n] for n in input_names(model.cfg)}
-    proto = export_model(model, example, ExportOptions(Path(), Path()).opset, explain=False)
+    net = CalibratedModel(model, np.zeros((model.cfg.horizon, len(model.cfg.quantiles)), np.float32))  # as exported
+    proto = export_model(net, example, ExportOptions(Path(), Path()).opset, explain=False)
     cases = make_cases({n: batch[n].numpy() for n in input_names(model.cfg)}, model, batches=(3,))
-    kept = fp32_initializers(model.cfg, calibrated=False)
+    kept = fp32_initializers(model.cfg)
     keep = [t.name for t in proto.graph.initializer if t.name.rsplit(".", 1)[-1] in kept]
     assert len(keep) == len(kept)
     for precision, graph in (("fp32", proto), ("fp16", convert_to_fp16(proto, keep))):
         session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
-        report = check_parity(model, model, session, cases, precision)
+        report = check_parity(model, net, session, cases, precision)
         assert report.passed, report.table()
 
 
