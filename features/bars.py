@@ -12,7 +12,7 @@ import hashlib
 import os
 import re
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -25,6 +25,7 @@ PRICE_COLUMNS: tuple[str, ...] = ("open", "high", "low", "close")
 REQUIRED_COLUMNS: tuple[str, ...] = ("timestamp", *PRICE_COLUMNS, "volume")
 
 
+BAD_ROWS = ("refuse", "drop")  # --bad-rows
 NS_PER_UNIT = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}  # arrow's timestamp units
 UNIT_NAMES = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
 
@@ -42,6 +43,7 @@ class ColumnMap:
     volume: str = "volume"
     default_symbol: str = "SERIES"  # symbol used when the symbol column is absent
     time_unit: str = "ns"  # unit of an integer timestamp column: s | ms | us | ns (arrow timestamps carry theirs)
+    bad_rows: str = "refuse"  # rows that break a price rule (ROW_RULES): refuse the bars, or drop those rows
 
     def __post_init__(self) -> None:
         if self.time_unit not in NS_PER_UNIT:
@@ -51,7 +53,9 @@ class ColumnMap:
         return str(getattr(self, field_name))
 
     def to_dict(self) -> dict[str, str]:
-        return {k: str(getattr(self, k)) for k in self.__dataclass_fields__}
+        """Every field; bad_rows only when it drops (a refusing map reads as before)."""
+        return {k: str(getattr(self, k)) for k in self.__dataclass_fields__
+                if k != "bad_rows" or self.bad_rows != "refuse"}
 
     @staticmethod
     def from_dict(d: dict[str, str]) -> ColumnMap:
@@ -74,6 +78,10 @@ class ColumnMap:
         g.add_argument("--time-unit", choices=tuple(NS_PER_UNIT),
                        help=f"unit of an integer timestamp column (default {default('ns')}; e.g. ms for "
                             "milliseconds since the Unix epoch); arrow timestamp columns carry their own")
+        g.add_argument("--bad-rows", choices=BAD_ROWS,
+                       help=f"rows that break a price rule (a vendor's bad print, a high below the close): refuse "
+                            f"the bars and name them (default {default('refuse')}), or drop each such row and say "
+                            "which")
 
     @staticmethod
     def given(args: argparse.Namespace) -> dict[str, str]:
@@ -84,7 +92,8 @@ class ColumnMap:
     @staticmethod
     def dest(field_name: str) -> str:
         """timestamp -> time_col, open -> open_col."""
-        return {"timestamp": "time_col", "default_symbol": "default_symbol", "time_unit": "time_unit"}.get(
+        return {"timestamp": "time_col", "default_symbol": "default_symbol", "time_unit": "time_unit",
+                "bad_rows": "bad_rows"}.get(
             field_name, f"{field_name}_col")
 
     @staticmethod
@@ -215,6 +224,7 @@ class Bars:
     notes: list[str] = field(default_factory=list)  # how the files were read, where a reader should know
     contract: np.ndarray | None = None  # object [N]: each bar's contract, in a continuous series of a root
     log_offset: np.ndarray | None = None  # float64 [N]: added to log(close) so no return spans a roll
+    dropped: list[DroppedRow] = field(default_factory=list)  # the rows `--bad-rows drop` left out of the files
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
@@ -389,12 +399,17 @@ def read_bars(path: str | Path, columns: ColumnMap | None = None, user_columns: 
             parts.append(part)
             file_of_part.append(str(file))
             naive += [str(file)] if zoneless else []
+    dropped = drop_bad_rows(parts, file_of_part, cmap, file_rows) if not problems and cmap.bad_rows == "drop" else []
     problems = problems or validate(parts, file_of_part, cmap, user_columns, check_user_values)
     if problems:
-        raise BarDataError(_in_file_rows(problems, file_rows))
+        raise BarDataError([replace(p, fix=p.fix + BAD_ROWS_HINT) if p.rule_id in ROW_RULES else p
+                            for p in _in_file_rows(problems, file_rows)])
     bars = _assemble(parts, file_of_part, user_columns, label_columns)
+    bars.dropped = dropped
     if naive:
         bars.notes.append(_naive_note(cmap, naive))
+    if dropped:
+        bars.notes.append(dropped_note(dropped))
     return bars
 
 
@@ -702,72 +717,213 @@ MAX_BAR_PRICE_RATIO = 100.0  # a close this factor off the previous one of its s
 
 def _scale_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap,
                     rows: _Rows) -> list[Problem]:
-    """Closes that jump by MAX_BAR_PRICE_RATIO or more from the previous bar of the symbol: one problem per symbol."""
+    """Closes MAX_BAR_PRICE_RATIO or more off their neighbours': a lone bad print (_lone_prints), or a jump from the
+    previous bar of the symbol that lasts (a change of price units). One problem per symbol of each."""
     close = np.concatenate([p["close"] for p in parts])
     timed = ~np.concatenate([p["timestamp_null"] for p in parts])
     absent = np.concatenate([p["symbol_absent"] for p in parts])
     order = rows.grouped(timed & valid_price(close))  # bad prices have their own problems
     c, s = close[order], rows.symbol[order]
-    with np.errstate(over="ignore"):
-        ratio = c[1:] / c[:-1]
-    jumps = np.flatnonzero((s[1:] == s[:-1]) & ((ratio >= MAX_BAR_PRICE_RATIO) | (ratio <= 1 / MAX_BAR_PRICE_RATIO)))
+    jumps = _jumps(c, s)
+    suspects = np.unique(np.concatenate([jumps, jumps + 1]))
+    lone = suspects[_lone(c, s, suspects)]
+    lasting = jumps[~np.isin(jumps, lone) & ~np.isin(jumps + 1, lone)]
     out: list[Problem] = []
-    symbols, first, count = np.unique(s[1:][jumps], return_index=True, return_counts=True)
-    for symbol, i, n in sorted(zip(symbols, first, count, strict=True), key=lambda t: int(t[1])):
-        before, bad = order[jumps[i]], order[jumps[i] + 1]
+    for k, n in _first_per_symbol(s, lone):
+        bad = order[k]
+        out.append(Problem(files[rows.file_idx[bad]], cmap.close, int(rows.row_in_file[bad]),
+                           f"close {close[bad]:.10g} is {c[k] / _median_near(c, s, k):.3g} times the median close "
+                           f"of the {s[k]} bars around it: a bad print (rule: a close within "
+                           f"{MAX_BAR_PRICE_RATIO:g}x of its neighbours')",
+                           "drop or repair the row" + (_one_series_note(cmap) if absent[bad] else ""), n, "bad_print"))
+    for k, n in _first_per_symbol(s[1:], lasting):
+        before, bad = order[k], order[k + 1]
         earlier = files[rows.file_idx[before]]
         where = "" if rows.file_idx[before] == rows.file_idx[bad] else f" (that bar is in {earlier})"
         fix = ("give every file's prices in one unit (e.g. 1e-9 fixed-point integers in one file and dollars in "
                "another: convert one of them)") + (_one_series_note(cmap) if absent[bad] else "")
         out.append(Problem(files[rows.file_idx[bad]], cmap.close, int(rows.row_in_file[bad]),
                            f"close {close[bad]:.10g} is {close[bad] / close[before]:.3g} times the previous bar's "
-                           f"close of {symbol}, {close[before]:.10g}{where}: a change of price units, not a market "
-                           f"move (rule: a close within {MAX_BAR_PRICE_RATIO:g}x of the previous one)", fix, int(n),
+                           f"close of {s[k]}, {close[before]:.10g}{where}: a change of price units, not a market "
+                           f"move (rule: a close within {MAX_BAR_PRICE_RATIO:g}x of the previous one)", fix, n,
                            "price_units"))
     return out
+
+
+def _first_per_symbol(symbol: np.ndarray, at: np.ndarray) -> list[tuple[int, int]]:
+    """The first of the positions `at` (ascending) of each symbol, and how many it has, in order of position."""
+    _, first, count = np.unique(symbol[at], return_index=True, return_counts=True)
+    return sorted((int(at[i]), int(n)) for i, n in zip(first, count, strict=True))
+
+
+def _jumps(c: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Positions k where close c[k + 1] is MAX_BAR_PRICE_RATIO or more off c[k] of the same symbol (c grouped by
+    symbol s, in time order)."""
+    with np.errstate(over="ignore"):
+        ratio = c[1:] / c[:-1]
+    return np.flatnonzero((s[1:] == s[:-1]) & ((ratio >= MAX_BAR_PRICE_RATIO) | (ratio <= 1 / MAX_BAR_PRICE_RATIO)))
+
+
+def _sides(c: np.ndarray, s: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The closes of the symbol's PRINT_NEIGHBOURS bars before position k, and after it."""
+    before, after = slice(max(k - PRINT_NEIGHBOURS, 0), k), slice(k + 1, k + 1 + PRINT_NEIGHBOURS)
+    return c[before][s[before] == s[k]], c[after][s[after] == s[k]]
+
+
+def _median_near(c: np.ndarray, s: np.ndarray, k: int) -> float:
+    """The median close of the symbol's PRINT_NEIGHBOURS bars on each side of position k."""
+    return float(np.median(np.concatenate(_sides(c, s, k))))
+
+
+def _lone(c: np.ndarray, s: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Whether the close at each position of `at` is MAX_BAR_PRICE_RATIO or more off the median of the bars before
+    it and off that of the bars after it (where it has any): a bad print, or a few, among good ones; a change of
+    price units, however short, leaves one side's median at its own. bool [len(at)]."""
+    def off(x: float, side: np.ndarray) -> bool:
+        ratio = x / np.median(side)
+        return bool(ratio >= MAX_BAR_PRICE_RATIO or ratio <= 1 / MAX_BAR_PRICE_RATIO)
+
+    return np.array([any(side.size for side in sides) and all(off(c[k], side) for side in sides if side.size)
+                     for k in at for sides in [_sides(c, s, k)]], dtype=bool)
+
+
+Check = tuple[str, np.ndarray, str, str, str]  # rule id, bool mask of the rows that break it, column, rule, fix
 
 
 def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
                     user_columns: tuple[str, ...]) -> list[Problem]:
     """The rules of each row's own values: no NaN, positive prices, low <= open, close <= high, volume >= 0."""
-    out: list[Problem] = []
-
-    def check(rule_id: str, mask: np.ndarray, column: str, rule: str, fix: str) -> None:
+    out = []
+    for rule_id, mask, column, rule, fix in _value_checks(part, cmap, user_columns):
         row, count = _first_bad(mask)
         if count:
             out.append(Problem(fname, column, row, rule + _whose(part, mask), fix, count, rule_id))
+    return out
 
-    check("timestamp_null", part["timestamp_null"], cmap.timestamp, "timestamp is null",
-          "drop rows without a timestamp")
+
+def _value_checks(part: dict[str, np.ndarray], cmap: ColumnMap, user_columns: tuple[str, ...]) -> list[Check]:
+    """Each rule of a row's own values and the rows of `part` that break it."""
+    out: list[Check] = [("timestamp_null", part["timestamp_null"], cmap.timestamp, "timestamp is null",
+                         "drop rows without a timestamp")]
     for fld in (*PRICE_COLUMNS, "volume"):
         v, name = part[fld], cmap.source(fld)
-        check("nan", np.isnan(v), name, f"{fld} is NaN or null", f"drop or repair rows with missing {fld}")
-        check("infinite", np.isinf(v), name, f"{fld} is infinite", f"repair the {fld}")
-        check("placeholder", np.isfinite(v) & (v > EXACT_INT), name, f"{fld} is beyond 2^53, {PLACEHOLDER_RULE}",
-              PLACEHOLDER_FIX)
+        out += [("nan", np.isnan(v), name, f"{fld} is NaN or null", f"drop or repair rows with missing {fld}"),
+                ("infinite", np.isinf(v), name, f"{fld} is infinite", f"repair the {fld}"),
+                ("placeholder", np.isfinite(v) & (v > EXACT_INT), name, f"{fld} is beyond 2^53, {PLACEHOLDER_RULE}",
+                 PLACEHOLDER_FIX)]
         if fld != "volume":
-            check("not_positive", np.isfinite(v) & (v <= 0), name, f"{fld} is not positive (prices must be > 0)",
-                  "drop or repair the row; back-adjusted continuous contracts must be shifted to positive prices")
+            out.append(("not_positive", np.isfinite(v) & (v <= 0), name, f"{fld} is not positive (prices must be > 0)",
+                        "drop or repair the row; back-adjusted continuous contracts must be shifted to positive "
+                        "prices"))
     o, h, lo, c = part["open"], part["high"], part["low"], part["close"]
     # range rules only on valid prices: a bad row is reported once
     priced = np.all([valid_price(x) for x in (o, h, lo, c)], axis=0)
-    check("high_below_low", priced & (h < lo), cmap.high, "high < low (rule: low <= high)",
-          "swap or repair high and low")
     ranged = priced & (h >= lo)
-    check("above_high", ranged & ((o > h) | (c > h)), cmap.high, "open or close above high (rule: open, close <= "
-          "high)", "high must be the bar's maximum: set high = max(open, high, close)")
-    check("below_low", ranged & ((o < lo) | (c < lo)), cmap.low, "open or close below low (rule: low <= open, "
-          "close)", "low must be the bar's minimum: set low = min(open, low, close)")
-    check("negative_volume", part["volume"] < 0, cmap.volume, "volume is negative (rule: volume >= 0)",
-          "repair the volume")
+    out += [("high_below_low", priced & (h < lo), cmap.high, "high < low (rule: low <= high)",
+             "swap or repair high and low"),
+            ("above_high", ranged & ((o > h) | (c > h)), cmap.high, "open or close above high (rule: open, close <= "
+             "high)", "high must be the bar's maximum: set high = max(open, high, close)"),
+            ("below_low", ranged & ((o < lo) | (c < lo)), cmap.low, "open or close below low (rule: low <= open, "
+             "close)", "low must be the bar's minimum: set low = min(open, low, close)"),
+            ("negative_volume", part["volume"] < 0, cmap.volume, "volume is negative (rule: volume >= 0)",
+             "repair the volume")]
     for uc in user_columns:
         x = part[f"user:{uc}"]
-        check("user_not_finite", ~np.isfinite(x), uc, f"user feature '{uc}' is NaN or infinite",
-              "fill or drop those rows, or drop the column from the feature list")
-        check("user_beyond_float32", np.isfinite(x) & (np.abs(x) > F32_MAX), uc, f"user feature '{uc}' is beyond "
-              f"float32's range (|x| > {F32_MAX:.3g}; the model computes in float32)",
-              "rescale the column, or fill or drop those rows")
+        out += [("user_not_finite", ~np.isfinite(x), uc, f"user feature '{uc}' is NaN or infinite",
+                 "fill or drop those rows, or drop the column from the feature list"),
+                ("user_beyond_float32", np.isfinite(x) & (np.abs(x) > F32_MAX), uc, f"user feature '{uc}' is beyond "
+                 f"float32's range (|x| > {F32_MAX:.3g}; the model computes in float32)",
+                 "rescale the column, or fill or drop those rows")]
     return out
+
+
+# the rules a row breaks alone, or as an isolated print among its symbol's bars: --bad-rows drop drops such rows
+ROW_RULES = ("timestamp_null", "nan", "infinite", "placeholder", "not_positive", "high_below_low", "above_high",
+             "below_low", "negative_volume", "bad_print")
+BAD_ROWS_HINT = "; or pass --bad-rows drop to drop each row that breaks a price rule (and list them)"
+PRINT_NEIGHBOURS = 5  # bars on each side of a close whose median it is judged against: a bad print stands alone
+DROPPED_SHOWN = 5  # dropped rows a note names
+
+
+@dataclass(frozen=True)
+class DroppedRow:
+    """A row of a file that `--bad-rows drop` left out, and the rule it breaks."""
+
+    file: str
+    row: int  # 0-based within the file
+    symbol: str
+    timestamp_ns: int | None  # None: the row has none
+    rule: str  # one of ROW_RULES
+
+    def line(self) -> str:
+        when = "no timestamp" if self.timestamp_ns is None else \
+            str(np.datetime64(self.timestamp_ns, "ns"))[:19].replace("T", " ") + " UTC"
+        return f"{self.file} row {self.row} ({self.symbol}, {when}): {self.rule}"
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def drop_bad_rows(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnMap,
+                  file_rows: dict[str, np.ndarray]) -> list[DroppedRow]:
+    """Remove from `parts` each row that breaks a rule of its own bar values (_value_checks), then each bad print
+    (_lone; a change of price units stays the price-scale rule's to refuse).
+    `file_rows` then holds each file's row number of each row kept. Returns the rows dropped."""
+    origin = [file_rows.get(f, np.arange(len(p["timestamp"]))) for p, f in zip(parts, files, strict=True)]
+    dropped: list[DroppedRow] = []
+
+    def keep(i: int, rule: np.ndarray) -> None:
+        part, bad = parts[i], rule != ""
+        dropped.extend(DroppedRow(files[i], int(origin[i][j]), str(part["symbol"][j]),
+                                  None if part["timestamp_null"][j] else int(part["timestamp"][j]), str(rule[j]))
+                       for j in np.flatnonzero(bad))
+        for key, column in part.items():
+            part[key] = column if key == "symbol_names" else column[~bad]
+        origin[i] = origin[i][~bad]
+
+    for i, part in enumerate(parts):
+        rule = np.full(len(part["timestamp"]), "", dtype=object)
+        for rule_id, mask, *_ in reversed(_value_checks(part, cmap, ())):  # the first rule broken names the row
+            rule[mask] = rule_id
+        keep(i, rule)
+    for i, lone in enumerate(_lone_prints(parts)):
+        keep(i, np.where(lone, "bad_print", ""))
+    file_rows.update(zip(files, origin, strict=True))
+    return dropped
+
+
+def _lone_prints(parts: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
+    """Per part, bool: the closes that are bad prints (_lone) among their symbol's bars in time order."""
+    rows = _Rows.of(parts)
+    close = np.concatenate([p["close"] for p in parts])
+    order = np.lexsort((np.concatenate([p["timestamp"] for p in parts]), rows.symbol))  # by symbol, then time
+    c, s = close[order], rows.symbol[order]
+    jumps = _jumps(c, s)
+    suspects = np.unique(np.concatenate([jumps, jumps + 1]))
+    lone = np.zeros(close.size, dtype=bool)
+    lone[order[suspects[_lone(c, s, suspects)]]] = True
+    return np.split(lone, np.cumsum([len(p["close"]) for p in parts])[:-1])
+
+
+def dropped_note(dropped: list[DroppedRow]) -> str:
+    """What `--bad-rows drop` dropped: a count per rule, then the first rows."""
+    rules, counts = np.unique([d.rule for d in dropped], return_counts=True)
+    shown = "; ".join(d.line() for d in dropped[:DROPPED_SHOWN])
+    more = f"; and {len(dropped) - DROPPED_SHOWN} more" if len(dropped) > DROPPED_SHOWN else ""
+    return (f"--bad-rows drop: dropped {len(dropped)} row(s) that break a price rule ("
+            + ", ".join(f"{r} {n}" for r, n in zip(rules, counts, strict=True)) + f"): {shown}{more}")
+
+
+def cleaned_table(path: str | Path, dropped: list[DroppedRow]) -> pa.Table:
+    """The bars file (or directory) at `path`, every column of it, less the `dropped` rows: what
+    `features.check --bad-rows drop --out` writes."""
+    root = Path(path)
+    tables = []
+    for file in list_parquet_files(root):
+        table = _read_table(file, root)
+        rows = [d.row for d in dropped if d.file == str(file)]
+        tables.append(table.filter(~np.isin(np.arange(table.num_rows), rows)) if rows else table)
+    return pa.concat_tables(tables, promote_options="default")
 
 
 def unusable_values(x: np.ndarray) -> np.ndarray:

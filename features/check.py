@@ -15,12 +15,21 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from features import contracts
-from features.bars import REQUIRED_COLUMNS, BarDataError, Bars, ColumnMap, list_parquet_files, numeric
+from features.bars import (
+    REQUIRED_COLUMNS,
+    BarDataError,
+    Bars,
+    ColumnMap,
+    clash_with_bars,
+    cleaned_table,
+    list_parquet_files,
+    numeric,
+)
 from features.calendar import infer_bar_interval_ns
 from features.compute import check_static
 from features.config import FeatureConfig
 from features.contracts import ContractConfig, ContractFlags
-from features.files import reader_went_away
+from features.files import atomic_output, file_argument, reader_went_away
 from features.rolls import Roll, contract_roots
 from features.series import as_series, read_contract_bars, roll_listing, scan
 
@@ -159,9 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--static-features", default="", help="comma-separated columns constant within a series")
     p.add_argument("--categorical-features", default="",
                    help="which of the columns above are categorical (text, dictionary or integer columns)")
+    p.add_argument("--out", type=file_argument("clean.parquet"),
+                   help="with --bad-rows drop: write the bars, every column, less the rows dropped, to this parquet "
+                        "file")
     ColumnMap.add_arguments(p)
     contracts.add_arguments(p)
     args = p.parse_args(argv)
+    if args.out is not None and args.bad_rows != "drop":
+        p.error("--out writes the bars less the rows --bad-rows drop drops: add --bad-rows drop (bars that pass "
+                "the checks need no cleaned copy)")
+    if args.out is not None and (problem := clash_with_bars(args.out, Path(args.path))):
+        p.error(f"--out: {problem}; give another file, e.g. clean.parquet beside the bars")
     try:
         status = check(args)
         sys.stdout.flush()  # a reader gone before the last line is caught here too
@@ -219,7 +236,11 @@ def check(args: argparse.Namespace) -> int:
     if len(bars) == 0:
         print(f"{args.path}: no bars (the files hold no rows): nothing to train on", file=sys.stderr)
         return 2
-    print("no problems found")
+    if args.out is not None:
+        with atomic_output(args.out) as tmp:
+            pq.write_table(cleaned_table(args.path, bars.dropped), tmp)
+        print(f"wrote {args.out}: the bars less the {len(bars.dropped)} row(s) dropped")
+    print("no problems found" if not bars.dropped else "no problems found in the rows kept")
     return 0
 
 

@@ -362,6 +362,7 @@ REQUEST_WORDING: dict[str, tuple[str | None, str]] = {
                            "prices)"),
     "placeholder": (None, "send the bar's real {column}"),
     "price_units": (None, "send every bar's prices in one unit, the one the model was trained on"),
+    "bad_print": (None, "send the bar's real prices, or leave the bar out"),
     "user_not_finite": (None, SEND_USABLE_USER_VALUES),
     "user_beyond_float32": (None, SEND_USABLE_USER_VALUES),
     "timestamps_decrease": ("timestamps decrease (rule: strictly increasing)", SEND_BARS_IN_ORDER),

@@ -369,13 +369,14 @@ def test_prices_in_another_unit_in_one_file_are_refused_naming_both_files(tmp_pa
     cols["close"][7] *= 200  # a close two hundredfold the one before (its high too, to keep the bar consistent)
     cols["high"][7] *= 200
     p = only_problem(write_parquet(tmp_path / "jump.parquet", cols))
-    assert (p.row, p.count) == (7, 2)  # up at row 7, down again at row 8
+    assert (p.row, p.count, p.rule_id) == (7, 1, "bad_print")  # up at row 7, down again at row 8: row 7 is bad
+    assert p.rule.startswith("close 1070000 is 204 times the median close of the ES bars around it: a bad print")
     # two symbols read as one series (no symbol column): the jump may be that, and the fix says so too
     one = series_columns(0, 6)
     for name in ("open", "high", "low", "close"):
         one[name][1::2] *= 300
     p = next(q for q in problems_of(write_parquet(tmp_path / "one.parquet", one)) if q.column == "close")
-    assert "map their column with --symbol-col NAME" in p.fix and p.count == 5
+    assert "map their column with --symbol-col NAME" in p.fix and p.count == 4  # rows 0, 1, 3, 5 stand out
 
 
 def test_an_output_over_the_bars_by_any_path_is_named(tmp_path: Path) -> None:

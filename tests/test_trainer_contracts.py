@@ -223,3 +223,69 @@ def test_a_backtest_fold_trains_on_the_runs_contracts_with_their_expirations(tmp
                                            "NQM5": "2025-06-20"}
     assert [r.line() for r in fold.rolls] == [r.line() for r in whole.rolls] != []
     np.testing.assert_array_equal(fold.frame.timestamp_ns, whole.frame.timestamp_ns[whole.frame.timestamp_ns < cut])
+
+
+def with_bad_rows(path: Path) -> tuple[int, int]:
+    """Over the contract bars at `path`: a vendor's bad print (0.0002, every price) at the deferred ESM5's first
+    bar, and a settlement-only row of the deferred NQM5 whose close lies above its high; their file rows."""
+    t = pq.read_table(path)
+    cols = {name: t.column(name).to_numpy().copy() for name in ("open", "high", "low", "close")}
+    symbol = t.column("symbol").to_numpy()
+    spike, above = int(np.flatnonzero(symbol == "ESM5")[0]), int(np.flatnonzero(symbol == "NQM5")[5])
+    for name in cols:
+        cols[name][spike] = 0.0002
+    cols["close"][above] = cols["high"][above] * 1.01
+    for name, values in cols.items():
+        t = t.set_column(t.column_names.index(name), name, pa.array(values))
+    pq.write_table(t, path)
+    return spike, above
+
+
+def test_a_bad_print_in_a_deferred_contract_is_refused_by_name_or_dropped_alone(tmp_path: Path) -> None:
+    from features.bars import ColumnMap, read_bars
+    from trainer.checkpoint import load_checkpoint
+
+    path = contract_bars(tmp_path / "bars.parquet")
+    clean = read_bars(path, ColumnMap(timestamp="ts_event"))
+    spike, above = with_bad_rows(path)
+    refused = train(path, tmp_path / "refused.pt")
+    assert refused.returncode == 2 and not (tmp_path / "refused.pt").exists()
+    assert f"row {spike}: close 0.0002 is " in refused.stderr and "a bad print" in refused.stderr
+    assert f"row {above}: open or close above high" in refused.stderr
+    assert "pass --bad-rows drop" in refused.stderr, refused.stderr[-3000:]
+
+    r = train(path, tmp_path / "ckpt.pt", "--bad-rows", "drop")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--bad-rows drop: dropped 2 row(s) that break a price rule (above_high 1, bad_print 1)" in r.stderr
+    dropped = load_checkpoint(tmp_path / "ckpt.pt")["dropped_rows"]
+    assert [(d["row"], d["symbol"], d["rule"]) for d in dropped] == [(above, "NQM5", "above_high"),
+                                                                     (spike, "ESM5", "bad_print")]
+    # every other row stays, those of the same contracts too
+    kept = read_bars(path, ColumnMap(timestamp="ts_event", bad_rows="drop"))
+    gone = np.isin(np.arange(len(clean)), [np.flatnonzero((clean.symbol == d["symbol"])
+                                                          & (clean.timestamp_ns == d["timestamp_ns"]))[0]
+                                           for d in dropped])
+    assert np.array_equal(kept.timestamp_ns, clean.timestamp_ns[~gone]) and np.array_equal(kept.symbol,
+                                                                                            clean.symbol[~gone])
+    assert np.array_equal(kept.close, clean.close[~gone])
+
+
+def test_check_writes_the_bars_less_the_rows_dropped(tmp_path: Path) -> None:
+    path = contract_bars(tmp_path / "bars.parquet", expirations=True)
+    spike, above = with_bad_rows(path)
+    out = tmp_path / "clean.parquet"
+    r = run_main(["-m", "features.check", str(path), "--time-col", "ts_event", "--bad-rows", "drop", "--out",
+                  str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"wrote {out}: the bars less the 2 row(s) dropped" in r.stdout
+    before, after = pq.read_table(path), pq.read_table(out)
+    assert after.schema == before.schema  # every column, as it was
+    keep = ~np.isin(np.arange(before.num_rows), [spike, above])
+    assert after.equals(before.filter(pa.array(keep)))
+    again = run_main(["-m", "features.check", str(out), "--time-col", "ts_event"])
+    assert again.returncode == 0 and "no problems found" in again.stdout, again.stderr[-3000:]
+    # --out without drop, or over the bars themselves: refused before any work
+    for flags, says in ((["--out", str(out)], "add --bad-rows drop"),
+                        (["--bad-rows", "drop", "--out", str(path)], "is the bars file")):
+        r = run_main(["-m", "features.check", str(path), "--time-col", "ts_event", *flags])
+        assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from features.bars import Bars, ColumnMap, bars_digest
+from features.bars import Bars, ColumnMap, DroppedRow, bars_digest
 from features.calendar import (
     COARSE_INTERVALS,
     HOUR_NS,
@@ -286,6 +286,7 @@ class PreparedData:
     bars_digest: str  # of the series trained on (training_digest): a resume must read the same ones
     rolls: list[Roll] = field(default_factory=list)  # the contract rolls of the series; none for plain series
     profile: Profile | None = None  # the volatility profile of the training rows, for a seasonal scale
+    dropped: list[DroppedRow] = field(default_factory=list)  # rows of the files `--bad-rows drop` left out
 
 
 def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -> tuple[np.ndarray, ...]:
@@ -437,7 +438,7 @@ def prepare(source: str | Path | ReadBars, cfg: TrainConfig, columns: ColumnMap 
     warn_about_series(frame, train, cfg.volatility_window + cfg.encoder_length + cfg.horizon)
     clim = np.quantile(frame.targets[train], cfg.quantiles, axis=0).T.astype(np.float32)  # [H, Q]
     return PreparedData(frame, WindowTensors(frame, cfg.encoder_length), train, val, test, normalization, clim,
-                        (int(cuts[0]), int(cuts[1])), digest, rolls, profile)
+                        (int(cuts[0]), int(cuts[1])), digest, rolls, profile, read.dropped)
 
 
 def _read(source: str | Path | ReadBars, cfg: TrainConfig, columns: ColumnMap,

@@ -365,6 +365,7 @@ class Trainer:
             "split_times_ns": list(self.data.split_times_ns),
             "data_span_ns": [int(frame.timestamp_ns.min()), int(frame.timestamp_ns.max())],  # the bars trained on
             "bars_digest": self.data.bars_digest,  # what a resume must read again
+            "dropped_rows": [d.to_dict() for d in self.data.dropped],  # by --bad-rows drop
             **({"rolls": [r.to_dict() for r in self.data.rolls]} if frame.config.contracts is not None else {}),
             "climatology": torch.from_numpy(self.data.climatology.copy()),
             "model_state": (weights := {k: v.detach().cpu() for k, v in self.model.state_dict().items()}),
