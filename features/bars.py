@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -20,6 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from features.dbn import DBN_SUFFIXES, DbnFileError, is_dbn, read_dbn
 
 PRICE_COLUMNS: tuple[str, ...] = ("open", "high", "low", "close")
 REQUIRED_COLUMNS: tuple[str, ...] = ("timestamp", *PRICE_COLUMNS, "volume")
@@ -131,12 +134,37 @@ def lacks_a_column(problems: list[Problem]) -> bool:
 
 
 def column_names(path: str | Path) -> set[str]:
-    """Every column name in the schemas of the parquet file(s) at `path`."""
+    """Every column name in the schemas of the bars file(s) at `path`."""
     names: set[str] = set()
-    for file in list_parquet_files(Path(path)):
-        with contextlib.suppress(OSError, pa.ArrowException):
-            names |= set(pq.read_schema(file).names)
+    for file in list_bar_files(Path(path)):
+        with contextlib.suppress(OSError, pa.ArrowException, DbnFileError):
+            names |= set(file_schema(file).names)
     return names
+
+
+def file_schema(file: Path) -> pa.Schema:
+    """The schema of one bars file, parquet or DBN."""
+    return _dbn_table(file).schema if is_dbn(file) else pq.read_schema(file)
+
+
+def file_columns(file: Path, columns: Collection[str]) -> pa.Table:
+    """Those of `columns` that one bars file (parquet or DBN) holds."""
+    if is_dbn(file):
+        table = _dbn_table(file)
+        return table.select([c for c in columns if c in table.column_names])
+    parquet = pq.ParquetFile(file)
+    return parquet.read(columns=[c for c in columns if c in parquet.schema_arrow.names])
+
+
+def _dbn_table(file: Path) -> pa.Table:
+    """read_dbn, once per file while it stays as it is: a command reads a file's names, then its bars."""
+    stat = file.stat()
+    return _dbn_read(str(file.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _dbn_read(path: str, mtime_ns: int, size: int) -> pa.Table:
+    return read_dbn(Path(path))
 
 
 WHOLE_FILE = "-"  # a Problem's column when the problem is the whole file
@@ -263,13 +291,15 @@ class Bars:
 
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
+BAR_SUFFIXES = (*PARQUET_SUFFIXES, *DBN_SUFFIXES)  # the files a bars directory's read takes
 
 
-def list_parquet_files(path: Path) -> list[Path]:
+def list_bar_files(path: Path) -> list[Path]:
+    """The bars file at `path`, or the parquet and DBN files in the directory, in reading order."""
     if path.is_file():
         return [path]
     if path.is_dir():  # hidden and temporary files (".x", "_x") are skipped, as pyarrow's datasets do
-        return sorted((p for p in path.rglob("*") if p.suffix.lower() in PARQUET_SUFFIXES
+        return sorted((p for p in path.rglob("*") if p.name.lower().endswith(BAR_SUFFIXES)
                        and p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)),
                       key=lambda p: (_natural_key(p), p.as_posix()))
     return []
@@ -287,10 +317,10 @@ def clash_with_bars(out: Path, bars: Path) -> str | None:
         if not bars.is_dir():
             return None
         root = bars.resolve()
-        if (target.is_relative_to(root) and target.suffix.lower() in PARQUET_SUFFIXES
+        if (target.is_relative_to(root) and target.name.lower().endswith(BAR_SUFFIXES)
                 and not any(part.startswith((".", "_")) for part in target.relative_to(root).parts)):
             return f"{out} is inside the bars directory {bars}, whose next read would take it as bars"
-        if exists and any(os.path.samefile(out, f) for f in list_parquet_files(bars)):
+        if exists and any(os.path.samefile(out, f) for f in list_bar_files(bars)):
             return f"{out} is one of the bars files in {bars} (by another path), which writing it would replace"
     except (OSError, RuntimeError) as exc:  # RuntimeError: a loop of symbolic links
         return f"{out} or the bars path {bars} cannot be resolved ({exc})"
@@ -382,10 +412,12 @@ def read_bars(path: str | Path, columns: ColumnMap | None = None, user_columns: 
     root = Path(path)
     if problems := _mapping_problems(root, cmap, (*user_columns, *label_columns)):
         raise BarDataError(problems)
-    files = list_parquet_files(root)
+    files = list_bar_files(root)
     if not files:
-        rule = "no such file or directory" if not root.exists() else "no .parquet, .parq or .pq files found"
-        raise BarDataError([Problem(str(root), WHOLE_FILE, -1, rule, "pass a parquet file or a directory of them")])
+        rule = "no such file or directory" if not root.exists() else \
+            "no .parquet, .parq, .pq, .dbn or .dbn.zst files found"
+        raise BarDataError([Problem(str(root), WHOLE_FILE, -1, rule, "pass a parquet or DBN file, or a directory of "
+                                    "them")])
     parts: list[dict[str, np.ndarray]] = []
     file_of_part: list[str] = []
     naive: list[str] = []  # files whose arrow timestamps carry no time zone
@@ -419,8 +451,9 @@ def _read_file(file: Path, root: Path, cmap: ColumnMap, user_columns: tuple[str,
     """One file's part (or None), its problems, its rows read when read in part, and whether its times lack a zone."""
     try:
         table = _read_table(file, root)
-    except (pa.ArrowException, OSError) as exc:
-        return None, [Problem(str(file), WHOLE_FILE, -1, f"cannot be read as parquet ({exc})",
+    except (pa.ArrowException, OSError, DbnFileError) as exc:
+        return None, [Problem(str(file), WHOLE_FILE, -1, f"cannot be read as {'DBN' if is_dbn(file) else 'parquet'} "
+                              f"({exc})",
                               "re-write the file, or move it out of the data directory")], None, False
     kept = None
     try:
@@ -450,8 +483,9 @@ def _mapping_problems(root: Path, cmap: ColumnMap, user_columns: tuple[str, ...]
 
 
 def _read_table(file: Path, root: Path) -> pa.Table:
-    """One parquet file, with its hive partitions (`key=value` directories) as columns it lacks."""
-    table = pq.ParquetFile(file, pre_buffer=False).read()  # pre_buffer would hold a second copy
+    """One parquet or DBN file, with its hive partitions (`key=value` directories) as columns it lacks."""
+    table = _dbn_table(file) if is_dbn(file) else pq.ParquetFile(file, pre_buffer=False).read()  # pre_buffer: a
+    # second copy
     dirs = file.relative_to(root).parts[:-1]  # () for a file read alone
     for key, value in (map(unquote, d.split("=", 1)) for d in dirs if "=" in d):
         if key not in table.column_names:
@@ -919,7 +953,7 @@ def cleaned_table(path: str | Path, dropped: list[DroppedRow]) -> pa.Table:
     `features.check --bad-rows drop --out` writes."""
     root = Path(path)
     tables = []
-    for file in list_parquet_files(root):
+    for file in list_bar_files(root):
         table = _read_table(file, root)
         rows = [d.row for d in dropped if d.file == str(file)]
         tables.append(table.filter(~np.isin(np.arange(table.num_rows), rows)) if rows else table)

@@ -22,7 +22,8 @@ from features.bars import (
     ColumnMap,
     clash_with_bars,
     cleaned_table,
-    list_parquet_files,
+    file_schema,
+    list_bar_files,
     numeric,
 )
 from features.calendar import infer_bar_interval_ns
@@ -155,8 +156,8 @@ def other_numeric_columns(path: Path, cmap: ColumnMap) -> list[str]:
     """The files' numeric columns that are no bar field: what --features could name."""
     bar_fields = {cmap.source(f) for f in (*REQUIRED_COLUMNS, "symbol")}
     names: dict[str, None] = {}
-    for file in list_parquet_files(path):  # read_bars has read every one
-        names |= {f.name: None for f in pq.read_schema(file) if f.name not in bar_fields and numeric(f.type)}
+    for file in list_bar_files(path):  # read_bars has read every one
+        names |= {f.name: None for f in file_schema(file) if f.name not in bar_fields and numeric(f.type)}
     return list(names)
 
 

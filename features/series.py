@@ -7,11 +7,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from features.bars import Bars, ColumnMap, list_parquet_files, read_bars
+from features.bars import Bars, ColumnMap, file_columns, file_schema, list_bar_files, read_bars
 from features.config import FeatureConfig
 from features.contracts import ContractConfig, ContractFlags, contract_config, expiration_day
+from features.dbn import DbnFileError
 from features.rolls import Roll, continuous
 
 ROLLS_LISTED = 20  # rolls listed one line each; past this, a count of the rest
@@ -88,13 +88,12 @@ def scan(path: str | Path, cmap: ColumnMap, flags: ContractFlags) -> ContractCon
     days: dict[str, str] = {}
     roots: dict[str, str] = {}  # contract -> root, from a bars root column
     present: set[str] = set()
-    for file in list_parquet_files(Path(path)):
+    for file in list_bar_files(Path(path)):
         try:
-            parquet = pq.ParquetFile(file)
-            have = parquet.schema_arrow.names
+            table = file_columns(file, [c for c in dict.fromkeys((column, exp_col, root_col)) if c is not None])
+            have = file_schema(file).names
             present |= set(have)
-            table = parquet.read(columns=[c for c in dict.fromkeys((column, exp_col, root_col)) if c in have])
-        except (OSError, pa.ArrowException):
+        except (OSError, pa.ArrowException, DbnFileError):
             continue  # read_bars names the file that cannot be read
         if column not in have:
             continue
