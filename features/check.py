@@ -253,7 +253,25 @@ def contract_lines(bars: Bars, series: Bars, rolls: list[Roll], config: Contract
              f"root ({len(series)} bars); {config.describe()}",
              "roots: " + ", ".join(f"{root} ({n} contract{'s' if n != 1 else ''})" for root, n in per_root.items()),
              f"rolls: {len(rolls)}"]
-    return lines + roll_listing(rolls)
+    return lines + roll_listing(rolls) + expiry_lines(contract_roots(bars, config), config)
+
+
+def expiry_lines(roots: dict[str, str], config: ContractConfig) -> list[str]:
+    """Each contract's expiration, a line per root, and where each came from."""
+    if not config.expirations:
+        return []
+    by_root: dict[str, list[str]] = {}
+    for contract, root in sorted(roots.items(), key=lambda item: (item[1], str(config.expiration(item[0])))):
+        if (day := config.expiration(contract)) is not None:
+            mark = "" if contract in config.builtin else "*"
+            by_root.setdefault(root, []).append(f"{contract} {day}{mark}")
+    lacking = sorted(c for c in roots if config.expiration(c) is None)
+    return (["expirations (from each exchange's last-trading-day rule, built in"
+             + ("; * from the bars or the --roots file" if len(config.builtin) < len(config.expirations) else "")
+             + "):"]
+            + [f"  {root}: {', '.join(days)}" for root, days in by_root.items()]
+            + ([f"  none for {', '.join(lacking[:5])}" + (f" and {len(lacking) - 5} more" if len(lacking) > 5
+                                                            else "")] if lacking else []))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,15 @@ import argparse
 import csv
 import functools
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from features.calendar import sessions
+from features.exchanges import PRODUCTS, last_trading_day, trading_days
 
 MONTH_CODES = "FGHJKMNQUVXZ"  # January .. December
 CONTRACT_PATTERN = "root + month code (FGHJKMNQUVXZ) + 1- or 2-digit year, e.g. ESH5, ESH25, CLZ24, 6EM5"
@@ -60,6 +63,8 @@ class ContractConfig:
     root_column: str = ""  # bars column naming each bar's root; "" = the mapping, else the pattern
     roots: tuple[tuple[str, str], ...] = ()  # contract -> root, from a --roots file
     expirations: tuple[tuple[str, str], ...] = ()  # contract -> "YYYY-MM-DD"
+    builtin: tuple[str, ...] = ()  # the contracts whose expiration is features.exchanges' (the rest: the user's)
+    exchange_days: bool = False  # sessions are the exchange's trading days for roots it knows (else calendar days)
 
     def __post_init__(self) -> None:
         if roll_sessions(self.roll) is None and self.roll not in ("volume", "none"):
@@ -94,13 +99,21 @@ class ContractConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"roll": self.roll, "adjust": self.adjust, "volume": self.volume,
                 "contract_column": self.contract_column, "root_column": self.root_column,
-                "roots": dict(self.roots), "expirations": dict(self.expirations)}
+                "roots": dict(self.roots), "expirations": dict(self.expirations), "builtin": list(self.builtin),
+                "exchange_days": self.exchange_days}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> ContractConfig:
         return ContractConfig(str(d["roll"]), str(d["adjust"]), str(d["volume"]), str(d["contract_column"]),
                               str(d["root_column"]), tuple(sorted(d["roots"].items())),
-                              tuple(sorted(d["expirations"].items())))
+                              tuple(sorted(d["expirations"].items())), tuple(d.get("builtin", ())),
+                              bool(d.get("exchange_days", False)))  # a model from before: calendar days
+
+    def sessions(self, timestamp_ns: np.ndarray, root: str, tz: str) -> np.ndarray:
+        """Each bar's session of `root` (days since 1970-01-01, int64): the exchange's trading day for a root
+        features.exchanges knows (with exchange_days), else the calendar day in `tz`."""
+        product = PRODUCTS.get(root) if self.exchange_days else None
+        return sessions(timestamp_ns, tz) if product is None else trading_days(timestamp_ns, product.exchange)
 
 
 def roll_sessions(rule: str) -> int | None:
@@ -197,7 +210,7 @@ def contract_config(flags: ContractFlags, names: Sequence[str], has_columns: Seq
             raise ValueError(f"--roots {flags.roots}: no such file, and the bars have no such column; "
                              + ROOTS_FIX)
     cfg = ContractConfig(flags.roll or "volume", flags.adjust or "none", flags.volume or "front",
-                         flags.contract_col or "", root_column, roots, days)
+                         flags.contract_col or "", root_column, roots, days, exchange_days=True)
     unmapped = [n for n in names if cfg.root_of(n) is None] if not root_column else []
     if unmapped and not flags.given and len(unmapped) == len(names):
         return None  # plain series, as the names are not contracts
@@ -210,3 +223,17 @@ def contract_config(flags: ContractFlags, names: Sequence[str], has_columns: Seq
                          + ROOTS_FIX + (" (or --roll none: each name its own series)" if flags.roll is None else "")
                          + spreads)
     return cfg
+
+
+def with_builtin_expirations(cfg: ContractConfig, first_ns: Mapping[str, int]) -> ContractConfig:
+    """`cfg` with the exchange's last trading day (features.exchanges) as the expiration of each contract of
+    `first_ns` (name -> its first bar, which places a 1-digit year) that the user gave none and whose root the
+    table knows."""
+    given = dict(cfg.expirations)
+    added: dict[str, str] = {}
+    for name, first in first_ns.items():
+        root, month = cfg.root_of(name), contract_month(name, first)
+        if name not in given and root is not None and month is not None and \
+                (day := last_trading_day(root, month // 12, month % 12 + 1)) is not None:
+            added[name] = day
+    return replace(cfg, expirations=tuple(sorted({**given, **added}.items())), builtin=tuple(sorted(added)))

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from features.bars import Bars
-from features.calendar import sessions
 from features.config import FeatureConfig
 from features.contracts import CONTRACT_PATTERN, ROOTS_FIX, ContractConfig, contract_month, roll_sessions
 
@@ -68,7 +67,7 @@ def front_rows(timestamp_ns: np.ndarray, code: np.ndarray, names: list[str], ope
         contracts = _ordered_contracts(ts, code, names, cfg, root)
         place = {name: k for k, name in enumerate(contracts)}
         col = np.array([place.get(n, -1) for n in names], dtype=np.int64)[code]
-        days, s_of = np.unique(sessions(ts, tz), return_inverse=True)
+        days, s_of = np.unique(cfg.sessions(ts, root, tz), return_inverse=True)
         front = _volume_fronts(s_of, col, np.asarray(volume, np.float64)[order], len(days), len(contracts)) \
             if cfg.roll == "volume" else _calendar_fronts(days, contracts, cfg, root)
         chosen = np.flatnonzero(col == front[s_of])
@@ -276,14 +275,13 @@ def contract_known(timestamp_ns: np.ndarray, roots: np.ndarray, cfg: ContractCon
     np.busday_count). ValueError (one line) past the last known expiration's roll."""
     ts = np.asarray(timestamp_ns, dtype=np.int64)
     root = np.broadcast_to(np.asarray(roots).astype(str), ts.shape)
-    days, at = np.unique(sessions(ts, tz).reshape(-1), return_inverse=True)  # [D] distinct sessions
     out = np.zeros((ts.size, 2), dtype=np.float32)  # [n, 2]
     n = roll_sessions(cfg.roll) or 0
-    flat_root, at = root.reshape(-1), at.reshape(-1)
+    flat_root, flat_ts = root.reshape(-1), ts.reshape(-1)
     for r in np.unique(flat_root).tolist():
         rows = np.flatnonzero(flat_root == r)
-        used = np.unique(at[rows])
-        day = days[used].astype("datetime64[D]")  # [d]
+        used, place = np.unique(cfg.sessions(flat_ts[rows], r, tz), return_inverse=True)  # [d] distinct sessions
+        day = used.astype("datetime64[D]")  # [d]
         _, expiry = known_expiries(cfg, r)
         front = rule_fronts(day, cfg, r)
         if (none := np.flatnonzero(front < 0)).size:
@@ -292,7 +290,6 @@ def contract_known(timestamp_ns: np.ndarray, roots: np.ndarray, cfg: ContractCon
                              f"sessions left (--roll {cfg.roll}; {last}); give the coming contracts' expirations in "
                              "the --roots file (contract,root,expiration) and retrain")
         before = rule_fronts(np.busday_offset(np.busday_offset(day, 0, roll="forward"), -1), cfg, r)
-        place = np.searchsorted(used, at[rows])
         out[rows, 0] = np.busday_count(day, expiry[front])[place]
         out[rows, 1] = (front != before)[place]
     return out.reshape(*ts.shape, 2)

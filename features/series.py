@@ -6,11 +6,18 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
-from features.bars import Bars, ColumnMap, file_columns, file_schema, list_bar_files, read_bars
+from features.bars import Bars, ColumnMap, file_columns, file_schema, list_bar_files, read_bars, timestamps_ns
 from features.config import FeatureConfig
-from features.contracts import ContractConfig, ContractFlags, contract_config, expiration_day
+from features.contracts import (
+    ContractConfig,
+    ContractFlags,
+    contract_config,
+    expiration_day,
+    with_builtin_expirations,
+)
 from features.dbn import DbnFileError
 from features.rolls import Roll, continuous
 
@@ -88,9 +95,11 @@ def scan(path: str | Path, cmap: ColumnMap, flags: ContractFlags) -> ContractCon
     days: dict[str, str] = {}
     roots: dict[str, str] = {}  # contract -> root, from a bars root column
     present: set[str] = set()
+    first: dict[str, int] = {}  # contract -> its first bar
     for file in list_bar_files(Path(path)):
         try:
-            table = file_columns(file, [c for c in dict.fromkeys((column, exp_col, root_col)) if c is not None])
+            table = file_columns(file, [c for c in dict.fromkeys((column, exp_col, root_col, cmap.timestamp))
+                                        if c is not None])
             have = file_schema(file).names
             present |= set(have)
         except (OSError, pa.ArrowException, DbnFileError):
@@ -99,6 +108,8 @@ def scan(path: str | Path, cmap: ColumnMap, flags: ContractFlags) -> ContractCon
             continue
         text = table.column(column).cast(pa.string())
         names |= {str(n) for n in text.unique().to_pylist() if n is not None}
+        if cmap.timestamp in have:
+            first |= _first_bars(text, table.column(cmap.timestamp), cmap, first)
         if exp_col in have:
             both = pa.table({"c": text, "e": table.column(exp_col).cast(pa.string())}).group_by("c").aggregate(
                 [("e", "max")])
@@ -115,4 +126,17 @@ def scan(path: str | Path, cmap: ColumnMap, flags: ContractFlags) -> ContractCon
         cfg = replace(cfg, expirations=tuple(sorted({**days, **dict(cfg.expirations)}.items())))
     if cfg is not None and cfg.root_column:  # kept with the model: a server maps the names the column mapped
         cfg = replace(cfg, roots=tuple(sorted(roots.items())))
-    return cfg
+    return None if cfg is None else with_builtin_expirations(cfg, first)
+
+
+def _first_bars(names: pa.ChunkedArray, times: pa.ChunkedArray, cmap: ColumnMap, seen: dict[str, int]
+                ) -> dict[str, int]:
+    """Each contract's first bar time in one file, or in `seen` if earlier (a time column read_bars refuses
+    places nothing)."""
+    ts, problem = timestamps_ns(times, "", cmap.timestamp, cmap.time_unit)
+    if ts is None or problem is not None:
+        return {}
+    codes, inverse = np.unique(np.asarray(names.to_numpy(zero_copy_only=False), dtype=str), return_inverse=True)
+    first = np.full(codes.size, np.iinfo(np.int64).max)
+    np.minimum.at(first, inverse, ts)
+    return {str(c): min(int(t), seen.get(str(c), int(t))) for c, t in zip(codes, first, strict=True)}

@@ -105,6 +105,10 @@ def test_check_prints_the_roll_rule_roots_and_rolls_then_each_roots_continuous_s
             "roots: ES (3 contracts), NQ (2 contracts)",
             "rolls: 3",
             *(f"  {line}" for line in bars.rolls),
+            # CME's rule, the third Friday of the contract month: ESH5 and NQH5 stopped trading on 2025-03-21
+            "expirations (from each exchange's last-trading-day rule, built in):",
+            "  ES: ESH5 2025-03-21, ESM5 2025-06-20, ESU5 2025-09-19",
+            "  NQ: NQH5 2025-03-21, NQM5 2025-06-20",
             "files: 1",
             f"rows: {es + nq}",
             "symbols: 2"]
@@ -140,7 +144,9 @@ def test_check_lists_the_first_rolls_and_counts_the_rest(tmp_path: Path) -> None
     lines = done.stdout.splitlines()
     assert lines[1:3] == ["roots: CL (23 contracts)", "rolls: 22"]
     assert lines[3].endswith("CLF5 -> CLG5") and lines[22].endswith("CLQ6 -> CLU6")
-    assert lines[23] == "  ... and 2 more rolls" and lines[24] == "files: 1"
+    assert lines[23] == "  ... and 2 more rolls" and lines[26] == "files: 1"
+    # NYMEX's rule: three business days before the 25th of the month before, the 24th when the 25th is a holiday
+    assert lines[25].startswith("  CL: CLF5 2024-12-19, CLG5 2025-01-21, CLH5 2025-02-20,"), lines[25]
 
 
 def write_rows(table: pa.Table, path: Path, **columns: list[str]) -> Path:
@@ -169,8 +175,10 @@ def test_contract_input_no_rule_can_take_is_one_line_naming_the_fix(futures: tup
     line = one_problem(run_check(bad, "--time-col", "ts_event"), bad)
     assert "contract name(s) 'ES_SPREAD' name no root" in line and "--roots FILE" in line, line
 
-    line = one_problem(run_check(path, "--time-col", "ts_event", "--roll", "calendar:2"), path)
-    assert "--roll calendar:2 needs each contract's expiration" in line and "--expiration-col" in line, line
+    xy_names = [n.replace("ES", "XY") for n in bars.table["symbol"].to_pylist()]  # a root the table lacks
+    xy = write_rows(bars.table, tmp_path / "xy.parquet", symbol=xy_names)
+    line = one_problem(run_check(xy, "--time-col", "ts_event", "--roll", "calendar:2"), xy)
+    assert "--roll calendar:2 needs each contract's expiration: XYH5" in line and "--expiration-col" in line, line
 
     line = one_problem(run_check(path, "--time-col", "ts_event", "--roll", "none", "--contract-col", "symbol"), path)
     assert "ES at 2025-01-08 14:30 UTC: ESH5 and ESM5 both claim the bar as front" in line, line

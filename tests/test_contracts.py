@@ -180,10 +180,13 @@ def test_calendar_rule_reads_an_expiration_column(tmp_path: Path) -> None:
 
 
 def test_calendar_rule_without_expirations_names_the_fix(tmp_path: Path) -> None:
-    path, _, _ = two_contracts(tmp_path / "es.parquet")
-    with pytest.raises(ValueError, match=r"--roll calendar:2 needs each contract's expiration: ESH5, ESM5 .*"
+    """A root the exchanges' table lacks (here XY) needs its expirations from the user."""
+    ts, p = underlying()
+    h = contract_rows("XYH5", ts, p, 1.0, range(0, 7), dict.fromkeys(range(10), 1.0))
+    m = contract_rows("XYM5", ts, p, 1.0, range(3, 10), dict.fromkeys(range(10), 1.0))
+    with pytest.raises(ValueError, match=r"--roll calendar:2 needs each contract's expiration: XYH5, XYM5 .*"
                                          r"--expiration-col"):
-        stitched(path, "--roll", "calendar:2")
+        stitched(write(tmp_path / "xy.parquet", [h, m]), "--roll", "calendar:2")
 
 
 def test_names_no_rule_maps_name_the_roots_option(tmp_path: Path) -> None:
@@ -235,7 +238,7 @@ def test_contract_config_travels_with_the_feature_config(tmp_path: Path) -> None
     cfg = contracts.contract_config(flags("--roll", "calendar:3", "--roots", str(mapping), "--volume", "root"),
                                     ["ESH5", "ESM5"])
     assert cfg == ContractConfig("calendar:3", "none", "root", "", "", (("ESH5", "ES"),),
-                                 (("ESH5", "2025-03-14"),))
+                                 (("ESH5", "2025-03-14"),), exchange_days=True)
     config = FeatureConfig(contracts=cfg)
     assert FeatureConfig.from_dict(config.to_dict()) == config
     assert cfg.root_of("ESU5") == "ES" and cfg.root_of("NQZ25") == "NQ"  # unseen contracts, by the pattern

@@ -118,10 +118,11 @@ def test_an_unmappable_contract_name_exits_2_naming_roots(tmp_path: Path) -> Non
 
 
 def test_a_calendar_roll_without_expirations_exits_2_naming_the_column(tmp_path: Path) -> None:
-    r = train(contract_bars(tmp_path / "bars.parquet"), tmp_path / "ckpt.pt", "--roll", "calendar:2")
+    xy = {f"ES{m}5": f"XY{m}5" for m in "HM"}  # a root whose expirations no exchange table gives
+    r = train(contract_bars(tmp_path / "bars.parquet", names=xy), tmp_path / "ckpt.pt", "--roll", "calendar:2")
     assert r.returncode == 2
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "--expiration-col" in errors[0] and "ESH5" in errors[0], r.stderr[-2000:]
+    assert len(errors) == 1 and "--expiration-col" in errors[0] and "XYH5" in errors[0], r.stderr[-2000:]
 
 
 def test_a_calendar_roll_with_a_mapping_file_trains(tmp_path: Path) -> None:

@@ -1,0 +1,209 @@
+"""What the exchanges publish about common futures roots: the trading day, and each contract's last trading day.
+
+`PRODUCTS` is the one table: for each root of CME, CBOT, NYMEX, COMEX and Eurex (equity index, rates, FX, energy,
+metals, grains, livestock; full-size, E-mini and micro), its exchange, the exchange calendar whose holidays its
+business days skip (pandas-market-calendars), and its last-trading-day rule. A user's expiration column or `--roots`
+file overrides it. The trading day is the exchange's: CME Globex's runs from 17:00 Chicago to 16:00 the next day,
+so an evening bar belongs to the next day's session; Eurex's is the Frankfurt calendar day.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from features.calendar import HOUR_NS, NS_PER_DAY, utc_offset_ns
+
+
+@dataclass(frozen=True)
+class Exchange:
+    name: str
+    tz: str  # IANA zone of its trading day
+    day_starts: int  # hours before midnight (local) that its next trading day begins: Globex's 17:00 is 7
+
+
+CME, CBOT, NYMEX, COMEX = (Exchange(name, "America/Chicago", 7) for name in ("CME", "CBOT", "NYMEX", "COMEX"))
+EUREX = Exchange("Eurex", "Europe/Berlin", 0)
+
+
+@dataclass(frozen=True)
+class Product:
+    exchange: Exchange
+    calendar: str  # pandas-market-calendars calendar of its business days (holidays)
+    rule: str  # key of RULES: its last trading day
+
+
+# A rule's arguments: the contract's year and month, and the exchange's business days (sorted datetime64[D])
+Rule = Callable[[int, int, np.ndarray], np.datetime64]
+
+
+def _first(year: int, month: int, day: int = 1) -> np.datetime64:
+    return np.datetime64(f"{year:04d}-{month:02d}-{day:02d}", "D")
+
+
+def _month_days(year: int, month: int, days: np.ndarray) -> np.ndarray:
+    """The business days of the month."""
+    start = _first(year, month)
+    return days[(days >= start) & (days < (start.astype("datetime64[M]") + 1).astype("datetime64[D]"))]
+
+
+def _before(day: np.datetime64, n: int, days: np.ndarray) -> np.datetime64:
+    """The business day `n` business days before `day` (which need not be one)."""
+    return days[np.searchsorted(days, day) - n]
+
+
+def _on_or_before(day: np.datetime64, days: np.ndarray) -> np.datetime64:
+    return days[np.searchsorted(days, day, side="right") - 1]
+
+
+def _on_or_after(day: np.datetime64, days: np.ndarray) -> np.datetime64:
+    return days[np.searchsorted(days, day)]
+
+
+def _weekday(year: int, month: int, weekday: int, nth: int) -> np.datetime64:
+    """The `nth` (1-based) `weekday` (Monday 0) of the month."""
+    first = _first(year, month)
+    shift = (weekday - (first.astype(np.int64) + 3) % 7) % 7  # 1970-01-01 was a Thursday (3)
+    return first + shift + 7 * (nth - 1)
+
+
+def _month_before(year: int, month: int) -> tuple[int, int]:
+    return (year, month - 1) if month > 1 else (year - 1, 12)
+
+
+def _third_friday(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """The third Friday of the contract month; the business day before it when it is none."""
+    return _on_or_before(_weekday(y, m, 4, 3), days)
+
+
+def _fx(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """Two business days before the third Wednesday of the contract month."""
+    return _before(_weekday(y, m, 2, 3), 2, days)
+
+
+def _fx_cad(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """The business day before the third Wednesday of the contract month."""
+    return _before(_weekday(y, m, 2, 3), 1, days)
+
+
+def _crude(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """Three business days before the 25th of the month before the contract month, or before the last business
+    day before the 25th when the 25th is none."""
+    return _before(_on_or_before(_first(*_month_before(y, m), 25), days), 3, days)
+
+
+def _micro_crude(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """The business day before crude's last trading day (micro and E-mini crude)."""
+    return _before(_crude(y, m, days), 1, days)
+
+
+def _natural_gas(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """Three business days before the first day of the contract month."""
+    return _before(_first(y, m), 3, days)
+
+
+def _emini_natural_gas(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """The business day before natural gas's last trading day."""
+    return _before(_natural_gas(y, m, days), 1, days)
+
+
+def _long_treasury(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """Seven business days before the last business day of the contract month."""
+    return _before(_month_days(y, m, days)[-1], 7, days)
+
+
+def _short_treasury(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """The last business day of the contract month."""
+    return _month_days(y, m, days)[-1]
+
+
+def _metal(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """The third last business day of the contract month."""
+    return _month_days(y, m, days)[-3]
+
+
+def _micro_copper(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """The third last business day of the month before the contract month."""
+    return _month_days(*_month_before(y, m), days)[-3]
+
+
+def _grain(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """The business day before the 15th of the contract month."""
+    return _before(_first(y, m, 15), 1, days)
+
+
+def _lean_hogs(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """The tenth business day of the contract month."""
+    return _month_days(y, m, days)[9]
+
+
+def _live_cattle(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """The last business day of the contract month."""
+    return _month_days(y, m, days)[-1]
+
+
+def _eurex_bond(y: int, m: int, days: np.ndarray) -> np.datetime64:
+    """Two exchange days before the delivery day: the 10th of the contract month, or the exchange day after."""
+    return _before(_on_or_after(_first(y, m, 10), days), 2, days)
+
+
+RULES: dict[str, Rule] = {
+    "third_friday": _third_friday, "fx": _fx, "fx_cad": _fx_cad, "crude": _crude, "micro_crude": _micro_crude,
+    "natural_gas": _natural_gas, "emini_natural_gas": _emini_natural_gas, "long_treasury": _long_treasury,
+    "short_treasury": _short_treasury, "metal": _metal, "micro_copper": _micro_copper, "grain": _grain,
+    "lean_hogs": _lean_hogs,
+    "live_cattle": _live_cattle, "eurex_bond": _eurex_bond,
+}
+
+
+def _products(exchange: Exchange, calendar: str, rule: str, *roots: str) -> dict[str, Product]:
+    return dict.fromkeys(roots, Product(exchange, calendar, rule))
+
+
+PRODUCTS: dict[str, Product] = {
+    **_products(CME, "CME_Equity", "third_friday", "ES", "MES", "NQ", "MNQ", "RTY", "M2K", "EMD"),
+    **_products(CBOT, "CBOT_Equity", "third_friday", "YM", "MYM"),
+    **_products(CBOT, "CBOT_Bond", "long_treasury", "ZN", "ZB", "UB", "TN"),
+    **_products(CBOT, "CBOT_Bond", "short_treasury", "ZF", "ZT"),
+    **_products(CME, "CMEGlobex_FX", "fx", "6E", "M6E", "6A", "M6A", "6B", "M6B", "6J", "6S", "6N"),
+    **_products(CME, "CMEGlobex_FX", "fx_cad", "6C", "M6C"),
+    **_products(NYMEX, "CMEGlobex_Crude", "crude", "CL"),
+    **_products(NYMEX, "CMEGlobex_Crude", "micro_crude", "MCL", "QM"),
+    **_products(NYMEX, "CMEGlobex_NatGas", "natural_gas", "NG"),
+    **_products(NYMEX, "CMEGlobex_NatGas", "emini_natural_gas", "QG"),
+    **_products(COMEX, "CMEGlobex_Metals", "metal", "GC", "MGC", "SI", "SIL", "HG"),
+    **_products(COMEX, "CMEGlobex_Metals", "micro_copper", "MHG"),
+    **_products(CBOT, "CMEGlobex_Grains", "grain", "ZC", "ZS", "ZW", "ZM", "ZL", "KE"),
+    **_products(CME, "CMEGlobex_Lean_Hog", "lean_hogs", "HE"),
+    **_products(CME, "CMEGlobex_Live_Cattle", "live_cattle", "LE"),
+    **_products(EUREX, "EUREX", "third_friday", "FDAX", "FDXM", "FDXS", "FESX", "FSMI"),
+    **_products(EUREX, "EUREX_Bond", "eurex_bond", "FGBL", "FGBM", "FGBS", "FGBX"),
+}
+
+
+@functools.lru_cache(maxsize=64)
+def business_days(calendar: str, year: int) -> np.ndarray:
+    """The exchange calendar's business days from the year before `year` to the year after, datetime64[D]."""
+    import pandas_market_calendars as mcal
+
+    days = mcal.get_calendar(calendar).valid_days(f"{year - 1}-01-01", f"{year + 1}-12-31")
+    return np.asarray(days.tz_localize(None).values.astype("datetime64[D]"))
+
+
+def last_trading_day(root: str, year: int, month: int) -> str | None:
+    """The contract's last trading day by its exchange's rule and calendar ("YYYY-MM-DD"); None for a root the table
+    lacks."""
+    product = PRODUCTS.get(root)
+    if product is None:
+        return None
+    return str(RULES[product.rule](year, month, business_days(product.calendar, year)))
+
+
+def trading_days(timestamp_ns: np.ndarray, exchange: Exchange) -> np.ndarray:
+    """Each bar's trading day at `exchange` (days since 1970-01-01, int64 [n]): its local date, a day later from the
+    hour the next trading day begins."""
+    ts = np.asarray(timestamp_ns, dtype=np.int64)
+    return (ts + utc_offset_ns(ts, exchange.tz) + exchange.day_starts * HOUR_NS) // NS_PER_DAY
