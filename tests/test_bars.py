@@ -325,7 +325,7 @@ def test_empty_directory(tmp_path: Path) -> None:
     (tmp_path / "empty" / "notes.txt").write_text("not bars")
     p = only_problem(tmp_path / "empty")
     assert (p.file, p.row) == (str(tmp_path / "empty"), -1)
-    assert "no .parquet, .parq or .pq files" in p.rule
+    assert "no .parquet, .parq, .pq, .dbn or .dbn.zst files" in p.rule
 
 
 # ---- directories and hive partitions ----------------------------------------------------
