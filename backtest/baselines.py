@@ -139,15 +139,21 @@ def garch_forecast(log_returns: np.ndarray, train_end: int, origins: np.ndarray,
     return _scaled(np.cumsum(step_var, axis=1), np.asarray(t_ppf))
 
 
+GARCH_RESTART = np.array([0.05, 0.1, 0.85, 8.0])  # omega, alpha, beta, nu: a typical fit of unit-variance returns
+
+
 def _garch_fit(train: np.ndarray, what: str) -> Any:
-    """The fitted GARCH(1,1)-t parameters of unit-variance training returns `train`; BacktestError when the fit
-    does not converge (`what` names it)."""
+    """The fitted GARCH(1,1)-t parameters of unit-variance training returns `train`, from arch's starting values or,
+    where its line search stalls there, from GARCH_RESTART; BacktestError when neither converges (`what` names it)."""
     from arch import arch_model
     from arch.utility.exceptions import ConvergenceWarning
 
+    model = arch_model(train, mean="Zero", vol="GARCH", p=1, q=1, dist="t")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)  # a failed fit raises below, by its flag
-        fit = arch_model(train, mean="Zero", vol="GARCH", p=1, q=1, dist="t").fit(disp="off")
+        fit = model.fit(disp="off")
+        if fit.convergence_flag != 0:
+            fit = model.fit(disp="off", starting_values=GARCH_RESTART)
     if fit.convergence_flag != 0:
         raise BacktestError(f"{what} did not converge ({fit.optimization_result.message}); give the folds more "
                             "training bars (a smaller --test-span or fewer --folds)")
