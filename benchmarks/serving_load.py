@@ -70,6 +70,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from threading import Barrier
 from typing import Any
 
 import grpc
@@ -92,6 +93,7 @@ from serving.request_from_bars import FutureValues, series_from_bars
 from serving.validation import columns_from_proto
 
 REPO = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 120.0  # the longest a level waits for its client processes to connect and warm up
 IDLE_SETTLE_S = 0.5  # --idle: the wait after the last level before the idle clock starts
 IDLE_GAP_S = 0.001  # the diagnostic bare row: runs this far apart, about a concurrency-1 client's round trip
 PREDICT = "/foxhunt.tft.v1.Forecaster/Predict"
@@ -311,13 +313,14 @@ def _mean(before: tuple[float, float], after: tuple[float, float]) -> float:
     return (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else 0.0
 
 
-async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, start_at: float, duration: float,
+async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, ready: Barrier, duration: float,
                  timeout: float, channels: int, method: str = PREDICT, interval: float = 0.0
                  ) -> tuple[list[float], dict[str, int]]:
-    """`concurrency` closed-loop clients over `channels` connections (round robin) from start_at
-    (time.time()) for `duration` seconds. Separate connections matter with `--workers`: the kernel
-    spreads connections, not calls, over the server's processes. With `interval`, each client is paced
-    instead: a call starts every `interval` seconds (at once when the last answer came later).
+    """`concurrency` closed-loop clients over `channels` connections (round robin) for `duration` seconds from
+    when every client process is connected and warm (`ready`, which the level waits on too). Separate
+    connections matter with `--workers`: the kernel spreads connections, not calls, over the server's
+    processes. With `interval`, each client is paced instead: a call starts every `interval` seconds (at once
+    when the last answer came later).
 
     Requests are pre-serialised and responses left as bytes: the client's own CPU cost is kept
     to gRPC itself, since it shares the machine with the server.
@@ -332,7 +335,7 @@ async def _drive(target: str, pool: list[bytes], concurrency: int, offset: int, 
         for predict in predicts:  # connect and warm
             for r in pool[:10]:
                 await predict(r, timeout=timeout)
-        await asyncio.sleep(max(0.0, start_at - time.time()))
+        ready.wait(timeout=READY_TIMEOUT_S)  # blocks the loop, which has nothing else to run yet
         stop_at = time.perf_counter() + duration
         if method == PREDICT_STREAM:
             await asyncio.gather(*(_stream_worker(opened[k % len(opened)], pool, offset + k, stop_at, duration,
@@ -390,7 +393,7 @@ async def _stream_worker(channel: aio.Channel, pool: list[bytes], i: int, stop_a
         errors[exc.code().name] += 1
 
 
-def _drive_sync(target: str, pool: list[bytes], concurrency: int, offset: int, start_at: float, duration: float,
+def _drive_sync(target: str, pool: list[bytes], concurrency: int, offset: int, ready: Barrier, duration: float,
                 timeout: float, channels: int, method: str = PREDICT, interval: float = 0.0
                 ) -> tuple[list[float], dict[str, int]]:
     """As `_drive`, with grpc's blocking stub: one thread per client, each waiting on its own call."""
@@ -404,7 +407,7 @@ def _drive_sync(target: str, pool: list[bytes], concurrency: int, offset: int, s
         for call in calls:  # connect and warm
             for r in pool[:10]:
                 call(r, timeout=timeout)
-        time.sleep(max(0.0, start_at - time.time()))
+        ready.wait(timeout=READY_TIMEOUT_S)
         stop_at = time.perf_counter() + duration
 
         def worker(k: int) -> None:
@@ -438,10 +441,10 @@ def _drive_sync(target: str, pool: list[bytes], concurrency: int, offset: int, s
     return latencies, dict(errors)
 
 
-def _client_process(args: tuple[str, list[bytes], int, int, float, float, float, int, str, str, float]
+def _client_process(args: tuple[str, list[bytes], int, int, Barrier, float, float, int, str, str, float]
                     ) -> tuple[list[float], dict[str, int]]:
-    target, pool, concurrency, offset, start_at, duration, timeout, channels, method, client, interval = args
-    drive = (target, pool, concurrency, offset, start_at, duration, timeout, channels, method, interval)
+    target, pool, concurrency, offset, ready, duration, timeout, channels, method, client, interval = args
+    drive = (target, pool, concurrency, offset, ready, duration, timeout, channels, method, interval)
     if client == "sync":
         return _drive_sync(*drive)
     return asyncio.run(_drive(*drive))
@@ -473,14 +476,19 @@ def run_level(target: str, metrics: list[str], pool: list[pb.PredictRequest], co
     method = HEALTH_CHECK if floor else PREDICT_STREAM if stream else PREDICT
     procs = max(1, min(procs, concurrency))
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
-    start_at = time.time() + 3.0  # every process connected and warm before the clock starts
-    jobs = [(target, raw, n, 101 * i, start_at, duration, timeout, channels, method, client,
-             1.0 / rate if rate else 0.0) for i, n in enumerate(shares)]
     latencies: list[float] = []
     errors: Counter[str] = Counter()
-    with multiprocessing.get_context("spawn").Pool(procs) as workers:
+    spawn = multiprocessing.get_context("spawn")
+    with spawn.Manager() as manager, spawn.Pool(procs) as workers:
+        ready = manager.Barrier(procs + 1)  # every client process connected and warm, and this one: the clock starts
+        jobs = [(target, raw, n, 101 * i, ready, duration, timeout, channels, method, client,
+                 1.0 / rate if rate else 0.0) for i, n in enumerate(shares)]
         running = workers.map_async(_client_process, jobs)
-        time.sleep(max(0.0, start_at - time.time()))
+        try:
+            ready.wait(timeout=READY_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            running.get()  # a client that failed to connect says why
+            raise
         cpu_before = server_cpu_s(server_pid)  # after the clients' warm-up calls, as the clock starts
         before = server_counters(metrics)
         for lat, err in running.get():

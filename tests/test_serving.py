@@ -1322,7 +1322,7 @@ def test_serving_load_reports_every_row_against_bare_onnx_runtime(art: Model, tm
     overhead is the server's p50 less bare session.run's; a bad model file or level is refused by name."""
     cmd = [sys.executable, "-m", "benchmarks.serving_load", "--model", str(art.model), "--parquet",
            str(art.bars_path), "--duration", "0.5", "--pool", "16", "--client-procs", "1"]
-    runs = {  # side by side: each level spends most of its time waiting 3 s for its clients to connect
+    runs = {  # side by side: each level spends much of its time starting its client processes
         "aio": ["--concurrency", "1,4", "--stream", "--no-floor"],
         "paced": ["--concurrency", "1", "--rate", "30"],
         # grpc's blocking stub, one thread per client: what a strategy engine calling from its own loop sees (and
