@@ -10,7 +10,7 @@ so an evening bar belongs to the next day's session; Eurex's is the Frankfurt ca
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -200,6 +200,22 @@ def last_trading_day(root: str, year: int, month: int) -> str | None:
     if product is None:
         return None
     return str(RULES[product.rule](year, month, business_days(product.calendar, year)))
+
+
+EXCHANGE_ZONE = "exchange"  # --calendar-tz exchange: the zone of the exchange of most of a file's roots
+
+
+def exchange_zone(roots: Iterable[str]) -> tuple[str, list[str]] | None:
+    """The time zone of the exchange most of `roots` (one per series) trade on, and those roots; None when the
+    table knows none of them. A tie goes to the zone that comes first by name."""
+    zones: dict[str, list[str]] = {}
+    for root in roots:
+        if (product := PRODUCTS.get(root)) is not None:
+            zones.setdefault(product.exchange.tz, []).append(root)
+    if not zones:
+        return None
+    tz = min(zones, key=lambda z: (-len(zones[z]), z))
+    return tz, zones[tz]
 
 
 def trading_days(timestamp_ns: np.ndarray, exchange: Exchange) -> np.ndarray:

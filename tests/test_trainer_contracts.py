@@ -85,6 +85,10 @@ def test_contract_bars_train_one_series_per_root_and_store_the_rolls(
     assert "roll ES 2025-03-11 14:30 UTC: ESH5 -> ESM5" in r.stderr
     assert "contracts: 2 root(s) ES, NQ, 2 roll(s); roll volume" in r.stderr
     assert "roll" not in ckpt["train_config"]  # no contract flag given: the names decided
+    # the calendar's zone is CME's, whose roots these are (no --calendar-tz given)
+    assert ckpt["train_config"]["calendar_tz"] == "exchange"
+    assert ckpt["feature_config"]["calendar_tz"] == "America/Chicago"
+    assert "calendar time zone America/Chicago: the exchange's of ES, NQ" in r.stderr
 
 
 def test_a_contract_run_resumes(contract_run: tuple[Path, Path, subprocess.CompletedProcess[str]]) -> None:
@@ -180,6 +184,7 @@ def test_plain_series_keep_todays_checkpoint(tmp_path: Path) -> None:
     state = Trainer(bars, cfg, tmp_path / "ckpt.pt", ColumnMap(timestamp="ts_event"), progress=False).state()
     assert state["symbols"] == ["ES", "ES.X", "NQ", "NQ.X"]  # names that are not contracts: each its own series
     assert "rolls" not in state and "contracts" not in state["feature_config"]
+    assert state["feature_config"]["calendar_tz"] == "UTC"  # series of no exchange the table knows
     assert not {"contract_col", "roots", "roll", "adjust", "volume", "expiration_col"} & set(state["train_config"])
     one = tmp_path / "one.parquet"  # one series without a symbol column
     pq.write_table(pq.read_table(bars).filter(pc.equal(pc.field("symbol"), "ES")).drop_columns(["symbol"]), one)

@@ -16,6 +16,7 @@ from features.calendar import check_time_zone
 from features.categories import cardinality
 from features.config import BUILTIN_KNOWN, BUILTIN_OBSERVED, CONTRACT_KNOWN, STATIC_SYMBOL, FeatureConfig
 from features.contracts import ROLL_RULES, ContractFlags, add_arguments, roll_sessions
+from features.exchanges import EXCHANGE_ZONE
 from features.schema import Role
 from trainer.model_config import ModelConfig, check_fields
 
@@ -50,7 +51,7 @@ class TrainConfig:
     known_features: tuple[str, ...] = ()  # parquet columns known for future bars too (e.g. a scheduled release)
     static_features: tuple[str, ...] = ()  # parquet columns constant within a symbol (e.g. its exchange)
     categorical_features: tuple[str, ...] = ()  # which user columns, of any role, are categories (text or integers)
-    calendar_tz: str = "UTC"  # time zone of the time-of-day and day-of-week features, e.g. America/Chicago
+    calendar_tz: str = EXCHANGE_ZONE  # calendar features' zone, e.g. America/Chicago; exchange: most roots' exchange's
     val_fraction: float = 0.15  # last share of the bars (distinct timestamps) used for validation
     test_fraction: float = 0.0  # share of the bars after validation held out as a test split (0 = none)
     # ---- futures contracts (features.contracts; None: not given, the bars' names decide) ----
@@ -96,7 +97,8 @@ class TrainConfig:
                 raise ConfigError(message)
         try:
             check_fields({**self._model_fields(), "n_observed": 1, "n_known": 1, "static_cardinalities": (1,)}, label)
-            check_time_zone(self.calendar_tz)
+            if self.calendar_tz != EXCHANGE_ZONE:
+                check_time_zone(self.calendar_tz)
             self.feature_config()  # a column in two roles, a categorical column in none
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -137,9 +139,11 @@ class TrainConfig:
         ]
 
     def feature_config(self) -> FeatureConfig:
-        """The features this run computes, before its categorical vocabularies are fitted; ValueError for a
-        column in two roles or a categorical column in none."""
-        return FeatureConfig(self.horizon, self.volatility_window, tuple(self.features), self.calendar_tz,
+        """The features this run computes, before its categorical vocabularies are fitted (and, for calendar_tz
+        "exchange", its zone: UTC until the bars name their roots); ValueError for a column in two roles or a
+        categorical column in none."""
+        tz = "UTC" if self.calendar_tz == EXCHANGE_ZONE else self.calendar_tz
+        return FeatureConfig(self.horizon, self.volatility_window, tuple(self.features), tz,
                              tuple(self.known_features), tuple(self.static_features),
                              tuple(self.categorical_features))
 

@@ -29,8 +29,9 @@ from features.check import format_timestamp
 from features.compute import FeatureFrame, build_frame, with_trading_hours, with_vocabularies
 from features.config import FeatureConfig
 from features.contracts import ContractConfig
+from features.exchanges import EXCHANGE_ZONE, exchange_zone
 from features.normalize import MIN_STD, NormStats, spread_of
-from features.rolls import Roll
+from features.rolls import Roll, contract_roots
 from features.schema import (
     DECODER_KNOWN,
     ENCODER_KNOWN,
@@ -416,6 +417,8 @@ def prepare(source: str | Path | ReadBars, cfg: TrainConfig, columns: ColumnMap 
     as on resume: `symbols`, `normalization` and `features`, the run's fitted feature config)."""
     try:
         fc, read = _read(source, cfg, columns or ColumnMap(), features)
+        if features is None and cfg.calendar_tz == EXCHANGE_ZONE:
+            fc = replace(fc, calendar_tz=_exchange_zone(read, fc))
         bars, rolls = as_series(read, fc)
     except ContractError as exc:
         raise DataError(str(exc)) from None
@@ -439,6 +442,20 @@ def prepare(source: str | Path | ReadBars, cfg: TrainConfig, columns: ColumnMap 
     clim = np.quantile(frame.targets[train], cfg.quantiles, axis=0).T.astype(np.float32)  # [H, Q]
     return PreparedData(frame, WindowTensors(frame, cfg.encoder_length), train, val, test, normalization, clim,
                         (int(cuts[0]), int(cuts[1])), digest, rolls, profile, read.dropped)
+
+
+def _exchange_zone(bars: Bars, fc: FeatureConfig) -> str:
+    """--calendar-tz exchange: the zone of the exchange most of the bars' roots trade on (logged), else UTC."""
+    try:
+        roots = set(contract_roots(bars, fc.contracts).values()) if fc.contracts is not None else set()
+    except ValueError:  # a name no rule maps: the roll's own error says so next
+        roots = set()
+    if (found := exchange_zone(roots)) is None:
+        return "UTC"
+    tz, theirs = found
+    log.info("calendar time zone %s: the exchange's of %s (--calendar-tz exchange; give a zone to choose another)",
+             tz, ", ".join(sorted(theirs)))
+    return tz
 
 
 def _read(source: str | Path | ReadBars, cfg: TrainConfig, columns: ColumnMap,
