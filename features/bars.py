@@ -908,6 +908,8 @@ def drop_bad_rows(parts: list[dict[str, np.ndarray]], files: list[str], cmap: Co
 
     def keep(i: int, rule: np.ndarray) -> None:
         part, bad = parts[i], rule != ""
+        if not bad.any():  # no copy of a clean file's columns
+            return
         dropped.extend(DroppedRow(files[i], int(origin[i][j]), str(part["symbol"][j]),
                                   None if part["timestamp_null"][j] else int(part["timestamp"][j]), str(rule[j]))
                        for j in np.flatnonzero(bad))
