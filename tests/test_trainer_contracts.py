@@ -295,3 +295,23 @@ def test_check_writes_the_bars_less_the_rows_dropped(tmp_path: Path) -> None:
                         (["--bad-rows", "drop", "--out", str(path)], "is the bars file")):
         r = run_main(["-m", "features.check", str(path), "--time-col", "ts_event", *flags])
         assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
+
+
+def test_daily_contract_bars_keep_the_calendar_in_utc(tmp_path: Path) -> None:
+    """A daily bar's time stamps its session's date (00:00 UTC): in Chicago it would fall on the evening before,
+    moving every bar's day of the week, so the exchange's zone is for intraday bars alone."""
+    from features.bars import ColumnMap
+
+    days = np.busday_offset(np.datetime64("2025-01-02", "D"), np.arange(120)).astype("datetime64[ns]")
+    rows = []
+    for k, name in enumerate(("ESH5", "ESM5")):
+        close = 5000.0 * (1.01 ** k) * np.exp(np.cumsum(np.random.default_rng(k).normal(0, 1e-2, days.size)))
+        rows.append(pa.table({"timestamp": pa.array(days).cast(pa.timestamp("ns", tz="UTC")),
+                              "symbol": [name] * days.size, "open": close, "high": close * 1.01,
+                              "low": close * 0.99, "close": close,
+                              "volume": np.where(np.arange(days.size) < 50, 1000.0 - 900.0 * k, 100.0 + 900.0 * k)}))
+    pq.write_table(pa.concat_tables(rows), tmp_path / "daily.parquet")
+    cfg = TrainConfig.from_dict(dict(encoder_length=10, horizon=2, volatility_window=5))
+    assert cfg.calendar_tz == "exchange"
+    data = prepare(tmp_path / "daily.parquet", cfg, ColumnMap())
+    assert data.frame.symbols == ["ES"] and data.frame.config.calendar_tz == "UTC"
