@@ -281,6 +281,10 @@ class Bars:
         rows = [np.arange(slices[s].start, slices[s].stop) for s in symbols]
         return self.take(np.concatenate(rows) if rows else np.zeros(0, np.int64))
 
+    def series_bounds(self) -> np.ndarray:
+        """[start, end) rows of each series, in the order of series_slices: int64 [S, 2]."""
+        return np.array([[sl.start, sl.stop] for sl in self.series_slices().values()], dtype=np.int64).reshape(-1, 2)
+
     def series_slices(self) -> dict[str, slice]:
         """Row range of each symbol (rows are grouped by symbol)."""
         if len(self) == 0:
@@ -484,8 +488,8 @@ def _mapping_problems(root: Path, cmap: ColumnMap, user_columns: tuple[str, ...]
 
 def _read_table(file: Path, root: Path) -> pa.Table:
     """One parquet or DBN file, with its hive partitions (`key=value` directories) as columns it lacks."""
-    table = _dbn_table(file) if is_dbn(file) else pq.ParquetFile(file, pre_buffer=False).read()  # pre_buffer: a
-    # second copy
+    # pre_buffer would hold a second copy of a parquet file
+    table = _dbn_table(file) if is_dbn(file) else pq.ParquetFile(file, pre_buffer=False).read()
     dirs = file.relative_to(root).parts[:-1]  # () for a file read alone
     for key, value in (map(unquote, d.split("=", 1)) for d in dirs if "=" in d):
         if key not in table.column_names:
@@ -758,9 +762,7 @@ def _scale_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
     absent = np.concatenate([p["symbol_absent"] for p in parts])
     order = rows.grouped(timed & valid_price(close))  # bad prices have their own problems
     c, s = close[order], rows.symbol[order]
-    jumps = _jumps(c, s)
-    suspects = np.unique(np.concatenate([jumps, jumps + 1]))
-    lone = suspects[_lone(c, s, suspects)]
+    jumps, lone = _bad_prints(c, s)
     lasting = jumps[~np.isin(jumps, lone) & ~np.isin(jumps + 1, lone)]
     out: list[Problem] = []
     for k, n in _first_per_symbol(s, lone):
@@ -790,12 +792,14 @@ def _first_per_symbol(symbol: np.ndarray, at: np.ndarray) -> list[tuple[int, int
     return sorted((int(at[i]), int(n)) for i, n in zip(first, count, strict=True))
 
 
-def _jumps(c: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """Positions k where close c[k + 1] is MAX_BAR_PRICE_RATIO or more off c[k] of the same symbol (c grouped by
-    symbol s, in time order)."""
+def _bad_prints(c: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Of closes c grouped by symbol s in time order: the positions k where c[k + 1] is MAX_BAR_PRICE_RATIO or
+    more off c[k] of the same symbol, and the positions on either side of such a jump that are bad prints (_lone)."""
     with np.errstate(over="ignore"):
         ratio = c[1:] / c[:-1]
-    return np.flatnonzero((s[1:] == s[:-1]) & ((ratio >= MAX_BAR_PRICE_RATIO) | (ratio <= 1 / MAX_BAR_PRICE_RATIO)))
+    jumps = np.flatnonzero((s[1:] == s[:-1]) & ((ratio >= MAX_BAR_PRICE_RATIO) | (ratio <= 1 / MAX_BAR_PRICE_RATIO)))
+    suspects = np.unique(np.concatenate([jumps, jumps + 1]))
+    return jumps, suspects[_lone(c, s, suspects)]
 
 
 def _sides(c: np.ndarray, s: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -933,11 +937,8 @@ def _lone_prints(parts: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
     rows = _Rows.of(parts)
     close = np.concatenate([p["close"] for p in parts])
     order = np.lexsort((np.concatenate([p["timestamp"] for p in parts]), rows.symbol))  # by symbol, then time
-    c, s = close[order], rows.symbol[order]
-    jumps = _jumps(c, s)
-    suspects = np.unique(np.concatenate([jumps, jumps + 1]))
     lone = np.zeros(close.size, dtype=bool)
-    lone[order[suspects[_lone(c, s, suspects)]]] = True
+    lone[order[_bad_prints(close[order], rows.symbol[order])[1]]] = True
     return np.split(lone, np.cumsum([len(p["close"]) for p in parts])[:-1])
 
 

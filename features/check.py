@@ -71,16 +71,11 @@ def spacing_warning(what: str, timestamp_ns: np.ndarray, interval_ns: int) -> st
 SESSION_BREAK_NS = 3_600_000_000_000  # a gap longer than an hour is a session's end, not a quiet market's bars
 
 
-def series_bounds(bars: Bars) -> np.ndarray:
-    """[start, end) rows of each series: int64 [S, 2]."""
-    return np.array([[sl.start, sl.stop] for sl in bars.series_slices().values()], dtype=np.int64).reshape(-1, 2)
-
-
 def summarize(bars: Bars, config: FeatureConfig | None = None) -> str:
     """Human-readable summary: symbols, rows, date range, bar interval, session gaps, and the user features of
     `config` (by default the bars' user columns, observed reals)."""
     slices = bars.series_slices()
-    interval = infer_bar_interval_ns(bars.timestamp_ns, series_bounds(bars))
+    interval = infer_bar_interval_ns(bars.timestamp_ns, bars.series_bounds())
     lines = [
         f"files: {len(bars.files)}",
         f"rows: {len(bars)}",
@@ -124,7 +119,7 @@ def feature_lines(bars: Bars, config: FeatureConfig) -> list[str]:
 
 def static_problems(path: str, bars: Bars, config: FeatureConfig) -> list[str]:
     """One line per static feature whose value changes within a series (where it first does)."""
-    problems, bounds = [], series_bounds(bars)
+    problems, bounds = [], bars.series_bounds()
     for name in config.static_columns:
         categorical = (name,) if name in config.categorical_columns else ()
         one = FeatureConfig(static_columns=(name,), categorical_columns=categorical)
@@ -266,9 +261,9 @@ def expiry_lines(roots: dict[str, str], config: ContractConfig) -> list[str]:
             mark = "" if contract in config.builtin else "*"
             by_root.setdefault(root, []).append(f"{contract} {day}{mark}")
     lacking = sorted(c for c in roots if config.expiration(c) is None)
-    return (["expirations (from each exchange's last-trading-day rule, built in"
-             + ("; * from the bars or the --roots file" if len(config.builtin) < len(config.expirations) else "")
-             + "):"]
+    sources = (["from each exchange's last-trading-day rule, built in"] if config.builtin else []) + \
+        (["* from the bars or the --roots file"] if len(config.builtin) < len(config.expirations) else [])
+    return ([f"expirations ({'; '.join(sources)}):"]
             + [f"  {root}: {', '.join(days)}" for root, days in by_root.items()]
             + ([f"  none for {', '.join(lacking[:5])}" + (f" and {len(lacking) - 5} more" if len(lacking) > 5
                                                             else "")] if lacking else []))

@@ -171,7 +171,7 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
     if unknown:
         raise ValueError(f"unknown symbol(s) {', '.join(unknown)}; the model knows {', '.join(vocab)}")
     n = len(bars)
-    bounds = np.array([[sl.start, sl.stop] for sl in slices.values()], dtype=np.int64).reshape(-1, 2)
+    bounds = bars.series_bounds()
     check_static(bars, config, bounds)
     series_id = np.repeat(np.array([vocab.index(name) for name in slices], dtype=np.int64), bounds[:, 1] - bounds[:, 0])
     first_row = np.repeat(bounds[:, 0], bounds[:, 1] - bounds[:, 0])  # [N]
@@ -225,8 +225,7 @@ def with_trading_hours(config: FeatureConfig, bars: Bars, before_ns: int) -> Fea
     """`config` with each series' trading hours (features.sessions.learn_hours) learnt from its bars before
     `before_ns` (the training split); a series whose hours are every time of the week has none."""
     slices = bars.series_slices()
-    bounds = np.array([[sl.start, sl.stop] for sl in slices.values()], dtype=np.int64).reshape(-1, 2)
-    interval = infer_bar_interval_ns(bars.timestamp_ns, bounds)
+    interval = infer_bar_interval_ns(bars.timestamp_ns, bars.series_bounds())
     learnt = ((name, learn_hours(ts[ts < before_ns], interval, config.calendar_tz))
               for name, ts in ((name, bars.timestamp_ns[sl]) for name, sl in slices.items()))
     return replace(config, trading_hours=tuple((name, hours) for name, hours in learnt if hours))

@@ -29,7 +29,7 @@ from features.bars import (
     unusable_values,
 )
 from features.calendar import sessions
-from features.check import format_timestamp, series_bounds
+from features.check import format_timestamp
 from features.compute import check_static
 from features.config import FeatureConfig
 from features.contracts import ContractConfig, ContractFlags
@@ -152,7 +152,7 @@ def symbol_bars(path: str | Path, info: pb.ModelInfo, symbol: str, columns: Colu
         raise Refused(f"{path} has {len(bars)} bars of {symbol}; the model needs the latest {info.bars_required} "
                       "(GetModelInfo.bars_required): give more history")
     try:  # the request carries one value of each static column
-        check_static(bars, fc, series_bounds(bars))
+        check_static(bars, fc, bars.series_bounds())
     except ValueError as exc:
         raise Refused(f"{path}: {exc}") from None
     return bars

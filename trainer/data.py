@@ -447,9 +447,7 @@ def prepare(source: str | Path | ReadBars, cfg: TrainConfig, columns: ColumnMap 
 def _exchange_zone(bars: Bars, fc: FeatureConfig) -> str:
     """--calendar-tz exchange: the zone of the exchange most of the bars' roots trade on (logged), else UTC; UTC for
     daily or coarser bars too, whose time stamps the session's date."""
-    slices = bars.series_slices().values()
-    bounds = np.array([[sl.start, sl.stop] for sl in slices], dtype=np.int64).reshape(-1, 2)
-    if len(bars) == 0 or infer_bar_interval_ns(bars.timestamp_ns, bounds) >= NS_PER_DAY:
+    if len(bars) == 0 or infer_bar_interval_ns(bars.timestamp_ns, bars.series_bounds()) >= NS_PER_DAY:
         return "UTC"
     try:
         roots = set(contract_roots(bars, fc.contracts).values()) if fc.contracts is not None else set()
