@@ -59,10 +59,6 @@ def _on_or_before(day: np.datetime64, days: np.ndarray) -> np.datetime64:
     return days[np.searchsorted(days, day, side="right") - 1]
 
 
-def _on_or_after(day: np.datetime64, days: np.ndarray) -> np.datetime64:
-    return days[np.searchsorted(days, day)]
-
-
 def _weekday(year: int, month: int, weekday: int, nth: int) -> np.datetime64:
     """The `nth` (1-based) `weekday` (Monday 0) of the month."""
     first = _first(year, month)
@@ -74,30 +70,10 @@ def _month_before(year: int, month: int) -> tuple[int, int]:
     return (year, month - 1) if month > 1 else (year - 1, 12)
 
 
-def _third_friday(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """The third Friday of the contract month; the business day before it when it is none."""
-    return _on_or_before(_weekday(y, m, 4, 3), days)
-
-
-def _fx(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """Two business days before the third Wednesday of the contract month."""
-    return _before(_weekday(y, m, 2, 3), 2, days)
-
-
-def _fx_cad(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """The business day before the third Wednesday of the contract month."""
-    return _before(_weekday(y, m, 2, 3), 1, days)
-
-
 def _crude(y: int, m: int, days: np.ndarray) -> np.datetime64:
     """Three business days before the 25th of the month before the contract month, or before the last business
     day before the 25th when the 25th is none."""
     return _before(_on_or_before(_first(*_month_before(y, m), 25), days), 3, days)
-
-
-def _micro_crude(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """The business day before crude's last trading day (micro and E-mini crude)."""
-    return _before(_crude(y, m, days), 1, days)
 
 
 def _natural_gas(y: int, m: int, days: np.ndarray) -> np.datetime64:
@@ -105,57 +81,25 @@ def _natural_gas(y: int, m: int, days: np.ndarray) -> np.datetime64:
     return _before(_first(y, m), 3, days)
 
 
-def _emini_natural_gas(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """The business day before natural gas's last trading day."""
-    return _before(_natural_gas(y, m, days), 1, days)
-
-
-def _long_treasury(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """Seven business days before the last business day of the contract month."""
-    return _before(_month_days(y, m, days)[-1], 7, days)
-
-
-def _short_treasury(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """The last business day of the contract month."""
-    return _month_days(y, m, days)[-1]
-
-
-def _metal(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """The third last business day of the contract month."""
-    return _month_days(y, m, days)[-3]
-
-
-def _micro_copper(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """The third last business day of the month before the contract month."""
-    return _month_days(*_month_before(y, m), days)[-3]
-
-
-def _grain(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """The business day before the 15th of the contract month."""
-    return _before(_first(y, m, 15), 1, days)
-
-
-def _lean_hogs(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """The tenth business day of the contract month."""
-    return _month_days(y, m, days)[9]
-
-
-def _live_cattle(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """The last business day of the contract month."""
-    return _month_days(y, m, days)[-1]
-
-
-def _eurex_bond(y: int, m: int, days: np.ndarray) -> np.datetime64:
-    """Two exchange days before the delivery day: the 10th of the contract month, or the exchange day after."""
-    return _before(_on_or_after(_first(y, m, 10), days), 2, days)
-
-
-RULES: dict[str, Rule] = {
-    "third_friday": _third_friday, "fx": _fx, "fx_cad": _fx_cad, "crude": _crude, "micro_crude": _micro_crude,
-    "natural_gas": _natural_gas, "emini_natural_gas": _emini_natural_gas, "long_treasury": _long_treasury,
-    "short_treasury": _short_treasury, "metal": _metal, "micro_copper": _micro_copper, "grain": _grain,
-    "lean_hogs": _lean_hogs,
-    "live_cattle": _live_cattle, "eurex_bond": _eurex_bond,
+RULES: dict[str, Rule] = {  # a product's last trading day from its contract's year y, month m and business days d
+    # the third Friday of the contract month; the business day before it when it is none
+    "third_friday": lambda y, m, d: _on_or_before(_weekday(y, m, 4, 3), d),
+    # two business days before the third Wednesday of the contract month; one for the Canadian dollar
+    "fx": lambda y, m, d: _before(_weekday(y, m, 2, 3), 2, d),
+    "fx_cad": lambda y, m, d: _before(_weekday(y, m, 2, 3), 1, d),
+    "crude": _crude,
+    "micro_crude": lambda y, m, d: _before(_crude(y, m, d), 1, d),  # the day before crude's: micro and E-mini
+    "natural_gas": _natural_gas,
+    "emini_natural_gas": lambda y, m, d: _before(_natural_gas(y, m, d), 1, d),  # the business day before NG's
+    # seven business days before the last business day of the contract month
+    "long_treasury": lambda y, m, d: _before(_month_days(y, m, d)[-1], 7, d),
+    "last_business_day": lambda y, m, d: _month_days(y, m, d)[-1],  # of the contract month
+    "metal": lambda y, m, d: _month_days(y, m, d)[-3],  # the third last business day of the contract month
+    "micro_copper": lambda y, m, d: _month_days(*_month_before(y, m), d)[-3],  # the same, of the month before
+    "grain": lambda y, m, d: _before(_first(y, m, 15), 1, d),  # the business day before the contract month's 15th
+    "lean_hogs": lambda y, m, d: _month_days(y, m, d)[9],  # the tenth business day of the contract month
+    # two exchange days before the delivery day: the 10th of the contract month, or the exchange day after
+    "eurex_bond": lambda y, m, d: _before(d[np.searchsorted(d, _first(y, m, 10))], 2, d),
 }
 
 
@@ -167,7 +111,7 @@ PRODUCTS: dict[str, Product] = {
     **_products(CME, "CME_Equity", "third_friday", "ES", "MES", "NQ", "MNQ", "RTY", "M2K", "EMD"),
     **_products(CBOT, "CBOT_Equity", "third_friday", "YM", "MYM"),
     **_products(CBOT, "CBOT_Bond", "long_treasury", "ZN", "ZB", "UB", "TN"),
-    **_products(CBOT, "CBOT_Bond", "short_treasury", "ZF", "ZT"),
+    **_products(CBOT, "CBOT_Bond", "last_business_day", "ZF", "ZT"),
     **_products(CME, "CMEGlobex_FX", "fx", "6E", "M6E", "6A", "M6A", "6B", "M6B", "6J", "6S", "6N"),
     **_products(CME, "CMEGlobex_FX", "fx_cad", "6C", "M6C"),
     **_products(NYMEX, "CMEGlobex_Crude", "crude", "CL"),
@@ -178,7 +122,7 @@ PRODUCTS: dict[str, Product] = {
     **_products(COMEX, "CMEGlobex_Metals", "micro_copper", "MHG"),
     **_products(CBOT, "CMEGlobex_Grains", "grain", "ZC", "ZS", "ZW", "ZM", "ZL", "KE"),
     **_products(CME, "CMEGlobex_Lean_Hog", "lean_hogs", "HE"),
-    **_products(CME, "CMEGlobex_Live_Cattle", "live_cattle", "LE"),
+    **_products(CME, "CMEGlobex_Live_Cattle", "last_business_day", "LE"),
     **_products(EUREX, "EUREX", "third_friday", "FDAX", "FDXM", "FDXS", "FESX", "FSMI"),
     **_products(EUREX, "EUREX_Bond", "eurex_bond", "FGBL", "FGBM", "FGBS", "FGBX"),
 }
