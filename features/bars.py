@@ -26,8 +26,6 @@ from features.dbn import DBN_SUFFIXES, DbnFileError, is_dbn, read_dbn
 
 PRICE_COLUMNS: tuple[str, ...] = ("open", "high", "low", "close")
 REQUIRED_COLUMNS: tuple[str, ...] = ("timestamp", *PRICE_COLUMNS, "volume")
-
-
 BAD_ROWS = ("refuse", "drop")  # --bad-rows
 NS_PER_UNIT = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}  # arrow's timestamp units
 UNIT_NAMES = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
@@ -94,10 +92,9 @@ class ColumnMap:
 
     @staticmethod
     def dest(field_name: str) -> str:
-        """timestamp -> time_col, open -> open_col."""
-        return {"timestamp": "time_col", "default_symbol": "default_symbol", "time_unit": "time_unit",
-                "bad_rows": "bad_rows"}.get(
-            field_name, f"{field_name}_col")
+        """timestamp -> time_col, open -> open_col; the fields that name no column keep their names."""
+        named = field_name in ("default_symbol", "time_unit", "bad_rows")
+        return field_name if named else "time_col" if field_name == "timestamp" else f"{field_name}_col"
 
     @staticmethod
     def flag(field_name: str) -> str:
@@ -230,9 +227,7 @@ class ColumnBlock(Mapping[str, np.ndarray]):
 
 def block_for(columns: Mapping[str, np.ndarray], names: tuple[str, ...]) -> np.ndarray | None:
     """The `[len(names), n]` block itself when `columns` holds exactly `names` in this order as one; else None."""
-    if isinstance(columns, ColumnBlock) and columns.names == names:
-        return columns.block
-    return None
+    return columns.block if isinstance(columns, ColumnBlock) and columns.names == names else None
 
 
 @dataclass
@@ -262,8 +257,7 @@ class Bars:
         return sorted({str(s) for s in np.unique(self.symbol)})
 
     def take(self, rows: np.ndarray) -> Bars:
-        """The `rows` (a bool mask or indices) of every per-row column: prices, user columns, labels, each bar's
-        contract and log offset."""
+        """The `rows` (a bool mask or indices) of every per-row column."""
         def rows_of(column: np.ndarray | None) -> np.ndarray | None:
             return None if column is None else np.asarray(column)[rows]
 
@@ -418,8 +412,7 @@ def read_bars(path: str | Path, columns: ColumnMap | None = None, user_columns: 
         raise BarDataError(problems)
     files = list_bar_files(root)
     if not files:
-        rule = "no such file or directory" if not root.exists() else \
-            "no .parquet, .parq, .pq, .dbn or .dbn.zst files found"
+        rule = "no .parquet, .parq, .pq, .dbn or .dbn.zst files found" if root.exists() else "no such file or directory"
         raise BarDataError([Problem(str(root), WHOLE_FILE, -1, rule, "pass a parquet or DBN file, or a directory of "
                                     "them")])
     parts: list[dict[str, np.ndarray]] = []
@@ -438,8 +431,7 @@ def read_bars(path: str | Path, columns: ColumnMap | None = None, user_columns: 
     dropped = drop_bad_rows(parts, file_of_part, cmap, file_rows) if not problems and cmap.bad_rows == "drop" else []
     problems = problems or validate(parts, file_of_part, cmap, user_columns, check_user_values)
     if problems:
-        raise BarDataError([replace(p, fix=p.fix + BAD_ROWS_HINT) if p.rule_id in ROW_RULES else p
-                            for p in _in_file_rows(problems, file_rows)])
+        raise BarDataError([_as_reported(p, file_rows) for p in problems])
     bars = _assemble(parts, file_of_part, user_columns, label_columns)
     bars.dropped = dropped
     if naive:
@@ -523,11 +515,11 @@ def _only_symbols(table: pa.Table, cmap: ColumnMap, symbols: Collection[str],
     return table.take(pa.array(kept)), kept
 
 
-def _in_file_rows(problems: list[Problem], file_rows: dict[str, np.ndarray]) -> list[Problem]:
-    def fix(p: Problem) -> Problem:
-        rows = file_rows.get(p.file)
-        return p if rows is None or not 0 <= p.row < rows.size else replace(p, row=int(rows[p.row]))
-    return [fix(p) for p in problems]
+def _as_reported(p: Problem, file_rows: dict[str, np.ndarray]) -> Problem:
+    """`p` with its row numbered in its file (one read in part) and, for a row rule, the --bad-rows hint."""
+    if (rows := file_rows.get(p.file)) is not None and 0 <= p.row < rows.size:
+        p = replace(p, row=int(rows[p.row]))
+    return replace(p, fix=p.fix + BAD_ROWS_HINT) if p.rule_id in ROW_RULES else p
 
 
 def _columns_of(table: pa.Table, fname: str, cmap: ColumnMap, user_columns: tuple[str, ...],
@@ -702,7 +694,10 @@ def validate(parts: list[dict[str, np.ndarray]], files: list[str], cmap: ColumnM
     """Check every row rule per file (value rules) and per symbol across files (order and price-scale rules)."""
     problems: list[Problem] = []
     for part, fname in zip(parts, files, strict=True):
-        problems.extend(_value_problems(part, fname, cmap, user_columns if check_user_values else ()))
+        for rule_id, mask, column, rule, fix in _value_checks(part, cmap, user_columns if check_user_values else ()):
+            row, count = _first_bad(mask)
+            if count:
+                problems.append(Problem(fname, column, row, rule + _whose(part, mask), fix, count, rule_id))
     rows = _Rows.of(parts)
     problems.extend(_order_problems(parts, files, cmap, rows))
     problems.extend(_scale_problems(parts, files, cmap, rows))
@@ -766,9 +761,9 @@ def _scale_problems(parts: list[dict[str, np.ndarray]], files: list[str], cmap: 
     lasting = jumps[~np.isin(jumps, lone) & ~np.isin(jumps + 1, lone)]
     out: list[Problem] = []
     for k, n in _first_per_symbol(s, lone):
-        bad = order[k]
+        bad, median = order[k], float(np.median(np.concatenate(_sides(c, s, k))))  # of the bars on either side
         out.append(Problem(files[rows.file_idx[bad]], cmap.close, int(rows.row_in_file[bad]),
-                           f"close {close[bad]:.10g} is {c[k] / _median_near(c, s, k):.3g} times the median close "
+                           f"close {close[bad]:.10g} is {c[k] / median:.3g} times the median close "
                            f"of the {s[k]} bars around it: a bad print (rule: a close within "
                            f"{MAX_BAR_PRICE_RATIO:g}x of its neighbours')",
                            "drop or repair the row" + (_one_series_note(cmap) if absent[bad] else ""), n, "bad_print"))
@@ -808,11 +803,6 @@ def _sides(c: np.ndarray, s: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray
     return c[before][s[before] == s[k]], c[after][s[after] == s[k]]
 
 
-def _median_near(c: np.ndarray, s: np.ndarray, k: int) -> float:
-    """The median close of the symbol's PRINT_NEIGHBOURS bars on each side of position k."""
-    return float(np.median(np.concatenate(_sides(c, s, k))))
-
-
 def _lone(c: np.ndarray, s: np.ndarray, at: np.ndarray) -> np.ndarray:
     """Whether the close at each position of `at` is MAX_BAR_PRICE_RATIO or more off the median of the bars before
     it and off that of the bars after it (where it has any): a bad print, or a few, among good ones; a change of
@@ -828,19 +818,9 @@ def _lone(c: np.ndarray, s: np.ndarray, at: np.ndarray) -> np.ndarray:
 Check = tuple[str, np.ndarray, str, str, str]  # rule id, bool mask of the rows that break it, column, rule, fix
 
 
-def _value_problems(part: dict[str, np.ndarray], fname: str, cmap: ColumnMap,
-                    user_columns: tuple[str, ...]) -> list[Problem]:
-    """The rules of each row's own values: no NaN, positive prices, low <= open, close <= high, volume >= 0."""
-    out = []
-    for rule_id, mask, column, rule, fix in _value_checks(part, cmap, user_columns):
-        row, count = _first_bad(mask)
-        if count:
-            out.append(Problem(fname, column, row, rule + _whose(part, mask), fix, count, rule_id))
-    return out
-
-
 def _value_checks(part: dict[str, np.ndarray], cmap: ColumnMap, user_columns: tuple[str, ...]) -> list[Check]:
-    """Each rule of a row's own values and the rows of `part` that break it."""
+    """Each rule of a row's own values (no NaN, positive prices, low <= open, close <= high, volume >= 0) and the
+    rows of `part` that break it."""
     out: list[Check] = [("timestamp_null", part["timestamp_null"], cmap.timestamp, "timestamp is null",
                          "drop rows without a timestamp")]
     for fld in (*PRICE_COLUMNS, "volume"):
