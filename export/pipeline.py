@@ -83,38 +83,23 @@ def load(opts: ExportOptions) -> tuple[dict[str, Any], TemporalFusionTransformer
 
 def base_meta(ckpt: dict[str, Any], cfg: ModelConfig, sha: str, opts: ExportOptions) -> ModelMeta:
     """What the server needs, from the checkpoint; parity and placement are added after the checks."""
-    meta = ModelMeta(
-        model_config=cfg.to_dict(),
-        feature_config=FeatureConfig.from_dict(ckpt["feature_config"]),
-        feature_schema=FeatureSchema.from_list(ckpt["feature_schema"]),
-        quantiles=cfg.quantiles,
-        horizon=cfg.horizon,
-        encoder_length=cfg.encoder_length,
-        bar_interval_ns=int(ckpt["bar_interval_ns"]),
-        symbols=tuple(str(s) for s in ckpt["symbols"]),
-        checkpoint_sha256=sha,
-        model_version=sha[:12] + "-fp16" * (opts.precision == "fp16") + "-noexplain" * (not opts.explain)
-        + "-calibrated" * opts.calibrate,
-        explain=opts.explain,
-        precision=opts.precision,
-        column_map=dict(ckpt["column_map"]),
-        training=training_span(ckpt),
-        input_stats={k: v for k, v in ckpt["normalization"].items() if k != "target_scale"},
-        exporter={
-            "tool": "python -m export",
-            "foxhunt_tft": package_version(),
-            "torch": str(torch.__version__),
-            "onnx": onnx.__version__,
-            "onnxruntime": ort.__version__,
-            "onnxscript": importlib.metadata.version("onnxscript"),
-            "opset": opts.opset,
-            "torch_exporter": "torch.onnx.export(dynamo=True) (torch.export)",
-            "trained_with_torch": str(ckpt["torch_version"]),
-            **({"fp16_kept_fp32_ops": sorted(fp16_mod.KEEP_FP32_OPS),
-                "fp16_kept_fp32_initializers": list(fp32_initializers(cfg))}
-               if opts.fp16 else {}),
-        },
-    )
+    exporter = {"tool": "python -m export", "foxhunt_tft": package_version(), "torch": str(torch.__version__),
+                "onnx": onnx.__version__, "onnxruntime": ort.__version__,
+                "onnxscript": importlib.metadata.version("onnxscript"), "opset": opts.opset,
+                "torch_exporter": "torch.onnx.export(dynamo=True) (torch.export)",
+                "trained_with_torch": str(ckpt["torch_version"])}
+    if opts.fp16:
+        exporter |= {"fp16_kept_fp32_ops": sorted(fp16_mod.KEEP_FP32_OPS),
+                     "fp16_kept_fp32_initializers": list(fp32_initializers(cfg))}
+    version = sha[:12] + "-fp16" * opts.fp16 + "-noexplain" * (not opts.explain) + "-calibrated" * opts.calibrate
+    meta = ModelMeta(model_config=cfg.to_dict(), feature_config=FeatureConfig.from_dict(ckpt["feature_config"]),
+                     feature_schema=FeatureSchema.from_list(ckpt["feature_schema"]), quantiles=cfg.quantiles,
+                     horizon=cfg.horizon, encoder_length=cfg.encoder_length,
+                     bar_interval_ns=int(ckpt["bar_interval_ns"]), symbols=tuple(str(s) for s in ckpt["symbols"]),
+                     checkpoint_sha256=sha, model_version=version, explain=opts.explain, precision=opts.precision,
+                     column_map=dict(ckpt["column_map"]), training=training_span(ckpt),
+                     input_stats={k: v for k, v in ckpt["normalization"].items() if k != "target_scale"},
+                     exporter=exporter)
     meta.check()
     return meta
 

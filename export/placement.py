@@ -108,16 +108,10 @@ class PlacementReport:
         return [n for n in self.nodes if n.provider == CPU and not n.shape_only and not n.memcpy]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "gate": self.gate,
-            "required_device": self.required,
-            "provider": self.provider,
-            "reason": self.reason,
-            "nodes_per_provider": self.per_provider,
-            "memcpy_nodes": sum(n.memcpy for n in self.nodes),
-            "cpu_compute_nodes": [{"name": n.name, "op_type": n.op_type} for n in self.cpu_compute],
-            "misplaced_nodes": [asdict(n) for n in self.misplaced],
-        }
+        return {"gate": self.gate, "required_device": self.required, "provider": self.provider, "reason": self.reason,
+                "nodes_per_provider": self.per_provider, "memcpy_nodes": sum(n.memcpy for n in self.nodes),
+                "cpu_compute_nodes": [{"name": n.name, "op_type": n.op_type} for n in self.cpu_compute],
+                "misplaced_nodes": [asdict(n) for n in self.misplaced]}
 
     def table(self) -> str:
         req = f"required: {self.required}" if self.required else "no --require-device"

@@ -18,20 +18,5 @@ def package_version() -> str:
         return "0+unknown"
 
 
-__all__ = [
-    "BarDataError",
-    "Bars",
-    "ColumnMap",
-    "FeatureConfig",
-    "FeatureFrame",
-    "FeatureSchema",
-    "FeatureSpec",
-    "Kind",
-    "NormStats",
-    "Problem",
-    "Role",
-    "build_frame",
-    "known_features",
-    "package_version",
-    "read_bars",
-]
+__all__ = ["BarDataError", "Bars", "ColumnMap", "FeatureConfig", "FeatureFrame", "FeatureSchema", "FeatureSpec", "Kind",
+           "NormStats", "Problem", "Role", "build_frame", "known_features", "package_version", "read_bars"]

@@ -188,22 +188,14 @@ def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = N
         known = np.concatenate([known, np.stack([column(bars, ids, u) for u in config.known_user], axis=1)],
                                axis=1, dtype=np.float32)  # [N, n_known]
     return FeatureFrame(
-        config=config,
-        symbols=vocab,
-        timestamp_ns=bars.timestamp_ns.astype(np.int64),
-        series_id=series_id,
-        series_bounds=bounds,
-        observed=observed,
-        known=known,
-        close=bars.close.astype(np.float64),
-        targets=forward,
+        config=config, symbols=vocab, timestamp_ns=bars.timestamp_ns.astype(np.int64), series_id=series_id,
+        series_bounds=bounds, observed=observed, known=known, close=bars.close.astype(np.float64), targets=forward,
         bar_interval_ns=bar_interval_ns or infer_bar_interval_ns(bars.timestamp_ns, bounds),
         static_ids=np.stack([ids[u] for u in config.static_categoricals], axis=1) if config.static_categoricals
         else None,  # [N, n_static_categorical_user]
         static_real=np.stack([bars.user[u] for u in config.static_reals], axis=1).astype(np.float32)
         if config.static_reals else None,  # [N, n_static_real]
-        unseen=unseen,
-    )
+        unseen=unseen)
 
 
 def column(bars: Bars, ids: dict[str, np.ndarray], name: str) -> np.ndarray:

@@ -11,13 +11,7 @@ import pyarrow as pa
 
 from features.bars import Bars, ColumnMap, file_columns, file_schema, list_bar_files, read_bars, timestamps_ns
 from features.config import FeatureConfig
-from features.contracts import (
-    ContractConfig,
-    ContractFlags,
-    contract_config,
-    expiration_day,
-    with_builtin_expirations,
-)
+from features.contracts import ContractConfig, ContractFlags, contract_config, expiration_day, with_builtin_expirations
 from features.dbn import DbnFileError
 from features.rolls import Roll, continuous
 

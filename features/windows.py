@@ -8,14 +8,7 @@ import numpy as np
 from features.calendar import DayOffsets
 from features.compute import FeatureFrame
 from features.known import future_known
-from features.schema import (
-    DECODER_KNOWN,
-    ENCODER_KNOWN,
-    ENCODER_OBSERVED,
-    STATIC_CATEGORICAL,
-    STATIC_REAL,
-    TARGET,
-)
+from features.schema import DECODER_KNOWN, ENCODER_KNOWN, ENCODER_OBSERVED, STATIC_CATEGORICAL, STATIC_REAL, TARGET
 
 
 def anchor_rows(frame: FeatureFrame, encoder_length: int, require_targets: bool = True,
