@@ -113,6 +113,12 @@ def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
     return DayOffsets(tz, days).at(second)
 
 
+def local_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray:
+    """Each timestamp's local wall-clock time in `tz`, as ns since a local 1970-01-01, int64, same shape."""
+    ts = np.asarray(timestamp_ns, dtype=np.int64)
+    return ts if tz == "UTC" else ts + utc_offset_ns(ts, tz)
+
+
 class DayOffsets:
     """A zone's UTC offset on given UTC days: per day, the offset at its first and last second and the second
     it changes (by bisection). `at` answers any seconds on those days with array operations alone."""
@@ -143,9 +149,7 @@ class DayOffsets:
 def known_features(timestamp_ns: np.ndarray, tz: str = "UTC") -> np.ndarray:
     """Calendar features of any timestamps, float32 [..., 4]: time of day and day of week in the zone `tz`
     (an exchange's, through daylight saving), each as a sin/cos pair."""
-    ts = np.asarray(timestamp_ns, dtype=np.int64)
-    if tz != "UTC":
-        ts = ts + utc_offset_ns(ts, tz)  # local wall-clock time, as ns since a local 1970-01-01
+    ts = local_ns(timestamp_ns, tz)
     tod = (ts % NS_PER_DAY).astype(np.float64) / NS_PER_DAY  # [...]  fraction of the day
     dow = ((ts // NS_PER_DAY + 3) % 7).astype(np.float64) / 7.0  # 1970-01-01 was a Thursday
     out = np.empty((*ts.shape, 4), dtype=np.float32)  # [..., 4]
@@ -165,15 +169,13 @@ def future_timestamps(last_ns: np.ndarray, bar_interval_ns: int, horizon: int) -
 
 def sessions(timestamp_ns: np.ndarray, tz: str) -> np.ndarray:
     """Each bar's session: its calendar day in `tz`, as days since 1970-01-01, int64 [n]."""
-    ts = np.asarray(timestamp_ns, dtype=np.int64)
-    return (ts + utc_offset_ns(ts, tz)) // NS_PER_DAY
+    return local_ns(timestamp_ns, tz) // NS_PER_DAY
 
 
 def profile_slots(timestamp_ns: np.ndarray, bar_interval_ns: int, tz: str) -> tuple[np.ndarray, int]:
     """Each bar time's slot of the intraday profile, and the number of slots: the hour of the week (Monday 00:00
     is 0) for bars of an hour or more, else the 15-minute slot of the day; local time in `tz`."""
-    ts = np.asarray(timestamp_ns, dtype=np.int64)
-    local = ts if tz == "UTC" else ts + utc_offset_ns(ts, tz)
+    local = local_ns(timestamp_ns, tz)
     if bar_interval_ns >= HOUR_NS:
         return (local // HOUR_NS + 72) % 168, 168  # 1970-01-01 was a Thursday, 72 hours after a Monday 00:00
     return (local % NS_PER_DAY) // SLOT_NS, int(NS_PER_DAY // SLOT_NS)

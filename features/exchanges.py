@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from features.calendar import HOUR_NS, NS_PER_DAY, utc_offset_ns
+from features.calendar import HOUR_NS, NS_PER_DAY, local_ns
 
 
 @dataclass(frozen=True)
@@ -165,5 +165,4 @@ def exchange_zone(roots: Iterable[str]) -> tuple[str, list[str]] | None:
 def trading_days(timestamp_ns: np.ndarray, exchange: Exchange) -> np.ndarray:
     """Each bar's trading day at `exchange` (days since 1970-01-01, int64 [n]): its local date, a day later from the
     hour the next trading day begins."""
-    ts = np.asarray(timestamp_ns, dtype=np.int64)
-    return (ts + utc_offset_ns(ts, exchange.tz) + exchange.day_starts * HOUR_NS) // NS_PER_DAY
+    return (local_ns(timestamp_ns, exchange.tz) + exchange.day_starts * HOUR_NS) // NS_PER_DAY

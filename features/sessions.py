@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 
-from features.calendar import NS_PER_DAY, future_timestamps, utc_offset_ns
+from features.calendar import NS_PER_DAY, future_timestamps, local_ns
 
 MINUTE_NS = 60_000_000_000
 WEEK_MINUTES = 7 * 24 * 60
@@ -23,14 +23,8 @@ MIN_SESSION_WEEKS = 4  # fewer weeks of bars: no hours are learnt (every bar tim
 MONDAY_OFFSET_DAYS = 3  # 1970-01-01 was a Thursday: local days since then, plus this, count from a Monday
 
 
-def _local(timestamp_ns: np.ndarray, tz: str) -> np.ndarray:
-    """Each timestamp's local wall-clock time in `tz`, as ns since a local 1970-01-01, int64, same shape."""
-    ts = np.asarray(timestamp_ns, dtype=np.int64)
-    return ts + (utc_offset_ns(ts, tz) if tz != "UTC" else 0)
-
-
 def _week_minute(local_ns: np.ndarray) -> np.ndarray:
-    """Minutes since Monday 00:00 of local times (_local), int64, same shape."""
+    """Minutes since Monday 00:00 of local times (local_ns), int64, same shape."""
     return (local_ns // MINUTE_NS + MONDAY_OFFSET_DAYS * 24 * 60) % WEEK_MINUTES
 
 
@@ -50,7 +44,7 @@ def learn_hours(timestamp_ns: np.ndarray, bar_interval_ns: int, tz: str) -> str:
     slot = _slot_minutes(bar_interval_ns)
     if not slot or np.size(timestamp_ns) == 0:
         return ""
-    local = _local(timestamp_ns, tz)  # [n]
+    local = local_ns(timestamp_ns, tz)  # [n]
     week = (local // NS_PER_DAY + MONDAY_OFFSET_DAYS) // 7  # [n]
     weeks = int(week[-1] - week[0]) + 1
     if weeks < MIN_SESSION_WEEKS:
@@ -95,6 +89,6 @@ def next_bar_times(last_ns: np.ndarray, bar_interval_ns: int, horizon: int, tz: 
     for h in range(horizon):
         x += bar_interval_ns
         for rows, skips in groups:
-            x[rows] += skips[_week_minute(_local(x[rows], tz)) // slot] * np.int64(bar_interval_ns)
+            x[rows] += skips[_week_minute(local_ns(x[rows], tz)) // slot] * np.int64(bar_interval_ns)
         out[:, h] = x
     return out.reshape(*last.shape, horizon)
