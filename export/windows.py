@@ -13,27 +13,17 @@ from export.onnx_export import input_names
 from features.bars import BarDataError, ColumnMap
 from features.compute import build_frame
 from features.config import FeatureConfig
-from features.schema import STATIC_CATEGORICAL
 from features.series import read_series
-from features.windows import anchor_rows, model_inputs
+from features.windows import anchor_rows, as_fed, model_inputs
 from trainer.model_config import ModelConfig
 
 MAX_WINDOWS = 256
 
 
-def _as_fed(windows: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The model's inputs (input_names) as the trainer feeds them: int64 static ids, float32 features with NaN
-    as 0."""
-    out = {STATIC_CATEGORICAL: np.ascontiguousarray(windows[STATIC_CATEGORICAL], dtype=np.int64)}
-    for name in input_names(cfg)[1:]:
-        out[name] = np.ascontiguousarray(np.nan_to_num(np.asarray(windows[name], dtype=np.float32), nan=0.0))
-    return out
-
-
 def saved_windows(ckpt: dict[str, Any]) -> dict[str, np.ndarray]:
     """The checkpoint's `validation_sample`: real validation windows written by the trainer."""
     sample = {name: tensor.numpy() for name, tensor in ckpt["validation_sample"].items()}
-    return _as_fed(sample, ModelConfig.from_dict(ckpt["model_config"]))
+    return as_fed(sample, input_names(ModelConfig.from_dict(ckpt["model_config"])))
 
 
 def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column_flags: dict[str, str] | None = None,

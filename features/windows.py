@@ -3,6 +3,8 @@ targets. Windows never cross a series boundary nor start in the warm-up."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 
 from features.calendar import DayOffsets
@@ -98,11 +100,15 @@ def flagged_in_windows(flag: np.ndarray, anchors: np.ndarray, rows: int) -> np.n
 
 
 def model_inputs(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int) -> dict[str, np.ndarray]:
-    """The windows ending at `anchors` as the model takes them, its own inputs (schema.model_inputs): ids int64,
-    the rest float32 with warm-up NaN as zero, as in training."""
-    w = gather_windows(frame, anchors, encoder_length)
-    return {name: w[name].astype(np.int64) if name == STATIC_CATEGORICAL else
-            np.nan_to_num(np.asarray(w[name], dtype=np.float32), nan=0.0) for name in frame.schema.model_inputs}
+    """The windows ending at `anchors` as the model takes them, its own inputs (schema.model_inputs)."""
+    return as_fed(gather_windows(frame, anchors, encoder_length), frame.schema.model_inputs)
+
+
+def as_fed(windows: Mapping[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The inputs `names` of `windows` as the model takes them, C-contiguous: ids int64, the rest float32 with
+    warm-up NaN as zero, as in training."""
+    return {name: np.ascontiguousarray(windows[name], dtype=np.int64) if name == STATIC_CATEGORICAL else
+            np.ascontiguousarray(np.nan_to_num(np.asarray(windows[name], dtype=np.float32), nan=0.0)) for name in names}
 
 
 def read_span(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int,
