@@ -36,9 +36,7 @@ MOVE_OPS = frozenset({
 
 
 def _to_half(arr: np.ndarray) -> np.ndarray:
-    finite = np.isfinite(arr)
-    clipped = np.where(finite, np.clip(arr, -FP16_MAX, FP16_MAX), arr)
-    return clipped.astype(np.float16)
+    return np.where(np.isfinite(arr), np.clip(arr, -FP16_MAX, FP16_MAX), arr).astype(np.float16)
 
 
 def _constants_to_initializers(graph: onnx.GraphProto) -> None:

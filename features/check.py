@@ -243,12 +243,13 @@ def check(args: argparse.Namespace) -> int:
 def contract_lines(bars: Bars, series: Bars, rolls: list[Roll], config: ContractConfig) -> list[str]:
     """The roll rule, each root's contracts, and the rolls (features.series.roll_listing) of per-contract
     `bars` rolled into the continuous `series`."""
-    per_root = dict(sorted(Counter(contract_roots(bars, config).values()).items()))  # contracts of each root
+    roots = contract_roots(bars, config)
+    per_root = dict(sorted(Counter(roots.values()).items()))  # contracts of each root
     lines = [f"contracts: {len(bars)} bars of {sum(per_root.values())} contract(s) -> one continuous series per "
              f"root ({len(series)} bars); {config.describe()}",
              "roots: " + ", ".join(f"{root} ({n} contract{'s' if n != 1 else ''})" for root, n in per_root.items()),
              f"rolls: {len(rolls)}"]
-    return lines + roll_listing(rolls) + expiry_lines(contract_roots(bars, config), config)
+    return lines + roll_listing(rolls) + expiry_lines(roots, config)
 
 
 def expiry_lines(roots: dict[str, str], config: ContractConfig) -> list[str]:

@@ -40,8 +40,7 @@ def parse_contract(name: str) -> tuple[str, int, str] | None:
 def contract_month(name: str, first_ns: int) -> int | None:
     """The contract's delivery month as year * 12 + month - 1, resolving a 1-digit year to the decade that puts it
     at or after the year before its first bar (`first_ns`); None when the name is not CME-style."""
-    parsed = parse_contract(name)
-    if parsed is None:
+    if (parsed := parse_contract(name)) is None:
         return None
     _, month, digits = parsed
     if len(digits) == 2:
@@ -80,15 +79,12 @@ class ContractConfig:
 
     def root_of(self, contract: str) -> str | None:
         """The contract's root: from the mapping file, else the CME-style pattern; None when neither maps it."""
-        mapped = self._root_map.get(contract)
-        if mapped is not None:
+        if (mapped := self._root_map.get(contract)) is not None:
             return mapped
-        parsed = parse_contract(contract)
-        return parsed[0] if parsed is not None else None
+        return parsed[0] if (parsed := parse_contract(contract)) is not None else None
 
     def expiration(self, contract: str) -> np.datetime64 | None:
-        day = self._expiration_map.get(contract)
-        return np.datetime64(day, "D") if day is not None else None
+        return np.datetime64(day, "D") if (day := self._expiration_map.get(contract)) is not None else None
 
     def describe(self) -> str:
         """One line: the roll rule and how contract names map to roots."""
