@@ -140,8 +140,7 @@ def business_days(calendar: str, year: int) -> np.ndarray:
 def last_trading_day(root: str, year: int, month: int) -> str | None:
     """The contract's last trading day by its exchange's rule and calendar ("YYYY-MM-DD"); None for a root the table
     lacks."""
-    product = PRODUCTS.get(root)
-    if product is None:
+    if (product := PRODUCTS.get(root)) is None:
         return None
     return str(RULES[product.rule](year, month, business_days(product.calendar, year)))
 

@@ -187,8 +187,8 @@ def continuous(bars: Bars, config: FeatureConfig) -> tuple[Bars, list[Roll]]:
         return bars, []
     names, code, first_rows = _contract_codes(bars)
     root_of = _roots(bars, cfg, names, first_rows)  # [C]
-    parts: list[np.ndarray] = []
-    offsets, volumes, rolls, roots = [], [], [], []
+    parts, offsets, volumes, roots = [np.zeros(0, np.int64)], [np.zeros(0)], [np.zeros(0)], [np.zeros(0, object)]
+    rolls: list[Roll] = []
     for r in sorted(set(root_of)):
         mine = np.flatnonzero(np.array(root_of) == r)  # the root's contracts, ascending
         rows = np.flatnonzero(np.isin(code, mine))
@@ -200,11 +200,9 @@ def continuous(bars: Bars, config: FeatureConfig) -> tuple[Bars, list[Roll]]:
         volumes.append(f.volume)
         roots.append(np.full(f.rows.size, r, dtype=object))
         rolls += [Roll(r, old, new, t) for old, new, t in f.rolls]
-    take = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    offset = np.concatenate(offsets) if offsets else np.zeros(0)
-    out = replace(bars.take(take), symbol=np.concatenate(roots) if roots else np.zeros(0, object),
-                  volume=np.concatenate(volumes) if volumes else np.zeros(0),
-                  contract=np.array(names, dtype=object)[code[take]], log_offset=offset)
+    take = np.concatenate(parts)
+    out = replace(bars.take(take), symbol=np.concatenate(roots), volume=np.concatenate(volumes),
+                  contract=np.array(names, dtype=object)[code[take]], log_offset=np.concatenate(offsets))
     return (_ratio_adjusted(out) if cfg.adjust == "ratio" else out), rolls
 
 

@@ -47,10 +47,7 @@ class FeatureSpec:
     source: str = "builtin"  # "builtin" or "user" (a parquet column passed through)
 
     def to_dict(self) -> dict[str, str]:
-        d = asdict(self)
-        d["role"] = self.role.value
-        d["kind"] = self.kind.value
-        return d
+        return {**asdict(self), "role": self.role.value, "kind": self.kind.value}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> FeatureSpec:

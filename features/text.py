@@ -8,9 +8,7 @@ from collections.abc import Sequence
 
 def bounded(text: str, limit: int = 48) -> str:
     """`text` quoted and escaped, about `limit` characters at most: a longer one is cut and its length given."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text)} characters)"
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def listed(texts: Sequence[str], most: int = 5, limit: int = 24) -> str:
