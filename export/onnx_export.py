@@ -61,18 +61,10 @@ def output_names(explain: bool) -> tuple[str, ...]:
 def expected_shapes(cfg: ModelConfig, explain: bool) -> dict[str, tuple[int, ...]]:
     """Every input and output's shape without the batch axis."""
     L, H = cfg.encoder_length, cfg.horizon
-    shapes = {
-        STATIC_CATEGORICAL: (cfg.n_static,),
-        ENCODER_OBSERVED: (L, cfg.n_observed),
-        ENCODER_KNOWN: (L, cfg.n_known),
-        DECODER_KNOWN: (H, cfg.n_known),
-        STATIC_REAL: (cfg.n_static_real,),
-        QUANTILES: (H, cfg.n_quantiles),
-        ATTENTION: (H, L + H),
-        STATIC_WEIGHTS: (cfg.n_static_vars,),
-        ENCODER_WEIGHTS: (L, cfg.n_encoder_vars),
-        DECODER_WEIGHTS: (H, cfg.n_known),
-    }
+    shapes = {STATIC_CATEGORICAL: (cfg.n_static,), ENCODER_OBSERVED: (L, cfg.n_observed),
+              ENCODER_KNOWN: (L, cfg.n_known), DECODER_KNOWN: (H, cfg.n_known), STATIC_REAL: (cfg.n_static_real,),
+              QUANTILES: (H, cfg.n_quantiles), ATTENTION: (H, L + H), STATIC_WEIGHTS: (cfg.n_static_vars,),
+              ENCODER_WEIGHTS: (L, cfg.n_encoder_vars), DECODER_WEIGHTS: (H, cfg.n_known)}
     return {name: shapes[name] for name in (*input_names(cfg), *output_names(explain))}
 
 

@@ -76,12 +76,8 @@ def summarize(bars: Bars, config: FeatureConfig | None = None) -> str:
     `config` (by default the bars' user columns, observed reals)."""
     slices = bars.series_slices()
     interval = infer_bar_interval_ns(bars.timestamp_ns, bars.series_bounds())
-    lines = [
-        f"files: {len(bars.files)}",
-        f"rows: {len(bars)}",
-        f"symbols: {len(slices)}",
-        f"bar interval (most common spacing): {format_duration(interval) if interval else 'n/a'}",
-    ]
+    lines = [f"files: {len(bars.files)}", f"rows: {len(bars)}", f"symbols: {len(slices)}",
+             f"bar interval (most common spacing): {format_duration(interval) if interval else 'n/a'}"]
     notes: list[str] = []
     for sym, sl in slices.items():
         ts = bars.timestamp_ns[sl]

@@ -37,8 +37,7 @@ class FeatureConfig:
     categorical_columns: tuple[str, ...] = ()  # which user columns, of any role, are categorical
     vocabularies: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (column, sorted labels) once fitted
     contracts: ContractConfig | None = None  # per-contract bars rolled into one series per root; None: as given
-    # (series, features.sessions.learn_hours' ranges) fitted on the training split: where future bars fall;
-    # a series without: every bar interval
+    # (series, learn_hours' ranges) fitted on the training split: where future bars fall; absent: every interval
     trading_hours: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:

@@ -114,11 +114,8 @@ class ModelMeta:
     placement: dict[str, Any] = field(default_factory=dict)  # the placement gate's report
     training: dict[str, Any] = field(default_factory=dict)  # the training run's bars in time (training_span)
     graph_sha256: str = ""  # graph_digest of the model file as exported
-    # export --calibrate's conformal offsets [H][Q], in forecast-scale units, and validation coverage
-    # (export.calibrate); None: uncalibrated
-    calibration: dict[str, Any] | None = None
-    # the training split's mean and std of each input variable by block: observed, known and static (as
-    # features.normalize.NormStats.to_dict); {} for a model exported without them
+    calibration: dict[str, Any] | None = None  # export.calibrate's offsets [H][Q] and coverage; None: uncalibrated
+    # the training split's NormStats.to_dict of each input block (observed, known, static); {}: exported without
     input_stats: dict[str, Any] = field(default_factory=dict)
 
     @functools.cached_property
