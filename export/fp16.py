@@ -22,17 +22,13 @@ FLOAT, HALF = TensorProto.FLOAT, TensorProto.FLOAT16
 FP16_MAX = 65504.0
 HALF_RANGE = ("fp16_range__min", "fp16_range__max")  # float32 scalars: the bounds of the Clip before a Cast to half
 
-KEEP_FP32_OPS = frozenset({
-    "Softmax", "LogSoftmax", "Softplus", "CumSum", "ReduceMean", "ReduceSum", "ReduceSumSquare",
-    "ReduceLogSumExp", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Erf",
-})
+KEEP_FP32_OPS = frozenset({"Softmax", "LogSoftmax", "Softplus", "CumSum", "ReduceMean", "ReduceSum", "ReduceSumSquare",
+                           "ReduceLogSumExp", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Erf"})
 # ops that read any element type without computing on the values: never cast their inputs
 _TYPE_AGNOSTIC = frozenset({"Shape", "Size", "Cast"})
 # ops whose output values are some of their float inputs' values: they keep float32 when all those inputs are
-MOVE_OPS = frozenset({
-    "Slice", "Gather", "GatherElements", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Concat", "Split",
-    "Expand", "Tile", "Flatten", "Identity", "Where",
-})
+MOVE_OPS = frozenset({"Slice", "Gather", "GatherElements", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Concat",
+                      "Split", "Expand", "Tile", "Flatten", "Identity", "Where"})
 
 
 def _to_half(arr: np.ndarray) -> np.ndarray:

@@ -19,12 +19,10 @@ import numpy as np
 
 from export.runtime import CPU, DEVICES, make_session
 
-SHAPE_OPS = frozenset({
-    "Shape", "Size", "Gather", "GatherElements", "Unsqueeze", "Squeeze", "Concat", "Slice", "Reshape", "Cast",
-    "ConstantOfShape", "Range", "Expand", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Not", "And",
-    "Or", "Where", "Add", "Sub", "Mul", "Div", "Mod", "Max", "Min", "Abs", "Neg", "ReduceProd", "Identity", "Tile",
-    "Transpose", "Flatten", "Split",
-})
+SHAPE_OPS = frozenset({"Shape", "Size", "Gather", "GatherElements", "Unsqueeze", "Squeeze", "Concat", "Slice",
+                       "Reshape", "Cast", "ConstantOfShape", "Range", "Expand", "Equal", "Greater", "Less",
+                       "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Where", "Add", "Sub", "Mul", "Div", "Mod",
+                       "Max", "Min", "Abs", "Neg", "ReduceProd", "Identity", "Tile", "Transpose", "Flatten", "Split"})
 METADATA_OPS = frozenset({"Shape", "Size"})  # read only their input's shape, whatever its type
 MEMCPY_OPS = frozenset({"MemcpyFromHost", "MemcpyToHost"})
 _FLOAT_TYPES = frozenset({"float", "float16", "double", "bfloat16", "float8e4m3fn", "float8e5m2"})

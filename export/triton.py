@@ -24,9 +24,8 @@ WARMUP_MAX_BATCH = 256  # Triton builds a warm-up batch request by request
 
 def check_name(name: str) -> str | None:
     """None if `name` is a usable Triton model name, else what is wrong with it."""
-    if not NAME_RE.match(name):
-        return f"Triton model name {name!r} must be letters, digits, '_', '.' or '-' and not start with '.' or '-'"
-    return None
+    return None if NAME_RE.match(name) else (f"Triton model name {name!r} must be letters, digits, '_', '.' or '-' "
+                                              "and not start with '.' or '-'")
 
 
 def _dims(sig: TensorSig) -> str:

@@ -192,9 +192,7 @@ def feature_config(args: argparse.Namespace) -> FeatureConfig:
 
 
 def print_problems(path: str, lines: list[str]) -> int:
-    print(f"{path}: {len(lines)} problem(s) found", file=sys.stderr)
-    for line in lines:
-        print(f"  {line}", file=sys.stderr)
+    print(f"{path}: {len(lines)} problem(s) found", *(f"  {line}" for line in lines), sep="\n", file=sys.stderr)
     return 2
 
 

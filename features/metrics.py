@@ -36,14 +36,11 @@ def forecast_metrics(pred: np.ndarray, target: np.ndarray, quantiles: tuple[floa
     q = np.asarray(quantiles, dtype=np.float64)
     ql = pinball(pred.astype(np.float64), target.astype(np.float64), q)  # [W, H, Q]
     denom = float(np.abs(target).sum())
-    return {
-        "pinball": {f"{x:g}": float(v) for x, v in zip(quantiles, ql.mean(axis=(0, 1)), strict=True)},
-        "pinball_mean": float(ql.mean()),
-        "q_risk": {f"{x:g}": float(2.0 * v / denom) if denom > 0 else None
-                   for x, v in zip(quantiles, ql.sum(axis=(0, 1)), strict=True)},
-        "coverage": float(inside(pred, target).mean()),
-        "nominal_coverage": float(quantiles[-1] - quantiles[0]),
-    }
+    return {"pinball": {f"{x:g}": float(v) for x, v in zip(quantiles, ql.mean(axis=(0, 1)), strict=True)},
+            "pinball_mean": float(ql.mean()),
+            "q_risk": {f"{x:g}": float(2.0 * v / denom) if denom > 0 else None
+                       for x, v in zip(quantiles, ql.sum(axis=(0, 1)), strict=True)},
+            "coverage": float(inside(pred, target).mean()), "nominal_coverage": float(quantiles[-1] - quantiles[0])}
 
 
 def climatology_forecast(climatology: np.ndarray, n_windows: int) -> np.ndarray:
