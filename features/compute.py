@@ -153,11 +153,9 @@ def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray
         assert known is not None and future_user is not None
         encoder_known = np.concatenate([encoder_known, known[:, n - L:]], axis=-1, dtype=np.float32)
     return LatestWindows(
-        encoder_observed=np.ascontiguousarray(observed.reshape(b, n, -1)[:, n - L:]),  # [B, L, n_observed]
-        encoder_known=encoder_known,  # [B, L, n_known]
-        decoder_known=future_known(timestamp_ns[:, -1], config, bar_interval_ns, root, future_user),  # [B, H, n_known]
-        future_timestamp_ns=future_times(timestamp_ns[:, -1], config, bar_interval_ns, root),  # [B, H]
-    )
+        encoder_observed=np.ascontiguousarray(observed.reshape(b, n, -1)[:, n - L:]), encoder_known=encoder_known,
+        decoder_known=future_known(timestamp_ns[:, -1], config, bar_interval_ns, root, future_user),
+        future_timestamp_ns=future_times(timestamp_ns[:, -1], config, bar_interval_ns, root))
 
 
 def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = None,

@@ -17,19 +17,16 @@ def anchor_rows(frame: FeatureFrame, encoder_length: int, require_targets: bool 
                 row_range: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """All valid anchors, int64 [W]. `row_range`: per-series [lo, hi) bounds for the anchor and its targets
     (encoder rows may reach back before `lo`)."""
-    horizon = frame.config.horizon
-    require_targets = require_targets or bool(frame.config.known_columns)  # the decoder reads H future rows
-    out = []
+    # rows after the anchor it reads: its targets, and a decoder's known values
+    ahead = frame.config.horizon if require_targets or frame.config.known_columns else 0
+    out = [np.empty(0, dtype=np.int64)]
     for i, (s, e) in enumerate(frame.series_bounds):
-        first = s + frame.config.warmup_bars + encoder_length - 1
-        last = e - 1 - (horizon if require_targets else 0)  # inclusive
+        first, last = s + frame.config.warmup_bars + encoder_length - 1, e - 1 - ahead  # last inclusive
         if row_range is not None:
-            lo, hi = int(row_range[0][i]), int(row_range[1][i])
-            first = max(first, lo)
-            last = min(last, hi - 1 - (horizon if require_targets else 0))
+            first, last = max(first, int(row_range[0][i])), min(last, int(row_range[1][i]) - 1 - ahead)
         if last >= first:
             out.append(np.arange(first, last + 1, dtype=np.int64))
-    return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+    return np.concatenate(out)
 
 
 def gather_windows(frame: FeatureFrame, anchors: np.ndarray, encoder_length: int) -> dict[str, np.ndarray]:
