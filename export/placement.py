@@ -126,8 +126,7 @@ class PlacementReport:
         elif cpu:
             ops = ", ".join(f"{k} {v}" for k, v in Counter(n.op_type for n in cpu).most_common())
             lines.append(f"CPU-placed compute nodes: {len(cpu)} ({ops})")
-        verdict = {"passed": "placement gate passed", "failed": "placement gate FAILED",
-                   "not run": "placement gate NOT RUN"}[self.gate]
+        verdict = "placement gate " + (self.gate if self.gate == "passed" else self.gate.upper())  # FAILED, NOT RUN
         lines.append(f"{verdict}: {self.reason}" if self.reason else verdict)
         return "\n".join(lines)
 

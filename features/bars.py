@@ -288,8 +288,7 @@ class Bars:
         return {str(self.symbol[s]): slice(int(s), int(e)) for s, e in zip(starts, ends, strict=True)}
 
 
-PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
-BAR_SUFFIXES = (*PARQUET_SUFFIXES, *DBN_SUFFIXES)  # the files a bars directory's read takes
+BAR_SUFFIXES = (".parquet", ".parq", ".pq", *DBN_SUFFIXES)  # the files a bars directory's read takes
 
 
 def list_bar_files(path: Path) -> list[Path]:
