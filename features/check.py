@@ -252,9 +252,8 @@ def expiry_lines(roots: dict[str, str], config: ContractConfig) -> list[str]:
         return []
     by_root: dict[str, list[str]] = {}
     for contract, root in sorted(roots.items(), key=lambda item: (item[1], str(config.expiration(item[0])))):
-        if (day := config.expiration(contract)) is not None:
-            mark = "" if contract in config.builtin else "*"
-            by_root.setdefault(root, []).append(f"{contract} {day}{mark}")
+        if (day := config.expiration(contract)) is not None:  # * marks an expiration the user gave
+            by_root.setdefault(root, []).append(f"{contract} {day}{'' if contract in config.builtin else '*'}")
     lacking = sorted(c for c in roots if config.expiration(c) is None)
     sources = (["from each exchange's last-trading-day rule, built in"] if config.builtin else []) + \
         (["* from the bars or the --roots file"] if len(config.builtin) < len(config.expirations) else [])
