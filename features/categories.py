@@ -35,10 +35,5 @@ def cardinality(vocabulary: tuple[str, ...]) -> int:
 
 def unseen_note(unseen: Mapping[str, np.ndarray], labels: Mapping[str, np.ndarray]) -> list[str]:
     """One line per categorical column with labels unseen in training (`unseen` masks, `labels` as given)."""
-    notes = []
-    for name, mask in unseen.items():
-        if mask.any():
-            values = sorted({str(x) for x in np.asarray(labels[name])[mask]})
-            notes.append(f"categorical feature {name!r}: {listed(values)} not seen in training; forecast with the "
-                         "unknown category")
-    return notes
+    return [f"categorical feature {name!r}: {listed(sorted({str(x) for x in np.asarray(labels[name])[mask]}))} not "
+            "seen in training; forecast with the unknown category" for name, mask in unseen.items() if mask.any()]
