@@ -48,14 +48,6 @@ def bare_host(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m serving", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_process_flags(p)
-    _add_batching_flags(p)
-    _add_lifecycle_flags(p)
-    _add_access_flags(p)
-    return p
-
-
-def _add_process_flags(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     p.add_argument("--model", type=Path, required=True, help="ONNX model written by `python -m export`")
     p.add_argument("--host", type=bare_host, default=d.host,
@@ -82,10 +74,6 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="text lines (default), or json: one object a line with time, level, logger, message "
                         "(and worker, exception); gRPC's and ONNX Runtime's own lines keep their format")
-
-
-def _add_batching_flags(p: argparse.ArgumentParser) -> None:
-    d = DEFAULTS
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help=f"windows per ONNX Runtime run (default {d.max_batch})")
     p.add_argument("--max-delay-ms", type=float, default=d.max_delay_ms,
@@ -99,10 +87,6 @@ def _add_batching_flags(p: argparse.ArgumentParser) -> None:
                         f"(default {d.max_concurrent})")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help=f"request and response size limit in bytes (default {d.max_message_bytes // MiB} MiB)")
-
-
-def _add_lifecycle_flags(p: argparse.ArgumentParser) -> None:
-    d = DEFAULTS
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default off)")
     p.add_argument("--metrics-host", type=bare_host, default=None, metavar="HOST",
@@ -118,9 +102,6 @@ def _add_lifecycle_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds after which a client connection is closed gracefully (the client reconnects "
                         "without an error), so that an L4 load balancer spreads long-lived clients over replicas "
                         f"(default {d.max_connection_age_s:g}; 0: never)")
-
-
-def _add_access_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("access")
     a.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only (with --tls-key); SIGHUP "
                                                  "re-reads the TLS files for new connections (renewal)")
@@ -130,6 +111,7 @@ def _add_access_flags(p: argparse.ArgumentParser) -> None:
     a.add_argument("--auth-token-file", type=Path,
                    help="bearer tokens, one a line (>= 16 characters): every RPC but health must send "
                         "`authorization: Bearer <token>`; SIGHUP re-reads the file")
+    return p
 
 
 def _problems(args: argparse.Namespace) -> list[tuple[bool, str]]:

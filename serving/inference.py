@@ -78,16 +78,14 @@ def _run_together(model: LoadedModel, calls: Sequence[Sequence[SeriesColumns]], 
         problems = [nonfinite_problem(p, c, model.meta) for p, c in zip(per_call, calls, strict=True)]
     good = [i for i, p in enumerate(problems) if p is None]
     results: list[Result | Exception] = [p if p is not None else Exception() for p in problems]
-    if not good:
-        steps.add("features", time.perf_counter() - start)
-        return results
-    if len(good) == len(calls):
-        inputs = prepared.inputs
-    else:  # leave the bad calls' rows out of the run
+    inputs = prepared.inputs
+    if good and len(good) < len(calls):  # leave the bad calls' rows out of the run
         rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in good])
-        inputs = {k: v[rows] for k, v in prepared.inputs.items()}
+        inputs = {k: v[rows] for k, v in inputs.items()}
     ran = time.perf_counter()
     steps.add("features", ran - start)
+    if not good:
+        return results
     outputs = model.run(inputs)
     steps.add("run", time.perf_counter() - ran)
     all_finite = _finite(outputs)

@@ -1,7 +1,5 @@
-"""The server's log on stderr: text lines, or one JSON object a line (`--log-format json`) with `time` (UTC, ISO 8601),
-`level`, `logger`, `message`, `worker` and `exception`. Native code's own lines keep their format. A burst of like
-warnings (refused calls) is one line, then a count a minute (`BurstLog`).
-"""
+"""The server's log on stderr: text lines, or one JSON object a line (`--log-format json`, `JsonFormatter`). A burst
+of like warnings (refused calls) is one line, then a count a minute (`BurstLog`)."""
 
 from __future__ import annotations
 

@@ -48,8 +48,7 @@ class StepTimes(Collector):
         for step in STEPS:
             seconds.add_metric([step], self.seconds[step])
             counts.add_metric([step], self.counts[step])
-        yield seconds
-        yield counts
+        yield from (seconds, counts)
 
 
 class Metrics:

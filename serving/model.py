@@ -1,9 +1,7 @@
 """The ONNX model the server runs: load and check it, place it on a device, warm it up, run it.
 
 `load_model` reads the file once, checks its metadata and graph digest and creates one session; anything wrong is a
-`ModelLoadError`, so a bad file never replaces a good one. `--device cuda` runs on the CUDA provider or raises
-`DeviceUnavailable`, and refuses a model whose placement export did not prove on CUDA; `auto` falls back to the CPU with
-a warning.
+`ModelLoadError`, so a bad file never replaces a good one.
 
 A run of n windows is padded (repeating its last window) to the smallest bucket >= n, so the few shapes the model sees
 are warmed up before SERVING; rows are independent, so padding changes no result.
@@ -203,10 +201,8 @@ def _create_session(model_bytes: bytes, path: str, device: str, device_id: int, 
 
 def _check_placement(meta: ModelMeta, device: str, device_requested: str, path: str) -> None:
     """On CUDA, `--device cuda` refuses a model whose placement export did not prove; `auto` warns."""
-    if device != "cuda":
-        return
     gate, required = meta.placement.get("gate"), meta.placement.get("required_device")
-    if gate == "passed" and required == "cuda":
+    if device != "cuda" or (gate == "passed" and required == "cuda"):
         return
     message = (f"{path}: export did not prove that every compute node runs on CUDA (placement gate "
                f"{gate!r}, required device {required!r}); re-export on a GPU machine with "

@@ -64,13 +64,11 @@ def trained_columns(info: pb.ModelInfo) -> dict[str, str]:
 def feature_config(info: pb.ModelInfo, contracts: ContractConfig | None = None) -> FeatureConfig:
     """The served model's user columns by role and kind (GetModelInfo.features), in the model's order."""
     user = [f for f in info.features if f.source == "user"]
-
-    def role(r: int) -> tuple[str, ...]:
-        return tuple(f.name for f in user if f.role == r)
-
+    role = {r: tuple(f.name for f in user if f.role == r)
+            for r in (pb.FEATURE_ROLE_OBSERVED, pb.FEATURE_ROLE_KNOWN, pb.FEATURE_ROLE_STATIC)}
     return FeatureConfig(horizon=info.horizon, calendar_tz=info.calendar_tz or "UTC",
-                         user_columns=role(pb.FEATURE_ROLE_OBSERVED), known_columns=role(pb.FEATURE_ROLE_KNOWN),
-                         static_columns=role(pb.FEATURE_ROLE_STATIC), contracts=contracts,
+                         user_columns=role[pb.FEATURE_ROLE_OBSERVED], known_columns=role[pb.FEATURE_ROLE_KNOWN],
+                         static_columns=role[pb.FEATURE_ROLE_STATIC], contracts=contracts,
                          categorical_columns=tuple(f.name for f in user if f.kind == Kind.CATEGORICAL.value))
 
 

@@ -132,8 +132,7 @@ def forecast_table(frame: FeatureFrame, anchors: np.ndarray, log_return: np.ndar
     future = future_times(frame.timestamp_ns[anchors], frame.config, frame.bar_interval_ns, series)  # [W, H]
     utc = pa.timestamp("ns", tz="UTC")
     columns: dict[str, pa.Array] = {
-        "symbol": pa.array(np.asarray(frame.symbols, dtype=object)[frame.series_id[anchors]].repeat(h),
-                           type=pa.string()),
+        "symbol": pa.array(series.repeat(h), type=pa.string()),
         **({} if contract is None else {"contract": pa.array(contract[anchors].repeat(h), type=pa.string())}),
         "origin": pa.array(frame.timestamp_ns[anchors].repeat(h), type=utc),
         "h": pa.array(np.tile(np.arange(1, h + 1, dtype=np.int16), w)),

@@ -193,13 +193,10 @@ def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, messa
         on_refuse(context.peer())
         await context.abort(code, message)
 
-    if handler is None or not (handler.request_streaming or handler.response_streaming):
-        return grpc.unary_unary_rpc_method_handler(refuse)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    return grpc.unary_stream_rpc_method_handler(refuse)
+    shape = (False, False) if handler is None else (handler.request_streaming, handler.response_streaming)
+    return {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler}[shape](refuse)
 
 
 class RefusalLog(BurstLog):
@@ -256,14 +253,12 @@ class TokenAuth(aio.ServerInterceptor):
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        method = handler_call_details.method
+        method, handler = handler_call_details.method, await continuation(handler_call_details)
         if method.lstrip("/").split("/", 1)[0] in OPEN_SERVICES:  # '/pkg.Service/Method': its service
-            return await continuation(handler_call_details)
-        problem = self.check(handler_call_details.invocation_metadata)
-        if not problem:
-            return await continuation(handler_call_details)
+            return handler
+        if not (problem := self.check(handler_call_details.invocation_metadata)):
+            return handler
         self._count(method, grpc.StatusCode.UNAUTHENTICATED)
-        handler = await continuation(handler_call_details)
         return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, problem,
                         lambda peer: self.refusals(method, peer, problem))
 

@@ -1,8 +1,4 @@
-"""The gRPC server: build it, warm it up, reload on SIGHUP, drain on SIGTERM.
-
-At start: read the TLS and token files, load the model, bind (each failure is one line and exit 2), print
-`listening on HOST:PORT` with health NOT_SERVING, warm up at every padded batch size, then health SERVING.
-"""
+"""The gRPC server: build it, warm it up, reload on SIGHUP, drain on SIGTERM (the order: `serve`)."""
 
 from __future__ import annotations
 

@@ -67,7 +67,13 @@ class Admission:
         self.limit = limit
         self.active = 0
         self._metrics = metrics
-        self._refusals = BurstLog(self._log_first, self._log_count, schedule=schedule)
+        first = ("overloaded: refusing calls RESOURCE_EXHAUSTED, --max-concurrent %d in flight (a count of them "
+                 "follows every %.0f s while it lasts); raise --max-concurrent, add --workers or replicas, or have "
+                 "callers back off")
+        count = ("overloaded: refused %d more call(s) RESOURCE_EXHAUSTED in the last %.0f s, --max-concurrent %d in "
+                 "flight")
+        self._refusals = BurstLog(lambda _: log.warning(first, limit, self._refusals.every_s),
+                                  lambda n, _: log.warning(count, n, self._refusals.every_s, limit), schedule=schedule)
 
     def take(self) -> None:
         """A slot, or Overloaded; each take is matched by one give_back."""
@@ -81,15 +87,6 @@ class Admission:
     def give_back(self) -> None:
         self.active -= 1
         self._metrics.inflight.dec()
-
-    def _log_first(self, _what: str) -> None:
-        log.warning("overloaded: refusing calls RESOURCE_EXHAUSTED, --max-concurrent %d in flight (a count of them "
-                    "follows every %.0f s while it lasts); raise --max-concurrent, add --workers or replicas, or "
-                    "have callers back off", self.limit, self._refusals.every_s)
-
-    def _log_count(self, refused: int, _latest: str) -> None:
-        log.warning("overloaded: refused %d more call(s) RESOURCE_EXHAUSTED in the last %.0f s, --max-concurrent %d "
-                    "in flight", refused, self._refusals.every_s, self.limit)
 
 
 def series_that_fit(response: pb.PredictResponse, limit: int) -> int:

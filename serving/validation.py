@@ -93,33 +93,24 @@ class SeriesColumns:
 def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
     """request.series[index] as numpy columns (no value checks); a packed block stays a read-only view."""
     user = _packed_user_columns(series, index) if series.user_feature_names or series.user_features_raw else \
-        _named(series.user_features, index, series.symbol, "user_features", "user feature")
+        _named(series, index, "user_features", "user feature")
+    o, h, lo, c, v = (np.asarray(getattr(series, name), dtype=np.float64) for name in BAR_COLUMNS[1:])
     return SeriesColumns(
-        symbol=series.symbol,
-        timestamp_ns=np.asarray(series.timestamp_ns, dtype=np.int64),
-        open=np.asarray(series.open, dtype=np.float64),
-        high=np.asarray(series.high, dtype=np.float64),
-        low=np.asarray(series.low, dtype=np.float64),
-        close=np.asarray(series.close, dtype=np.float64),
-        volume=np.asarray(series.volume, dtype=np.float64),
-        user=user,
-        labels=_named(series.categorical_features, index, series.symbol, "categorical_features"),
-        future=_named(series.future_features, index, series.symbol, "future_features"),
-        future_labels=_named(series.future_categorical_features, index, series.symbol, "future_categorical_features"),
-        static_reals=dict(series.static_features),
+        series.symbol, np.asarray(series.timestamp_ns, dtype=np.int64), o, h, lo, c, v, user=user,
+        labels=_named(series, index, "categorical_features"), future=_named(series, index, "future_features"),
+        future_labels=_named(series, index, "future_categorical_features"), static_reals=dict(series.static_features),
         static_labels=dict(series.static_categorical_features),
-        contracts=_texts(series.contracts) if series.contracts else None,
-    )
+        contracts=_texts(series.contracts) if series.contracts else None)
 
 
-def _named(items: Sequence[pb.Column | pb.Labels], index: int, symbol: str, field_name: str, what: str = ""
-           ) -> dict[str, np.ndarray]:
-    """Repeated Column (float64) or Labels (object, `_texts`) -> name -> array; a name sent twice is refused."""
+def _named(series: pb.Series, index: int, field_name: str, what: str = "") -> dict[str, np.ndarray]:
+    """A field of repeated Column (float64) or Labels (object, `_texts`) -> name -> array; a name sent twice is
+    refused."""
     out: dict[str, np.ndarray] = {}
-    for item in items:
+    for item in getattr(series, field_name):
         if item.name in out:
-            raise RequestError(f"{_label(index, symbol)}: {what or field_name} column {bounded(item.name)} is sent "
-                               "twice; send each column once", _field(index, field_name))
+            raise RequestError(f"{_label(index, series.symbol)}: {what or field_name} column {bounded(item.name)} is "
+                               "sent twice; send each column once", _field(index, field_name))
         out[item.name] = _texts(item.values) if isinstance(item, pb.Labels) else np.asarray(item.values, np.float64)
     return out
 

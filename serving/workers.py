@@ -162,9 +162,7 @@ class Supervisor:
         _stop([other for other in self.workers if other.index not in self.told_to_stop])  # each stopped once
         for other in self.workers:
             other.proc.wait()
-        if stalled:
-            return 1
-        return 0 if self.stopping.is_set() else exit_status(w.proc.returncode) or 1
+        return 1 if stalled else 0 if self.stopping.is_set() else exit_status(w.proc.returncode) or 1
 
     def supervise(self) -> int:
         """Wait for the workers; one that exits unbidden stops the rest and gives the status."""
@@ -182,9 +180,7 @@ class Supervisor:
         for w in self.workers:
             if w.proc.stdin is not None:
                 w.proc.stdin.close()
-        if first_failure is not None:
-            return first_failure
-        return next((c for c in (exit_status(w.proc.returncode) for w in self.workers) if c != 0), 0)
+        return first_failure or next((c for c in (exit_status(w.proc.returncode) for w in self.workers) if c != 0), 0)
 
 
 def run_workers(config: ServerConfig, n: int, log_level: str, log_format: str = "text") -> int:
