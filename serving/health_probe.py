@@ -8,6 +8,7 @@ what it saw. The TLS and token flags are the client's, so one set of client flag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from typing import NoReturn
@@ -66,12 +67,10 @@ def wait_serving(target: str, timeout: float, interval: float = 0.1) -> bool:
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
-            try:
+            with contextlib.suppress(grpc.RpcError):  # not listening yet, or warming up
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
                         health_pb2.HealthCheckResponse.SERVING:
                     return True
-            except grpc.RpcError:
-                pass  # not listening yet, or warming up
             time.sleep(interval)
     return False
 

@@ -177,9 +177,8 @@ def split_of(origin_ns: np.ndarray, training: dict[str, Any]) -> np.ndarray:
 class Summary:
     """Windows per symbol and split, and per split the pinball loss and outer-band coverage where realised."""
 
-    def __init__(self, quantiles: Sequence[float], training: dict[str, Any]) -> None:
+    def __init__(self, quantiles: Sequence[float]) -> None:
         self.q = np.asarray(quantiles, dtype=np.float64)
-        self.training = training
         self.windows: dict[str, int] = {}
         self.origins = np.zeros(len(SPLITS) + 1, dtype=np.int64)  # per split; the last: unknown
         self.loss = np.zeros(len(SPLITS) + 1)
@@ -245,7 +244,7 @@ def score(model: LoadedModel, bars: Bars, out: Path, symbols: Sequence[str], sta
         raise ScoreError(_no_origin(frame, meta, start_ns, end_ns))
     for line in unseen_lines(frame, chosen, anchors, meta.encoder_length):
         log.warning("note: %s", line)
-    summary = Summary(meta.quantiles, meta.training)
+    summary = Summary(meta.quantiles)
     with atomic_output(out) as tmp:
         log.info("scoring %s windows into %s", f"{anchors.size:,}", out)
         _write_forecasts(tmp, model, frame, anchors, batch, summary, chosen.contract)
@@ -299,8 +298,7 @@ def _unusable_known_rows(bars: Bars, meta: ModelMeta) -> np.ndarray:
 def _refused(frame: FeatureFrame, anchors: np.ndarray, meta: ModelMeta, unusable_rows: np.ndarray,
              unusable_known: np.ndarray) -> np.ndarray:
     """The windows the server would refuse, warned of per symbol: bool [W]. ScoreError when all are.
-    unusable_rows: bool [N] rows with an unusable user value; unusable_known: those of a known column, which
-    the decoder reads in the H bars after the anchor."""
+    unusable_rows, unusable_known: bool [N], rows with an unusable value of a user column, of a known one."""
     step = format_duration(meta.bar_interval_ns)
     finer, daily = refused_windows(frame, anchors, meta.bars_required, meta.bar_interval_ns)
     unusable = flagged_in_windows(unusable_rows, anchors, meta.bars_required) > 0

@@ -270,8 +270,7 @@ class ForecastServer:
         log.info("drained in %.3f s", time.monotonic() - started)
 
     async def _drain_delay(self) -> None:
-        """--drain-delay: health NOT_SERVING while calls are still served, so that a balancer stops routing
-        here before the drain; a second stop signal cuts it short."""
+        """Health NOT_SERVING for --drain-delay while calls are still served; a second stop signal cuts it short."""
         if not (self.config.drain_delay_s > 0 and self.servicer.ready):
             return
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -332,8 +331,7 @@ def run_server(config: ServerConfig) -> int:
 
 
 class Signals:
-    """SIGHUP re-reads the TLS, token and model files (once warm); SIGTERM, SIGINT or a worker's stdin EOF
-    drains, and a second one cuts --drain-delay short."""
+    """The signals `python -m serving --help` describes (SIGHUP waits for the warm-up); a worker's stdin EOF too."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop

@@ -324,8 +324,6 @@ class ForecasterServicer(pb_grpc.ForecasterServicer):
             try:
                 await context.write(answer.message)
                 sent = True
-            except asyncio.CancelledError:
-                raise
             except Exception:  # the caller is gone (cancelled, past its deadline, disconnected)
                 return False
             finally:

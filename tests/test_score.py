@@ -430,7 +430,7 @@ def test_the_summary_gives_coverage_of_an_interval_and_none_for_one_quantile() -
             ((0.1, 0.5, 0.9), [-0.25, 0.0, 0.25],
              "realised return inside [q0.1, q0.9] 66.7% of the time (nominal 80%)"),
             ((0.5,), [0.0], "coverage n/a (one quantile: no interval)")):
-        summary = Summary(quantiles, {})
+        summary = Summary(quantiles)
         summary.add(frame, anchors, np.broadcast_to(np.array(forecast), (4, 1, len(quantiles))), split)
         [line] = [ln for ln in summary.lines() if ln.startswith("all origins")]
         assert line.startswith("all origins: 3 forecasts with their future in the file") and expected in line, line
