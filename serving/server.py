@@ -1,4 +1,4 @@
-"""The gRPC server: build it, warm it up, reload on SIGHUP, drain on SIGTERM (the order: `serve`)."""
+"""The gRPC server: build it, warm it up, reload on SIGHUP, drain on SIGTERM; `serve` does each in turn."""
 
 from __future__ import annotations
 
@@ -331,7 +331,7 @@ def run_server(config: ServerConfig) -> int:
 
 
 class Signals:
-    """The signals `python -m serving --help` describes (SIGHUP waits for the warm-up); a worker's stdin EOF too."""
+    """The signals of `python -m serving --help` (a SIGHUP while warming up waits for it); a worker's stdin EOF too."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop

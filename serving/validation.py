@@ -104,8 +104,7 @@ def columns_from_proto(series: pb.Series, index: int = 0) -> SeriesColumns:
 
 
 def _named(series: pb.Series, index: int, field_name: str, what: str = "") -> dict[str, np.ndarray]:
-    """A field of repeated Column (float64) or Labels (object, `_texts`) -> name -> array; a name sent twice is
-    refused."""
+    """A repeated Column (float64) or Labels (object, `_texts`) field -> name -> array; a name twice is refused."""
     out: dict[str, np.ndarray] = {}
     for item in getattr(series, field_name):
         if item.name in out:
