@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="text lines (default), or json: one object a line with time, level, logger, message "
                         "(and worker, exception); gRPC's and ONNX Runtime's own lines keep their format")
+    _add_limit_flags(p)
+    _add_access_flags(p.add_argument_group("access"))
+    return p
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Batching, limits, metrics and the stop."""
+    d = DEFAULTS
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help=f"windows per ONNX Runtime run (default {d.max_batch})")
     p.add_argument("--max-delay-ms", type=float, default=d.max_delay_ms,
@@ -102,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after which a client connection is closed gracefully (the client reconnects "
                         "without an error), so that an L4 load balancer spreads long-lived clients over replicas "
                         f"(default {d.max_connection_age_s:g}; 0: never)")
-    a = p.add_argument_group("access")
+
+
+def _add_access_flags(a: argparse._ArgumentGroup) -> None:
     a.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only (with --tls-key); SIGHUP "
                                                  "re-reads the TLS files for new connections (renewal)")
     a.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
@@ -111,7 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--auth-token-file", type=Path,
                    help="bearer tokens, one a line (>= 16 characters): every RPC but health must send "
                         "`authorization: Bearer <token>`; SIGHUP re-reads the file")
-    return p
 
 
 def _problems(args: argparse.Namespace) -> list[tuple[bool, str]]:
