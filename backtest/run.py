@@ -20,14 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from backtest.baselines import BASELINES
-from backtest.folds import (
-    BacktestError,
-    Fold,
-    bars_before,
-    cut_rows,
-    fold_origins,
-    make_folds,
-)
+from backtest.folds import BacktestError, Fold, bars_before, cut_rows, fold_origins, make_folds
 from backtest.forecast import baselines_at, fold_table, model_forecasts, table_arrays, table_series
 from backtest.plots import write_figure
 from backtest.scores import backtest_scores, summary_lines
@@ -38,13 +31,9 @@ from features.config import FeatureConfig
 from features.files import atomic_output
 from features.series import ContractError, as_series, read_contract_bars, roll_lines, scan_contracts
 from serving.model import LoadedModel, load_model
-from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError, TrainConfig
-from trainer.data import DataError, ReadBars
-from trainer.device import DeviceError
-from trainer.loop import TrainingDiverged
-from trainer.planner import PlanError
-from trainer.run import train
+from trainer.config import TrainConfig
+from trainer.data import ReadBars
+from trainer.run import RUN_ERRORS, train
 
 log = logging.getLogger("backtest")
 MODELS = ("model", "model_uncalibrated")  # the calibrated export, and the same checkpoint without calibration
@@ -146,7 +135,7 @@ def _train(plan: BacktestPlan, bars: ReadBars, where: Path, index: int) -> None:
     try:
         train(bars, plan.config, where / "ckpt.pt", plan.columns, progress=False, tracking=plan.tracking,
               tracking_run=f"{plan.out.name}-fold{index}")
-    except (ConfigError, DataError, DeviceError, CheckpointError, PlanError, TrainingDiverged) as exc:
+    except RUN_ERRORS as exc:
         raise BacktestError(f"fold {index}: training failed: {exc}; fix that, then rerun this command to resume at "
                             f"fold {index}") from None
 

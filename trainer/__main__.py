@@ -150,12 +150,7 @@ def _train(args: argparse.Namespace, cfg: TrainConfig) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
-    from trainer.checkpoint import CheckpointError
-    from trainer.data import DataError
-    from trainer.device import DeviceError
-    from trainer.loop import TrainingDiverged
-    from trainer.planner import PlanError
-    from trainer.run import run_training
+    from trainer.run import RUN_ERRORS, run_training
 
     try:
         return run_training(args, cfg)
@@ -164,7 +159,7 @@ def _train(args: argparse.Namespace, cfg: TrainConfig) -> int:
         for line in exc.lines():
             print(f"  {line}", file=sys.stderr)
         return 2
-    except (ConfigError, DataError, DeviceError, CheckpointError, PlanError, TrainingDiverged) as exc:
+    except RUN_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except torch.OutOfMemoryError as exc:

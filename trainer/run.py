@@ -18,12 +18,12 @@ import torch
 from features.bars import ColumnMap
 from features.files import atomic_output
 from features.metrics import format_q_risk
-from trainer.checkpoint import file_sha256, load_checkpoint
-from trainer.config import TrainConfig, given_fields, resumed_config, setting_label
-from trainer.data import PreparedData, ReadBars, prepare
-from trainer.device import no_cuda_reason, resolve_device, resolve_precision
+from trainer.checkpoint import CheckpointError, file_sha256, load_checkpoint
+from trainer.config import ConfigError, TrainConfig, given_fields, resumed_config, setting_label
+from trainer.data import DataError, PreparedData, ReadBars, prepare
+from trainer.device import DeviceError, no_cuda_reason, resolve_device, resolve_precision
 from trainer.distributed import shutdown
-from trainer.loop import PlanFn, Trainer, TrainResult, build_model
+from trainer.loop import PlanFn, Trainer, TrainingDiverged, TrainResult, build_model
 from trainer.modeling import TemporalFusionTransformer
 from trainer.paths import run_stem
 from trainer.plan import TrainPlan
@@ -36,6 +36,8 @@ from trainer.tracking import Tracker, epoch_scalars, forecast_scalars, open_trac
 log = logging.getLogger("trainer")
 
 REPORT_WINDOWS = 512
+# what a run refuses or stops on with a message that says what to change
+RUN_ERRORS = (ConfigError, DataError, DeviceError, CheckpointError, PlanError, TrainingDiverged)
 
 
 def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
@@ -51,7 +53,8 @@ def run_training(args: argparse.Namespace, cfg: TrainConfig) -> int:
                          resumed)
     train(args.parquet, cfg, Path(args.out), columns, resumed, progress=not args.no_progress,
           report=not args.no_report, tracking=args.tracking, tracking_run=args.tracking_run,
-          budget_label=_budget_label(args, cfg))
+          budget_label=(f"vram_budget = {cfg.vram_budget!r} (from --config {args.config})"
+                        if args.cfg_vram_budget is None and args.config else None))  # None: the flag
     return 0
 
 
@@ -125,13 +128,6 @@ def _track_best(tracker: Tracker, trainer: Trainer, report: bool, test: dict[str
     if test is not None:
         tracker.log_metrics({"loss/test": test["test_loss"], **forecast_scalars("test", test["test"])},
                             test["epoch"])
-
-
-def _budget_label(args: argparse.Namespace, cfg: TrainConfig) -> str:
-    """How the budget was set, for messages: the flag, or the --config file that holds it."""
-    if args.cfg_vram_budget is None and args.config:
-        return f"vram_budget = {cfg.vram_budget!r} (from --config {args.config})"
-    return f"--vram-budget {cfg.vram_budget}"
 
 
 def budget_plan_fn(budget: int, cfg: TrainConfig, label: str) -> PlanFn:
