@@ -39,6 +39,7 @@ MIN_BLOCKS_PER_BATCH = 8  # ... but at least 8 blocks in a batch
 # The contract fields and their flags' argparse names (features.contracts.add_arguments); None: not given
 CONTRACT_FIELDS = {"contract_col": "contract_col", "roots": "roots", "roll": "roll", "adjust": "adjust",
                    "volume": "volume_mode", "expiration_col": "expiration_col"}
+BOOL_WORDS = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
 
 
 @dataclass(frozen=True)
@@ -208,25 +209,17 @@ def _coerce(name: str, value: Any, default: Any, label: str) -> Any:
         if isinstance(default, float):
             return float(value)
         if isinstance(default, tuple):
-            items = value.split(",") if isinstance(value, str) else list(value)
-            items = [i.strip() if isinstance(i, str) else i for i in items]
-            items = [i for i in items if i != ""]
+            raw = value.split(",") if isinstance(value, str) else list(value)
+            items = [i for i in (x.strip() if isinstance(x, str) else x for x in raw) if i != ""]
             return tuple(float(i) for i in items) if name == "quantiles" else tuple(str(i) for i in items)
         return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, KeyError):
         raise ConfigError(f"{label}: cannot use {value!r} (expected {type(default).__name__})") from None
 
 
 def _as_bool(value: Any) -> bool:
-    """TOML's true/false, or a flag's true/false (also on/off, yes/no, 1/0); ValueError for anything else."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "on", "yes", "1"):
-        return True
-    if text in ("false", "off", "no", "0"):
-        return False
-    raise ValueError(text)
+    """TOML's true/false, or a flag's true/false (also on/off, yes/no, 1/0); KeyError for anything else."""
+    return value if isinstance(value, bool) else BOOL_WORDS[str(value).strip().lower()]
 
 
 def merge(base: TrainConfig, values: dict[str, Any], origin: str) -> TrainConfig:
@@ -290,12 +283,14 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                        help=f"{comments.get(f.name, '')} (default {shown})")
 
 
+def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The fields this command's flags set, by field name."""
+    return {f.name: value for f in fields(TrainConfig) if (value := getattr(args, flag_dest(f.name), None)) is not None}
+
+
 def given_fields(args: argparse.Namespace) -> set[str]:
     """The fields this command sets: in its --config file or as flags (the rest are defaults)."""
-    given = {f.name for f in fields(TrainConfig) if getattr(args, flag_dest(f.name), None) is not None}
-    if getattr(args, "config", None):
-        given |= set(load_toml(Path(args.config)))
-    return given
+    return set(_flag_values(args)) | (set(load_toml(Path(args.config))) if getattr(args, "config", None) else set())
 
 
 def resumed_config(stored: TrainConfig, now: TrainConfig, given: set[str],
@@ -317,9 +312,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     cfg = TrainConfig()
     if getattr(args, "config", None):
         cfg = merge(cfg, load_toml(Path(args.config)), f"--config {args.config}")
-    flags = {f.name: getattr(args, flag_dest(f.name)) for f in fields(TrainConfig)
-             if getattr(args, flag_dest(f.name), None) is not None}
-    cfg = merge(cfg, flags, "flags")
+    cfg = merge(cfg, _flag_values(args), "flags")
     cfg.validate(setting_label(args))
     return cfg
 

@@ -292,11 +292,10 @@ class PreparedData:
 
 def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -> tuple[np.ndarray, ...]:
     """Per-series row boundaries: train [s, b_val), val [b_val + H, b_test), test [b_test + H, e)."""
-    cut_val, cut_test = split_times(frame.timestamp_ns, val_fraction, test_fraction)
-    starts, ends = frame.series_bounds[:, 0], frame.series_bounds[:, 1]
-    b_val = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_val) for s, e in frame.series_bounds])
-    b_test = np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut_test) for s, e in frame.series_bounds])
-    return starts, ends, b_val, b_test, np.array([cut_val, cut_test])
+    cuts = split_times(frame.timestamp_ns, val_fraction, test_fraction)
+    b_val, b_test = (np.array([s + np.searchsorted(frame.timestamp_ns[s:e], cut) for s, e in frame.series_bounds])
+                     for cut in cuts)
+    return frame.series_bounds[:, 0], frame.series_bounds[:, 1], b_val, b_test, np.array(cuts)
 
 
 def split_times(timestamp_ns: np.ndarray, val_fraction: float, test_fraction: float) -> tuple[int, int]:
@@ -309,14 +308,15 @@ def split_times(timestamp_ns: np.ndarray, val_fraction: float, test_fraction: fl
     return int(cut_val), int(cut_test)
 
 
+RESUME_FIX = "resume with the bars the run started with, or start a new run (without --resume) to train on these"
+
+
 def check_resumed_bars(stored: str, now: str, source: str) -> None:
     """DataError when a resumed run reads other bars than its checkpoint's run did."""
-    if stored == now:
-        return
-    raise DataError(f"--resume: these bars are not the ones the checkpoint's run read (its bars: {source}): they "
-                    "split at the same times, but their symbols, rows or values differ. Resuming would compare "
-                    "validation losses over different bars: resume with the bars the run started with, or start a "
-                    "new run (without --resume) to train on these")
+    if stored != now:
+        raise DataError(f"--resume: these bars are not the ones the checkpoint's run read (its bars: {source}): they "
+                        "split at the same times, but their symbols, rows or values differ. Resuming would compare "
+                        f"validation losses over different bars: {RESUME_FIX}")
 
 
 def check_resumed_split(stored: Sequence[int], now: tuple[int, int], test_fraction: float, source: str) -> None:
@@ -332,8 +332,7 @@ def check_resumed_split(stored: Sequence[int], now: tuple[int, int], test_fracti
 
     raise DataError(f"--resume: these bars split as {split(now)}; the checkpoint's run split as {split(stored)} "
                     f"(its bars: {source}). Resuming would train on bars that run held out and compare validation "
-                    "losses over different bars: resume with the bars the run started with, or start a new run "
-                    "(without --resume) to train on these")
+                    f"losses over different bars: {RESUME_FIX}")
 
 
 def warn_about_constant_features(frame: FeatureFrame, train_rows: np.ndarray) -> None:
@@ -351,12 +350,11 @@ def warn_about_constant_features(frame: FeatureFrame, train_rows: np.ndarray) ->
             name not in categorical]
     flat_known = [name for name, sd in zip(schema.known, known_spread, strict=True) if not sd >= MIN_STD and
                   name in user]
-    if flat_user := [name for name in flat if name in user]:
-        log.warning("user feature(s) %s never change over the training bars: the model learns nothing from them; "
-                    "check the column(s) or drop them from --features", ", ".join(flat_user))
-    if flat_known:
-        log.warning("known feature(s) %s never change over the training bars: the model learns nothing from them; "
-                    "check the column(s) or drop them from --known-features", ", ".join(flat_known))
+    for kind, names, flag in (("user", [n for n in flat if n in user], "--features"),
+                              ("known", flat_known, "--known-features")):
+        if names:
+            log.warning("%s feature(s) %s never change over the training bars: the model learns nothing from them; "
+                        "check the column(s) or drop them from %s", kind, ", ".join(names), flag)
     if flat_builtin := [name for name in flat if name not in user]:
         _warn_flat_builtin(flat_builtin)
 
