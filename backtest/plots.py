@@ -7,23 +7,13 @@ from typing import Any
 
 import numpy as np
 
-from features.files import atomic_output
+from trainer.report import write_panels
 
 
 def write_figure(path: Path, scores: dict[str, Any]) -> None:
     """A PNG of four panels over all folds unless named: the reliability diagram, q-risk per horizon step, each
     model's ratio to the best baseline per fold, and the PIT histogram."""
-    from matplotlib.figure import Figure  # imported here: the command's --help needs no plotting library
-
-    fig = Figure(figsize=(14, 9))  # no pyplot: nothing global, no GUI backend, nothing to close
-    ax = fig.subplots(2, 2)
-    _reliability(ax[0, 0], scores)
-    _q_risk_by_step(ax[0, 1], scores)
-    _fold_ratios(ax[1, 0], scores)
-    _pit(ax[1, 1], scores)
-    fig.tight_layout()
-    with atomic_output(path) as tmp:  # whole or not at all
-        fig.savefig(tmp, dpi=90, format="png")
+    write_panels(path, (_reliability, _q_risk_by_step, _fold_ratios, _pit), scores)
 
 
 def _reliability(ax: Any, scores: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,22 +13,27 @@ from features.files import atomic_output
 FAN_WINDOWS = 300
 
 
+def write_panels(path: Path, panels: Sequence[Callable[..., None]], *args: Any) -> None:
+    """A PNG of four panels, 2 x 2 in reading order, each drawn by `panel(ax, *args)`."""
+    from matplotlib.figure import Figure  # imported here: a command's start (and --help) need no plotting library
+
+    fig = Figure(figsize=(14, 9))  # no pyplot: nothing global, no GUI backend, nothing to close
+    for ax, panel in zip(fig.subplots(2, 2).flat, panels, strict=True):
+        panel(ax, *args)
+    fig.tight_layout()
+    with atomic_output(path) as tmp:  # whole or not at all, Ctrl-C included
+        fig.savefig(tmp, dpi=90, format="png")
+
+
 def write_report(path: Path, history: list[dict[str, Any]], outputs: dict[str, np.ndarray], target: np.ndarray,
                  quantiles: tuple[float, ...], observed_names: list[str], known_names: list[str],
                  static_names: list[str]) -> None:
     """Loss curves, a fan chart against realised returns (horizon 1), variable importances and mean
     attention, from the model's `outputs` on consecutive validation windows and their `target` [W, H]."""
-    from matplotlib.figure import Figure  # imported here: a run's start (and --help) need no plotting library
-
-    fig = Figure(figsize=(14, 9))  # no pyplot: nothing global, no GUI backend, nothing to close
-    ax = fig.subplots(2, 2)
-    _loss_curves(ax[0, 0], history)
-    _fan_chart(ax[0, 1], outputs["quantiles"], target, quantiles)
-    _importances(ax[1, 0], outputs, observed_names, known_names, static_names)
-    _attention(ax[1, 1], outputs["attention"], target.shape[1])
-    fig.tight_layout()
-    with atomic_output(path) as tmp:  # whole or not at all, Ctrl-C included
-        fig.savefig(tmp, dpi=90, format="png")
+    write_panels(path, [lambda ax: _loss_curves(ax, history),
+                        lambda ax: _fan_chart(ax, outputs["quantiles"], target, quantiles),
+                        lambda ax: _importances(ax, outputs, observed_names, known_names, static_names),
+                        lambda ax: _attention(ax, outputs["attention"], target.shape[1])])
 
 
 def _loss_curves(ax: Any, history: list[dict[str, Any]]) -> None:
