@@ -350,19 +350,12 @@ class Trainer:
         frame = self.data.frame
         sample = self.data.tensors.batch(torch.from_numpy(self.data.val_anchors[:VALIDATION_SAMPLE_WINDOWS]))
         return {
-            "format": FORMAT,
-            "version": package_version(),
-            "torch_version": str(torch.__version__),
-            "model_config": self.model.cfg.to_dict(),
-            "train_config": self.cfg.to_dict(),
-            "feature_config": frame.config.to_dict(),
-            "feature_schema": frame.schema.to_list(),
-            "normalization": self.data.normalization.to_dict(),
-            "symbols": list(frame.symbols),
-            "bar_interval_ns": int(frame.bar_interval_ns),
-            "column_map": self.columns.to_dict(),
-            "data_source": self.parquet,
-            "split_times_ns": list(self.data.split_times_ns),
+            "format": FORMAT, "version": package_version(), "torch_version": str(torch.__version__),
+            "model_config": self.model.cfg.to_dict(), "train_config": self.cfg.to_dict(),
+            "feature_config": frame.config.to_dict(), "feature_schema": frame.schema.to_list(),
+            "normalization": self.data.normalization.to_dict(), "symbols": list(frame.symbols),
+            "bar_interval_ns": int(frame.bar_interval_ns), "column_map": self.columns.to_dict(),
+            "data_source": self.parquet, "split_times_ns": list(self.data.split_times_ns),
             "data_span_ns": [int(frame.timestamp_ns.min()), int(frame.timestamp_ns.max())],  # the bars trained on
             "bars_digest": self.data.bars_digest,  # what a resume must read again
             "dropped_rows": [d.to_dict() for d in self.data.dropped],  # by --bad-rows drop
@@ -370,21 +363,15 @@ class Trainer:
             "climatology": torch.from_numpy(self.data.climatology.copy()),
             "model_state": (weights := {k: v.detach().cpu() for k, v in self.model.state_dict().items()}),
             "model_state_sha256": state_digest(weights),
-            "optimizer_state": self.optimizer.state_dict(),
-            "scheduler_state": self.scheduler.state_dict(),
+            "optimizer_state": self.optimizer.state_dict(), "scheduler_state": self.scheduler.state_dict(),
             "schedule_steps": self.schedule_steps,  # the schedule's length, kept by a resume with other --epochs
-            "schedule_epochs": self.schedule_epochs,
-            "scaler_state": self.scaler.state_dict(),
-            "epoch": self.epoch,
-            "step": self.step,
+            "schedule_epochs": self.schedule_epochs, "scaler_state": self.scaler.state_dict(),
+            "epoch": self.epoch, "step": self.step,
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []},
-            "metrics_history": self.history,
-            "peak_memory": [h["peak_memory"] for h in self.history],
-            "best_val_loss": self.best_val,
-            "best_epoch": self.best_epoch,
-            "epochs_without_improvement": self.stale_epochs,
-            "plan": self.plan.to_dict(),
+            "metrics_history": self.history, "peak_memory": [h["peak_memory"] for h in self.history],
+            "best_val_loss": self.best_val, "best_epoch": self.best_epoch,
+            "epochs_without_improvement": self.stale_epochs, "plan": self.plan.to_dict(),
             "validation_sample": {k: v.clone() for k, v in sample.items()},
         }
 

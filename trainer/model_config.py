@@ -44,7 +44,6 @@ class ModelConfig:
                              f"{CALENDAR_COLUMNS} known reals first, got {self.quantile_scale!r} and "
                              f"{self.n_known_real} known reals")
 
-    # ---- derived sizes ------------------------------------------------------------------
     @property
     def n_quantiles(self) -> int:
         return len(self.quantiles)
@@ -77,7 +76,6 @@ class ModelConfig:
     def head_size(self) -> int:
         return self.hidden_size // self.attention_heads
 
-    # ---- checks and (de)serialisation ---------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 

@@ -55,9 +55,6 @@ class TFTOutput(NamedTuple):
     decoder_weights: Tensor  # [B, H, n_known]
 
 
-# ---- gating blocks -----------------------------------------------------------------------
-
-
 class Dropout(nn.Module):
     """Inverted dropout (as nn.Dropout); on the CPU its mask is one uniform draw compared in place, 1.7x
     faster than torch's bernoulli_ mask. Identity in eval mode, and so in the exported graph."""
@@ -126,9 +123,6 @@ class GateAddNorm(nn.Module):
         return self.norm(skip + self.gate(self.dropout(x)))  # [..., D]
 
 
-# ---- per-variable (batched) blocks -------------------------------------------------------
-
-
 class BatchedLinear(nn.Module):
     """One independent Linear per variable: weights [V, in, out], applied as one matmul."""
 
@@ -139,7 +133,6 @@ class BatchedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(n_vars, 1, output_size).uniform_(-bound, bound))
 
     def forward(self, x: Tensor) -> Tensor:
-        # einsum("vni,vio->vno", x, weight) + bias
         return torch.baddbmm(self.bias, x, self.weight)  # [V, N, in] @ [V, in, out] + [V, 1, out] -> [V, N, out]
 
 
@@ -214,9 +207,6 @@ class VariableSelectionNetwork(nn.Module):
         per_var = per_var.reshape((*emb.shape[:-1], self.hidden_size))  # [..., V, D]
         out = (per_var * weights.unsqueeze(-1)).sum(dim=-2)  # [..., V, D] weighted by [..., V, 1] -> [..., D]
         return out, weights
-
-
-# ---- TFT stages ----------------------------------------------------------------------------
 
 
 class StaticCovariateEncoder(nn.Module):
@@ -316,9 +306,6 @@ def gaussian_quantiles(levels: tuple[float, ...]) -> Tensor:
     return torch.special.ndtri(torch.tensor(levels, dtype=torch.float64)).float()
 
 
-# ---- the model -----------------------------------------------------------------------------
-
-
 class TemporalFusionTransformer(nn.Module):
     observed_mean: Tensor  # buffers, declared for type checkers
     observed_std: Tensor
@@ -387,7 +374,6 @@ class TemporalFusionTransformer(nn.Module):
             self.vol_persist_logit = nn.Parameter(torch.tensor(math.log(VOL_PERSIST / (1.0 - VOL_PERSIST))))
             self.range_mix_logit = nn.Parameter(torch.tensor(math.log(RANGE_MIX / (1.0 - RANGE_MIX))))
 
-    # ---- normalisation ---------------------------------------------------------------------
     def set_normalization(self, observed_mean: Array, observed_std: Array, known_mean: Array, known_std: Array,
                           target_scale: Array, static_mean: Array | None = None,
                           static_std: Array | None = None) -> None:
@@ -432,7 +418,6 @@ class TemporalFusionTransformer(nn.Module):
             return []
         return [self.vol_decay_logit, self.vol_mix_logit, self.vol_persist_logit, self.range_mix_logit]
 
-    # ---- forward ---------------------------------------------------------------------------
     def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args), recomputed in backward instead of stored when checkpointing a training step."""
         if self.gradient_checkpointing and self.training:
@@ -514,9 +499,8 @@ class TemporalFusionTransformer(nn.Module):
     def _decode(self, statics: Statics, enc_x: Tensor, enc_w: Tensor, decoder_known: Tensor,
                 vol_inputs: Tensor, encoder_calendar: Tensor | None, symbol: Tensor) -> TFTOutput:
         # enc_x [B, L, D] and enc_w [B, L, V] from encoder variable selection; decoder_known raw [B, H, n_known];
-        # vol_inputs [B, L, 2] raw 1-bar log returns and log ranges of the encoder bars (VOL_INPUTS);
-        # encoder_calendar [B, L, 4] raw calendar
-        # features of the encoder bars (a seasonal scale's), else None; symbol [B] int64 ids
+        # vol_inputs [B, L, 2] raw 1-bar log returns and log ranges of the encoder bars (VOL_INPUTS); symbol [B] ids;
+        # encoder_calendar [B, L, 4] raw calendar features of the encoder bars (a seasonal scale's), else None
         L = self.cfg.encoder_length
         c_sel, c_enr, c_h, c_c, static_w = statics  # 4 x [B, D], [B, n_static]
         dec_known = _standardize(decoder_known, self.known_mean, self.known_std, self.cfg.n_known_real)
