@@ -1,13 +1,12 @@
-"""The forecasts a desk already has, on the model's origins: climatology, rolling volatility, GARCH(1,1)-t, and
-where the bars' clock makes them meaningful, seasonal GARCH (intraday bars) and HAR-RV (a horizon of a session or
-more).
+"""The forecasts a desk already has, on the model's origins: climatology, rolling volatility, GARCH(1,1)-t, and where
+the bars' clock makes them meaningful, seasonal GARCH (intraday bars) and HAR-RV (a horizon of a session or more).
 
-Every baseline forecasts the quantiles of the h-bar log return log(close[t+h] / close[t]), h = 1..H, at each
-origin row t, from the bars up to and including t. Climatology, both GARCHs (and the seasonal one's intraday
-profile) and HAR-RV learn only from the fold's training rows (< train_end); rolling volatility, the GARCH filters
-and HAR-RV's realized variances then read the bars up to the origin, never after it. The future bars' times (which
-slot of the profile, which trading day) are the series' next rows' timestamps where they exist, as an exchange
-calendar knows them ahead, else the last bar's time plus whole bar intervals.
+Every baseline forecasts the quantiles of the h-bar log return log(close[t+h] / close[t]), h = 1..H, at each origin row
+t, from the bars up to and including t. Climatology, both GARCHs (and the seasonal one's intraday profile) and HAR-RV
+learn only from the fold's training rows (< train_end); rolling volatility, the GARCH filters and HAR-RV's realized
+variances then read the bars up to the origin, never after it. The future bars' times (which slot of the profile, which
+trading day) are the series' next rows' timestamps where they exist, as an exchange calendar knows them ahead, else the
+last bar's time plus whole bar intervals.
 """
 
 from __future__ import annotations
@@ -114,12 +113,11 @@ def rolling_vol_forecast(log_returns: np.ndarray, origins: np.ndarray, horizon: 
 def garch_forecast(log_returns: np.ndarray, train_end: int, origins: np.ndarray, horizon: int,
                    quantiles: Sequence[float], *, series: str = "the series", season: Season | None = None
                    ) -> np.ndarray:
-    """GARCH(1,1), zero mean, standardised Student-t innovations, fitted on the training rows' returns and
-    filtered forward to the last origin with those parameters fixed; the h-step quantile is the square root of the
-    summed 1..h step variance forecasts times the fitted t's quantile: [W, H, Q].
-    With `season` (the seasonal GARCH) it is fitted and filtered on the returns divided by their bars' profile, and
-    each future bar's variance forecast is multiplied by its bar's profile squared.
-    `log_returns` [N]: row t holds log(close[t] / close[t-1]), NaN at row 0."""
+    """GARCH(1,1), zero mean, standardised Student-t innovations, fitted on the training rows' returns and filtered
+    forward to the last origin with those parameters fixed; the h-step quantile is the square root of the summed 1..h
+    step variance forecasts times the fitted t's quantile: [W, H, Q]. With `season` (the seasonal GARCH) it is fitted
+    and filtered on the returns divided by their bars' profile, and each future bar's variance forecast is multiplied by
+    its bar's profile squared. `log_returns` [N]: row t holds log(close[t] / close[t-1]), NaN at row 0."""
     from arch import arch_model  # the optional extra `.[eval]`; imported where it is used
 
     returns = log_returns[1:] if season is None else log_returns[1:] / season.rows[1:]  # [N - 1], p is row p + 1

@@ -26,8 +26,7 @@ def model_forecasts(model: LoadedModel, frame: FeatureFrame, anchors: np.ndarray
 def baselines_at(frame: FeatureFrame, anchors: np.ndarray, cuts: np.ndarray, quantiles: Sequence[float],
                  window: int) -> dict[str, np.ndarray]:
     """Each baseline of the frame's bars (`frame_baselines`) at `anchors` (grouped by series, as fold_origins gives
-    them), fitted per series on its rows before `cuts` [S], on the closes its targets are made of: name ->
-    [W, H, Q]."""
+    them), fitted per series on its rows before `cuts` [S], on the closes its targets are made of: name -> [W, H, Q]."""
     names = frame_baselines(frame)
     parts: dict[str, list[np.ndarray]] = {}
     for i, (s, e) in enumerate(frame.series_bounds):

@@ -1,11 +1,10 @@
 """Temporal Fusion Transformer (Lim et al. 2021) for quantile forecasts of futures returns.
 
-Shapes: B batch, L encoder length, H horizon, T = L + H, V variables, D hidden_size,
-E per-variable embedding size (cfg.var_hidden), Q quantiles, nh heads, hs head size.
+Shapes: B batch, L encoder length, H horizon, T = L + H, V variables, D hidden_size, E per-variable embedding size
+(cfg.var_hidden), Q quantiles, nh heads, hs head size.
 
-The model takes raw features and returns quantiles in return units: the normalisation and
-the target scale are buffers inside it, so they travel into ONNX. No control flow depends
-on data, and the batch dimension may be dynamic.
+The model takes raw features and returns quantiles in return units: the normalisation and the target scale are buffers
+inside it, so they travel into ONNX. No control flow depends on data, and the batch dimension may be dynamic.
 """
 
 from __future__ import annotations
@@ -175,10 +174,9 @@ class RealEmbedding(nn.Module):
 
 
 class CategoricalEmbedding(nn.Module):
-    """One nn.Embedding per categorical variable, stacked along a variable dimension. Id 0 of a user
-    categorical is its unknown slot, which no training label reaches: a fixed zero vector (`padding_idx`), so an
-    unseen label enters as a neutral input, not as an untrained random one. The first `without_slot` variables
-    (the symbol) have no such slot."""
+    """One nn.Embedding per categorical variable, stacked along a variable dimension. Id 0 of a user categorical is its
+    unknown slot, which no training label reaches: a fixed zero vector (`padding_idx`), so an unseen label enters as a
+    neutral input, not as an untrained random one. The first `without_slot` variables (the symbol) have no such slot."""
 
     def __init__(self, cardinalities: tuple[int, ...], size: int, without_slot: int = 0) -> None:
         super().__init__()

@@ -1,10 +1,9 @@
 """The VRAM planner: fit a training run into a device-memory budget before its first step.
 
-Estimated peak = persistent (weights, gradients, AdamW state, CUDA workspaces, 16-bit weight copies)
-+ max(activations of a forward + backward, optimizer.step() temporaries). Activations are affine in
-the windows of a micro-batch, measured by two trial steps. The plan takes the largest micro-batch
-that fits the budget less a safety margin, prefers no gradient checkpointing, and raises
-accumulation to keep the effective batch; if one window does not fit, `PlanError`.
+Estimated peak = persistent (weights, gradients, AdamW state, CUDA workspaces, 16-bit weight copies) + max(activations
+of a forward + backward, optimizer.step() temporaries). Activations are affine in the windows of a micro-batch, measured
+by two trial steps. The plan takes the largest micro-batch that fits the budget less a safety margin, prefers no
+gradient checkpointing, and raises accumulation to keep the effective batch; if one window does not fit, `PlanError`.
 """
 
 from __future__ import annotations
@@ -105,8 +104,7 @@ class _LiveTensorBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.live = 0
-        self.peak = 0
+        self.live = self.peak = 0
         self._tracked: dict[int, weakref.finalize] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -258,11 +256,9 @@ class Option:
 
 def options_for(mem: MemoryModel, budget: int, batch_size: int) -> list[Option]:
     """For each checkpointing setting, the largest micro-batch that fits."""
-    out = []
-    for ckpt in (False, True):
-        mb = largest_fitting(functools.partial(mem.train_bytes, checkpointing=ckpt), usable_bytes(budget), batch_size)
-        out.append(Option(ckpt, mb, mem.train_bytes(max(mb, 1), ckpt)))
-    return out
+    fitting = {ckpt: largest_fitting(functools.partial(mem.train_bytes, checkpointing=ckpt), usable_bytes(budget),
+                                     batch_size) for ckpt in (False, True)}
+    return [Option(ckpt, mb, mem.train_bytes(max(mb, 1), ckpt)) for ckpt, mb in fitting.items()]
 
 
 def choose_plan(mem: MemoryModel, budget: int, batch_size: int, mode: str, precision: str) -> TrainPlan:
@@ -360,8 +356,7 @@ def assumptions_for(target: Target) -> tuple[str, ...]:
 
 
 def measure_memory(model: TemporalFusionTransformer, batch_fn: BatchFn, target: Target) -> MemoryModel:
-    """Persistent terms from the parameters, activations from trial steps on target.measure_device, with and
-    without gradient checkpointing."""
+    """Persistent terms from the parameters, activations from trial steps with and without checkpointing."""
     device = target.measure_device
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
