@@ -107,7 +107,8 @@ def rolling_vol_forecast(log_returns: np.ndarray, origins: np.ndarray, horizon: 
     hi = origins + 1  # the window is rows [lo, t]; row 0 has no return
     lo = np.maximum(1, hi - window)
     sigma = np.sqrt((squares[hi] - squares[lo]) / (hi - lo))  # [W]
-    return _scaled(sigma[:, None] ** 2 * np.arange(1, horizon + 1), _normal_ppf(quantiles))
+    normal = np.array([NormalDist().inv_cdf(q) for q in quantiles])  # [Q]
+    return _scaled(sigma[:, None] ** 2 * np.arange(1, horizon + 1), normal)
 
 
 def garch_forecast(log_returns: np.ndarray, train_end: int, origins: np.ndarray, horizon: int,
@@ -279,10 +280,6 @@ def future_days(day: np.ndarray, clock: BarClock, origins: np.ndarray, horizon: 
     rows = origins[:, None] + np.arange(1, horizon + 1)  # [W, H]
     beyond = sessions(future_times(clock, origins, horizon), clock.tz) - sessions(clock.timestamp_ns[last:], clock.tz)
     return np.where(rows <= last, day[np.minimum(rows, last)], day[last] + beyond)
-
-
-def _normal_ppf(quantiles: Sequence[float]) -> np.ndarray:
-    return np.array([NormalDist().inv_cdf(q) for q in quantiles])  # [Q]
 
 
 def _scaled(variance: np.ndarray, unit_quantiles: np.ndarray) -> np.ndarray:

@@ -76,9 +76,8 @@ def parameter_groups(model: TemporalFusionTransformer, cfg: TrainConfig) -> list
     rate and without weight decay (which would pull each logit toward 0.5)."""
     scale = model.scale_parameters()
     network = [p for p in model.parameters() if all(p is not q for q in scale)]
-    if not scale:
-        return [{"params": network}]
-    return [{"params": network}, {"params": scale, "lr": cfg.learning_rate * SCALE_LR_FACTOR, "weight_decay": 0.0}]
+    return [{"params": network},
+            *([{"params": scale, "lr": cfg.learning_rate * SCALE_LR_FACTOR, "weight_decay": 0.0}] if scale else [])]
 
 
 class TrainingDiverged(ValueError):
@@ -469,13 +468,12 @@ class Trainer:
 
     def _why_finished(self) -> str:
         """Why a resumed run has no epoch left, and the flags that give it more."""
-        more = []
-        if self._patience_spent():
-            more.append(f"a --patience above {self.stale_epochs} (0: never stop early)")
+        spent = self._patience_spent()
+        more = [f"a --patience above {self.stale_epochs} (0: never stop early)"] if spent else []
         if self.epoch >= self.cfg.epochs:
             more.append(f"--epochs above {self.epoch}")
         why = (f"the run stopped early at epoch {self.epoch}, after {self.stale_epochs} epochs without validation "
-               f"improvement (--patience {self.cfg.patience})" if self._patience_spent()
+               f"improvement (--patience {self.cfg.patience})" if spent
                else f"the run is at epoch {self.epoch} of --epochs {self.cfg.epochs}")
         return f"{why}; to train on, resume with {' and '.join(more)}"
 

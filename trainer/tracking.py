@@ -123,13 +123,8 @@ def forecast_scalars(prefix: str, metrics: Mapping[str, Any]) -> dict[str, float
 def epoch_scalars(record: Mapping[str, Any]) -> dict[str, float]:
     """The figures of one trainer epoch (a line of the metrics JSONL) that a tracker logs at step = epoch."""
     peak = record["peak_memory"]
-    return {
-        "loss/train": float(record["train_loss"]),
-        "loss/val": float(record["val_loss"]),
-        "lr": float(record["lr"]),
-        **forecast_scalars("val", record["val"]),
-        **forecast_scalars("baseline", record["baseline"]),
-        "memory/train_peak_mib": peak["train"]["bytes"] / 2**20,
-        "memory/val_peak_mib": peak["val"]["bytes"] / 2**20,
-        "speed/windows_per_second": float(record["windows_per_second"]),
-    }
+    return {"loss/train": float(record["train_loss"]), "loss/val": float(record["val_loss"]), "lr": float(record["lr"]),
+            **forecast_scalars("val", record["val"]), **forecast_scalars("baseline", record["baseline"]),
+            "memory/train_peak_mib": peak["train"]["bytes"] / 2**20,
+            "memory/val_peak_mib": peak["val"]["bytes"] / 2**20,
+            "speed/windows_per_second": float(record["windows_per_second"])}
