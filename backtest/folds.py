@@ -8,7 +8,7 @@ training target (which ends before the cut) overlaps a test target.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,9 +26,6 @@ class Fold:
     index: int  # 1-based
     cut_ns: int  # the fold trains on bars before this time and forecasts from it on
     end_ns: int  # test origins lie before this time
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 def make_folds(timestamp_ns: np.ndarray, folds: int, test_span: float) -> list[Fold]:

@@ -86,12 +86,10 @@ def _stat(path: Path) -> tuple[int, int, int] | None:
 def continue_command(command: list[str], last: Path) -> str:
     """The run's own `command` resuming from `last`, quoted for a shell."""
     kept: list[str] = []
-    skip = False
-    for arg in command:
-        if skip:
-            skip = False
-        elif arg == "--resume":
-            skip = True
+    args = iter(command)
+    for arg in args:
+        if arg == "--resume":
+            next(args, None)  # its value
         elif not arg.startswith("--resume="):
             kept.append(arg)
     return shlex.join([*kept, "--resume", str(last)])

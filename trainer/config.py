@@ -225,12 +225,10 @@ def _as_bool(value: Any) -> bool:
 def merge(base: TrainConfig, values: dict[str, Any], origin: str) -> TrainConfig:
     """`base` with `values` applied; unknown keys are an error naming the known ones."""
     known = {f.name: f for f in fields(TrainConfig)}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
+    if unknown := sorted(set(values) - set(known)):
         raise ConfigError(f"{origin}: unknown config key(s) {', '.join(unknown)}; known keys: {', '.join(known)}")
     where = flag_name if origin == "flags" else (lambda k: f"{k} ({origin})")
-    updates = {k: _coerce(k, v, getattr(base, k), where(k)) for k, v in values.items()}
-    return replace(base, **updates)
+    return replace(base, **{k: _coerce(k, v, getattr(base, k), where(k)) for k, v in values.items()})
 
 
 def load_toml(path: Path) -> dict[str, Any]:

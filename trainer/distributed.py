@@ -32,9 +32,8 @@ class DistContext:
 
     def device_spec(self, spec: str) -> str:
         """Each rank takes its own GPU: `cuda` becomes `cuda:LOCAL_RANK` under torchrun."""
-        if self.enabled and spec in ("cuda", "auto") and torch.cuda.is_available():
-            return f"cuda:{self.local_rank}"
-        return spec
+        use_own = self.enabled and spec in ("cuda", "auto") and torch.cuda.is_available()
+        return f"cuda:{self.local_rank}" if use_own else spec
 
     def from_main(self, compute: Callable[[], T]) -> T:
         """`compute()` run on rank 0 alone, its result on every rank."""
@@ -53,9 +52,7 @@ class DistContext:
 
     def shard(self, items: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous share of one step's windows (the distributed sampler)."""
-        if not self.enabled:
-            return items
-        return items.tensor_split(self.world_size)[self.rank]
+        return items.tensor_split(self.world_size)[self.rank] if self.enabled else items
 
 
 def init_from_env(device_spec: str) -> DistContext:

@@ -344,7 +344,6 @@ class TemporalFusionTransformer(nn.Module):
         self.known_categorical = CategoricalEmbedding(cfg.known_cardinalities, e) if cfg.known_cardinalities else None
         self.encoder_vsn = VariableSelectionNetwork(cfg.n_encoder_vars, e, d, p, context_size=d)
         self.decoder_vsn = VariableSelectionNetwork(cfg.n_known, e, d, p, context_size=d)
-        # sequence to sequence
         lstm_dropout = p if cfg.lstm_layers > 1 else 0.0
         self.encoder_lstm = nn.LSTM(d, d, cfg.lstm_layers, batch_first=True, dropout=lstm_dropout)
         self.decoder_lstm = nn.LSTM(d, d, cfg.lstm_layers, batch_first=True, dropout=lstm_dropout)

@@ -39,9 +39,7 @@ def open_tracker(spec: str, run_name: str) -> Tracker:
     """The tracker a spec names, its run called `run_name` ("/" nests: "name/fold1"). A TensorBoard run dir that
     exists is appended to, so a resumed run continues its curves."""
     scheme, target = check_spec(spec)
-    if scheme == "tensorboard":
-        return TensorBoardTracker(Path(target) / run_name)
-    return MLflowTracker(target, run_name)
+    return TensorBoardTracker(Path(target) / run_name) if scheme == "tensorboard" else MLflowTracker(target, run_name)
 
 
 class TensorBoardTracker:
