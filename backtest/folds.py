@@ -47,8 +47,7 @@ def cut_rows(frame: FeatureFrame, cut_ns: int) -> np.ndarray:
 
 
 def fold_origins(frame: FeatureFrame, fold: Fold, encoder_length: int, embargo: int) -> np.ndarray:
-    """The fold's origins: rows from `embargo` bars after each series' cut, before fold.end_ns, with every
-    target in the file. int64 [W]."""
+    """Rows from `embargo` bars after each series' cut, before fold.end_ns, with every target in the file: int64 [W]."""
     anchors = anchor_rows(frame, encoder_length, require_targets=True,
                           row_range=(cut_rows(frame, fold.cut_ns) + embargo, frame.series_bounds[:, 1]))
     return anchors[frame.timestamp_ns[anchors] < fold.end_ns]

@@ -64,8 +64,7 @@ def column(name: str, h: int, q: float) -> str:
 
 def fold_table(fold: int, frame: FeatureFrame, anchors: np.ndarray, forecasts: Mapping[str, np.ndarray],
                quantiles: Sequence[float]) -> pa.Table:
-    """One row per origin and symbol: fold, symbol, origin, close, each forecaster's quantiles per step
-    (`column`), and the realised h-bar log returns actual_h1..actual_hH."""
+    """A row per origin and symbol: fold, symbol, origin, close, forecasts (`column`), realised returns actual_hH."""
     horizon = frame.config.horizon
     columns: dict[str, pa.Array] = {
         "fold": pa.array(np.full(anchors.size, fold, dtype=np.int16)),

@@ -11,8 +11,7 @@ from trainer.report import write_panels
 
 
 def write_figure(path: Path, scores: dict[str, Any]) -> None:
-    """A PNG of four panels over all folds unless named: the reliability diagram, q-risk per horizon step, each
-    model's ratio to the best baseline per fold, and the PIT histogram."""
+    """Four panels, over all folds unless named: reliability, q-risk per step, models' ratio per fold, PIT histogram."""
     write_panels(path, (_reliability, _q_risk_by_step, _fold_ratios, _pit), scores)
 
 

@@ -101,8 +101,7 @@ def _claim(out: Path, record: dict[str, Any]) -> None:
 
 
 def _run_fold(plan: BacktestPlan, bars: Bars, fold: Fold, n_folds: int, fc: FeatureConfig) -> None:
-    """Train, export and forecast one fold from `bars` as read for the run's `fc` (per contract when it has
-    contracts); its forecasts file is written last."""
+    """Train, export and forecast one fold from `bars` as read for the run's `fc`; its forecasts are written last."""
     where = plan.out / f"fold{fold.index}"
     where.mkdir(parents=True, exist_ok=True)
     log.info("fold %d of %d: training on the bars before %s", fold.index, n_folds, np.datetime64(fold.cut_ns, "ns"))
@@ -130,8 +129,7 @@ def _run_fold(plan: BacktestPlan, bars: Bars, fold: Fold, n_folds: int, fc: Feat
 
 
 def _train(plan: BacktestPlan, bars: ReadBars, where: Path, index: int) -> None:
-    """The fold's run, as `python -m trainer --no-progress` runs it, its checkpoint at where/ckpt.pt; with
-    --tracking, tracked as the run OUT-foldK."""
+    """The fold's run as `python -m trainer --no-progress` runs it, at where/ckpt.pt; tracked as the run OUT-foldK."""
     try:
         train(bars, plan.config, where / "ckpt.pt", plan.columns, progress=False, tracking=plan.tracking,
               tracking_run=f"{plan.out.name}-fold{index}")
@@ -141,8 +139,7 @@ def _train(plan: BacktestPlan, bars: ReadBars, where: Path, index: int) -> None:
 
 
 def _export(where: Path, name: str, threads: int, bars: ReadBars) -> LoadedModel:
-    """The fold's checkpoint exported, quantiles only (calibrated for "model" on its run's `bars`), its checks'
-    tables in export.log; loaded."""
+    """The fold's checkpoint exported (quantiles; calibrated for "model" on `bars`), checks in export.log; loaded."""
     from export.errors import ExportError
     from export.options import ExportOptions
     from export.pipeline import run_export
@@ -188,8 +185,7 @@ def _track(plan: BacktestPlan, scores: dict[str, Any], record: dict[str, Any]) -
 
 
 def _fold_metrics(block: dict[str, Any]) -> dict[str, float]:
-    """A fold's figures as scalars: each forecaster's mean pinball and interval coverage, each model's ratio
-    to the best baseline."""
+    """A fold's scalars: each forecaster's mean pinball and interval coverage, a model's ratio to the best baseline."""
     out = {}
     for name, s in block["forecasters"].items():
         out[f"{name}/pinball_mean"] = float(s["pinball_mean"])

@@ -50,8 +50,7 @@ RATIO_WIDTH = len("0.000 ()") + max(len(b) for b in BASELINES)  # a model's rati
 
 def backtest_scores(forecasts: Mapping[str, np.ndarray], actual: np.ndarray, fold: np.ndarray,
                     quantiles: Sequence[float], series: np.ndarray | None = None) -> dict[str, Any]:
-    """Scores of each forecast [W, H, Q] against the realised h-bar log returns `actual` [W, H], per `fold` [W]
-    and over all, and in each of those per `series` [W] when given; the layout is in the module docstring."""
+    """Forecasts [W, H, Q] scored against `actual` [W, H] per `fold` [W], over all, and per `series` [W] if given."""
     q = np.asarray(quantiles, dtype=np.float64)
     folds = {str(k): _block(forecasts, actual, fold == k, q, series) for k in np.unique(fold).tolist()}
     every = _block(forecasts, actual, np.ones(actual.shape[0], dtype=bool), q, series)

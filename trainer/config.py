@@ -91,8 +91,7 @@ class TrainConfig:
     threads: int = 0  # CPU threads for torch (0 = torch's default)
 
     def validate(self, label: Callable[[str], str] = str) -> None:
-        """ConfigError naming the first field that makes no sense, as `label(name)` says it (the trainer's command:
-        the flag, or the key in its --config file), with the value it has."""
+        """ConfigError naming the first bad field as `label(name)` says it (flag or --config key), with its value."""
         for ok, message in self._checks(label):
             if not ok:
                 raise ConfigError(message)
@@ -174,7 +173,7 @@ class TrainConfig:
         )
 
     def _model_fields(self) -> dict[str, Any]:
-        """The fields this config shares with ModelConfig (hidden_size, quantiles, ...)."""
+        """The fields this config shares with ModelConfig."""
         return {f.name: getattr(self, f.name) for f in fields(ModelConfig) if hasattr(self, f.name)}
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,8 +189,7 @@ class TrainConfig:
 
     @property
     def block_windows(self) -> int:
-        """The window block in use: window_block, or when 0, 16 but at most batch_size / 8 (so that a
-        batch spans at least 8 stretches of time), and at least 1."""
+        """window_block, or when 0, 16 but at most batch_size / 8 (a batch spans 8 stretches of time), at least 1."""
         return self.window_block or max(1, min(AUTO_WINDOW_BLOCK, self.batch_size // MIN_BLOCKS_PER_BATCH))
 
 
@@ -265,8 +263,7 @@ def flag_dest(field_name: str) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field (`--hidden-size 16`), default None = not given; the contract fields' flags
-    are features.contracts' (every command that reads bars shares them)."""
+    """One flag per field (`--hidden-size 16`), default None: not given; contract fields' are features.contracts'."""
     g = parser.add_argument_group("config fields (each overrides --config; the same names are the TOML keys)")
     comments = field_comments()
     add_arguments(parser)
@@ -282,7 +279,6 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The fields this command's flags set, by field name."""
     return {f.name: value for f in fields(TrainConfig) if (value := getattr(args, flag_dest(f.name), None)) is not None}
 
 
@@ -293,8 +289,7 @@ def given_fields(args: argparse.Namespace) -> set[str]:
 
 def resumed_config(stored: TrainConfig, now: TrainConfig, given: set[str],
                    label: Callable[[str], str] = str) -> TrainConfig:
-    """The checkpoint's recipe with this command's hardware fields and, when given, its epochs and patience;
-    ConfigError naming each recipe field this command changes."""
+    """The checkpoint's recipe, this command's hardware and given stopping rules; ConfigError naming recipe changes."""
     changed = [f"{label(k)} {getattr(now, k)!r} (the checkpoint's: {getattr(stored, k)!r})"
                for k in sorted(given - set(RESUME_OVERRIDABLE)) if getattr(now, k) != getattr(stored, k)]
     if changed:

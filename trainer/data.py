@@ -170,8 +170,7 @@ RANGED_SHARE = 0.9  # bars with a range (high > low) a series needs for its rang
 
 @dataclass(frozen=True)
 class Profile:
-    """A log-volatility profile of the calendar: of one series (fit_profile), or a row per symbol id
-    (training_profile, TemporalFusionTransformer.set_profile)."""
+    """A calendar log-volatility profile: of one series (fit_profile), or a row per symbol id (training_profile)."""
 
     coefficients: np.ndarray  # float32 [(S,) 1 + N_PROFILE_TERMS]  constant, then those of modeling.profile_terms
     bounds: np.ndarray  # float32 [(S,) 2]  the least and most log profile over the fitted slots
@@ -299,8 +298,7 @@ def split_rows(frame: FeatureFrame, val_fraction: float, test_fraction: float) -
 
 
 def split_times(timestamp_ns: np.ndarray, val_fraction: float, test_fraction: float) -> tuple[int, int]:
-    """The first timestamp of validation and of test (past the last bar when there is no test split), as shares
-    of the distinct timestamps."""
+    """The first timestamps of validation and test (test: past the last bar when none), as shares of distinct times."""
     ts_sorted = np.unique(timestamp_ns)
     n = ts_sorted.size
     cut_val = ts_sorted[min(n - 1, int(n * (1.0 - val_fraction - test_fraction)))]
@@ -397,8 +395,7 @@ def warn_about_series(frame: FeatureFrame, train_anchors: np.ndarray, need: int)
 
 @dataclass(frozen=True)
 class ReadBars:
-    """Bars read already, trained on in place of a file (python -m backtest's folds): as
-    features.series.read_contract_bars gives them, per contract for a contract run."""
+    """Bars read already (per contract for a contract run), trained on in place of a file: backtest's folds."""
 
     bars: Bars
     contracts: ContractConfig | None  # the run's contracts (scan_contracts of their file); None: plain series
@@ -461,8 +458,7 @@ def _exchange_zone(bars: Bars, fc: FeatureConfig) -> str:
 
 def _read(source: str | Path | ReadBars, cfg: TrainConfig, columns: ColumnMap,
           features: FeatureConfig | None) -> tuple[FeatureConfig, Bars]:
-    """The run's feature config and its bars as read: a fresh run finds its contracts in the bars (or takes those
-    read with them), a resumed one keeps its own `features`."""
+    """The run's feature config and bars: a fresh run finds its contracts in the bars, a resumed one has `features`."""
     if isinstance(source, ReadBars):
         return features or replace(cfg.feature_config(), contracts=source.contracts), source.bars
     fc = features or replace(cfg.feature_config(), contracts=scan_contracts(source, columns, cfg.contract_flags))
@@ -483,8 +479,7 @@ def training_digest(bars: Bars, config: FeatureConfig) -> str:
 
 
 def _frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None) -> FeatureFrame:
-    """build_frame, its refusals (a static column varying within a series, a resumed run's unknown symbol) as
-    DataError."""
+    """build_frame, its refusals (a static column varying in a series, a resumed run's unknown symbol) as DataError."""
     try:
         return build_frame(bars, config, symbols)
     except ValueError as exc:
@@ -519,8 +514,7 @@ def split_anchors(frame: FeatureFrame, cfg: TrainConfig, starts: np.ndarray, end
 
 
 def fit_normalization(frame: FeatureFrame, train: np.ndarray, train_rows: np.ndarray) -> Normalization:
-    """Normalisation of the inputs over the training rows, and each horizon's target scale over the training
-    windows; DataError when the closes never move (there would be no scale to forecast in)."""
+    """Normalisation over the training rows, target scales over the training windows; DataError if closes never move."""
     spread = np.nanstd(frame.targets[train], axis=0)  # [H]
     if not np.all(spread >= MIN_STD):
         raise DataError(f"the training split's closes never move: its log returns over 1..{spread.size} bars have a "

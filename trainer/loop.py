@@ -169,8 +169,7 @@ class Trainer:
             self._restore(self.resumed)
 
     def _prepare(self) -> PreparedData:
-        """The bars as tensors, with the resumed run's vocabularies and normalisation, or under torchrun rank 0's;
-        contracts and rolls logged."""
+        """The bars as tensors, with the resumed run's (or rank 0's) vocabularies and normalisation; rolls logged."""
         cfg = self.cfg
 
         def fitted() -> tuple[list[str], dict[str, Any], dict[str, Any]]:
@@ -201,8 +200,7 @@ class Trainer:
                  self.best_val, self.best_epoch)
 
     def _epoch_anchors(self) -> torch.Tensor:
-        """Training anchors shuffled in blocks of `block_windows` consecutive windows (their bars are selected
-        once); the order depends on (seed, epoch) only, so resume is exact."""
+        """Anchors shuffled in blocks of `block_windows` (bars selected once), by (seed, epoch): resume is exact."""
         g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.epoch)
         anchors = torch.from_numpy(self.data.train_anchors)
         n, k = anchors.numel(), self.cfg.block_windows
@@ -232,8 +230,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=not self.dist.enabled)
 
     def _optimizer_step(self, anchors: torch.Tensor, step_windows: int) -> float:
-        """One optimizer step over this rank's `anchors` in micro-batches; on OOM, halves the micro-batch and
-        tries again."""
+        """One optimizer step over this rank's `anchors` in micro-batches, the micro-batch halved on OOM."""
         while True:
             try:
                 loss = self._accumulate(anchors, step_windows)
@@ -266,8 +263,7 @@ class Trainer:
         return total
 
     def _after_out_of_memory(self, exc: torch.OutOfMemoryError) -> None:
-        """Frees the step's gradients and halves the micro-batch; re-raises at 1 window, or when other ranks may
-        already be in this step's gradient exchange."""
+        """Frees the gradients, halves the micro-batch; re-raises at 1 window, or when ranks may be exchanging them."""
         self._zero_grad()
         torch.cuda.empty_cache()  # a no-op where CUDA is not in use
         if self._exchanging and self._exchange_armed:
@@ -334,8 +330,7 @@ class Trainer:
         return self.evaluate(self.data.val_anchors, "val")
 
     def evaluate(self, anchors: np.ndarray, split: str) -> dict[str, Any]:
-        """The model's loss and forecast metrics on these windows, beside the climatology baseline's:
-        `{split}_loss`, `{split}` (metrics), `baseline`, `{split}_windows`."""
+        """Loss and forecast metrics beside climatology's: `{split}_loss`, `{split}`, `baseline`, `{split}_windows`."""
         pred = self.predict(anchors, outputs=(QUANTILES,))[QUANTILES]  # [W, H, Q]
         target = self.data.frame.targets[anchors]  # [W, H]
         scale = self.data.normalization.target_scale
@@ -397,8 +392,7 @@ class Trainer:
         return TrainResult(self.paths, self.history, ran, stopped_early, self.plan)
 
     def _start(self) -> None:
-        """Logs the plan; on rank 0, says when nothing is left to train and starts a resumed run's metrics file
-        from its history."""
+        """Logs the plan; on rank 0, says when nothing is left to train and rewrites a resumed run's metrics file."""
         log.info("plan: micro-batch %d x %d accumulation = batch %d, gradient checkpointing %s, %s",
                  self.plan.micro_batch, self.plan.accumulation, self.plan.batch_size,
                  "on" if self.plan.grad_checkpointing else "off", self.plan.precision)
@@ -429,8 +423,7 @@ class Trainer:
                         "to keep those epochs", self.epoch, last, later, last)
 
     def _train_and_validate(self) -> dict[str, Any]:
-        """One epoch and its validation; the epoch's record. Rank 0 validates and every rank takes its figures,
-        so all decide alike."""
+        """One epoch and its validation, its record; rank 0 validates, all ranks take its figures: all decide alike."""
         self.memory.start()
         train_stats = self.train_epoch()
         train_peak = self.memory.read()
@@ -451,8 +444,7 @@ class Trainer:
         return record
 
     def _save(self, record: dict[str, Any]) -> None:
-        """The epoch's checkpoints, then its metrics line. A fresh run's best checkpoint removes an earlier run's
-        report and test scores."""
+        """The epoch's checkpoints, then its metrics line; a fresh run's best removes older report and test scores."""
         self._log_epoch(record)
         state = self.state()
         save_atomic(state, self.paths.last)

@@ -163,7 +163,6 @@ class Trial:
         self.quantiles = torch.tensor(model.cfg.quantiles, dtype=torch.float32, device=device)
 
     def _forward(self, n: int) -> tuple[TFTOutput, dict[str, Tensor]]:
-        """The outputs of n windows, and the batch they came from (on the device)."""
         batch = {k: v.to(self.device) for k, v in self.batch_fn(n).items()}
         with self.autocast():
             return self.model.forward_rows(*row_inputs(batch)), batch
@@ -466,8 +465,7 @@ def confirm_on_card(model: TemporalFusionTransformer, batch_fn: BatchFn, target:
 
 
 def batch_fn_for(tensors: Any, anchors: np.ndarray) -> BatchFn:
-    """Real windows for trial steps: the first n training anchors, repeated if fewer, no bar shared (the most
-    memory n windows can take)."""
+    """Trial windows: the first n training anchors, repeated if fewer, no bar shared (the most memory n can take)."""
 
     def fn(n: int) -> dict[str, Tensor]:
         return tensors.row_batch(torch.from_numpy(np.resize(anchors, n)), share_bars=False)

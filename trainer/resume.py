@@ -39,8 +39,7 @@ class ResumeState:
         return ColumnMap.from_dict(self.ckpt["column_map"])
 
     def vocabulary(self) -> tuple[list[str], Normalization, FeatureConfig]:
-        """The symbols, normalisation and feature config (with its categorical vocabularies) the run fitted: a
-        resume keeps them."""
+        """The symbols, normalisation and feature config (with vocabularies) the run fitted, which a resume keeps."""
         return (list(self.ckpt["symbols"]), Normalization.from_dict(self.ckpt["normalization"]),
                 FeatureConfig.from_dict(self.ckpt["feature_config"]))
 

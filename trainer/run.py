@@ -85,8 +85,7 @@ def train(source: str | Path | ReadBars, cfg: TrainConfig, out: Path, columns: C
 
 @contextlib.contextmanager
 def _tracker(spec: str | None, run: str, trainer: Trainer) -> Iterator[Tracker | None]:
-    """The tracker of `spec` (--tracking) with the run's config logged, on rank 0 (else None); closed however the
-    run ends, so what it logged is kept."""
+    """The tracker of --tracking on rank 0 (else None), the config logged; closed however the run ends."""
     if spec is None or not trainer.dist.is_main:
         yield None
         return
@@ -99,8 +98,7 @@ def _tracker(spec: str | None, run: str, trainer: Trainer) -> Iterator[Tracker |
 
 
 def _judge_best(trainer: Trainer, report: bool, tracker: Tracker | None = None) -> None:
-    """The report and the test scores of the run's best checkpoint, when it is at --out; with a tracker, they
-    and the checkpoint's sha256 are logged."""
+    """The best checkpoint's report and test scores when it is at --out; with a tracker, they and its sha256 logged."""
     wanted = [what for what, on in (("the report", report), ("the test split", trainer.data.test_anchors.size > 0),
                                     ("the tracked checkpoint sha256", tracker is not None)) if on]
     if not wanted:
@@ -118,8 +116,7 @@ def _judge_best(trainer: Trainer, report: bool, tracker: Tracker | None = None) 
 
 
 def _track_best(tracker: Tracker, trainer: Trainer, report: bool, test: dict[str, Any] | None) -> None:
-    """The best checkpoint in the tracker: its path, epoch and sha256 as tags, its report picture, its test
-    scores at step = its epoch."""
+    """The best checkpoint's path, epoch and sha256 as tags, its report, its test scores at step = its epoch."""
     tracker.set_tag("checkpoint", str(trainer.paths.best))
     tracker.set_tag("best_epoch", str(trainer.best_epoch))
     tracker.set_tag("checkpoint_sha256", file_sha256(trainer.paths.best))
@@ -131,8 +128,7 @@ def _track_best(tracker: Tracker, trainer: Trainer, report: bool, test: dict[str
 
 
 def budget_plan_fn(budget: int, cfg: TrainConfig, label: str) -> PlanFn:
-    """The Trainer's plan_fn for a run with a VRAM budget; PlanError without CUDA. `label` says how the budget
-    was set."""
+    """The Trainer's plan_fn for a VRAM budget set as `label` says; PlanError without CUDA."""
     if not torch.cuda.is_available():
         raise PlanError(f"{label} caps CUDA device memory, but CUDA is not available here ({no_cuda_reason()}), so "
                         "the budget cannot be kept. Use --plan-only to see the plan for a CUDA card, or --device cpu "

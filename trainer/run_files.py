@@ -18,8 +18,7 @@ log = logging.getLogger("trainer")
 
 
 def prepare_out(out: Path, parquet: Path) -> RunPaths:
-    """The run's files; ConfigError when one of them is the bars, a directory or a file of another kind.
-    Clears temp files a killed run left."""
+    """The run's files (a killed run's temp files removed); ConfigError for the bars, a directory or a foreign file."""
     paths = RunPaths.for_out(out)
     for written in astuple(paths):
         if problem := clash_with_bars(written, parquet):

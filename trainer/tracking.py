@@ -23,8 +23,7 @@ class TrackingError(ValueError):
 
 
 def check_spec(spec: str) -> tuple[str, str]:
-    """`scheme:target` -> (scheme, target); TrackingError for an unknown scheme, no target, or a backend that is
-    not installed (checked without importing it)."""
+    """`scheme:target` -> (scheme, target); TrackingError for a bad spec or a backend not installed (not imported)."""
     scheme, _, target = spec.partition(":")
     if scheme not in BACKENDS or not target:
         raise TrackingError(f"--tracking {spec}: give tensorboard:DIR (event files under DIR/NAME) or mlflow:URI "
@@ -43,8 +42,7 @@ def open_tracker(spec: str, run_name: str) -> Tracker:
 
 
 class TensorBoardTracker:
-    """Event files in `logdir` through torch's SummaryWriter; flushed after each step's metrics, so a killed run
-    keeps what it logged."""
+    """Event files in `logdir` by torch's SummaryWriter, flushed after each step so a killed run keeps them."""
 
     def __init__(self, logdir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
