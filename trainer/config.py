@@ -178,8 +178,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values; a contract field not given is left out (a plain run's dict holds none of them)."""
-        d = asdict(self)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()
                 if not (k in CONTRACT_FIELDS and v is None)}
 
     @staticmethod
@@ -249,8 +248,7 @@ def load_toml(path: Path) -> dict[str, Any]:
 
 def field_comments() -> dict[str, str]:
     """Each TrainConfig field's trailing comment: the one description, shown by --help too."""
-    src = inspect.getsource(TrainConfig)
-    return dict(re.findall(r"^    (\w+): [^=]+= .+?  # (.+)$", src, re.M))
+    return dict(re.findall(r"^    (\w+): [^=]+= .+?  # (.+)$", inspect.getsource(TrainConfig), re.M))
 
 
 def flag_name(field_name: str) -> str:

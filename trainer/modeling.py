@@ -208,8 +208,7 @@ class VariableSelectionNetwork(nn.Module):
 
 
 class StaticCovariateEncoder(nn.Module):
-    """Static VSN over the categoricals then the reals, then four GRNs: contexts for selection, enrichment, LSTM
-    h0 and c0."""
+    """Static VSN over the categoricals then the reals; four GRNs give the selection, enrichment, h0 and c0 contexts."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -395,10 +394,7 @@ class TemporalFusionTransformer(nn.Module):
                 buf.copy_(t)
 
     def set_profile(self, coefficients: Array, bounds: Array, level: Array, ranged: Array) -> None:
-        """Copy fitted log-volatility profiles (trainer.data.training_profile) into the buffers, a row per symbol
-        id: coefficients [S, 1 + N_PROFILE_TERMS], the constant first; bounds [S, 2], the least and most log
-        profile the fit saw; level [S], the long-run RMS deseasonalised 1-bar return (0: none); ranged [S], 1
-        where the symbol's bars have ranges (not close-only), so that their range enters each bar's variance."""
+        """Copy fitted log-volatility profiles (trainer.data.training_profile), a row per symbol id, to the buffers."""
         for name, value in (("profile_coef", coefficients), ("profile_bounds", bounds), ("profile_level", level),
                             ("profile_ranged", ranged)):
             buf: Tensor = getattr(self, name)
@@ -467,10 +463,9 @@ class TemporalFusionTransformer(nn.Module):
 
     def forward_rows(self, static_categorical: Tensor, row_observed: Tensor, row_known: Tensor, row_window: Tensor,
                      window_rows: Tensor, decoder_known: Tensor, static_real: Tensor | None = None) -> TFTOutput:
-        """The forward of overlapping windows, each distinct bar's encoder variable selection run once.
-        Window b's encoder step l is bar row window_rows[b, l]; bar r takes its static context from
-        window row_window[r]. In eval mode this equals `forward` on the gathered windows; in
-        training, dropout masks are drawn per bar, not per window."""
+        """The forward of overlapping windows, each distinct bar's encoder variable selection run once. Window b's
+        encoder step l is bar row window_rows[b, l]; bar r takes its static context from window row_window[r]. In eval
+        mode this equals `forward` on the gathered windows; in training, dropout masks are drawn per bar, not window."""
         # static_categorical [B, n_static]; row_observed [R, n_obs]; row_known [R, n_known]; row_window [R];
         # window_rows [B, L] int64 in [0, R); decoder_known [B, H, n_known]
         observed, known = self._normalize(row_observed, row_known)  # [R, n_obs], [R, n_known]
@@ -528,21 +523,18 @@ class TemporalFusionTransformer(nn.Module):
                                     decoder_known[..., :CALENDAR_COLUMNS], static_categorical[:, 0])
 
     def _scale(self, encoder_returns: Tensor) -> Tensor:
-        """The unit of the head's output: [B or 1, H, 1]. "volatility": the encoder bars' exponentially weighted
-        root mean square 1-bar return (decay per bar learnt, from VOL_DECAY) times sqrt(h), at least 1% of the
-        training returns' spread (for bars that never move); "fixed": each horizon's training target spread."""
+        """The unit of the head's output: [B or 1, H, 1]. "volatility": _volatility (its decay per bar learnt,
+        from VOL_DECAY) times sqrt(h); "fixed": each horizon's training target spread."""
         if self.cfg.quantile_scale == "fixed":
             return self.target_scale[None, :, None]  # [1, H, 1]
         return self._volatility(encoder_returns)[:, None, None] * self.horizon_root[None, :, None]  # [B, H, 1]
 
     def _volatility(self, encoder_returns: Tensor) -> Tensor:
-        """The exponentially weighted RMS of encoder_returns [B, L], at least 1% of the training returns' spread:
-        [B]."""
+        """The exponentially weighted RMS of the 1-bar returns encoder_returns [B, L] (_ewma_rms): [B]."""
         return self._ewma_rms(encoder_returns.float().square())
 
     def _ewma_rms(self, bar_variance: Tensor) -> Tensor:
-        """The square root of the exponentially weighted mean of bar_variance [B, L], at least 1% of the training
-        returns' spread: [B]."""
+        """The root of the exponentially weighted mean of bar_variance [B, L], >= 1% of the returns' spread: [B]."""
         weights = torch.sigmoid(self.vol_decay_logit) ** self.bar_age  # [L], the last bar's 1
         rms = (bar_variance * (weights / weights.sum())).sum(dim=1).sqrt()  # [B]
         return torch.maximum(rms, 0.01 * self.target_scale[:1])  # [B]; Max, which fp16 graphs run in half
@@ -573,8 +565,7 @@ class TemporalFusionTransformer(nn.Module):
 
 
 def _log_profile(calendar: Tensor, coef: Tensor, bounds: Tensor) -> Tensor:
-    """log p at bars of raw calendar features [B, T, 4] by each window's coefficients [B, 1 + P], held inside its
-    fit's range bounds [B, 2]: [B, T]."""
+    """log p [B, T] at raw calendar features [B, T, 4] by each window's coefficients [B, 1 + P], in bounds [B, 2]."""
     terms = torch.stack(profile_terms(*calendar.float().unbind(-1)), dim=-1)  # [B, T, P]
     log_p = (terms @ coef[:, 1:, None])[..., 0] + coef[:, :1]  # [B, T]
     return torch.minimum(torch.maximum(log_p, bounds[:, :1]), bounds[:, 1:])  # [B, T]

@@ -482,17 +482,12 @@ def format_report(r: PlanReport, refused: bool = False) -> str:
         lines.append(f"budget {format_bytes(r.budget_bytes)}: usable {format_bytes(usable_bytes(r.budget_bytes))}, "
                      f"{SAFETY_FRACTION:.0%} kept free for allocator fragmentation, library workspaces and "
                      "estimate error")
-    lines.extend(r.notes if not refused else ())
-    lines += [f"model: {r.memory.parameters:,} parameters", ""]
     rows = _term_rows(r)
     w = max(len(n) for n, _, _ in rows)
-    lines.append(f"  {'term':<{w}}  {'size':>11}  what it is")
-    lines += [f"  {n:<{w}}  {s:>11}  {d}" for n, s, d in rows]
-    lines += ["", *_option_lines(r, refused), ""]
-    lines += list(r.notes) if refused else _plan_lines(r)
-    lines.append("assumptions:")
-    lines += [f"  - {a}" for a in assumptions_for(r.target)]
-    lines.append(f"planned in {r.seconds:.1f} s")
+    lines += [*(r.notes if not refused else ()), f"model: {r.memory.parameters:,} parameters", "",
+              f"  {'term':<{w}}  {'size':>11}  what it is", *(f"  {n:<{w}}  {s:>11}  {d}" for n, s, d in rows),
+              "", *_option_lines(r, refused), "", *(r.notes if refused else _plan_lines(r)),
+              "assumptions:", *(f"  - {a}" for a in assumptions_for(r.target)), f"planned in {r.seconds:.1f} s"]
     return "\n".join(lines)
 
 
