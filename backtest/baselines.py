@@ -236,8 +236,7 @@ def realized_variance(log_returns: np.ndarray, day: np.ndarray) -> tuple[np.ndar
 
 
 def har_design(rv: np.ndarray) -> np.ndarray:
-    """HAR's regressors at the end of days 21 .. D - 1 of daily RV [D]: 1, RV, the mean RV over the last 5 days
-    and over the last 22 days. [D - 21, 4]."""
+    """HAR's regressors at the end of days 21 .. D - 1 of daily RV [D]: 1, RV, its 5- and 22-day means: [D - 21, 4]."""
     cum = np.concatenate([[0.0], np.cumsum(rv)])  # [D + 1], sum of days < i
     k = np.arange(MONTH_DAYS - 1, rv.size)
     weekly = (cum[k + 1] - cum[k + 1 - WEEK_DAYS]) / WEEK_DAYS
@@ -283,6 +282,5 @@ def future_days(day: np.ndarray, clock: BarClock, origins: np.ndarray, horizon: 
 
 
 def _scaled(variance: np.ndarray, unit_quantiles: np.ndarray) -> np.ndarray:
-    """Quantiles of a variable with `variance` [W, H] whose standardised quantiles are `unit_quantiles` [Q]:
-    [W, H, Q]."""
+    """Quantiles of a variable of `variance` [W, H] whose standardised quantiles are `unit_quantiles` [Q]: [W, H, Q]."""
     return np.sqrt(variance)[..., None] * unit_quantiles

@@ -139,9 +139,8 @@ class TrainConfig:
         ]
 
     def feature_config(self) -> FeatureConfig:
-        """The features this run computes, before its categorical vocabularies are fitted (and, for calendar_tz
-        "exchange", its zone: UTC until the bars name their roots); ValueError for a column in two roles or a
-        categorical column in none."""
+        """The features this run computes, before its vocabularies are fitted (and for calendar_tz "exchange" its zone:
+        UTC until the bars name their roots); ValueError for a column in two roles or a categorical one in none."""
         tz = "UTC" if self.calendar_tz == EXCHANGE_ZONE else self.calendar_tz
         return FeatureConfig(self.horizon, self.volatility_window, tuple(self.features), tz,
                              tuple(self.known_features), tuple(self.static_features),

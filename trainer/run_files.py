@@ -35,8 +35,7 @@ def prepare_out(out: Path, parquet: Path) -> RunPaths:
 
 
 def runs_best(path: Path, best_epoch: int, history: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The checkpoint at `path` when this run saved it at its best epoch (its epochs are this run's first ones);
-    None when it is missing or another run's."""
+    """The checkpoint at `path` if this run saved it at its best epoch (its epochs this run's first), else None."""
     try:
         ckpt = load_checkpoint(path)
     except CheckpointError:
