@@ -90,8 +90,7 @@ def build_model(cfg: TrainConfig, data: PreparedData, device: torch.device) -> T
     model = TemporalFusionTransformer(cfg.model_config(len(frame.schema.observed), len(frame.schema.known),
                                                        len(frame.symbols), frame.config))
     model.set_normalization(n.observed.mean, n.observed.std, n.known.mean, n.known.std, n.target_scale,
-                            static_mean=n.static.mean if n.static is not None else None,
-                            static_std=n.static.std if n.static is not None else None)
+                            *((n.static.mean, n.static.std) if n.static is not None else ()))
     if model.cfg.seasonal_scale and data.profile is not None:
         p = data.profile
         model.set_profile(p.coefficients, p.bounds, p.level, p.ranged)
@@ -285,9 +284,8 @@ class Trainer:
         if self.dist.rank:  # dropout masks of their own on the other ranks; (seed, rank, epoch) keeps resume exact
             torch.manual_seed((self.cfg.seed * 1_000_003 + self.dist.rank) * 1_009 + self.epoch)
         # disable=None: no bar where stderr is not a terminal
-        bar = tqdm(total=anchors.numel(), unit="win", unit_scale=True, disable=None if self.progress else True,
-                   leave=False, desc=f"epoch {self.epoch + 1}/{self.cfg.epochs}", dynamic_ncols=True)
-        with bar:
+        with tqdm(total=anchors.numel(), unit="win", unit_scale=True, disable=None if self.progress else True,
+                  leave=False, desc=f"epoch {self.epoch + 1}/{self.cfg.epochs}", dynamic_ncols=True) as bar:
             for step_anchors in anchors.split(self.cfg.batch_size):  # each gives every rank a window (steps_per_epoch)
                 mine = self.dist.shard(step_anchors)
                 losses.append(self._optimizer_step(mine, step_anchors.numel()))
