@@ -194,13 +194,12 @@ class TrainConfig:
 def _coerce(name: str, value: Any, default: Any, label: str) -> Any:
     """Convert a TOML or flag value to the field's type, with a clear error naming it as `label`."""
     try:
-        if isinstance(default, bool):
-            return _as_bool(value)
-        if isinstance(value, bool):  # TOML's true/false is not a number (bool is an int in Python)
+        if isinstance(default, bool):  # TOML's true/false, or a flag's (also on/off, yes/no, 1/0)
+            return value if isinstance(value, bool) else BOOL_WORDS[str(value).strip().lower()]
+        fraction = isinstance(default, int) and isinstance(value, float) and not value.is_integer()
+        if isinstance(value, bool) or fraction:  # TOML's true/false is not a number (bool is an int in Python)
             raise ValueError
         if isinstance(default, int):
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
             return int(value)
         if isinstance(default, float):
             return float(value)
@@ -211,11 +210,6 @@ def _coerce(name: str, value: Any, default: Any, label: str) -> Any:
         return str(value)
     except (TypeError, ValueError, KeyError):
         raise ConfigError(f"{label}: cannot use {value!r} (expected {type(default).__name__})") from None
-
-
-def _as_bool(value: Any) -> bool:
-    """TOML's true/false, or a flag's true/false (also on/off, yes/no, 1/0); KeyError for anything else."""
-    return value if isinstance(value, bool) else BOOL_WORDS[str(value).strip().lower()]
 
 
 def merge(base: TrainConfig, values: dict[str, Any], origin: str) -> TrainConfig:
@@ -264,9 +258,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("config fields (each overrides --config; the same names are the TOML keys)")
     comments = field_comments()
     add_arguments(parser)
-    for f in fields(TrainConfig):
-        if f.name in CONTRACT_FIELDS:
-            continue
+    for f in [f for f in fields(TrainConfig) if f.name not in CONTRACT_FIELDS]:
         listed = isinstance(f.default, tuple)
         shown = ",".join(str(x) for x in f.default) if isinstance(f.default, tuple) else repr(f.default)
         shown = shown or "none"  # an empty list (--features): not "(default )"
