@@ -112,15 +112,13 @@ def summary_lines(scores: dict[str, Any]) -> list[str]:
     q = scores["quantiles"]
     blocks = dict(scores["folds"]) if len(scores["folds"]) <= MAX_SUMMARY_FOLDS else {}
     blocks["all"] = scores["all"]
-    total = scores["all"]["origins"]
-    lines = [f"backtest: {len(scores['folds'])} folds, {total} origins, horizon {scores['horizon']}, "
-             f"quantiles {' '.join(f'{x:g}' for x in q)}"]
+    lines = [f"backtest: {len(scores['folds'])} folds, {scores['all']['origins']} origins, "
+             f"horizon {scores['horizon']}, quantiles {' '.join(f'{x:g}' for x in q)}"]
     if len(scores["folds"]) > MAX_SUMMARY_FOLDS:
         lines.append(f"(per-fold figures: over {MAX_SUMMARY_FOLDS} folds, see the JSON file)")
     lines += _pinball_table(blocks, scores["forecasters"])
     models = [n for n in scores["forecasters"] if n.startswith("model")]
-    if models:
-        lines += _model_table(blocks, models, q)
+    lines += _model_table(blocks, models, q) if models else []
     if fold_mean := scores["all"]["fold_mean_ratio_to_best_baseline"]:
         lines.append("mean over folds of the ratio to the best baseline: "
                      + ", ".join(f"{m} {r:.3f}" for m, r in fold_mean.items()))
@@ -147,8 +145,7 @@ def _model_table(blocks: dict[str, Any], models: list[str], q: list[float]) -> l
     head2 = f"{'fold':>4}  " + " | ".join(cols for _ in models)
     rows = [f"{k:>4}  " + " | ".join(_model_cells(b["forecasters"][m], p50) for m in models)
             for k, b in blocks.items()]
-    nominal = q[-1] - q[0]
-    return [f"model: mean pinball / the best baseline's; {outer} coverage (nominal {nominal * 100:g}%)",
+    return [f"model: mean pinball / the best baseline's; {outer} coverage (nominal {(q[-1] - q[0]) * 100:g}%)",
             head1, head2, *rows]
 
 
