@@ -91,9 +91,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BarDataError as exc:
-        print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars:", file=sys.stderr)
-        for line in exc.lines():
-            print(f"  {line}", file=sys.stderr)
+        print(f"error: {exc.summary(args.parquet)}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -47,11 +47,7 @@ def windows_from_bars(path: Path, ckpt: dict[str, Any], cfg: ModelConfig, column
             bars = bars.only(known)
         frame = build_frame(bars, feature_config, symbols, int(ckpt["bar_interval_ns"]))
     except BarDataError as exc:
-        lines = exc.lines()
-        shown = "; ".join(lines[:5])
-        more = (f" (the first 5 shown; `python -m features.check {path}` with the training run's column flags lists "
-                "all)" if len(lines) > 5 else "")
-        raise UsageError(f"--bars {path}: {len(exc.problems)} problem(s) in the bars{more}: {shown}") from None
+        raise UsageError(f"--bars {exc.summary(str(path), most=5, inline=True)}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise UsageError(f"--bars {path}: cannot build the model's features: {exc}") from None
     anchors = anchor_rows(frame, cfg.encoder_length, require_targets=False)

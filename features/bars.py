@@ -204,6 +204,15 @@ class BarDataError(Exception):
         return [line + (f" (the same in {n - 1} more file{'s' if n > 2 else ''})" if n > 1 else "")
                 for line, n in seen.values()]
 
+    def summary(self, source: str, most: int = 0, inline: bool = False) -> str:
+        """"SOURCE: N problem(s) in the bars:", then each of lines() (the first `most` where there are more) on a
+        line of its own, or after it separated by "; " (`inline`)."""
+        lines = self.lines()
+        more = (f" (the first {most} shown; `python -m features.check {source}` with the same column flags lists "
+                "all)" if 0 < most < len(lines) else "")
+        head, shown = f"{source}: {len(self.problems)} problem(s) in the bars{more}:", lines[:most or None]
+        return f"{head} {'; '.join(shown)}" if inline else "\n  ".join([head, *shown])
+
 
 class ColumnBlock(Mapping[str, np.ndarray]):
     """Named columns held as the rows of one `[columns, n]` array; `block_for` takes the block whole."""

@@ -488,11 +488,7 @@ def _wanted_symbols(meta: ModelMeta, bars: Bars, asked: list[str], path: Path, c
 
 
 def _print_bar_problems(exc: BarDataError, args: argparse.Namespace, stored: dict[str, str] | None) -> None:
-    lines = exc.lines()
-    shown = "\n  ".join(lines[:10])
-    more = (f" (the first 10 shown; `python -m features.check {args.parquet}` with the model's column flags "
-            "lists all)" if len(lines) > 10 else "")
-    print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars{more}:\n  {shown}", file=sys.stderr)
+    print(f"error: {exc.summary(args.parquet, most=10)}", file=sys.stderr)
     if lacks_a_column(exc.problems) and (note := ColumnMap.inherited(args, stored, column_names(args.parquet))):
         print(note, file=sys.stderr)
 

@@ -153,9 +153,7 @@ def _train(args: argparse.Namespace, cfg: TrainConfig) -> int:
     try:
         return run_training(args, cfg)
     except BarDataError as exc:
-        print(f"error: {args.parquet}: {len(exc.problems)} problem(s) in the bars:", file=sys.stderr)
-        for line in exc.lines():
-            print(f"  {line}", file=sys.stderr)
+        print(f"error: {exc.summary(args.parquet)}", file=sys.stderr)
         return 2
     except RUN_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
