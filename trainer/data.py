@@ -22,8 +22,8 @@ from features.calendar import (
     NS_PER_DAY,
     DayOffsets,
     infer_bar_interval_ns,
+    local_ns,
     profile_slots,
-    utc_offset_ns,
 )
 from features.check import format_timestamp
 from features.compute import FeatureFrame, build_frame, with_trading_hours, with_vocabularies
@@ -256,8 +256,7 @@ def _slot_stats(returns: np.ndarray, timestamp_ns: np.ndarray, tz: str, bar_inte
     r = np.asarray(returns, dtype=np.float64)  # [n]
     ok = np.isfinite(r)
     ts = np.asarray(timestamp_ns, dtype=np.int64)[ok]
-    local = ts + (utc_offset_ns(ts, tz) if tz != "UTC" else 0)
-    tod = local % NS_PER_DAY  # [n] ns into the local day
+    tod = local_ns(ts, tz) % NS_PER_DAY  # [n] ns into the local day
     slot, n_slots = profile_slots(ts, bar_interval_ns, tz)  # [n]
     weekly = bar_interval_ns >= HOUR_NS
     count = np.bincount(slot, minlength=n_slots).astype(np.float64)  # [slots]
