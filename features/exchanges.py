@@ -123,8 +123,8 @@ PRODUCTS: dict[str, Product] = {
     **_products(CBOT, "CMEGlobex_Grains", "grain", "ZC", "ZS", "ZW", "ZM", "ZL", "KE"),
     **_products(CME, "CMEGlobex_Lean_Hog", "lean_hogs", "HE"),
     **_products(CME, "CMEGlobex_Live_Cattle", "last_business_day", "LE"),
-    **_products(EUREX, "EUREX", "third_friday", "FDAX", "FDXM", "FDXS", "FESX", "FSMI"),
-    **_products(EUREX, "EUREX_Bond", "eurex_bond", "FGBL", "FGBM", "FGBS", "FGBX"),
+    **_products(EUREX, "XEUR", "third_friday", "FDAX", "FDXM", "FDXS", "FESX", "FSMI"),
+    **_products(EUREX, "XEUR", "eurex_bond", "FGBL", "FGBM", "FGBS", "FGBX"),
 }
 
 

@@ -48,5 +48,7 @@ def future_known(last_ns: np.ndarray, config: FeatureConfig, bar_interval_ns: in
 def future_times(last_ns: np.ndarray, config: FeatureConfig, bar_interval_ns: int,
                  series: np.ndarray | None = None) -> np.ndarray:
     """The times of the H bars after each `last_ns` [B], int64 [B, H]: within the trading hours the model learnt
-    for each of `series` [B] (names; a contract model's are its roots), every bar interval where it has none."""
-    return next_bar_times(last_ns, bar_interval_ns, config.horizon, config.calendar_tz, config.hours_of(series))
+    for each of `series` [B] (names; a contract model's are its roots) and out of a known root's holidays and early
+    closes, every bar interval where it has none."""
+    return next_bar_times(last_ns, bar_interval_ns, config.horizon, config.calendar_tz, config.hours_of(series),
+                          series)

@@ -5,16 +5,20 @@ interval at a time from the last bar runs through the exchange's daily halt and 
 a Friday-afternoon forecast of 12 hourly bars would describe Friday night and Saturday. The hours are learnt from
 the bars, as the vendor stamps them, rather than taken from a packaged exchange calendar: a product's hours differ
 within one exchange (Eurex's DAX future trades from 01:10 CET, its packaged calendar opens at 08:00), and a
-vendor's bars are the grid the model forecasts on.
+vendor's bars are the grid the model forecasts on. What a week's hours cannot know ahead, the exchange's holidays and
+early closes, comes from the root's exchange calendar (features.exchanges, pandas-market-calendars).
 """
 
 from __future__ import annotations
 
 import functools
+from datetime import datetime
+from zoneinfo import ZoneInfo
 
 import numpy as np
 
-from features.calendar import NS_PER_DAY, future_timestamps, local_ns
+from features.calendar import NS_PER_DAY, NS_PER_SECOND, future_timestamps, local_ns
+from features.exchanges import PRODUCTS, Exchange
 
 MINUTE_NS = 60_000_000_000
 WEEK_MINUTES = 7 * 24 * 60
@@ -73,22 +77,76 @@ def _skips(hours: str, slot: int) -> np.ndarray:
     return ahead[np.searchsorted(ahead, np.arange(n_slots))] - np.arange(n_slots)
 
 
+def _day_start_ns(day: np.datetime64, exchange: Exchange) -> int:
+    """When the exchange's trading day `day` begins (UTC ns): its local midnight less the hours it starts early."""
+    local = (day - np.timedelta64(exchange.day_starts, "h")).astype(datetime)
+    return int(local.replace(tzinfo=ZoneInfo(exchange.tz)).timestamp()) * NS_PER_SECOND
+
+
+@functools.lru_cache(maxsize=512)
+def closed_spans(root: str, year: int) -> tuple[np.ndarray, np.ndarray]:
+    """When `root` does not trade in `year` though its week's hours would (UTC ns, int64 starts [S] and ends [S],
+    by start): a weekday holiday of its exchange calendar, the whole trading day; an early close, the rest of its
+    trading day. None of either for a root the exchanges' table lacks."""
+    if (product := PRODUCTS.get(root)) is None:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    import pandas_market_calendars as mcal
+
+    calendar = mcal.get_calendar(product.calendar)
+    schedule = calendar.schedule(f"{year}-01-01", f"{year}-12-31")
+    days = np.arange(np.datetime64(f"{year}-01-01"), np.datetime64(f"{year + 1}-01-01"))
+    weekdays = days[(days.astype(np.int64) + MONDAY_OFFSET_DAYS) % 7 < 5]
+    holidays = np.setdiff1d(weekdays, schedule.index.values.astype("datetime64[D]"))
+    early = calendar.early_closes(schedule)["market_close"]
+    ex = product.exchange
+    starts = [*(_day_start_ns(d, ex) for d in holidays), *early.to_numpy("datetime64[ns]").astype(np.int64)]
+    ends = [_day_start_ns(d + 1, ex) for d in (*holidays, *early.index.values.astype("datetime64[D]"))]
+    order = np.argsort(starts)
+    return np.asarray(starts, np.int64)[order], np.asarray(ends, np.int64)[order]
+
+
+def _spans(root: str, first_ns: int, last_ns: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """`root`'s closed spans of the years from `first_ns` to `last_ns`; None when it has none."""
+    first, last = (int(np.datetime64(t, "ns").astype("datetime64[Y]").astype(int)) + 1970 for t in (first_ns, last_ns))
+    spans = [closed_spans(root, year) for year in range(first, last + 1)]
+    starts, ends = np.concatenate([a for a, _ in spans]), np.concatenate([b for _, b in spans])
+    return (starts, ends) if starts.size else None
+
+
+def _leave_spans(x: np.ndarray, spans: tuple[np.ndarray, np.ndarray], interval: int) -> bool:
+    """Moves each time of `x` inside a span on by whole intervals to the span's end or past it; True if any moved."""
+    starts, ends = spans
+    k = np.searchsorted(starts, x, "right") - 1
+    inside = (k >= 0) & (x < ends[np.maximum(k, 0)])
+    x[inside] += -((x[inside] - ends[k[inside]]) // interval) * interval
+    return bool(inside.any())
+
+
 def next_bar_times(last_ns: np.ndarray, bar_interval_ns: int, horizon: int, tz: str,
-                   hours: np.ndarray | None = None) -> np.ndarray:
+                   hours: np.ndarray | None = None, series: np.ndarray | None = None) -> np.ndarray:
     """The times of the next `horizon` bars after each `last_ns` [B], int64 [B, H]: one bar interval on, then on
     to the next slot in session of the window's `hours` [B] (learn_hours' ranges; "" or None: every time is in
-    session, the nominal times last + h * interval)."""
+    session, the nominal times last + h * interval) and, for a window with hours whose series [B] is a root the
+    exchanges' table knows, out of its exchange's holidays and early closes (closed_spans)."""
     last = np.asarray(last_ns, dtype=np.int64)
     slot = _slot_minutes(bar_interval_ns)
     if hours is None or not slot or not any(hours):
         return future_timestamps(last, bar_interval_ns, horizon)
-    names, which = np.unique(np.broadcast_to(np.asarray(hours, dtype=str), last.shape), return_inverse=True)
-    groups = [(np.flatnonzero(which == k), _skips(str(name), slot)) for k, name in enumerate(names) if name]
+    hours = np.broadcast_to(np.asarray(hours, dtype=str), last.shape).reshape(-1)
+    roots = np.broadcast_to(np.asarray("" if series is None else series, dtype=str), last.shape).reshape(-1)
+    keys, which = np.unique(np.char.add(np.char.add(hours, "|"), roots), return_inverse=True)
+    reach = (int(last.min()), int(last.max()) + (horizon + 1) * bar_interval_ns + 8 * NS_PER_DAY)
+    groups = [(np.flatnonzero(which == k), _skips(h, slot), _spans(root, *reach))
+              for k, (h, root) in enumerate(str(key).split("|") for key in keys) if h]
     out = np.empty((last.size, horizon), dtype=np.int64)
     x = last.reshape(-1).copy()
     for h in range(horizon):
         x += bar_interval_ns
-        for rows, skips in groups:
-            x[rows] += skips[_week_minute(local_ns(x[rows], tz)) // slot] * np.int64(bar_interval_ns)
+        for rows, skips, spans in groups:
+            y = x[rows]
+            y += skips[_week_minute(local_ns(y, tz)) // slot] * np.int64(bar_interval_ns)
+            while spans is not None and _leave_spans(y, spans, bar_interval_ns):
+                y += skips[_week_minute(local_ns(y, tz)) // slot] * np.int64(bar_interval_ns)
+            x[rows] = y
         out[:, h] = x
     return out.reshape(*last.shape, horizon)

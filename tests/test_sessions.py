@@ -56,6 +56,33 @@ def test_future_bars_skip_the_close_the_weekend_and_a_gap_in_the_session() -> No
     np.testing.assert_array_equal(nominal[0], friday_13 + np.arange(1, 4) * HOUR_NS)
 
 
+def globex_hours() -> str:
+    """CME Globex's week learnt from hourly bars: Sunday 17:00 to Friday 16:00 Chicago, halted 16:00-17:00 daily."""
+    sunday_17 = MONDAY_NS - 7 * HOUR_NS + CST
+    week = [sunday_17 + h * HOUR_NS for h in range(5 * 24 - 1) if h % 24 != 23]  # no bar in the halt's hour
+    return learn_hours(np.array([t + w * 7 * NS_PER_DAY for w in range(6) for t in week]), HOUR_NS, CHICAGO)
+
+
+def chicago(stamp: str) -> int:
+    return int(np.datetime64(stamp, "ns").astype(np.int64)) + CST  # a winter (CST) time in Chicago, as UTC ns
+
+
+@pytest.mark.parametrize(("last", "expected"), [
+    # Christmas 2022 (a Sunday) is kept on Monday the 26th: Globex reopens for Tuesday's session that evening
+    ("2022-12-23T15:00", ["2022-12-26T17:00", "2022-12-26T18:00", "2022-12-26T19:00"]),
+    # Thanksgiving: equity futures stop at 12:00 and reopen at 17:00 for Friday's session
+    ("2022-11-24T10:00", ["2022-11-24T11:00", "2022-11-24T17:00", "2022-11-24T18:00"]),
+])
+def test_future_bars_skip_the_exchanges_holidays_and_early_closes(last: str, expected: list[str]) -> None:
+    hours = globex_hours()
+    got = next_bar_times(np.array([chicago(last)] * 2), HOUR_NS, 3, CHICAGO, np.array([hours] * 2),
+                         np.array(["MES", "XYZ"]))  # XYZ: a root without an exchange calendar
+    np.testing.assert_array_equal(got[0], [chicago(t) for t in expected])
+    weekly = next_bar_times(np.array([chicago(last)]), HOUR_NS, 3, CHICAGO, np.array([hours]))[0]
+    np.testing.assert_array_equal(got[1], weekly)
+    assert not np.array_equal(weekly, got[0])
+
+
 def test_a_config_keeps_its_hours_and_one_stored_without_them_forecasts_every_interval() -> None:
     hours = learn_hours(day_session_bars(weeks=6), HOUR_NS, CHICAGO)
     config = FeatureConfig(horizon=3, calendar_tz=CHICAGO, trading_hours=(("HE", hours),))
