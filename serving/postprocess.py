@@ -45,12 +45,9 @@ def spacing_warnings(prepared: Prepared, interval_ns: int) -> dict[int, tuple[st
     if (ts[:, -1] - ts[:, 0] <= gaps * interval_ns).all():
         return {}
     near = np.count_nonzero(np.diff(ts, axis=1) < interval_ns + interval_ns // 2, axis=1)  # [B]
-    out: dict[int, tuple[str, ...]] = {}
-    for b in np.flatnonzero(2 * near <= gaps):
-        if warning := spacing_warning(f"series[{b}] ({prepared.symbols[b]}): the bars the model reads",
-                                      ts[b], interval_ns):
-            out[int(b)] = (warning,)
-    return out
+    found = {int(b): spacing_warning(f"series[{b}] ({prepared.symbols[b]}): the bars the model reads", ts[b],
+                                     interval_ns) for b in np.flatnonzero(2 * near <= gaps)}
+    return {b: (warning,) for b, warning in found.items() if warning}
 
 
 def build_response(prepared: Prepared, outputs: dict[str, np.ndarray], meta: ModelMeta, version: str,
@@ -60,16 +57,12 @@ def build_response(prepared: Prepared, outputs: dict[str, np.ndarray], meta: Mod
     prices = price_quantiles(prepared.last_close, q)  # [B, H, Q]
     levels = list(meta.quantiles)
     warnings = spacing_warnings(prepared, meta.bar_interval_ns)
-    forecasts = []
-    for b, symbol in enumerate(prepared.symbols):
-        f = pb.Forecast(
-            symbol=symbol, last_timestamp_ns=int(prepared.last_timestamp_ns[b]),
-            last_close=float(prepared.last_close[b]), timestamp_ns=prepared.future_timestamp_ns[b].tolist(),
-            quantile_levels=levels, horizon=meta.horizon, log_return=q[b].ravel().tolist(),
-            price=prices[b].ravel().tolist(), model_version=version,
-            warnings=(*warnings.get(b, ()), *(f"series[{b}] ({symbol}): {note}" for note in prepared.notes[b])),
-        )
-        if explain:
-            f.explanation.CopyFrom(explanation(prepared, outputs, meta, b))
-        forecasts.append(f)
+    forecasts = [pb.Forecast(
+        symbol=symbol, last_timestamp_ns=int(prepared.last_timestamp_ns[b]),
+        last_close=float(prepared.last_close[b]), timestamp_ns=prepared.future_timestamp_ns[b].tolist(),
+        quantile_levels=levels, horizon=meta.horizon, log_return=q[b].ravel().tolist(),
+        price=prices[b].ravel().tolist(), model_version=version,
+        warnings=(*warnings.get(b, ()), *(f"series[{b}] ({symbol}): {note}" for note in prepared.notes[b])),
+        explanation=explanation(prepared, outputs, meta, b) if explain else None,  # None: the field unset
+    ) for b, symbol in enumerate(prepared.symbols)]
     return pb.PredictResponse(forecasts=forecasts, model_version=version)
