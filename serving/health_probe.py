@@ -23,10 +23,8 @@ HEALTHY, UNHEALTHY = 0, 1
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # argparse exits 2; Docker reserves 2
-        self.print_usage(sys.stderr)
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(UNHEALTHY)
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:  # errors: 2, which Docker reserves
+        super().exit(UNHEALTHY if status else status, message)
 
 
 def build_parser() -> argparse.ArgumentParser:
