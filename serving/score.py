@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +81,7 @@ def parse_time(text: str, flag: str) -> int:
     if not FIRST_NS_DATE <= when < LAST_NS_DATE:
         raise ScoreError(f"{flag} {text!r}: bar times are int64 nanoseconds, which hold 1678 to 2261; give a "
                          "time in that range")
-    delta = when - EPOCH  # exact: days, seconds and microseconds
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1_000
+    return (when - EPOCH) // timedelta(microseconds=1) * 1_000  # exact: whole microseconds
 
 
 def refused_windows(frame: FeatureFrame, anchors: np.ndarray, bars_required: int,
@@ -158,13 +157,11 @@ SPLITS = ("before", "train", "validation", "test", "after")
 
 def split_of(origin_ns: np.ndarray, training: dict[str, Any]) -> np.ndarray:
     """Which part of the model's training run each origin's time falls in: an index into SPLITS, -1 unknown."""
-    out = np.full(origin_ns.shape, -1, dtype=np.int8)
     val_from = training.get("validation_from_ns")
     if val_from is None:
-        return out
+        return np.full(origin_ns.shape, -1, dtype=np.int8)
     first, test_from, last = (training.get(k) for k in ("first_bar_ns", "test_from_ns", "last_bar_ns"))
-    out[:] = 1
-    out[origin_ns >= val_from] = 2
+    out = np.where(origin_ns >= val_from, 2, 1).astype(np.int8)
     if test_from is not None:
         out[origin_ns >= test_from] = 3
     if last is not None:
