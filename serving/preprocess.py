@@ -54,9 +54,7 @@ def prepare(series: Sequence[SeriesColumns], meta: ModelMeta) -> Prepared:
         user = _observed_reals(series, config.user_columns, n)
     else:  # reals, then categorical ids: [n_observed_user, B * n]
         user = [np.concatenate(rows) for rows in zip(*(x.observed for x in coded), strict=True)]
-    known = future_known = None
-    if config.known_columns:
-        known, future_known = _known_blocks(series, coded, meta)
+    known, future_known = _known_blocks(series, coded, meta) if config.known_columns else (None, None)
     with np.errstate(all="ignore"):  # overflowing features (inf, NaN) are the caller's: nonfinite_problem names them
         # future bar times within each series' trading hours, exactly as in training
         w = latest_windows(ts, o, h, lo, c, v, user, config, meta.encoder_length, meta.bar_interval_ns,

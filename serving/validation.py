@@ -68,8 +68,7 @@ class SeriesColumns:
 
     def user_matrix(self, names: Sequence[str]) -> np.ndarray:
         """float64 [len(names), n]: the named user columns as rows; the block itself when it holds exactly these."""
-        block = block_for(self.user, tuple(names))
-        if block is not None:
+        if (block := block_for(self.user, tuple(names))) is not None:
             return block
         return np.array([self.user[u] for u in names]) if names else np.empty((0, len(self)))
 

@@ -46,9 +46,8 @@ def make_series(symbol: str, timestamp_ns: ArrayLike, open: ArrayLike, high: Arr
     if user is None or len(user) == 0:  # a DataFrame has no truth value
         return series
     names = list(user)
-    block = np.empty((len(names), n), dtype="<f8")  # [names, bars]: the wire's row-major order
-    for row, name in enumerate(names):
-        block[row] = _column(f"user feature {name!r}", user[name], n)
+    block = np.array([_column(f"user feature {name!r}", user[name], n) for name in names],
+                     dtype="<f8")  # [names, bars]: the wire's row-major order
     if packed:
         series.user_feature_names.extend(names)
         series.user_features_raw = block.tobytes()
