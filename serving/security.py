@@ -39,7 +39,6 @@ TOKEN_FLAG = "--auth-token-file"
 Counter = Callable[[str, grpc.StatusCode], None]  # (full method name, code) of an answer given here
 
 
-# ---- files --------------------------------------------------------------------------------------------
 def read_file(path: Path, what: str, flag: str) -> bytes:
     try:
         data = Path(path).read_bytes()
@@ -180,7 +179,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-# ---- interceptors -------------------------------------------------------------------------------------
 def _digest(token: str | bytes) -> bytes:
     return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
 
@@ -299,7 +297,6 @@ def one_line_decode_errors() -> None:
     logging.getLogger("grpc._cython.cygrpc").addFilter(_ONE_LINE)  # where gRPC logs what a handler raised
 
 
-# ---- clients --------------------------------------------------------------------------------------------
 def add_client_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("TLS and authentication (match the server's flags)")
     g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CA roots")

@@ -206,10 +206,9 @@ class ForecastServer:
 
     def reload_files(self) -> None:
         """SIGHUP: re-read the TLS and token files (renewal, rotation); an unusable one is refused, the old stays."""
-        if self.tls is not None:
-            self.metrics.reloads.labels("tls", "ok" if self.tls.reload() else "refused").inc()
-        if self.auth is not None:
-            self.metrics.reloads.labels("tokens", "ok" if self.auth.reload() else "refused").inc()
+        for name, files in (("tls", self.tls), ("tokens", self.auth)):
+            if files is not None:
+                self.metrics.reloads.labels(name, "ok" if files.reload() else "refused").inc()
 
     async def reload(self) -> None:
         """SIGHUP: load, check and warm the model file, then swap it in; a bad file is refused. A SIGHUP during
