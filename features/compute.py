@@ -37,10 +37,10 @@ class FeatureFrame:
     static_ids: np.ndarray | None = None  # int64 [N, n_static_categorical_user]  constant per series
     static_real: np.ndarray | None = None  # float32 [N, n_static_real]  constant per series
     unseen: dict[str, np.ndarray] = field(default_factory=dict)  # categorical column -> bool [N] label unseen
-    schema: FeatureSchema = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.schema = self.config.schema()
+    @property
+    def schema(self) -> FeatureSchema:
+        return self.config.schema()
 
     def __len__(self) -> int:
         return int(self.timestamp_ns.shape[0])
@@ -205,10 +205,8 @@ def encode_labels(labels: Mapping[str, np.ndarray], config: FeatureConfig
                   ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The ids (int64, each column's shape) of each categorical column in `labels` (training's bars, or a request's
     series) in its vocabulary, and where its label is unseen (bool, same shape): one encoding for both."""
-    ids, unseen = {}, {}
-    for name, values in labels.items():
-        ids[name], unseen[name] = encode(values, config.vocabulary(name))
-    return ids, unseen
+    coded = {name: encode(values, config.vocabulary(name)) for name, values in labels.items()}
+    return {name: ids for name, (ids, _) in coded.items()}, {name: new for name, (_, new) in coded.items()}
 
 
 def with_trading_hours(config: FeatureConfig, bars: Bars, before_ns: int) -> FeatureConfig:
