@@ -339,8 +339,7 @@ def _natural_key(path: Path) -> tuple[tuple[int, int | str], ...]:
                  for piece in re.split(r"(\d+)", path.as_posix()) if piece)
 
 
-def timestamps_ns(col: pa.ChunkedArray, file: str, name: str,
-                   unit: str = "ns") -> tuple[np.ndarray | None, Problem | None]:
+def timestamps_ns(col: pa.ChunkedArray, file: str, name: str, unit: str) -> tuple[np.ndarray | None, Problem | None]:
     """The column as int64 UTC nanoseconds (nulls as 0: the null mask names them), or its Problem."""
     t = col.type
     integers = pa.types.is_integer(t)
@@ -679,10 +678,9 @@ def _assemble(parts: list[dict[str, np.ndarray]], files: list[str], user_columns
     symbol = symbol if order is None else symbol[order]
 
     def take(key: str) -> np.ndarray:
-        column = _joined(parts, key)
         if order is None:
-            return column
-        column = column[order]
+            return _joined(parts, key)
+        column = _joined(parts, key)[order]
         pa.default_memory_pool().release_unused()
         return column
 
@@ -959,10 +957,7 @@ def unusable_values(x: np.ndarray) -> np.ndarray:
 
 def unusable_user_rows(bars: Bars) -> np.ndarray:
     """Rows where any user column holds an unusable value: bool [N]."""
-    bad = np.zeros(len(bars), dtype=bool)
-    for x in bars.user.values():
-        bad |= unusable_values(x)
-    return bad
+    return functools.reduce(np.logical_or, map(unusable_values, bars.user.values()), np.zeros(len(bars), dtype=bool))
 
 
 def _one_series_note(cmap: ColumnMap) -> str:
