@@ -200,10 +200,10 @@ def continuous(bars: Bars, config: FeatureConfig) -> tuple[Bars, list[Roll]]:
         volumes.append(f.volume)
         roots.append(np.full(f.rows.size, r, dtype=object))
         rolls += [Roll(r, old, new, t) for old, new, t in f.rolls]
-    take = np.concatenate(parts)
+    take, log_offset = np.concatenate(parts), np.concatenate(offsets)
     out = replace(bars.take(take), symbol=np.concatenate(roots), volume=np.concatenate(volumes),
-                  contract=np.array(names, dtype=object)[code[take]], log_offset=np.concatenate(offsets))
-    return (_ratio_adjusted(out) if cfg.adjust == "ratio" else out), rolls
+                  contract=np.array(names, dtype=object)[code[take]], log_offset=log_offset)
+    return (_ratio_adjusted(out, log_offset) if cfg.adjust == "ratio" else out), rolls
 
 
 def _contract_codes(bars: Bars) -> tuple[list[str], np.ndarray, list[int]]:
@@ -237,10 +237,9 @@ def _roots(bars: Bars, cfg: ContractConfig, names: list[str], first_rows: list[i
     return [str(m) for m in mapped]
 
 
-def _ratio_adjusted(bars: Bars) -> Bars:
-    """Prices back-adjusted by each row's ratio (the latest contract's unchanged); no offset left to add."""
-    assert bars.log_offset is not None
-    k = np.exp(bars.log_offset)
+def _ratio_adjusted(bars: Bars, log_offset: np.ndarray) -> Bars:
+    """Prices times each row's ratio, exp(log_offset) (the latest contract's unchanged); no offset left to add."""
+    k = np.exp(log_offset)
     return replace(bars, open=bars.open * k, high=bars.high * k, low=bars.low * k, close=bars.close * k,
                    log_offset=None)
 
