@@ -41,7 +41,7 @@ import re
 import sys
 import zlib
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from datetime import date
 from pathlib import Path
 
 import numpy as np
@@ -117,7 +117,7 @@ def event_minute(text: str) -> int:
 
 def session_timestamps(n_bars: int, start: date) -> np.ndarray:
     """The first `n_bars` RTH minute timestamps (ns, UTC) from `start`'s date, weekdays only."""
-    day0 = int(datetime(start.year, start.month, start.day, tzinfo=UTC).timestamp()) * NS_PER_SECOND
+    day0 = int(np.datetime64(start, "D").astype(np.int64)) * NS_PER_DAY
     n_days_needed = n_bars // SESSION_BARS + 1
     days = day0 + np.arange(n_days_needed * 7 // 5 + 7, dtype=np.int64) * NS_PER_DAY
     weekday = (days // NS_PER_DAY + 3) % 7  # Monday = 0
@@ -363,8 +363,7 @@ def _contract_part(root: str, contract: tuple[int, int], ts: np.ndarray, bars: d
     volume = np.where(share > DEFERRED_SHARE, np.maximum(volume, 1), volume)
     rows = volume > 0
     out = {k: np.round(bars[k][rows] * factor / tick) * tick for k in PRICES}
-    exp = expiry_date(*contract)
-    expiration = int(datetime(exp.year, exp.month, exp.day, tzinfo=UTC).timestamp()) * NS_PER_SECOND + EXPIRY_NS
+    expiration = int(np.datetime64(expiry_date(*contract), "D").astype(np.int64)) * NS_PER_DAY + EXPIRY_NS
     n = int(rows.sum())
     return {"ts_event": ts[rows], "instrument_id": np.full(n, instrument_id(root, *contract), dtype=np.uint32),
             **out, "volume": volume[rows].astype(np.uint64),
