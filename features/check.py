@@ -60,7 +60,7 @@ def format_duration(ns: int) -> str:
 def spacing_warning(what: str, timestamp_ns: np.ndarray, interval_ns: int) -> str | None:
     """A warning when bars are mostly twice the model's bar interval apart or more, else None."""
     spacing = infer_bar_interval_ns(timestamp_ns, np.array([[0, timestamp_ns.size]]))
-    if not interval_ns or spacing < 2 * interval_ns:
+    if spacing < 2 * interval_ns:
         return None
     step = format_duration(interval_ns)
     return (f"{what} are mostly {format_duration(spacing)} apart, but the model's bar interval is {step}: its "
@@ -144,12 +144,10 @@ MAX_LISTED = 8  # column names a note lists before it counts the rest
 
 
 def other_numeric_columns(path: Path, cmap: ColumnMap) -> list[str]:
-    """The files' numeric columns that are no bar field: what --features could name."""
+    """The files' numeric columns that are no bar field (read_bars read each file): what --features could name."""
     bar_fields = {cmap.source(f) for f in (*REQUIRED_COLUMNS, "symbol")}
-    names: dict[str, None] = {}
-    for file in list_bar_files(path):  # read_bars has read every one
-        names |= {f.name: None for f in file_schema(file) if f.name not in bar_fields and numeric(f.type)}
-    return list(names)
+    return list(dict.fromkeys(f.name for file in list_bar_files(path) for f in file_schema(file)
+                              if f.name not in bar_fields and numeric(f.type)))
 
 
 def main(argv: list[str] | None = None) -> int:

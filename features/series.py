@@ -46,9 +46,9 @@ def as_series(bars: Bars, fc: FeatureConfig) -> tuple[Bars, list[Roll]]:
         raise ContractError(str(exc)) from None
 
 
-def roll_listing(rolls: list[Roll], prefix: str = "  ", limit: int = ROLLS_LISTED) -> list[str]:
-    """One line per roll, each after `prefix`, the first `limit` of them, then a count of the rest."""
-    shown = rolls[:limit]
+def roll_listing(rolls: list[Roll], prefix: str = "  ") -> list[str]:
+    """One line per roll, each after `prefix`, the first ROLLS_LISTED of them, then a count of the rest."""
+    shown = rolls[:ROLLS_LISTED]
     more = [f"{prefix}... and {len(rolls) - len(shown)} more rolls"] if len(shown) < len(rolls) else []
     return [f"{prefix}{r.line()}" for r in shown] + more
 
