@@ -12,7 +12,7 @@ import csv
 import functools
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +93,8 @@ class ContractConfig:
         return f"roll {self.roll}, adjust {self.adjust}, volume {self.volume}; contract names -> roots by {names}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"roll": self.roll, "adjust": self.adjust, "volume": self.volume,
-                "contract_column": self.contract_column, "root_column": self.root_column,
-                "roots": dict(self.roots), "expirations": dict(self.expirations), "builtin": list(self.builtin),
-                "exchange_days": self.exchange_days}
+        return {**asdict(self), "roots": dict(self.roots), "expirations": dict(self.expirations),
+                "builtin": list(self.builtin)}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> ContractConfig:
@@ -223,8 +221,7 @@ def contract_config(flags: ContractFlags, names: Sequence[str], has_columns: Seq
 
 def with_builtin_expirations(cfg: ContractConfig, first_ns: Mapping[str, int]) -> ContractConfig:
     """`cfg` with the exchange's last trading day (features.exchanges) as the expiration of each contract of
-    `first_ns` (name -> its first bar, which places a 1-digit year) that the user gave none and whose root the
-    table knows."""
+    `first_ns` (name -> first bar, which places a 1-digit year) the user gave none, of a root the table knows."""
     given = dict(cfg.expirations)
     added: dict[str, str] = {}
     for name, first in first_ns.items():
