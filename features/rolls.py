@@ -57,8 +57,7 @@ def contract_codes(contract: np.ndarray) -> tuple[list[str], np.ndarray]:
 def front_rows(timestamp_ns: np.ndarray, code: np.ndarray, names: list[str], open_: np.ndarray, close: np.ndarray,
                volume: np.ndarray, cfg: ContractConfig, tz: str, root: str) -> Front:
     """The continuous series of one root's rows (any contracts, any order; [n] each, each row's contract an index
-    into `names`, as `contract_codes` gives) by `cfg`'s roll rule. ValueError (one line) for input the rule
-    cannot take."""
+    into `names`, as `contract_codes` gives) by `cfg`'s roll rule; ValueError (one line) for input it cannot take."""
     order = np.lexsort((code, timestamp_ns))
     ts, code = timestamp_ns[order], code[order]
     if cfg.roll == "none":
@@ -160,8 +159,7 @@ def _continuous_as_given(ts: np.ndarray, code: np.ndarray, names: list[str], roo
 def _offsets(ts: np.ndarray, code: np.ndarray, names: list[str], chosen: np.ndarray, open_: np.ndarray,
              close: np.ndarray) -> tuple[np.ndarray, list[tuple[str, str, int]], list[int]]:
     """log offsets of the chosen rows (float64 [M]), the rolls, and the places in `chosen` of the rolls whose new
-    contract has no earlier row (its step is taken against the roll bar's own open), from time-sorted rows of
-    all contracts."""
+    contract has no earlier row (its step is against the roll bar's open), of time-sorted rows of all contracts."""
     picked = code[chosen]
     at = np.flatnonzero(picked[1:] != picked[:-1]) + 1  # [R] first chosen row of each new front
     steps = np.zeros(chosen.size)
@@ -228,8 +226,7 @@ def contract_roots(bars: Bars, cfg: ContractConfig) -> dict[str, str]:
 def _roots(bars: Bars, cfg: ContractConfig, names: list[str], first_rows: list[int]) -> list[str]:
     """Each contract's root (its first row's, for a root column); ValueError names a contract that maps to none."""
     if cfg.root_column:
-        labels = bars.labels[cfg.root_column]
-        return [str(labels[i]) for i in first_rows]
+        return [str(bars.labels[cfg.root_column][i]) for i in first_rows]
     mapped = [cfg.root_of(n) for n in names]
     if (bad := [n for n, m in zip(names, mapped, strict=True) if m is None]):
         raise ValueError(f"contract name(s) {', '.join(repr(b) for b in bad[:3])} name no root: contract names "
@@ -271,10 +268,9 @@ def contract_known(timestamp_ns: np.ndarray, roots: np.ndarray, cfg: ContractCon
     [...]; `roots` str, broadcastable to it. A weekend day belongs to the weekday session after it (as in
     np.busday_count). ValueError (one line) past the last known expiration's roll."""
     ts = np.asarray(timestamp_ns, dtype=np.int64)
-    root = np.broadcast_to(np.asarray(roots).astype(str), ts.shape)
+    flat_root, flat_ts = np.broadcast_to(np.asarray(roots).astype(str), ts.shape).reshape(-1), ts.reshape(-1)
     out = np.zeros((ts.size, 2), dtype=np.float32)  # [n, 2]
     n = roll_sessions(cfg.roll) or 0
-    flat_root, flat_ts = root.reshape(-1), ts.reshape(-1)
     for r in np.unique(flat_root).tolist():
         rows = np.flatnonzero(flat_root == r)
         used, place = np.unique(cfg.sessions(flat_ts[rows], r, tz), return_inverse=True)  # [d] distinct sessions
