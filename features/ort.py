@@ -57,10 +57,8 @@ def strip_ansi(text: str) -> str:
 
 def provider_failure_reason(lines: list[str]) -> str:
     """The useful part of ONNX Runtime's provider-loading log: the library and loader error first."""
-    found = []
-    for line in lines:
-        if m := re.search(r"Failed to load library (\S+) with error: (.+)$", line):
-            found.append(f"{os.path.basename(m.group(1))} failed to load: {m.group(2).strip()}")
+    found = [f"{os.path.basename(m.group(1))} failed to load: {m.group(2).strip()}" for line in lines
+             if (m := re.search(r"Failed to load library (\S+) with error: (.+)$", line))]
     for line in lines:
         if m := re.search(r"(Failed to create \w+ExecutionProvider\..*?)(?: Please| $|$)", line):
             found.append(m.group(1).strip().rstrip("."))
