@@ -938,8 +938,7 @@ def dropped_note(dropped: list[DroppedRow]) -> str:
 
 
 def cleaned_table(path: str | Path, dropped: list[DroppedRow]) -> pa.Table:
-    """The bars file (or directory) at `path`, every column of it, less the `dropped` rows: what
-    `features.check --bad-rows drop --out` writes."""
+    """The bars at `path`, every column, less the `dropped` rows: what `features.check --bad-rows drop --out` writes."""
     root = Path(path)
     tables = []
     for file in list_bar_files(root):

@@ -233,8 +233,7 @@ def check(args: argparse.Namespace) -> int:
 
 
 def contract_lines(bars: Bars, series: Bars, rolls: list[Roll], config: ContractConfig) -> list[str]:
-    """The roll rule, each root's contracts, and the rolls (features.series.roll_listing) of per-contract
-    `bars` rolled into the continuous `series`."""
+    """The roll rule, each root's contracts, and the rolls of per-contract `bars` rolled into continuous `series`."""
     roots = contract_roots(bars, config)
     per_root = dict(sorted(Counter(roots.values()).items()))  # contracts of each root
     lines = [f"contracts: {len(bars)} bars of {sum(per_root.values())} contract(s) -> one continuous series per "

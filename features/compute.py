@@ -160,9 +160,8 @@ def latest_windows(timestamp_ns: np.ndarray, open_: np.ndarray, high: np.ndarray
 
 def build_frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None = None,
                 bar_interval_ns: int | None = None, targets: bool = True) -> FeatureFrame:
-    """Every feature array of validated `bars`. `symbols` and `bar_interval_ns` fix the trained model's
-    vocabulary and bar spacing; `targets=False` leaves the forward returns NaN. ValueError names a static user
-    column that varies within a series."""
+    """Every feature array of validated `bars`; `symbols` and `bar_interval_ns` fix the trained model's vocabulary
+    and bar spacing; `targets=False` leaves the forward returns NaN. ValueError names a static column that varies."""
     slices = bars.series_slices()
     vocab = list(symbols) if symbols is not None else sorted(slices)
     unknown = [s for s in slices if s not in vocab]

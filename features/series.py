@@ -125,8 +125,7 @@ def scan(path: str | Path, cmap: ColumnMap, flags: ContractFlags) -> ContractCon
 
 def _first_bars(names: pa.ChunkedArray, times: pa.ChunkedArray, cmap: ColumnMap, seen: dict[str, int]
                 ) -> dict[str, int]:
-    """Each contract's first bar time in one file, or in `seen` if earlier (a time column read_bars refuses
-    places nothing)."""
+    """Each contract's first bar time in the file, or `seen`'s if earlier; none for times read_bars would refuse."""
     ts, problem = timestamps_ns(times, "", cmap.timestamp, cmap.time_unit)
     if ts is None or problem is not None:
         return {}

@@ -191,8 +191,7 @@ def _shared_covariates(cov: Covariates, minute: np.ndarray,
 
 
 def _event_multiplier(event: np.ndarray, minute: np.ndarray, jump: float) -> np.ndarray:
-    """Volatility multiplier [N]: 1 plus (jump - 1) * exp(-k / EVENT_DECAY_BARS) for each event k bars back in the
-    same session."""
+    """Volatility multiplier [N]: 1 + (jump - 1) * exp(-k / EVENT_DECAY_BARS) per event k bars back, same session."""
     out = np.ones(event.shape[0])
     for k in range(min(EVENT_TAIL_BARS, event.shape[0])):
         back = np.zeros_like(event)
@@ -333,8 +332,7 @@ def contract_shares(days: np.ndarray, contracts: list[tuple[int, int]]) -> np.nd
 def generate_contracts(roots: list[str], n_bars: int, seed: int, start: date | None = None,
                        roll_gap: float = ROLL_GAP, expiration_column: str | None = None) -> pa.Table:
     """Per-contract bars of each root over its first `n_bars` session minutes, Databento ohlcv-1m columns; the
-    roots' price paths are `generate(roots, n_bars, seed, start)`'s. `expiration_column` adds each contract's
-    expiration."""
+    roots' price paths are `generate(roots, n_bars, seed, start)`'s; `expiration_column` adds the expirations."""
     if expiration_column in CONTRACT_COLUMNS:
         raise ValueError(f"--expiration-col {expiration_column}: give a name of its own, not one of the bars' "
                          "columns, e.g. expiration")
