@@ -619,10 +619,9 @@ def _symbol_columns(table: pa.Table, fname: str, cmap: ColumnMap, part: dict[str
     if cmap.symbol not in table.column_names:  # the file is one series, named by the default symbol
         part["symbol"] = np.full(n, cmap.default_symbol, dtype=object)
         part["symbol_absent"] = np.ones(n, dtype=bool)
-        if cmap.default_symbol:
-            return []
-        return [Problem(fname, cmap.symbol, -1, "no such column, so the file is one series, and its name "
-                        "(--default-symbol) is empty", "name it: --default-symbol ES, say")]
+        return [] if cmap.default_symbol else [Problem(fname, cmap.symbol, -1, "no such column, so the file is one "
+                                                       "series, and its name (--default-symbol) is empty",
+                                                       "name it: --default-symbol ES, say")]
     symbol = table.column(cmap.symbol)
     codes = pc.dictionary_encode(pc.fill_null(symbol.cast(pa.string()), "")).combine_chunks()
     distinct = np.array(codes.dictionary.to_pylist(), dtype=object)

@@ -58,10 +58,8 @@ def file_argument(example: str, wrong_suffixes: dict[str, str] | None = None) ->
 
 def link_note(path: Path) -> str | None:
     """The note for an atomic write over a symbolic link, which replaces the link; None for no link."""
-    if not path.is_symlink():
-        return None
     return (f"note: {path} is a link to {os.readlink(path)}; it becomes a file of its own, the new one (what it "
-            "linked to is left as it was)")
+            "linked to is left as it was)") if path.is_symlink() else None
 
 
 @contextmanager
