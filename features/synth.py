@@ -432,10 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     symbols = [s.strip() for s in args.symbols.split(",") if s.strip()]
     if not symbols:
         p.error("--symbols: give at least one symbol, e.g. --symbols ES,NQ")
-    if args.bars < 1:
-        p.error("--bars must be at least 1")
-    if args.extra_features < 0:
-        p.error("--extra-features must be >= 0")
+    for flag, value, least in (("--bars", args.bars, 1), ("--extra-features", args.extra_features, 0)):
+        if value < least:
+            p.error(f"{flag} must be at least {least}")
     if not args.contracts and (args.roll_gap is not None or args.expiration_col is not None):
         p.error("--roll-gap and --expiration-col shape per-contract bars: add --contracts")
     if args.out.is_dir():
