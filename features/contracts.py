@@ -201,8 +201,7 @@ def contract_config(flags: ContractFlags, names: Sequence[str], has_columns: Seq
         elif flags.roots in has_columns:
             root_column = flags.roots
         else:
-            raise ValueError(f"--roots {flags.roots}: no such file, and the bars have no such column; "
-                             + ROOTS_FIX)
+            raise ValueError(f"--roots {flags.roots}: no such file, and the bars have no such column; " + ROOTS_FIX)
     cfg = ContractConfig(flags.roll or "volume", flags.adjust or "none", flags.volume or "front",
                          flags.contract_col or "", root_column, roots, days, exchange_days=True)
     unmapped = [n for n in names if cfg.root_of(n) is None] if not root_column else []

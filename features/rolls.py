@@ -82,8 +82,7 @@ def front_rows(timestamp_ns: np.ndarray, code: np.ndarray, names: list[str], ope
     return Front(rows, log_offset, chosen_vol, rolls, against_open)
 
 
-def _ordered_contracts(ts: np.ndarray, code: np.ndarray, names: list[str], cfg: ContractConfig,
-                       root: str) -> list[str]:
+def _ordered_contracts(ts: np.ndarray, code: np.ndarray, names: list[str], cfg: ContractConfig, root: str) -> list[str]:
     """The root's contracts (those with rows) in expiry order: by expiration when known, else by contract month."""
     present, first_row = np.unique(code, return_index=True)
     first = {names[int(c)]: int(ts[i]) for c, i in zip(present, first_row, strict=True)}

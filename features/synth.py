@@ -457,8 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     with atomic_output(args.out) as tmp:
         pq.write_table(table, tmp)
     added = f"; covariates: {', '.join(covariates.columns)}" if covariates.columns else ""
-    print(f"wrote {table.num_rows} bars ({len(symbols)} symbols x {args.bars}){added} to {args.out}",
-          file=sys.stderr)
+    print(f"wrote {table.num_rows} bars ({len(symbols)} symbols x {args.bars}){added} to {args.out}", file=sys.stderr)
     return 0
 
 
