@@ -182,13 +182,6 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(c.strip() for c in text.split(",") if c.strip())
 
 
-def feature_config(args: argparse.Namespace) -> FeatureConfig:
-    """The user features the flags name; ValueError for a name in two roles or a categorical in none."""
-    return FeatureConfig(user_columns=names(args.features), known_columns=names(args.known_features),
-                         static_columns=names(args.static_features),
-                         categorical_columns=names(args.categorical_features))
-
-
 def print_problems(path: str, lines: list[str]) -> int:
     print(f"{path}: {len(lines)} problem(s) found", *(f"  {line}" for line in lines), sep="\n", file=sys.stderr)
     return 2
@@ -197,8 +190,10 @@ def print_problems(path: str, lines: list[str]) -> int:
 def check(args: argparse.Namespace) -> int:
     """Print the summary of the bars `args` names, or their problems (exit status 2)."""
     try:
-        config = feature_config(args)
-    except ValueError as exc:
+        config = FeatureConfig(user_columns=names(args.features), known_columns=names(args.known_features),
+                               static_columns=names(args.static_features),
+                               categorical_columns=names(args.categorical_features))
+    except ValueError as exc:  # a name in two roles, or a categorical in none
         print(f"error: {exc}", file=sys.stderr)
         return 2
     columns = ColumnMap.from_args(args)
