@@ -99,14 +99,11 @@ def _observed(o: np.ndarray, h: np.ndarray, lo: np.ndarray, c: np.ndarray, v: np
     log_return[starts] = np.nan  # no return across a series boundary
     vol = _rolling_std(log_return, config.volatility_window, first_row + 1)
     cols = [log_return, np.log(h / lo), np.log(c / o), np.log1p(v), vol]
-    if isinstance(user, list):
-        # a block of rows at a time: no whole [n_observed, N] float64 copy
-        observed = np.empty((n, len(cols) + len(user)), dtype=np.float32)  # [N, n_observed]
-        columns = cols + user
+    observed = np.empty((n, len(cols) + len(user)), dtype=np.float32)  # [N, n_observed]
+    if isinstance(user, list):  # a block of rows at a time: no whole [n_observed, N] float64 copy
         for r in range(0, n, ROWS_PER_BLOCK):
-            observed[r:r + ROWS_PER_BLOCK] = np.array([x[r:r + ROWS_PER_BLOCK] for x in columns], dtype=np.float32).T
+            observed[r:r + ROWS_PER_BLOCK] = np.array([x[r:r + ROWS_PER_BLOCK] for x in cols + user], np.float32).T
     else:
-        observed = np.empty((n, len(cols) + user.shape[0]), dtype=np.float32)  # [N, n_observed]
         observed[:, :len(cols)] = np.array(cols, dtype=np.float32).T
         observed[:, len(cols):] = user.T
     warm = np.arange(n) - first_row < config.warmup_bars
