@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +31,6 @@ STUB_SESSION = 0.5  # a calendar day with fewer bars than this share of the medi
 WEEK_DAYS, MONTH_DAYS = 5, 22  # HAR-RV's weekly and monthly realized-variance means, in trading days
 MIN_HAR_DAYS = 60  # complete training days the HAR-RV regression needs
 RV_FLOOR = 0.01  # no HAR-RV variance forecast below this share of the mean training-day RV
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -76,18 +75,14 @@ def baseline_forecasts(close: np.ndarray, train_end: int, origins: np.ndarray, h
         "climatology": lambda: climatology_forecast(close, train_end, origins, horizon, quantiles),
         "rolling_vol": lambda: rolling_vol_forecast(log_returns, origins, horizon, quantiles, window),
         "garch": lambda: garch_forecast(log_returns, train_end, origins, horizon, quantiles, series=series),
-        "seasonal_garch": lambda: garch_forecast(log_returns, train_end, origins, horizon, quantiles, series=series,
-                                                 season=_needed(season, "seasonal_garch", "intraday bars")),
-        "har_rv": lambda: har_rv_forecast(log_returns, _needed(clock, "har_rv", "the bars' clock"), train_end,
-                                          origins, horizon, quantiles, series=series, season=season),
     }
+    if season is not None:
+        makers["seasonal_garch"] = lambda: garch_forecast(log_returns, train_end, origins, horizon, quantiles,
+                                                          series=series, season=season)
+    if clock is not None:
+        makers["har_rv"] = lambda: har_rv_forecast(log_returns, clock, train_end, origins, horizon, quantiles,
+                                                   series=series, season=season)
     return {name: makers[name]() for name in names}
-
-
-def _needed(value: _T | None, name: str, what: str) -> _T:
-    if value is None:
-        raise ValueError(f"the {name} baseline needs {what}")
-    return value
 
 
 def climatology_forecast(close: np.ndarray, train_end: int, origins: np.ndarray, horizon: int,
