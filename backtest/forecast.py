@@ -66,19 +66,15 @@ def fold_table(fold: int, frame: FeatureFrame, anchors: np.ndarray, forecasts: M
                quantiles: Sequence[float]) -> pa.Table:
     """A row per origin and symbol: fold, symbol, origin, close, forecasts (`column`), realised returns actual_hH."""
     horizon = frame.config.horizon
-    columns: dict[str, pa.Array] = {
+    return pa.table({
         "fold": pa.array(np.full(anchors.size, fold, dtype=np.int16)),
         "symbol": pa.array(np.asarray(frame.symbols, dtype=object)[frame.series_id[anchors]], type=pa.string()),
         "origin": pa.array(frame.timestamp_ns[anchors], type=pa.timestamp("ns", tz="UTC")),
         "close": pa.array(frame.close[anchors]),
-    }
-    for name, values in forecasts.items():
-        for h in range(horizon):
-            for j, q in enumerate(quantiles):
-                columns[column(name, h + 1, q)] = pa.array(values[:, h, j])
-    for h in range(horizon):
-        columns[f"actual_h{h + 1}"] = pa.array(frame.targets[anchors, h].astype(np.float64))
-    return pa.table(columns)
+        **{column(name, h + 1, q): pa.array(values[:, h, j])
+           for name, values in forecasts.items() for h in range(horizon) for j, q in enumerate(quantiles)},
+        **{f"actual_h{h + 1}": pa.array(frame.targets[anchors, h].astype(np.float64)) for h in range(horizon)},
+    })
 
 
 def table_arrays(table: pa.Table, names: Sequence[str], horizon: int, quantiles: Sequence[float]
@@ -92,8 +88,3 @@ def table_arrays(table: pa.Table, names: Sequence[str], horizon: int, quantiles:
     actual = np.stack([table.column(f"actual_h{h}").to_numpy() for h in range(1, horizon + 1)], axis=1)
     present = [name for name in names if column(name, 1, quantiles[0]) in table.column_names]
     return {name: grid(name) for name in present}, actual, table.column("fold").to_numpy().astype(np.int64)
-
-
-def table_series(table: pa.Table) -> np.ndarray:
-    """fold_table's symbol per row, for the per-series scores: object [W]."""
-    return table.column("symbol").to_numpy(zero_copy_only=False)

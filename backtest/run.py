@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from backtest.baselines import BASELINES
 from backtest.folds import BacktestError, Fold, bars_before, cut_rows, fold_origins, make_folds
-from backtest.forecast import baselines_at, fold_table, model_forecasts, table_arrays, table_series
+from backtest.forecast import baselines_at, fold_table, model_forecasts, table_arrays
 from backtest.plots import write_figure
 from backtest.scores import backtest_scores, summary_lines
 from features.bars import Bars, ColumnMap, bars_digest
@@ -159,7 +159,8 @@ def _export(where: Path, name: str, threads: int, bars: ReadBars) -> LoadedModel
 def _finish(plan: BacktestPlan, table: pa.Table, record: dict[str, Any]) -> dict[str, Any]:
     quantiles = plan.config.quantiles
     forecasts, actual, fold = table_arrays(table, FORECASTERS, plan.config.horizon, quantiles)
-    scores = backtest_scores(forecasts, actual, fold, quantiles, table_series(table))
+    series = table.column("symbol").to_numpy(zero_copy_only=False)  # object [W], for the per-series scores
+    scores = backtest_scores(forecasts, actual, fold, quantiles, series)
     with atomic_output(plan.out / "forecasts.parquet") as tmp:
         pq.write_table(table, tmp)
     with atomic_output(plan.out / "scores.json") as tmp:
@@ -196,6 +197,5 @@ def _fold_metrics(block: dict[str, Any]) -> dict[str, float]:
 
 
 def print_summary(scores: dict[str, Any], out: Path) -> None:
-    for line in summary_lines(scores):
-        print(line)
+    print("\n".join(summary_lines(scores)))
     print(f"wrote {out / 'forecasts.parquet'}, {out / 'scores.json'}, {out / 'backtest.png'}")
