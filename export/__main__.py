@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from export.errors import CheckFailed, ExportError, UsageError
 from export.options import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportOptions
-from export.triton import check_name
+from export.triton import NAME_RE
 from features.bars import ColumnMap, clash_with_bars
 from features.file_kind import replace_problem
 from features.files import file_argument
@@ -127,11 +127,12 @@ def _check_output(out: Path, checkpoint: Path) -> None:
 def _check_triton(args: argparse.Namespace, out: Path) -> None:
     if args.triton_repo.exists() and not args.triton_repo.is_dir():
         raise UsageError(f"--triton-repo {args.triton_repo} is a file, not a directory")
-    if problem := check_name(args.triton_name or out.stem):
-        raise UsageError(f"{problem}; pass --triton-name NAME")
+    if not NAME_RE.match(name := args.triton_name or out.stem):
+        raise UsageError(f"Triton model name {name!r} must be letters, digits, '_', '.' or '-' and not start with "
+                         "'.' or '-'; pass --triton-name NAME")
     if args.triton_max_batch_size < 1:
         raise UsageError(f"--triton-max-batch-size {args.triton_max_batch_size}: must be >= 1")
-    entry: Path = args.triton_repo / (args.triton_name or out.stem)
+    entry: Path = args.triton_repo / name
     if entry.exists() and not entry.is_dir():
         raise UsageError(f"--triton-repo: {entry} exists and is not a directory; the Triton model directory "
                          "would replace it: remove it, or pass --triton-name NAME")
