@@ -19,7 +19,6 @@ import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
-from types import FrameType
 
 from features.bars import BarDataError, ColumnMap
 from trainer.config import ConfigError, add_config_flags, config_from_args
@@ -45,10 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     p = build_parser()
@@ -58,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cfg_test_fraction is not None:
         p.error("--test-fraction sets the trainer's own test split; a backtest's folds are its test: give "
                 "--test-span, the share of the bar times they cover")
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a KeyboardInterrupt, as Ctrl-C
     try:
         return _run(args)
     except KeyboardInterrupt:

@@ -26,7 +26,6 @@ import contextlib
 import signal
 import sys
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING
 
 from export.errors import CheckFailed, ExportError, UsageError
@@ -141,10 +140,6 @@ def _check_triton(args: argparse.Namespace, out: Path) -> None:
                          "whole; write the model file elsewhere")
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int:
     """Run the export; returns the exit status. `_tamper`: a test hook (see pipeline.run_export)."""
     args = build_parser().parse_args(argv)
@@ -177,5 +172,5 @@ def main(argv: list[str] | None = None, *, _tamper: Tamper | None = None) -> int
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends it as Ctrl-C does: exit 130, nothing written
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM as Ctrl-C: exit 130, nothing written
     sys.exit(main())
