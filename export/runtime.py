@@ -13,7 +13,6 @@ from features.ort import native_stderr, preload_cuda_libraries, provider_failure
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
 DEVICES = {"cpu": CPU, "cuda": CUDA}
-DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
 # fp32 parity on CUDA runs without TF32 (10-bit mantissa), as the server does; recorded in the parity report
 CUDA_OPTIONS = {"device_id": "0", "use_tf32": "0"}
 
@@ -27,7 +26,7 @@ def session_options(threads: int, profile_prefix: str | None = None, strict: boo
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix
     if strict:
-        so.add_session_config_entry(DISABLE_CPU_FALLBACK, "1")
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     return so
 
 
@@ -60,11 +59,6 @@ def _probe_model() -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
 
 
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def probe(device: str) -> Probe:
     """Try a one-node session on `device` alone, CPU fallback disabled; the native log says why not."""
     provider = DEVICES[device]
@@ -82,6 +76,6 @@ def probe(device: str) -> Probe:
                 return Probe(device, True)
             error = f"the session fell back to {session.get_providers()}"
         except Exception as exc:  # onnxruntime raises its own Fail/RuntimeException types
-            error = _first_line(exc)
+            error = next(iter(str(exc).strip().splitlines()), type(exc).__name__)
     why = provider_failure_reason(log) or error
     return Probe(device, False, f"{provider} is listed by onnxruntime {ort.__version__} but does not load: {why}")
