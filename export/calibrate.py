@@ -153,7 +153,6 @@ def validation_data(ckpt: dict[str, Any], bars: Path | ReadBars | None, column_f
 def predict(model: TemporalFusionTransformer, data: PreparedData, anchors: np.ndarray
             ) -> tuple[np.ndarray, np.ndarray]:
     """The model's quantiles [W, H, Q] and forecast scale [W, H, 1] on the windows ending at `anchors`."""
-    model.eval()
     quantiles, scales = [], []
     for chunk in torch.from_numpy(anchors).split(BATCH):
         batch = data.tensors.batch(chunk)

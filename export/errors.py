@@ -20,7 +20,6 @@ class CheckFailed(ExportError):
 
     def __init__(self, check: str, message: str) -> None:
         super().__init__(f"{check} check failed: {message}")
-        self.check = check
 
 
 class WriteFailed(ExportError):

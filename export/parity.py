@@ -140,7 +140,6 @@ def compare(case: Case, names: Sequence[str], expected: Sequence[np.ndarray], go
             target_scale: np.ndarray, tolerance: float) -> list[Row]:
     rows = []
     for name, e, g in zip(names, expected, got, strict=True):
-        g = np.asarray(g)
         if g.shape != e.shape:
             rows.append(Row(case.name, case.batch, name, float("inf"), float("inf"), float("inf"), tolerance, False,
                             f"shape {list(g.shape)} != torch {list(e.shape)}"))
