@@ -119,9 +119,9 @@ class Calibration:
     def table(self) -> str:
         lines = [f"calibration ({METHOD}) on {self.windows} validation windows of {self.bars}: coverage "
                  "(share of targets below each quantile, a tie counting half; inside the outer interval)",
-                 f"{'quantile':<10} {'nominal':>7}  {'before':>6}  {'after':>6}"]
-        for key in self.before:
-            lines.append(f"{key:<10} {self.nominal[key]:>7.3f}  {self.before[key]:>6.3f}  {self.after[key]:>6.3f}")
+                 f"{'quantile':<10} {'nominal':>7}  {'before':>6}  {'after':>6}",
+                 *(f"{key:<10} {self.nominal[key]:>7.3f}  {self.before[key]:>6.3f}  {self.after[key]:>6.3f}"
+                   for key in self.before)]
         return "\n".join(lines)
 
 

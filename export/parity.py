@@ -78,14 +78,11 @@ class ParityReport:
                 f"tolerance {self.tolerance:g} on the scaled error; every case feeds {', '.join(self.inputs)}")
         cols = f"{'case':<22} {'batch':>5}  {'output':<16} {'max abs err':>11}  {'max rel err':>11}  " \
                f"{'scaled err':>10}  {'tolerance':>9}  pass"
-        lines = [head, cols, "-" * len(cols)]
-        for r in self.rows:
-            lines.append(f"{r.case:<22} {r.batch:>5}  {r.output:<16} {r.max_abs:>11.2e}  {r.max_rel:>11.2e}  "
-                         f"{r.scaled:>10.2e}  {r.tolerance:>9.0e}  {'yes' if r.passed else 'NO'}"
-                         + (f"  {r.note}" if r.note else ""))
-        lines.append(f"parity {'passed' if self.passed else 'FAILED'}: {len(self.rows) - len(self.failures())}/"
-                     f"{len(self.rows)} rows within tolerance")
-        return "\n".join(lines)
+        rows = [f"{r.case:<22} {r.batch:>5}  {r.output:<16} {r.max_abs:>11.2e}  {r.max_rel:>11.2e}  {r.scaled:>10.2e}  "
+                f"{r.tolerance:>9.0e}  {'yes' if r.passed else 'NO'}{'  ' + r.note if r.note else ''}"
+                for r in self.rows]
+        return "\n".join([head, cols, "-" * len(cols), *rows, f"parity {'passed' if self.passed else 'FAILED'}: "
+                          f"{len(self.rows) - len(self.failures())}/{len(self.rows)} rows within tolerance"])
 
 
 def make_cases(windows: Mapping[str, Tensor | np.ndarray], model: TemporalFusionTransformer,

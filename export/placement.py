@@ -114,11 +114,10 @@ class PlacementReport:
     def table(self) -> str:
         req = f"required: {self.required}" if self.required else "no --require-device"
         lines = [f"placement: nodes as ONNX Runtime ran them on a {self.provider} session ({req})",
-                 f"{'provider':<26} {'nodes':>6} {'compute':>8} {'shape-only':>11} {'memcpy':>7}"]
-        for provider, row in sorted(self.per_provider.items()):
-            lines.append(f"{provider:<26} {row['nodes']:>6} {row['compute']:>8} {row['shape_only']:>11} "
-                         f"{row['memcpy']:>7}")
-        lines.append(f"Memcpy nodes: {sum(n.memcpy for n in self.nodes)}")
+                 f"{'provider':<26} {'nodes':>6} {'compute':>8} {'shape-only':>11} {'memcpy':>7}",
+                 *(f"{provider:<26} {row['nodes']:>6} {row['compute']:>8} {row['shape_only']:>11} {row['memcpy']:>7}"
+                   for provider, row in sorted(self.per_provider.items())),
+                 f"Memcpy nodes: {sum(n.memcpy for n in self.nodes)}"]
         cpu = self.cpu_compute
         if cpu and self.gate == "failed":
             lines.append(f"CPU-placed compute nodes ({len(cpu)}):")
