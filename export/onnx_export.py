@@ -71,8 +71,7 @@ def expected_shapes(cfg: ModelConfig, explain: bool) -> dict[str, tuple[int, ...
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     """Silence the exporter's warnings and notices about torch internals; real failures raise."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(action="ignore"):
         logging.disable(logging.WARNING)
         try:
             yield
