@@ -298,11 +298,6 @@ class QuantileHead(nn.Module):
         return torch.cumsum(steps, dim=-1)  # [B, H, Q]
 
 
-def gaussian_quantiles(levels: tuple[float, ...]) -> Tensor:
-    """Standard normal quantiles of `levels`: [Q]."""
-    return torch.special.ndtri(torch.tensor(levels, dtype=torch.float64)).float()
-
-
 class TemporalFusionTransformer(nn.Module):
     observed_mean: Tensor  # buffers, declared for type checkers
     observed_std: Tensor
@@ -354,7 +349,8 @@ class TemporalFusionTransformer(nn.Module):
         self.output_gate = GateAddNorm(d, 0.0)  # no dropout this late, as in the paper's code and pytorch-forecasting
         # quantile_scale "volatility": the head starts from the Gaussian forecast of the encoder's volatility
         volatility = cfg.quantile_scale == "volatility"
-        self.head = QuantileHead(d, cfg.n_quantiles, gaussian_quantiles(cfg.quantiles) if volatility else None)
+        gaussian = torch.special.ndtri(torch.tensor(cfg.quantiles, dtype=torch.float64)).float()  # [Q] N(0,1)'s
+        self.head = QuantileHead(d, cfg.n_quantiles, gaussian if volatility else None)
         self.register_buffer("horizon_root", torch.arange(1, cfg.horizon + 1).float().sqrt(), persistent=False)
         self.register_buffer("bar_age", torch.arange(cfg.encoder_length - 1, -1, -1).float(), persistent=False)  # [L]
         if volatility:
@@ -395,14 +391,10 @@ class TemporalFusionTransformer(nn.Module):
 
     def set_profile(self, coefficients: Array, bounds: Array, level: Array, ranged: Array) -> None:
         """Copy fitted log-volatility profiles (trainer.data.training_profile), a row per symbol id, to the buffers."""
-        for name, value in (("profile_coef", coefficients), ("profile_bounds", bounds), ("profile_level", level),
-                            ("profile_ranged", ranged)):
-            buf: Tensor = getattr(self, name)
-            t = torch.as_tensor(value).detach().to(dtype=buf.dtype, device=buf.device)
-            if t.shape != buf.shape or not bool(torch.isfinite(t).all()):
-                raise ValueError(f"{name}: expected finite values of shape {tuple(buf.shape)}, got {t.tolist()}")
-            with torch.no_grad():
-                buf.copy_(t)
+        with torch.no_grad():
+            for buf, value in ((self.profile_coef, coefficients), (self.profile_bounds, bounds),
+                               (self.profile_level, level), (self.profile_ranged, ranged)):
+                buf.copy_(torch.as_tensor(value))
 
     def scale_parameters(self) -> list[nn.Parameter]:
         """The seasonal scale's few trained scalars (its EWMA decay, mix, persistence and range share): each moves
@@ -523,15 +515,13 @@ class TemporalFusionTransformer(nn.Module):
                                     decoder_known[..., :CALENDAR_COLUMNS], static_categorical[:, 0])
 
     def _scale(self, encoder_returns: Tensor) -> Tensor:
-        """The unit of the head's output: [B or 1, H, 1]. "volatility": _volatility (its decay per bar learnt,
-        from VOL_DECAY) times sqrt(h); "fixed": each horizon's training target spread."""
+        """The unit of the head's output: [B or 1, H, 1]. "volatility": the exponentially weighted RMS of the 1-bar
+        returns encoder_returns [B, L] (_ewma_rms, its decay per bar learnt, from VOL_DECAY) times sqrt(h); "fixed":
+        each horizon's training target spread."""
         if self.cfg.quantile_scale == "fixed":
             return self.target_scale[None, :, None]  # [1, H, 1]
-        return self._volatility(encoder_returns)[:, None, None] * self.horizon_root[None, :, None]  # [B, H, 1]
-
-    def _volatility(self, encoder_returns: Tensor) -> Tensor:
-        """The exponentially weighted RMS of the 1-bar returns encoder_returns [B, L] (_ewma_rms): [B]."""
-        return self._ewma_rms(encoder_returns.float().square())
+        volatility = self._ewma_rms(encoder_returns.float().square())  # [B]
+        return volatility[:, None, None] * self.horizon_root[None, :, None]  # [B, H, 1]
 
     def _ewma_rms(self, bar_variance: Tensor) -> Tensor:
         """The root of the exponentially weighted mean of bar_variance [B, L], >= 1% of the returns' spread: [B]."""
