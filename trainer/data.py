@@ -42,7 +42,7 @@ from features.schema import (
     Role,
 )
 from features.series import ContractError, as_series, read_contract_bars, scan_contracts
-from features.windows import decoder_known, static_categorical
+from features.windows import anchor_rows, decoder_known, static_categorical
 from trainer.config import TrainConfig
 from trainer.modeling import LOG_RANGE, LOG_RETURN, N_PROFILE_TERMS, N_TOD_TERMS, profile_terms
 
@@ -188,15 +188,6 @@ class Profile:
         return not self.coefficients.any()
 
 
-@dataclass(frozen=True)
-class SlotStats:
-    """The training returns grouped by calendar slot: the slots with enough returns."""
-
-    count: np.ndarray  # float64 [S]  returns in each slot
-    log_rms: np.ndarray  # float64 [S]  log of the slot's RMS 1-bar log return
-    terms: np.ndarray  # float64 [S, 1 + P]  1, then profile_terms at the slot's mean bar time
-
-
 def training_profile(frame: FeatureFrame, train_rows: np.ndarray) -> Profile:
     """A profile per symbol id, [S, ...]: fit_profile of the 1-bar log returns of the symbol's training rows,
     or of all training rows where the symbol's are too few to fit. Symbols trade different hours (a CME
@@ -232,27 +223,29 @@ def fit_profile(returns: np.ndarray, timestamp_ns: np.ndarray, calendar_tz: str,
     ranged = float(ranges.size > 0 and np.mean(ranges > 0) >= RANGED_SHARE and ranges.std() >= MIN_STD)
     if bar_interval_ns >= NS_PER_DAY:
         return Profile.flat(level, ranged)
-    stats = _slot_stats(returns, timestamp_ns, calendar_tz, bar_interval_ns)
-    if stats.count.size < PROFILE_SLOTS_PER_TERM * stats.terms.shape[1]:
+    count, log_rms, terms = _slot_stats(returns, timestamp_ns, calendar_tz, bar_interval_ns)  # [S], [S], [S, 1+P]
+    if count.size < PROFILE_SLOTS_PER_TERM * terms.shape[1]:
         log.debug("volatility profile: %d calendar slots with %d returns each are too few to fit; flat profile",
-                  stats.count.size, PROFILE_MIN_RETURNS)
+                  count.size, PROFILE_MIN_RETURNS)
         return Profile.flat(level, ranged)
-    w = stats.count / stats.count.mean()  # [S]
-    ridge = PROFILE_RIDGE * np.diag([0.0] + [1.0] * (stats.terms.shape[1] - 1))  # [1+P, 1+P]
-    gram = stats.terms.T @ (w[:, None] * stats.terms) + ridge * w.sum()
-    beta = np.linalg.solve(gram, stats.terms.T @ (w * stats.log_rms))  # [1+P]
-    fitted = stats.terms @ beta  # [S]
-    beta[0] -= 0.5 * np.log(np.sum(stats.count * np.exp(2.0 * fitted)) / stats.count.sum())  # unit RMS
-    fitted = stats.terms @ beta
+    w = count / count.mean()  # [S]
+    ridge = PROFILE_RIDGE * np.diag([0.0] + [1.0] * (terms.shape[1] - 1))  # [1+P, 1+P]
+    gram = terms.T @ (w[:, None] * terms) + ridge * w.sum()
+    beta = np.linalg.solve(gram, terms.T @ (w * log_rms))  # [1+P]
+    fitted = terms @ beta  # [S]
+    beta[0] -= 0.5 * np.log(np.sum(count * np.exp(2.0 * fitted)) / count.sum())  # unit RMS
+    fitted = terms @ beta
     coefficients = np.zeros(1 + N_PROFILE_TERMS)
     coefficients[: beta.size] = beta
     return Profile(coefficients.astype(np.float32), np.array([fitted.min(), fitted.max()], np.float32),
                    np.array(level, np.float32), np.array(ranged, np.float32))
 
 
-def _slot_stats(returns: np.ndarray, timestamp_ns: np.ndarray, tz: str, bar_interval_ns: int) -> SlotStats:
+def _slot_stats(returns: np.ndarray, timestamp_ns: np.ndarray, tz: str,
+                bar_interval_ns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The finite returns grouped by slot of local time (hour of week, or 15 minutes of the day), the slots with
-    PROFILE_MIN_RETURNS or more, not all zero; their terms: the day's terms alone unless weekly."""
+    PROFILE_MIN_RETURNS or more, not all zero: each slot's count of returns [S], log RMS return [S], and terms
+    [S, 1 + P] (1, then profile_terms at the slot's mean bar time: the day's terms alone unless weekly)."""
     r = np.asarray(returns, dtype=np.float64)  # [n]
     ok = np.isfinite(r)
     ts = np.asarray(timestamp_ns, dtype=np.int64)[ok]
@@ -268,8 +261,8 @@ def _slot_stats(returns: np.ndarray, timestamp_ns: np.ndarray, tz: str, bar_inte
     terms = np.stack(profile_terms(np.sin(tod_angle), np.cos(tod_angle), np.sin(dow_angle), np.cos(dow_angle)),
                      axis=-1)  # [S, P]
     terms = terms if weekly else terms[:, :N_TOD_TERMS]
-    return SlotStats(count[keep], 0.5 * np.log(square[keep] / count[keep]),
-                     np.concatenate([np.ones((terms.shape[0], 1)), terms], axis=1))
+    return (count[keep], 0.5 * np.log(square[keep] / count[keep]),
+            np.concatenate([np.ones((terms.shape[0], 1)), terms], axis=1))
 
 
 @dataclass
@@ -490,8 +483,6 @@ def _frame(bars: Bars, config: FeatureConfig, symbols: list[str] | None) -> Feat
 def split_anchors(frame: FeatureFrame, cfg: TrainConfig, starts: np.ndarray, ends: np.ndarray, b_val: np.ndarray,
                   b_test: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The windows of each split, purged of H bars after each boundary; DataError for an empty split."""
-    from features.windows import anchor_rows
-
     h, L = cfg.horizon, cfg.encoder_length
     train = anchor_rows(frame, L, True, (starts, b_val))
     val = anchor_rows(frame, L, True, (b_val + h, b_test))
