@@ -7,7 +7,6 @@ import logging
 import resource
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -46,31 +45,22 @@ def resolve_device(spec: str) -> torch.device:
     return dev
 
 
-@dataclass(frozen=True)
-class Precision:
-    name: str  # fp32 | bf16 | fp16
-    dtype: torch.dtype | None  # autocast dtype, None for fp32
-
-    @property
-    def needs_scaler(self) -> bool:
-        return self.name == "fp16"
-
-
-def resolve_precision(spec: str, device: torch.device) -> Precision:
+def resolve_precision(spec: str, device: torch.device) -> str:
+    """fp32, bf16 or fp16 (AUTOCAST_DTYPES): "auto" is bf16 where the card has it, else fp16; fp32 on the CPU."""
     if device.type != "cuda":
         if spec not in ("auto", "fp32"):
             raise DeviceError(f"--precision {spec} needs CUDA; on the CPU training runs in fp32")
-        return Precision("fp32", None)
+        return "fp32"
     if spec == "auto":
-        spec = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return Precision(spec, AUTOCAST_DTYPES[spec])
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return spec
 
 
-def autocast_factory(device: torch.device, precision: Precision) -> Callable[[], contextlib.AbstractContextManager]:
+def autocast_factory(device: torch.device, precision: str) -> Callable[[], contextlib.AbstractContextManager]:
     """A context-manager factory: autocast on CUDA with mixed precision, a no-op otherwise."""
-    if precision.dtype is None:
+    dtype = AUTOCAST_DTYPES[precision]
+    if dtype is None:
         return contextlib.nullcontext
-    dtype = precision.dtype
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 

@@ -146,8 +146,8 @@ class Trainer:
         self.model = build_model(cfg, self.data, self.device)
         self.rows_model = RowsForward(self.model)  # training and validation run the shared-bar forward
         self.net = wrap_ddp(self.rows_model, self.dist, self.device)
-        self.plan = (plan_fn(self.model, self.data, self.device, self.precision.name) if plan_fn
-                     else literal_plan(cfg.batch_size, cfg.grad_checkpointing, self.precision.name))
+        self.plan = (plan_fn(self.model, self.data, self.device, self.precision) if plan_fn
+                     else literal_plan(cfg.batch_size, cfg.grad_checkpointing, self.precision))
         self.model.gradient_checkpointing = self.plan.grad_checkpointing
         self.quantiles = torch.tensor(cfg.quantiles, dtype=torch.float32, device=self.device)
         self.target_scale = torch.from_numpy(self.data.normalization.target_scale).to(self.device)
@@ -158,7 +158,7 @@ class Trainer:
         self.schedule_steps, self.schedule_epochs = (self.resumed.schedule(cfg, self.dist.is_main) if self.resumed
                                                      else (cfg.epochs * self.steps_per_epoch, cfg.epochs))
         self.scheduler = schedule(self.optimizer, cfg, self.schedule_steps, self.dist.is_main and not self.resumed)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.needs_scaler)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.memory = PeakMemory(self.device)
         self.epoch, self.step = 0, 0
         self.history: list[dict[str, Any]] = []
@@ -476,8 +476,8 @@ class Trainer:
         clip = (f"set --grad-clip (now {self.cfg.grad_clip:g})" if self.cfg.grad_clip
                 else "set --grad-clip (now 0: no clipping; e.g. 1.0)")
         changes = [f"Lower --learning-rate (now {self.cfg.learning_rate:g})", clip]
-        if self.precision.name != "fp32":  # half precision overflows first; fp32 already is the widest
-            changes.append(f"--precision fp32 (now {self.precision.name})")
+        if self.precision != "fp32":  # half precision overflows first; fp32 already is the widest
+            changes.append(f"--precision fp32 (now {self.precision})")
         raise TrainingDiverged(
             f"training diverged in epoch {self.epoch + 1}: train loss {train_loss}, validation loss {val_loss}; "
             f"{kept}. {', '.join(changes[:-1])} or {changes[-1]}, and check the bars and user features "

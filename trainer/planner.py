@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from features.schema import TARGET
 from trainer.data import row_inputs
-from trainer.device import AUTOCAST_DTYPES, Precision, autocast_factory
+from trainer.device import autocast_factory
 from trainer.loss import pinball_loss
 from trainer.modeling import TemporalFusionTransformer, TFTOutput
 from trainer.plan import TrainPlan, literal_plan
@@ -159,7 +159,7 @@ class Trial:
     def __init__(self, model: TemporalFusionTransformer, batch_fn: BatchFn, device: torch.device,
                  precision: str) -> None:
         self.model, self.batch_fn, self.device = model, batch_fn, device
-        self.autocast = autocast_factory(device, Precision(precision, AUTOCAST_DTYPES[precision]))
+        self.autocast = autocast_factory(device, precision)
         self.quantiles = torch.tensor(model.cfg.quantiles, dtype=torch.float32, device=device)
 
     def _forward(self, n: int) -> tuple[TFTOutput, dict[str, Tensor]]:

@@ -193,12 +193,12 @@ def _plan_target(cfg: TrainConfig, budget: int) -> Target:
         device = resolve_device("cuda" if cfg.device == "auto" else cfg.device)
         total = torch.cuda.get_device_properties(device).total_memory
         name = f"{torch.cuda.get_device_name(device)}, {format_bytes(total)}"
-        return Target("cuda", device, resolve_precision(cfg.precision, device).name, f"{name}: measured on it")
+        return Target("cuda", device, resolve_precision(cfg.precision, device), f"{name}: measured on it")
     if wants_cuda:
         why = "--device auto with a VRAM budget" if cfg.device == "auto" else f"--device {cfg.device}"
         return Target("cuda", cpu, "bf16" if cfg.precision == "auto" else cfg.precision,
                       f"{why}; no CUDA here ({no_cuda_reason()}): planned for a CUDA card from a CPU measurement")
-    return Target("cpu", cpu, resolve_precision(cfg.precision, cpu).name,
+    return Target("cpu", cpu, resolve_precision(cfg.precision, cpu),
                   "--device auto: no CUDA here" if cfg.device == "auto" else "--device cpu")
 
 
