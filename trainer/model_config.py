@@ -72,10 +72,6 @@ class ModelConfig:
     def var_hidden(self) -> int:
         return self.variable_hidden_size or self.hidden_size
 
-    @property
-    def head_size(self) -> int:
-        return self.hidden_size // self.attention_heads
-
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 

@@ -235,7 +235,7 @@ class InterpretableMultiHeadAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        d, self.nh, self.hs = cfg.hidden_size, cfg.attention_heads, cfg.head_size
+        d, self.nh, self.hs = cfg.hidden_size, cfg.attention_heads, cfg.hidden_size // cfg.attention_heads
         self.L, self.H, self.T = cfg.encoder_length, cfg.horizon, cfg.encoder_length + cfg.horizon
         self.q = nn.Linear(d, self.nh * self.hs)
         self.k = nn.Linear(d, self.nh * self.hs)
