@@ -67,14 +67,14 @@ def remove_stale_temp_files(path: Path) -> list[Path]:
     return stale
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load with weights_only=True and check the format; CheckpointError otherwise."""
     p = Path(path)
     if not p.is_file():  # a pipe would block torch.load
         raise CheckpointError(f"{p}: no such checkpoint file" if not p.exists() else
                               f"{p}: not a regular file; give the checkpoint file `python -m trainer` wrote")
     try:
-        ckpt = torch.load(p, map_location=map_location, weights_only=True)
+        ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch's weights-only unpickler raises many types on other bytes
         if isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc):
             raise CheckpointError(f"{p}: refused — loading it would unpickle code, which a foxhunt checkpoint never "

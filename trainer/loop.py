@@ -133,7 +133,8 @@ class Trainer:
         self.resumed = ResumeState.load(resume) if isinstance(resume, Path) else resume
         if self.resumed is not None:
             cfg = self.resumed.config(cfg)
-            columns = columns or self.resumed.columns()  # else the caller laid its flags over the stored names
+            # the stored names, unless the caller laid its flags over them
+            columns = columns or ColumnMap.from_dict(self.resumed.ckpt["column_map"])
         self.cfg, self.columns, self.source, self.parquet = cfg, columns or ColumnMap(), source, str(source)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)

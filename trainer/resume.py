@@ -1,4 +1,4 @@
-"""What a resumed run takes from its checkpoint: recipe, columns, vocabulary, schedule and state."""
+"""What a resumed run takes from its checkpoint: recipe, vocabulary, schedule and state."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from features.bars import ColumnMap
 from features.config import FeatureConfig
 from trainer.checkpoint import load_checkpoint
 from trainer.config import RESUME_OVERRIDABLE, STOPPING_RULES, TrainConfig, resumed_config
@@ -34,9 +33,6 @@ class ResumeState:
             if getattr(cfg, rule) != getattr(stored, rule):
                 log.info("resume: %s %d -> %d", rule, getattr(stored, rule), getattr(cfg, rule))
         return resumed_config(stored, cfg, set(RESUME_OVERRIDABLE))
-
-    def columns(self) -> ColumnMap:
-        return ColumnMap.from_dict(self.ckpt["column_map"])
 
     def vocabulary(self) -> tuple[list[str], Normalization, FeatureConfig]:
         """The symbols, normalisation and feature config (with vocabularies) the run fitted, which a resume keeps."""
