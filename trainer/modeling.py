@@ -469,11 +469,9 @@ class TemporalFusionTransformer(nn.Module):
         enc_x = row_x.index_select(0, window_rows.flatten()).view(b, length, row_x.shape[-1])  # [B, L, D]
         enc_w = row_w.index_select(0, window_rows.flatten()).view(b, length, row_w.shape[-1])  # [B, L, V]
         vol_inputs = row_observed[:, VOL_INPUTS].index_select(0, window_rows.flatten()).view(b, length, 2)
-        calendar = None
-        if self.cfg.seasonal_scale:
-            calendar = row_known[:, :CALENDAR_COLUMNS].index_select(0, window_rows.flatten()).view(b, length, -1)
-        return self._decode(statics, enc_x, enc_w, decoder_known, vol_inputs, calendar,  # calendar [B, L, 4]
-                            static_categorical[:, 0])
+        calendar = (row_known[:, :CALENDAR_COLUMNS].index_select(0, window_rows.flatten()).view(b, length, -1)
+                    if self.cfg.seasonal_scale else None)  # [B, L, 4]
+        return self._decode(statics, enc_x, enc_w, decoder_known, vol_inputs, calendar, static_categorical[:, 0])
 
     def _select_rows(self, observed: Tensor, known: Tensor, c_selection: Tensor, row_window: Tensor
                      ) -> tuple[Tensor, Tensor]:
