@@ -172,7 +172,6 @@ class TrainConfig:
         )
 
     def _model_fields(self) -> dict[str, Any]:
-        """The fields this config shares with ModelConfig."""
         return {f.name: getattr(self, f.name) for f in fields(ModelConfig) if hasattr(self, f.name)}
 
     def to_dict(self) -> dict[str, Any]:
