@@ -189,22 +189,18 @@ class Trial:
         """Gradients allocated (as in an accumulation micro-step), then everything put back."""
         model = self.model
         training, ckpt = model.training, model.gradient_checkpointing
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
         params = [p for p in model.parameters() if p.requires_grad]
         grads = [p.grad for p in params]
         for p in params:
             p.grad = torch.zeros_like(p)
         try:
-            yield
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                yield
         finally:
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
             model.train(training)
             model.gradient_checkpointing = ckpt
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
 
 
 @dataclass(frozen=True)
