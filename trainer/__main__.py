@@ -24,7 +24,6 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from types import FrameType
 
 from features.bars import BarDataError, ColumnMap
 from features.files import file_argument
@@ -58,10 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     ColumnMap.add_arguments(p)
     add_config_flags(p)
     return p
-
-
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def default_out(resume: Path | None) -> Path | None:
@@ -134,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     before = _stat(RunPaths.for_out(args.out).last)  # a last checkpoint that differs from this at the end is ours
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: KeyboardInterrupt
     try:
         return _train(args, cfg)
     except KeyboardInterrupt:
