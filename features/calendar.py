@@ -74,6 +74,7 @@ def check_time_zone(name: str) -> None:
 
 
 SMALL_ZONE_ROWS = 256  # up to this many series of timestamps, each gets its own two offset look-ups
+OFFSET_BLOCK_DAYS = 512  # spread-out timestamps read a zone's offsets from whole blocks of days, each tabled once
 
 
 @functools.lru_cache(maxsize=8192)
@@ -108,9 +109,10 @@ def utc_offset_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray | int:
         if all(a == b for a, b in per_row) and int((rows_hi - rows_lo).max()) <= 2 * 86_400:
             return np.array([a for a, _ in per_row], dtype=np.int64).reshape(*ts.shape[:-1], 1)
     day = second // 86_400
-    first_day, last_day = int(day.min()), int(day.max())
-    days = np.arange(first_day, last_day + 1) if last_day - first_day <= 100_000 else np.unique(day)
-    return DayOffsets(tz, days).at(second)
+    first_day, last_day = int(day.min()) // OFFSET_BLOCK_DAYS, int(day.max()) // OFFSET_BLOCK_DAYS
+    if last_day - first_day > 100_000 // OFFSET_BLOCK_DAYS:
+        return DayOffsets(tz, np.unique(day)).at(second)
+    return _offset_blocks(tz, first_day * OFFSET_BLOCK_DAYS, (last_day + 1) * OFFSET_BLOCK_DAYS - 1).at(second)
 
 
 def local_ns(timestamp_ns: np.ndarray, tz: str) -> np.ndarray:
@@ -144,6 +146,13 @@ class DayOffsets:
         day = second // 86_400
         k = day - self.days[0] if self.contiguous else np.searchsorted(self.days, day)
         return np.where(second >= self.change[k], self.end[k], self.start[k])
+
+
+@functools.lru_cache(maxsize=64)
+def _offset_blocks(tz: str, first_day: int, last_day: int) -> DayOffsets:
+    """The zone's offsets from `first_day` to `last_day` (whole blocks): a trainer's batches, step after step, and
+    a year of windows read one table."""
+    return DayOffsets.span(tz, first_day, last_day)
 
 
 def known_features(timestamp_ns: np.ndarray, tz: str = "UTC") -> np.ndarray:

@@ -105,12 +105,15 @@ def closed_spans(root: str, year: int) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(starts, np.int64)[order], np.asarray(ends, np.int64)[order]
 
 
-def _spans(root: str, first_ns: int, last_ns: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """`root`'s closed spans of the years from `first_ns` to `last_ns`; None when it has none."""
-    first, last = (int(np.datetime64(t, "ns").astype("datetime64[Y]").astype(int)) + 1970 for t in (first_ns, last_ns))
-    spans = [closed_spans(root, year) for year in range(first, last + 1)]
-    starts, ends = np.concatenate([a for a, _ in spans]), np.concatenate([b for _, b in spans])
-    return (starts, ends) if starts.size else None
+@functools.lru_cache(maxsize=64)
+def _spans(root: str, first_year: int, last_year: int) -> tuple[np.ndarray, np.ndarray]:
+    """`root`'s closed spans of the years `first_year` to `last_year`, by start."""
+    spans = [closed_spans(root, year) for year in range(first_year, last_year + 1)]
+    return np.concatenate([a for a, _ in spans]), np.concatenate([b for _, b in spans])
+
+
+def _year(ns: int) -> int:
+    return int(np.datetime64(ns, "ns").astype("datetime64[Y]").astype(int)) + 1970
 
 
 def _leave_spans(x: np.ndarray, spans: tuple[np.ndarray, np.ndarray], interval: int) -> bool:
@@ -120,6 +123,40 @@ def _leave_spans(x: np.ndarray, spans: tuple[np.ndarray, np.ndarray], interval: 
     inside = (k >= 0) & (x < ends[np.maximum(k, 0)])
     x[inside] += -((x[inside] - ends[k[inside]]) // interval) * interval
     return bool(inside.any())
+
+
+def _stepped(last: np.ndarray, interval: int, horizon: int, tz: str, hours: np.ndarray, slot: int,
+             spans: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """next_bar_times of `last` [B] with `hours` [B], out of `spans` as well when given: int64 [B, H]."""
+    names, which = np.unique(hours, return_inverse=True)
+    groups = [(np.flatnonzero(which == k), _skips(str(name), slot)) for k, name in enumerate(names) if name]
+    out = np.empty((last.size, horizon), dtype=np.int64)
+    x = last.copy()
+    for h in range(horizon):
+        x += interval
+        for rows, skips in groups:
+            y = x[rows]
+            _into_session(y, skips, tz, slot, interval)
+            while spans is not None and _leave_spans(y, spans, interval):
+                _into_session(y, skips, tz, slot, interval)
+            x[rows] = y
+        out[:, h] = x
+    return out
+
+
+def _into_session(y: np.ndarray, skips: np.ndarray, tz: str, slot: int, interval: int) -> None:
+    """Moves each time of `y` out of session on to the next slot in session; intraday bars on the local clock (a
+    weekend that ends daylight saving time opens at 17:00 local, not at 16:00), daily bars by whole days (their
+    stamps are dates)."""
+    local = local_ns(y, tz)
+    jump = skips[_week_minute(local) // slot] * np.int64(interval)
+    if interval >= NS_PER_DAY:
+        y += jump
+    elif jump.any():
+        moved = jump > 0
+        target = local[moved] + jump[moved]  # the local wall-clock time to land on
+        to = y[moved] + jump[moved]
+        y[moved] = to - (local_ns(to, tz) - target)  # less the change in the zone's offset on the way
 
 
 def next_bar_times(last_ns: np.ndarray, bar_interval_ns: int, horizon: int, tz: str,
@@ -133,20 +170,16 @@ def next_bar_times(last_ns: np.ndarray, bar_interval_ns: int, horizon: int, tz: 
     if hours is None or not slot or not any(hours):
         return future_timestamps(last, bar_interval_ns, horizon)
     hours = np.broadcast_to(np.asarray(hours, dtype=str), last.shape).reshape(-1)
+    flat = last.reshape(-1)
+    out = _stepped(flat, bar_interval_ns, horizon, tz, hours, slot)  # [B, H] by the week alone
     roots = np.broadcast_to(np.asarray("" if series is None else series, dtype=str), last.shape).reshape(-1)
-    keys, which = np.unique(np.char.add(np.char.add(hours, "|"), roots), return_inverse=True)
-    reach = (int(last.min()), int(last.max()) + (horizon + 1) * bar_interval_ns + 8 * NS_PER_DAY)
-    groups = [(np.flatnonzero(which == k), _skips(h, slot), _spans(root, *reach))
-              for k, (h, root) in enumerate(str(key).split("|") for key in keys) if h]
-    out = np.empty((last.size, horizon), dtype=np.int64)
-    x = last.reshape(-1).copy()
-    for h in range(horizon):
-        x += bar_interval_ns
-        for rows, skips, spans in groups:
-            y = x[rows]
-            y += skips[_week_minute(local_ns(y, tz)) // slot] * np.int64(bar_interval_ns)
-            while spans is not None and _leave_spans(y, spans, bar_interval_ns):
-                y += skips[_week_minute(local_ns(y, tz)) // slot] * np.int64(bar_interval_ns)
-            x[rows] = y
-        out[:, h] = x
+    for root in set(roots[hours != ""]) & PRODUCTS.keys():
+        rows = np.flatnonzero((roots == root) & (hours != ""))
+        # a closed span holds none of the week's times unless it begins before their last and ends after the start;
+        # a year on covers where skipping it takes them
+        starts, ends = spans = _spans(root, _year(int(flat[rows].min())), _year(int(out[rows, -1].max())) + 1)
+        meets = np.searchsorted(starts, out[rows, -1], "right") > np.searchsorted(ends, flat[rows], "right")
+        if meets.any():
+            hit = rows[meets]
+            out[hit] = _stepped(flat[hit], bar_interval_ns, horizon, tz, hours[hit], slot, spans)
     return out.reshape(*last.shape, horizon)

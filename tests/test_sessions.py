@@ -83,6 +83,17 @@ def test_future_bars_skip_the_exchanges_holidays_and_early_closes(last: str, exp
     assert not np.array_equal(weekly, got[0])
 
 
+@pytest.mark.parametrize(("last_utc", "open_utc"), [
+    ("2022-11-04T20:00", "2022-11-06T23:00"),  # Friday 15:00 CDT; daylight saving time ends: Sunday 17:00 CST
+    ("2023-03-10T21:00", "2023-03-12T22:00"),  # Friday 15:00 CST; daylight saving time begins: Sunday 17:00 CDT
+])
+def test_the_weekend_ends_at_the_local_open_across_a_daylight_saving_change(last_utc: str, open_utc: str) -> None:
+    last = np.datetime64(last_utc, "ns").astype(np.int64)
+    got = next_bar_times(np.array([last]), HOUR_NS, 2, CHICAGO, np.array([globex_hours()]))
+    opens = np.datetime64(open_utc, "ns").astype(np.int64)
+    np.testing.assert_array_equal(got[0], [opens, opens + HOUR_NS])
+
+
 def test_a_config_keeps_its_hours_and_one_stored_without_them_forecasts_every_interval() -> None:
     hours = learn_hours(day_session_bars(weeks=6), HOUR_NS, CHICAGO)
     config = FeatureConfig(horizon=3, calendar_tz=CHICAGO, trading_hours=(("HE", hours),))
