@@ -18,7 +18,7 @@ from zoneinfo import ZoneInfo
 import numpy as np
 
 from features.calendar import NS_PER_DAY, NS_PER_SECOND, future_timestamps, local_ns
-from features.exchanges import PRODUCTS, Exchange
+from features.exchanges import PRODUCTS, Exchange, business_days
 
 MINUTE_NS = 60_000_000_000
 WEEK_MINUTES = 7 * 24 * 60
@@ -96,7 +96,7 @@ def closed_spans(root: str, year: int) -> tuple[np.ndarray, np.ndarray]:
     schedule = calendar.schedule(f"{year}-01-01", f"{year}-12-31")
     days = np.arange(np.datetime64(f"{year}-01-01"), np.datetime64(f"{year + 1}-01-01"))
     weekdays = days[(days.astype(np.int64) + MONDAY_OFFSET_DAYS) % 7 < 5]
-    holidays = np.setdiff1d(weekdays, schedule.index.values.astype("datetime64[D]"))
+    holidays = np.setdiff1d(weekdays, business_days(product.calendar, year))
     early = calendar.early_closes(schedule)["market_close"]
     ex = product.exchange
     starts = [*(_day_start_ns(d, ex) for d in holidays), *early.to_numpy("datetime64[ns]").astype(np.int64)]
