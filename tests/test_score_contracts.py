@@ -4,8 +4,6 @@ contracts in `--symbols` and `--symbol`."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,10 +25,10 @@ from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
 from serving.model import load_model
 from serving.request_from_bars import request_from_bars
 from serving.wire import forecast_arrays
-from tests.artifacts import REPO, TINY_TRAIN_FLAGS, run_main, run_score
+from tests.artifacts import TINY_TRAIN_FLAGS, run_main, run_score
 from tests.live_server import serving
 from tests.test_check_contracts import ContractBars, contract_bars, day_ns
-from tests.test_score_covariates import H, iso, write_model
+from tests.test_score_covariates import H, iso, run_client, write_model
 
 TRAIN = {"ES": ["ESH5", "ESM5"], "NQ": ["NQH5", "NQM5"]}
 SCORE = {"ES": ["ESH5", "ESM5", "ESU5", "ESZ5"], "NQ": ["NQH5", "NQM5"]}  # ES rolls three times, into unseen ones
@@ -50,11 +48,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Contr
     bars = contract_bars(SCORE, days_each=3, per_day=60, seed=2)
     pq.write_table(bars.table, root / "futures.parquet")
     return root / "model.onnx", root / "futures.parquet", bars
-
-
-def run_client(target: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "serving.client", "--target", target, *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
 
 
 def one_symbol(table: pa.Table, path: Path) -> Path:

@@ -5,7 +5,6 @@ without a trained model: every input it takes moves its output."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,7 @@ from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.preprocess import prepare
 from serving.request_from_bars import Refused, request_from_bars
 from serving.validation import columns_from_proto
-from tests.artifacts import REPO, run_score
+from tests.artifacts import run_main, run_score
 from tests.live_server import LiveServer
 
 L, H, N_BARS = 8, 3, 120
@@ -262,8 +261,8 @@ def test_the_client_reads_the_future_known_values_from_the_future_file(files: tu
 
 
 def run_client(target: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "serving.client", "--target", target, *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    """`python -m serving.client`, as its main in this process (run_main)."""
+    return run_main(["-m", "serving.client", "--target", target, *map(str, args)])
 
 
 def test_the_client_command_forecasts_from_a_real_server_with_the_future_from_either_source(

@@ -422,9 +422,9 @@ def test_client_prints_a_forecast_table(art: Model, server: LiveServer, tmp_path
     assert lines[-1].startswith("ret: cumulative log return") and "nominal" in lines[-1]
 
     def client(parquet: Path, symbol: str, *flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
-                               str(parquet), "--symbol", symbol, *flags], cwd=REPO, capture_output=True, text=True,
-                              timeout=60)
+        """The command's main in this process; the first call above and the one piped below are real processes."""
+        return run_main(["-m", "serving.client", "--target", server.target, "--parquet", str(parquet), "--symbol",
+                         symbol, *flags])
 
     r = client(art.bars_path, symbol, "--explain")  # a summary of the weights under the table
     assert r.returncode == 0, r.stderr
@@ -491,8 +491,7 @@ def test_client_prints_a_forecast_table(art: Model, server: LiveServer, tmp_path
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 3 + art.meta.horizon, r.stderr
     r = client(tmp_path / "nan.parquet", table.column("symbol")[other].as_py())
     assert r.returncode == 2 and f"column 'close', row {other}: close is NaN or null" in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
-                        str(art.bars_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = run_main(["-m", "serving.client", "--target", server.target, "--parquet", str(art.bars_path)])
     assert r.returncode == 2 and f"--symbol: the model knows {', '.join(art.meta.symbols)}; name the one" in r.stderr
     # a reader that goes away (`| head`): no traceback, the status a shell gives a process ended by SIGPIPE
     with subprocess.Popen([sys.executable, "-m", "serving.client", "--target", server.target, "--parquet",
@@ -571,8 +570,7 @@ def test_a_models_recorded_layout_client_info_bar_columns_and_calendar_zone(art:
         s.wait_serving()
 
         def client(*flags: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([sys.executable, "-m", "serving.client", "--target", s.target, *flags], cwd=REPO,
-                                  capture_output=True, text=True, timeout=60)
+            return run_main(["-m", "serving.client", "--target", s.target, *flags])
 
         r = client("--info")
         assert r.returncode == 0, r.stderr
