@@ -2,8 +2,9 @@
 VENV ?= .venv
 # the interpreter the venv is made from: Python 3.11 (pyproject.toml), e.g. make demo PYTHON=python3.11
 PYTHON ?= python3
-# pytest worker processes (pytest-xdist); each test file runs whole on one of them
-JOBS ?= 2
+# pytest worker processes (pytest-xdist); each test file runs whole on one of them; three on two cores
+# (docs/development.md)
+JOBS ?= 3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
