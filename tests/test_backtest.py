@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
-from artifacts import REPO, make_bars, run
+from artifacts import REPO, make_bars, run, run_main
 
 pytestmark = pytest.mark.slow
 
@@ -156,12 +156,12 @@ def test_a_stopped_run_resumes_at_the_first_unfinished_fold(backtest: Runs) -> N
 
 def test_a_rerun_with_other_settings_is_refused(backtest: Runs) -> None:
     bars, out = backtest.bars, backtest.out
-    r = run(["-m", "backtest", "--parquet", str(bars), "--folds", "3", "--test-span", "0.4", "--out", str(out),
-             *TINY_CONFIG])
+    r = run_main(["-m", "backtest", "--parquet", str(bars), "--folds", "3", "--test-span", "0.4", "--out", str(out),
+                  *TINY_CONFIG])
     assert r.returncode == 2
     assert f"--out {out} holds a backtest with other folds" in r.stderr
 
 
 def test_an_embargo_shorter_than_the_horizon_is_refused(tmp_path: Path) -> None:
-    r = run(["-m", "backtest", "--parquet", str(tmp_path / "none.parquet"), "--embargo", "1", *TINY_CONFIG])
+    r = run_main(["-m", "backtest", "--parquet", str(tmp_path / "none.parquet"), "--embargo", "1", *TINY_CONFIG])
     assert r.returncode == 2 and "--embargo 1 is less than the horizon (3)" in r.stderr

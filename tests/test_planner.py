@@ -346,8 +346,8 @@ def test_production_preset_plans_under_4gib(tmp_path: Path) -> None:
     bars = tmp_path / "wide.parquet"
     pq.write_table(generate(["ES", "NQ"], 1200, seed=7, extra_features=220), bars)  # user columns f000..f219
     t0 = time.perf_counter()
-    r = run(["-m", "trainer", "--config", str(REPO / "presets" / "production.toml"), "--parquet", str(bars),
-             "--plan-only", "--threads", "1"], timeout=600)
+    r = run_main(["-m", "trainer", "--config", str(REPO / "presets" / "production.toml"), "--parquet", str(bars),
+                  "--plan-only", "--threads", "1"])
     seconds = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr[-3000:]
     print(r.stdout, f"\n(--plan-only took {seconds:.1f} s)")

@@ -46,7 +46,7 @@ from serving.__main__ import main as serve_main
 from serving.errors import RequestError
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2 as pb
 from serving.gen.foxhunt.tft.v1 import forecaster_pb2_grpc as pb_grpc
-from tests.artifacts import REPO
+from tests.artifacts import REPO, run_main
 from tests.live_server import SERVICE, LiveServer, Model, metric, request_for, serving, tiny_model  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -502,12 +502,13 @@ def test_bad_model_files_are_refused_with_clear_messages(tiny_model: Model, tmp_
 
 # ---- the health probe ------------------------------------------------------------------------------------------
 def _probe(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "serving.health_probe", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    """`python -m serving.health_probe args`, as its main in this process (run_main)."""
+    return run_main(["-m", "serving.health_probe", *args])
 
 
 def test_health_probe_exit_status(tiny_model: Model, server: LiveServer) -> None:  # noqa: F811
-    r = _probe("--target", server.target)
+    r = subprocess.run([sys.executable, "-m", "serving.health_probe", "--target", server.target], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)  # the process Docker's HEALTHCHECK runs
     assert r.returncode == 0 and r.stdout.strip() == f"{server.target}: SERVING", r.stderr
     assert _probe("--target", server.target, "--service", SERVICE).returncode == 0
     unknown = _probe("--target", server.target, "--service", "no.such.Service")
