@@ -1,7 +1,9 @@
 """A scheduled event given as a known-future input is used by the model: trained through `python -m trainer` on
-sample bars whose volatility jumps at planted events, the decoder's variable selection weighs the event flag over
-3x more on the future bars that hold an event than on the others (the same model untrained: about 2x or less).
-The loss it saves is measured in benchmarks/known_event.py (BENCHMARKS.md)."""
+sample bars whose volatility jumps at planted events, its forecasts of the windows whose horizon holds an event are
+worse without the event flag (over 0.5 % more pinball loss; 1.0-2.8 % at five seeds, 1.000 untrained). Its decoder
+weights on the flag are not asserted here: at this size they follow the seed (event bars against the rest, 16x at
+this one, 0.5x at others); the full-size run in benchmarks/known_event.py measures them and the loss the flag saves
+(BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import torch
 from features.bars import read_bars
 from features.compute import build_frame
 from features.config import FeatureConfig
-from features.schema import DECODER_KNOWN
+from features.schema import DECODER_KNOWN, TARGET
 from features.windows import anchor_rows, gather_windows
 from tests.artifacts import run_main
 from trainer.checkpoint import load_checkpoint, model_from_checkpoint
+from trainer.loss import pinball_loss
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +31,7 @@ TRAIN = ("--hidden-size", "32", "--attention-heads", "2", "--encoder-length", "2
          "--seasonal-scale", "false")  # the events recur at set times of day, which a seasonal profile partly learns
 
 
-def test_the_decoder_selects_the_event_flag_on_the_bars_that_hold_an_event(tmp_path: Path) -> None:
+def test_the_model_forecasts_the_windows_that_hold_an_event_better_with_the_event_flag(tmp_path: Path) -> None:
     bars = tmp_path / "bars.parquet"
     r = run_main(["-m", "features.synth", "--out", str(bars), "--symbols", "ES,NQ", "--bars", "4000", "--seed", "7",
                   "--event", EVENTS, "--event-every", "2", "--event-jump", "6"])
@@ -41,12 +44,19 @@ def test_the_decoder_selects_the_event_flag_on_the_bars_that_hold_an_event(tmp_p
     config = FeatureConfig.from_dict(ckpt["feature_config"])
     frame = build_frame(read_bars(bars, None, config.real_columns), config, list(ckpt["symbols"]))
     anchors = anchor_rows(frame, model.cfg.encoder_length)
-    windows = gather_windows(frame, anchors[::3], model.cfg.encoder_length)
-    with torch.no_grad():
-        out = model(*(torch.from_numpy(np.nan_to_num(windows[name])) for name in frame.schema.model_inputs))
+    windows = {name: np.nan_to_num(x) for name, x in
+               gather_windows(frame, anchors[::3], model.cfg.encoder_length).items()}
     column = frame.schema.known.index("event")
-    weight = out.decoder_weights.numpy()[..., column]  # [B, H]
-    on_event = windows[DECODER_KNOWN][..., column] > 0.5  # [B, H] the future bars that hold an event
+    on_event = windows[DECODER_KNOWN][..., column].max(axis=1) > 0.5  # [B] the windows whose horizon holds an event
     assert on_event.sum() >= 50
-    assert weight[on_event].mean() > 3 * weight[~on_event].mean(), (weight[on_event].mean(),
-                                                                     weight[~on_event].mean())
+
+    def event_loss(decoder_known: np.ndarray) -> float:
+        inputs = {**windows, DECODER_KNOWN: decoder_known}
+        with torch.no_grad():
+            out = model(*(torch.from_numpy(inputs[name][on_event]) for name in frame.schema.model_inputs))
+        return float(pinball_loss(out.quantiles, torch.from_numpy(windows[TARGET][on_event]),
+                                  model.cfg.quantiles).mean())
+
+    without = windows[DECODER_KNOWN].copy()
+    without[..., column] = 0.0
+    assert event_loss(without) > 1.005 * event_loss(windows[DECODER_KNOWN])
